@@ -1,0 +1,39 @@
+"""`pipesim` command line: one module per group of sub-commands, each exposing ``add_commands``.
+
+Library code raises; only :func:`main` turns an error into a message and an exit status.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+
+from ..errors import ScheduleError
+
+# Modules that add sub-commands; each has add_commands(subparsers) and sets args.func.
+_COMMAND_MODULES = ("pipesim.cli.schedule_cmds", "pipesim.cli.simulate_cmds")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="pipesim", description="Pipeline-parallel schedules as data, and their simulation.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name in _COMMAND_MODULES:
+        try:
+            module = importlib.import_module(name)
+        except ModuleNotFoundError as exc:
+            if exc.name != name:
+                raise
+            continue
+        module.add_commands(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except (ScheduleError, ValueError, FileNotFoundError) as exc:
+        print(f"pipesim {args.command}: error: {exc}", file=sys.stderr)
+        return 2

@@ -1,0 +1,65 @@
+"""Schedule builders registered by name.
+
+A builder is a pure function ``(pp, vpp, microbatches, *, forward_only, **options) -> Schedule``.
+The registry is filled once, at import, by the builder modules; nothing mutates it afterwards.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from ..errors import ScheduleError
+from .schedule import Schedule
+
+Builder = Callable[..., Schedule]
+
+
+@dataclass(frozen=True)
+class BuilderInfo:
+    name: str
+    builder: Builder
+    placement: str       # "looped" or "v"
+    constraints: str     # in words, as `pipesim list` prints them
+    description: str     # one line
+
+
+_BUILDERS: dict[str, BuilderInfo] = {}
+
+
+def register(name: str, *, placement: str, constraints: str, description: str
+             ) -> Callable[[Builder], Builder]:
+    def wrap(fn: Builder) -> Builder:
+        if name in _BUILDERS:
+            raise ValueError(f"schedule {name!r} is registered twice")
+        _BUILDERS[name] = BuilderInfo(name, fn, placement, constraints, description)
+        return fn
+    return wrap
+
+
+def _load_builders() -> None:
+    from . import builders  # noqa: F401  (imports register every builder)
+
+
+def schedule_names() -> list[str]:
+    """Names accepted by :func:`build_schedule`, in registration order."""
+    _load_builders()
+    return list(_BUILDERS)
+
+
+def schedule_info(name: str) -> BuilderInfo:
+    _load_builders()
+    try:
+        return _BUILDERS[name]
+    except KeyError:
+        raise ScheduleError(
+            f"unknown schedule {name!r}; known schedules: {', '.join(_BUILDERS)}") from None
+
+
+def build_schedule(name: str, pp: int, microbatches: int, vpp: int = 1, *,
+                   forward_only: bool = False, **options) -> Schedule:
+    """Build the named schedule; raise ScheduleError naming the constraint it breaks."""
+    info = schedule_info(name)
+    for field, value in (("pp", pp), ("vpp", vpp), ("microbatches", microbatches)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ScheduleError(f"{name}: {field} must be a positive integer, got {value!r}")
+    return info.builder(pp, vpp, microbatches, forward_only=forward_only, **options)
