@@ -20,7 +20,7 @@ class Schedule:
     """
 
     __slots__ = ("name", "pp", "vpp", "num_microbatches", "placement", "forward_only",
-                 "_orders", "_actions", "_rank_stages", "_validated")
+                 "_orders", "_actions", "_rank_stages", "_validated", "_explicit_comms")
 
     def __init__(
         self,
@@ -80,6 +80,7 @@ class Schedule:
                 full.append(None)
         self._orders = tuple(compute)
         self._actions = full
+        self._explicit_comms = any(a is not None for a in full)
         self._validated = False
 
     # -- shape ------------------------------------------------------------------------------
@@ -116,6 +117,11 @@ class Schedule:
             full = tuple(insert_comms(self._orders[rank], rank, self.placement))
             self._actions[rank] = full
         return list(full)
+
+    @property
+    def has_explicit_comms(self) -> bool:
+        """True when the SEND/RECV actions were given by hand rather than inserted."""
+        return self._explicit_comms
 
     @property
     def num_compute_actions(self) -> int:

@@ -26,8 +26,11 @@ if TYPE_CHECKING:
 
 
 def validate_schedule(schedule: "Schedule") -> None:
+    computes = [schedule.compute_order(r) for r in range(schedule.pp)]
+    _check_well_formed(schedule, computes)
     lists = [schedule.actions(r) for r in range(schedule.pp)]
-    _check_well_formed(schedule, lists)
+    if schedule.has_explicit_comms:
+        _check_well_formed(schedule, lists)
     _check_complete(schedule)
     _check_comm_matching(schedule, lists)
     _check_no_deadlock(schedule, lists)

@@ -1,0 +1,137 @@
+"""Schedules to and from files: our JSON, and torch.distributed.pipelining's CSV.
+
+The CSV format is torch's ``_dump_csv`` / ``_load_csv``: one row per rank, one compact action per
+cell (``2F5``); empty cells are idle slots and are skipped. A compute-only CSV gets its
+communication inserted here; a CSV that holds SEND/RECV cells ("compute_comms") is taken as is.
+The CSV carries no placement or microbatch count, so both are inferred from the actions.
+"""
+from __future__ import annotations
+
+import csv
+import io
+import json
+import os
+from pathlib import Path
+
+from ..errors import ScheduleError
+from .action import Action
+from .schedule import Schedule
+
+FORMAT = "pipesim.schedule"
+VERSION = 1
+
+
+def schedule_to_dict(schedule: Schedule) -> dict:
+    ranks = range(schedule.pp)
+    data = {
+        "format": FORMAT,
+        "version": VERSION,
+        "name": schedule.name,
+        "pp": schedule.pp,
+        "vpp": schedule.vpp,
+        "microbatches": schedule.num_microbatches,
+        "placement": list(schedule.placement),
+        "forward_only": schedule.forward_only,
+    }
+    if schedule.has_explicit_comms:
+        data["actions"] = [[str(a) for a in schedule.actions(r)] for r in ranks]
+    else:
+        data["compute"] = [[str(a) for a in schedule.compute_order(r)] for r in ranks]
+    return data
+
+
+def schedule_from_dict(data: dict, source: str = "schedule") -> Schedule:
+    if data.get("format") != FORMAT:
+        raise ScheduleError(f"{source}: field 'format' is {data.get('format')!r}, expected {FORMAT!r}")
+    if data.get("version") != VERSION:
+        raise ScheduleError(f"{source}: field 'version' is {data.get('version')!r}, expected {VERSION}")
+    for field in ("pp", "vpp", "microbatches", "placement"):
+        if field not in data:
+            raise ScheduleError(f"{source}: missing field {field!r}")
+    if "actions" not in data and "compute" not in data:
+        raise ScheduleError(f"{source}: missing field 'compute' (or 'actions')")
+    lists = data["actions"] if "actions" in data else data["compute"]
+    return Schedule(
+        data["pp"], data["vpp"], data["microbatches"], data["placement"],
+        [[Action.parse(t) for t in row] for row in lists],
+        name=data.get("name", "custom"), forward_only=data.get("forward_only", False))
+
+
+def schedule_to_json(schedule: Schedule, path: str | os.PathLike | None = None) -> str:
+    """Serialise ``schedule``; also write it to ``path`` when given. Returns the JSON text."""
+    text = json.dumps(schedule_to_dict(schedule), indent=1)
+    if path is not None:
+        Path(path).write_text(text + "\n")
+    return text
+
+
+def schedule_from_json(source: str | os.PathLike) -> Schedule:
+    """Load a schedule from a JSON file path, or from JSON text."""
+    text, where = _read(source, "{")
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ScheduleError(f"{where}: not valid JSON: {exc}") from None
+    return schedule_from_dict(data, where)
+
+
+def schedule_to_csv(schedule: Schedule, path: str | os.PathLike | None = None,
+                    *, with_comms: bool = False) -> str:
+    """torch.distributed.pipelining's CSV: one row per rank. Returns the text."""
+    buf = io.StringIO()
+    writer = csv.writer(buf, lineterminator="\n")
+    for rank in range(schedule.pp):
+        row = schedule.actions(rank) if with_comms else schedule.compute_order(rank)
+        writer.writerow([str(a) for a in row])
+    text = buf.getvalue()
+    if path is not None:
+        Path(path).write_text(text)
+    return text
+
+
+def schedule_from_csv(source: str | os.PathLike, *, name: str = "custom",
+                      vpp: int | None = None) -> Schedule:
+    """Load torch's CSV (a file path or the text). Placement and microbatch count are inferred."""
+    text, where = _read(source, ",")
+    rows = [[c for c in row if c.strip()] for row in csv.reader(io.StringIO(text))]
+    while rows and not rows[-1]:
+        rows.pop()
+    if not rows:
+        raise ScheduleError(f"{where}: no rows")
+    orders = []
+    for rank, row in enumerate(rows):
+        try:
+            orders.append([Action.parse(c) for c in row])
+        except ScheduleError as exc:
+            raise ScheduleError(f"{where}: row {rank} (rank {rank}): {exc}") from None
+    pp = len(orders)
+    stage_rank: dict[int, int] = {}
+    max_mb = -1
+    for rank, order in enumerate(orders):
+        for a in order:
+            if stage_rank.setdefault(a.stage, rank) != rank:
+                raise ScheduleError(f"{where}: stage {a.stage} appears on ranks {stage_rank[a.stage]} "
+                                    f"and {rank}; a stage lives on one rank")
+            max_mb = max(max_mb, a.microbatch)
+    num_stages = max(stage_rank, default=-1) + 1
+    missing = [s for s in range(num_stages) if s not in stage_rank]
+    if missing or max_mb < 0:
+        raise ScheduleError(f"{where}: stages {missing or 'all'} have no actions, so their rank is unknown")
+    if vpp is None:
+        if num_stages % pp:
+            raise ScheduleError(f"{where}: {num_stages} stages over {pp} ranks is not a whole number per rank")
+        vpp = num_stages // pp
+    forward_only = all(a.op in ("F", "SEND_F", "RECV_F") for o in orders for a in o)
+    return Schedule(pp, vpp, max_mb + 1, [stage_rank[s] for s in range(num_stages)], orders,
+                    name=name, forward_only=forward_only)
+
+
+def _read(source: str | os.PathLike, marker: str) -> tuple[str, str]:
+    """(text, name for errors): a path is read; a string that looks like content is used as is."""
+    if isinstance(source, str) and not os.path.exists(source) and (marker in source or "\n" in source):
+        return source, "schedule text"
+    path = Path(source)
+    try:
+        return path.read_text(), str(path)
+    except FileNotFoundError:
+        raise ScheduleError(f"{path}: no such file") from None

@@ -1,0 +1,85 @@
+"""JSON and torch.distributed.pipelining CSV round trips, both directions."""
+import json
+
+import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+import pipesim
+from pipesim import ScheduleError
+from pipesim.schedule.io import schedule_from_csv, schedule_from_json, schedule_to_csv, schedule_to_json
+
+
+def buildable(name, pp, vpp, m):
+    try:
+        return pipesim.build_schedule(name, pp=pp, microbatches=m, vpp=vpp)
+    except ScheduleError:
+        return None
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(name=st.sampled_from(pipesim.schedule_names()), pp=st.integers(1, 8),
+       vpp=st.integers(1, 3), m=st.integers(1, 24))
+def test_json_and_csv_round_trip(name, pp, vpp, m):
+    s = buildable(name, pp, vpp, m)
+    if s is None:
+        return
+    back = schedule_from_json(schedule_to_json(s))
+    assert back == s and back.name == s.name and back.placement == s.placement
+    from_csv = schedule_from_csv(schedule_to_csv(s), name=name)
+    assert from_csv == s and from_csv.placement == s.placement
+    with_comms = schedule_from_csv(schedule_to_csv(s, with_comms=True))
+    assert (with_comms.has_explicit_comms or pp == 1) and with_comms.validate() == s
+
+
+def test_files_round_trip(tmp_path):
+    s = pipesim.build_schedule("looped-bfs", pp=2, microbatches=3, vpp=2)
+    schedule_to_json(s, tmp_path / "s.json")
+    schedule_to_csv(s, tmp_path / "s.csv")
+    assert schedule_from_json(tmp_path / "s.json") == s
+    assert schedule_from_csv(str(tmp_path / "s.csv")) == s
+    assert json.loads((tmp_path / "s.json").read_text())["placement"] == [0, 1, 0, 1]
+
+
+def test_reads_torch_csv_with_idle_cells():
+    # torch writes None (an idle slot) as an empty cell; a V placement is inferred from the stages.
+    text = "0F0,,3F0,3I0,3W0,0I0,0W0\n,1F0,2F0,2I0,1I0,2W0,1W0\n"
+    s = schedule_from_csv(text)
+    assert (s.pp, s.vpp, s.num_microbatches, s.placement) == (2, 2, 1, (0, 1, 1, 0))
+    assert s.placement_kind == "v"
+    s.validate()
+
+
+def test_torch_wrote_this_csv(tmp_path):
+    """A CSV written by torch's own _dump_csv loads and validates here, and ours loads there."""
+    torch_sched = pytest.importorskip("torch.distributed.pipelining.schedules")
+    ours = pipesim.build_schedule("1f1b", pp=2, microbatches=4)
+    path = tmp_path / "ours.csv"
+    schedule_to_csv(ours, path)
+    # torch's parser reads every cell of our file
+    import csv
+    with open(path, newline="") as f:
+        parsed = [[torch_sched._Action.from_str(c) for c in row] for row in csv.reader(f)]
+    assert [[str(a) for a in row] for row in parsed] == [[str(a) for a in ours.compute_order(r)] for r in range(2)]
+    # and torch's _Action text is ours
+    assert str(torch_sched._Action(2, torch_sched._ComputationType.FORWARD, 5)) == "2F5"
+
+
+@pytest.mark.parametrize("text, message", [
+    ("0F0,0Q1\n", r"row 0 \(rank 0\): cannot parse action '0Q1'"),
+    ("0F0,1F0\n1B0\n", "stage 1 appears on ranks 0 and 1"),
+    ("0F0,0B0\n2F0,2B0\n", r"stages \[1\] have no actions"),
+])
+def test_bad_csv(text, message):
+    with pytest.raises(ScheduleError, match=message):
+        schedule_from_csv(text)
+
+
+def test_bad_json(tmp_path):
+    with pytest.raises(ScheduleError, match="not valid JSON"):
+        schedule_from_json("{oops")
+    with pytest.raises(ScheduleError, match="field 'format'"):
+        schedule_from_json('{"format": "x"}')
+    with pytest.raises(ScheduleError, match="missing field 'pp'"):
+        schedule_from_json('{"format": "pipesim.schedule", "version": 1}')
+    with pytest.raises(ScheduleError, match="no such file"):
+        schedule_from_json(tmp_path / "missing.json")
