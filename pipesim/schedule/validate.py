@@ -14,7 +14,6 @@ reason:
 """
 from __future__ import annotations
 
-from collections import defaultdict
 from typing import TYPE_CHECKING
 
 from ..errors import ScheduleError
@@ -29,10 +28,12 @@ def validate_schedule(schedule: "Schedule") -> None:
     computes = [schedule.compute_order(r) for r in range(schedule.pp)]
     _check_well_formed(schedule, computes)
     lists = [schedule.actions(r) for r in range(schedule.pp)]
-    if schedule.has_explicit_comms:
-        _check_well_formed(schedule, lists)
     _check_complete(schedule)
-    _check_comm_matching(schedule, lists)
+    if schedule.has_explicit_comms:
+        # Inserted communication matches by construction (insert_comms emits a send and its
+        # receive under the same condition); hand-written communication is checked.
+        _check_well_formed(schedule, lists)
+        _check_comm_matching(schedule, lists)
     _check_no_deadlock(schedule, lists)
 
 
@@ -124,91 +125,126 @@ def _check_comm_matching(schedule: "Schedule", lists: list[list[Action]]) -> Non
 
 
 def _check_no_deadlock(schedule: "Schedule", lists: list[list[Action]]) -> None:
-    """Symbolic execution: asynchronous sends, blocking receives, compute waits for its inputs."""
+    """Symbolic execution: asynchronous sends, blocking receives, compute waits for its inputs.
+
+    Events are flags in flat arrays indexed by ``stage * m + microbatch``; a rank that cannot
+    move parks itself on the one event it waits for and is woken when that event happens.
+    """
     placement = schedule.placement
+    m = schedule.num_microbatches
     last = schedule.num_stages - 1
-    done: set[tuple] = set()          # ("F"|"G", stage, mb) computed; ("m"+dir, stage, mb) delivered
-    received: set[tuple] = set()      # (dir, stage, mb) received by the stage's rank
-    waiting: dict[tuple, list[int]] = defaultdict(list)
-    blocked_on: dict[int, tuple[Action, str]] = {}
+    size = schedule.num_stages * m
+    # Event kinds; a waiting key is kind * size + index.
+    K_F, K_G, K_I, K_MF, K_MB, K_RF, K_RB = range(7)
+    flags = [bytearray(size) for _ in range(7)]
+    f_done, g_done, i_done, msg_f, msg_b, recv_f, recv_b = flags
+    prev_local = [s > 0 and placement[s - 1] == placement[s] for s in range(last + 1)]
+    next_local = [s < last and placement[s + 1] == placement[s] for s in range(last + 1)]
+    waiting: dict[int, list[int]] = {}
+    blocked: dict[int, tuple[Action, int, int]] = {}   # rank -> (action, kind, index) waited on
     pointer = [0] * schedule.pp
     work = list(range(schedule.pp))
 
-    def need(action: Action) -> tuple[tuple, str] | None:
-        """The event ``action`` still waits for, with words for an error; None when ready."""
-        op, s, mb = action
-        if op == F:
-            if s == 0:
-                return None
-            if placement[s - 1] == placement[s]:
-                key = ("F", s - 1, mb)
-                return None if key in done else (key, f"the forward {s - 1}F{mb} on this rank")
-            key = ("F", s, mb)
-            return None if key in received else (("rF", s, mb), f"a receive {s}RECV_F{mb} of its input")
-        if op == B or op == I:
-            if ("F", s, mb) not in done:
-                return ("F", s, mb), f"its forward {s}F{mb}"
-            if s == last:
-                return None
-            if placement[s + 1] == placement[s]:
-                key = ("G", s + 1, mb)
-                return None if key in done else (key, f"the backward {s + 1}B/I{mb} on this rank")
-            key = ("B", s, mb)
-            return None if key in received else (("rB", s, mb), f"a receive {s}RECV_B{mb} of its output gradient")
-        if op == W:
-            key = ("I", s, mb)
-            return None if key in done else (key, f"its input-gradient {s}I{mb}")
-        if op == SEND_F:
-            key = ("F", s, mb)
-            return None if key in done else (key, f"the forward {s}F{mb} that produces it")
-        if op == SEND_B:
-            key = ("G", s, mb)
-            return None if key in done else (key, f"the backward {s}B/I{mb} that produces it")
-        if op == RECV_F:
-            key = ("mF", s, mb)
-            return None if key in done else (key, f"{s - 1}SEND_F{mb} from rank {placement[s - 1]}")
-        key = ("mB", s, mb)  # RECV_B
-        return None if key in done else (key, f"{s + 1}SEND_B{mb} from rank {placement[s + 1]}")
-
-    def finish(key: tuple) -> None:
-        done.add(key)
-        for r in waiting.pop(key, ()):
-            work.append(r)
-
     while work:
         rank = work.pop()
+        blocked.pop(rank, None)
         actions = lists[rank]
+        n = len(actions)
         i = pointer[rank]
-        blocked_on.pop(rank, None)
-        while i < len(actions):
+        while i < n:
             a = actions[i]
-            wait = need(a)
-            if wait is not None:
-                waiting[wait[0]].append(rank)
-                blocked_on[rank] = (a, wait[1])
-                break
             op, s, mb = a
+            k = s * m + mb
+            wait = -1
             if op == F:
-                finish(("F", s, mb))
-            elif op == B:
-                finish(("G", s, mb))
-            elif op == I:
-                finish(("G", s, mb))
-                finish(("I", s, mb))
+                if s:
+                    if prev_local[s]:
+                        if not f_done[k - m]:
+                            wait, widx = K_F, k - m
+                    elif not recv_f[k]:
+                        wait, widx = K_RF, k
+                if wait < 0:
+                    f_done[k] = 1
+                    key = K_F * size + k
+            elif op == B or op == I:
+                if not f_done[k]:
+                    wait, widx = K_F, k
+                elif s < last:
+                    if next_local[s]:
+                        if not g_done[k + m]:
+                            wait, widx = K_G, k + m
+                    elif not recv_b[k]:
+                        wait, widx = K_RB, k
+                if wait < 0:
+                    g_done[k] = 1
+                    key = K_G * size + k
+                    if op == I:
+                        i_done[k] = 1
+                        if waiting:
+                            woken = waiting.pop(K_I * size + k, None)
+                            if woken:
+                                work.extend(woken)
+            elif op == W:
+                if not i_done[k]:
+                    wait, widx = K_I, k
+                key = -1
             elif op == SEND_F:
-                finish(("mF", s + 1, mb))
+                if not f_done[k]:
+                    wait, widx = K_F, k
+                else:
+                    msg_f[k + m] = 1
+                    key = K_MF * size + k + m
             elif op == SEND_B:
-                finish(("mB", s - 1, mb))
+                if not g_done[k]:
+                    wait, widx = K_G, k
+                else:
+                    msg_b[k - m] = 1
+                    key = K_MB * size + k - m
             elif op == RECV_F:
-                received.add(("F", s, mb))
-                finish(("rF", s, mb))
-            elif op == RECV_B:
-                received.add(("B", s, mb))
-                finish(("rB", s, mb))
+                if not msg_f[k]:
+                    wait, widx = K_MF, k
+                else:
+                    recv_f[k] = 1
+                    key = K_RF * size + k
+            else:  # RECV_B
+                if not msg_b[k]:
+                    wait, widx = K_MB, k
+                else:
+                    recv_b[k] = 1
+                    key = K_RB * size + k
+            if wait >= 0:
+                waiting.setdefault(wait * size + widx, []).append(rank)
+                blocked[rank] = (a, wait, widx)
+                break
+            if waiting and key >= 0:
+                woken = waiting.pop(key, None)
+                if woken:
+                    work.extend(woken)
             i += 1
         pointer[rank] = i
 
-    if blocked_on:
-        stuck = "; ".join(f"rank {r} is stuck at {a} waiting for {why}"
-                          for r, (a, why) in sorted(blocked_on.items()))
+    if blocked:
+        stuck = "; ".join(f"rank {r} is stuck at {a} waiting for {_waited_for(a, kind, idx, m, placement)}"
+                          for r, (a, kind, idx) in sorted(blocked.items()))
         raise ScheduleError(f"deadlock: {stuck}")
+
+
+def _waited_for(action: Action, kind: int, index: int, m: int, placement: tuple[int, ...]) -> str:
+    """Words for the event a stuck action waits on (kinds as in _check_no_deadlock)."""
+    s, mb = divmod(index, m)
+    here = "on this rank"
+    if kind == 0:
+        return (f"its forward {s}F{mb}" if s == action.stage and action.op != F
+                else f"the forward {s}F{mb} {here}")
+    if kind == 1:
+        return (f"the backward {s}B/I{mb} that produces it" if action.op == SEND_B
+                else f"the backward {s}B/I{mb} {here}")
+    if kind == 2:
+        return f"its input-gradient {s}I{mb}"
+    if kind == 3:
+        return f"{s - 1}SEND_F{mb} from rank {placement[s - 1]}"
+    if kind == 4:
+        return f"{s + 1}SEND_B{mb} from rank {placement[s + 1]}"
+    if kind == 5:
+        return f"a receive {s}RECV_F{mb} of its input"
+    return f"a receive {s}RECV_B{mb} of its output gradient"
