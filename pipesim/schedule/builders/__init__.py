@@ -1,2 +1,3 @@
 """One module per schedule family; importing them registers the builders."""
 from . import simple  # noqa: F401  gpipe, 1f1b, looped-bfs
+from . import interleaved  # noqa: F401  Megatron interleaved 1F1B
