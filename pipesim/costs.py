@@ -1,0 +1,262 @@
+"""`CostModel`: what each action costs in seconds and bytes.
+
+A cost is a scalar (the same for every stage) or a per-stage list (length ``num_stages``,
+checked when a schedule is simulated, the error naming the field). Units are seconds and bytes
+in both worlds, simulated and measured (DESIGN.md, principle 5), so a model fitted to a measured
+trace with :meth:`CostModel.from_trace` predicts the same run back.
+"""
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, fields, replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Union
+
+if TYPE_CHECKING:
+    import pandas as pd
+
+    from .hardware import Hardware
+    from .transformer import ModelSpec
+
+PerStage = Union[float, Sequence[float]]
+
+_PER_STAGE = ("forward", "backward", "backward_input", "backward_weight", "p2p_bytes",
+              "activation_bytes", "weight_grad_fraction", "stage_static_bytes", "grad_bytes",
+              "optimizer")
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Costs of one microbatch on one stage, and of the links between ranks.
+
+    Time (seconds): ``forward`` (F), ``backward`` (B, full backward), ``backward_input`` (I) and
+    ``backward_weight`` (W). B defaults to I + W when both are given, else to twice F (the usual
+    FLOP ratio); I and W default to an even split of B, or to B minus the other when one is given.
+
+    Communication: a stage's output (forward) or input gradient (backward) of ``p2p_bytes`` takes
+    ``p2p_latency + p2p_bytes / p2p_bandwidth`` seconds on the link between two ranks; zero cost
+    by default.
+
+    Memory (bytes): F adds ``activation_bytes`` (per microbatch per stage); B frees them; I frees
+    all but the ``weight_grad_fraction`` share that W needs, and W frees that share.
+    ``static_bytes`` is held by each rank for the whole step (scalar, or a list with one value per
+    rank); ``stage_static_bytes`` (per stage: weights, gradients, optimizer state) is added to the
+    rank that holds the stage.
+
+    Step tail (only with ``simulate(..., step_tail=True)``): data-parallel all-reduce of the
+    rank's ``grad_bytes`` (per stage) over ``dp`` replicas, ring model
+    ``2 (dp-1) dp_latency + 2 (dp-1)/dp * bytes / dp_bandwidth``, then ``optimizer`` seconds
+    (per stage).
+    """
+
+    forward: PerStage = 1.0
+    backward: PerStage | None = None
+    backward_input: PerStage | None = None
+    backward_weight: PerStage | None = None
+    p2p_latency: float = 0.0
+    p2p_bandwidth: float = math.inf
+    p2p_bytes: PerStage = 0.0
+    activation_bytes: PerStage = 0.0
+    weight_grad_fraction: PerStage = 0.5
+    static_bytes: PerStage = 0.0
+    stage_static_bytes: PerStage = 0.0
+    grad_bytes: PerStage = 0.0
+    optimizer: PerStage = 0.0
+    dp_latency: float = 0.0
+    dp_bandwidth: float = math.inf
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if value is None:
+                continue
+            if isinstance(value, (list, tuple)):
+                if f.name not in _PER_STAGE and f.name != "static_bytes":
+                    raise ValueError(f"CostModel.{f.name} must be a number, got a list")
+                if not value:
+                    raise ValueError(f"CostModel.{f.name} is an empty list")
+                values = tuple(_number(f.name, v) for v in value)
+                object.__setattr__(self, f.name, values)
+            else:
+                values = (_number(f.name, value),)
+                object.__setattr__(self, f.name, values[0])
+            for v in values:
+                if v < 0:
+                    raise ValueError(f"CostModel.{f.name} must be >= 0, got {v}")
+                if f.name == "weight_grad_fraction" and v > 1:
+                    raise ValueError(f"CostModel.weight_grad_fraction must be in [0, 1], got {v}")
+                if f.name in ("p2p_bandwidth", "dp_bandwidth") and v == 0:
+                    raise ValueError(f"CostModel.{f.name} must be > 0")
+
+    # -- per-stage views ----------------------------------------------------------------------
+    def stage_values(self, name: str, num_stages: int) -> list[float]:
+        """``name`` as a list of ``num_stages`` floats; raise ValueError naming the field."""
+        value = getattr(self, name)
+        if value is None:
+            raise ValueError(f"CostModel.{name} is not set")
+        if isinstance(value, tuple):
+            if len(value) != num_stages:
+                raise ValueError(f"CostModel.{name} has {len(value)} per-stage values, expected "
+                                 f"num_stages = {num_stages}")
+            return list(value)
+        return [float(value)] * num_stages
+
+    def rank_static_bytes(self, pp: int) -> list[float]:
+        """``static_bytes`` per rank (scalar or a list of length ``pp``)."""
+        value = self.static_bytes
+        if isinstance(value, tuple):
+            if len(value) != pp:
+                raise ValueError(f"CostModel.static_bytes has {len(value)} per-rank values, "
+                                 f"expected pp = {pp}")
+            return list(value)
+        return [float(value)] * pp
+
+    def compute_times(self, num_stages: int) -> dict[str, list[float]]:
+        """Seconds of F, B, I and W per stage, with the defaults of the class docstring."""
+        fwd = self.stage_values("forward", num_stages)
+        b = None if self.backward is None else self.stage_values("backward", num_stages)
+        i = None if self.backward_input is None else self.stage_values("backward_input", num_stages)
+        w = None if self.backward_weight is None else self.stage_values("backward_weight", num_stages)
+        if b is None:
+            b = [x + y for x, y in zip(i, w)] if i is not None and w is not None else [2 * x for x in fwd]
+        if i is None and w is None:
+            i = [x / 2 for x in b]
+            w = list(i)
+        elif i is None:
+            i = [max(x - y, 0.0) for x, y in zip(b, w)]
+        elif w is None:
+            w = [max(x - y, 0.0) for x, y in zip(b, i)]
+        return {"F": fwd, "B": b, "I": i, "W": w}
+
+    def transfer_time(self, nbytes: float) -> float:
+        """Seconds for one point-to-point message of ``nbytes``."""
+        return self.p2p_latency + (nbytes / self.p2p_bandwidth if nbytes else 0.0)
+
+    def allreduce_time(self, nbytes: float, dp: int) -> float:
+        """Ring all-reduce of ``nbytes`` over ``dp`` replicas (0 when dp == 1)."""
+        if dp <= 1:
+            return 0.0
+        return 2 * (dp - 1) * self.dp_latency + 2 * (dp - 1) / dp * nbytes / self.dp_bandwidth
+
+    def with_(self, **changes: Any) -> "CostModel":
+        """A copy with some fields changed."""
+        return replace(self, **changes)
+
+    # -- constructors --------------------------------------------------------------------------
+    @classmethod
+    def uniform(cls, forward: float = 1.0, backward: float | None = None,
+                backward_input: float | None = None, backward_weight: float | None = None,
+                activation_bytes: float = 1.0, **kwargs: Any) -> "CostModel":
+        """The same scalar costs on every stage; activations count 1 byte per microbatch by
+        default, so memory reads as microbatches held. For teaching and tests."""
+        for name, value in (("forward", forward), ("backward", backward),
+                            ("backward_input", backward_input), ("backward_weight", backward_weight)):
+            if isinstance(value, (list, tuple)):
+                raise ValueError(f"CostModel.uniform: {name} must be a scalar")
+        return cls(forward=forward, backward=backward, backward_input=backward_input,
+                   backward_weight=backward_weight, activation_bytes=activation_bytes, **kwargs)
+
+    @classmethod
+    def transformer(cls, model: "str | ModelSpec", hardware: "str | Hardware" = "H100", *,
+                    num_stages: int, micro_batch_size: int = 1, efficiency: float = 0.5,
+                    link: str = "inter", dp_link: str = "inter", dtype_bytes: int = 2
+                    ) -> "CostModel":
+        """Costs of a GPT-style decoder (formulas and citations in :mod:`pipesim.transformer`).
+
+        ``model`` and ``hardware`` are presets (``pipesim.transformer.model_names()``,
+        ``pipesim.hardware.hardware_names()``) or spec objects. Time = FLOPs / (peak bf16 FLOP/s
+        * ``efficiency``). ``link`` chooses the pipeline p2p link ("intra": NVLink, "inter":
+        the network), ``dp_link`` the data-parallel one.
+        """
+        from .hardware import get_hardware
+        from .transformer import get_model, stage_counts
+
+        spec, hw = get_model(model), get_hardware(hardware)
+        if not 0 < efficiency <= 1:
+            raise ValueError(f"efficiency must be in (0, 1], got {efficiency}")
+        c = stage_counts(spec, num_stages, micro_batch_size, dtype_bytes)
+        rate = hw.peak_flops * efficiency
+
+        def bw(kind: str, field: str) -> tuple[float, float]:
+            if kind == "intra":
+                return hw.link_latency, hw.link_bandwidth
+            if kind == "inter":
+                return hw.network_latency, hw.network_bandwidth
+            raise ValueError(f"{field} must be 'intra' or 'inter', got {kind!r}")
+
+        p2p_lat, p2p_bw = bw(link, "link")
+        dp_lat, dp_bw = bw(dp_link, "dp_link")
+        i = [x / rate for x in c.input_grad_flops]
+        w = [x / rate for x in c.weight_grad_flops]
+        return cls(
+            forward=[x / rate for x in c.forward_flops],
+            backward=[x + y for x, y in zip(i, w)], backward_input=i, backward_weight=w,
+            p2p_latency=p2p_lat, p2p_bandwidth=p2p_bw, p2p_bytes=c.boundary_bytes,
+            activation_bytes=c.activation_bytes,
+            weight_grad_fraction=[wa / act for wa, act in zip(c.weight_grad_bytes, c.activation_bytes)],
+            stage_static_bytes=[16 * p for p in c.params],
+            grad_bytes=[dtype_bytes * p for p in c.params],
+            optimizer=[28 * p / hw.hbm_bandwidth for p in c.params],
+            dp_latency=dp_lat, dp_bandwidth=dp_bw,
+        )
+
+    @classmethod
+    def from_trace(cls, trace: "pd.DataFrame", num_stages: int | None = None,
+                   **overrides: Any) -> "CostModel":
+        """Fit costs to a (measured or simulated) trace; see :func:`pipesim.calibrate.fit_costs`."""
+        from .calibrate import fit_costs
+
+        return fit_costs(trace, num_stages=num_stages, **overrides)
+
+    # -- JSON ----------------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON-ready values; infinity is written as the string "inf"."""
+        out: dict[str, Any] = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, tuple):
+                value = [_encode(v) for v in value]
+            elif value is not None:
+                value = _encode(value)
+            out[f.name] = value
+        return out
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], source: str = "dict") -> "CostModel":
+        if not isinstance(data, dict):
+            raise ValueError(f"{source}: a cost model is a JSON object, got {type(data).__name__}")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"{source}: unknown CostModel field(s) {', '.join(unknown)}; "
+                             f"known: {', '.join(sorted(known))}")
+        return cls(**data)
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+
+    @classmethod
+    def load(cls, path: str | Path) -> "CostModel":
+        path = Path(path)
+        try:
+            data = json.loads(path.read_text())
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{path}: not valid JSON: {exc}") from None
+        return cls.from_dict(data, source=str(path))
+
+
+def _number(field: str, value: Any) -> float:
+    if isinstance(value, str) and value.strip().lower() in ("inf", "infinity"):
+        return math.inf
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"CostModel.{field} must be a number, got {value!r}")
+    value = float(value)
+    if math.isnan(value):
+        raise ValueError(f"CostModel.{field} is NaN")
+    return value
+
+
+def _encode(value: float) -> float | str:
+    return "inf" if value == math.inf else value

@@ -1,0 +1,190 @@
+"""`SimResult`: a trace plus everything derived from it, for simulated and measured runs alike.
+
+Everything here is computed from the trace (and, for memory, either a measured memory timeline
+or a :class:`CostModel` replayed over the trace), so ``SimResult.from_trace(measured)`` gives
+the same metrics, Gantt chart and Chrome trace as a simulation. Metric definitions are in
+:mod:`pipesim.metrics`; the memory model in :mod:`pipesim.memory`.
+"""
+from __future__ import annotations
+
+from functools import cached_property
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from . import metrics
+from .trace import check_trace, num_ranks
+
+if TYPE_CHECKING:
+    import pandas as pd
+    from matplotlib.figure import Figure
+
+    from .costs import CostModel
+    from .schedule.schedule import Schedule
+
+
+class SimResult:
+    """One step: ``trace`` (pandas DataFrame, columns in :mod:`pipesim.trace`) and its metrics.
+
+    Per-rank values are lists indexed by rank. Memory needs either ``memory_timeline`` (columns
+    rank, time, bytes; e.g. measured) or ``costs`` (the memory model replayed over the trace);
+    asking for memory with neither raises ValueError.
+    """
+
+    def __init__(self, trace: "pd.DataFrame", *, schedule: "Schedule | None" = None,
+                 costs: "CostModel | None" = None, memory_timeline: "pd.DataFrame | None" = None,
+                 options: dict[str, Any] | None = None, source: str = "simulated") -> None:
+        self.trace = check_trace(trace)
+        self.schedule = schedule
+        self.costs = costs
+        self.options = dict(options or {})
+        self.source = source
+        self._memory_timeline = memory_timeline
+        self.num_ranks = schedule.pp if schedule is not None else num_ranks(trace)
+
+    @classmethod
+    def from_trace(cls, trace: "pd.DataFrame", schedule: "Schedule | None" = None,
+                   memory_timeline: "pd.DataFrame | None" = None, costs: "CostModel | None" = None,
+                   source: str = "measured") -> "SimResult":
+        """Wrap a trace from anywhere (e.g. the executor's measured one) to score and draw it."""
+        if memory_timeline is not None:
+            missing = {"rank", "time", "bytes"} - set(memory_timeline.columns)
+            if missing:
+                raise ValueError(f"memory_timeline is missing column(s) {', '.join(sorted(missing))}")
+        return cls(trace, schedule=schedule, costs=costs, memory_timeline=memory_timeline,
+                   source=source)
+
+    # -- time --------------------------------------------------------------------------------
+    @cached_property
+    def makespan(self) -> float:
+        return metrics.makespan(self.trace)
+
+    @cached_property
+    def busy(self) -> list[float]:
+        return metrics.busy_per_rank(self.trace, self.num_ranks)
+
+    @property
+    def idle(self) -> list[float]:
+        return [self.makespan - b for b in self.busy]
+
+    @cached_property
+    def span(self) -> list[float]:
+        return metrics.span_per_rank(self.trace, self.num_ranks)
+
+    @property
+    def bubble(self) -> list[float]:
+        return [s - b for b, s in zip(self.busy, self.span)]
+
+    @cached_property
+    def comm_wait(self) -> list[float]:
+        return metrics.comm_wait_per_rank(self.trace, self.num_ranks)
+
+    @property
+    def bubble_fraction(self) -> float:
+        """Megatron's: ``(makespan - max busy) / max busy`` (see :mod:`pipesim.metrics`)."""
+        ideal = max(self.busy)
+        if ideal <= 0:
+            raise ValueError("bubble_fraction: the trace has no compute time")
+        return (self.makespan - ideal) / ideal
+
+    @property
+    def slowest_rank(self) -> int:
+        return metrics.slowest_rank(self.trace, self.num_ranks)
+
+    @property
+    def bubble_rate(self) -> float:
+        """Zero Bubble paper's: ``1 - busy/span`` of the slowest rank, over its own span."""
+        r = self.slowest_rank
+        return 1.0 - self.busy[r] / self.span[r] if self.span[r] > 0 else 0.0
+
+    @property
+    def bubble_time(self) -> float:
+        """Idle seconds inside the slowest rank's own span (``bubble[slowest_rank]``)."""
+        return self.bubble[self.slowest_rank]
+
+    # -- memory --------------------------------------------------------------------------------
+    @cached_property
+    def memory_timeline(self) -> "pd.DataFrame":
+        """Columns rank, time, bytes (held after each event)."""
+        if self._memory_timeline is not None:
+            return self._memory_timeline
+        if self.costs is None:
+            raise ValueError("memory needs a memory_timeline or a CostModel: pass costs= or "
+                             "memory_timeline= to SimResult.from_trace")
+        from .memory import memory_timeline
+
+        n = self.schedule.num_stages if self.schedule is not None else int(self.trace["stage"].max()) + 1
+        stages = ([self.schedule.rank_stages(r) for r in range(self.num_ranks)]
+                  if self.schedule is not None else None)
+        return memory_timeline(self.trace, self.costs, n, self.num_ranks, stages)
+
+    @cached_property
+    def peak_memory(self) -> list[float]:
+        from .memory import peak_per_rank
+
+        return peak_per_rank(self.memory_timeline, self.num_ranks)
+
+    @cached_property
+    def peak_inflight(self) -> list[int]:
+        """Most (stage, microbatch) pairs holding activations at once, per rank, all chunks."""
+        return metrics.peak_inflight_per_rank(self.trace, self.num_ranks)
+
+    # -- tables and pictures -------------------------------------------------------------------
+    def _has_memory(self) -> bool:
+        return self._memory_timeline is not None or self.costs is not None
+
+    def summary(self) -> "pd.DataFrame":
+        """One row per rank (busy, idle, comm_wait, bubble, peak memory and in-flight) and a
+        final row "all" with the step's makespan, bubble_fraction and bubble_rate."""
+        import pandas as pd
+
+        rows = []
+        for r in range(self.num_ranks):
+            row = {"rank": str(r), "busy": self.busy[r], "idle": self.idle[r],
+                   "comm_wait": self.comm_wait[r], "bubble": self.bubble[r],
+                   "peak_inflight": self.peak_inflight[r]}
+            if self._has_memory():
+                row["peak_memory"] = self.peak_memory[r]
+            rows.append(row)
+        total = {"rank": "all", "busy": max(self.busy), "idle": max(self.idle),
+                 "comm_wait": max(self.comm_wait), "bubble": self.bubble_time,
+                 "peak_inflight": max(self.peak_inflight)}
+        if self._has_memory():
+            total["peak_memory"] = max(self.peak_memory)
+        rows.append(total)
+        frame = pd.DataFrame(rows).set_index("rank")
+        frame.attrs.update(makespan=self.makespan, bubble_fraction=self.bubble_fraction,
+                           bubble_rate=self.bubble_rate)
+        return frame
+
+    def summary_text(self) -> str:
+        """The summary table with a header naming the schedule and both bubble metrics."""
+        head = []
+        if self.schedule is not None:
+            s = self.schedule
+            head.append(f"{s.name}: pp={s.pp} vpp={s.vpp} microbatches={s.num_microbatches} "
+                        f"({self.source})")
+        head.append(f"makespan {self.makespan:.6g} s   bubble_fraction (Megatron, idle/ideal) "
+                    f"{self.bubble_fraction:.4f}   bubble_rate (ZB, 1-busy/span of rank "
+                    f"{self.slowest_rank}) {self.bubble_rate:.4f}")
+        table = self.summary().to_string(float_format=lambda x: f"{x:.6g}")
+        return "\n".join(head) + "\n" + table
+
+    def gantt(self, **kwargs: Any) -> "Figure":
+        """A Gantt chart; options in :func:`pipesim.plot.gantt`."""
+        from .plot import gantt
+
+        return gantt(self, **kwargs)
+
+    def to_chrome_trace(self, path: str | Path | None = None) -> dict:
+        """Chrome / Perfetto trace JSON (see :mod:`pipesim.chrome`); written to ``path`` if given."""
+        from .chrome import chrome_trace, write_chrome_trace
+
+        data = chrome_trace(self.trace)
+        if path is not None:
+            write_chrome_trace(data, path)
+        return data
+
+    def __repr__(self) -> str:
+        name = self.schedule.name if self.schedule is not None else "trace"
+        return (f"SimResult({name!r}, {self.source}, makespan={self.makespan:.6g}, "
+                f"bubble_fraction={self.bubble_fraction:.4f}, bubble_rate={self.bubble_rate:.4f})")
