@@ -1,0 +1,38 @@
+"""Where every rank is: a shared-memory board of (step, action) per rank.
+
+The local launcher creates it before forking; each worker's runtime writes the action it starts
+(four integers, no lock: one writer per slot). When a worker dies without a word (SIGKILL, OOM
+killer) the launcher still knows, and reports, the action it was in. Under torchrun there is no
+board and the runtime names the action in its own exception message.
+"""
+from __future__ import annotations
+
+import multiprocessing
+
+OPS = ("F", "B", "I", "W", "SEND_F", "RECV_F", "SEND_B", "RECV_B", "OPTIM", "ALLREDUCE")
+_OP_CODE = {op: i for i, op in enumerate(OPS)}
+_FIELDS = 4   # step, op code, stage, microbatch
+
+
+class ActionBoard:
+    def __init__(self, world_size: int, ctx=None) -> None:
+        ctx = ctx or multiprocessing.get_context("fork")
+        self.world_size = world_size
+        self._slots = ctx.RawArray("q", [-1] * (world_size * _FIELDS))
+
+    def set(self, rank: int, step: int, op: str, stage: int, microbatch: int) -> None:
+        base = rank * _FIELDS
+        s = self._slots
+        s[base] = step
+        s[base + 1] = _OP_CODE[op]
+        s[base + 2] = stage
+        s[base + 3] = microbatch
+
+    def describe(self, rank: int) -> str:
+        base = rank * _FIELDS
+        step, op, stage, mb = self._slots[base: base + _FIELDS]
+        if step < 0:
+            return "before its first action"
+        if OPS[op] in ("OPTIM", "ALLREDUCE"):
+            return f"the {'optimizer step' if OPS[op] == 'OPTIM' else 'gradient all-reduce'} of step {step}"
+        return f"action {stage}{OPS[op]}{mb} of step {step}"

@@ -1,0 +1,84 @@
+"""Where a checkpoint's files live: Megatron-LM's directory layout.
+
+```
+DIR/latest_checkpointed_iteration.txt           "50" or "release": the tracker, written last
+DIR/iter_0000050/mp_rank_00_{pp_rank:03d}/model_optim_rng.pt
+DIR/release/mp_rank_00_{pp_rank:03d}/model_optim_rng.pt
+```
+
+One file per pipeline rank, written by data-parallel rank 0 of that pipeline rank (the
+replicas hold the same weights). ``mp_rank_00`` is the tensor-parallel rank, always 0 here.
+The pipeline suffix is written even when pp == 1, so a path never depends on the layout.
+"""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+TRACKER_NAME = "latest_checkpointed_iteration.txt"
+STATE_FILE_NAME = "model_optim_rng.pt"
+RELEASE = "release"
+CHECKPOINT_VERSION = 1          # bump when the file's contents change incompatibly
+
+_ITER_RE = re.compile(r"^iter_(\d{7,})$")
+_RANK_RE = re.compile(r"^mp_rank_00_(\d{3,})$")
+
+Tag = int | str                 # an iteration, or RELEASE
+
+
+def tag_dir_name(tag: Tag) -> str:
+    """``iter_0000050`` for iteration 50, ``release`` for the release checkpoint."""
+    if tag == RELEASE:
+        return RELEASE
+    if not isinstance(tag, int) or isinstance(tag, bool) or tag < 0:
+        raise ValueError(f"a checkpoint iteration must be a non-negative integer or "
+                         f"{RELEASE!r}, got {tag!r}")
+    return f"iter_{tag:07d}"
+
+
+def tracker_path(root: str | Path) -> Path:
+    return Path(root) / TRACKER_NAME
+
+
+def tag_dir(root: str | Path, tag: Tag) -> Path:
+    return Path(root) / tag_dir_name(tag)
+
+
+def rank_dir_name(pp_rank: int) -> str:
+    return f"mp_rank_00_{pp_rank:03d}"
+
+
+def state_file(root: str | Path, tag: Tag, pp_rank: int) -> Path:
+    """The file pipeline rank ``pp_rank`` writes for checkpoint ``tag``."""
+    return tag_dir(root, tag) / rank_dir_name(pp_rank) / STATE_FILE_NAME
+
+
+def chunk_key(chunk: int, vpp: int) -> str:
+    """Megatron's key of a chunk's model state: ``model`` when vpp == 1, else ``model0``..."""
+    return "model" if vpp == 1 else f"model{chunk}"
+
+
+def saved_iterations(root: str | Path) -> list[int]:
+    """Iterations with a directory under ``root`` (complete or not), ascending."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    out = []
+    for child in root.iterdir():
+        m = _ITER_RE.match(child.name)
+        if m and child.is_dir():
+            out.append(int(m.group(1)))
+    return sorted(out)
+
+
+def rank_files(root: str | Path, tag: Tag) -> dict[int, Path]:
+    """pp rank -> state file, for every rank directory of checkpoint ``tag`` holding one."""
+    d = tag_dir(root, tag)
+    out: dict[int, Path] = {}
+    if not d.is_dir():
+        return out
+    for child in d.iterdir():
+        m = _RANK_RE.match(child.name)
+        if m and (child / STATE_FILE_NAME).is_file():
+            out[int(m.group(1))] = child / STATE_FILE_NAME
+    return dict(sorted(out.items()))

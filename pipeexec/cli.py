@@ -1,0 +1,102 @@
+"""``pipeexec train ...``: run a schedule for real.
+
+Under torchrun (RANK/WORLD_SIZE set) every process trains as its rank. Otherwise the command
+forks ``--nproc`` local workers itself (default pp * dp). ``--pp 1 --dp 1`` is plain
+single-process training of the same model: the reference. This is the only place that exits
+the process with a status; the library raises exceptions.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from .config import ConfigError, TrainConfig
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="pipeexec", description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="command", required=True)
+    t = sub.add_parser("train", help="train the built-in GPT with a pipeline schedule")
+    d = TrainConfig()
+    a = t.add_argument
+    a("--schedule", default=d.schedule, help="a pipesim schedule name (pipesim list)")
+    a("--pp", type=int, default=d.pp, help="pipeline ranks")
+    a("--vpp", type=int, default=d.vpp, help="stages (chunks) per pipeline rank")
+    a("--dp", type=int, default=d.dp, help="data-parallel replicas")
+    a("--microbatches", type=int, default=d.microbatches, help="microbatches per replica per step")
+    a("--micro-batch-size", type=int, default=d.micro_batch_size)
+    a("--layers", type=int, default=d.layers, help="transformer blocks (plus embedding and head)")
+    a("--hidden", type=int, default=d.hidden)
+    a("--heads", type=int, default=d.heads)
+    a("--seq-len", type=int, default=d.seq_len)
+    a("--vocab", type=int, default=d.vocab)
+    a("--partition", choices=("layers", "params"), default=d.partition)
+    a("--boundaries", default=None,
+      help="explicit stage boundaries: first layer index of stages 1..S-1, comma separated")
+    a("--data", default=d.data, help="'synthetic' or a text file (byte-level tokens)")
+    a("--steps", type=int, default=d.steps, help="optimizer iterations in total")
+    a("--lr", type=float, default=d.lr)
+    a("--min-lr", type=float, default=d.min_lr)
+    a("--warmup-steps", type=int, default=d.warmup_steps)
+    a("--weight-decay", type=float, default=d.weight_decay)
+    a("--clip-grad", type=float, default=d.clip_grad, help="global-norm clip (0: off)")
+    a("--precision", choices=("fp32", "bf16", "fp16"), default=d.precision)
+    a("--loss-scale", type=float, default=d.loss_scale, help="initial dynamic loss scale (fp16)")
+    a("--loss-scale-growth-interval", type=int, default=d.loss_scale_growth_interval)
+    a("--seed", type=int, default=d.seed)
+    a("--p2p-timeout", type=float, default=d.p2p_timeout, help="seconds per send/receive")
+    a("--backend", default=None, help="nccl or gloo (default: nccl with CUDA, else gloo)")
+    a("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    a("--nproc", type=int, default=None, help="local workers to start (default pp * dp)")
+    a("--timeout", type=float, default=None, help="overall limit for a local run, seconds")
+    a("--inject", action="append", default=[], help=argparse.SUPPRESS)
+    a("--metrics-out", default=None, help="write losses and step times as JSON here")
+    a("--no-progress", action="store_true", help="no progress bar")
+    return p
+
+
+def config_from_args(ns: argparse.Namespace) -> TrainConfig:
+    boundaries = None
+    if ns.boundaries:
+        try:
+            boundaries = tuple(int(x) for x in ns.boundaries.split(","))
+        except ValueError:
+            raise ConfigError(f"--boundaries must be comma-separated integers, got {ns.boundaries!r}") from None
+    return TrainConfig(
+        schedule=ns.schedule, pp=ns.pp, vpp=ns.vpp, dp=ns.dp, microbatches=ns.microbatches,
+        micro_batch_size=ns.micro_batch_size, layers=ns.layers, hidden=ns.hidden, heads=ns.heads,
+        seq_len=ns.seq_len, vocab=ns.vocab, partition=ns.partition, boundaries=boundaries,
+        data=ns.data, steps=ns.steps, lr=ns.lr, min_lr=ns.min_lr, warmup_steps=ns.warmup_steps,
+        weight_decay=ns.weight_decay, clip_grad=ns.clip_grad, precision=ns.precision,
+        loss_scale=ns.loss_scale, loss_scale_growth_interval=ns.loss_scale_growth_interval,
+        seed=ns.seed, p2p_timeout=ns.p2p_timeout, backend=ns.backend, device=ns.device,
+        inject=tuple(ns.inject))
+
+
+def main(argv: list[str] | None = None) -> None:
+    ns = _parser().parse_args(argv)
+    import pipesim
+    from .launcher import WorkerFailed, launch
+    from .worker import run_training
+
+    try:
+        config = config_from_args(ns)
+        under_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+        world = int(os.environ["WORLD_SIZE"]) if under_torchrun else (ns.nproc or config.world_size)
+        config.validate(world_size=world)    # before any process group exists
+        if under_torchrun:
+            run_training(None, config, ns.metrics_out, progress=not ns.no_progress)
+        else:
+            launch(run_training, world, (config, ns.metrics_out, not ns.no_progress),
+                   timeout=ns.timeout)
+    except (ConfigError, pipesim.ScheduleError, ValueError) as exc:
+        print(f"pipeexec: error: {exc}", file=sys.stderr)
+        sys.exit(2)
+    except WorkerFailed as exc:
+        print(f"pipeexec: error: {exc}", file=sys.stderr)
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,130 @@
+"""`TrainConfig`: every knob of a run, as one plain value.
+
+The CLI builds it, the launcher pickles it to the workers, a checkpoint stores it (``asdict``)
+and compares it on load. Nothing reads configuration from module globals. ``validate`` checks
+everything that can be checked without a process group, so a bad layout fails before any
+collective with the reason.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+PRECISIONS = ("fp32", "bf16", "fp16")
+PARTITIONS = ("layers", "params")
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot run, with the field and the reason."""
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    # pipeline layout
+    schedule: str = "1f1b"
+    pp: int = 1
+    vpp: int = 1
+    dp: int = 1
+    microbatches: int = 1
+    micro_batch_size: int = 1
+    # built-in GPT
+    layers: int = 2            # transformer blocks; the layer list adds embedding and head
+    hidden: int = 64
+    heads: int = 4
+    seq_len: int = 32
+    vocab: int = 256
+    ffn_mult: int = 4
+    # partitioning: "layers" (equal layer counts), "params" (balanced parameter counts) or
+    # explicit boundaries: the first global layer index of every stage after the first.
+    partition: str = "layers"
+    boundaries: tuple[int, ...] | None = None
+    # data
+    data: str = "synthetic"    # "synthetic" or a path to a text file (byte-level tokens)
+    # optimisation
+    steps: int = 1
+    lr: float = 1e-3
+    min_lr: float = 0.0
+    warmup_steps: int = 0
+    decay_steps: int | None = None   # cosine decay length; default: steps
+    weight_decay: float = 0.01
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    clip_grad: float = 1.0           # 0 disables clipping
+    # precision
+    precision: str = "fp32"
+    loss_scale: float = 2.0 ** 16    # initial dynamic scale (fp16 only)
+    loss_scale_growth_interval: int = 1000
+    loss_scale_backoff: float = 0.5
+    loss_scale_growth: float = 2.0
+    min_loss_scale: float = 1.0
+    # runtime
+    seed: int = 0
+    forward_only: bool = False
+    deallocate_outputs: bool = True
+    p2p_timeout: float = 300.0       # seconds for one send/receive to complete
+    collective_timeout: float = 600.0
+    backend: str | None = None       # None: nccl when CUDA is available, else gloo
+    device: str | None = None        # None: cuda:<local rank> when CUDA is available, else cpu
+    # fault injection, for tests of the failure paths (never set in normal runs):
+    # "raise:RANK:STEP:ACTION" raises in that action, "exit:RANK:STEP:ACTION" kills the process
+    # there, "overflow:STEP" puts an inf into one gradient of the last stage at that step.
+    inject: tuple[str, ...] = field(default_factory=tuple)
+
+    @property
+    def world_size(self) -> int:
+        return self.pp * self.dp
+
+    @property
+    def num_stages(self) -> int:
+        return self.pp * self.vpp
+
+    @property
+    def global_batch(self) -> int:
+        return self.dp * self.microbatches * self.micro_batch_size
+
+    @property
+    def num_layers(self) -> int:
+        """Length of the built-in GPT's layer list: embedding, blocks, head."""
+        return self.layers + 2
+
+    def replace(self, **changes) -> "TrainConfig":
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def validate(self, world_size: int | None = None, num_layers: int | None = None) -> "TrainConfig":
+        """Raise ConfigError naming the field; build the schedule to check it accepts the layout."""
+        for name in ("pp", "vpp", "dp", "microbatches", "micro_batch_size", "layers", "hidden",
+                     "heads", "seq_len", "vocab", "steps"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+        if world_size is not None and world_size != self.world_size:
+            raise ConfigError(f"world size {world_size} != pp * dp = {self.pp} * {self.dp} = "
+                              f"{self.world_size}")
+        if self.hidden % self.heads:
+            raise ConfigError(f"hidden ({self.hidden}) must be divisible by heads ({self.heads})")
+        if self.precision not in PRECISIONS:
+            raise ConfigError(f"precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
+        if self.partition not in PARTITIONS:
+            raise ConfigError(f"partition must be one of {', '.join(PARTITIONS)}, got {self.partition!r}")
+        n_layers = self.num_layers if num_layers is None else num_layers
+        if n_layers < self.num_stages:
+            raise ConfigError(f"the model has {n_layers} layers (embedding + {n_layers - 2} blocks + "
+                              f"head) but pp * vpp = {self.num_stages} stages need at least one each")
+        if self.data != "synthetic" and self.vocab < 256:
+            raise ConfigError(f"a text file needs vocab >= 256 (byte-level tokens), got {self.vocab}")
+        if self.p2p_timeout <= 0 or self.collective_timeout <= 0:
+            raise ConfigError("timeouts must be positive")
+        self.build_schedule()
+        return self
+
+    def build_schedule(self):
+        """The pipesim Schedule of this run (raises pipesim.ScheduleError with the reason)."""
+        import pipesim
+
+        schedule = pipesim.build_schedule(self.schedule, pp=self.pp, microbatches=self.microbatches,
+                                          vpp=self.vpp, forward_only=self.forward_only)
+        return schedule.validate()

@@ -1,0 +1,160 @@
+"""Start N local workers by forking, watch them, and never hang.
+
+Forking is the fast path (8 gloo ranks start in a fraction of a second, where spawn or torchrun
+re-import torch in every worker for seconds each). It is only safe while the parent has no
+threads, so the launcher refuses to fork a multi-threaded parent unless told to use "spawn".
+Each worker gets torchrun's variables (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT)
+and one intra-op thread (OMP_NUM_THREADS=1 semantics), so code written for torchrun runs as is.
+
+Failure: a worker that raises writes its error (which names its rank and action) to a file and
+exits non-zero; a worker that dies silently is seen through its exit code, and the shared
+`ActionBoard` says which action it was in. Either way the launcher then stops every other
+worker (SIGTERM, then SIGKILL) and raises `WorkerFailed` naming the rank and the action: the
+run ends in bounded time. An overall ``timeout`` bounds the whole run too.
+"""
+from __future__ import annotations
+
+import multiprocessing
+import os
+import pickle
+import signal
+import socket
+import tempfile
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from multiprocessing.connection import wait as wait_sentinels
+from pathlib import Path
+from typing import Any
+
+from .board import ActionBoard
+
+
+class WorkerFailed(RuntimeError):
+    def __init__(self, message: str, rank: int, exitcode: int | None) -> None:
+        super().__init__(message)
+        self.rank, self.exitcode = rank, exitcode
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(fn: Callable, rank: int, nproc: int, port: int, workdir: str, board: ActionBoard,
+            args: tuple, env: dict) -> None:
+    os.environ.update(env)
+    os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(nproc), "LOCAL_RANK": str(rank),
+                       "LOCAL_WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1",
+                       "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"})
+    code = 0
+    try:
+        import torch
+        torch.set_num_threads(1)
+        result = fn(board, *args)
+        tmp = Path(workdir) / f"result-{rank}.pkl.tmp"
+        with open(tmp, "wb") as f:
+            pickle.dump(result, f)
+        tmp.rename(Path(workdir) / f"result-{rank}.pkl")
+    except BaseException as exc:   # noqa: BLE001  (reported to the parent, then exit non-zero)
+        code = 1
+        try:
+            msg = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+            (Path(workdir) / f"error-{rank}.txt").write_text(
+                f"{time.time()!r}\n{msg}\n{traceback.format_exc()}")
+        except Exception:
+            pass
+    finally:
+        # Skip interpreter teardown: a dead peer can make process-group destructors block.
+        os._exit(code)
+
+
+def launch(fn: Callable[..., Any], nproc: int, args: tuple = (), *, timeout: float | None = None,
+           start_method: str = "fork", env: dict | None = None, grace: float = 2.0) -> list[Any]:
+    """Run ``fn(board, *args)`` in ``nproc`` workers; return their results by rank.
+
+    Raises `WorkerFailed` (naming the first failed rank, its action and its error) as soon as a
+    worker fails, after stopping the others; or when ``timeout`` seconds pass.
+    """
+    if start_method == "fork" and threading.active_count() > 1:
+        raise RuntimeError(f"refusing to fork: the parent has {threading.active_count()} threads "
+                           "(forked children would inherit their locks); use start_method='spawn'")
+    ctx = multiprocessing.get_context(start_method)
+    board = ActionBoard(nproc, ctx)
+    port = free_port()
+    with tempfile.TemporaryDirectory(prefix="pipeexec-") as workdir:
+        procs = [ctx.Process(target=_worker, args=(fn, r, nproc, port, workdir, board, args, env or {}),
+                             name=f"pipeexec-rank{r}", daemon=False) for r in range(nproc)]
+        for p in procs:
+            p.start()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        running = {p.sentinel: r for r, p in enumerate(procs)}
+        failed: list[int] = []
+        try:
+            while running:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    where = "; ".join(f"rank {r}: {board.describe(r)}" for r in sorted(running.values()))
+                    raise WorkerFailed(f"run timed out after {timeout:g} s ({where})",
+                                       min(running.values()), None)
+                ready = wait_sentinels(list(running), timeout=0.5 if left is None else min(0.5, left))
+                for sentinel in ready:
+                    r = running.pop(sentinel)
+                    procs[r].join()
+                    if procs[r].exitcode != 0:
+                        failed.append(r)
+                if failed:
+                    break
+        finally:
+            if running:
+                _stop([procs[r] for r in running.values()], grace)
+        if failed:
+            raise _failure(procs, failed, board, Path(workdir))
+        results = []
+        for r in range(nproc):
+            with open(Path(workdir) / f"result-{r}.pkl", "rb") as f:
+                results.append(pickle.load(f))
+        return results
+
+
+def _stop(procs: list, grace: float) -> None:
+    for p in procs:
+        if p.is_alive():
+            p.terminate()
+    end = time.monotonic() + grace
+    for p in procs:
+        p.join(max(0.0, end - time.monotonic()))
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join(5)
+
+
+def _failure(procs: list, failed: list[int], board: ActionBoard, workdir: Path) -> WorkerFailed:
+    """Name the root cause: the earliest reported error, else the first rank that died."""
+    reports = []
+    for r in range(len(procs)):
+        f = workdir / f"error-{r}.txt"
+        if f.exists():
+            when, msg, *_ = f.read_text().split("\n", 2) + [""]
+            reports.append((float(when), r, msg))
+    if reports:
+        # A rank that died without a report (killed) is more likely the root than its peers,
+        # which only noticed it.
+        silent = [r for r in failed if not (workdir / f"error-{r}.txt").exists()]
+        if silent:
+            r = silent[0]
+            return WorkerFailed(_death(procs[r], r, board), r, procs[r].exitcode)
+        _, r, msg = min(reports)
+        return WorkerFailed(f"rank {r} failed in {board.describe(r)}: {msg}", r, procs[r].exitcode)
+    r = failed[0]
+    return WorkerFailed(_death(procs[r], r, board), r, procs[r].exitcode)
+
+
+def _death(proc, rank: int, board: ActionBoard) -> str:
+    code = proc.exitcode
+    how = (f"was killed by signal {signal.Signals(-code).name}" if code is not None and code < 0
+           else f"exited with code {code}")
+    return f"rank {rank} {how} in {board.describe(rank)}"

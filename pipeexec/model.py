@@ -1,0 +1,150 @@
+"""Pipeline models as ordered layer lists, and the built-in GPT.
+
+A `ModelSpec` is what the executor needs from a model: how many layers, how to build layer
+``i`` (so a rank materialises only its own stages), each layer's parameter count (for
+partitioning by parameters) and the loss. Layer ``i`` is initialised from a generator seeded by
+``(seed, i)``: the same seed gives the same model whatever the layout. Parameters are named
+``layers.<global index>.<name>`` everywhere (state dicts, optimizer state), so a checkpoint can
+be resharded across layouts.
+
+Contract: layer 0 takes the microbatch input, every layer returns one tensor, the last layer's
+output goes to ``loss_fn(output, target)`` which returns the mean loss of the microbatch.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+LayerFactory = Callable[[int, torch.Generator], nn.Module]
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def layer_seed(seed: int, index: int) -> int:
+    """A generator seed for layer ``index`` that depends only on (seed, index)."""
+    return (seed * 1_000_003 + index * 7_919 + 12_345) % (2 ** 63 - 1)
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    num_layers: int
+    factory: LayerFactory                   # (global index, generator) -> initialised layer
+    loss_fn: LossFn
+    param_counts: tuple[int, ...] | None = None   # per layer; measured on demand when None
+
+    def build_layer(self, index: int, seed: int, device: torch.device | str = "cpu",
+                    dtype: torch.dtype | None = None) -> nn.Module:
+        if not 0 <= index < self.num_layers:
+            raise IndexError(f"layer {index} outside 0..{self.num_layers - 1}")
+        gen = torch.Generator().manual_seed(layer_seed(seed, index))
+        layer = self.factory(index, gen)
+        return layer.to(device=device, dtype=dtype) if dtype is not None else layer.to(device)
+
+    def layer_param_counts(self) -> tuple[int, ...]:
+        if self.param_counts is not None:
+            return self.param_counts
+        counts = []
+        for i in range(self.num_layers):
+            layer = self.factory(i, torch.Generator().manual_seed(0))
+            counts.append(sum(p.numel() for p in layer.parameters()))
+        return tuple(counts)
+
+
+def model_from_layers(layers: list[nn.Module], loss_fn: LossFn) -> ModelSpec:
+    """A spec over an existing layer list (every rank holds the list; each uses its stages).
+
+    For models too big to build everywhere, pass a factory to `ModelSpec` instead.
+    """
+    def factory(index: int, generator: torch.Generator) -> nn.Module:
+        return layers[index]
+    counts = tuple(sum(p.numel() for p in layer.parameters()) for layer in layers)
+    return ModelSpec(len(layers), factory, loss_fn, counts)
+
+
+# -- built-in GPT ---------------------------------------------------------------------------------
+def _normal(t: torch.Tensor, std: float, gen: torch.Generator) -> None:
+    with torch.no_grad():
+        t.copy_(torch.randn(t.shape, generator=gen) * std)
+
+
+class Embedding(nn.Module):
+    """Token + learned position embeddings: (batch, seq) int64 -> (batch, seq, hidden)."""
+
+    def __init__(self, vocab: int, seq_len: int, hidden: int, gen: torch.Generator) -> None:
+        super().__init__()
+        self.tok = nn.Parameter(torch.empty(vocab, hidden))
+        self.pos = nn.Parameter(torch.empty(seq_len, hidden))
+        _normal(self.tok, 0.02, gen)
+        _normal(self.pos, 0.02, gen)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return F.embedding(tokens, self.tok) + self.pos[: tokens.shape[1]]
+
+
+class Block(nn.Module):
+    """Pre-LN transformer block: x + attn(ln1(x)), then x + mlp(ln2(x)); causal attention."""
+
+    def __init__(self, hidden: int, heads: int, ffn_mult: int, num_blocks: int,
+                 gen: torch.Generator) -> None:
+        super().__init__()
+        self.heads = heads
+        self.ln1 = nn.LayerNorm(hidden)
+        self.qkv = nn.Linear(hidden, 3 * hidden)
+        self.proj = nn.Linear(hidden, hidden)
+        self.ln2 = nn.LayerNorm(hidden)
+        self.fc1 = nn.Linear(hidden, ffn_mult * hidden)
+        self.fc2 = nn.Linear(ffn_mult * hidden, hidden)
+        out_std = 0.02 / math.sqrt(2 * num_blocks)   # GPT-2's scaled init of residual outputs
+        for lin, std in ((self.qkv, 0.02), (self.proj, out_std), (self.fc1, 0.02), (self.fc2, out_std)):
+            _normal(lin.weight, std, gen)
+            nn.init.zeros_(lin.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, h = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(b, s, 3, self.heads, h // self.heads).permute(2, 0, 3, 1, 4)
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(a.transpose(1, 2).reshape(b, s, h))
+        return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
+
+
+class Head(nn.Module):
+    """Final LayerNorm + LM head: (batch, seq, hidden) -> logits (batch, seq, vocab)."""
+
+    def __init__(self, hidden: int, vocab: int, gen: torch.Generator) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(hidden)
+        self.lm_head = nn.Linear(hidden, vocab, bias=False)
+        _normal(self.lm_head.weight, 0.02, gen)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.norm(x))
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy, computed in fp32 (Float16Module casts outputs back)."""
+    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def gpt_spec(*, layers: int, hidden: int, heads: int, seq_len: int, vocab: int,
+             ffn_mult: int = 4) -> ModelSpec:
+    """The built-in GPT: [Embedding, Block x layers, Head], cross-entropy loss."""
+    def factory(index: int, gen: torch.Generator) -> nn.Module:
+        if index == 0:
+            return Embedding(vocab, seq_len, hidden, gen)
+        if index == layers + 1:
+            return Head(hidden, vocab, gen)
+        return Block(hidden, heads, ffn_mult, layers, gen)
+
+    block = 2 * 2 * hidden + (hidden * 3 * hidden + 3 * hidden) + (hidden * hidden + hidden) \
+        + (hidden * ffn_mult * hidden + ffn_mult * hidden) + (ffn_mult * hidden * hidden + hidden)
+    counts = (vocab * hidden + seq_len * hidden,) + (block,) * layers + (2 * hidden + hidden * vocab,)
+    return ModelSpec(layers + 2, factory, lm_loss, counts)
+
+
+def gpt_spec_from_config(config) -> ModelSpec:
+    return gpt_spec(layers=config.layers, hidden=config.hidden, heads=config.heads,
+                    seq_len=config.seq_len, vocab=config.vocab, ffn_mult=config.ffn_mult)

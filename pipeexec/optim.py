@@ -1,0 +1,46 @@
+"""AdamW on the fp32 master weights, warm-up + cosine learning rate, global-norm clipping.
+
+The learning rate is a pure function of the iteration (linear warm-up from lr/warmup to lr, then
+cosine down to min_lr over ``decay_steps``), so resuming needs only the iteration. Biases and
+normalisation weights (1-d parameters) get no weight decay, as in Megatron and GPT-2.
+Parameters are handed over with their global names (``layers.<i>.<name>``) so optimizer state
+can be keyed by name, not by position, for resharding.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+
+
+def lr_at(step: int, *, lr: float, min_lr: float, warmup: int, decay_steps: int) -> float:
+    """Learning rate of optimizer step ``step`` (0-based)."""
+    if warmup > 0 and step < warmup:
+        return lr * (step + 1) / warmup
+    span = max(1, decay_steps - warmup)
+    t = min(1.0, (step - warmup) / span)
+    return min_lr + 0.5 * (lr - min_lr) * (1.0 + math.cos(math.pi * t))
+
+
+def build_adamw(named_masters: Sequence[tuple[str, torch.nn.Parameter]], *, lr: float,
+                weight_decay: float, betas: tuple[float, float], eps: float) -> torch.optim.AdamW:
+    decay = [p for _, p in named_masters if p.dim() >= 2]
+    no_decay = [p for _, p in named_masters if p.dim() < 2]
+    groups = [g for g in ({"params": decay, "weight_decay": weight_decay},
+                          {"params": no_decay, "weight_decay": 0.0}) if g["params"]]
+    if not groups:   # a rank without parameters still steps (nothing), keeping ranks in lock-step
+        groups = [{"params": [torch.nn.Parameter(torch.zeros(0))], "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, foreach=False)
+
+
+def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    for g in optimizer.param_groups:
+        g["lr"] = lr
+
+
+def clip_coefficient(total_norm: float, max_norm: float) -> float:
+    """Factor to multiply gradients by so that their global norm is at most ``max_norm``."""
+    if max_norm <= 0 or not math.isfinite(total_norm):
+        return 1.0
+    return min(1.0, max_norm / (total_norm + 1e-6))

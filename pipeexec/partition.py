@@ -1,0 +1,97 @@
+"""Cut an ordered layer list into ``num_stages`` contiguous stages.
+
+A partition is a tuple of ``num_stages + 1`` layer indices: stage ``s`` holds layers
+``bounds[s] .. bounds[s+1]-1``. Three ways to choose it: equal layer counts (default), balanced
+parameter counts (the contiguous split minimising the largest stage, by dynamic programming),
+or explicit boundaries.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+
+class PartitionError(ValueError):
+    pass
+
+
+def by_layers(num_layers: int, num_stages: int) -> tuple[int, ...]:
+    """Equal counts; the last ``num_layers % num_stages`` stages get one layer more (the first
+    stage holds the embedding, the last the head, so the extra blocks go to the middle-to-end)."""
+    _check(num_layers, num_stages)
+    base, extra = divmod(num_layers, num_stages)
+    sizes = [base + (1 if s >= num_stages - extra else 0) for s in range(num_stages)]
+    return _bounds(sizes)
+
+
+def by_params(counts: Sequence[int], num_stages: int) -> tuple[int, ...]:
+    """Contiguous split of ``counts`` into ``num_stages`` non-empty parts minimising the max sum."""
+    n = len(counts)
+    _check(n, num_stages)
+    prefix = [0]
+    for c in counts:
+        prefix.append(prefix[-1] + c)
+    inf = float("inf")
+    # best[k][i]: minimal max-part for the first i layers in k parts; cut[k][i]: last cut.
+    best = [[inf] * (n + 1) for _ in range(num_stages + 1)]
+    cut = [[0] * (n + 1) for _ in range(num_stages + 1)]
+    best[0][0] = 0
+    for k in range(1, num_stages + 1):
+        for i in range(k, n - (num_stages - k) + 1):
+            for j in range(k - 1, i):
+                v = max(best[k - 1][j], prefix[i] - prefix[j])
+                if v < best[k][i]:
+                    best[k][i], cut[k][i] = v, j
+    bounds = [n]
+    i = n
+    for k in range(num_stages, 0, -1):
+        i = cut[k][i]
+        bounds.append(i)
+    return tuple(reversed(bounds))
+
+
+def explicit(boundaries: Sequence[int], num_layers: int, num_stages: int) -> tuple[int, ...]:
+    """``boundaries``: the first layer of stages 1 .. num_stages-1, strictly increasing."""
+    _check(num_layers, num_stages)
+    inner = tuple(int(b) for b in boundaries)
+    if len(inner) != num_stages - 1:
+        raise PartitionError(f"explicit boundaries need {num_stages - 1} values for {num_stages} "
+                             f"stages, got {len(inner)}: {inner}")
+    bounds = (0, *inner, num_layers)
+    for s in range(num_stages):
+        if bounds[s] >= bounds[s + 1]:
+            raise PartitionError(f"explicit boundaries {inner} leave stage {s} empty "
+                                 f"(layers {bounds[s]}..{bounds[s + 1] - 1}) of {num_layers} layers")
+    return bounds
+
+
+def make_partition(num_layers: int, num_stages: int, method: str = "layers",
+                   boundaries: Sequence[int] | None = None,
+                   param_counts: Sequence[int] | None = None) -> tuple[int, ...]:
+    if boundaries is not None:
+        return explicit(boundaries, num_layers, num_stages)
+    if method == "layers":
+        return by_layers(num_layers, num_stages)
+    if method == "params":
+        if param_counts is None:
+            raise PartitionError("partition by params needs the layers' parameter counts")
+        return by_params(param_counts, num_stages)
+    raise PartitionError(f"unknown partition method {method!r}: expected 'layers' or 'params'")
+
+
+def stage_layers(bounds: Sequence[int], stage: int) -> range:
+    return range(bounds[stage], bounds[stage + 1])
+
+
+def _bounds(sizes: Sequence[int]) -> tuple[int, ...]:
+    out = [0]
+    for s in sizes:
+        out.append(out[-1] + s)
+    return tuple(out)
+
+
+def _check(num_layers: int, num_stages: int) -> None:
+    if num_stages < 1:
+        raise PartitionError(f"need at least one stage, got {num_stages}")
+    if num_layers < num_stages:
+        raise PartitionError(f"{num_layers} layers cannot fill {num_stages} stages "
+                             "(every stage needs at least one layer)")

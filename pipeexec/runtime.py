@@ -1,0 +1,278 @@
+"""The action interpreter: one rank walks ``schedule.actions(rank)`` and does exactly that.
+
+Every op maps to one method (DeepSpeed's instruction -> method idea, without its lock-step);
+there is no per-schedule code and no branching on the schedule's name. What the methods share is
+a few dictionaries keyed by ``(stage, microbatch)``:
+
+* ``_inputs``   stage input kept for backward (a leaf that requires grad, or None on stage 0)
+* ``_roots``    gradient edge of the stage output (or of the scaled loss on the last stage)
+* ``_outputs``  forward output waiting for SEND_F (dropped once sent: its storage is freed when
+  the send completes unless the graph saved it; Megatron's deallocate-output idea, without
+  keeping a placeholder tensor because backward starts from the gradient edge)
+* ``_meta``     output shape and dtype, for the RECV_B buffer
+* ``_grads``    gradient of the stage output (received, or handed over by a local next stage)
+* ``_fwd``      input handed over by a local previous stage (the turn of a V)
+* ``_dx``       input gradient waiting for SEND_B
+* ``_wgrad``    what W needs after I
+
+A recorder (optional) gets ``start(action, step)`` and ``end(action, step)`` around every action:
+the seam for measured traces. Any exception is re-raised as `PipelineError` naming the rank and
+the action.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+from torch.autograd.graph import get_gradient_edge
+
+from pipesim.schedule.action import B, F, I, RECV_B, RECV_F, SEND_B, SEND_F, W, Action
+
+from .backward import backward_input, full_backward
+from .p2p import BWD, FWD, P2P, P2PError
+from .stage import Stage
+
+
+class PipelineError(RuntimeError):
+    """An action failed on this rank; the message names the rank, the action and the step."""
+
+    def __init__(self, message: str, rank: int, action: str, step: int) -> None:
+        super().__init__(message)
+        self.rank, self.action, self.step = rank, action, step
+
+
+class ActionRecorder(Protocol):
+    def start(self, action: Action, step: int) -> None: ...
+    def end(self, action: Action, step: int) -> None: ...
+
+
+class InjectedFault(RuntimeError):
+    """Raised by fault injection (tests of the failure paths)."""
+
+
+@dataclass
+class StepOutput:
+    losses: dict[int, torch.Tensor] = field(default_factory=dict)    # microbatch -> loss (last stage)
+    outputs: dict[int, torch.Tensor] = field(default_factory=dict)   # forward-only, if kept
+
+
+class PipelineRuntime:
+    """Runs one rank's actions of a schedule for one step.
+
+    ``stages``: this rank's stages by global stage index. ``accumulate(stage, grads)`` adds the
+    parameter gradients of one backward (B or W; I adds those few it computes) to wherever the
+    caller keeps them (fp32 main grads).
+    """
+
+    def __init__(self, schedule, pp_rank: int, stages: dict[int, Stage],
+                 loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+                 accumulate: Callable[[int, Sequence[torch.Tensor | None]], None],
+                 p2p: P2P | None, *, global_rank: int, device: torch.device,
+                 compute_dtype: torch.dtype = torch.float32, recorder: ActionRecorder | None = None,
+                 board: Any = None, faults: dict | None = None) -> None:
+        self.schedule = schedule
+        self.pp_rank = pp_rank
+        self.global_rank = global_rank
+        self.stages = stages
+        self.params = {s: [p for p in st.parameters()] for s, st in stages.items()}
+        self.loss_fn = loss_fn
+        self.accumulate = accumulate
+        self.p2p = p2p
+        self.device = device
+        self.compute_dtype = compute_dtype
+        self.recorder = recorder
+        self.board = board
+        self.faults = faults or {}
+        self.actions = schedule.actions(pp_rank)
+        self.placement = schedule.placement
+        self.num_stages = schedule.num_stages
+        self.m = schedule.num_microbatches
+        for a in self.actions:
+            if a.stage not in stages:
+                raise PipelineError(f"rank {global_rank}: schedule gives action {a} for stage "
+                                    f"{a.stage}, which this rank does not hold "
+                                    f"(holds {sorted(stages)})", global_rank, str(a), -1)
+        self._ops = {F: self._forward, B: self._backward, I: self._backward_input,
+                     W: self._backward_weight, SEND_F: self._send_forward,
+                     RECV_F: self._recv_forward, SEND_B: self._send_backward,
+                     RECV_B: self._recv_backward}
+
+    # -- one step ---------------------------------------------------------------------------
+    def run(self, microbatches: Sequence[tuple[torch.Tensor, torch.Tensor]], *, step: int = 0,
+            loss_scale: float = 1.0, forward_only: bool = False, keep_outputs: bool = False
+            ) -> StepOutput:
+        """Execute this rank's actions for one step; returns the last stage's microbatch losses."""
+        if len(microbatches) != self.m:
+            raise ValueError(f"rank {self.global_rank}: got {len(microbatches)} microbatches, "
+                             f"the schedule has {self.m}")
+        self._mbs = microbatches
+        self._scale = loss_scale / self.m
+        self._forward_only = forward_only or self.schedule.forward_only
+        self._keep = keep_outputs
+        self._out = StepOutput()
+        self._inputs: dict = {}
+        self._roots: dict = {}
+        self._outputs: dict = {}
+        self._meta: dict = {}
+        self._grads: dict = {}
+        self._fwd: dict = {}
+        self._dx: dict = {}
+        self._wgrad: dict = {}
+        self._recvs: dict = {}
+        faults = self.faults.get(step)
+        ops, rec, board, rank = self._ops, self.recorder, self.board, self.global_rank
+        action = None
+        try:
+            for action in self.actions:
+                op, stage, mb = action
+                if board is not None:
+                    board.set(rank, step, op, stage, mb)
+                if faults is not None and str(action) in faults:
+                    self._inject(faults[str(action)], action, step)
+                if rec is None:
+                    ops[op](stage, mb)
+                else:
+                    rec.start(action, step)
+                    ops[op](stage, mb)
+                    rec.end(action, step)
+            action = None
+            if self.p2p is not None:
+                self.p2p.wait_sends()
+            self._check_drained()
+        except PipelineError:
+            raise
+        except Exception as exc:
+            where = f"action {action}" if action is not None else "the end of the step"
+            raise PipelineError(f"rank {rank} (pp rank {self.pp_rank}) failed in {where} of step "
+                                f"{step}: {type(exc).__name__}: {exc}", rank,
+                                str(action) if action is not None else "end", step) from exc
+        finally:
+            self._mbs = None
+        return self._out
+
+    def _inject(self, kind: str, action: Action, step: int) -> None:
+        if kind == "raise":
+            raise InjectedFault(f"injected failure in {action} of step {step}")
+        if kind == "exit":
+            import os
+            import signal
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def _check_drained(self) -> None:
+        left = {name: d for name, d in (("inputs", self._inputs), ("gradients", self._grads),
+                                         ("weight gradients", self._wgrad), ("receives", self._recvs))
+                if d}
+        if left and not self._forward_only:
+            detail = "; ".join(f"{k}: {sorted(v)}" for k, v in left.items())
+            raise RuntimeError(f"state left over after the last action ({detail})")
+
+    # -- helpers ----------------------------------------------------------------------------
+    def _local(self, stage: int) -> bool:
+        return self.placement[stage] == self.pp_rank
+
+    # -- forward ----------------------------------------------------------------------------
+    def _forward(self, s: int, mb: int) -> None:
+        stage = self.stages[s]
+        key = (s, mb)
+        if stage.is_first:
+            x = self._mbs[mb][0].to(self.device, non_blocking=True)
+            if x.is_floating_point():
+                x = x.to(self.compute_dtype)   # Float16Module: cast inputs on the first stage
+        elif key in self._fwd:
+            x = self._fwd.pop(key)
+        else:
+            pending = self._recvs.pop((RECV_F, s, mb), None)
+            if pending is None:
+                raise RuntimeError(f"stage {s} microbatch {mb}: no input (no RECV_F posted and the "
+                                   "previous stage is not on this rank)")
+            x = self.p2p.wait(pending)
+        train = not self._forward_only
+        if train and x.is_floating_point() and not stage.is_first:
+            x.requires_grad_(True)
+        with torch.set_grad_enabled(train):
+            y = stage(x)
+            if stage.is_last:
+                loss = self.loss_fn(y.float(), self._mbs[mb][1].to(self.device, non_blocking=True))
+                self._out.losses[mb] = loss.detach()
+                if self._keep:
+                    self._out.outputs[mb] = y.detach().float()
+                if train:
+                    self._roots[key] = get_gradient_edge(loss * self._scale)
+                    self._inputs[key] = x if x.requires_grad else None
+                return
+        if train:
+            self._roots[key] = get_gradient_edge(y)
+            self._inputs[key] = x if x.requires_grad else None
+            self._meta[key] = (y.shape, y.dtype)
+        if self._local(s + 1):
+            self._fwd[(s + 1, mb)] = y.detach() if train else y
+        else:
+            self._outputs[key] = y
+
+    def _send_forward(self, s: int, mb: int) -> None:
+        y = self._outputs.pop((s, mb))
+        self.p2p.send(y.detach(), self.placement[s + 1], FWD, s, mb, Action(SEND_F, s, mb))
+
+    def _recv_forward(self, s: int, mb: int) -> None:
+        self._recvs[(RECV_F, s, mb)] = self.p2p.recv_activation(
+            self.placement[s - 1], s - 1, mb, Action(RECV_F, s, mb))
+
+    # -- backward ---------------------------------------------------------------------------
+    def _output_grad(self, s: int, mb: int) -> torch.Tensor | None:
+        if self.stages[s].is_last:
+            return None
+        key = (s, mb)
+        if key in self._grads:
+            return self._grads.pop(key)
+        pending = self._recvs.pop((RECV_B, s, mb), None)
+        if pending is None:
+            raise RuntimeError(f"stage {s} microbatch {mb}: no output gradient (no RECV_B posted "
+                               "and the next stage is not on this rank)")
+        return self.p2p.wait(pending)
+
+    def _hand_back(self, s: int, mb: int, dx: torch.Tensor | None) -> None:
+        if self.stages[s].is_first:
+            return
+        if dx is None:
+            raise RuntimeError(f"stage {s} microbatch {mb}: the stage input got no gradient "
+                               "(is the stage output independent of its input?)")
+        if self._local(s - 1):
+            self._grads[(s - 1, mb)] = dx
+        else:
+            self._dx[(s, mb)] = dx
+
+    def _backward(self, s: int, mb: int) -> None:
+        g = self._output_grad(s, mb)
+        key = (s, mb)
+        self._meta.pop(key, None)
+        dx, dws = full_backward(self._roots.pop(key), g, self._inputs.pop(key), self.params[s])
+        self.accumulate(s, dws)
+        self._hand_back(s, mb, dx)
+
+    def _backward_input(self, s: int, mb: int) -> None:
+        g = self._output_grad(s, mb)
+        key = (s, mb)
+        self._meta.pop(key, None)
+        dx, now, wgrad = backward_input(self._roots.pop(key), g, self._inputs.pop(key), self.params[s])
+        if any(d is not None for d in now):
+            self.accumulate(s, now)
+        self._wgrad[key] = wgrad
+        self._hand_back(s, mb, dx)
+
+    def _backward_weight(self, s: int, mb: int) -> None:
+        wgrad = self._wgrad.pop((s, mb))
+        self.accumulate(s, wgrad.compute(self.params[s]))
+
+    def _send_backward(self, s: int, mb: int) -> None:
+        dx = self._dx.pop((s, mb))
+        self.p2p.send(dx, self.placement[s - 1], BWD, s - 1, mb, Action(SEND_B, s, mb))
+
+    def _recv_backward(self, s: int, mb: int) -> None:
+        shape, dtype = self._meta[(s, mb)]
+        self._recvs[(RECV_B, s, mb)] = self.p2p.recv_gradient(
+            self.placement[s + 1], s, mb, shape, dtype, Action(RECV_B, s, mb))
+
+
+__all__ = ["PipelineRuntime", "PipelineError", "ActionRecorder", "StepOutput", "P2PError"]

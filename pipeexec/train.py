@@ -1,0 +1,274 @@
+"""The training step and loop, built from explicit objects.
+
+`Trainer` owns what one rank needs (its stages, fp32 master weights, gradient buffer, AdamW,
+loss scaler, runtime, data source) and exposes `step()`, `forward()` and a state dict keyed by
+global parameter names. `train()` is the loop: it takes a Trainer and an optional per-step
+callback, so a checkpoint manager can load state into the Trainer before the loop and save it
+from the callback. ``iteration`` counts optimizer iterations (skipped fp16 steps included, as
+Megatron's ``--train-iters``); ``updates`` counts the steps that changed the weights and drives
+the learning rate.
+
+One step: zero the fp32 gradient buffer, run this rank's schedule actions, average gradients
+over the data-parallel group (one bucketed all-reduce), then one all-reduce over all ranks of
+[squared gradient norm / dp, loss sum]: it gives the global norm for clipping, the inf/nan check
+every rank agrees on (fp16 skips the step together) and the mean loss of the global batch.
+"""
+from __future__ import annotations
+
+import math
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from .board import ActionBoard
+from .config import TrainConfig
+from .data import BatchSource
+from .ddp import GradBuffer
+from .model import ModelSpec, gpt_spec_from_config
+from .optim import build_adamw, clip_coefficient, lr_at, set_lr
+from .p2p import P2P
+from .partition import make_partition
+from .precision import LossScaler, MasterWeights, compute_dtype
+from .runtime import ActionRecorder, PipelineRuntime
+from .stage import build_stage
+from .topology import Topology
+
+
+@dataclass
+class StepStats:
+    iteration: int
+    loss: float
+    step_time: float
+    grad_norm: float
+    lr: float
+    loss_scale: float
+    skipped: bool
+    tokens_per_s: float
+
+
+@dataclass
+class TrainResult:
+    losses: list[float] = field(default_factory=list)
+    step_times: list[float] = field(default_factory=list)
+    grad_norms: list[float] = field(default_factory=list)
+    lrs: list[float] = field(default_factory=list)
+    loss_scales: list[float] = field(default_factory=list)
+    skipped: list[bool] = field(default_factory=list)
+    tokens_per_s: list[float] = field(default_factory=list)
+
+    def add(self, s: StepStats) -> None:
+        self.losses.append(s.loss)
+        self.step_times.append(s.step_time)
+        self.grad_norms.append(s.grad_norm)
+        self.lrs.append(s.lr)
+        self.loss_scales.append(s.loss_scale)
+        self.skipped.append(s.skipped)
+        self.tokens_per_s.append(s.tokens_per_s)
+
+    def to_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+def parse_faults(inject: tuple[str, ...], global_rank: int) -> tuple[dict, set[int]]:
+    """``raise|exit:RANK:STEP:ACTION`` -> {step: {action: kind}} for this rank; overflow steps."""
+    faults: dict[int, dict[str, str]] = {}
+    overflow: set[int] = set()
+    for spec in inject:
+        parts = spec.split(":")
+        if parts[0] == "overflow" and len(parts) == 2:
+            overflow.add(int(parts[1]))
+        elif parts[0] in ("raise", "exit") and len(parts) == 4:
+            if int(parts[1]) == global_rank:
+                faults.setdefault(int(parts[2]), {})[parts[3]] = parts[0]
+        else:
+            raise ValueError(f"bad fault injection {spec!r}: expected raise|exit:RANK:STEP:ACTION "
+                             "or overflow:STEP")
+    return faults, overflow
+
+
+class Trainer:
+    def __init__(self, config: TrainConfig, topology: Topology, spec: ModelSpec | None = None, *,
+                 recorder: ActionRecorder | None = None, board: ActionBoard | None = None,
+                 data: BatchSource | None = None) -> None:
+        spec = spec or gpt_spec_from_config(config)
+        config.validate(world_size=topology.world_size, num_layers=spec.num_layers)
+        if (config.pp, config.dp) != (topology.pp, topology.dp):
+            raise ValueError(f"config pp={config.pp} dp={config.dp} but topology pp={topology.pp} "
+                             f"dp={topology.dp}")
+        self.config, self.topology, self.spec = config, topology, spec
+        self.schedule = config.build_schedule()
+        self.bounds = make_partition(spec.num_layers, config.num_stages, config.partition,
+                                     config.boundaries,
+                                     spec.layer_param_counts() if config.partition == "params" else None)
+        dev = topology.device
+        self.dtype = compute_dtype(config.precision)
+        self.stages = {s: build_stage(spec, s, self.bounds, seed=config.seed, device=dev,
+                                      dtype=torch.float32)
+                       for s in self.schedule.rank_stages(topology.pp_rank)}
+        # Stage parameters are already named by global layer index: layers.<i>.<name>.
+        named = [(name, p) for s in sorted(self.stages) for name, p in self.stages[s].named_parameters()]
+        self.param_names = [n for n, _ in named]
+        self.masters = MasterWeights([p for _, p in named], self.dtype)
+        self.grads = GradBuffer({s: list(st.parameters()) for s, st in self.stages.items()}, dev)
+        flat_views = [v for s in self.stages for v in self.grads.views[s]]
+        for master, view in zip(self.masters.masters, flat_views):
+            master.grad = view
+        self.optimizer = build_adamw(list(zip(self.param_names, self.masters.masters)),
+                                     lr=config.lr, weight_decay=config.weight_decay,
+                                     betas=(config.beta1, config.beta2), eps=config.eps)
+        self.scaler = LossScaler(dynamic=config.precision == "fp16", initial=config.loss_scale,
+                                 growth=config.loss_scale_growth, backoff=config.loss_scale_backoff,
+                                 growth_interval=config.loss_scale_growth_interval,
+                                 min_scale=config.min_loss_scale)
+        faults, self._overflow = parse_faults(config.inject, topology.rank)
+        self.board = board
+        self.p2p = None
+        if config.pp > 1:
+            self.p2p = P2P(rank=topology.rank, group=topology.pp_group, peers=topology.pp_ranks,
+                           num_stages=config.num_stages, num_microbatches=config.microbatches,
+                           device=dev, timeout=config.p2p_timeout)
+        self.runtime = PipelineRuntime(self.schedule, topology.pp_rank, self.stages, spec.loss_fn,
+                                       self.grads.accumulate, self.p2p, global_rank=topology.rank,
+                                       device=dev, compute_dtype=self.dtype, recorder=recorder,
+                                       board=board, faults=faults)
+        self._fwd_runtime: PipelineRuntime | None = None
+        self.data = data or BatchSource(seed=config.seed, seq_len=config.seq_len, vocab=config.vocab,
+                                        global_batch=config.global_batch, data=config.data)
+        self.iteration = 0
+        self.updates = 0
+        self.holds_last_stage = config.num_stages - 1 in self.stages
+
+    # -- one optimizer step -----------------------------------------------------------------
+    def step(self) -> StepStats:
+        cfg, topo = self.config, self.topology
+        k = self.iteration
+        t0 = time.perf_counter()
+        self.grads.zero()
+        mbs = self.data.microbatches(k, topo.dp_rank, cfg.dp, cfg.microbatches)
+        out = self.runtime.run(mbs, step=k, loss_scale=self.scaler.scale)
+        if self.board is not None:
+            self.board.set(topo.rank, k, "ALLREDUCE", -1, -1)
+        self.grads.all_reduce(topo.dp_group, cfg.dp, cfg.collective_timeout)
+        if k in self._overflow and self.holds_last_stage:
+            self.grads.data[0] = float("inf")
+        buf = self.grads.data
+        local_sq = torch.dot(buf, buf) if buf.numel() else torch.zeros((), device=buf.device)
+        loss_sum = (torch.stack(list(out.losses.values())).sum().float() if out.losses
+                    else torch.zeros((), device=buf.device))
+        vec = torch.stack([local_sq / cfg.dp, loss_sum.to(local_sq.device)])
+        if topo.world_size > 1:
+            dist.all_reduce(vec)
+        sq, loss_total = vec.tolist()
+        found_inf = not math.isfinite(sq)
+        scale = self.scaler.scale
+        lr = lr_at(self.updates, lr=cfg.lr, min_lr=cfg.min_lr, warmup=cfg.warmup_steps,
+                   decay_steps=cfg.decay_steps or cfg.steps)
+        norm = math.sqrt(sq) / scale if not found_inf else float("inf")
+        if self.board is not None:
+            self.board.set(topo.rank, k, "OPTIM", -1, -1)
+        if not found_inf:
+            buf.mul_(clip_coefficient(norm, cfg.clip_grad) / scale)
+            set_lr(self.optimizer, lr)
+            self.optimizer.step()
+            self.masters.copy_to_model()
+            self.updates += 1
+        self.scaler.update(found_inf)
+        self.iteration += 1
+        dt = time.perf_counter() - t0
+        return StepStats(k, loss_total / (cfg.microbatches * cfg.dp), dt, norm, lr, scale,
+                         found_inf, cfg.global_batch * cfg.seq_len / dt)
+
+    # -- forward only -----------------------------------------------------------------------
+    def forward(self, step: int, keep_outputs: bool = False):
+        """Forward-only pass over the batch of ``step``; returns this rank's StepOutput."""
+        if self._fwd_runtime is None:
+            import pipesim
+
+            cfg = self.config
+            sched = pipesim.build_schedule(cfg.schedule, pp=cfg.pp, microbatches=cfg.microbatches,
+                                           vpp=cfg.vpp, forward_only=True).validate()
+            self._fwd_runtime = PipelineRuntime(sched, self.topology.pp_rank, self.stages,
+                                                self.spec.loss_fn, self.grads.accumulate, self.p2p,
+                                                global_rank=self.topology.rank,
+                                                device=self.topology.device, compute_dtype=self.dtype,
+                                                board=self.board)
+        mbs = self.data.microbatches(step, self.topology.dp_rank, self.config.dp, self.config.microbatches)
+        return self._fwd_runtime.run(mbs, step=step, forward_only=True, keep_outputs=keep_outputs)
+
+    # -- state, keyed by global parameter names ---------------------------------------------
+    def named_parameters(self) -> dict[str, torch.Tensor]:
+        """fp32 master weights of this rank, by global name ``layers.<i>.<name>``."""
+        return dict(zip(self.param_names, self.masters.masters))
+
+    def state_dict(self) -> dict:
+        opt_state = {}
+        for name, p in zip(self.param_names, self.masters.masters):
+            st = self.optimizer.state.get(p)
+            if st:
+                opt_state[name] = {k: (v.detach().clone() if torch.is_tensor(v) else v)
+                                   for k, v in st.items()}
+        return {"model": {n: p.detach().clone() for n, p in self.named_parameters().items()},
+                "optimizer": opt_state, "scaler": self.scaler.state_dict(),
+                "iteration": self.iteration, "updates": self.updates,
+                "config": self.config.to_dict(), "bounds": self.bounds}
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict, *, load_optim: bool = True) -> None:
+        """Load the entries for this rank's parameters (any layout may have written them)."""
+        model = state["model"]
+        missing = [n for n in self.param_names if n not in model]
+        if missing:
+            raise KeyError(f"state lacks parameters {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+        for name, p in zip(self.param_names, self.masters.masters):
+            if model[name].shape != p.shape:
+                raise ValueError(f"parameter {name}: shape {tuple(model[name].shape)} in the state, "
+                                 f"{tuple(p.shape)} in the model")
+            p.copy_(model[name])
+        self.masters.copy_to_model()
+        if load_optim:
+            for name, p in zip(self.param_names, self.masters.masters):
+                st = state["optimizer"].get(name)
+                if st is not None:
+                    self.optimizer.state[p] = {k: (v.to(p.device).clone() if torch.is_tensor(v) else v)
+                                               for k, v in st.items()}
+            self.scaler.load_state_dict(state["scaler"])
+        self.iteration, self.updates = int(state["iteration"]), int(state["updates"])
+
+
+def train(trainer: Trainer, *, on_step: Callable[[Trainer, StepStats], None] | None = None,
+          log: Callable[[str], None] | None = None, progress: bool = False) -> TrainResult:
+    """Run steps until ``trainer.iteration == config.steps``; log on global rank 0."""
+    cfg = trainer.config
+    result = TrainResult()
+    is_logger = trainer.topology.rank == 0
+    bar = None
+    if progress and is_logger:
+        from tqdm import tqdm
+        bar = tqdm(total=cfg.steps, initial=trainer.iteration, desc="train", unit="step",
+                   file=sys.stderr, leave=False)
+    try:
+        while trainer.iteration < cfg.steps:
+            stats = trainer.step()
+            result.add(stats)
+            if is_logger and log is not None:
+                msg = (f"step {stats.iteration + 1}/{cfg.steps} loss {stats.loss:.4f} "
+                       f"step_time {stats.step_time * 1e3:.1f} ms tokens/s {stats.tokens_per_s:,.0f} "
+                       f"lr {stats.lr:.2e} grad_norm {stats.grad_norm:.3f}")
+                if trainer.scaler.dynamic:
+                    msg += f" loss_scale {stats.loss_scale:g}" + (" SKIPPED" if stats.skipped else "")
+                if bar is not None:
+                    bar.write(msg)
+                else:
+                    log(msg)
+            if bar is not None:
+                bar.update(1)
+            if on_step is not None:
+                on_step(trainer, stats)
+    finally:
+        if bar is not None:
+            bar.close()
+    return result
