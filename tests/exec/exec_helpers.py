@@ -1,0 +1,122 @@
+"""Shared pieces of the pipeexec tests: a tiny GPT config, an independent single-process
+reference written with plain torch (nn.Sequential + torch.optim.AdamW + clip_grad_norm_), and
+worker functions run in forked ranks by `pipeexec.launch`.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import pipesim
+from pipeexec.config import TrainConfig
+from pipeexec.data import BatchSource
+from pipeexec.model import gpt_spec
+from pipeexec.topology import destroy_topology, init_topology
+from pipeexec.train import Trainer, train
+
+GLOBAL_BATCH = 8
+MICROBATCHES = 4
+TINY = TrainConfig(layers=6, hidden=16, heads=2, seq_len=8, vocab=32, steps=3, lr=3e-3,
+                   warmup_steps=1, min_lr=3e-4, weight_decay=0.1, clip_grad=0.5,
+                   p2p_timeout=60.0, collective_timeout=120.0, seed=7)
+
+
+def layout_config(schedule: str, pp: int, dp: int, **changes) -> TrainConfig:
+    """TINY with the schedule's largest workable vpp (2, else 1) and the fixed global batch."""
+    b = GLOBAL_BATCH // (dp * MICROBATCHES)
+    vpp = choose_vpp(schedule, pp, MICROBATCHES)
+    return TINY.replace(schedule=schedule, pp=pp, dp=dp, vpp=vpp, microbatches=MICROBATCHES,
+                        micro_batch_size=b, **changes)
+
+
+def choose_vpp(schedule: str, pp: int, m: int) -> int:
+    for vpp in (2, 1):
+        try:
+            pipesim.build_schedule(schedule, pp=pp, microbatches=m, vpp=vpp).validate()
+            return vpp
+        except pipesim.ScheduleError:
+            continue
+    raise pipesim.ScheduleError(f"{schedule} builds with neither vpp 2 nor 1 at pp={pp}, m={m}")
+
+
+def reference_lr(cfg: TrainConfig, k: int) -> float:
+    if k < cfg.warmup_steps:
+        return cfg.lr * (k + 1) / cfg.warmup_steps
+    t = (k - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
+    return cfg.min_lr + (cfg.lr - cfg.min_lr) * (1 + math.cos(math.pi * t)) / 2
+
+
+def reference_model(cfg: TrainConfig) -> tuple[nn.Sequential, list[str]]:
+    spec = gpt_spec(layers=cfg.layers, hidden=cfg.hidden, heads=cfg.heads, seq_len=cfg.seq_len,
+                    vocab=cfg.vocab)
+    layers = [spec.build_layer(i, cfg.seed) for i in range(spec.num_layers)]
+    model = nn.Sequential(*layers)
+    names = [f"layers.{n}" for n, _ in model.named_parameters()]
+    return model, names
+
+
+def reference_train(cfg: TrainConfig, steps: int | None = None, dtype: torch.dtype = torch.float32):
+    """Plain single-process training on the whole global batch; returns losses, params, model."""
+    model, names = reference_model(cfg)
+    params = list(model.parameters())
+    masters = [p.detach().clone() for p in params]
+    for m in masters:
+        m.requires_grad_(True)
+    if dtype != torch.float32:
+        model.to(dtype)
+    opt = torch.optim.AdamW(
+        [{"params": [p for p in masters if p.dim() >= 2], "weight_decay": cfg.weight_decay},
+         {"params": [p for p in masters if p.dim() < 2], "weight_decay": 0.0}],
+        lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
+    src = BatchSource(seed=cfg.seed, seq_len=cfg.seq_len, vocab=cfg.vocab,
+                      global_batch=cfg.global_batch)
+    losses = []
+    for k in range(cfg.steps if steps is None else steps):
+        x, y = src.global_batch_at(k)
+        logits = model(x)
+        loss = F.cross_entropy(logits.float().reshape(-1, cfg.vocab), y.reshape(-1))
+        grads = torch.autograd.grad(loss, params)
+        for mp, g in zip(masters, grads):
+            mp.grad = g.float()
+        torch.nn.utils.clip_grad_norm_(masters, cfg.clip_grad)
+        for g in opt.param_groups:
+            g["lr"] = reference_lr(cfg, k)
+        opt.step()
+        with torch.no_grad():
+            for p, mp in zip(params, masters):
+                p.copy_(mp)
+        losses.append(loss.item())
+    return losses, dict(zip(names, masters)), model
+
+
+def reference_logits(cfg: TrainConfig, model: nn.Module, step: int) -> torch.Tensor:
+    src = BatchSource(seed=cfg.seed, seq_len=cfg.seq_len, vocab=cfg.vocab, global_batch=cfg.global_batch)
+    x, _ = src.global_batch_at(step)
+    with torch.no_grad():
+        return model(x).float()
+
+
+def layouts_worker(board, pp: int, dp: int, cases: list[tuple[str, dict]]) -> dict:
+    """Train every case (schedule, config changes) on one topology; return what the rank holds."""
+    topo = init_topology(pp, dp, timeout=120)
+    out = {}
+    try:
+        for schedule, changes in cases:
+            cfg = layout_config(schedule, pp, dp, **changes)
+            trainer = Trainer(cfg, topo, board=board)
+            res = train(trainer)
+            fwd = trainer.forward(cfg.steps, keep_outputs=True)
+            out[(schedule, tuple(sorted(changes.items())))] = {
+                "losses": res.losses, "skipped": res.skipped, "loss_scales": res.loss_scales,
+                "params": {n: p.detach().clone() for n, p in trainer.named_parameters().items()},
+                "fwd_outputs": {mb: t.clone() for mb, t in fwd.outputs.items()},
+                "fwd_losses": {mb: t.item() for mb, t in fwd.losses.items()},
+                "pp_rank": topo.pp_rank, "dp_rank": topo.dp_rank, "vpp": cfg.vpp,
+                "config": cfg,
+            }
+    finally:
+        destroy_topology(topo)
+    return out
