@@ -1,0 +1,84 @@
+"""Fit a :class:`CostModel` to a trace: per-stage means of F, B, I, W and a p2p line.
+
+This is how a measured run (the executor's trace) becomes a model that predicts other
+schedules: the compute time of an action depends on its stage, not on the schedule around it.
+"""
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from .costs import CostModel
+
+if TYPE_CHECKING:
+    import pandas as pd
+
+_SENDS = ("SEND_F", "SEND_B")
+
+
+def fit_costs(trace: "pd.DataFrame", num_stages: int | None = None, **overrides: Any) -> CostModel:
+    """Per-stage mean duration of each compute op, and ``p2p_latency`` / ``p2p_bandwidth``.
+
+    * F is required on every stage. B, I and W are fitted where the trace has them: a trace
+      with only I and W leaves B to default to I + W; one with only B leaves I and W to split it.
+    * Communication: a least-squares line ``duration = latency + bytes / bandwidth`` through the
+      SEND rows (each spans one transfer). With a single message size the two cannot be told
+      apart, so latency is 0 and bandwidth = bytes / mean duration. ``p2p_bytes`` per stage is
+      the mean size of the forward messages the stage sends. No SEND rows: zero-cost links.
+    * ``overrides`` set any other field (memory is not in a trace's timing: pass
+      ``activation_bytes`` etc. here).
+
+    Raises ValueError naming the stage and op when a stage lacks a needed op.
+    """
+    from .trace import check_trace
+
+    check_trace(trace)
+    compute = trace[(trace["kind"] == "compute") & (trace["stage"] >= 0)]
+    if num_stages is None:
+        num_stages = int(compute["stage"].max()) + 1
+    durations = compute["end"] - compute["start"]
+    means = durations.groupby([compute["op"].astype(str), compute["stage"]]).mean()
+    fitted: dict[str, Any] = {}
+    for op, field in (("F", "forward"), ("B", "backward"), ("I", "backward_input"),
+                      ("W", "backward_weight")):
+        have = [s for s in range(num_stages) if (op, s) in means.index]
+        if not have:
+            if op == "F":
+                raise ValueError("fit_costs: the trace has no F rows")
+            continue
+        if len(have) != num_stages:
+            missing = sorted(set(range(num_stages)) - set(have))
+            raise ValueError(f"fit_costs: {op} is measured on some stages but not on stage(s) "
+                             f"{missing}")
+        fitted[field] = [float(means[(op, s)]) for s in range(num_stages)]
+    if "backward" not in fitted and ("backward_input" in fitted) != ("backward_weight" in fitted):
+        raise ValueError("fit_costs: the trace has only one of I and W and no B")
+    fitted.update(_fit_p2p(trace, num_stages))
+    fitted.update(overrides)
+    return CostModel(**fitted)
+
+
+def _fit_p2p(trace: "pd.DataFrame", num_stages: int) -> dict[str, Any]:
+    if "bytes" not in trace.columns:
+        return {}
+    sends = trace[trace["op"].astype(str).isin(_SENDS)]
+    if len(sends) == 0:
+        return {}
+    size = sends["bytes"].to_numpy(float)
+    dur = (sends["end"] - sends["start"]).to_numpy(float)
+    out: dict[str, Any] = {}
+    if np.unique(size).size >= 2:
+        slope, intercept = np.polyfit(size, dur, 1)
+        latency = max(float(intercept), 0.0)
+        bandwidth = 1.0 / slope if slope > 0 else math.inf
+    else:
+        latency, bandwidth = 0.0, (size[0] / dur.mean() if size[0] > 0 and dur.mean() > 0 else math.inf)
+        if size[0] == 0:
+            latency = float(dur.mean())
+    out["p2p_latency"], out["p2p_bandwidth"] = latency, bandwidth
+    fwd = sends[sends["op"].astype(str) == "SEND_F"]
+    per_stage = fwd.groupby("stage")["bytes"].mean()
+    out["p2p_bytes"] = [float(per_stage.get(s, 0.0)) for s in range(num_stages)]
+    return out

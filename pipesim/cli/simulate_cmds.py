@@ -1,0 +1,142 @@
+"""`pipesim simulate` and `pipesim sweep`: predict a step's time and memory from the command line."""
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+
+from ..costs import CostModel
+
+_SIZE = re.compile(r"^\s*([0-9.eE+-]+)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
+_UNITS = {"b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_bytes(text: str) -> float:
+    """'80GB', '80 GiB', '8e10' -> bytes."""
+    match = _SIZE.match(text)
+    if match is None:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 80GB, 72GiB, 8e10)")
+    return float(match.group(1)) * _UNITS[(match.group(2) or "B").lower()]
+
+
+def _add_cost_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("costs (default: uniform F=1, B=2 (I=W=1), zero communication)")
+    g.add_argument("--costs", metavar="FILE.json", help="a CostModel saved as JSON")
+    g.add_argument("--model", metavar="PRESET",
+                   help="transformer preset (pipesim.transformer.model_names())")
+    g.add_argument("--hardware", metavar="PRESET", default=None, help="A100, H100 or H200 (default H100)")
+    g.add_argument("--efficiency", type=float, default=0.5, help="achieved / peak FLOP/s")
+    g.add_argument("--link", choices=("intra", "inter"), default="inter",
+                   help="pipeline p2p over NVLink (intra) or the network (inter)")
+    g.add_argument("--comm", choices=("async", "blocking"), default="async")
+    g.add_argument("--dp", type=int, default=1, help="data-parallel replicas (for --step-tail)")
+    g.add_argument("--step-tail", action="store_true",
+                   help="add the dp gradient all-reduce and the optimizer step")
+
+
+def _cost_source(args: argparse.Namespace):
+    """A CostModel, or a (num_stages, micro_batch_size) -> CostModel factory for --model."""
+    if args.costs and args.model:
+        raise ValueError("give either --costs or --model, not both")
+    if args.hardware and not args.model:
+        raise ValueError("--hardware needs --model")
+    if args.costs:
+        return CostModel.load(args.costs)
+    if args.model:
+        hw = args.hardware or "H100"
+
+        def factory(num_stages: int, micro_batch_size: int) -> CostModel:
+            return CostModel.transformer(args.model, hw, num_stages=num_stages,
+                                         micro_batch_size=micro_batch_size,
+                                         efficiency=args.efficiency, link=args.link)
+        return factory
+    return CostModel.uniform(1.0, 2.0)
+
+
+def add_commands(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("simulate", help="simulate one step of a schedule and print its summary")
+    p.add_argument("name", help="schedule name (see `pipesim list`)")
+    p.add_argument("--pp", type=int, default=4, help="pipeline ranks")
+    p.add_argument("--vpp", type=int, default=1, help="chunks (virtual stages) per rank")
+    p.add_argument("--microbatches", "-m", type=int, default=8)
+    p.add_argument("--micro-batch-size", type=int, default=1, help="sequences per microbatch (--model)")
+    _add_cost_args(p)
+    p.add_argument("--jitter", type=float, default=0.0, help="relative compute-time noise, seeded")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--gantt", metavar="OUT.png", help="write a Gantt chart")
+    p.add_argument("--gantt-comm", action="store_true", help="with a communication lane")
+    p.add_argument("--chrome", metavar="OUT.json", help="write a Chrome/Perfetto trace")
+    p.add_argument("--trace-csv", metavar="OUT.csv", help="write the trace table")
+    p.add_argument("--save-costs", metavar="OUT.json", help="write the cost model used")
+    p.set_defaults(func=cmd_simulate)
+
+    p = sub.add_parser("sweep", help="simulate schedules x pp x vpp x microbatches, write CSV")
+    p.add_argument("--schedules", nargs="+", required=True, metavar="NAME")
+    p.add_argument("--pp", type=int, nargs="+", default=[4])
+    p.add_argument("--vpp", type=int, nargs="+", default=[1])
+    p.add_argument("--microbatches", "-m", type=int, nargs="+", default=[8])
+    p.add_argument("--micro-batch-size", type=int, nargs="+", default=[1])
+    _add_cost_args(p)
+    p.add_argument("--memory-limit", type=parse_bytes, default=None,
+                   help="per-rank peak memory limit, e.g. 80GB (default with --model: the "
+                        "hardware's memory)")
+    p.add_argument("--inflight-limit", type=int, default=None,
+                   help="per-rank limit on microbatches in flight")
+    p.add_argument("--out", metavar="OUT.csv", required=True, help="CSV of every configuration")
+    p.add_argument("--no-progress", action="store_true")
+    p.set_defaults(func=cmd_sweep)
+
+
+def cmd_simulate(args: argparse.Namespace) -> int:
+    from ..engine import simulate
+    from ..schedule.registry import build_schedule
+
+    schedule = build_schedule(args.name, pp=args.pp, microbatches=args.microbatches, vpp=args.vpp)
+    source = _cost_source(args)
+    costs = source(schedule.num_stages, args.micro_batch_size) if callable(source) else source
+    result = simulate(schedule, costs, comm=args.comm, step_tail=args.step_tail, dp=args.dp,
+                      jitter=args.jitter, seed=args.seed)
+    print(result.summary_text())
+    if args.gantt:
+        result.gantt(comm=args.gantt_comm, memory=True).savefig(args.gantt, dpi=100)
+        print(f"wrote {args.gantt}")
+    if args.chrome:
+        result.to_chrome_trace(args.chrome)
+        print(f"wrote {args.chrome}")
+    if args.trace_csv:
+        result.trace.to_csv(args.trace_csv, index=False)
+        print(f"wrote {args.trace_csv}")
+    if args.save_costs:
+        costs.save(args.save_costs)
+        print(f"wrote {args.save_costs}")
+    return 0
+
+
+def cmd_sweep(args: argparse.Namespace) -> int:
+    from ..hardware import get_hardware
+    from ..sweep import sweep
+
+    source = _cost_source(args)
+    limit = args.memory_limit
+    if limit is None and args.model:
+        limit = get_hardware(args.hardware or "H100").memory_bytes
+    table = sweep(args.schedules, args.pp, args.vpp, args.microbatches, args.micro_batch_size,
+                  costs=source, memory_limit=limit, inflight_limit=args.inflight_limit,
+                  comm=args.comm, step_tail=args.step_tail, dp=args.dp,
+                  progress=not args.no_progress)
+    table.to_csv(args.out, index=False)
+    ok = table[table["status"] == "ok"].sort_values("makespan")
+    shown = ["schedule", "pp", "vpp", "microbatches", "micro_batch_size", "makespan",
+             "bubble_fraction", "bubble_rate", "peak_memory", "peak_inflight"]
+    if len(ok):
+        print(ok[shown].to_string(index=False, float_format=lambda x: f"{x:.5g}"))
+    for row in table[table["status"] == "infeasible"].itertuples(index=False):
+        print(f"infeasible: {row.schedule} pp={row.pp} vpp={row.vpp} m={row.microbatches} "
+              f"mbs={row.micro_batch_size}: {row.reason}", file=sys.stderr)
+    invalid = table[table["status"] == "invalid"]
+    for (name, reason), group in invalid.groupby(["schedule", "reason"], sort=False):
+        print(f"invalid ({len(group)} configuration{'s' if len(group) > 1 else ''}): {name}: "
+              f"{reason}", file=sys.stderr)
+    print(f"{len(ok)} of {len(table)} configurations feasible; wrote {args.out}")
+    return 0

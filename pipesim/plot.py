@@ -1,0 +1,203 @@
+"""Gantt charts of a trace: one row per rank, a colour per op, chunks by shade.
+
+Drawn on a bare :class:`matplotlib.figure.Figure` with the Agg canvas: no pyplot, no global
+backend switch, nothing shown; the caller saves it (``fig.savefig``) or a notebook displays it.
+Boxes are drawn with one ``broken_barh`` per (op, chunk), so a chart of 100k spans stays quick;
+microbatch numbers are written only in boxes wide enough to hold them.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes
+    from matplotlib.figure import Figure
+
+    from .result import SimResult
+
+OP_COLORS = {"F": "#3b75af", "B": "#4a9a52", "I": "#e08b2d", "W": "#8a63b8",
+             "OPTIMIZER": "#7f7f7f"}
+COMM_COLORS = {"SEND_F": "#6fa8dc", "SEND_B": "#93c47d", "RECV_F": "#cccccc", "RECV_B": "#cccccc",
+               "ALLREDUCE": "#c0504d"}
+_IDLE = "#f3f3f3"
+
+
+def _shade(color: str, chunk: int, chunks: int) -> tuple[float, float, float]:
+    """Chunk 0 in the full colour, later chunks mixed towards white (up to 60%)."""
+    from matplotlib.colors import to_rgb
+
+    rgb = np.array(to_rgb(color))
+    mix = 0.0 if chunks <= 1 else 0.6 * chunk / (chunks - 1)
+    return tuple(rgb + (1.0 - rgb) * mix)
+
+
+def gantt(result: "SimResult", *, comm: bool = False, memory: bool = False,
+          labels: bool = True, title: str | None = None, figsize: tuple[float, float] | None = None,
+          ax: "Axes | None" = None, xlim: tuple[float, float] | None = None) -> "Figure":
+    """Draw ``result`` (a :class:`pipesim.SimResult`, simulated or measured).
+
+    * ``comm``: a thin lane under each rank with its transfers (SEND spans) and waits (RECV).
+    * ``memory``: a subplot under the chart with each rank's bytes held over time (needs the
+      result to have memory: a CostModel or a measured memory timeline).
+    * ``labels``: microbatch numbers in the boxes they fit in.
+    * ``ax``: draw the chart into an existing Axes (then ``memory`` is not drawn).
+    * ``xlim``: the time axis range in seconds from the step start, e.g. to put predicted and
+      measured charts on one axis.
+    """
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    from matplotlib.patches import Patch
+
+    trace = result.trace
+    ranks = result.num_ranks
+    t0 = float(trace["start"].min())
+    span = max(result.makespan, 1e-30)
+    chunks = int(trace["chunk"].max()) + 1 if (trace["chunk"] >= 0).any() else 1
+    if ax is None:
+        # Wider for long schedules, so that two-digit microbatch numbers fit at pp=16, m=64.
+        per_rank = int((trace["kind"] == "compute").sum()) / max(ranks, 1)
+        width = float(np.clip(8.0 + 0.08 * per_rank, 10.0, 22.0))
+        height = 0.9 + 0.32 * ranks * (1.25 if comm else 1.0)
+        if figsize is None:
+            figsize = (width, height + (2.2 if memory else 0.0))
+        fig = Figure(figsize=figsize, layout="constrained")
+        FigureCanvasAgg(fig)
+        if memory:
+            ax, mem_ax = fig.subplots(2, 1, sharex=True,
+                                      gridspec_kw={"height_ratios": [height, 2.2]})
+        else:
+            ax, mem_ax = fig.subplots(), None
+    else:
+        fig, mem_ax = ax.figure, None
+
+    bar_top, bar_h = (-0.42, 0.6) if comm else (-0.4, 0.8)
+    for r in range(ranks):
+        ax.broken_barh([(0.0, span)], (r + bar_top, bar_h), facecolors=_IDLE, linewidth=0)
+
+    compute = trace[trace["kind"] == "compute"]
+    starts = compute["start"].to_numpy(float) - t0
+    durs = compute["end"].to_numpy(float) - compute["start"].to_numpy(float)
+    rank_col = compute["rank"].to_numpy(int)
+    op_col = compute["op"].astype(str).to_numpy()
+    chunk_col = compute["chunk"].to_numpy(int)
+    for op in sorted(set(op_col), key=lambda o: list(OP_COLORS).index(o) if o in OP_COLORS else 99):
+        for c in sorted(set(chunk_col[op_col == op])):
+            sel = (op_col == op) & (chunk_col == c)
+            color = _shade(OP_COLORS.get(op, "#444444"), max(c, 0), chunks)
+            for r in sorted(set(rank_col[sel])):
+                rs = sel & (rank_col == r)
+                ax.broken_barh(list(zip(starts[rs], durs[rs])), (r + bar_top, bar_h),
+                               facecolors=[color], edgecolors="white", linewidth=0.3)
+
+    if comm:
+        rows = trace[trace["kind"] == "comm"]
+        cs = rows["start"].to_numpy(float) - t0
+        cd = rows["end"].to_numpy(float) - rows["start"].to_numpy(float)
+        cr = rows["rank"].to_numpy(int)
+        cop = rows["op"].astype(str).to_numpy()
+        for op in sorted(set(cop)):
+            sel = (cop == op) & (cd > 0)
+            for r in sorted(set(cr[sel])):
+                rs = sel & (cr == r)
+                ax.broken_barh(list(zip(cs[rs], cd[rs])), (r + 0.22, 0.18),
+                               facecolors=COMM_COLORS.get(op, "#999999"), linewidth=0)
+
+    ax.set_ylim(ranks - 0.5, -0.5)
+    ax.set_xlim(*(xlim if xlim is not None else (0.0, span)))
+    ax.set_yticks(range(ranks))
+    ax.set_yticklabels([f"rank {r}" for r in range(ranks)], fontsize=8 if ranks <= 24 else 6)
+    ax.tick_params(axis="x", labelsize=8)
+    if mem_ax is None:
+        ax.set_xlabel("time (s)")
+    for side in ("top", "right"):
+        ax.spines[side].set_visible(False)
+
+    if labels:
+        dark = np.array([_luminance(_shade(OP_COLORS.get(o, "#444444"), max(c, 0), chunks)) < 0.5
+                         for o, c in zip(op_col, chunk_col)], dtype=bool)
+        _label_boxes(fig, ax, starts, durs, rank_col, compute["microbatch"].to_numpy(int),
+                     dark, bar_top, bar_h)
+
+    handles = [Patch(color=OP_COLORS[o], label=o) for o in OP_COLORS if o in set(op_col)]
+    if chunks > 1:
+        handles += [Patch(color=_shade("#555555", c, chunks), label=f"chunk {c}") for c in range(chunks)]
+    if comm:
+        handles += [Patch(color=COMM_COLORS["SEND_F"], label="send F"),
+                    Patch(color=COMM_COLORS["SEND_B"], label="send B"),
+                    Patch(color=COMM_COLORS["RECV_F"], label="recv wait")]
+    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8,
+              frameon=False)
+    if title is None:
+        s = result.schedule
+        head = (f"{s.name}: pp={s.pp} vpp={s.vpp} m={s.num_microbatches}, "
+                if s is not None else "")
+        title = (f"{head}{result.source}: makespan {result.makespan:.4g} s, "
+                 f"bubble_fraction {result.bubble_fraction:.3f}, bubble_rate {result.bubble_rate:.3f}")
+    ax.set_title(title, fontsize=10, loc="left")
+
+    if mem_ax is not None:
+        _memory_plot(result, mem_ax, t0)
+    return fig
+
+
+def _luminance(rgb: tuple[float, float, float]) -> float:
+    return 0.299 * rgb[0] + 0.587 * rgb[1] + 0.114 * rgb[2]
+
+
+def _label_boxes(fig: "Figure", ax: "Axes", starts, durs, ranks, mbs, dark, bar_top: float,
+                 bar_h: float) -> None:
+    """Write each microbatch number centred in its box when the box is wide enough.
+
+    The font is the smaller of what the row height allows and what lets the median box hold
+    the widest number (75th percentile box), between 4.5 and 8 points; white text on dark boxes, black on light ones.
+    """
+    bbox = ax.get_window_extent()
+    x0, x1 = ax.get_xlim()
+    px_per_s = bbox.width / max(x1 - x0, 1e-30)
+    row_px = bbox.height / max(abs(ax.get_ylim()[0] - ax.get_ylim()[1]), 1e-30)
+    pt_per_px = 72 / fig.dpi
+    digits = np.floor(np.log10(np.maximum(mbs, 1))).astype(int) + 1
+    if len(durs) == 0:
+        return
+    width_px = np.percentile(durs, 75) * px_per_s
+    fontsize = min(row_px * bar_h * pt_per_px * 0.62,
+                   (width_px - 2) / (0.62 * max(int(digits.max()), 1)) * pt_per_px)
+    fontsize = float(np.clip(fontsize, 4.5, 8.0))
+    char_px = 0.62 * fontsize / pt_per_px
+    fits = (durs * px_per_s >= digits * char_px + 2) & (mbs >= 0)
+    for x, d, r, mb, is_dark in zip(starts[fits], durs[fits], ranks[fits], mbs[fits], dark[fits]):
+        ax.text(x + d / 2, r + bar_top + bar_h / 2, str(mb), ha="center", va="center",
+                fontsize=fontsize, color="white" if is_dark else "black", clip_on=True)
+
+
+def _memory_plot(result: "SimResult", ax: "Axes", t0: float) -> None:
+    from matplotlib import colormaps
+
+    timeline = result.memory_timeline
+    peak = float(timeline["bytes"].max()) if len(timeline) else 0.0
+    scale, unit = next(((s, u) for s, u in ((2**30, "GiB"), (2**20, "MiB"), (2**10, "KiB"))
+                        if peak >= s), (1.0, "bytes"))
+    cmap = colormaps["viridis"]
+    ranks = result.num_ranks
+    end = result.makespan
+    # Events at one instant (a backward ending as the next forward starts) would draw as a
+    # zero-width spike: keep each instant's final value.
+    timeline = timeline.drop_duplicates(["rank", "time"], keep="last")
+    for r in range(ranks):
+        rows = timeline[timeline["rank"] == r]
+        x = np.append(rows["time"].to_numpy(float) - t0, end)
+        y = np.append(rows["bytes"].to_numpy(float), rows["bytes"].to_numpy(float)[-1:] if len(rows) else 0)
+        ax.step(x, y / scale, where="post", color=cmap(r / max(ranks - 1, 1)), linewidth=1.0,
+                label=f"rank {r}" if ranks <= 8 else None)
+    ax.set_ylabel(f"memory ({unit})", fontsize=8)
+    ax.set_xlabel("time (s)")
+    ax.tick_params(labelsize=8)
+    if ranks <= 8:
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False)
+    else:
+        ax.text(1.005, 1.0, f"ranks 0..{ranks - 1}\ndark -> light", transform=ax.transAxes,
+                fontsize=7, va="top")
+    for side in ("top", "right"):
+        ax.spines[side].set_visible(False)

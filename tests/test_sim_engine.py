@@ -1,0 +1,233 @@
+"""The engine against an independent list scheduler, plus its modes and its errors."""
+import math
+import subprocess
+import sys
+
+import pytest
+from hypothesis import given, settings, strategies as st
+
+import pipesim
+from pipesim import CostModel, ScheduleError, simulate
+
+NAMES = pipesim.schedule_names()
+
+
+def list_schedule(schedule, costs, blocking=False):
+    """Start time of every compute action, by plain list scheduling over the compute orders.
+
+    Independent of the engine: no SimPy, no SEND/RECV actions. Each compute action starts when
+    its rank is free and its input is there: the previous stage's F (forward) or the next
+    stage's B/I (backward), directly on the same rank or after a transfer on the directed link
+    between the two ranks, which carries one message at a time in the order they are produced.
+    """
+    n, pp = schedule.num_stages, schedule.pp
+    place = schedule.placement
+    t = costs.compute_times(n)
+    nbytes = costs.stage_values("p2p_bytes", n)
+    order = [schedule.compute_order(r) for r in range(pp)]
+    pos = [0] * pp
+    free = [0.0] * pp
+    end = {}       # ("F"|"G", stage, mb) -> end time of the compute
+    arrive = {}    # ("F"|"G", receiving stage, mb) -> arrival time
+    link = {}
+    start = {}
+    progress = True
+    while progress:
+        progress = False
+        for r in range(pp):
+            while pos[r] < len(order[r]):
+                a = order[r][pos[r]]
+                op, s, mb = a
+                if op == "F":
+                    if s == 0:
+                        ready = 0.0
+                    elif place[s - 1] == r:
+                        ready = end[("F", s - 1, mb)]
+                    else:
+                        ready = arrive.get(("F", s, mb))
+                elif op in ("B", "I"):
+                    if s == n - 1:
+                        ready = 0.0
+                    elif place[s + 1] == r:
+                        ready = end[("G", s + 1, mb)]
+                    else:
+                        ready = arrive.get(("G", s, mb))
+                else:
+                    ready = 0.0
+                if ready is None:
+                    break
+                begin = max(free[r], ready)
+                start[(r, op, s, mb)] = begin
+                finish = begin + t[op][s]
+                free[r] = finish
+                key = "F" if op == "F" else "G"
+                end[(key, s, mb)] = finish
+                dest = s + 1 if op == "F" else s - 1
+                if op != "W" and 0 <= dest < n and place[dest] != r:
+                    size = nbytes[min(s, dest)]
+                    lk = (r, place[dest])
+                    go = max(finish, link.get(lk, 0.0))
+                    done = go + costs.p2p_latency + (size / costs.p2p_bandwidth if size else 0.0)
+                    link[lk] = done
+                    arrive[(key, dest, mb)] = done
+                    if blocking:
+                        free[r] = done
+                pos[r] += 1
+                progress = True
+    assert all(pos[r] == len(order[r]) for r in range(pp)), "list scheduler got stuck"
+    return start
+
+
+def build_any(name, pp, m, vpp):
+    """The schedule for the first vpp (of vpp, 1, 2, 3) the builder accepts."""
+    for v in (vpp, 1, 2, 3):
+        try:
+            return pipesim.build_schedule(name, pp=pp, microbatches=m, vpp=v)
+        except ScheduleError:
+            continue
+    pytest.skip(f"{name} accepts no vpp in 1..3 for pp={pp}, m={m}")
+
+
+def starts_of(result):
+    rows = result.trace[result.trace["kind"] == "compute"]
+    return {(int(r.rank), str(r.op), int(r.stage), int(r.microbatch)): float(r.start)
+            for r in rows.itertuples(index=False)}
+
+
+def stage_costs(n):
+    pos = st.floats(0.05, 5.0, allow_nan=False, allow_infinity=False)
+    return st.tuples(st.lists(pos, min_size=n, max_size=n), st.lists(pos, min_size=n, max_size=n),
+                     st.lists(pos, min_size=n, max_size=n))
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.data(), name=st.sampled_from(NAMES), pp=st.integers(1, 5), m=st.integers(1, 8),
+       vpp=st.integers(1, 3), comm=st.sampled_from(["none", "latency", "bandwidth"]),
+       blocking=st.booleans())
+def test_start_times_match_list_scheduler(data, name, pp, m, vpp, comm, blocking):
+    schedule = build_any(name, pp, m, vpp)
+    n = schedule.num_stages
+    f, i, w = data.draw(stage_costs(n))
+    extra = {}
+    if comm == "latency":
+        extra = dict(p2p_latency=data.draw(st.floats(0.0, 3.0)))
+    elif comm == "bandwidth":
+        extra = dict(p2p_latency=0.1, p2p_bandwidth=10.0,
+                     p2p_bytes=data.draw(st.lists(st.floats(0.0, 40.0), min_size=n, max_size=n)))
+    costs = CostModel(forward=f, backward_input=i, backward_weight=w, **extra)
+    result = simulate(schedule, costs, comm="blocking" if blocking else "async")
+    expected = list_schedule(schedule, costs, blocking=blocking)
+    got = starts_of(result)
+    assert got.keys() == expected.keys()
+    for key, value in expected.items():
+        assert got[key] == pytest.approx(value, rel=1e-12, abs=1e-9), key
+
+
+def test_transfer_rows_and_link_fifo():
+    # 2 ranks, F = 1, a transfer of 3 s: the link is the bottleneck, messages queue in order.
+    s = pipesim.build_schedule("gpipe", pp=2, microbatches=3)
+    costs = CostModel(forward=1.0, backward=1.0, p2p_latency=3.0)
+    tr = simulate(s, costs).trace
+    sends = tr[(tr["op"] == "SEND_F")].sort_values("microbatch")
+    assert list(sends["start"]) == [1.0, 4.0, 7.0]
+    assert list(sends["end"]) == [4.0, 7.0, 10.0]
+    assert set(sends["peer"]) == {1}
+    f1 = tr[(tr["op"] == "F") & (tr["rank"] == 1)].sort_values("microbatch")
+    assert list(f1["start"]) == [4.0, 7.0, 10.0]
+    recv = tr[(tr["op"] == "RECV_F")].sort_values("microbatch")
+    assert list(recv["end"] - recv["start"]) == [4.0, 2.0, 2.0]   # waits of rank 1
+
+
+def test_blocking_sender_waits():
+    s = pipesim.build_schedule("gpipe", pp=2, microbatches=2)
+    costs = CostModel(forward=1.0, backward=1.0, p2p_latency=3.0)
+    tr = simulate(s, costs, comm="blocking").trace
+    f0 = tr[(tr["op"] == "F") & (tr["rank"] == 0)].sort_values("microbatch")
+    assert list(f0["start"]) == [0.0, 4.0]          # the second F waits for the first transfer
+    tr_async = simulate(s, costs).trace
+    f0 = tr_async[(tr_async["op"] == "F") & (tr_async["rank"] == 0)].sort_values("microbatch")
+    assert list(f0["start"]) == [0.0, 1.0]
+
+
+def test_step_tail_ring_allreduce_and_optimizer():
+    s = pipesim.build_schedule("1f1b", pp=2, microbatches=4)
+    costs = CostModel(forward=1.0, backward=2.0, grad_bytes=[100.0, 300.0], optimizer=[0.5, 0.25],
+                      dp_latency=0.01, dp_bandwidth=50.0)
+    base = simulate(s, costs)
+    r = simulate(s, costs, step_tail=True, dp=4)
+    tail = r.trace[r.trace["stage"] < 0]
+    for rank, grad, opt in ((0, 100.0, 0.5), (1, 300.0, 0.25)):
+        rows = tail[tail["rank"] == rank].set_index("op")
+        last = base.trace[base.trace["rank"] == rank]["end"].max()
+        ring = 2 * 3 * 0.01 + 2 * 3 / 4 * grad / 50.0
+        assert rows.loc["ALLREDUCE", "start"] == pytest.approx(last)
+        assert rows.loc["ALLREDUCE", "end"] - rows.loc["ALLREDUCE", "start"] == pytest.approx(ring)
+        assert rows.loc["OPTIMIZER", "end"] - rows.loc["OPTIMIZER", "start"] == pytest.approx(opt)
+        assert rows.loc["ALLREDUCE", "kind"] == "comm" and rows.loc["OPTIMIZER", "kind"] == "compute"
+    assert r.makespan == pytest.approx(max(tail["end"]))
+    # dp = 1: no all-reduce time, only the optimizer.
+    one = simulate(s, costs, step_tail=True, dp=1).trace
+    ar = one[one["op"] == "ALLREDUCE"]
+    assert (ar["end"] == ar["start"]).all()
+
+
+def test_jitter_is_seeded_and_bounded():
+    s = pipesim.build_schedule("1f1b", pp=3, microbatches=6)
+    costs = CostModel.uniform(1.0, 2.0)
+    a = simulate(s, costs, jitter=0.2, seed=7).trace
+    b = simulate(s, costs, jitter=0.2, seed=7).trace
+    c = simulate(s, costs, jitter=0.2, seed=8).trace
+    assert a.equals(b)
+    assert not a["end"].equals(c["end"])
+    comp = a[a["kind"] == "compute"]
+    nominal = comp["op"].map({"F": 1.0, "B": 2.0}).astype(float)
+    ratio = (comp["end"] - comp["start"]) / nominal
+    assert ratio.between(0.8, 1.2).all() and ratio.std() > 0.01
+
+
+def test_trace_columns_and_every_action_once():
+    s = pipesim.build_schedule("interleaved", pp=2, vpp=2, microbatches=4)
+    tr = simulate(s, CostModel.uniform()).trace
+    assert list(tr.columns) == ["rank", "op", "stage", "chunk", "microbatch", "start", "end",
+                                "kind", "bytes", "peer"]
+    assert len(tr) == sum(len(s.actions(r)) for r in range(s.pp))
+    for r in range(s.pp):
+        rows = tr[tr["rank"] == r]
+        assert [str(o) for o in rows["op"]] == [a.op for a in s.actions(r)]
+        assert list(rows["chunk"]) == [s.stage_chunk(a.stage) for a in s.actions(r)]
+    comp = tr[tr["kind"] == "compute"]
+    assert (comp["peer"] == -1).all()
+    comm = tr[tr["kind"] == "comm"]
+    assert set(comm["op"].astype(str)) == {"SEND_F", "RECV_F", "SEND_B", "RECV_B"}
+
+
+def test_errors_name_the_field():
+    s = pipesim.build_schedule("1f1b", pp=2, microbatches=2)
+    with pytest.raises(ValueError, match=r"CostModel.forward has 3 per-stage values, expected num_stages = 2"):
+        simulate(s, CostModel(forward=[1.0, 1.0, 1.0]))
+    with pytest.raises(ValueError, match="comm must be one of"):
+        simulate(s, CostModel(), comm="eager")
+    with pytest.raises(ValueError, match="jitter"):
+        simulate(s, CostModel(), jitter=1.5)
+    bad = pipesim.Schedule(2, 1, 1, "looped", [[pipesim.Action("F", 0, 0)], []])
+    with pytest.raises(ScheduleError):
+        simulate(bad, CostModel())
+
+
+def test_no_torch_import():
+    code = ("import sys, pipesim\n"
+            "s = pipesim.build_schedule('1f1b', pp=2, microbatches=2)\n"
+            "r = pipesim.simulate(s, pipesim.CostModel.uniform())\n"
+            "r.summary(); r.to_chrome_trace()\n"
+            "assert 'torch' not in sys.modules, 'pipesim imported torch'\n")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_hand_computed_makespan_with_latency():
+    s = pipesim.build_schedule("gpipe", pp=3, microbatches=2)
+    r = simulate(s, CostModel(forward=1.0, backward=1.0, p2p_latency=0.5))
+    # By hand: rank 1 runs F0 1.5-2.5, F1 2.5-3.5; rank 2 F0 3-4, F1 4-5, B0 5-6, B1 6-7;
+    # rank 1 B0 6.5-7.5, B1 7.5-8.5; rank 0 B0 8-9, B1 9-10.
+    assert r.makespan == pytest.approx(10.0)
+    assert starts_of(r)[(1, "B", 1, 1)] == pytest.approx(7.5)
+    assert math.isclose(r.busy[0], 4.0)
