@@ -1,0 +1,87 @@
+"""`pipesim simulate` and `pipesim sweep` through pipesim.cli.main."""
+import json
+
+import pandas as pd
+import pytest
+
+from pipesim import CostModel
+from pipesim.cli import main
+from pipesim.cli.simulate_cmds import parse_bytes
+
+
+def test_simulate_writes_everything(tmp_path, capsys):
+    out = {k: tmp_path / f"o.{k}" for k in ("png", "json", "csv")}
+    costs = tmp_path / "costs.json"
+    rc = main(["simulate", "1f1b", "--pp", "2", "-m", "4", "--gantt", str(out["png"]),
+               "--chrome", str(out["json"]), "--trace-csv", str(out["csv"]),
+               "--save-costs", str(costs)])
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert "bubble_fraction (Megatron, idle/ideal) 0.2500" in text    # (p-1)/m
+    assert out["png"].read_bytes()[:4] == b"\x89PNG"
+    assert "traceEvents" in json.loads(out["json"].read_text())
+    assert len(pd.read_csv(out["csv"])) > 0
+    assert CostModel.load(costs) == CostModel.uniform(1.0, 2.0)
+    # The saved costs feed back in.
+    assert main(["simulate", "gpipe", "--pp", "2", "-m", "4", "--costs", str(costs)]) == 0
+
+
+def test_simulate_transformer_and_step_tail(capsys):
+    rc = main(["simulate", "zbv", "--pp", "2", "--vpp", "2", "-m", "4", "--model", "tiny",
+               "--hardware", "A100", "--step-tail", "--dp", "4", "--comm", "blocking"])
+    assert rc == 0
+    assert "peak_memory" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv,match", [
+    (["simulate", "gpipe", "--vpp", "2"], "gpipe needs vpp == 1"),
+    (["simulate", "1f1b", "--costs", "/nonexistent/c.json"], "No such file"),
+    (["simulate", "1f1b", "--hardware", "A100"], "--hardware needs --model"),
+    (["simulate", "1f1b", "--model", "gpt-9"], "unknown model preset 'gpt-9'"),
+])
+def test_simulate_errors(argv, match, capsys):
+    assert main(argv) == 2
+    assert match in capsys.readouterr().err
+
+
+def test_sweep_limits_say_which_failed(tmp_path, capsys):
+    out = tmp_path / "sweep.csv"
+    rc = main(["sweep", "--schedules", "1f1b", "gpipe", "--pp", "2", "4", "-m", "4", "8",
+               "--inflight-limit", "3", "--memory-limit", "7B", "--out", str(out)])
+    assert rc == 0
+    captured = capsys.readouterr()
+    assert "pipesim sweep" in captured.err          # the progress bar
+    table = pd.read_csv(out).fillna("")
+    assert len(table) == 8
+    status = {(r.schedule, r.pp, r.microbatches): (r.status, r.reason) for r in table.itertuples()}
+    assert status[("1f1b", 2, 8)] == ("ok", "")
+    assert status[("1f1b", 4, 4)] == ("infeasible", "in-flight limit: rank 0 holds 4 microbatches > 3")
+    # GPipe holds all m microbatches: 8 bytes of activations break the 7-byte limit too.
+    assert status[("gpipe", 2, 8)][1] == ("memory limit: rank 0 peaks at 8 bytes > 7 bytes; "
+                                          "in-flight limit: rank 0 holds 8 microbatches > 3")
+    ok = table[table["status"] == "ok"]
+    assert (ok["bubble_fraction"] == (ok["pp"] - 1) / ok["microbatches"]).all()
+
+
+def test_sweep_invalid_and_model(tmp_path, capsys):
+    out = tmp_path / "s.csv"
+    rc = main(["sweep", "--schedules", "interleaved", "1f1b", "--pp", "2", "--vpp", "1", "2",
+               "-m", "4", "--micro-batch-size", "1", "2", "--model", "tiny", "--hardware", "H200",
+               "--out", str(out), "--no-progress"])
+    assert rc == 0
+    table = pd.read_csv(out)
+    assert len(table) == 8
+    bad = table[table["status"] == "invalid"]
+    assert set(bad["schedule"]) == {"1f1b"} and (bad["vpp"] == 2).all()
+    assert "invalid (2 configurations): 1f1b: 1f1b needs vpp == 1" in capsys.readouterr().err
+    ok = table[table["status"] == "ok"]
+    # Twice the sequences per microbatch: about twice the step time and the samples.
+    one = ok[ok["micro_batch_size"] == 1].set_index(["schedule", "vpp"])["makespan"]
+    two = ok[ok["micro_batch_size"] == 2].set_index(["schedule", "vpp"])["makespan"]
+    assert ((two / one) > 1.9).all() and ((two / one) < 2.1).all()
+
+
+def test_parse_bytes():
+    assert parse_bytes("80GB") == 80e9
+    assert parse_bytes("72 GiB") == 72 * 2**30
+    assert parse_bytes("8e10") == 8e10

@@ -1,0 +1,71 @@
+"""The memory model and in-flight counts, against hand-worked timelines and closed forms."""
+import pytest
+
+import pipesim
+from pipesim import Action, CostModel, Schedule, SimResult, simulate
+
+
+def one_rank(order_text):
+    order = [Action.parse(t) for t in order_text.split()]
+    return Schedule(1, 1, 2, "looped", [order], name="hand")
+
+
+@pytest.mark.parametrize("order,expected,peak", [
+    # F adds at start; I frees 1 - 0.25 at its end; W frees the 0.25 W needs.
+    ("0F0 0F1 0I0 0I1 0W0 0W1", [1, 2, 1.25, 0.5, 0.25, 0.0], 2.0),
+    ("0F0 0I0 0F1 0W0 0I1 0W1", [1, 0.25, 1.25, 1.0, 0.25, 0.0], 1.25),
+    ("0F0 0B0 0F1 0B1", [1, 0, 1, 0], 1.0),
+])
+def test_hand_timelines(order, expected, peak):
+    r = simulate(one_rank(order), CostModel(activation_bytes=1.0, weight_grad_fraction=0.25,
+                                            static_bytes=10.0))
+    tl = r.memory_timeline
+    assert list(tl["bytes"]) == pytest.approx([10.0] + [10.0 + x for x in expected])
+    assert r.peak_memory == [10.0 + peak]
+
+
+@pytest.mark.parametrize("pp,m", [(2, 1), (4, 3), (4, 8), (5, 12)])
+def test_1f1b_peak_memory_closed_form(pp, m):
+    act = [float(10 + s) for s in range(pp)]
+    costs = CostModel(forward=[1.0 + 0.1 * s for s in range(pp)], activation_bytes=act,
+                      static_bytes=[100.0 * r for r in range(pp)], stage_static_bytes=7.0)
+    r = simulate(pipesim.build_schedule("1f1b", pp=pp, microbatches=m), costs)
+    assert r.peak_memory == pytest.approx([100.0 * k + 7.0 + min(pp - k, m) * act[k] for k in range(pp)])
+    g = simulate(pipesim.build_schedule("gpipe", pp=pp, microbatches=m), costs)
+    assert g.peak_memory == pytest.approx([100.0 * k + 7.0 + m * act[k] for k in range(pp)])
+
+
+def test_interleaved_inflight_matches_megatron_warmup():
+    # Megatron-LM interleaved: rank r runs (pp - r - 1) * 2 + (vpp - 1) * pp warm-up forwards,
+    # then one more before its first backward.
+    pp, vpp, m = 4, 2, 8
+    r = simulate(pipesim.build_schedule("interleaved", pp=pp, vpp=vpp, microbatches=m),
+                 CostModel.uniform())
+    assert r.peak_inflight == [(pp - k - 1) * 2 + (vpp - 1) * pp + 1 for k in range(pp)]
+    # Stage static bytes land on the rank that holds the stage (2 chunks per rank).
+    r2 = simulate(r.schedule, CostModel.uniform(activation_bytes=0.0,
+                                                stage_static_bytes=[float(s) for s in range(8)]))
+    assert r2.peak_memory == [0 + 4, 1 + 5, 2 + 6, 3 + 7]
+
+
+def test_forward_only_frees_after_each_forward():
+    s = pipesim.build_schedule("1f1b", pp=3, microbatches=4, forward_only=True)
+    r = simulate(s, CostModel(activation_bytes=5.0, static_bytes=1.0))
+    assert r.peak_inflight == [1, 1, 1]
+    assert r.peak_memory == [6.0, 6.0, 6.0]
+
+
+def test_measured_memory_timeline_is_used():
+    s = pipesim.build_schedule("1f1b", pp=2, microbatches=2)
+    tr = simulate(s, CostModel.uniform()).trace
+    import pandas as pd
+    timeline = pd.DataFrame({"rank": [0, 0, 1], "time": [0.0, 1.0, 0.5], "bytes": [3.0, 9.0, 4.0]})
+    r = SimResult.from_trace(tr, memory_timeline=timeline)
+    assert r.peak_memory == [9.0, 4.0]
+    with pytest.raises(ValueError, match="memory needs a memory_timeline or a CostModel"):
+        SimResult.from_trace(tr).peak_memory
+    with pytest.raises(ValueError, match="memory_timeline is missing column"):
+        SimResult.from_trace(tr, memory_timeline=timeline.drop(columns="bytes"))
+    # The model replayed over a trace alone gives the simulation's peaks.
+    costs = CostModel.uniform(activation_bytes=2.0)
+    assert SimResult.from_trace(tr, costs=costs).peak_memory == simulate(s, costs).peak_memory
