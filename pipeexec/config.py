@@ -68,7 +68,7 @@ class TrainConfig:
     device: str | None = None        # None: cuda:<local rank> when CUDA is available, else cpu
     # fault injection, for tests of the failure paths (never set in normal runs):
     # "raise:RANK:STEP:ACTION" raises in that action, "exit:RANK:STEP:ACTION" kills the process
-    # there, "overflow:STEP" puts an inf into one gradient of the last stage at that step.
+    # there (SIGKILL), "hang:RANK:STEP:ACTION" blocks there forever, "overflow:STEP" puts an inf into one gradient of the last stage at that step.
     inject: tuple[str, ...] = field(default_factory=tuple)
 
     @property

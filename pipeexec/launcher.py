@@ -35,6 +35,8 @@ class WorkerFailed(RuntimeError):
     def __init__(self, message: str, rank: int, exitcode: int | None) -> None:
         super().__init__(message)
         self.rank, self.exitcode = rank, exitcode
+        self.exitcodes: list[int | None] = []   # every worker's, filled in by launch()
+        self.elapsed: float = 0.0               # seconds from start to all workers stopped
 
 
 def free_port() -> int:
@@ -61,7 +63,9 @@ def _worker(fn: Callable, rank: int, nproc: int, port: int, workdir: str, board:
     except BaseException as exc:   # noqa: BLE001  (reported to the parent, then exit non-zero)
         code = 1
         try:
-            msg = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+            # A PipelineError already says "rank R ... failed in action A of step K: ..."
+            msg = str(exc) if hasattr(exc, "action") else (
+                f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__)
             (Path(workdir) / f"error-{rank}.txt").write_text(
                 f"{time.time()!r}\n{msg}\n{traceback.format_exc()}")
         except Exception:
@@ -89,16 +93,19 @@ def launch(fn: Callable[..., Any], nproc: int, args: tuple = (), *, timeout: flo
                              name=f"pipeexec-rank{r}", daemon=False) for r in range(nproc)]
         for p in procs:
             p.start()
-        deadline = None if timeout is None else time.monotonic() + timeout
+        started = time.monotonic()
+        deadline = None if timeout is None else started + timeout
         running = {p.sentinel: r for r, p in enumerate(procs)}
         failed: list[int] = []
+        timed_out: WorkerFailed | None = None
         try:
             while running:
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
                     where = "; ".join(f"rank {r}: {board.describe(r)}" for r in sorted(running.values()))
-                    raise WorkerFailed(f"run timed out after {timeout:g} s ({where})",
-                                       min(running.values()), None)
+                    timed_out = WorkerFailed(f"run timed out after {timeout:g} s ({where})",
+                                             min(running.values()), None)
+                    break
                 ready = wait_sentinels(list(running), timeout=0.5 if left is None else min(0.5, left))
                 for sentinel in ready:
                     r = running.pop(sentinel)
@@ -110,8 +117,11 @@ def launch(fn: Callable[..., Any], nproc: int, args: tuple = (), *, timeout: flo
         finally:
             if running:
                 _stop([procs[r] for r in running.values()], grace)
-        if failed:
-            raise _failure(procs, failed, board, Path(workdir))
+        if failed or timed_out is not None:
+            exc = timed_out if timed_out is not None else _failure(procs, failed, board, Path(workdir))
+            exc.exitcodes = [p.exitcode for p in procs]
+            exc.elapsed = time.monotonic() - started
+            raise exc
         results = []
         for r in range(nproc):
             with open(Path(workdir) / f"result-{r}.pkl", "rb") as f:
@@ -148,7 +158,9 @@ def _failure(procs: list, failed: list[int], board: ActionBoard, workdir: Path) 
             r = silent[0]
             return WorkerFailed(_death(procs[r], r, board), r, procs[r].exitcode)
         _, r, msg = min(reports)
-        return WorkerFailed(f"rank {r} failed in {board.describe(r)}: {msg}", r, procs[r].exitcode)
+        if not msg.startswith(f"rank {r} "):
+            msg = f"rank {r} failed in {board.describe(r)}: {msg}"
+        return WorkerFailed(msg, r, procs[r].exitcode)
     r = failed[0]
     return WorkerFailed(_death(procs[r], r, board), r, procs[r].exitcode)
 

@@ -159,6 +159,10 @@ class PipelineRuntime:
             import os
             import signal
             os.kill(os.getpid(), signal.SIGKILL)
+        if kind == "hang":
+            import time
+            while True:
+                time.sleep(3600)
 
     def _check_drained(self) -> None:
         left = {name: d for name, d in (("inputs", self._inputs), ("gradients", self._grads),

@@ -74,18 +74,18 @@ class TrainResult:
 
 
 def parse_faults(inject: tuple[str, ...], global_rank: int) -> tuple[dict, set[int]]:
-    """``raise|exit:RANK:STEP:ACTION`` -> {step: {action: kind}} for this rank; overflow steps."""
+    """``raise|exit|hang:RANK:STEP:ACTION`` -> {step: {action: kind}} for this rank; overflow steps."""
     faults: dict[int, dict[str, str]] = {}
     overflow: set[int] = set()
     for spec in inject:
         parts = spec.split(":")
         if parts[0] == "overflow" and len(parts) == 2:
             overflow.add(int(parts[1]))
-        elif parts[0] in ("raise", "exit") and len(parts) == 4:
+        elif parts[0] in ("raise", "exit", "hang") and len(parts) == 4:
             if int(parts[1]) == global_rank:
                 faults.setdefault(int(parts[2]), {})[parts[3]] = parts[0]
         else:
-            raise ValueError(f"bad fault injection {spec!r}: expected raise|exit:RANK:STEP:ACTION "
+            raise ValueError(f"bad fault injection {spec!r}: expected raise|exit|hang:RANK:STEP:ACTION "
                              "or overflow:STEP")
     return faults, overflow
 

@@ -114,9 +114,19 @@ def layouts_worker(board, pp: int, dp: int, cases: list[tuple[str, dict]]) -> di
                 "params": {n: p.detach().clone() for n, p in trainer.named_parameters().items()},
                 "fwd_outputs": {mb: t.clone() for mb, t in fwd.outputs.items()},
                 "fwd_losses": {mb: t.item() for mb, t in fwd.losses.items()},
+                "final_scale": trainer.scaler.scale,
                 "pp_rank": topo.pp_rank, "dp_rank": topo.dp_rank, "vpp": cfg.vpp,
                 "config": cfg,
             }
     finally:
         destroy_topology(topo)
     return out
+
+
+def train_worker(board, config: TrainConfig) -> list[float]:
+    """Train one config on a fresh topology; return the losses."""
+    topo = init_topology(config.pp, config.dp, timeout=config.collective_timeout)
+    try:
+        return train(Trainer(config, topo, board=board)).losses
+    finally:
+        destroy_topology(topo)
