@@ -1,0 +1,95 @@
+"""Command-line face of checkpointing: the ``--save/--load`` flags of ``pipeexec train`` and
+the ``pipeexec checkpoint inspect|convert`` commands. `pipeexec.cli` mounts both."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from .errors import CheckpointError
+from .layout import RELEASE
+from .manager import CheckpointOptions
+
+
+def add_train_flags(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("checkpointing (Megatron-LM layout)")
+    a = g.add_argument
+    a("--save", default=None, metavar="DIR", help="directory to save checkpoints to")
+    a("--save-interval", type=int, default=None, metavar="N",
+      help="save after every N iterations (and at the end of the run)")
+    a("--keep-last", type=int, default=None, metavar="K", help="keep only the newest K checkpoints")
+    a("--load", default=None, metavar="DIR",
+      help="resume from the latest checkpoint in DIR (any pp/vpp/dp layout)")
+    a("--finetune", action="store_true", help="load weights only and start at iteration 0")
+    a("--no-load-optim", action="store_true",
+      help="do not load optimizer moments and loss scale (iteration and LR position are kept)")
+    a("--no-load-rng", action="store_true", help="do not restore the RNG states")
+    a("--release", action="store_true",
+      help="make the end-of-run save a weights-only 'release' checkpoint")
+    a("--checkpoint-timeout", type=float, default=600.0, metavar="S",
+      help="seconds a rank waits for the others to finish writing a checkpoint")
+
+
+def options_from_args(ns: argparse.Namespace) -> CheckpointOptions:
+    return CheckpointOptions(save=ns.save, save_interval=ns.save_interval, keep_last=ns.keep_last,
+                             load=ns.load, finetune=ns.finetune, no_load_optim=ns.no_load_optim,
+                             no_load_rng=ns.no_load_rng, release=ns.release,
+                             timeout=ns.checkpoint_timeout).validate()
+
+
+def _tag(value: str | None):
+    if value is None or value == RELEASE:
+        return value
+    if not value.isdigit():
+        raise argparse.ArgumentTypeError(f"--iteration must be a number or {RELEASE!r}, got {value!r}")
+    return int(value)
+
+
+def add_commands(subparsers) -> None:
+    """``checkpoint inspect DIR`` and ``checkpoint convert SRC DST --pp ...``."""
+    c = subparsers.add_parser("checkpoint", help="inspect or convert checkpoints")
+    sub = c.add_subparsers(dest="checkpoint_command", required=True)
+    i = sub.add_parser("inspect", help="print what a checkpoint directory holds")
+    i.add_argument("dir")
+    i.add_argument("--iteration", type=_tag, default=None, help="default: the tracker's")
+    i.add_argument("--no-verify", action="store_true", help="skip the CRC-32 check of every file")
+    v = sub.add_parser("convert", help="rewrite a checkpoint for another pp/vpp/dp/schedule")
+    v.add_argument("src")
+    v.add_argument("dst")
+    v.add_argument("--iteration", type=_tag, default=None, help="default: the tracker's")
+    v.add_argument("--pp", type=int, default=None)
+    v.add_argument("--vpp", type=int, default=None)
+    v.add_argument("--dp", type=int, default=None)
+    v.add_argument("--schedule", default=None)
+    v.add_argument("--microbatches", type=int, default=None)
+    v.add_argument("--partition", choices=("layers", "params"), default=None)
+    v.add_argument("--boundaries", default=None, help="first layer of stages 1..S-1, comma separated")
+
+
+def run_command(ns: argparse.Namespace) -> int:
+    """Run a parsed ``checkpoint`` command; print errors; return the exit status."""
+    import pipesim
+
+    from ..config import ConfigError
+    from .convert import convert_checkpoint
+    from .inspect import describe
+
+    try:
+        if ns.checkpoint_command == "inspect":
+            print(describe(ns.dir, ns.iteration, verify=not ns.no_verify))
+        else:
+            boundaries = None
+            if ns.boundaries:
+                boundaries = tuple(int(x) for x in ns.boundaries.split(","))
+            convert_checkpoint(ns.src, ns.dst, tag=ns.iteration, pp=ns.pp, vpp=ns.vpp, dp=ns.dp,
+                               schedule=ns.schedule, microbatches=ns.microbatches,
+                               partition=ns.partition, boundaries=boundaries, log=print)
+    except (CheckpointError, ConfigError, pipesim.ScheduleError, ValueError) as exc:
+        print(f"pipeexec checkpoint: error: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="pipeexec")
+    add_commands(p.add_subparsers(dest="command", required=True))
+    return run_command(p.parse_args(argv))

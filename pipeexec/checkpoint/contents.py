@@ -1,0 +1,141 @@
+"""What one rank's checkpoint file holds, and how it is made from and checked against a run.
+
+One file per pipeline rank (Megatron's key names where Megatron has one):
+
+==========================  =====================================================================
+``checkpoint_version``      format version (`layout.CHECKPOINT_VERSION`)
+``iteration``               optimizer iterations done (0 for a release checkpoint)
+``release``                 True for a weights-only release checkpoint
+``config``                  the run's `TrainConfig` as a dict (``asdict``)
+``layout``                  pp, vpp, dp, schedule, this file's pp rank, stage bounds, and per chunk
+                            its global stage and global layer indices
+``model`` / ``model0``...   per chunk: ``layers.<global layer>.<name>`` -> fp32 tensor (the fp32
+                            master weights; for bf16/fp16 runs the 16-bit weights are their cast)
+``optimizer``               ``state``: parameter name -> AdamW state (step, exp_avg, exp_avg_sq);
+                            ``param_names``: this rank's parameters
+``opt_param_scheduler``     ``num_updates`` (drives the LR) and the schedule's settings
+``loss_scaler``             dynamic loss scale state
+``rng_state``               one entry per data-parallel replica (`rng.capture_rng_state`)
+``consumed_samples``        data position: samples of the global batches consumed so far
+==========================  =====================================================================
+
+Everything is keyed by global names (layer index, parameter name), never by rank or position,
+so a different (pp, vpp, dp, schedule) can pick out the entries it needs.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from .errors import CheckpointError
+from .layout import CHECKPOINT_VERSION, chunk_key
+
+# Config fields that define the model's tensors: a checkpoint only loads into the same values.
+MODEL_FIELDS = ("layers", "hidden", "heads", "ffn_mult", "vocab", "seq_len")
+# Fields whose change makes a resumed run differ from the uninterrupted one (logged, allowed).
+TRAINING_FIELDS = ("seed", "data", "lr", "min_lr", "warmup_steps", "decay_steps", "weight_decay",
+                   "beta1", "beta2", "eps", "clip_grad", "precision", "micro_batch_size")
+LAYOUT_FIELDS = ("pp", "vpp", "dp", "schedule", "microbatches", "partition", "boundaries")
+
+
+def layer_of(name: str) -> int:
+    """Global layer index of a parameter named ``layers.<i>.<rest>``."""
+    parts = name.split(".", 2)
+    if len(parts) < 3 or parts[0] != "layers" or not parts[1].isdigit():
+        raise ValueError(f"parameter name {name!r} is not of the form layers.<index>.<name>")
+    return int(parts[1])
+
+
+def chunk_stages(trainer) -> list[int]:
+    """This rank's global stages in chunk order (the schedule's placement)."""
+    return list(trainer.schedule.rank_stages(trainer.topology.pp_rank))
+
+
+def layout_record(config, bounds: Sequence[int], stages: Sequence[int], pp_rank: int) -> dict:
+    return {"pp": config.pp, "vpp": config.vpp, "dp": config.dp, "schedule": config.schedule,
+            "pp_rank": pp_rank, "bounds": [int(b) for b in bounds],
+            "stages": [int(s) for s in stages],
+            "layers": [list(range(bounds[s], bounds[s + 1])) for s in stages],
+            "num_layers": int(bounds[-1])}
+
+
+def chunk_state(stage_module: torch.nn.Module, masters: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """One chunk's model state: fp32 master of every parameter, plus persistent buffers."""
+    out: dict[str, torch.Tensor] = {}
+    for name, _ in stage_module.named_parameters():
+        out[name] = masters[name].detach().to("cpu", copy=True)
+    param_names = set(out)
+    for name, value in stage_module.state_dict().items():
+        if name not in param_names:
+            out[name] = value.detach().to("cpu", copy=True)
+    return out
+
+
+def optimizer_record(trainer) -> dict:
+    """AdamW state by parameter name (a parameter never stepped has no entry)."""
+    state: dict[str, dict[str, Any]] = {}
+    for name, p in zip(trainer.param_names, trainer.masters.masters):
+        st = trainer.optimizer.state.get(p)
+        if st:
+            state[name] = {k: (v.detach().to("cpu", copy=True) if torch.is_tensor(v) else v)
+                           for k, v in st.items()}
+    groups = [{k: v for k, v in g.items() if k != "params"} for g in trainer.optimizer.param_groups]
+    return {"state": state, "param_names": list(trainer.param_names), "param_groups": groups}
+
+
+def scheduler_record(trainer) -> dict:
+    cfg = trainer.config
+    return {"num_updates": int(trainer.updates), "max_lr": cfg.lr, "min_lr": cfg.min_lr,
+            "warmup_steps": cfg.warmup_steps, "decay_steps": cfg.decay_steps or cfg.steps}
+
+
+def rank_contents(trainer, *, release: bool = False) -> dict:
+    """The file content of this rank, without ``rng_state`` (gathered over the dp group)."""
+    cfg = trainer.config
+    stages = chunk_stages(trainer)
+    masters = trainer.named_parameters()
+    out: dict[str, Any] = {
+        "checkpoint_version": CHECKPOINT_VERSION,
+        "iteration": 0 if release else int(trainer.iteration),
+        "release": release,
+        "config": cfg.to_dict(),
+        "layout": layout_record(cfg, trainer.bounds, stages, trainer.topology.pp_rank),
+    }
+    for c, s in enumerate(stages):
+        out[chunk_key(c, cfg.vpp)] = chunk_state(trainer.stages[s], masters)
+    if not release:
+        out["optimizer"] = optimizer_record(trainer)
+        out["opt_param_scheduler"] = scheduler_record(trainer)
+        out["loss_scaler"] = trainer.scaler.state_dict()
+        out["consumed_samples"] = int(trainer.iteration) * cfg.global_batch
+    return out
+
+
+def model_chunks(contents: Mapping[str, Any], path: str | None = None) -> list[dict[str, torch.Tensor]]:
+    """The model state of every chunk of a loaded file, in chunk order."""
+    vpp = int(contents["layout"]["vpp"])
+    out = []
+    for c in range(vpp):
+        key = chunk_key(c, vpp)
+        if key not in contents:
+            raise CheckpointError(f"missing model state {key!r} (layout says vpp={vpp})",
+                                  path=path, field=key)
+        out.append(contents[key])
+    return out
+
+
+def check_config(saved: Mapping[str, Any], current: Mapping[str, Any], *, path: str | None = None
+                 ) -> list[str]:
+    """Raise on a model-defining difference; return notes on the others (for the log)."""
+    for name in MODEL_FIELDS:
+        if name in saved and name in current and saved[name] != current[name]:
+            raise CheckpointError(
+                f"config mismatch in {name!r}: the checkpoint was written with {name}="
+                f"{saved[name]!r}, this run has {name}={current[name]!r}", path=path, field=name)
+    notes = []
+    for name in TRAINING_FIELDS + LAYOUT_FIELDS:
+        if saved.get(name) != current.get(name):
+            notes.append(f"{name} {saved.get(name)!r} -> {current.get(name)!r}")
+    return notes

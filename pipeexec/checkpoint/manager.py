@@ -1,0 +1,114 @@
+"""`CheckpointOptions` (the ``--save/--load`` flags) and `CheckpointManager`, which ties
+loading and saving into the training loop.
+
+Semantics follow Megatron-LM: ``--steps`` counts total iterations (a run resumed at iteration
+3 with ``--steps 6`` trains 3 more); ``--save-interval N`` saves after every iteration that is
+a multiple of N and the run saves once more at its end (unless it just did); ``--keep-last K``
+keeps the newest K iteration checkpoints; ``--release`` makes the end-of-run save a
+weights-only ``release`` checkpoint; ``--load`` fails loudly when there is nothing valid to
+load (it never silently starts from a random init).
+"""
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .load import LoadReport, load_checkpoint
+from .save import SaveReport, parse_fault, save_checkpoint
+
+FAULT_ENV = "PIPEEXEC_CHECKPOINT_FAULT"
+
+
+@dataclass(frozen=True)
+class CheckpointOptions:
+    save: str | None = None
+    save_interval: int | None = None
+    keep_last: int | None = None
+    load: str | None = None
+    finetune: bool = False
+    no_load_optim: bool = False
+    no_load_rng: bool = False
+    release: bool = False
+    timeout: float = 600.0          # seconds a rank waits for the others at the save barrier
+    verify: bool = True             # CRC-check every file before loading it
+    # test hook (see save.py): "kill|raise:RANK:ITERATION:before-rename|before-tracker"
+    fault: str | None = field(default_factory=lambda: os.environ.get(FAULT_ENV) or None)
+
+    def validate(self) -> "CheckpointOptions":
+        """Raise ValueError naming the flag; checked before any process starts."""
+        if self.save_interval is not None and (self.save_interval < 1 or self.save is None):
+            raise ValueError("--save-interval needs --save and a positive value, got "
+                             f"{self.save_interval}")
+        if self.keep_last is not None and (self.keep_last < 1 or self.save is None):
+            raise ValueError(f"--keep-last needs --save and a value >= 1, got {self.keep_last}")
+        if self.release and self.save is None:
+            raise ValueError("--release needs --save (the directory to write it to)")
+        for flag, value in (("--finetune", self.finetune), ("--no-load-optim", self.no_load_optim),
+                            ("--no-load-rng", self.no_load_rng)):
+            if value and self.load is None:
+                raise ValueError(f"{flag} needs --load")
+        if self.timeout <= 0:
+            raise ValueError(f"checkpoint timeout must be positive, got {self.timeout}")
+        parse_fault(self.fault)
+        return self
+
+    @property
+    def active(self) -> bool:
+        return self.save is not None or self.load is not None
+
+
+class CheckpointManager:
+    """Load before the loop (`load`), save from the loop's per-step callback (`on_step`) and at
+    the end (`finish`). Holds the reports, for the metrics file."""
+
+    def __init__(self, options: CheckpointOptions, log: Callable[[str], None] | None = None) -> None:
+        self.options = options.validate()
+        self.log = log
+        self.saves: list[SaveReport] = []
+        self.loaded: LoadReport | None = None
+        self._last_saved: int | None = None
+
+    def load(self, trainer) -> LoadReport | None:
+        o = self.options
+        if o.load is None:
+            return None
+        self.loaded = load_checkpoint(trainer, o.load, finetune=o.finetune,
+                                      load_optim=not o.no_load_optim, load_rng=not o.no_load_rng,
+                                      verify=o.verify, log=self.log)
+        if o.save is not None and Path(o.save).resolve() == Path(o.load).resolve():
+            self._last_saved = self.loaded.iteration     # already on disk
+        return self.loaded
+
+    def save(self, trainer, *, release: bool = False) -> SaveReport:
+        o = self.options
+        report = save_checkpoint(trainer, o.save, release=release, keep_last=o.keep_last,
+                                 timeout=o.timeout, sequence=len(self.saves), fault=o.fault,
+                                 log=self.log)
+        self.saves.append(report)
+        if not release:
+            self._last_saved = int(trainer.iteration)
+        return report
+
+    def on_step(self, trainer, stats=None) -> None:
+        o = self.options
+        if o.save is not None and o.save_interval and trainer.iteration % o.save_interval == 0:
+            self.save(trainer)
+
+    def finish(self, trainer) -> None:
+        o = self.options
+        if o.save is None:
+            return
+        if o.release:
+            self.save(trainer, release=True)
+        elif self._last_saved != trainer.iteration:
+            self.save(trainer)
+
+    def metrics(self) -> dict:
+        return {"save_times": [r.seconds for r in self.saves],
+                "save_write_times": [r.write_seconds for r in self.saves],
+                "save_bytes": [r.bytes for r in self.saves],
+                "load_time": None if self.loaded is None else self.loaded.seconds,
+                "loaded_iteration": None if self.loaded is None else self.loaded.iteration,
+                "resharded": None if self.loaded is None else self.loaded.resharded}

@@ -1,0 +1,213 @@
+"""Reading a checkpoint: verified files, and lookups by global name across all of them.
+
+`read_state_file` checks a file before trusting it: a truncated file has no zip central
+directory, a flipped bit fails the CRC-32 that ``torch.save`` stores for every record (which
+``torch.load`` itself does not check), and a file without the expected top-level keys is named
+with the key. Loading uses ``weights_only=True``: a checkpoint is data, never code.
+
+`CheckpointReader` opens every rank file of one checkpoint lazily (``mmap``: a rank reads only
+the tensors it asks for) and answers "the tensors of these parameter names" whichever rank
+wrote them: this is what makes a checkpoint loadable into a different layout.
+"""
+from __future__ import annotations
+
+import zipfile
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .contents import layer_of, model_chunks
+from .errors import CheckpointError
+from .layout import CHECKPOINT_VERSION, RELEASE, Tag, rank_files, state_file, tag_dir
+from .tracker import read_tracker
+
+REQUIRED_KEYS = ("checkpoint_version", "iteration", "release", "config", "layout")
+TRAINING_KEYS = ("optimizer", "opt_param_scheduler", "loss_scaler", "rng_state", "consumed_samples")
+
+
+def verify_file(path: str | Path) -> None:
+    """Raise CheckpointError unless ``path`` is a complete, uncorrupted torch zip file."""
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError("state file is missing", path=path)
+    try:
+        with zipfile.ZipFile(path) as z:
+            bad = z.testzip()
+    except (zipfile.BadZipFile, OSError, EOFError) as e:
+        raise CheckpointError(f"state file is truncated or not a torch checkpoint ({e}); "
+                              f"size {path.stat().st_size} bytes", path=path) from e
+    if bad is not None:
+        raise CheckpointError(f"state file is corrupt: record {bad!r} fails its CRC-32 check",
+                              path=path, field=bad)
+
+
+def read_state_file(path: str | Path, *, verify: bool = True, mmap: bool = True) -> dict[str, Any]:
+    """Load one rank file (tensors on CPU), after verifying it; check its top-level keys."""
+    path = Path(path)
+    if verify:
+        verify_file(path)
+    try:
+        contents = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+    except Exception as e:   # noqa: BLE001  (any unpickling failure is a corrupt checkpoint)
+        raise CheckpointError(f"cannot read state file ({type(e).__name__}: {e})", path=path) from e
+    if not isinstance(contents, dict):
+        raise CheckpointError(f"state file holds a {type(contents).__name__}, not a dict", path=path)
+    for key in REQUIRED_KEYS:
+        if key not in contents:
+            raise CheckpointError(f"state file lacks the key {key!r}", path=path, field=key)
+    version = contents["checkpoint_version"]
+    if version != CHECKPOINT_VERSION:
+        raise CheckpointError(f"checkpoint_version {version!r} is not the supported "
+                              f"{CHECKPOINT_VERSION}", path=path, field="checkpoint_version")
+    if not contents["release"]:
+        for key in TRAINING_KEYS:
+            if key not in contents:
+                raise CheckpointError(f"state file lacks the key {key!r}", path=path, field=key)
+    return contents
+
+
+class CheckpointReader:
+    """All rank files of one checkpoint (``tag``: an iteration, ``"release"``, or None for the
+    tracker's), opened on demand."""
+
+    def __init__(self, root: str | Path, tag: Tag | None = None, *, verify: bool = True) -> None:
+        self.root = Path(root)
+        self.tag: Tag = read_tracker(self.root) if tag is None else tag
+        self.verify = verify
+        self.dir = tag_dir(self.root, self.tag)
+        if not self.dir.is_dir():
+            raise CheckpointError(f"the tracker names checkpoint {self.tag!r} but its directory is "
+                                  "missing", path=self.dir)
+        self.paths = rank_files(self.root, self.tag)
+        if not self.paths:
+            raise CheckpointError("checkpoint directory holds no rank files "
+                                  "(mp_rank_00_XXX/model_optim_rng.pt)", path=self.dir)
+        self._files: dict[int, dict[str, Any]] = {}
+        self._placement: list[list[int]] | None = None
+        first = self.file(min(self.paths))
+        self.layout: dict[str, Any] = first["layout"]
+        self.config: dict[str, Any] = first["config"]
+        self.iteration: int = int(first["iteration"])
+        self.release: bool = bool(first["release"])
+        if self.tag != RELEASE and self.iteration != self.tag:
+            raise CheckpointError(f"file holds iteration {self.iteration}, its directory says "
+                                  f"{self.tag}", path=self.path(min(self.paths)), field="iteration")
+        pp = int(self.layout["pp"])
+        for r in range(pp):
+            if r not in self.paths:
+                raise CheckpointError(f"rank file of pipeline rank {r} is missing (the checkpoint "
+                                      f"was written with pp={pp})", path=state_file(self.root, self.tag, r))
+        extra = sorted(set(self.paths) - set(range(pp)))
+        if extra:
+            raise CheckpointError(f"unexpected rank directories for pipeline ranks {extra} "
+                                  f"(the checkpoint was written with pp={pp})", path=self.dir)
+
+    @property
+    def pp(self) -> int:
+        return int(self.layout["pp"])
+
+    def opened(self) -> list[str]:
+        """Paths of the rank files read so far."""
+        return [str(self.paths[r]) for r in sorted(self._files)]
+
+    def path(self, pp_rank: int) -> Path:
+        return self.paths[pp_rank]
+
+    def file(self, pp_rank: int) -> dict[str, Any]:
+        if pp_rank not in self._files:
+            if pp_rank not in self.paths:
+                raise CheckpointError(f"no rank file for pipeline rank {pp_rank}",
+                                      path=state_file(self.root, self.tag, pp_rank))
+            f = read_state_file(self.paths[pp_rank], verify=self.verify)
+            if f["layout"]["pp_rank"] != pp_rank:
+                raise CheckpointError(f"file says it is pp rank {f['layout']['pp_rank']}, its "
+                                      f"directory says {pp_rank}", path=self.paths[pp_rank],
+                                      field="layout.pp_rank")
+            if self._files:
+                first = next(iter(self._files.values()))
+                for key in ("iteration", "release"):
+                    if f[key] != first[key]:
+                        raise CheckpointError(f"{key} {f[key]!r} differs from the other rank files' "
+                                              f"{first[key]!r}: files of different saves are mixed",
+                                              path=self.paths[pp_rank], field=key)
+            self._files[pp_rank] = f
+        return self._files[pp_rank]
+
+    def rank_layers(self, pp_rank: int) -> set[int]:
+        """Global layers held by the checkpoint's pipeline rank ``pp_rank``.
+
+        Computed from the recorded bounds and the schedule's placement (no need to open the
+        file); the file's own record is checked when it is opened.
+        """
+        if self._placement is None:
+            import pipesim
+
+            lay = self.layout
+            sched = pipesim.build_schedule(lay["schedule"], pp=int(lay["pp"]), vpp=int(lay["vpp"]),
+                                           microbatches=int(self.config["microbatches"]))
+            self._placement = [list(sched.rank_stages(r)) for r in range(self.pp)]
+        bounds = self.layout["bounds"]
+        return {i for s in self._placement[pp_rank] for i in range(bounds[s], bounds[s + 1])}
+
+    def ranks_holding(self, layers: Iterable[int]) -> list[int]:
+        """Pipeline ranks of the checkpoint whose chunks hold any of ``layers``."""
+        wanted = set(layers)
+        return [r for r in range(self.pp) if self.rank_layers(r) & wanted]
+
+    def model_tensors(self, names: Iterable[str]) -> tuple[dict[str, torch.Tensor], dict[str, Path]]:
+        """The model tensors ``names`` (global parameter / buffer names), wherever they are.
+
+        Returns (name -> tensor, name -> file it came from). Raises naming the missing key, or a
+        key held in the checkpoint for one of these layers that the caller did not ask for
+        (unexpected: the model and the checkpoint disagree about the layer's contents).
+        """
+        names = list(names)
+        layers = {layer_of(n) for n in names}
+        found: dict[str, torch.Tensor] = {}
+        origin: dict[str, Path] = {}
+        for r in self.ranks_holding(layers):
+            f, path = self.file(r), self.path(r)
+            recorded = {i for chunk in f["layout"]["layers"] for i in chunk}
+            if recorded != self.rank_layers(r):
+                raise CheckpointError(f"file records layers {sorted(recorded)} but the checkpoint's "
+                                      f"layout places layers {sorted(self.rank_layers(r))} on "
+                                      f"pipeline rank {r}", path=path, field="layout.layers")
+            for chunk in model_chunks(f, str(path)):
+                for key, value in chunk.items():
+                    if layer_of(key) in layers:
+                        found[key] = value
+                        origin[key] = path
+        wanted = set(names)
+        unexpected = sorted(set(found) - wanted)
+        if unexpected:
+            k = unexpected[0]
+            raise CheckpointError(f"unexpected key {k!r} in the model state (the model has no such "
+                                  f"parameter or buffer; {len(unexpected)} unexpected in all)",
+                                  path=origin[k], field=k)
+        missing = [n for n in names if n not in found]
+        if missing:
+            where = [str(self.path(r)) for r in self.ranks_holding(layers)] or [str(self.dir)]
+            raise CheckpointError(f"missing key {missing[0]!r} in the model state "
+                                  f"({len(missing)} missing in all; looked in {', '.join(where)})",
+                                  path=where[0], field=missing[0])
+        return found, origin
+
+    def optimizer_state(self, names: Iterable[str]) -> tuple[dict[str, dict], set[str]]:
+        """AdamW state of ``names`` (those that have one) and the set of names the checkpoint's
+        optimizers knew (to tell "never stepped" from "missing")."""
+        names = list(names)
+        layers = {layer_of(n) for n in names}
+        state: dict[str, dict] = {}
+        known: set[str] = set()
+        for r in self.ranks_holding(layers):
+            f, path = self.file(r), self.path(r)
+            opt = f.get("optimizer")
+            if opt is None:
+                raise CheckpointError("state file has no optimizer state", path=path, field="optimizer")
+            known.update(opt["param_names"])
+            for n in names:
+                if n in opt["state"]:
+                    state[n] = opt["state"][n]
+        return state, known

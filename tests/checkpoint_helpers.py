@@ -1,0 +1,69 @@
+"""Shared pieces of the checkpoint tests: a tiny config, in-process trainers on a hand-made
+topology (no process group: a rank of any layout can be built and loaded alone), and the
+worker run in forked ranks by `pipeexec.launch`."""
+from __future__ import annotations
+
+import torch
+
+from pipeexec.config import TrainConfig
+from pipeexec.topology import Topology, destroy_topology, init_topology
+from pipeexec.train import Trainer, train
+
+# decay_steps is fixed so that a run stopped early (smaller --steps) follows the same LR curve.
+TINY = TrainConfig(layers=6, hidden=16, heads=2, seq_len=8, vocab=32, steps=4, decay_steps=8,
+                   lr=3e-3, min_lr=3e-4, warmup_steps=1, weight_decay=0.1, clip_grad=0.5,
+                   microbatches=2, micro_batch_size=4, seed=11, p2p_timeout=60.0,
+                   collective_timeout=120.0)
+
+
+def fake_topology(pp: int = 1, dp: int = 1, pp_rank: int = 0, dp_rank: int = 0,
+                  store=None) -> Topology:
+    return Topology(pp_rank * dp + dp_rank, pp * dp, pp, dp, pp_rank, dp_rank, 0,
+                    torch.device("cpu"), "gloo", None, None,
+                    tuple(p * dp + dp_rank for p in range(pp)),
+                    tuple(pp_rank * dp + d for d in range(dp)), store)
+
+
+def local_trainer(cfg: TrainConfig, pp_rank: int = 0, dp_rank: int = 0, store=None) -> Trainer:
+    return Trainer(cfg, fake_topology(cfg.pp, cfg.dp, pp_rank, dp_rank, store))
+
+
+def params_of(trainer: Trainer) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in trainer.named_parameters().items()}
+
+
+def checkpoint_worker(board, cfg: TrainConfig, options, snapshot_at: tuple[int, ...] = ()) -> dict:
+    """One rank: load/save per ``options`` around the training loop; return losses, parameters
+    at the iterations in ``snapshot_at`` and at the end, and the checkpoint metrics."""
+    from pipeexec.checkpoint import CheckpointManager
+
+    topo = init_topology(cfg.pp, cfg.dp, timeout=120)
+    try:
+        trainer = Trainer(cfg, topo, board=board)
+        manager = CheckpointManager(options)
+        manager.load(trainer)
+        start = trainer.iteration
+        snaps = {}
+
+        def on_step(tr, stats):
+            manager.on_step(tr, stats)
+            if tr.iteration in snapshot_at:
+                snaps[tr.iteration] = params_of(tr)
+
+        res = train(trainer, on_step=on_step)
+        manager.finish(trainer)
+        snaps[trainer.iteration] = params_of(trainer)
+        return {"losses": res.losses, "start": start, "params": snaps, "pp_rank": topo.pp_rank,
+                "dp_rank": topo.dp_rank, "metrics": manager.metrics(),
+                "loaded": None if manager.loaded is None else manager.loaded.__dict__}
+    finally:
+        destroy_topology(topo)
+
+
+def merge_params(results: list[dict], iteration: int, dp_rank: int = 0) -> dict[str, torch.Tensor]:
+    """The whole model at ``iteration`` from the pipeline ranks of replica ``dp_rank``."""
+    out: dict[str, torch.Tensor] = {}
+    for r in results:
+        if r["dp_rank"] == dp_rank:
+            out.update(r["params"][iteration])
+    return out

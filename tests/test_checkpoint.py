@@ -1,0 +1,339 @@
+"""Checkpointing in one process: layout, contents, exact resume, the load modes, atomicity
+under injected faults, retention, every error path, resharded loads and conversion, inspect.
+
+Multi-process behaviour (real gloo ranks, dp gathering, kill mid-save) is in
+test_checkpoint_dist.py. Trainers here run on a hand-made topology without a process group:
+pp = dp = 1 trains; a rank of a larger layout can be built alone to load into.
+"""
+from __future__ import annotations
+
+import random
+import threading
+import zipfile
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+
+from checkpoint_helpers import TINY, local_trainer, params_of
+from pipeexec.checkpoint import (RELEASE, CheckpointError, CheckpointReader, convert_checkpoint,
+                                 describe, load_checkpoint, read_tracker, save_checkpoint,
+                                 state_file, tracker_path)
+from pipeexec.checkpoint.atomic import atomic_write
+from pipeexec.checkpoint.cli import main as checkpoint_main
+from pipeexec.checkpoint.rng import capture_rng_state, restore_rng_state
+from pipeexec.train import train
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A pp=1 run saved at iterations 2 (dir ``two``) and the same run continued to 4."""
+    root = tmp_path_factory.mktemp("ckpt")
+    t = local_trainer(TINY.replace(steps=2))
+    first = train(t).losses
+    save_checkpoint(t, root / "two")
+    at2 = params_of(t)
+    opt2 = {n: {k: v.clone() for k, v in t.optimizer.state[p].items()}
+            for n, p in t.named_parameters().items()}
+    rng_after_save = torch.rand(5)
+    t.config = TINY   # continue the same run to 4
+    rest = train(t).losses
+    return {"root": root, "dir": root / "two", "losses": first + rest, "at2": at2, "opt2": opt2,
+            "at4": params_of(t), "rng_after_save": rng_after_save}
+
+
+def test_layout_is_megatrons(tmp_path):
+    assert state_file(tmp_path, 50, 3) == tmp_path / "iter_0000050" / "mp_rank_00_003" / "model_optim_rng.pt"
+    assert state_file(tmp_path, RELEASE, 0) == tmp_path / "release" / "mp_rank_00_000" / "model_optim_rng.pt"
+    assert tracker_path(tmp_path).name == "latest_checkpointed_iteration.txt"
+
+
+def test_file_holds_the_complete_state(trained):
+    d = trained["dir"]
+    assert tracker_path(d).read_text() == "2\n"
+    f = torch.load(state_file(d, 2, 0), weights_only=True)
+    assert f["checkpoint_version"] == 1 and f["iteration"] == 2 and f["release"] is False
+    assert f["config"]["hidden"] == TINY.hidden and f["consumed_samples"] == 2 * TINY.global_batch
+    assert f["layout"]["layers"] == [list(range(TINY.num_layers))]
+    assert set(f["model"]) == set(trained["at2"])
+    for n, v in trained["at2"].items():
+        assert torch.equal(f["model"][n], v), n
+        for k, s in trained["opt2"][n].items():
+            assert torch.equal(f["optimizer"]["state"][n][k], s), (n, k)
+    assert f["opt_param_scheduler"]["num_updates"] == 2
+    assert f["loss_scaler"]["scale"] == 1.0
+    assert len(f["rng_state"]) == 1 and set(f["rng_state"][0]) == {"python", "numpy", "torch", "cuda"}
+
+
+def test_resume_is_bitwise_exact(trained):
+    t = local_trainer(TINY)
+    report = load_checkpoint(t, trained["dir"])
+    assert (t.iteration, t.updates, report.resharded) == (2, 2, False)
+    assert torch.equal(torch.rand(5), trained["rng_after_save"])   # torch RNG restored
+    losses = train(t).losses
+    assert losses == trained["losses"][2:]          # bitwise: == on Python floats
+    after = params_of(t)
+    assert all(torch.equal(after[n], v) for n, v in trained["at4"].items())
+
+
+def test_rng_roundtrip():
+    state = capture_rng_state("cpu")
+    want = (random.random(), np.random.rand(3).tolist(), torch.rand(3))
+    random.random(), np.random.rand(7), torch.rand(9)
+    restore_rng_state(state, "cpu")
+    got = (random.random(), np.random.rand(3).tolist(), torch.rand(3))
+    assert got[:2] == want[:2] and torch.equal(got[2], want[2])
+
+
+def test_load_modes(trained, tmp_path):
+    fine = local_trainer(TINY)
+    load_checkpoint(fine, trained["dir"], finetune=True)
+    assert (fine.iteration, fine.updates, len(fine.optimizer.state)) == (0, 0, 0)
+    assert all(torch.equal(fine.named_parameters()[n], v) for n, v in trained["at2"].items())
+
+    no_optim = local_trainer(TINY)
+    report = load_checkpoint(no_optim, trained["dir"], load_optim=False)
+    assert (no_optim.iteration, no_optim.updates, len(no_optim.optimizer.state)) == (2, 2, 0)
+    assert "optimizer" not in report.loaded and "rng" in report.loaded
+
+    keep = local_trainer(TINY)        # (building a model draws from the global RNG)
+    torch.manual_seed(1234)
+    expected = torch.rand(3)
+    torch.manual_seed(1234)
+    load_checkpoint(keep, trained["dir"], load_rng=False)
+    assert torch.equal(torch.rand(3), expected)     # RNG left alone
+
+    # release: weights only, tracker "release", loads as iteration 0
+    src = local_trainer(TINY)
+    load_checkpoint(src, trained["dir"])
+    save_checkpoint(src, tmp_path, release=True)
+    assert read_tracker(tmp_path) == RELEASE
+    f = torch.load(state_file(tmp_path, RELEASE, 0), weights_only=True)
+    assert f["release"] and "optimizer" not in f and "rng_state" not in f
+    dst = local_trainer(TINY)
+    report = load_checkpoint(dst, tmp_path)
+    assert (dst.iteration, report.loaded) == (0, ["model"])
+    assert all(torch.equal(dst.named_parameters()[n], v) for n, v in trained["at2"].items())
+
+
+@pytest.mark.parametrize("phase", ["before-rename", "before-tracker"])
+def test_failed_save_leaves_the_previous_checkpoint(trained, tmp_path, phase):
+    t = local_trainer(TINY)
+    load_checkpoint(t, trained["dir"])
+    save_checkpoint(t, tmp_path)
+    train(t)                                            # to iteration 4
+    with pytest.raises(CheckpointError, match="injected"):
+        save_checkpoint(t, tmp_path, fault=f"raise:0:4:{phase}")
+    assert read_tracker(tmp_path) == 2
+    assert state_file(tmp_path, 4, 0).exists() == (phase == "before-tracker")
+    assert not [p for p in state_file(tmp_path, 4, 0).parent.glob(".*")]   # temp file cleaned
+    back = local_trainer(TINY)
+    assert load_checkpoint(back, tmp_path).iteration == 2
+    assert all(torch.equal(back.named_parameters()[n], v) for n, v in trained["at2"].items())
+
+
+def test_atomic_write_keeps_the_old_file_when_interrupted(tmp_path):
+    path = tmp_path / "f.bin"
+    atomic_write(path, lambda f: f.write(b"old"))
+
+    def boom(tmp):
+        assert tmp.read_bytes() == b"new, complete"
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        atomic_write(path, lambda f: f.write(b"new, complete"), before_rename=boom)
+    assert path.read_bytes() == b"old" and [p.name for p in tmp_path.iterdir()] == ["f.bin"]
+
+
+def test_keep_last(trained, tmp_path):
+    t = local_trainer(TINY)
+    (tmp_path / "iter_0000009").mkdir()                 # an abandoned later run: left alone
+    for it in range(1, 5):
+        t.config = TINY.replace(steps=it)
+        train(t)
+        report = save_checkpoint(t, tmp_path, keep_last=2)
+    assert report.removed == [2]
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("iter")) == \
+        ["iter_0000003", "iter_0000004", "iter_0000009"]
+    assert read_tracker(tmp_path) == 4
+
+
+def _copy_checkpoint(src, dst):
+    import shutil
+    shutil.copytree(src, dst)
+    return dst
+
+
+def _rewrite(path, change):
+    f = torch.load(path, weights_only=True)
+    change(f)
+    torch.save(f, path)
+
+
+@pytest.mark.parametrize("case", ["no dir", "no tracker", "garbage tracker", "binary tracker",
+                                  "tracker to missing dir", "truncated", "bit flip", "config",
+                                  "missing key", "unexpected key", "shape", "missing rank file",
+                                  "missing optimizer key", "version"])
+def test_errors_name_the_file_and_field(trained, tmp_path, case):
+    d = _copy_checkpoint(trained["dir"], tmp_path / "c")
+    f = state_file(d, 2, 0)
+    field = None
+    expect_path = str(f)
+    if case == "no dir":
+        d = tmp_path / "nowhere"
+        expect_path = str(d)
+    elif case == "no tracker":
+        tracker_path(d).unlink()
+        expect_path = str(tracker_path(d))
+    elif case in ("garbage tracker", "binary tracker"):
+        tracker_path(d).write_bytes(b"latest\n" if case == "garbage tracker" else b"\xff\xfe\x00")
+        expect_path = str(tracker_path(d))
+    elif case == "tracker to missing dir":
+        tracker_path(d).write_text("7")
+        expect_path = str(d / "iter_0000007")
+    elif case == "truncated":
+        data = f.read_bytes()
+        f.write_bytes(data[: len(data) // 2])
+    elif case == "bit flip":
+        with zipfile.ZipFile(f) as z:
+            info = max(z.infolist(), key=lambda i: i.file_size)   # the largest tensor record
+        data = bytearray(f.read_bytes())
+        data[info.header_offset + 100 + info.file_size // 2] ^= 0x10
+        f.write_bytes(bytes(data))
+        field = info.filename
+    elif case == "config":
+        field = "hidden"
+    elif case == "missing key":
+        _rewrite(f, lambda s: s["model"].pop("layers.3.fc1.weight"))
+        field = "layers.3.fc1.weight"
+    elif case == "unexpected key":
+        _rewrite(f, lambda s: s["model"].__setitem__("layers.3.extra", torch.zeros(2)))
+        field = "layers.3.extra"
+    elif case == "shape":
+        _rewrite(f, lambda s: s["model"].__setitem__("layers.2.proj.bias", torch.zeros(3)))
+        field = "layers.2.proj.bias"
+    elif case == "missing rank file":
+        _rewrite(f, lambda s: s["layout"].__setitem__("pp", 2))
+        expect_path = str(state_file(d, 2, 1))
+    elif case == "missing optimizer key":
+        _rewrite(f, lambda s: s["optimizer"]["param_names"].remove("layers.1.ln1.weight"))
+        field = "optimizer.layers.1.ln1.weight"
+    elif case == "version":
+        _rewrite(f, lambda s: s.__setitem__("checkpoint_version", 99))
+        field = "checkpoint_version"
+    cfg = TINY.replace(hidden=32, heads=2) if case == "config" else TINY
+    t = local_trainer(cfg)
+    before = params_of(t)
+    with pytest.raises(CheckpointError) as err:
+        load_checkpoint(t, d)
+    assert err.value.path == expect_path, str(err.value)
+    assert expect_path in str(err.value)
+    if field is not None:
+        assert err.value.field == field and field.removeprefix("optimizer.") in str(err.value)
+    after = params_of(t)                                # nothing was loaded
+    assert t.iteration == 0 and all(torch.equal(after[n], v) for n, v in before.items())
+
+
+def _expected_layers(cfg, pp_rank):
+    import pipesim
+    from pipeexec.partition import make_partition
+    from pipeexec.model import gpt_spec_from_config
+    bounds = make_partition(cfg.num_layers, cfg.num_stages, cfg.partition, cfg.boundaries,
+                            gpt_spec_from_config(cfg).layer_param_counts())
+    sched = pipesim.build_schedule(cfg.schedule, pp=cfg.pp, vpp=cfg.vpp, microbatches=cfg.microbatches)
+    return {i for s in sched.rank_stages(pp_rank) for i in range(bounds[s], bounds[s + 1])}
+
+
+RESHARD = [dict(pp=2, schedule="1f1b"), dict(pp=2, vpp=2, schedule="interleaved"),
+           dict(pp=4, schedule="gpipe", microbatches=4, micro_batch_size=2),
+           dict(pp=2, vpp=2, schedule="zbv"), dict(pp=3, partition="params")]
+
+
+@pytest.mark.parametrize("changes", RESHARD, ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()))
+def test_resharded_load_and_convert(trained, tmp_path, changes):
+    """Every rank of another layout gets exactly its layers' weights and AdamW state, whether it
+    loads the pp=1 checkpoint directly or a converted copy (which then loads as is)."""
+    cfg = TINY.replace(**changes)
+    convert_checkpoint(trained["dir"], tmp_path, pp=cfg.pp, vpp=cfg.vpp, schedule=cfg.schedule,
+                       microbatches=cfg.microbatches, partition=cfg.partition)
+    assert read_tracker(tmp_path) == 2
+    for source, resharded in ((trained["dir"], True), (tmp_path, False)):
+        seen = set()
+        for r in range(cfg.pp):
+            t = local_trainer(cfg, pp_rank=r)
+            report = load_checkpoint(t, source)
+            assert report.resharded == resharded and t.iteration == 2
+            got = t.named_parameters()
+            assert {int(n.split(".")[1]) for n in got} == _expected_layers(cfg, r)
+            for n, p in got.items():
+                assert torch.equal(p, trained["at2"][n]), n
+                for k, v in trained["opt2"][n].items():
+                    assert torch.equal(t.optimizer.state[p][k], v), (n, k)
+            seen |= set(got)
+        assert seen == set(trained["at2"])
+    # the converted files are the new layout's own
+    for r in range(cfg.pp):
+        f = torch.load(state_file(tmp_path, 2, r), weights_only=True)
+        held = {i for chunk in f["layout"]["layers"] for i in chunk}
+        assert held == _expected_layers(cfg, r) and f["config"]["pp"] == cfg.pp
+
+
+def _threaded_save(cfg, trainers, root, **kwargs):
+    """Save from every rank of a layout at once (threads share a HashStore for the barrier)."""
+    errors = []
+
+    def run(t):
+        try:
+            save_checkpoint(t, root, timeout=30, **kwargs)
+        except BaseException as e:   # noqa: BLE001
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(t,)) for t in trainers]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(60)
+    if errors:
+        raise errors[0]
+
+
+def test_multi_rank_checkpoint_back_to_one_rank(trained, tmp_path):
+    """pp=4 vpp=2 (written by four ranks) loads into pp=1: the same weights by name."""
+    cfg = TINY.replace(pp=4, vpp=2, schedule="interleaved", microbatches=4, micro_batch_size=2)
+    store = dist.HashStore()
+    ranks = [local_trainer(cfg, pp_rank=r, store=store) for r in range(4)]
+    for t in ranks:
+        load_checkpoint(t, trained["dir"])
+    _threaded_save(cfg, ranks, tmp_path)
+    f1 = torch.load(state_file(tmp_path, 2, 1), weights_only=True)
+    assert {"model0", "model1"} <= set(f1) and "model" not in f1      # Megatron's chunk keys
+    one = local_trainer(TINY)
+    report = load_checkpoint(one, tmp_path)
+    assert report.resharded and len(report.files) == 4
+    assert all(torch.equal(p, trained["at2"][n]) for n, p in one.named_parameters().items())
+    assert train(one).losses == trained["losses"][2:]                  # still bitwise here
+
+
+def test_barrier_names_the_missing_rank(trained, tmp_path):
+    cfg = TINY.replace(pp=2)
+    t = local_trainer(cfg, pp_rank=0, store=dist.HashStore())
+    load_checkpoint(t, trained["dir"])
+    with pytest.raises(CheckpointError, match=r"waiting for ranks \[1\]"):
+        save_checkpoint(t, tmp_path, timeout=0.3)
+    assert not tracker_path(tmp_path).exists()
+
+
+def test_inspect(trained, tmp_path, capsys):
+    text = describe(trained["dir"])
+    n = len(trained["at2"])
+    for piece in ("tracker latest_checkpointed_iteration.txt: 2", "iteration 2",
+                  "consumed_samples 16", "hidden=16", "pp=1", "mp_rank_00_000/model_optim_rng.pt",
+                  f"AdamW state for {n} of {n} parameters", "num_updates 2"):
+        assert piece in text, piece
+    assert checkpoint_main(["checkpoint", "inspect", str(trained["dir"])]) == 0
+    assert "iteration 2" in capsys.readouterr().out
+    assert checkpoint_main(["checkpoint", "inspect", str(tmp_path)]) == 1
+    assert "no tracker file" in capsys.readouterr().err
+    reader = CheckpointReader(trained["dir"])
+    assert reader.iteration == 2 and reader.pp == 1
