@@ -1,0 +1,54 @@
+"""The command line: `pipeexec train` (local workers) and torchrun give the losses of the
+single-process reference (`--pp 1 --dp 1`), log a line per step and write the metrics file."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+MODEL = ["--layers", "2", "--hidden", "16", "--heads", "2", "--seq-len", "8", "--vocab", "64",
+         "--steps", "3", "--seed", "3", "--lr", "0.01", "--no-progress"]
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
+def _train(tmp_path, name, launcher, *layout):
+    out = tmp_path / f"{name}.json"
+    proc = subprocess.run([*launcher, "train", *layout, *MODEL, "--metrics-out", str(out)],
+                          capture_output=True, text=True, timeout=300, env=ENV)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(out.read_text()), proc.stdout
+
+
+PIPEEXEC = [sys.executable, "-m", "pipeexec"]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    return _train(tmp_path_factory.mktemp("ref"), "ref", PIPEEXEC, "--pp", "1", "--dp", "1",
+                  "--microbatches", "4", "--micro-batch-size", "2")[0]
+
+
+def test_local_launcher_matches_single_process(tmp_path, reference):
+    metrics, stdout = _train(tmp_path, "zbv", PIPEEXEC, "--schedule", "zbv", "--pp", "2", "--vpp",
+                             "2", "--dp", "2", "--microbatches", "2", "--micro-batch-size", "2")
+    assert len(metrics["losses"]) == len(metrics["step_times"]) == 3
+    assert all(t > 0 for t in metrics["step_times"])
+    assert metrics["losses"] == pytest.approx(reference["losses"], rel=1e-5)
+    assert reference["losses"][-1] < reference["losses"][0]   # it learns
+    for k in (1, 2, 3):
+        assert f"step {k}/3 loss" in stdout
+    assert "tokens/s" in stdout
+
+
+def test_torchrun_matches_single_process(tmp_path, reference):
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                "2", "-m", "pipeexec"]
+    metrics, _ = _train(tmp_path, "tr", torchrun, "--schedule", "1f1b", "--pp", "2",
+                        "--microbatches", "4", "--micro-batch-size", "2")
+    assert metrics["world_size"] == 2
+    assert metrics["losses"] == pytest.approx(reference["losses"], rel=1e-5)
