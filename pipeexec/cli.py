@@ -11,6 +11,7 @@ import argparse
 import os
 import sys
 
+from .checkpoint.cli import add_commands, add_train_flags, options_from_args, run_command
 from .config import ConfigError, TrainConfig
 
 
@@ -53,6 +54,8 @@ def _parser() -> argparse.ArgumentParser:
     a("--inject", action="append", default=[], help=argparse.SUPPRESS)
     a("--metrics-out", default=None, help="write losses and step times as JSON here")
     a("--no-progress", action="store_true", help="no progress bar")
+    add_train_flags(t)
+    add_commands(sub)
     return p
 
 
@@ -76,7 +79,10 @@ def config_from_args(ns: argparse.Namespace) -> TrainConfig:
 
 def main(argv: list[str] | None = None) -> None:
     ns = _parser().parse_args(argv)
+    if ns.command == "checkpoint":
+        sys.exit(run_command(ns))
     import pipesim
+    from .checkpoint import CheckpointError, read_tracker
     from .launcher import WorkerFailed, launch
     from .worker import run_training
 
@@ -85,15 +91,19 @@ def main(argv: list[str] | None = None) -> None:
         under_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
         world = int(os.environ["WORLD_SIZE"]) if under_torchrun else (ns.nproc or config.world_size)
         config.validate(world_size=world)    # before any process group exists
+        checkpoint = options_from_args(ns)
+        if checkpoint.load is not None:
+            read_tracker(checkpoint.load)       # a bad --load fails before any worker starts
         if under_torchrun:
-            run_training(None, config, ns.metrics_out, progress=not ns.no_progress)
+            run_training(None, config, ns.metrics_out, progress=not ns.no_progress,
+                         checkpoint=checkpoint)
         else:
-            launch(run_training, world, (config, ns.metrics_out, not ns.no_progress),
+            launch(run_training, world, (config, ns.metrics_out, not ns.no_progress, checkpoint),
                    timeout=ns.timeout)
     except (ConfigError, pipesim.ScheduleError, ValueError) as exc:
         print(f"pipeexec: error: {exc}", file=sys.stderr)
         sys.exit(2)
-    except WorkerFailed as exc:
+    except (WorkerFailed, CheckpointError) as exc:
         print(f"pipeexec: error: {exc}", file=sys.stderr)
         sys.exit(1)
 

@@ -6,6 +6,12 @@ of (direction, stage boundary, microbatch), so gloo matches them even when two r
 in different orders (as interleaved and V schedules do). A wait that exceeds the timeout raises
 `P2PError` naming this rank, the peer and the action.
 
+Channels: a transfer goes over one of four process groups, chosen by (activation or gradient,
+towards a higher or lower pipeline rank), so that on NCCL, which ignores tags and matches a
+pair's transfers in posting order, each communicator carries one kind in one direction; the
+order of those is the same on both sides for every pipesim schedule, and `check_p2p_order`
+verifies it for any schedule before a NCCL run.
+
 Shapes and dtypes: the receiver of a forward activation learns them once per stage boundary from
 a small header the sender sends with its first activation; a backward gradient has the shape of
 the forward output the receiver produced itself, so it needs no header.
@@ -38,15 +44,19 @@ class Pending:
 
 
 class P2P:
-    """Tagged isend/irecv over a pipeline's process group.
+    """Tagged isend/irecv over a pipeline's four channel groups.
 
-    ``peers``: global rank of each pipeline rank. ``num_stages`` and ``num_microbatches`` size the
+    ``groups``: one process group per channel (see `channel`); ``peers``: global rank of each
+    pipeline rank. ``num_stages`` and ``num_microbatches`` size the
     tag space.
     """
 
-    def __init__(self, *, rank: int, group: Any, peers: tuple[int, ...], num_stages: int,
-                 num_microbatches: int, device: torch.device, timeout: float) -> None:
-        self.rank, self.group, self.peers = rank, group, peers
+    def __init__(self, *, rank: int, pp_rank: int, groups: tuple, peers: tuple[int, ...],
+                 num_stages: int, num_microbatches: int, device: torch.device,
+                 timeout: float) -> None:
+        if len(groups) != 4:
+            raise ValueError(f"P2P needs 4 channel groups, got {len(groups)}")
+        self.rank, self.pp_rank, self.groups, self.peers = rank, pp_rank, groups, peers
         self.num_stages, self.m = num_stages, num_microbatches
         self.device = device
         self.timeout = datetime.timedelta(seconds=timeout)
@@ -55,7 +65,10 @@ class P2P:
         self._header_sent: set[int] = set()
         self._sends: list[Pending] = []
 
-    # -- tags -------------------------------------------------------------------------------
+    # -- tags and channels ------------------------------------------------------------------
+    def _group(self, direction: int, src_pp: int, dst_pp: int):
+        return self.groups[channel(direction, src_pp, dst_pp)]
+
     def _tag(self, direction: int, boundary: int, mb: int) -> int:
         return 1 + (direction * self.num_stages + boundary) * self.m + mb
 
@@ -67,14 +80,15 @@ class P2P:
              action: Any) -> None:
         """Post an asynchronous send; keeps ``tensor`` alive until it completes."""
         peer = self.peers[peer_rank]
+        group = self._group(direction, self.pp_rank, peer_rank)
         try:
             if direction == FWD and boundary not in self._header_sent:
                 header = self._make_header(tensor)
-                self._sends.append(Pending(dist.isend(header, peer, group=self.group,
+                self._sends.append(Pending(dist.isend(header, peer, group=group,
                                                       tag=self._header_tag(boundary)),
                                            header, peer, action))
                 self._header_sent.add(boundary)
-            work = dist.isend(tensor.contiguous(), peer, group=self.group,
+            work = dist.isend(tensor.contiguous(), peer, group=group,
                               tag=self._tag(direction, boundary, mb))
         except Exception as exc:
             raise P2PError(f"rank {self.rank}: {action}: posting send to rank {peer} failed: "
@@ -96,29 +110,33 @@ class P2P:
     def recv_activation(self, peer_rank: int, boundary: int, mb: int, action: Any) -> Pending:
         spec = self._specs.get(boundary)
         peer = self.peers[peer_rank]
+        group = self._group(FWD, peer_rank, self.pp_rank)
         if spec is None:
             header = torch.empty(_HEADER_LEN, dtype=torch.int64, device=self.device)
-            hp = Pending(self._irecv(header, peer, self._header_tag(boundary), action),
+            hp = Pending(self._irecv(header, peer, group, self._header_tag(boundary), action),
                          header, peer, action)
             self._wait(hp, "activation header from")
             spec = self._read_header(header)
             self._specs[boundary] = spec
         buf = torch.empty(spec[0], dtype=spec[1], device=self.device)
-        return Pending(self._irecv(buf, peer, self._tag(FWD, boundary, mb), action), buf, peer, action)
+        return Pending(self._irecv(buf, peer, group, self._tag(FWD, boundary, mb), action), buf,
+                       peer, action)
 
     def recv_gradient(self, peer_rank: int, boundary: int, mb: int, shape: torch.Size,
                       dtype: torch.dtype, action: Any) -> Pending:
         peer = self.peers[peer_rank]
         buf = torch.empty(shape, dtype=dtype, device=self.device)
-        return Pending(self._irecv(buf, peer, self._tag(BWD, boundary, mb), action), buf, peer, action)
+        group = self._group(BWD, peer_rank, self.pp_rank)
+        return Pending(self._irecv(buf, peer, group, self._tag(BWD, boundary, mb), action), buf,
+                       peer, action)
 
     def wait(self, pending: Pending) -> torch.Tensor:
         self._wait(pending, "receive from")
         return pending.tensor
 
-    def _irecv(self, buf: torch.Tensor, peer: int, tag: int, action: Any):
+    def _irecv(self, buf: torch.Tensor, peer: int, group: Any, tag: int, action: Any):
         try:
-            return dist.irecv(buf, peer, group=self.group, tag=tag)
+            return dist.irecv(buf, peer, group=group, tag=tag)
         except Exception as exc:
             raise P2PError(f"rank {self.rank}: {action}: posting receive from rank {peer} failed: "
                            f"{exc}") from exc
@@ -146,3 +164,38 @@ class P2P:
     def _read_header(h: torch.Tensor) -> tuple[torch.Size, torch.dtype]:
         vals = h.tolist()
         return torch.Size(vals[2: 2 + vals[1]]), DTYPES[vals[0]]
+
+
+def channel(direction: int, src_pp: int, dst_pp: int) -> int:
+    """Channel of a transfer: 2 * (activation 0 / gradient 1) + (1 if towards a lower rank)."""
+    return 2 * direction + (1 if dst_pp < src_pp else 0)
+
+
+def check_p2p_order(schedule) -> None:
+    """Raise P2PError if, on some channel between two ranks, the sender's order of transfers
+    differs from the receiver's (NCCL would pair the wrong tensors or deadlock)."""
+    from pipesim.schedule.comms import peer_stage
+
+    def key(a, rank):
+        peer = schedule.stage_rank(peer_stage(a))
+        direction = FWD if a.op.endswith("_F") else BWD
+        src, dst = (rank, peer) if a.op.startswith("SEND") else (peer, rank)
+        return (src, dst, channel(direction, src, dst)), (min(a.stage, peer_stage(a)), a.microbatch)
+
+    sends: dict = {}
+    recvs: dict = {}
+    for rank in range(schedule.pp):
+        for a in schedule.actions(rank):
+            if a.op.startswith("SEND"):
+                k, v = key(a, rank)
+                sends.setdefault(k, []).append(v)
+            elif a.op.startswith("RECV"):
+                k, v = key(a, rank)
+                recvs.setdefault(k, []).append(v)
+    for k in sorted(set(sends) | set(recvs)):
+        if sends.get(k, []) != recvs.get(k, []):
+            src, dst, ch = k
+            raise P2PError(f"schedule {schedule.name!r}: rank {src} sends channel {ch} transfers to "
+                           f"rank {dst} in an order rank {dst} does not receive them in; NCCL "
+                           "matches point-to-point transfers in order (use gloo, or change the "
+                           "schedule)")

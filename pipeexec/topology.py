@@ -41,6 +41,9 @@ class Topology:
     pp_ranks: tuple[int, ...]  # global rank of each pipeline rank of this pipeline
     dp_ranks: tuple[int, ...]
     store: Any = None          # the c10d store (failure notes, checkpoint barriers)
+    # Four process groups over this pipeline's ranks, one per p2p channel: (activation or
+    # gradient) x (towards a higher or a lower pipeline rank); see p2p.channel().
+    p2p_groups: tuple = ()
 
     def pipeline_peer(self, pp_rank: int) -> int:
         """Global rank of pipeline rank ``pp_rank`` in this replica's pipeline."""
@@ -100,18 +103,24 @@ def init_topology(pp: int, dp: int, *, backend: str | None = None, device: str |
     pp_ranks: tuple[int, ...] = ()
     dp_ranks: tuple[int, ...] = ()
     # Every rank creates every group, in the same order (a torch.distributed requirement).
+    p2p_groups: tuple = ()
     for d in range(dp):
         ranks = tuple(layout_rank(p, d, dp) for p in range(pp))
         group = dist.new_group(list(ranks), timeout=td) if pp > 1 else None
+        # NCCL matches sends and receives between two ranks in posting order, whatever the tag,
+        # and a receive waiting on a communicator's stream holds up the sends queued behind it.
+        # One communicator per (kind, direction) keeps each stream one-way and each one's order
+        # the same on both sides (pipesim schedules keep that order per kind and direction).
+        channels = (group, *(dist.new_group(list(ranks), timeout=td) for _ in range(3))) if pp > 1 else ()
         if d == dp_rank:
-            pp_group, pp_ranks = group, ranks
+            pp_group, pp_ranks, p2p_groups = group, ranks, channels
     for p in range(pp):
         ranks = tuple(layout_rank(p, d, dp) for d in range(dp))
         group = dist.new_group(list(ranks), timeout=td) if dp > 1 else None
         if p == pp_rank:
             dp_group, dp_ranks = group, ranks
     return Topology(rank, world, pp, dp, pp_rank, dp_rank, local_rank, dev, backend,
-                    pp_group, dp_group, pp_ranks, dp_ranks, store)
+                    pp_group, dp_group, pp_ranks, dp_ranks, store, p2p_groups)
 
 
 def destroy_topology(topology: Topology) -> None:

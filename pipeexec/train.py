@@ -30,7 +30,7 @@ from .data import BatchSource
 from .ddp import GradBuffer
 from .model import ModelSpec, gpt_spec_from_config
 from .optim import build_adamw, clip_coefficient, lr_at, set_lr
-from .p2p import P2P
+from .p2p import P2P, check_p2p_order
 from .partition import make_partition
 from .precision import LossScaler, MasterWeights, compute_dtype
 from .runtime import ActionRecorder, PipelineRuntime
@@ -128,7 +128,10 @@ class Trainer:
         self.board = board
         self.p2p = None
         if config.pp > 1:
-            self.p2p = P2P(rank=topology.rank, group=topology.pp_group, peers=topology.pp_ranks,
+            if topology.backend == "nccl":
+                check_p2p_order(self.schedule)
+            self.p2p = P2P(rank=topology.rank, pp_rank=topology.pp_rank,
+                           groups=topology.p2p_groups, peers=topology.pp_ranks,
                            num_stages=config.num_stages, num_microbatches=config.microbatches,
                            device=dev, timeout=config.p2p_timeout)
         self.runtime = PipelineRuntime(self.schedule, topology.pp_rank, self.stages, spec.loss_fn,

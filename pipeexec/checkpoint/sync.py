@@ -15,21 +15,35 @@ import torch.distributed as dist
 from .errors import CheckpointError
 
 
-def store_barrier(store: Any, name: str, rank: int, world_size: int, timeout: float) -> None:
-    """Block until all ``world_size`` ranks reached barrier ``name`` (unique per use)."""
-    if world_size == 1:
-        return
-    store.set(f"{name}/{rank}", b"1")
-    keys = [f"{name}/{r}" for r in range(world_size)]
+def _wait(store: Any, done, what: str, timeout: float, missing) -> None:
     deadline = time.monotonic() + timeout
     pause = 0.002
-    while not store.check(keys):
+    while not done():
         if time.monotonic() > deadline:
-            missing = [r for r in range(world_size) if not store.check([f"{name}/{r}"])]
-            raise CheckpointError(f"checkpoint barrier {name!r} timed out after {timeout:g} s "
-                                  f"waiting for ranks {missing}", field="barrier")
+            raise CheckpointError(f"checkpoint barrier {what!r} timed out after {timeout:g} s "
+                                  f"waiting for ranks {missing()}", field="barrier")
         time.sleep(pause)
         pause = min(pause * 2, 0.05)
+
+
+def store_barrier(store: Any, name: str, rank: int, world_size: int, timeout: float) -> None:
+    """Block until all ``world_size`` ranks reached barrier ``name`` (unique per use).
+
+    Two phases: every rank announces its arrival and waits for all arrivals; then every rank
+    announces it has seen them, and rank 0 (which hosts the store under the local launcher and
+    torchrun-less runs) waits for those acknowledgements too, so it cannot exit and take the
+    store down while a peer is still polling it.
+    """
+    if world_size == 1:
+        return
+    keys = [f"{name}/{r}" for r in range(world_size)]
+    store.set(keys[rank], b"1")
+    _wait(store, lambda: store.check(keys), name, timeout,
+          lambda: [r for r in range(world_size) if not store.check([keys[r]])])
+    left = store.add(f"{name}/left", 1)
+    if rank == 0 and left < world_size:
+        _wait(store, lambda: store.add(f"{name}/left", 0) >= world_size, name + " (exit)",
+              timeout, lambda: f"{world_size - store.add(f'{name}/left', 0)} rank(s) unacknowledged")
 
 
 def gather_to_writer(obj: Any, group: Any, group_size: int) -> list[Any] | None:

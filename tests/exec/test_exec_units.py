@@ -267,3 +267,28 @@ def test_loss_scaler_backs_off_and_grows():
     static = LossScaler(dynamic=False, initial=8.0)
     static.update(True)
     assert static.scale == 1.0
+
+
+# -- p2p channel order (what NCCL needs) ---------------------------------------------------------
+def test_registered_schedules_keep_channel_order():
+    from pipeexec.p2p import check_p2p_order
+    for name in pipesim.schedule_names():
+        for pp, m in ((2, 4), (4, 8)):
+            for vpp in (2, 1):
+                try:
+                    sched = pipesim.build_schedule(name, pp=pp, vpp=vpp, microbatches=m).validate()
+                except pipesim.ScheduleError:
+                    continue
+                check_p2p_order(sched)
+                break
+
+
+def test_channel_order_violation_is_reported():
+    from pipeexec.p2p import P2PError, check_p2p_order
+    A = Action
+    rank0 = [A("F", 0, 0), A("SEND_F", 0, 0), A("F", 0, 1), A("SEND_F", 0, 1)]
+    rank1 = [A("RECV_F", 1, 1), A("F", 1, 1), A("RECV_F", 1, 0), A("F", 1, 0)]
+    sched = pipesim.Schedule(2, 1, 2, "looped", [rank0, rank1], name="swapped",
+                             forward_only=True).validate()
+    with pytest.raises(P2PError, match="rank 0 sends channel 0 transfers to rank 1"):
+        check_p2p_order(sched)
