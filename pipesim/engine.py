@@ -9,8 +9,8 @@ a message (an activation or a gradient) crossing a link, so the model makes even
   seconds, starting when both the data and the link are free: one transfer per direction at a
   time, first in, first out. A directed link has one sender, so its queue follows that rank's
   order and needs no global arbitration;
-* a RECV whose message has not been sent yet parks the process on an event; the sender fires
-  it with a timeout at the arrival time, so ``env.now`` is the simulated time at every wake-up.
+* a RECV whose message has not been sent yet parks the process on an event; the sender
+  schedules it at the arrival time, so ``env.now`` is the simulated time at every wake-up.
 
 The result is the same as stepping every action as a SimPy timeout (the tests check it against
 an independent list scheduler), at a fraction of the events. Modes: ``comm="async"`` (the
@@ -24,9 +24,11 @@ from __future__ import annotations
 
 import random
 from itertools import chain
+from operator import itemgetter
 from typing import TYPE_CHECKING
 
 import simpy
+from simpy.events import NORMAL
 
 from .costs import CostModel
 from .schedule.action import B, F, I, RECV_B, RECV_F, SEND_B, SEND_F, W
@@ -75,6 +77,19 @@ _TAIL_OPS = ("ALLREDUCE", "OPTIMIZER")
 _OP_CODE = {op: code for code, op in enumerate(_OPS)}
 
 
+class _Arrival(simpy.Event):
+    """What a receiver waits on: its sender fires it at the message's arrival time.
+
+    Like :class:`simpy.Timeout` (whose constructor does the same), but created by the waiter
+    before the time is known: one event and one heap entry per wait.
+    """
+
+    def fire_at(self, time: float) -> None:
+        self._ok = True
+        self._value = time
+        self.env.schedule(self, NORMAL, time - self.env.now)
+
+
 def _jitter(rows: int, jitter: float, seed: int) -> list[float] | None:
     """One factor per trace row (rank, then action order), uniform in [1 - jitter, 1 + jitter]."""
     if not jitter:
@@ -90,10 +105,11 @@ def _columns(schedule: Schedule, actions: list[list], costs: CostModel) -> dict:
 
     pp, n = schedule.pp, schedule.num_stages
     nbytes = costs.stage_values("p2p_bytes", n)
-    ops, stages, mbs = zip(*chain.from_iterable(actions))   # transposed in C, no Python loop
-    code = np.fromiter(map(_OP_CODE.__getitem__, ops), dtype=np.int8, count=len(ops))
-    stage = np.fromiter(stages, dtype=np.int64, count=len(stages))
-    mb = np.fromiter(mbs, dtype=np.int64, count=len(mbs))
+    flat = list(chain.from_iterable(actions))       # C-level maps below, no Python loop
+    rows = len(flat)
+    code = np.fromiter(map(_OP_CODE.__getitem__, map(itemgetter(0), flat)), dtype=np.int8, count=rows)
+    stage = np.fromiter(map(itemgetter(1), flat), dtype=np.int64, count=rows)
+    mb = np.fromiter(map(itemgetter(2), flat), dtype=np.int64, count=rows)
     chunk_of = np.asarray([schedule.stage_chunk(s) for s in range(n)], dtype=np.int64)
     place = np.asarray(schedule.placement, dtype=np.int64)
     # Peer stage: +1 for SEND_F / RECV_B, -1 for RECV_F / SEND_B.
@@ -151,7 +167,7 @@ def _run(schedule: Schedule, actions: list[list], costs: CostModel, factors: lis
                 msg = stage * m + mb if op == RECV_F else (n + stage) * m + mb
                 e = arrival[msg]
                 if e < 0.0:
-                    ev = waiters[msg] = env.event()
+                    ev = waiters[msg] = _Arrival(env)
                     e = yield ev
                 starts[row] = t
                 if e > t:
@@ -174,7 +190,7 @@ def _run(schedule: Schedule, actions: list[list], costs: CostModel, factors: lis
                     t = e
                 ev = waiters[msg]
                 if ev is not None:
-                    env.timeout(e - env.now, e).callbacks.append(ev.trigger)
+                    ev.fire_at(e)
             row += 1
         done[rank] = True
 
