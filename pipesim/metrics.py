@@ -88,12 +88,11 @@ def union_length(starts: np.ndarray, ends: np.ndarray) -> float:
 
 
 def comm_wait_per_rank(trace: "pd.DataFrame", ranks: int) -> list[float]:
-    out = []
-    for r in range(ranks):
-        rows = trace[trace["rank"] == r]
+    out = [0.0] * ranks
+    for r, rows in trace.groupby("rank"):
         comp = rows[rows["kind"] == "compute"]
         both = union_length(rows["start"].to_numpy(), rows["end"].to_numpy())
-        out.append(both - union_length(comp["start"].to_numpy(), comp["end"].to_numpy()))
+        out[int(r)] = both - union_length(comp["start"].to_numpy(), comp["end"].to_numpy())
     return out
 
 

@@ -78,11 +78,12 @@ def list_schedule(schedule, costs, blocking=False):
     return start
 
 
-def build_any(name, pp, m, vpp):
+def build_any(name, pp, m, vpp, forward_only=False):
     """The schedule for the first vpp (of vpp, 1, 2, 3) the builder accepts."""
     for v in (vpp, 1, 2, 3):
         try:
-            return pipesim.build_schedule(name, pp=pp, microbatches=m, vpp=v)
+            return pipesim.build_schedule(name, pp=pp, microbatches=m, vpp=v,
+                                          forward_only=forward_only)
         except ScheduleError:
             continue
     pytest.skip(f"{name} accepts no vpp in 1..3 for pp={pp}, m={m}")
@@ -103,9 +104,9 @@ def stage_costs(n):
 @settings(max_examples=60, deadline=None)
 @given(data=st.data(), name=st.sampled_from(NAMES), pp=st.integers(1, 5), m=st.integers(1, 8),
        vpp=st.integers(1, 3), comm=st.sampled_from(["none", "latency", "bandwidth"]),
-       blocking=st.booleans())
-def test_start_times_match_list_scheduler(data, name, pp, m, vpp, comm, blocking):
-    schedule = build_any(name, pp, m, vpp)
+       blocking=st.booleans(), forward_only=st.sampled_from([False, False, False, True]))
+def test_start_times_match_list_scheduler(data, name, pp, m, vpp, comm, blocking, forward_only):
+    schedule = build_any(name, pp, m, vpp, forward_only)
     n = schedule.num_stages
     f, i, w = data.draw(stage_costs(n))
     extra = {}

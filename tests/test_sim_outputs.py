@@ -122,7 +122,7 @@ def test_gantt_draws_boxes_labels_and_memory(tmp_path):
 
 def test_gantt_uses_no_pyplot():
     code = ("import sys, pipesim\n"
-            "r = pipesim.simulate(pipesim.build_schedule('1f1b', pp=16, microbatches=64),\n"
+            "r = pipesim.simulate(pipesim.build_schedule('1f1b', pp=4, microbatches=8),\n"
             "                     pipesim.CostModel.uniform())\n"
             "r.gantt(memory=True)\n"
             "assert 'matplotlib.pyplot' not in sys.modules\n"
