@@ -1,0 +1,135 @@
+"""Checkpointing across real processes (forked gloo ranks on CPU).
+
+* Exact resume: 2 iterations, stop, load, 2 more == 4 in one go, bitwise (losses and every
+  parameter of both data-parallel replicas), with pp=2 dp=2.
+* Resharding, continuing the same run: the pp=2 dp=2 1F1B checkpoint loads directly into
+  pp=4 dp=1 interleaved vpp=2 (pp 2->4, dp 2->1, vpp 1->2, schedule change); that run's
+  checkpoint is converted offline (`convert_checkpoint`) to pp=2 vpp=1 GPipe (pp 4->2,
+  vpp 2->1) and loaded as is. Losses and parameters follow the uninterrupted run within fp32
+  tolerance (the reduction order changes with the layout, so not bitwise).
+* A rank SIGKILLed in the middle of a save (its temporary file written, not renamed) through
+  the real CLI: the run fails naming the rank, the tracker still names the previous
+  checkpoint, and a resumed run reproduces the uninterrupted run's losses bitwise. A corrupt
+  file then fails the CLI with the file named.
+"""
+from __future__ import annotations
+
+import functools
+import json
+import os
+import subprocess
+import sys
+import zipfile
+
+import pytest
+import torch
+
+from checkpoint_helpers import TINY, checkpoint_worker, merge_params
+from pipeexec import launch
+from pipeexec.cli import _parser, config_from_args
+from pipeexec.cli import main as cli_main
+from pipeexec.checkpoint import (FAULT_ENV, CheckpointOptions, convert_checkpoint, read_tracker, state_file,
+                                 tracker_path)
+
+pytestmark = pytest.mark.slow
+
+BASE = TINY.replace(schedule="1f1b", pp=2, dp=2, microbatches=2, micro_batch_size=4)   # batch 16
+PP4 = TINY.replace(schedule="interleaved", pp=4, vpp=2, dp=1, microbatches=4, micro_batch_size=4)
+PP2 = TINY.replace(schedule="gpipe", pp=2, vpp=1, dp=1, microbatches=4, micro_batch_size=4)
+
+
+def run(cfg, options=CheckpointOptions(), snapshot_at=()):
+    return launch(checkpoint_worker, cfg.world_size, (cfg, options, snapshot_at), timeout=300)
+
+
+@functools.lru_cache(maxsize=None)
+def uninterrupted():
+    res = run(BASE.replace(steps=8), snapshot_at=(4, 6))
+    return res[0]["losses"], {it: merge_params(res, it) for it in (4, 6, 8)}, res
+
+
+def close(a: dict, b: dict) -> None:
+    assert set(a) == set(b)
+    for n in a:
+        torch.testing.assert_close(a[n], b[n], rtol=1e-5, atol=1e-6, msg=n)
+
+
+def test_exact_resume_then_reshard(tmp_path):
+    losses, params, full = uninterrupted()
+    a, c, d = tmp_path / "a", tmp_path / "c", tmp_path / "d"
+    # the two replicas of the uninterrupted run agree (so comparing replica 0 is enough below)
+    assert all(torch.equal(v, merge_params(full, 8, 1)[n]) for n, v in params[8].items())
+
+    first = run(BASE.replace(steps=2), CheckpointOptions(save=str(a)))
+    assert first[0]["losses"] == losses[:2] and read_tracker(a) == 2
+    f = torch.load(state_file(a, 2, 1), weights_only=True)
+    assert len(f["rng_state"]) == 2 and f["layout"]["dp"] == 2     # both replicas' RNG states
+
+    second = run(BASE.replace(steps=4), CheckpointOptions(save=str(a), load=str(a), save_interval=2))
+    assert second[0]["start"] == 2 and second[0]["losses"] == losses[2:4]      # bitwise
+    for dp_rank in (0, 1):
+        got = merge_params(second, 4, dp_rank)
+        assert all(torch.equal(got[n], v) for n, v in params[4].items())
+    assert read_tracker(a) == 4
+
+    third = run(PP4.replace(steps=6), CheckpointOptions(save=str(c), load=str(a)))
+    assert third[0]["loaded"]["resharded"] and third[0]["start"] == 4
+    assert third[0]["loaded"]["iteration"] == 4
+    torch.testing.assert_close(third[0]["losses"], losses[4:6], rtol=1e-5, atol=0)
+    close(merge_params(third, 6), params[6])
+
+    convert_checkpoint(c, d, pp=2, vpp=1, schedule="gpipe")
+    fourth = run(PP2.replace(steps=8), CheckpointOptions(load=str(d)))
+    assert not fourth[0]["loaded"]["resharded"] and fourth[0]["start"] == 6
+    torch.testing.assert_close(fourth[0]["losses"], losses[6:8], rtol=1e-5, atol=0)
+    close(merge_params(fourth, 8), params[8])
+
+
+def _cli(args, fault=None, timeout=240):
+    env = {k: v for k, v in os.environ.items() if k != FAULT_ENV}
+    env.update(OMP_NUM_THREADS="1", **({FAULT_ENV: fault} if fault else {}))
+    return subprocess.run([sys.executable, "-m", "pipeexec", "train", *args], capture_output=True,
+                          text=True, env=env, timeout=timeout)
+
+
+def test_sigkill_mid_save_then_resume(tmp_path, capsys):
+    common = ["--pp", "2", "--schedule", "1f1b", "--microbatches", "2", "--micro-batch-size", "2",
+              "--layers", "2", "--hidden", "16", "--heads", "2", "--seq-len", "8", "--vocab", "32",
+              "--steps", "4", "--warmup-steps", "1", "--seed", "5", "--no-progress", "--timeout", "200"]
+    d = tmp_path / "ckpt"
+    # the uninterrupted run, in-process with the config the CLI builds from the same flags
+    cfg = config_from_args(_parser().parse_args(["train", *common]))
+    ref_losses = run(cfg)[0]["losses"]
+
+    killed = _cli(common + ["--save", str(d), "--save-interval", "2"], fault="kill:1:4:before-rename")
+    assert killed.returncode != 0
+    assert "rank 1 was killed by signal SIGKILL" in killed.stderr, killed.stderr
+    assert "step 4/4" in killed.stdout                  # it died in the save after step 4
+    assert read_tracker(d) == 2
+    rank1_dir = state_file(d, 4, 1).parent
+    assert not state_file(d, 4, 1).exists()
+    assert [p.name.startswith(".model_optim_rng.pt.tmp-") for p in rank1_dir.iterdir()] == [True]
+
+    resumed = _cli(common + ["--save", str(d), "--save-interval", "2", "--load", str(d),
+                             "--metrics-out", str(tmp_path / "res.json")])
+    assert resumed.returncode == 0, resumed.stderr
+    assert "checkpoint: loaded iter_0000002" in resumed.stdout
+    metrics = json.loads((tmp_path / "res.json").read_text())
+    assert metrics["losses"] == ref_losses[2:]          # --steps counts total iterations; bitwise
+    assert metrics["checkpoint"]["loaded_iteration"] == 2 and len(metrics["checkpoint"]["save_times"]) == 1
+    assert read_tracker(d) == 4 and list(rank1_dir.iterdir()) == [state_file(d, 4, 1)]
+
+    # a corrupt file: non-zero exit, the file and the bad record named, no training
+    path = state_file(d, 4, 1)
+    with zipfile.ZipFile(path) as z:
+        info = max(z.infolist(), key=lambda i: i.file_size)
+    data = bytearray(path.read_bytes())
+    data[info.header_offset + 100 + info.file_size // 2] ^= 0x01
+    path.write_bytes(bytes(data))
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_:
+        cli_main(["train", *common, "--load", str(d), "--steps", "6"])
+    assert exit_.value.code == 1
+    err = capsys.readouterr().err
+    assert str(path) in err and "CRC-32" in err and "CheckpointError" in err, err
+    assert tracker_path(d).read_text() == "4\n"
