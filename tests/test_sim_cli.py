@@ -26,6 +26,13 @@ def test_simulate_writes_everything(tmp_path, capsys):
     assert main(["simulate", "gpipe", "--pp", "2", "-m", "4", "--costs", str(costs)]) == 0
 
 
+def test_simulate_forward_only(capsys):
+    assert main(["simulate", "gpipe", "--pp", "3", "-m", "5", "--forward-only"]) == 0
+    # Forwards only, F = 1: makespan m + p - 1, bubble_fraction (p-1)/m.
+    out = capsys.readouterr().out
+    assert "makespan 7 s" in out and "0.4000" in out
+
+
 def test_simulate_transformer_and_step_tail(capsys):
     rc = main(["simulate", "zbv", "--pp", "2", "--vpp", "2", "-m", "4", "--model", "tiny",
                "--hardware", "A100", "--step-tail", "--dp", "4", "--comm", "blocking"])

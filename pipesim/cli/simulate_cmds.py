@@ -61,6 +61,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--vpp", type=int, default=1, help="chunks (virtual stages) per rank")
     p.add_argument("--microbatches", "-m", type=int, default=8)
     p.add_argument("--micro-batch-size", type=int, default=1, help="sequences per microbatch (--model)")
+    p.add_argument("--forward-only", action="store_true", help="inference: forwards only")
     _add_cost_args(p)
     p.add_argument("--jitter", type=float, default=0.0, help="relative compute-time noise, seeded")
     p.add_argument("--seed", type=int, default=0)
@@ -92,7 +93,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     from ..engine import simulate
     from ..schedule.registry import build_schedule
 
-    schedule = build_schedule(args.name, pp=args.pp, microbatches=args.microbatches, vpp=args.vpp)
+    schedule = build_schedule(args.name, pp=args.pp, microbatches=args.microbatches, vpp=args.vpp,
+                              forward_only=args.forward_only)
     source = _cost_source(args)
     costs = source(schedule.num_stages, args.micro_batch_size) if callable(source) else source
     result = simulate(schedule, costs, comm=args.comm, step_tail=args.step_tail, dp=args.dp,
