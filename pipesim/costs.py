@@ -113,6 +113,14 @@ class CostModel:
             return list(value)
         return [float(value)] * pp
 
+    def check_shape(self, num_stages: int, pp: int) -> "CostModel":
+        """Raise ValueError naming the first field whose list does not fit the schedule."""
+        for name in _PER_STAGE:
+            if getattr(self, name) is not None:
+                self.stage_values(name, num_stages)
+        self.rank_static_bytes(pp)
+        return self
+
     def compute_times(self, num_stages: int) -> dict[str, list[float]]:
         """Seconds of F, B, I and W per stage, with the defaults of the class docstring."""
         fwd = self.stage_values("forward", num_stages)

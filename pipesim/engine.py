@@ -60,6 +60,7 @@ def simulate(schedule: Schedule, costs: CostModel | None = None, *, comm: str = 
     if not isinstance(dp, int) or dp < 1:
         raise ValueError(f"dp must be a positive integer, got {dp!r}")
     schedule.validate()
+    costs.check_shape(schedule.num_stages, schedule.pp)
     actions = [schedule.actions(r) for r in range(schedule.pp)]
     columns = _columns(schedule, actions, costs)
     factors = _jitter(len(columns["op"]), jitter, seed)

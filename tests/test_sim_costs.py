@@ -41,8 +41,8 @@ def test_per_stage_length_checked():
     with pytest.raises(ValueError, match="CostModel.static_bytes has 2 per-rank values, expected pp = 3"):
         c.rank_static_bytes(3)
     s = pipesim.build_schedule("1f1b", pp=4, microbatches=4)
-    with pytest.raises(ValueError, match="activation_bytes"):
-        simulate(s, c).peak_memory
+    with pytest.raises(ValueError, match="CostModel.activation_bytes has 3 per-stage values"):
+        simulate(s, c)     # checked before simulating, not when memory is first asked for
 
 
 @settings(max_examples=30, deadline=None)
