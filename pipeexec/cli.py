@@ -13,6 +13,7 @@ import sys
 
 from .checkpoint.cli import add_commands, add_train_flags, options_from_args, run_command
 from .config import ConfigError, TrainConfig
+from .profile.cli import add_compare_command, add_profile_flags, profile_from_args
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -55,7 +56,9 @@ def _parser() -> argparse.ArgumentParser:
     a("--metrics-out", default=None, help="write losses and step times as JSON here")
     a("--no-progress", action="store_true", help="no progress bar")
     add_train_flags(t)
+    add_profile_flags(t)
     add_commands(sub)
+    add_compare_command(sub)
     return p
 
 
@@ -78,7 +81,11 @@ def config_from_args(ns: argparse.Namespace) -> TrainConfig:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ns = _parser().parse_args(argv)
+    args = sys.argv[1:] if argv is None else list(argv)
+    if args[:1] == ["compare"]:
+        from .profile.compare import compare_main
+        sys.exit(compare_main(args[1:], _parser, config_from_args))
+    ns = _parser().parse_args(args)
     if ns.command == "checkpoint":
         sys.exit(run_command(ns))
     import pipesim
@@ -94,11 +101,13 @@ def main(argv: list[str] | None = None) -> None:
         checkpoint = options_from_args(ns)
         if checkpoint.load is not None:
             read_tracker(checkpoint.load)       # a bad --load fails before any worker starts
+        profile = profile_from_args(ns)
         if under_torchrun:
             run_training(None, config, ns.metrics_out, progress=not ns.no_progress,
-                         checkpoint=checkpoint)
+                         checkpoint=checkpoint, profile=profile)
         else:
-            launch(run_training, world, (config, ns.metrics_out, not ns.no_progress, checkpoint),
+            launch(run_training, world,
+                   (config, ns.metrics_out, not ns.no_progress, checkpoint, profile),
                    timeout=ns.timeout)
     except (ConfigError, pipesim.ScheduleError, ValueError) as exc:
         print(f"pipeexec: error: {exc}", file=sys.stderr)

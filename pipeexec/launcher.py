@@ -85,6 +85,12 @@ def launch(fn: Callable[..., Any], nproc: int, args: tuple = (), *, timeout: flo
     if start_method == "fork" and threading.active_count() > 1:
         raise RuntimeError(f"refusing to fork: the parent has {threading.active_count()} threads "
                            "(forked children would inherit their locks); use start_method='spawn'")
+    if start_method == "fork":
+        import sys
+        torch = sys.modules.get("torch")
+        if torch is not None and torch.cuda.is_initialized():
+            raise RuntimeError("refusing to fork: CUDA is initialised in the parent (children "
+                               "could not use it); use start_method='spawn'")
     ctx = multiprocessing.get_context(start_method)
     board = ActionBoard(nproc, ctx)
     port = free_port()

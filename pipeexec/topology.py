@@ -89,6 +89,11 @@ def init_topology(pp: int, dp: int, *, backend: str | None = None, device: str |
     if backend is None:
         backend = "nccl" if dev.type == "cuda" else "gloo"
     if dev.type == "cuda":
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+        if backend == "nccl" and local_world > torch.cuda.device_count():
+            raise TopologyError(f"{local_world} ranks on this node but {torch.cuda.device_count()} "
+                                "CUDA device(s): NCCL needs one GPU per rank (use fewer ranks, or "
+                                "--device cpu for gloo on CPU)")
         torch.cuda.set_device(dev)
     # torchrun's agent hosts a store at MASTER_PORT; the local launcher makes rank 0 host it.
     agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"

@@ -64,7 +64,7 @@ def load_checkpoint(trainer, root: str | os.PathLike, *, tag: Tag | None = None,
     """Load checkpoint ``tag`` (default: the tracker's) from ``root`` into ``trainer``."""
     t0 = time.perf_counter()
     topo, cfg = trainer.topology, trainer.config
-    reader = CheckpointReader(root, tag, verify=verify)
+    reader = CheckpointReader(root, tag, verify=verify, home=topo.pp_rank)
     home = topo.pp_rank if topo.pp_rank < reader.pp else 0
     notes = check_config(reader.config, cfg.to_dict(), path=str(reader.path(home)))
     resharded = not same_layout(reader, trainer)

@@ -70,9 +70,10 @@ def read_state_file(path: str | Path, *, verify: bool = True, mmap: bool = True)
 
 class CheckpointReader:
     """All rank files of one checkpoint (``tag``: an iteration, ``"release"``, or None for the
-    tracker's), opened on demand."""
+    tracker's), opened on demand; ``home`` is the pipeline rank whose file to read first."""
 
-    def __init__(self, root: str | Path, tag: Tag | None = None, *, verify: bool = True) -> None:
+    def __init__(self, root: str | Path, tag: Tag | None = None, *, verify: bool = True,
+                 home: int = 0) -> None:
         self.root = Path(root)
         self.tag: Tag = read_tracker(self.root) if tag is None else tag
         self.verify = verify
@@ -86,14 +87,16 @@ class CheckpointReader:
                                   "(mp_rank_00_XXX/model_optim_rng.pt)", path=self.dir)
         self._files: dict[int, dict[str, Any]] = {}
         self._placement: list[list[int]] | None = None
-        first = self.file(min(self.paths))
+        # The header (layout, config) is read from the caller's own file when there is one,
+        # so a rank never reads (and CRC-checks) a file it does not need.
+        first = self.file(home if home in self.paths else min(self.paths))
         self.layout: dict[str, Any] = first["layout"]
         self.config: dict[str, Any] = first["config"]
         self.iteration: int = int(first["iteration"])
         self.release: bool = bool(first["release"])
         if self.tag != RELEASE and self.iteration != self.tag:
             raise CheckpointError(f"file holds iteration {self.iteration}, its directory says "
-                                  f"{self.tag}", path=self.path(min(self.paths)), field="iteration")
+                                  f"{self.tag}", path=self.opened()[0], field="iteration")
         pp = int(self.layout["pp"])
         for r in range(pp):
             if r not in self.paths:

@@ -21,7 +21,7 @@ GLOBAL_BATCH = 8
 MICROBATCHES = 4
 TINY = TrainConfig(layers=6, hidden=16, heads=2, seq_len=8, vocab=32, steps=3, lr=3e-3,
                    warmup_steps=1, min_lr=3e-4, weight_decay=0.1, clip_grad=0.5,
-                   p2p_timeout=60.0, collective_timeout=120.0, seed=7)
+                   p2p_timeout=60.0, collective_timeout=120.0, seed=7, device="cpu")
 
 
 def layout_config(schedule: str, pp: int, dp: int, **changes) -> TrainConfig:
@@ -99,20 +99,21 @@ def reference_logits(cfg: TrainConfig, model: nn.Module, step: int) -> torch.Ten
         return model(x).float()
 
 
-def layouts_worker(board, pp: int, dp: int, cases: list[tuple[str, dict]]) -> dict:
-    """Train every case (schedule, config changes) on one topology; return what the rank holds."""
-    topo = init_topology(pp, dp, timeout=120)
+def layouts_worker(board, pp: int, dp: int, cases: list[tuple[str, dict]], device: str = "cpu") -> dict:
+    """Train every case (schedule, config changes) on one topology; return what the rank holds
+    (tensors moved to the CPU)."""
+    topo = init_topology(pp, dp, device=device, timeout=120)
     out = {}
     try:
         for schedule, changes in cases:
-            cfg = layout_config(schedule, pp, dp, **changes)
+            cfg = layout_config(schedule, pp, dp, device=device, **changes)
             trainer = Trainer(cfg, topo, board=board)
             res = train(trainer)
             fwd = trainer.forward(cfg.steps, keep_outputs=True)
             out[(schedule, tuple(sorted(changes.items())))] = {
                 "losses": res.losses, "skipped": res.skipped, "loss_scales": res.loss_scales,
-                "params": {n: p.detach().clone() for n, p in trainer.named_parameters().items()},
-                "fwd_outputs": {mb: t.clone() for mb, t in fwd.outputs.items()},
+                "params": {n: p.detach().cpu().clone() for n, p in trainer.named_parameters().items()},
+                "fwd_outputs": {mb: t.cpu().clone() for mb, t in fwd.outputs.items()},
                 "fwd_losses": {mb: t.item() for mb, t in fwd.losses.items()},
                 "final_scale": trainer.scaler.scale,
                 "pp_rank": topo.pp_rank, "dp_rank": topo.dp_rank, "vpp": cfg.vpp,
@@ -125,8 +126,35 @@ def layouts_worker(board, pp: int, dp: int, cases: list[tuple[str, dict]]) -> di
 
 def train_worker(board, config: TrainConfig) -> list[float]:
     """Train one config on a fresh topology; return the losses."""
-    topo = init_topology(config.pp, config.dp, timeout=config.collective_timeout)
+    topo = init_topology(config.pp, config.dp, backend=config.backend, device=config.device,
+                         timeout=config.collective_timeout)
     try:
         return train(Trainer(config, topo, board=board)).losses
     finally:
         destroy_topology(topo)
+
+
+def state_worker(board, pp: int, dp: int, schedule: str, steps: int, state: dict | None) -> dict:
+    """Load ``state`` (if any, from any layout), run ``steps`` more steps, return this rank's
+    state dict and losses: the seam a checkpoint manager uses."""
+    topo = init_topology(pp, dp, device="cpu", timeout=120)
+    try:
+        trainer = Trainer(layout_config(schedule, pp, dp), topo, board=board)
+        if state is not None:
+            trainer.load_state_dict(state)
+        losses = [trainer.step().loss for _ in range(steps)]
+        return {"state": trainer.state_dict(), "losses": losses}
+    finally:
+        destroy_topology(topo)
+
+
+def merge_states(results: list[dict]) -> dict:
+    """Union of the ranks' state dicts (entries are keyed by global parameter name)."""
+    merged = {"model": {}, "optimizer": {}}
+    for r in results:
+        st = r["state"]
+        merged["model"].update(st["model"])
+        merged["optimizer"].update(st["optimizer"])
+        for k in ("scaler", "iteration", "updates"):
+            merged[k] = st[k]
+    return merged

@@ -12,7 +12,7 @@ import pytest
 pytestmark = pytest.mark.slow
 
 MODEL = ["--layers", "2", "--hidden", "16", "--heads", "2", "--seq-len", "8", "--vocab", "64",
-         "--steps", "3", "--seed", "3", "--lr", "0.01", "--no-progress"]
+         "--steps", "3", "--seed", "3", "--lr", "0.01", "--no-progress", "--device", "cpu"]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 

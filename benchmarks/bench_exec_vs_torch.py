@@ -1,0 +1,174 @@
+"""pipeexec vs torch.distributed.pipelining, side by side in one run (CPU / gloo).
+
+Same model (the built-in GPT's layers, cut at the same stage boundaries), same ranks,
+microbatches, data and loss, for GPipe, 1F1B, Interleaved1F1B and ZBV. Each timed step is one
+pipeline forward + backward over the global batch (gradients accumulated, no optimizer), the two
+executors alternating step by step so that background load hits both alike. Step time: the
+slowest rank's time from a common barrier to its last action; the median over the timed steps.
+
+Bubble (``bubble_rate``, the Zero Bubble paper's definition): ``1 - busy / step_time``, where
+``busy`` is the compute time of the busiest rank measured in isolation (its stages' forward and
+backward over all microbatches, no communication), the same figure for both executors.
+
+    OMP_NUM_THREADS=1 python benchmarks/bench_exec_vs_torch.py            # pp 2, 2 CPU ranks
+    OMP_NUM_THREADS=1 python benchmarks/bench_exec_vs_torch.py --pp 4 --steps 6
+
+Target (issue 4): pipeexec's step time at or below torch's (ratio <= 1.0), bubble no larger.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from pipeexec import launch
+from pipeexec.data import BatchSource
+from pipeexec.ddp import GradBuffer
+from pipeexec.model import gpt_spec
+from pipeexec.p2p import P2P
+from pipeexec.partition import by_layers
+from pipeexec.runtime import PipelineRuntime
+from pipeexec.stage import build_stage
+from pipeexec.topology import destroy_topology, init_topology
+
+# pipeexec schedule name, vpp, torch schedule class name
+SCHEDULES = [("gpipe", 1, "ScheduleGPipe"), ("1f1b", 1, "Schedule1F1B"),
+             ("interleaved", 2, "ScheduleInterleaved1F1B"), ("zbv", 2, "ScheduleZBVZeroBubble")]
+
+
+def _barrier_time(t0: float) -> float:
+    """Slowest rank's elapsed time since its t0 (all ranks started after a barrier)."""
+    dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+    dist.all_reduce(dt, op=dist.ReduceOp.MAX)
+    return dt.item()
+
+
+def worker(board, args) -> list[dict]:
+    import pipesim
+    import torch.distributed.pipelining as tpp
+
+    topo = init_topology(args.pp, 1, timeout=300)
+    spec = gpt_spec(layers=args.layers, hidden=args.hidden, heads=args.heads, seq_len=args.seq_len,
+                    vocab=args.vocab)
+    src = BatchSource(seed=0, seq_len=args.seq_len, vocab=args.vocab,
+                      global_batch=args.microbatches * args.micro_batch_size)
+    cpu = torch.device("cpu")
+    rows = []
+    try:
+        for name, vpp, torch_name in SCHEDULES:
+            schedule = pipesim.build_schedule(name, pp=args.pp, microbatches=args.microbatches,
+                                              vpp=vpp).validate()
+            bounds = by_layers(spec.num_layers, schedule.num_stages)
+            mine = {s: build_stage(spec, s, bounds, seed=0, device=cpu, dtype=torch.float32)
+                    for s in schedule.rank_stages(topo.pp_rank)}
+            theirs = {s: build_stage(spec, s, bounds, seed=0, device=cpu, dtype=torch.float32)
+                      for s in mine}
+            # -- pipeexec
+            buf = GradBuffer({s: list(st.parameters()) for s, st in mine.items()}, cpu)
+            p2p = P2P(rank=topo.rank, pp_rank=topo.pp_rank, groups=topo.p2p_groups,
+                      peers=topo.pp_ranks, num_stages=schedule.num_stages,
+                      num_microbatches=args.microbatches, device=cpu, timeout=300)
+            rt = PipelineRuntime(schedule, topo.pp_rank, mine, spec.loss_fn, buf.accumulate, p2p,
+                                 global_rank=topo.rank, device=cpu)
+            # -- torch.distributed.pipelining, same stages on the same ranks
+            stages = [tpp.PipelineStage(theirs[s], s, schedule.num_stages, cpu, group=topo.pp_group)
+                      for s in sorted(theirs)]
+            cls = getattr(tpp, torch_name)
+            tsched = cls(stages[0] if vpp == 1 else stages, n_microbatches=args.microbatches,
+                         loss_fn=spec.loss_fn)
+            first, last = 0 in theirs, schedule.num_stages - 1 in theirs
+
+            def run_mine(step):
+                buf.zero()
+                out = rt.run(src.microbatches(step, 0, 1, args.microbatches), step=step)
+                return [v.item() for _, v in sorted(out.losses.items())]
+
+            def run_torch(step):
+                for st in theirs.values():
+                    st.zero_grad(set_to_none=True)
+                x, y = src.global_batch_at(step)
+                losses: list = []
+                kwargs = {}
+                if last:
+                    kwargs.update(target=y, losses=losses)
+                if first:
+                    tsched.step(x, **kwargs)
+                else:
+                    tsched.step(**kwargs)
+                return [v.item() for v in losses]
+
+            times = {"pipeexec": [], "torch": []}
+            loss_check = {}
+            for step in range(args.warmup + args.steps):
+                for who, fn in (("pipeexec", run_mine), ("torch", run_torch)):
+                    dist.barrier()
+                    t0 = time.perf_counter()
+                    losses = fn(step)
+                    dt = _barrier_time(t0)
+                    if step >= args.warmup:
+                        times[who].append(dt)
+                    if step == 0:
+                        loss_check[who] = losses
+            # busy time of this rank in isolation: forward + backward of its stages, m microbatches
+            busy = []
+            for _ in range(2):
+                dist.barrier()
+                t0 = time.perf_counter()
+                for x, y in src.microbatches(0, 0, 1, args.microbatches):
+                    for s in sorted(mine):
+                        inp = x if s == 0 else torch.randn(x.shape + (args.hidden,), requires_grad=True)
+                        h = mine[s](inp)
+                        if s == schedule.num_stages - 1:
+                            h = spec.loss_fn(h, y)
+                        torch.autograd.backward(h, torch.ones_like(h) if h.dim() else None)
+                busy.append(time.perf_counter() - t0)
+            busy_t = torch.tensor([min(busy)], dtype=torch.float64)
+            dist.all_reduce(busy_t, op=dist.ReduceOp.MAX)
+            a, b = loss_check["pipeexec"], loss_check["torch"]
+            same = torch.tensor([float(len(a) == len(b) and
+                                       all(abs(u - v) <= 1e-5 * abs(v) for u, v in zip(a, b)))])
+            dist.all_reduce(same, op=dist.ReduceOp.MIN)
+            rows.append({"schedule": name, "vpp": vpp, "torch": torch_name,
+                         "pipeexec_s": statistics.median(times["pipeexec"]),
+                         "torch_s": statistics.median(times["torch"]), "busy_s": busy_t.item(),
+                         "same_losses": bool(same.item())})
+            del tsched, stages
+    finally:
+        destroy_topology(topo)
+    return rows
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--pp", type=int, default=2)
+    p.add_argument("--microbatches", type=int, default=8)
+    p.add_argument("--micro-batch-size", type=int, default=2)
+    p.add_argument("--layers", type=int, default=6)
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--vocab", type=int, default=512)
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=2)
+    args = p.parse_args(argv)
+    print(f"pp={args.pp} m={args.microbatches} b={args.micro_batch_size} GPT layers={args.layers}+2 "
+          f"hidden={args.hidden} seq={args.seq_len}; CPU/gloo, {torch.__version__}; median of "
+          f"{args.steps} steps (fwd+bwd, no optimizer)", flush=True)
+    rows = launch(worker, args.pp, (args,), timeout=3000)[0]
+    print(f"{'schedule':<12} {'torch class':<26} {'pipeexec s':>10} {'torch s':>9} {'ratio':>6} "
+          f"{'bubble pipeexec':>15} {'bubble torch':>12}  same losses")
+    for r in rows:
+        bp = 1 - r["busy_s"] / r["pipeexec_s"]
+        bt = 1 - r["busy_s"] / r["torch_s"]
+        print(f"{r['schedule']:<12} {r['torch']:<26} {r['pipeexec_s']:>10.3f} {r['torch_s']:>9.3f} "
+              f"{r['pipeexec_s'] / r['torch_s']:>6.2f} {bp:>15.1%} {bt:>12.1%}  {r['same_losses']}")
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()
