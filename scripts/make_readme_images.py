@@ -1,0 +1,90 @@
+"""Write the README's Gantt charts to docs/img/ (simulated, uniform stages).
+
+    python3 scripts/make_readme_images.py [--out docs/img] [--pp 4] [--microbatches 8]
+
+* ``gantt_<schedule>.png`` for 1f1b, interleaved (vpp=2), zb-h1 and zbv (vpp=2): one step on
+  uniform stages (F = 1, B = 2 split as I = W = 1 time units per microbatch per rank, each of
+  a rank's v chunks a v-th of that), with the activations every rank holds under it, counted
+  in microbatches;
+* ``schedules.png``: every schedule of ``pipesim.schedule_names()`` on one time axis.
+
+Everything is simulated by pipesim (no torch needed); the script prints each chart's makespan
+and both bubble metrics, which the README quotes.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import pipesim
+from pipesim import CostModel
+
+ROOT = Path(__file__).resolve().parent.parent
+VPP = {"gpipe": 1, "1f1b": 1, "looped-bfs": 2, "interleaved": 2, "zb-h1": 1, "zb-h2": 1, "zbv": 2}
+SINGLE = ("1f1b", "interleaved", "zb-h1", "zbv")
+
+
+def simulate(name: str, pp: int, m: int):
+    v = VPP.get(name, 1)
+    schedule = pipesim.build_schedule(name, pp=pp, microbatches=m, vpp=v)
+    # One "microbatch of activations" per rank per microbatch: each chunk holds 1/v of it.
+    costs = CostModel.uniform(1.0 / v, 2.0 / v, activation_bytes=1.0 / v)
+    return pipesim.simulate(schedule, costs)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", type=Path, default=ROOT / "docs" / "img")
+    p.add_argument("--pp", type=int, default=4)
+    p.add_argument("--microbatches", "-m", type=int, default=8)
+    p.add_argument("--dpi", type=int, default=110)
+    args = p.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    pp, m = args.pp, args.microbatches
+
+    print(f"simulated, uniform stages (F=1, I=W=1 per rank per microbatch), pp={pp}, m={m}")
+    print(f"{'schedule':12} {'vpp':>3} {'makespan':>9} {'bubble_fraction':>16} {'bubble_rate':>12} "
+          f"{'peak held':>9}")
+    results = {}
+    for name in pipesim.schedule_names():
+        r = results[name] = simulate(name, pp, m)
+        print(f"{name:12} {r.schedule.vpp:>3} {r.makespan:>9.4g} {r.bubble_fraction:>16.4f} "
+              f"{r.bubble_rate:>12.4f} {max(r.peak_memory):>9.3g}")
+
+    for name in SINGLE:
+        r = results[name]
+        v = r.schedule.vpp
+        title = (f"{name}: pp={pp}" + (f" vpp={v}" if v > 1 else "") + f" m={m}, uniform stages "
+                 f"(simulated): bubble_fraction {r.bubble_fraction:.3f}, bubble_rate {r.bubble_rate:.3f}")
+        fig = r.gantt(memory=True, title=title, figsize=(11, 3.6))
+        fig.axes[0].set_xlabel("")
+        fig.axes[1].set_ylabel("activations held\n(microbatches)", fontsize=8)
+        fig.axes[1].set_xlabel("time (units of one forward)")
+        path = args.out / f"gantt_{name}.png"
+        fig.savefig(path, dpi=args.dpi)
+        print(f"wrote {path.relative_to(ROOT) if path.is_relative_to(ROOT) else path}")
+
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    span = max(r.makespan for r in results.values())
+    fig = Figure(figsize=(11, 1.2 * len(results) + 0.4), layout="constrained")
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(len(results), 1, sharex=True)
+    for ax, (name, r) in zip(axes, results.items()):
+        v = r.schedule.vpp
+        r.gantt(ax=ax, xlim=(0, span), labels=True,
+                title=f"{name}" + (f" (vpp={v})" if v > 1 else "") +
+                      f": makespan {r.makespan:.4g}, bubble_fraction {r.bubble_fraction:.3f}, "
+                      f"peak {max(r.peak_memory):.3g} microbatches held")
+        ax.set_xlabel("")
+    axes[-1].set_xlabel(f"time (units of one forward), pp={pp}, m={m}, uniform stages, simulated")
+    path = args.out / "schedules.png"
+    fig.savefig(path, dpi=args.dpi)
+    print(f"wrote {path.relative_to(ROOT) if path.is_relative_to(ROOT) else path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
