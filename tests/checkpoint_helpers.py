@@ -18,10 +18,12 @@ TINY = TrainConfig(layers=6, hidden=16, heads=2, seq_len=8, vocab=32, steps=4, d
 
 def fake_topology(pp: int = 1, dp: int = 1, pp_rank: int = 0, dp_rank: int = 0,
                   store=None) -> Topology:
+    # No process groups: such a rank can be built, loaded and saved, not stepped (unless alone).
     return Topology(pp_rank * dp + dp_rank, pp * dp, pp, dp, pp_rank, dp_rank, 0,
                     torch.device("cpu"), "gloo", None, None,
                     tuple(p * dp + dp_rank for p in range(pp)),
-                    tuple(pp_rank * dp + d for d in range(dp)), store)
+                    tuple(pp_rank * dp + d for d in range(dp)), store,
+                    p2p_groups=(None,) * 4 if pp > 1 else ())
 
 
 def local_trainer(cfg: TrainConfig, pp_rank: int = 0, dp_rank: int = 0, store=None) -> Trainer:

@@ -308,6 +308,9 @@ def test_multi_rank_checkpoint_back_to_one_rank(trained, tmp_path):
     _threaded_save(cfg, ranks, tmp_path)
     f1 = torch.load(state_file(tmp_path, 2, 1), weights_only=True)
     assert {"model0", "model1"} <= set(f1) and "model" not in f1      # Megatron's chunk keys
+    same = local_trainer(cfg, pp_rank=2)
+    report = load_checkpoint(same, tmp_path)            # same layout: reads its own file only
+    assert not report.resharded and report.files == [str(state_file(tmp_path, 2, 2))]
     one = local_trainer(TINY)
     report = load_checkpoint(one, tmp_path)
     assert report.resharded and len(report.files) == 4
@@ -337,3 +340,24 @@ def test_inspect(trained, tmp_path, capsys):
     assert "no tracker file" in capsys.readouterr().err
     reader = CheckpointReader(trained["dir"])
     assert reader.iteration == 2 and reader.pp == 1
+
+
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+def test_mixed_precision_resume_is_exact(tmp_path, precision):
+    """fp32 masters, the 16-bit weights, the loss scale and the LR position (updates, which lag
+    the iteration after a skipped fp16 step) all come back: the continued run is bitwise the same."""
+    cfg = TINY.replace(precision=precision, inject=("overflow:1",) if precision == "fp16" else ())
+    full = local_trainer(cfg)
+    losses = train(full).losses
+    first = local_trainer(cfg.replace(steps=2))
+    train(first)
+    save_checkpoint(first, tmp_path)
+    if precision == "fp16":
+        assert (first.updates, first.scaler.scale) == (1, cfg.loss_scale / 2)   # step 1 skipped
+    resumed = local_trainer(cfg)
+    load_checkpoint(resumed, tmp_path)
+    assert (resumed.updates, resumed.scaler.scale) == (first.updates, first.scaler.scale)
+    assert train(resumed).losses == losses[2:]
+    assert all(torch.equal(a, b) for a, b in zip(full.masters.masters, resumed.masters.masters))
+    assert all(a.dtype != torch.float32 and torch.equal(a, b)
+               for a, b in zip(full.masters.model_params, resumed.masters.model_params))
