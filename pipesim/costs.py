@@ -40,7 +40,9 @@ class CostModel:
     by default.
 
     Memory (bytes): F adds ``activation_bytes`` (per microbatch per stage); B frees them; I frees
-    all but the ``weight_grad_fraction`` share that W needs, and W frees that share.
+    all but the ``weight_grad_fraction`` share that W needs, and W frees that share (default
+    0.5, a round guess; :meth:`transformer` derives it from the layer: the inputs of the four
+    linear layers, ``14 sbh`` of ``sbh(34 + 5as/h)``).
     ``static_bytes`` is held by each rank for the whole step (scalar, or a list with one value per
     rank); ``stage_static_bytes`` (per stage: weights, gradients, optimizer state) is added to the
     rank that holds the stage.
