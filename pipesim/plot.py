@@ -7,7 +7,7 @@ microbatch numbers are written only in boxes wide enough to hold them.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
