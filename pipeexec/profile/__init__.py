@@ -1,0 +1,20 @@
+"""Measured runs: time every action, align clocks, count memory, gather a pipesim trace, then
+calibrate a CostModel from it and compare prediction with measurement.
+
+One module per idea: `recorder` (the runtime's action timer and the receive-wait probe),
+`clock` (offsets to rank 0), `memory` (held-tensor and allocator meters), `measured` (the
+gathered trace and `MeasuredRun`), `session` (wiring a profiled training run), `calibrate`
+(costs from a measured run, re-partitioned if needed), `compare` (prediction vs measurement,
+the report and ``pipeexec compare``), `overlay` (predicted and measured Gantt charts on one
+time axis).
+"""
+from __future__ import annotations
+
+from .clock import ClockAlignmentError, ClockOffset, align_clocks
+from .measured import MeasuredRun, build_trace
+from .recorder import ActionProfiler, ActionRecord, ProfiledP2P
+from .session import ProfileOptions, ProfileSession, parse_step_range
+
+__all__ = ["ActionProfiler", "ActionRecord", "ClockAlignmentError", "ClockOffset",
+           "MeasuredRun", "ProfileOptions", "ProfileSession", "ProfiledP2P", "align_clocks",
+           "build_trace", "parse_step_range"]

@@ -1,0 +1,224 @@
+"""From a measured run to a `CostModel` that predicts runs of any schedule and partition.
+
+Time: per-stage means of F, B, I and W over every profiled step and microbatch, and a p2p
+line fitted through the sends whose arrival was seen (``arrival_observed``: the receiver was
+waiting), each timed from when both sides had posted (``link_start``) to the arrival; all
+through ``CostModel.from_trace``.
+
+Memory (the activation model of `pipesim.memory`): for each (stage, microbatch) the bytes its
+forward leaves held, i.e. the meter's growth over RECV_F + F + SEND_F of that pair (input
+buffer, saved tensors, output while not yet sent); ``activation_bytes`` is the per-stage mean.
+``weight_grad_fraction`` comes from the same growth over RECV_B + I + SEND_B. In this executor
+I keeps the whole graph (``retain_graph``) plus the gradients W will need, so a pair holds a
+little *more* after I than after F; the model cannot express growth at I, so the growth is
+added to ``activation_bytes`` and the fraction is 1 (a conservative upper bound).
+
+Another partition: costs of a stage are the sums of its layers' costs. When the target layout
+cuts the layers differently (another vpp, pp or boundaries), each field is solved per layer
+kind (embedding, block, head: layers of one kind cost the same) by non-negative least squares
+over the source stages, then summed over the target's stages. The result says when the source
+stages could not separate the kinds (``underdetermined``).
+"""
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from pipesim import CostModel
+
+from .measured import MeasuredRun
+
+if TYPE_CHECKING:
+    import pandas as pd
+
+_TIME_FIELDS = (("F", "forward"), ("B", "backward"), ("I", "backward_input"),
+                ("W", "backward_weight"))
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How a run's layers are cut: ``bounds`` (num_stages + 1 layer indices) and the kind of
+    every layer."""
+
+    bounds: tuple[int, ...]
+    layer_kinds: tuple[str, ...]
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.bounds) - 1
+
+    def counts(self, kinds: Sequence[str]) -> np.ndarray:
+        """Matrix [stage, kind] of layer counts."""
+        a = np.zeros((self.num_stages, len(kinds)))
+        col = {k: i for i, k in enumerate(kinds)}
+        for s in range(self.num_stages):
+            for layer in range(self.bounds[s], self.bounds[s + 1]):
+                a[s, col[self.layer_kinds[layer]]] += 1
+        return a
+
+    @classmethod
+    def of_run(cls, run: MeasuredRun) -> "Layout":
+        return cls(tuple(run.meta["bounds"]), tuple(run.meta["layer_kinds"]))
+
+
+@dataclass
+class Calibration:
+    """The fitted model and how it was obtained."""
+
+    costs: CostModel
+    source: dict[str, Any]
+    repartitioned: bool = False
+    underdetermined: list[str] = field(default_factory=list)
+    per_kind: dict[str, dict[str, float]] = field(default_factory=dict)
+
+
+def calibration_trace(run: MeasuredRun, steps: Sequence[int] | None = None) -> "pd.DataFrame":
+    """The run's rows for fitting (of ``steps``, default all profiled): all compute rows, and
+    only the SEND rows whose arrival was observed (the others end at an upper bound of the
+    arrival)."""
+    t = _steps(run, steps)
+    sends = t["op"].isin(("SEND_F", "SEND_B")) & t["arrival_observed"]
+    keep = (t["kind"] == "compute") | sends
+    out = t[keep].copy()
+    observed = out["op"].isin(("SEND_F", "SEND_B"))
+    out.loc[observed, "start"] = out.loc[observed, "link_start"]
+    return out.reset_index(drop=True)
+
+
+def _steps(run: MeasuredRun, steps: Sequence[int] | None) -> "pd.DataFrame":
+    if steps is None:
+        return run.trace
+    missing = sorted(set(steps) - set(run.steps))
+    if missing:
+        raise ValueError(f"calibration: step(s) {missing} were not profiled (profiled: {run.steps})")
+    return run.trace[run.trace["step"].isin(list(steps))]
+
+
+def stage_memory(run: MeasuredRun, steps: Sequence[int] | None = None
+                 ) -> dict[str, list[float]] | None:
+    """Per-stage ``activation_bytes`` and ``weight_grad_fraction`` from the meter's readings
+    (None when the run has no memory readings)."""
+    if not run.has_memory():
+        return None
+    t = _steps(run, steps)
+    n = run.meta["pp"] * run.meta["vpp"]
+    delta = (t["mem_end"] - t["mem_start"]).fillna(0.0)
+    ops = t["op"]
+    fwd_part = ops.isin(("RECV_F", "F", "SEND_F"))
+    bwd_part = ops.isin(("RECV_B", "I", "SEND_B"))
+    keys = [t["step"], t["stage"], t["microbatch"]]
+    fwd = delta[fwd_part].groupby([k[fwd_part] for k in keys]).sum()
+    fwd_stage = fwd.groupby(level=1).mean()
+    act = [max(float(fwd_stage.get(s, 0.0)), 0.0) for s in range(n)]
+    frac = [0.5] * n
+    if (ops == "I").any():
+        bwd = delta[bwd_part].groupby([k[bwd_part] for k in keys]).sum()
+        bwd_stage = bwd.groupby(level=1).mean()
+        for s in range(n):
+            d = float(bwd_stage.get(s, 0.0))
+            if act[s] <= 0:
+                frac[s] = 1.0
+            elif d > 0:                    # I holds more than F left: conservative model
+                act[s] += d
+                frac[s] = 1.0
+            else:
+                frac[s] = min(max(1.0 + d / act[s], 0.0), 1.0)
+    return {"activation_bytes": act, "weight_grad_fraction": frac}
+
+
+def fit_run(run: MeasuredRun, steps: Sequence[int] | None = None) -> CostModel:
+    """Per-stage costs of the run's own layout (time and memory), from ``steps`` (default:
+    every profiled step)."""
+    n = run.meta["pp"] * run.meta["vpp"]
+    memory = stage_memory(run, steps) or {}
+    return CostModel.from_trace(calibration_trace(run, steps), num_stages=n, **memory)
+
+
+def _nnls(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Non-negative least squares by trying every support (a handful of layer kinds)."""
+    k = a.shape[1]
+    best, best_err = np.zeros(k), float(np.sum(b ** 2))
+    for r in range(1, k + 1):
+        for cols in itertools.combinations(range(k), r):
+            sub = a[:, cols]
+            x, *_ = np.linalg.lstsq(sub, b, rcond=None)
+            if np.any(x < 0):
+                continue
+            err = float(np.sum((sub @ x - b) ** 2))
+            if err < best_err - 1e-18 * max(1.0, best_err):
+                full = np.zeros(k)
+                full[list(cols)] = x
+                best, best_err = full, err
+    return best
+
+
+def repartition(costs: CostModel, source: Layout, target: Layout) -> Calibration:
+    """Costs of ``target``'s stages from ``costs`` fitted on ``source``'s stages."""
+    if source.layer_kinds != target.layer_kinds:
+        raise ValueError(f"calibration layout has {len(source.layer_kinds)} layers "
+                         f"({_kinds_text(source.layer_kinds)}), the target "
+                         f"{len(target.layer_kinds)} ({_kinds_text(target.layer_kinds)}): "
+                         "calibrate from a run of the same model")
+    kinds = sorted(set(source.layer_kinds), key=source.layer_kinds.index)
+    a_src, a_dst = source.counts(kinds), target.counts(kinds)
+    rank = np.linalg.matrix_rank(a_src)
+    under = [] if rank >= len(kinds) else [
+        f"{source.num_stages} calibration stages cannot separate the costs of "
+        f"{', '.join(kinds)} (rank {rank} < {len(kinds)}); their split is a guess"]
+    n_src = source.num_stages
+    changes: dict[str, Any] = {}
+    per_kind: dict[str, dict[str, float]] = {}
+    for name in ("forward", "backward", "backward_input", "backward_weight", "activation_bytes"):
+        if getattr(costs, name) is None:
+            continue
+        values = np.asarray(costs.stage_values(name, n_src), float)
+        x = _nnls(a_src, values) if rank >= len(kinds) else np.clip(
+            np.linalg.lstsq(a_src, values, rcond=None)[0], 0.0, None)
+        per_kind[name] = dict(zip(kinds, map(float, x)))
+        changes[name] = [float(v) for v in a_dst @ x]
+    # Fractions and message sizes are per stage boundary, not per layer: use their means.
+    wfrac = costs.stage_values("weight_grad_fraction", n_src)
+    changes["weight_grad_fraction"] = float(np.mean(wfrac))
+    p2p = costs.stage_values("p2p_bytes", n_src)
+    sent = [b for b in p2p[:-1] if b > 0]
+    changes["p2p_bytes"] = float(np.mean(sent)) if sent else 0.0
+    return Calibration(costs.with_(**changes), {}, True, under, per_kind)
+
+
+def calibrate(run: MeasuredRun, target: Layout | None = None,
+              steps: Sequence[int] | None = None) -> Calibration:
+    """A CostModel for ``target`` (default: the run's own layout) from a measured run's
+    ``steps`` (default: all profiled)."""
+    costs = fit_run(run, steps)
+    source = Layout.of_run(run)
+    info = {"schedule": run.meta["schedule"], "pp": run.meta["pp"], "vpp": run.meta["vpp"],
+            "microbatches": run.meta["microbatches"], "bounds": list(source.bounds),
+            "steps": list(steps) if steps is not None else run.steps}
+    if target is None or target.bounds == source.bounds:
+        return Calibration(costs, info)
+    cal = repartition(costs, source, target)
+    cal.source = info
+    return cal
+
+
+def _kinds_text(kinds: Sequence[str]) -> str:
+    out = []
+    for k, group in itertools.groupby(kinds):
+        n = len(list(group))
+        out.append(f"{k} x{n}" if n > 1 else k)
+    return ", ".join(out)
+
+
+def costs_summary(costs: CostModel, num_stages: int) -> dict[str, Any]:
+    """Per-stage F/B/I/W seconds, p2p line and activation bytes, JSON-ready."""
+    times = costs.compute_times(num_stages)
+    return {"F": times["F"], "B": times["B"], "I": times["I"], "W": times["W"],
+            "p2p_latency": costs.p2p_latency,
+            "p2p_bandwidth": None if math.isinf(costs.p2p_bandwidth) else costs.p2p_bandwidth,
+            "activation_bytes": costs.stage_values("activation_bytes", num_stages),
+            "weight_grad_fraction": costs.stage_values("weight_grad_fraction", num_stages)}

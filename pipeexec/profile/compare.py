@@ -1,0 +1,347 @@
+"""Prediction vs measurement: the comparison table, the report, and ``pipeexec compare``.
+
+`compare_runs` scores one measured run against the simulation of the same schedule with costs
+calibrated from that run or from another one (`pipeexec.profile.calibrate`). Measured values
+come from the profiled step with the median makespan (`MeasuredRun.representative_step`);
+every profiled step's makespan is in the report too. Definitions are pipesim's
+(:mod:`pipesim.metrics`), computed by the same code on both traces:
+
+* step time: the step's makespan (first action start to last action end over all ranks: the
+  pipeline part of the step, which is what the schedule decides; the optimizer is not in it);
+* per rank: ``finish`` (its last action's end), ``busy`` (compute time), ``bubble`` (idle time
+  inside its own span) and Megatron's idle/busy ratio ``(step - busy) / busy``;
+* overall: ``bubble_fraction`` (Megatron's), ``bubble_rate`` (Zero Bubble's) and
+  ``bubble_time`` (the slowest rank's bubble);
+* peak memory: the largest activation memory the rank held at an action boundary
+  (measured by the meter, predicted by pipesim's memory model with calibrated bytes).
+
+Errors: ``step_time_error = (predicted - measured) / measured``; bubble_fraction error in
+points (predicted - measured); memory errors relative, per rank.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import pipesim
+
+from .calibrate import Calibration, Layout, calibrate, costs_summary
+from .measured import MeasuredRun
+
+if TYPE_CHECKING:
+    import pandas as pd
+    from matplotlib.figure import Figure
+
+    from pipesim import SimResult
+
+REPORT_KEYS = ("measured_step_time", "predicted_step_time", "step_time_error",
+               "measured_bubble_fraction", "predicted_bubble_fraction",
+               "measured_peak_memory", "predicted_peak_memory")
+TABLE_COLUMNS = ("finish", "busy", "bubble", "idle_over_busy", "peak_memory")
+
+
+def _rel(pred: float, meas: float) -> float:
+    return (pred - meas) / meas if meas else (0.0 if pred == meas else math.inf)
+
+
+@dataclass
+class Comparison:
+    """A measured step and its prediction, with the calibration that made it."""
+
+    measured: "SimResult"
+    predicted: "SimResult"
+    calibration: Calibration
+    run: MeasuredRun
+    step: int
+
+    # -- table ----------------------------------------------------------------------------------
+    def _rank_values(self, r: "SimResult") -> dict[str, list[float]]:
+        trace = r.trace
+        t0 = float(trace["start"].min())
+        finish = (trace.groupby("rank")["end"].max() - t0)
+        span = r.makespan
+        mem = r.peak_memory if (r._memory_timeline is not None or r.costs is not None) else \
+            [math.nan] * r.num_ranks
+        return {"finish": [float(finish.get(k, 0.0)) for k in range(r.num_ranks)],
+                "busy": list(r.busy), "bubble": list(r.bubble),
+                "idle_over_busy": [(span - b) / b if b > 0 else math.nan for b in r.busy],
+                "peak_memory": list(mem)}
+
+    def table(self) -> "pd.DataFrame":
+        """Rows: rank 0..p-1 and "all"; columns ``<quantity>_measured``, ``_predicted``,
+        ``_error`` (relative; in points for bubble_fraction) for finish (step time on the
+        "all" row), busy, bubble, idle_over_busy (bubble_fraction on "all") and peak_memory."""
+        import pandas as pd
+
+        m, p = self._rank_values(self.measured), self._rank_values(self.predicted)
+        rows = []
+        for rank in range(self.measured.num_ranks):
+            row: dict[str, Any] = {"rank": str(rank)}
+            for q in TABLE_COLUMNS:
+                row[f"{q}_measured"] = m[q][rank]
+                row[f"{q}_predicted"] = p[q][rank]
+                row[f"{q}_error"] = _rel(p[q][rank], m[q][rank])
+            rows.append(row)
+        ms, ps = self.measured, self.predicted
+        total = {"rank": "all",
+                 "finish_measured": ms.makespan, "finish_predicted": ps.makespan,
+                 "finish_error": _rel(ps.makespan, ms.makespan),
+                 "busy_measured": max(ms.busy), "busy_predicted": max(ps.busy),
+                 "busy_error": _rel(max(ps.busy), max(ms.busy)),
+                 "bubble_measured": ms.bubble_time, "bubble_predicted": ps.bubble_time,
+                 "bubble_error": _rel(ps.bubble_time, ms.bubble_time),
+                 "idle_over_busy_measured": ms.bubble_fraction,
+                 "idle_over_busy_predicted": ps.bubble_fraction,
+                 "idle_over_busy_error": ps.bubble_fraction - ms.bubble_fraction,
+                 "peak_memory_measured": max(m["peak_memory"]),
+                 "peak_memory_predicted": max(p["peak_memory"]),
+                 "peak_memory_error": _rel(max(p["peak_memory"]), max(m["peak_memory"]))}
+        rows.append(total)
+        return pd.DataFrame(rows).set_index("rank")
+
+    def text(self) -> str:
+        """The table for a terminal: milliseconds, MiB, errors in percent."""
+        t = self.table()
+        lines = [self.headline(), ""]
+        head = (f"{'rank':>4} | {'step/finish ms':>21} {'err':>7} | {'busy ms':>17} | "
+                f"{'bubble ms':>17} | {'bubble_fraction':>15} {'pts':>6} | "
+                f"{'peak act. MiB':>17} {'err':>7}")
+        lines += [head, "     | " + "measured  predicted".rjust(21) + " " * 9 + "meas / pred" .rjust(17)
+                  + " | " + "meas / pred".rjust(17) + " | " + "meas / pred".rjust(15) + " " * 9
+                  + "meas / pred".rjust(17), "-" * len(head)]
+        for rank, row in t.iterrows():
+            mib = 2 ** 20
+            lines.append(
+                f"{rank:>4} | {row.finish_measured * 1e3:>10.1f} {row.finish_predicted * 1e3:>10.1f} "
+                f"{row.finish_error:>+7.1%} | {row.busy_measured * 1e3:>8.1f} "
+                f"{row.busy_predicted * 1e3:>8.1f} | {row.bubble_measured * 1e3:>8.1f} "
+                f"{row.bubble_predicted * 1e3:>8.1f} | {row.idle_over_busy_measured:>7.3f} "
+                f"{row.idle_over_busy_predicted:>7.3f} "
+                f"{(row.idle_over_busy_predicted - row.idle_over_busy_measured) * 100:>+6.1f} | "
+                f"{row.peak_memory_measured / mib:>8.2f} {row.peak_memory_predicted / mib:>8.2f} "
+                f"{row.peak_memory_error:>+7.1%}")
+        lines.append("(rank rows: finish time, idle/busy of the rank; 'all': step time, "
+                     "Megatron bubble_fraction, slowest rank's bubble)")
+        return "\n".join(lines)
+
+    def headline(self) -> str:
+        s, src = self.measured.schedule, self.calibration.source
+        where = ("its own trace" if src.get("schedule") == s.name and src.get("bounds") ==
+                 list(self.run.meta["bounds"]) else
+                 f"a {src.get('schedule')} run (pp={src.get('pp')} vpp={src.get('vpp')})")
+        return (f"{s.name} pp={s.pp} vpp={s.vpp} m={s.num_microbatches}: predicted "
+                f"{self.predicted.makespan * 1e3:.1f} ms vs measured "
+                f"{self.measured.makespan * 1e3:.1f} ms "
+                f"({_rel(self.predicted.makespan, self.measured.makespan):+.1%}); calibrated "
+                f"from {where}")
+
+    # -- report ---------------------------------------------------------------------------------
+    def report(self) -> dict[str, Any]:
+        """JSON-ready: the keys of REPORT_KEYS and more (see the module docstring)."""
+        ms, ps = self.measured, self.predicted
+        m, p = self._rank_values(ms), self._rank_values(ps)
+        t = self.table()
+        per_rank = [{"rank": int(r), **{k: _num(v) for k, v in row.items()}}
+                    for r, row in t.drop(index="all").iterrows()]
+        n = ps.schedule.num_stages
+        meta = self.run.meta
+        return {
+            "schedule": meta["schedule"], "pp": meta["pp"], "vpp": meta["vpp"],
+            "microbatches": meta["microbatches"], "device": meta.get("device"),
+            "measured_step_time": ms.makespan, "predicted_step_time": ps.makespan,
+            "step_time_error": _rel(ps.makespan, ms.makespan),
+            "measured_bubble_fraction": ms.bubble_fraction,
+            "predicted_bubble_fraction": ps.bubble_fraction,
+            "bubble_fraction_error": ps.bubble_fraction - ms.bubble_fraction,
+            "measured_bubble_rate": ms.bubble_rate, "predicted_bubble_rate": ps.bubble_rate,
+            "measured_bubble_time": ms.bubble_time, "predicted_bubble_time": ps.bubble_time,
+            "measured_peak_memory": [_num(x) for x in m["peak_memory"]],
+            "predicted_peak_memory": [_num(x) for x in p["peak_memory"]],
+            "peak_memory_error": [_num(_rel(a, b)) for a, b in zip(p["peak_memory"], m["peak_memory"])],
+            "memory_measure": meta.get("memory"),
+            "per_rank": per_rank,
+            "profiled_step": self.step,
+            "measured_step_times": {str(k): v for k, v in self.run.makespans().items()},
+            "clock_offsets": meta.get("clock_offsets"), "clock_rtts": meta.get("clock_rtts"),
+            "calibration": {"source": self.calibration.source,
+                            "repartitioned": self.calibration.repartitioned,
+                            "underdetermined": self.calibration.underdetermined,
+                            "per_layer_kind": self.calibration.per_kind,
+                            "costs": costs_summary(self.calibration.costs, n)},
+            "config": meta.get("config"),
+        }
+
+    def figure(self) -> "Figure":
+        from .overlay import overlay_figure
+
+        return overlay_figure(self.predicted, self.measured, title=self.headline())
+
+
+def _num(x: Any) -> Any:
+    if isinstance(x, float) and (math.isnan(x) or math.isinf(x)):
+        return None
+    return float(x) if isinstance(x, (int, float)) else x
+
+
+def predict(schedule: "pipesim.Schedule", layout: Layout, calibration_run: MeasuredRun,
+            steps: list[int] | None = None) -> tuple["SimResult", Calibration]:
+    """Simulate ``schedule`` cut as ``layout`` with costs calibrated on ``calibration_run``
+    (its ``steps``, default all profiled): the prediction before (or without) running it."""
+    cal = calibrate(calibration_run, layout, steps)
+    return pipesim.simulate(schedule, cal.costs), cal
+
+
+def compare_runs(run: MeasuredRun, calibration_run: MeasuredRun | None = None,
+                 step: int | None = None) -> Comparison:
+    """Compare ``run``'s step ``step`` (default the median one) with its simulation.
+
+    Costs come from ``calibration_run`` (all its profiled steps), or by default from the
+    compared step itself: then the question is only whether the simulator reproduces the
+    step's timing from its per-stage costs, and step-to-step drift of a shared machine stays
+    out of it."""
+    step = run.representative_step() if step is None else step
+    measured = run.result(step)
+    if calibration_run is None:
+        predicted, cal = predict(run.schedule, Layout.of_run(run), run, [step])
+    else:
+        predicted, cal = predict(run.schedule, Layout.of_run(run), calibration_run)
+    return Comparison(measured, predicted, cal, run, step)
+
+
+def layout_of(config: Any) -> Layout:
+    """The layout ``config`` will run with, computed without running (same code as Trainer)."""
+    from ..model import gpt_spec_from_config
+    from ..partition import make_partition
+    from .session import layer_kinds
+
+    spec = gpt_spec_from_config(config)
+    bounds = make_partition(spec.num_layers, config.num_stages, config.partition,
+                            config.boundaries,
+                            spec.layer_param_counts() if config.partition == "params" else None)
+    return Layout(tuple(bounds), tuple(layer_kinds(spec.num_layers, config)))
+
+
+def profiled_run(config: Any, first: int, stop: int, *, trace_out: str | None = None,
+                 timeout: float | None = None) -> MeasuredRun:
+    """Train ``config`` in local forked workers, profiling steps ``first..stop-1``; return the
+    gathered run (written to ``trace_out`` too, when given)."""
+    from ..launcher import launch
+    from ..worker import run_training
+    from .session import ProfileOptions
+
+    options = ProfileOptions(first, stop, trace_out)
+    options.check(config.steps)
+    results = launch(run_training, config.world_size, (config, None, False, None, options),
+                     timeout=timeout)
+    run = results[0].get("measured_run")
+    if run is None:
+        raise RuntimeError("rank 0 returned no measured run (was the profiled range empty?)")
+    return run
+
+
+# -- pipeexec compare --------------------------------------------------------------------------
+def compare_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="pipeexec compare", add_help=False,
+        description="Run a schedule for real with profiling, simulate it with costs calibrated "
+                    "from that run (or from --calibrate-from), and compare. Every model and "
+                    "layout flag of `pipeexec train` applies (--schedule, --pp, --vpp, "
+                    "--microbatches, --layers, --hidden, ...).")
+    a = p.add_argument
+    a("-h", "--help", action="store_true", help="show this help and the train flags")
+    a("--profile", default=None, metavar="A:B",
+      help="steps to profile (default: 1:STEPS, skipping the warm-up step)")
+    a("--calibrate-from", default=None, metavar="RUN_TRACE",
+      help="calibrate from this measured run (its .json, .csv or .meta.json) instead of the "
+           "run itself: a prediction made without this run's timings")
+    a("--trace-out", default=None, metavar="FILE.json",
+      help="keep the measured trace: Chrome/Perfetto JSON, with .csv and .meta.json beside it")
+    a("--report-out", default=None, metavar="FILE.json", help="write the report as JSON")
+    a("--table-out", default=None, metavar="FILE.csv", help="write the table as CSV")
+    a("--plot-out", default=None, metavar="FILE.png",
+      help="predicted and measured Gantt charts on one time axis (default: beside "
+           "--report-out, as .png)")
+    return p
+
+
+def compare_main(argv: list[str], train_parser: Callable[[], argparse.ArgumentParser],
+                 config_from_args: Callable[[argparse.Namespace], Any]) -> int:
+    """``pipeexec compare ...``; returns the exit status (2: bad arguments, 1: run failed)."""
+    from ..launcher import WorkerFailed
+    from .session import parse_step_range
+
+    ns, rest = compare_parser().parse_known_args(argv)
+    parser = train_parser()
+    if ns.help:
+        compare_parser().print_help()
+        print("\ntrain flags (pipeexec train --help):")
+        parser.parse_args(["train", "--help"])
+        return 0
+    try:
+        tns = parser.parse_args(["train", *rest])
+    except SystemExit as exc:
+        return int(exc.code or 0)
+    try:
+        config = config_from_args(tns)
+        if config.steps < 2 and ns.profile is None:
+            config = config.replace(steps=2)
+        first, stop = parse_step_range(ns.profile) if ns.profile else (1, config.steps)
+        config.validate(world_size=config.world_size)
+        source = MeasuredRun.load(ns.calibrate_from) if ns.calibrate_from else None
+        if source is not None:
+            layout = layout_of(config)
+            predicted, cal = predict(config.build_schedule(), layout, source)
+            print(f"prediction before running, calibrated from {ns.calibrate_from}: "
+                  f"{predicted.makespan * 1e3:.1f} ms, bubble_fraction "
+                  f"{predicted.bubble_fraction:.3f}", flush=True)
+        run = profiled_run(config, first, stop, trace_out=ns.trace_out,
+                           timeout=getattr(tns, "timeout", None))
+        comparison = compare_runs(run, source)
+    except WorkerFailed as exc:
+        print(f"pipeexec compare: error: {exc}", file=sys.stderr)
+        return 1
+    except (ValueError, FileNotFoundError, pipesim.ScheduleError) as exc:
+        print(f"pipeexec compare: error: {exc}", file=sys.stderr)
+        return 2
+    print(comparison.text())
+    write_outputs(comparison, report_out=ns.report_out, table_out=ns.table_out,
+                  plot_out=ns.plot_out, trace_out=ns.trace_out)
+    return 0
+
+
+def write_outputs(comparison: Comparison, *, report_out: str | None = None,
+                  table_out: str | None = None, plot_out: str | None = None,
+                  trace_out: str | None = None) -> dict[str, str]:
+    """Write the report JSON, table CSV and picture; return their paths."""
+    files: dict[str, str] = {}
+    if plot_out is None and report_out is not None:
+        plot_out = str(Path(report_out).with_suffix(".png"))
+    if table_out:
+        Path(table_out).parent.mkdir(parents=True, exist_ok=True)
+        comparison.table().to_csv(table_out)
+        files["table"] = table_out
+    if plot_out:
+        Path(plot_out).parent.mkdir(parents=True, exist_ok=True)
+        comparison.figure().savefig(plot_out, dpi=110)
+        files["plot"] = plot_out
+    if trace_out:
+        chrome, csv, meta = MeasuredRun.paths(trace_out)
+        files.update(trace=str(chrome), trace_csv=str(csv), trace_meta=str(meta))
+    if report_out:
+        report = comparison.report()
+        report["files"] = dict(files)
+        path = Path(report_out)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(json.dumps(report, indent=1))
+        tmp.replace(path)
+        files["report"] = report_out
+    for kind, path in files.items():
+        print(f"wrote {kind}: {path}")
+    return files

@@ -1,0 +1,293 @@
+"""The measured trace: every rank's action records, on one clock, as a pipesim trace.
+
+`build_trace` turns the per-rank `ActionRecord` lists (gathered on rank 0) into a DataFrame
+with the simulator's columns (`pipesim.trace.TRACE_COLUMNS`) plus ``step``, ``mem_start``,
+``mem_end`` and ``arrival_observed``, so ``SimResult.from_trace`` scores and draws it exactly
+as it does a simulated step. Rows mean what they mean in the simulator:
+
+* F/B/I/W: the compute, from when its input was there (after any receive wait) to its end.
+* RECV_F/RECV_B: the time the rank waited for the message (the wait inside the compute that
+  needed it; zero-length when the data was already there). Its ``mem_*`` are the readings
+  around posting the receive (the buffer it allocated).
+* SEND_F/SEND_B: from the moment the send was posted to the message's arrival. The arrival is
+  seen exactly when the receiver was waiting for it (the wait ended when it arrived:
+  ``arrival_observed`` is True); otherwise the data was already there when the receiver looked,
+  and the row ends at that moment, an upper bound of the arrival. ``link_start`` is when both
+  sides had posted (the later posting), the start of the transfer proper.
+
+`MeasuredRun` holds the trace of all profiled steps with the run's layout, and gives each
+step's trace, memory timeline and `SimResult`; ``save`` writes a Chrome/Perfetto JSON, the
+table as CSV beside it, and a small ``.meta.json`` with the layout (what calibration of a
+different partition needs).
+"""
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import pipesim
+from pipesim.schedule.action import B, F, I, RECV_B, RECV_F, SEND_B, SEND_F, W
+
+from .recorder import ActionRecord
+
+if TYPE_CHECKING:
+    import pandas as pd
+
+    from pipesim import SimResult
+
+COLUMNS = ("rank", "op", "stage", "chunk", "microbatch", "start", "end", "kind", "bytes", "peer",
+           "step", "mem_start", "mem_end", "arrival_observed", "link_start")
+# A receive wait shorter than this found the data already there (the call itself takes µs).
+WAIT_EPS = 1e-4
+_COMPUTE = (F, B, I, W)
+
+
+def build_trace(records: Sequence[Sequence[ActionRecord]], offsets: Sequence[float],
+                schedule: "pipesim.Schedule") -> "pd.DataFrame":
+    """One DataFrame from ``records[pp_rank]`` (local clocks) and ``offsets[pp_rank]``.
+
+    Times are on rank 0's clock, shifted so the first profiled action starts at 0. Raises
+    ValueError naming the rank and action when a record does not fit the schedule.
+    """
+    import pandas as pd
+
+    placement = schedule.placement
+    rows: list[list] = []
+    recv_rows: dict[tuple, list] = {}      # (step, op, stage, mb) -> row
+    post: dict[tuple, tuple] = {}           # RECV action records: key -> (rank, record, offset)
+    sends: list[tuple[list, tuple]] = []
+    for rank, (recs, off) in enumerate(zip(records, offsets)):
+        for rec in recs:
+            op, s, mb = rec.op, rec.stage, rec.microbatch
+            if placement[s] != rank:
+                raise ValueError(f"rank {rank} recorded {s}{op}{mb} (step {rec.step}) but stage "
+                                 f"{s} is on rank {placement[s]}")
+            chunk = schedule.stage_chunk(s)
+            t0, t1 = rec.start + off, rec.end + off
+            if op in _COMPUTE:
+                begin = t0
+                if not math.isnan(rec.wait_start):
+                    w0, w1 = rec.wait_start + off, rec.wait_end + off
+                    rop = RECV_F if op == F else RECV_B
+                    peer = placement[s - 1] if rop == RECV_F else placement[s + 1]
+                    row = [rank, rop, s, chunk, mb, w0, w1, "comm", 0, peer, rec.step,
+                           math.nan, math.nan, False, math.nan]
+                    recv_rows[(rec.step, rop, s, mb)] = row
+                    rows.append(row)
+                    begin = w1
+                rows.append([rank, op, s, chunk, mb, begin, t1, "compute", 0, -1, rec.step,
+                             rec.mem_start, rec.mem_end, False, math.nan])
+            elif op in (RECV_F, RECV_B):
+                post[(rec.step, op, s, mb)] = (rank, rec, off)
+            elif op in (SEND_F, SEND_B):
+                peer = placement[s + 1] if op == SEND_F else placement[s - 1]
+                row = [rank, op, s, chunk, mb, t0, t1, "comm", rec.nbytes, peer, rec.step,
+                       rec.mem_start, rec.mem_end, False, math.nan]
+                rows.append(row)
+                key = (rec.step, RECV_F, s + 1, mb) if op == SEND_F else (rec.step, RECV_B, s - 1, mb)
+                sends.append((row, key))
+            else:
+                raise ValueError(f"rank {rank}: unknown op {op!r} in the profile")
+    # Receives: bytes from the posting action; a posted receive nobody waited on keeps its
+    # posting span (forward-only steps do not occur in training, but stay well-formed).
+    for key, (rank, rec, off) in post.items():
+        row = recv_rows.get(key)
+        if row is None:
+            row = [rank, rec.op, rec.stage, schedule.stage_chunk(rec.stage), rec.microbatch,
+                   rec.start + off, rec.end + off, "comm", rec.nbytes,
+                   placement[rec.stage - 1] if rec.op == RECV_F else placement[rec.stage + 1],
+                   rec.step, rec.mem_start, rec.mem_end, False, math.nan]
+            rows.append(row)
+            recv_rows[key] = row
+        else:
+            row[8] = rec.nbytes
+            row[11], row[12] = rec.mem_start, rec.mem_end   # the posting's readings
+    for row, key in sends:
+        recv = recv_rows.get(key)
+        if recv is None:
+            continue
+        waited = recv[6] - recv[5] > WAIT_EPS
+        arrival = recv[6] if waited else recv[5]
+        row[6] = max(row[6], arrival)
+        row[13] = waited
+        posted = post.get(key)
+        # Both sides ready: the later of the send's and the receive's posting.
+        row[14] = row[5] if posted is None else max(row[5], posted[1].start + posted[2])
+    frame = pd.DataFrame(rows, columns=list(COLUMNS))
+    if len(frame) == 0:
+        raise ValueError("the profile recorded no actions (is the step range inside the run?)")
+    t0 = float(frame["start"].min())
+    for c in ("start", "end", "link_start"):
+        frame[c] -= t0
+    return _shift(frame)
+
+
+def _shift(frame: "pd.DataFrame") -> "pd.DataFrame":
+    """Sort by step, rank and start; int columns typed."""
+    for c in ("rank", "stage", "chunk", "microbatch", "bytes", "peer", "step"):
+        frame[c] = frame[c].astype("int64")
+    frame["arrival_observed"] = frame["arrival_observed"].astype(bool)
+    return frame.sort_values(["step", "rank", "start", "end"], kind="stable").reset_index(drop=True)
+
+
+@dataclass
+class MeasuredRun:
+    """All profiled steps of one run. ``meta`` holds the layout: schedule, pp, vpp,
+    microbatches, bounds (first layer of each stage, and the layer count), layer_kinds, device,
+    clock offsets and round trips per pipeline rank, and the run's config."""
+
+    trace: "pd.DataFrame"
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def schedule(self) -> "pipesim.Schedule":
+        m = self.meta
+        return pipesim.build_schedule(m["schedule"], pp=m["pp"], microbatches=m["microbatches"],
+                                      vpp=m["vpp"])
+
+    @property
+    def steps(self) -> list[int]:
+        return sorted(int(s) for s in self.trace["step"].unique())
+
+    def step_trace(self, step: int) -> "pd.DataFrame":
+        """The rows of one step, times from the step's first computation.
+
+        As in a simulation, the step starts with the first compute; a rank that entered the
+        step earlier and waited for its first input has that wait clipped to the step start
+        (the wait measures when the previous step's tail let the rank go, not the schedule).
+        """
+        rows = self.trace[self.trace["step"] == step]
+        if len(rows) == 0:
+            raise ValueError(f"step {step} was not profiled (profiled: {self.steps})")
+        rows = rows.copy()
+        t0 = rows.loc[rows["kind"] == "compute", "start"].min()
+        for c in ("start", "end", "link_start"):
+            rows[c] = (rows[c] - t0).clip(lower=0.0)
+        return rows.reset_index(drop=True)
+
+    def memory_timeline(self, step: int) -> "pd.DataFrame":
+        """Columns rank, time, bytes: the meter's readings at the start and end of every
+        compute and send. (A RECV row carries the readings of posting the receive, which
+        happened before the wait the row spans, so it is left out of the timeline.)"""
+        import pandas as pd
+
+        rows = self.step_trace(step)
+        rows = rows[~rows["op"].isin(("RECV_F", "RECV_B"))]
+        a = rows[["rank", "start", "mem_start"]].set_axis(["rank", "time", "bytes"], axis=1)
+        b = rows[["rank", "end", "mem_end"]].set_axis(["rank", "time", "bytes"], axis=1)
+        tl = pd.concat([a, b]).dropna()
+        return tl.sort_values(["rank", "time"], kind="stable").reset_index(drop=True)
+
+    def has_memory(self) -> bool:
+        return bool(self.trace["mem_end"].notna().any())
+
+    def result(self, step: int | None = None) -> "SimResult":
+        """A `SimResult` of one step (default: `representative_step`)."""
+        from pipesim import SimResult
+
+        step = self.representative_step() if step is None else step
+        tl = self.memory_timeline(step) if self.has_memory() else None
+        return SimResult.from_trace(self.step_trace(step), schedule=self.schedule,
+                                    memory_timeline=tl)
+
+    def makespans(self) -> dict[int, float]:
+        """Each profiled step's makespan (as `step_trace` times it)."""
+        out = {}
+        for s in self.steps:
+            rows = self.trace[self.trace["step"] == s]
+            t0 = rows.loc[rows["kind"] == "compute", "start"].min()
+            out[s] = float(rows["end"].max() - t0)
+        return out
+
+    def representative_step(self) -> int:
+        """The profiled step with the median makespan (the lower median for an even count)."""
+        spans = self.makespans()
+        order = sorted(spans, key=lambda s: (spans[s], s))
+        return order[(len(order) - 1) // 2]
+
+    # -- files ------------------------------------------------------------------------------------
+    @staticmethod
+    def paths(path: str | Path) -> tuple[Path, Path, Path]:
+        """(Chrome JSON, CSV table, meta JSON) for ``run.json``, ``run.csv`` or ``run``."""
+        p = Path(path)
+        name = p.name
+        for suffix in (".meta.json", ".json", ".csv"):
+            if name.endswith(suffix):
+                name = name[: -len(suffix)]
+                break
+        base = p.with_name(name)
+        return (base.with_name(name + ".json"), base.with_name(name + ".csv"),
+                base.with_name(name + ".meta.json"))
+
+    def save(self, path: str | Path) -> tuple[Path, Path, Path]:
+        """Write the Chrome/Perfetto trace (all profiled steps), the CSV and the meta JSON."""
+        chrome, csv, meta = self.paths(path)
+        chrome.parent.mkdir(parents=True, exist_ok=True)
+        _atomic_write(chrome, json.dumps(self.chrome_trace()))
+        tmp = csv.with_name(csv.name + ".tmp")
+        self.trace.to_csv(tmp, index=False)
+        tmp.replace(csv)
+        _atomic_write(meta, json.dumps(self.meta, indent=1, default=str))
+        return chrome, csv, meta
+
+    @classmethod
+    def load(cls, path: str | Path) -> "MeasuredRun":
+        """Read a run written by `save` (any of its three paths)."""
+        import pandas as pd
+
+        _, csv, meta = cls.paths(path)
+        for p in (csv, meta):
+            if not p.exists():
+                raise FileNotFoundError(f"measured run {path}: {p} is missing (a run is saved as "
+                                        f"<name>.json, <name>.csv and <name>.meta.json)")
+        trace = pd.read_csv(csv)
+        missing = [c for c in COLUMNS if c not in trace.columns]
+        if missing:
+            raise ValueError(f"{csv}: missing column(s) {', '.join(missing)}")
+        trace["op"] = trace["op"].astype(str)
+        trace["kind"] = trace["kind"].astype(str)
+        try:
+            info = json.loads(meta.read_text())
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{meta}: not valid JSON: {exc}") from None
+        for key in ("schedule", "pp", "vpp", "microbatches"):
+            if key not in info:
+                raise ValueError(f"{meta}: lacks {key!r}")
+        return cls(_shift(trace), info)
+
+    def chrome_trace(self) -> dict:
+        """Chrome trace events of every profiled step on one time axis (flows per step)."""
+        from pipesim.chrome import chrome_trace
+
+        events: list[dict] = []
+        seen_meta: set[str] = set()
+        t_first = float(self.trace["start"].min())
+        for k, step in enumerate(self.steps):
+            rows = self.trace[self.trace["step"] == step]
+            shift = (float(rows["start"].min()) - t_first) * 1e6
+            for ev in chrome_trace(rows)["traceEvents"]:
+                if ev["ph"] == "M":
+                    key = json.dumps(ev, sort_keys=True)
+                    if key in seen_meta:
+                        continue
+                    seen_meta.add(key)
+                    events.append(ev)
+                    continue
+                ev = dict(ev)
+                ev["ts"] = ev["ts"] + shift
+                if "id" in ev:
+                    ev["id"] = ev["id"] + 1_000_000 * k
+                if ev["ph"] == "X":
+                    ev.setdefault("args", {})["step"] = step
+                events.append(ev)
+        return {"traceEvents": events, "displayTimeUnit": "ms"}
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    tmp.replace(path)

@@ -1,0 +1,182 @@
+"""Memory meters for the profiler: what a rank holds for its in-flight microbatches.
+
+* `HeldTensorMeter` (CPU, and anywhere allocator statistics are missing): counts exactly the
+  bytes of the tensors the runtime keeps. During each F, a ``saved_tensors_hooks`` pair notes
+  (by weak reference to the alias autograd keeps) every tensor autograd saves for backward,
+  filed under that F's
+  (stage, microbatch); after each F/B/I/W of a pair the pair's live storages are re-read, so a
+  backward that frees its graph drops them. On top come the tensors in the runtime's own
+  dictionaries (stage inputs, outputs waiting to be sent, posted receive buffers, gradients
+  waiting, W's recorded gradients). Storages are counted once each (a view shares its base's
+  storage) and parameters are never counted: the result is activation memory, the quantity
+  the schedule changes.
+* `CudaMemoryMeter` (GPU): ``torch.cuda.memory_allocated`` minus its value at the start of the
+  step, i.e. what the step allocated and still holds.
+"""
+from __future__ import annotations
+
+import weakref
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+from torch.autograd.graph import saved_tensors_hooks
+
+from pipesim.schedule.action import B, F, I, W, Action
+
+_COMPUTE = (F, B, I, W)
+# Runtime dictionaries whose tensors are activation memory (see pipeexec.runtime's docstring).
+_RUNTIME_STATE = ("_inputs", "_outputs", "_grads", "_fwd", "_dx", "_wgrad", "_recvs")
+
+
+def _identity(x: Any) -> Any:
+    return x
+
+
+def tensors_in(obj: Any, depth: int = 5) -> Iterator[torch.Tensor]:
+    """Tensors inside nested lists, tuples, dicts and ``__slots__`` objects (e.g. W's state).
+
+    Autograd nodes and other objects are not entered.
+    """
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif depth <= 0 or obj is None:
+        return
+    elif isinstance(obj, (list, tuple)):
+        for x in obj:
+            yield from tensors_in(x, depth - 1)
+    elif isinstance(obj, dict):
+        for x in obj.values():
+            yield from tensors_in(x, depth - 1)
+    else:
+        slots = getattr(type(obj), "__slots__", None)
+        if slots:
+            for name in slots:
+                yield from tensors_in(getattr(obj, name, None), depth - 1)
+        elif hasattr(obj, "tensor") and isinstance(getattr(obj, "tensor"), torch.Tensor):
+            yield obj.tensor          # a posted receive (p2p.Pending)
+
+
+def _storage(t: torch.Tensor) -> tuple[int, int]:
+    s = t.untyped_storage()
+    return s.data_ptr(), s.nbytes()
+
+
+class HeldTensorMeter:
+    """Exact bytes of activations and saved tensors held by one rank's `PipelineRuntime`.
+
+    ``exclude``: tensors whose storages are never counted (the rank's parameters).
+    """
+
+    def __init__(self, runtime: Any, exclude: Iterable[torch.Tensor] = ()) -> None:
+        self.runtime = runtime
+        self._exclude = {t.untyped_storage().data_ptr() for t in exclude}
+        self._saved: dict[tuple[int, int], list] = {}          # (stage, mb) -> weakrefs
+        self._pair_storages: dict[tuple[int, int], dict[int, int]] = {}
+        self._refcount: dict[int, int] = {}                    # storage -> pairs holding it
+        self._sizes: dict[int, int] = {}
+        self._saved_bytes = 0
+        self._hooks: saved_tensors_hooks | None = None
+
+    def reset(self) -> None:
+        """Start of a step: nothing to do, the count is exact at any moment."""
+
+    def begin(self, action: Action) -> float:
+        self._close_hooks()
+        if action.op == F:
+            refs = self._saved.setdefault((action.stage, action.microbatch), [])
+
+            def pack(t: torch.Tensor, refs: list = refs) -> torch.Tensor:
+                # Hand autograd a detached alias, never ``t`` itself: a node that saves its own
+                # output would otherwise hold a tensor whose grad_fn is that node, a C++
+                # reference cycle that outlives a retain_graph backward (I then W) and leaks.
+                d = t.detach()
+                refs.append(weakref.ref(d))
+                return d
+            self._hooks = saved_tensors_hooks(pack, _identity)
+            self._hooks.__enter__()
+        return float(self.total())
+
+    def finish(self, action: Action) -> float:
+        self._close_hooks()
+        if action.op in _COMPUTE:
+            self._refresh((action.stage, action.microbatch))
+        return float(self.total())
+
+    def close(self) -> None:
+        """Remove the saved-tensor hooks if an action failed between begin and finish."""
+        self._close_hooks()
+
+    def _close_hooks(self) -> None:
+        if self._hooks is not None:
+            self._hooks.__exit__(None, None, None)
+            self._hooks = None
+
+    def _refresh(self, key: tuple[int, int]) -> None:
+        refs = self._saved.get(key)
+        new: dict[int, int] = {}
+        if refs:
+            alive = []
+            for r in refs:
+                t = r()
+                if t is None:
+                    continue
+                alive.append(r)
+                ptr, size = _storage(t)
+                if ptr not in self._exclude and size:
+                    new[ptr] = size
+            if alive:
+                self._saved[key] = alive
+            else:
+                del self._saved[key]
+        old = self._pair_storages.pop(key, {})
+        for ptr in old:
+            n = self._refcount[ptr] - 1
+            if n:
+                self._refcount[ptr] = n
+            else:
+                del self._refcount[ptr]
+                self._saved_bytes -= self._sizes.pop(ptr)
+        for ptr, size in new.items():
+            n = self._refcount.get(ptr, 0)
+            if n == 0:
+                self._sizes[ptr] = size
+                self._saved_bytes += size
+            self._refcount[ptr] = n + 1
+        if new:
+            self._pair_storages[key] = new
+
+    def total(self) -> int:
+        """Saved-tensor bytes plus runtime-held tensors not already counted."""
+        extra: dict[int, int] = {}
+        rt = self.runtime
+        for name in _RUNTIME_STATE:
+            state = getattr(rt, name, None)
+            if not state:
+                continue
+            for t in tensors_in(state):
+                ptr, size = _storage(t)
+                if ptr not in self._sizes and ptr not in self._exclude:
+                    extra[ptr] = size
+        return self._saved_bytes + sum(extra.values())
+
+
+class CudaMemoryMeter:
+    """Allocated device bytes above the step's starting point, at every action boundary."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._base: int | None = None
+
+    def reset(self) -> None:
+        """Call at the start of each profiled step (before its first action)."""
+        self._base = None
+
+    def begin(self, action: Action) -> float:
+        now = torch.cuda.memory_allocated(self.device)
+        if self._base is None:
+            self._base = now
+        return float(now - self._base)
+
+    def finish(self, action: Action) -> float:
+        return float(torch.cuda.memory_allocated(self.device) - (self._base or 0))

@@ -1,0 +1,43 @@
+"""Predicted and measured Gantt charts one above the other, on one time axis.
+
+Both panels are drawn by `pipesim.plot.gantt` (so they look exactly like every other chart of
+the project) with the same x range: the longer of the two makespans, so a prediction that is
+too short or too long shows as a shorter or longer bar field, rank by rank.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+
+    from pipesim import SimResult
+
+
+def overlay_figure(predicted: "SimResult", measured: "SimResult", *, title: str | None = None,
+                   comm: bool = True) -> "Figure":
+    """A two-panel figure: predicted (top) and measured (bottom), shared time axis."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    from pipesim.plot import gantt
+
+    ranks = max(predicted.num_ranks, measured.num_ranks)
+    span = max(predicted.makespan, measured.makespan)
+    per_rank = int((measured.trace["kind"] == "compute").sum()) / max(ranks, 1)
+    width = min(max(10.0, 8.0 + 0.08 * per_rank), 22.0)
+    height = 2 * (0.9 + 0.4 * ranks) + (0.5 if title else 0.0)
+    fig = Figure(figsize=(width, height), layout="constrained")
+    FigureCanvasAgg(fig)
+    top, bottom = fig.subplots(2, 1, sharex=True)
+    err = (predicted.makespan - measured.makespan) / measured.makespan if measured.makespan else 0.0
+    gantt(predicted, ax=top, comm=comm, xlim=(0.0, span),
+          title=(f"predicted: step {predicted.makespan * 1e3:.1f} ms ({err:+.1%}), "
+                 f"bubble_fraction {predicted.bubble_fraction:.3f}"))
+    gantt(measured, ax=bottom, comm=comm, xlim=(0.0, span),
+          title=(f"measured: step {measured.makespan * 1e3:.1f} ms, "
+                 f"bubble_fraction {measured.bubble_fraction:.3f}"))
+    top.set_xlabel("")
+    if title:
+        fig.suptitle(title, fontsize=11)
+    return fig

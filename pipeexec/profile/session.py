@@ -1,0 +1,140 @@
+"""Profiling one training run, from start-up to the gathered trace.
+
+`ProfileSession` is what a worker creates when ``--profile A:B`` is given:
+
+1. at start-up, clocks are aligned to global rank 0 (:mod:`pipeexec.profile.clock`);
+2. its `ActionProfiler` is passed to the `Trainer` as the runtime's recorder, and ``attach``
+   instruments the trainer's runtime: the p2p object (receive waits, message sizes) and a
+   memory meter (exact held tensors on CPU, allocator bytes on GPU);
+3. after training, ``finish`` gathers every rank's records to rank 0 (one ``gather_object``)
+   and builds a `MeasuredRun` there; with ``trace_out`` it is written to disk.
+
+Only the pipeline of data-parallel replica 0 goes into the trace (every replica runs the same
+schedule; one pipeline is one timeline).
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch.distributed as dist
+
+from .clock import ClockOffset, align_clocks
+from .measured import MeasuredRun, build_trace
+from .memory import CudaMemoryMeter, HeldTensorMeter
+from .recorder import ActionProfiler, ProfiledP2P
+
+
+def parse_step_range(text: str) -> tuple[int, int]:
+    """``"A:B"`` -> steps A..B-1 (a Python slice); ``"N"`` -> step N alone."""
+    try:
+        if ":" in text:
+            a, b = text.split(":", 1)
+            first, stop = int(a), int(b)
+        else:
+            first = int(text)
+            stop = first + 1
+    except ValueError:
+        raise ValueError(f"--profile {text!r}: expected A:B (steps A..B-1) or N") from None
+    if not 0 <= first < stop:
+        raise ValueError(f"--profile {text!r}: need 0 <= A < B")
+    return first, stop
+
+
+@dataclass(frozen=True)
+class ProfileOptions:
+    """Which steps to profile (``first <= step < stop``) and where to write the trace."""
+
+    first: int
+    stop: int
+    trace_out: str | None = None
+    align_rounds: int = 16
+    timeout: float = 120.0
+
+    @classmethod
+    def parse(cls, text: str, trace_out: str | None = None) -> "ProfileOptions":
+        first, stop = parse_step_range(text)
+        return cls(first, stop, trace_out)
+
+    def check(self, steps: int) -> None:
+        """Raise ValueError when the range is not inside a run of ``steps`` steps."""
+        if self.stop > steps:
+            raise ValueError(f"--profile {self.first}:{self.stop} reaches past the run's "
+                             f"{steps} step(s) (steps are numbered from 0)")
+
+
+class ProfileSession:
+    """One rank's part of a profiled run (see the module docstring). Collective: every rank
+    of the job creates one, and every rank calls ``finish``."""
+
+    def __init__(self, options: ProfileOptions, topology: Any, *,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
+        self.options = options
+        self.topology = topology
+        self.clock = clock
+        self.offset: ClockOffset = align_clocks(topology.rank, topology.world_size,
+                                                rounds=options.align_rounds,
+                                                timeout=options.timeout, clock=clock)
+        self.profiler = ActionProfiler(options.first, options.stop, device=topology.device,
+                                       clock=clock)
+
+    def attach(self, trainer: Any) -> None:
+        """Instrument ``trainer.runtime`` (built with ``recorder=self.profiler``)."""
+        runtime = trainer.runtime
+        if runtime.recorder is not self.profiler:
+            raise ValueError("ProfileSession.attach: build the Trainer with "
+                             "recorder=session.profiler")
+        if runtime.p2p is not None and not isinstance(runtime.p2p, ProfiledP2P):
+            runtime.p2p = ProfiledP2P(runtime.p2p, self.profiler)
+        if self.topology.device.type == "cuda":
+            self.profiler.memory = CudaMemoryMeter(self.topology.device)
+        else:
+            params = [p for st in runtime.stages.values() for p in st.parameters()]
+            self.profiler.memory = HeldTensorMeter(runtime, exclude=params)
+
+    def finish(self, trainer: Any) -> MeasuredRun | None:
+        """Gather to global rank 0; return the `MeasuredRun` there (None elsewhere)."""
+        memory = self.profiler.memory
+        if isinstance(memory, HeldTensorMeter):
+            memory.close()
+        topo = self.topology
+        payload = {"rank": topo.rank, "pp_rank": topo.pp_rank, "dp_rank": topo.dp_rank,
+                   "offset": self.offset.offset, "rtt": self.offset.rtt,
+                   "records": self.profiler.records() if topo.dp_rank == 0 else []}
+        if topo.world_size > 1:
+            gathered: list | None = [None] * topo.world_size if topo.rank == 0 else None
+            dist.gather_object(payload, gathered, dst=0)
+        else:
+            gathered = [payload]
+        if topo.rank != 0:
+            return None
+        pipeline = sorted((p for p in gathered if p["dp_rank"] == 0), key=lambda p: p["pp_rank"])
+        cfg = trainer.config
+        schedule = trainer.schedule
+        trace = build_trace([p["records"] for p in pipeline], [p["offset"] for p in pipeline],
+                            schedule)
+        meta = {
+            "schedule": cfg.schedule, "pp": cfg.pp, "vpp": cfg.vpp, "dp": cfg.dp,
+            "microbatches": cfg.microbatches, "bounds": list(trainer.bounds),
+            "layer_kinds": layer_kinds(trainer.spec.num_layers, cfg),
+            "device": str(topo.device), "backend": topo.backend,
+            "clock_offsets": [p["offset"] for p in pipeline],
+            "clock_rtts": [p["rtt"] for p in pipeline],
+            "profiled_steps": [self.options.first, self.options.stop],
+            "memory": ("allocated" if topo.device.type == "cuda" else "held_tensors"),
+            "config": cfg.to_dict(),
+        }
+        run = MeasuredRun(trace, meta)
+        if self.options.trace_out:
+            run.save(self.options.trace_out)
+        return run
+
+
+def layer_kinds(num_layers: int, config: Any) -> list[str]:
+    """Kind of each layer of the built-in GPT: embedding, blocks, head (for re-partitioning
+    calibrated costs; layers of one kind are assumed to cost the same)."""
+    return ["embedding"] + ["block"] * (num_layers - 2) + ["head"] if num_layers >= 2 \
+        else ["layer"] * num_layers
+

@@ -1,0 +1,302 @@
+"""Measured traces: building them from records, calibrating from them, counting memory, and a
+real multi-rank profiled run with deliberately skewed clocks.
+
+Independent references: the simulator's own traces (with known costs) stand in for measured
+ones in the calibration tests; the memory test compares the meter with the bytes of the
+tensors a Linear-GELU-Linear stage saves, written out by hand.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+from torch import nn
+
+import pipesim
+from pipeexec.profile import ActionRecord, MeasuredRun, build_trace, parse_step_range
+from pipeexec.profile.calibrate import Layout, calibrate, fit_run, repartition, stage_memory
+from pipeexec.profile.measured import COLUMNS
+from pipeexec.profile.memory import HeldTensorMeter
+from pipesim.schedule.action import Action
+
+NAN = math.nan
+
+
+def rec(step, op, stage, mb, start, end, wait=(NAN, NAN), nbytes=0, mem=(NAN, NAN)):
+    return ActionRecord(step, op, stage, mb, start, end, wait[0], wait[1], nbytes, mem[0], mem[1])
+
+
+# -- build_trace ---------------------------------------------------------------------------------
+def test_build_trace_aligns_clocks_splits_waits_and_ends_sends_at_arrival():
+    s = pipesim.build_schedule("gpipe", pp=2, microbatches=1)
+    # rank 1's clock runs 100 s ahead of rank 0's: offset -100 maps it back.
+    r0 = [rec(0, "F", 0, 0, 1.0, 2.0), rec(0, "SEND_F", 0, 0, 2.0, 2.01, nbytes=64),
+          rec(0, "RECV_B", 0, 0, 2.02, 2.03, nbytes=64),
+          rec(0, "B", 0, 0, 2.03, 5.0, wait=(2.03, 4.0))]
+    r1 = [rec(0, "RECV_F", 1, 0, 100.5, 100.6, nbytes=64),
+          rec(0, "F", 1, 0, 100.6, 103.0, wait=(100.6, 102.2)),
+          rec(0, "B", 1, 0, 103.0, 103.9), rec(0, "SEND_B", 1, 0, 103.9, 103.91, nbytes=64)]
+    t = build_trace([r0, r1], [0.0, -100.0], s)
+    assert list(t.columns) == list(COLUMNS)
+    # On rank 0's clock the earliest row is rank 1's receive wait (from 100.6 - 100 = 0.6):
+    # every time is shifted by 0.6.
+    def at(x):
+        return pytest.approx(x - 0.6)
+
+    def row(rank, op):
+        return t[(t["rank"] == rank) & (t["op"] == op)].iloc[0]
+    assert (row(0, "F").start, row(0, "F").end) == (at(1.0), at(2.0))
+    recv_f = row(1, "RECV_F")       # the wait inside F, with the posting's bytes
+    assert (recv_f.start, recv_f.end, recv_f.bytes, recv_f.peer) == (at(0.6), at(2.2), 64, 0)
+    assert row(1, "F").start == at(2.2)                     # compute starts when data is there
+    send_f = row(0, "SEND_F")       # ends at the observed arrival
+    assert send_f.start == at(2.0) and send_f.end == at(2.2) and bool(send_f.arrival_observed)
+    assert send_f.link_start == at(2.0)                     # later posting: the send's
+    recv_b = row(0, "RECV_B")
+    assert (recv_b.start, recv_b.end) == (at(2.03), at(4.0))
+    assert row(0, "B").start == at(4.0)
+    assert row(1, "SEND_B").end == at(4.0)
+    assert len(t) == 8 and set(t["kind"]) == {"compute", "comm"}
+
+
+def test_build_trace_send_to_a_receiver_that_did_not_wait_ends_at_its_look():
+    s = pipesim.build_schedule("gpipe", pp=2, microbatches=1, forward_only=True)
+    r0 = [rec(0, "F", 0, 0, 0.0, 1.0), rec(0, "SEND_F", 0, 0, 1.0, 1.001, nbytes=8)]
+    r1 = [rec(0, "RECV_F", 1, 0, 2.0, 2.001, nbytes=8),
+          rec(0, "F", 1, 0, 2.001, 3.0, wait=(2.001, 2.00101))]
+    t = build_trace([r0, r1], [0.0, 0.0], s)
+    send = t[t["op"] == "SEND_F"].iloc[0]
+    assert send.end == pytest.approx(2.001) and not send.arrival_observed
+
+
+def test_build_trace_rejects_a_stage_on_the_wrong_rank():
+    s = pipesim.build_schedule("gpipe", pp=2, microbatches=1)
+    with pytest.raises(ValueError, match="rank 0 recorded 1F0"):
+        build_trace([[rec(0, "F", 1, 0, 0.0, 1.0)], []], [0.0, 0.0], s)
+
+
+def test_parse_step_range():
+    assert parse_step_range("2:5") == (2, 5)
+    assert parse_step_range("3") == (3, 4)
+    for bad in ("5:2", "x", "-1:2"):
+        with pytest.raises(ValueError, match="--profile"):
+            parse_step_range(bad)
+
+
+# -- calibration from synthetic traces ------------------------------------------------------------
+def as_measured(result: "pipesim.SimResult", schedule: "pipesim.Schedule", *, steps: int = 1,
+                act=None, bounds=None, kinds=None) -> MeasuredRun:
+    """A simulated trace dressed as a measured run (every arrival observed)."""
+    frames = []
+    for k in range(steps):
+        t = result.trace.copy()
+        t["op"] = t["op"].astype(str)
+        t["kind"] = t["kind"].astype(str)
+        t["step"] = k
+        t["mem_start"] = 0.0
+        t["mem_end"] = 0.0
+        if act is not None:       # F leaves act[stage] held, B releases it
+            t.loc[t["op"] == "F", "mem_end"] = [act[s] for s in t.loc[t["op"] == "F", "stage"]]
+            t.loc[t["op"] == "B", "mem_start"] = [act[s] for s in t.loc[t["op"] == "B", "stage"]]
+        t["arrival_observed"] = True
+        t["link_start"] = t["start"]
+        frames.append(t)
+    n = schedule.num_stages
+    meta = {"schedule": schedule.name, "pp": schedule.pp, "vpp": schedule.vpp,
+            "microbatches": schedule.num_microbatches,
+            "bounds": bounds or list(range(n + 1)), "layer_kinds": kinds or ["block"] * n}
+    return MeasuredRun(pd.concat(frames, ignore_index=True), meta)
+
+
+def test_calibration_recovers_known_costs_from_a_synthetic_trace():
+    s = pipesim.build_schedule("zb-h1", pp=4, microbatches=8)
+    truth = pipesim.CostModel(forward=[1.0, 1.2, 0.9, 1.5], backward_input=[1.1, 1.0, 1.3, 0.8],
+                              backward_weight=[0.7, 0.9, 0.6, 1.0], p2p_latency=0.05,
+                              p2p_bandwidth=1e3, p2p_bytes=[40.0, 100.0, 160.0, 0.0])
+    run = as_measured(pipesim.simulate(s, truth, jitter=0.05, seed=3), s, act=[10, 20, 30, 40])
+    fitted = fit_run(run)
+    np.testing.assert_allclose(fitted.stage_values("forward", 4), truth.forward, rtol=0.03)
+    np.testing.assert_allclose(fitted.stage_values("backward_input", 4), truth.backward_input, rtol=0.03)
+    np.testing.assert_allclose(fitted.stage_values("backward_weight", 4), truth.backward_weight, rtol=0.03)
+    # three message sizes on the links: latency and bandwidth are separable
+    assert fitted.p2p_latency == pytest.approx(0.05, rel=1e-6)
+    assert fitted.p2p_bandwidth == pytest.approx(1e3, rel=1e-6)
+    mem = stage_memory(run)
+    assert mem["activation_bytes"] == [10, 20, 30, 40]
+    # predicted with the fitted costs, the trace comes back within the jitter
+    again = pipesim.simulate(s, fitted)
+    assert again.makespan == pytest.approx(pipesim.simulate(s, truth).makespan, rel=0.03)
+
+
+def test_repartition_sums_per_kind_costs_over_the_new_stages():
+    kinds = ("embedding",) + ("block",) * 6 + ("head",)
+    per_kind = {"embedding": 0.2, "block": 1.0, "head": 0.6}
+    src = Layout((0, 2, 4, 6, 8), kinds)          # 4 stages: E+B, B+B, B+B, B+H
+    dst = Layout(tuple(range(9)), kinds)           # 8 stages of one layer
+    stage_f = [sum(per_kind[kinds[i]] for i in range(a, b)) for a, b in zip(src.bounds, src.bounds[1:])]
+    cal = repartition(pipesim.CostModel(forward=stage_f, backward=[2 * x for x in stage_f]), src, dst)
+    expect = [per_kind[k] for k in kinds]
+    np.testing.assert_allclose(cal.costs.stage_values("forward", 8), expect, atol=1e-12)
+    np.testing.assert_allclose(cal.costs.stage_values("backward", 8), [2 * x for x in expect], atol=1e-12)
+    assert cal.underdetermined == [] and cal.repartitioned
+    # two stages cannot separate three kinds: flagged
+    two = Layout((0, 4, 8), kinds)
+    f2 = [sum(per_kind[kinds[i]] for i in range(a, b)) for a, b in zip(two.bounds, two.bounds[1:])]
+    assert repartition(pipesim.CostModel(forward=f2), two, dst).underdetermined
+    with pytest.raises(ValueError, match="same model"):
+        repartition(pipesim.CostModel(forward=f2), two, Layout((0, 1, 2), ("block",) * 2))
+
+
+def test_calibrate_uses_the_target_layout():
+    s = pipesim.build_schedule("1f1b", pp=2, microbatches=4)
+    kinds = ["embedding", "block", "block", "head"]
+    stage_f = [0.1 + 1.0, 1.0 + 0.5]      # E+B, B+H with E=0.1, B=1.0, H=0.5
+    run = as_measured(pipesim.simulate(s, pipesim.CostModel(forward=stage_f)), s,
+                      bounds=[0, 2, 4], kinds=kinds)
+    same = calibrate(run)
+    assert not same.repartitioned
+    np.testing.assert_allclose(same.costs.stage_values("forward", 2), stage_f)
+    four = calibrate(run, Layout((0, 1, 2, 3, 4), tuple(kinds)))
+    assert four.repartitioned and four.underdetermined     # 2 stages, 3 kinds
+    assert sum(four.costs.stage_values("forward", 4)) == pytest.approx(sum(stage_f))
+
+
+# -- the memory meter ------------------------------------------------------------------------------
+class _Runtime:
+    """The attributes HeldTensorMeter reads from a PipelineRuntime, all empty."""
+    _inputs: dict = {}
+    _outputs: dict = {}
+    _grads: dict = {}
+    _fwd: dict = {}
+    _dx: dict = {}
+    _wgrad: dict = {}
+    _recvs: dict = {}
+
+
+def test_held_tensor_meter_counts_exactly_what_autograd_saves():
+    torch.manual_seed(0)
+    b, h = 8, 16
+    stage = nn.Sequential(nn.Linear(h, 4 * h), nn.GELU(), nn.Linear(4 * h, h))
+    meter = HeldTensorMeter(_Runtime(), exclude=list(stage.parameters()))
+    x = torch.randn(b, h, requires_grad=True)
+    assert meter.begin(Action("F", 0, 0)) == 0
+    y = stage(x)
+    held = meter.finish(Action("F", 0, 0))
+    # Linear 1 saves its input x; GELU saves its input (Linear 1's output, b x 4h); Linear 2
+    # saves its input (GELU's output, b x 4h). Weights are parameters: excluded.
+    assert held == 4 * (b * h + 2 * b * 4 * h)
+    y.sum().backward()
+    meter.begin(Action("B", 0, 0))
+    assert meter.finish(Action("B", 0, 0)) == 0
+    # autograd got correct gradients through the meter's hooks
+    x2 = x.detach().clone().requires_grad_(True)
+    stage(x2).sum().backward()
+    torch.testing.assert_close(x.grad, x2.grad)
+
+
+# -- a real multi-rank run -------------------------------------------------------------------------
+SKEWS = (0.0, 3.5, -2.25)      # seconds added to each rank's clock (one host shares one clock)
+
+
+def profiled_worker(board, cases):
+    """Train each (schedule, vpp) with a profile of steps 1..2 on deliberately skewed clocks."""
+    import time
+
+    from pipeexec.config import TrainConfig
+    from pipeexec.profile import ProfileOptions, ProfileSession
+    from pipeexec.topology import destroy_topology, init_topology
+    from pipeexec.train import Trainer, train
+
+    topo = init_topology(len(SKEWS), 1, timeout=120)
+    skew = SKEWS[topo.rank]
+    out = {}
+    try:
+        for name, vpp in cases:
+            cfg = TrainConfig(schedule=name, pp=len(SKEWS), vpp=vpp, microbatches=4,
+                              micro_batch_size=2, layers=4, hidden=16, heads=2, seq_len=8,
+                              vocab=32, steps=3, p2p_timeout=60.0, collective_timeout=120.0)
+            session = ProfileSession(ProfileOptions(1, 3, align_rounds=8), topo,
+                                     clock=lambda: time.perf_counter() + skew)
+            trainer = Trainer(cfg, topo, board=board, recorder=session.profiler)
+            session.attach(trainer)
+            train(trainer)
+            run = session.finish(trainer)
+            out[name] = {"offset": session.offset, "run": run,
+                         "records": session.profiler.records()}
+    finally:
+        destroy_topology(topo)
+    return out
+
+
+@pytest.fixture(scope="module")
+def real_runs():
+    from pipeexec import launch
+
+    return launch(profiled_worker, len(SKEWS), ([("1f1b", 1), ("zbv", 2)],), timeout=240)
+
+
+def causality_violations(trace: pd.DataFrame, schedule, tol: float) -> list[str]:
+    """Messages that arrive before they were sent, and computations that start before the
+    computation they depend on (on another rank) ended."""
+    bad = []
+    idx = {(r.step, r.op, r.stage, r.microbatch): r for r in trace.itertuples()}
+    for r in trace.itertuples():
+        if r.op in ("SEND_F", "SEND_B"):
+            peer_key = (r.step, "RECV_F", r.stage + 1, r.microbatch) if r.op == "SEND_F" else \
+                (r.step, "RECV_B", r.stage - 1, r.microbatch)
+            recv = idx[peer_key]
+            if recv.end < r.start - tol:
+                bad.append(f"{r.stage}{r.op}{r.microbatch} step {r.step}: received at {recv.end} "
+                           f"before sent at {r.start}")
+        if r.op == "F" and r.stage > 0 and schedule.stage_rank(r.stage - 1) != r.rank:
+            prev = idx[(r.step, "F", r.stage - 1, r.microbatch)]
+            if r.start < prev.end - tol:
+                bad.append(f"{r.stage}F{r.microbatch} step {r.step} starts {prev.end - r.start:.6f} s "
+                           "before its input was computed")
+    return bad
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["1f1b", "zbv"])
+def test_measured_trace_of_a_real_run_is_well_formed(real_runs, name):
+    run: MeasuredRun = real_runs[0][name]["run"]
+    assert all(r[name]["run"] is None for r in real_runs[1:])     # gathered on rank 0 only
+    schedule = run.schedule
+    offsets = [r[name]["offset"] for r in real_runs]
+    # the estimated offsets undo the skews (one host: the clocks differ by the skew only)
+    for o, skew in zip(offsets, SKEWS):
+        assert o.offset == pytest.approx(-skew, abs=max(o.rtt, 1e-3))
+    assert run.steps == [1, 2]
+    trace = run.trace
+    for step in (1, 2):
+        for rank in range(schedule.pp):
+            rows = trace[(trace["step"] == step) & (trace["rank"] == rank)]
+            got = sorted(f"{st}{op}{mb}" for op, st, mb in zip(rows["op"], rows["stage"], rows["microbatch"]))
+            assert got == sorted(str(a) for a in schedule.actions(rank)), (step, rank)
+            compute = rows[rows["kind"] == "compute"].sort_values("start")
+            # compute spans of one rank never overlap and follow the schedule's order
+            assert (compute["start"].to_numpy()[1:] >= compute["end"].to_numpy()[:-1] - 1e-9).all()
+            order = [f"{st}{op}{mb}" for op, st, mb in zip(compute["op"], compute["stage"], compute["microbatch"])]
+            assert order == [str(a) for a in schedule.compute_order(rank)]
+            # everything the runtime held for the step is released by its last action
+            last = schedule.actions(rank)[-1]
+            final = rows[(rows["op"] == last.op) & (rows["stage"] == last.stage)
+                         & (rows["microbatch"] == last.microbatch)]
+            assert final["mem_end"].item() == 0
+            assert compute["mem_end"].max() > 0
+    tol = max(o.rtt for o in offsets) + 1e-4
+    assert causality_violations(trace, schedule, tol) == []
+    # without the alignment the skewed clocks break causality: the check can fail
+    raw = [r[name]["records"] for r in real_runs]
+    unaligned = build_trace(raw, [0.0] * len(raw), schedule)
+    assert causality_violations(unaligned, schedule, tol)
+    # the measured run scores and draws like a simulated one
+    result = run.result()
+    assert 0 < result.bubble_fraction < 50 and 0 <= result.bubble_rate < 1
+    assert len(result.peak_memory) == schedule.pp and min(result.peak_memory) > 0
+    assert result.gantt(comm=True) is not None
+    events = result.to_chrome_trace()["traceEvents"]
+    assert sum(e["ph"] == "X" for e in events) == len(run.step_trace(run.representative_step()))
