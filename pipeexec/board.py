@@ -32,7 +32,7 @@ class ActionBoard:
         base = rank * _FIELDS
         step, op, stage, mb = self._slots[base: base + _FIELDS]
         if step < 0:
-            return "before its first action"
+            return "its start-up, before any action"
         if OPS[op] in ("OPTIM", "ALLREDUCE"):
             return f"the {'optimizer step' if OPS[op] == 'OPTIM' else 'gradient all-reduce'} of step {step}"
         return f"action {stage}{OPS[op]}{mb} of step {step}"

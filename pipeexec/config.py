@@ -114,6 +114,12 @@ class TrainConfig:
         if n_layers < self.num_stages:
             raise ConfigError(f"the model has {n_layers} layers (embedding + {n_layers - 2} blocks + "
                               f"head) but pp * vpp = {self.num_stages} stages need at least one each")
+        if self.boundaries is not None:
+            from .partition import PartitionError, explicit
+            try:
+                explicit(self.boundaries, n_layers, self.num_stages)
+            except PartitionError as exc:
+                raise ConfigError(str(exc)) from None
         if self.data != "synthetic" and self.vocab < 256:
             raise ConfigError(f"a text file needs vocab >= 256 (byte-level tokens), got {self.vocab}")
         if self.p2p_timeout <= 0 or self.collective_timeout <= 0:

@@ -8,7 +8,8 @@ a few dictionaries keyed by ``(stage, microbatch)``:
 * ``_roots``    gradient edge of the stage output (or of the scaled loss on the last stage)
 * ``_outputs``  forward output waiting for SEND_F (dropped once sent: its storage is freed when
   the send completes unless the graph saved it; Megatron's deallocate-output idea, without
-  keeping a placeholder tensor because backward starts from the gradient edge)
+  keeping a placeholder tensor because backward starts from the gradient edge). With
+  ``deallocate_outputs=False`` it is kept in ``_kept`` until the stage's backward instead.
 * ``_meta``     output shape and dtype, for the RECV_B buffer
 * ``_grads``    gradient of the stage output (received, or handed over by a local next stage)
 * ``_fwd``      input handed over by a local previous stage (the turn of a V)
@@ -71,7 +72,8 @@ class PipelineRuntime:
                  accumulate: Callable[[int, Sequence[torch.Tensor | None]], None],
                  p2p: P2P | None, *, global_rank: int, device: torch.device,
                  compute_dtype: torch.dtype = torch.float32, recorder: ActionRecorder | None = None,
-                 board: Any = None, faults: dict | None = None) -> None:
+                 board: Any = None, faults: dict | None = None,
+                 deallocate_outputs: bool = True) -> None:
         self.schedule = schedule
         self.pp_rank = pp_rank
         self.global_rank = global_rank
@@ -85,6 +87,7 @@ class PipelineRuntime:
         self.recorder = recorder
         self.board = board
         self.faults = faults or {}
+        self.deallocate_outputs = deallocate_outputs
         self.actions = schedule.actions(pp_rank)
         self.placement = schedule.placement
         self.num_stages = schedule.num_stages
@@ -121,6 +124,7 @@ class PipelineRuntime:
         self._dx: dict = {}
         self._wgrad: dict = {}
         self._recvs: dict = {}
+        self._kept: dict = {}
         faults = self.faults.get(step)
         ops, rec, board, rank = self._ops, self.recorder, self.board, self.global_rank
         action = None
@@ -218,6 +222,8 @@ class PipelineRuntime:
     def _send_forward(self, s: int, mb: int) -> None:
         y = self._outputs.pop((s, mb))
         self.p2p.send(y.detach(), self.placement[s + 1], FWD, s, mb, Action(SEND_F, s, mb))
+        if not self.deallocate_outputs and not self._forward_only:
+            self._kept[(s, mb)] = y     # held until the backward, as without the trick
 
     def _recv_forward(self, s: int, mb: int) -> None:
         self._recvs[(RECV_F, s, mb)] = self.p2p.recv_activation(
@@ -251,6 +257,7 @@ class PipelineRuntime:
         g = self._output_grad(s, mb)
         key = (s, mb)
         self._meta.pop(key, None)
+        self._kept.pop(key, None)
         dx, dws = full_backward(self._roots.pop(key), g, self._inputs.pop(key), self.params[s])
         self.accumulate(s, dws)
         self._hand_back(s, mb, dx)
@@ -259,6 +266,7 @@ class PipelineRuntime:
         g = self._output_grad(s, mb)
         key = (s, mb)
         self._meta.pop(key, None)
+        self._kept.pop(key, None)
         dx, now, wgrad = backward_input(self._roots.pop(key), g, self._inputs.pop(key), self.params[s])
         if any(d is not None for d in now):
             self.accumulate(s, now)

@@ -137,7 +137,8 @@ class Trainer:
         self.runtime = PipelineRuntime(self.schedule, topology.pp_rank, self.stages, spec.loss_fn,
                                        self.grads.accumulate, self.p2p, global_rank=topology.rank,
                                        device=dev, compute_dtype=self.dtype, recorder=recorder,
-                                       board=board, faults=faults)
+                                       board=board, faults=faults,
+                                       deallocate_outputs=config.deallocate_outputs)
         self._fwd_runtime: PipelineRuntime | None = None
         self.data = data or BatchSource(seed=config.seed, seq_len=config.seq_len, vocab=config.vocab,
                                         global_batch=config.global_batch, data=config.data)

@@ -63,6 +63,8 @@ def test_hung_peer_times_out_naming_rank_peer_and_action():
     ({"schedule": "1f1b", "vpp": 2}, "vpp == 1"),
     ({"hidden": 15, "heads": 2}, "divisible"),
     ({"precision": "fp8"}, "precision"),
+    ({"boundaries": (2, 3)}, "need 3 values for 4 stages"),
+    ({"boundaries": (2, 2, 5)}, "leave stage 1 empty"),
 ])
 def test_invalid_layouts_fail_before_any_collective(changes, reason):
     with pytest.raises((ConfigError, pipesim.ScheduleError), match=reason):

@@ -292,3 +292,26 @@ def test_channel_order_violation_is_reported():
                              forward_only=True).validate()
     with pytest.raises(P2PError, match="rank 0 sends channel 0 transfers to rank 1"):
         check_p2p_order(sched)
+
+
+def test_recorder_sees_every_action_once_in_order():
+    class Recorder:
+        def __init__(self):
+            self.events = []
+
+        def start(self, action, step):
+            self.events.append(("start", action, step))
+
+        def end(self, action, step):
+            self.events.append(("end", action, step))
+
+    sched = pipesim.build_schedule("zbv", pp=1, vpp=2, microbatches=3).validate()
+    bounds = by_layers(SPEC.num_layers, 2)
+    stages = {s: build_stage(SPEC, s, bounds, seed=0, device=torch.device("cpu"), dtype=torch.float32)
+              for s in (0, 1)}
+    rec = Recorder()
+    rt = PipelineRuntime(sched, 0, stages, SPEC.loss_fn, lambda s, g: None, None, global_rank=0,
+                         device=torch.device("cpu"), recorder=rec)
+    rt.run(BatchSource(seed=1, seq_len=8, vocab=32, global_batch=3).microbatches(4, 0, 1, 3), step=4)
+    expected = [(kind, a, 4) for a in sched.actions(0) for kind in ("start", "end")]
+    assert rec.events == expected
