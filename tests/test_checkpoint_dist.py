@@ -28,8 +28,8 @@ from checkpoint_helpers import TINY, checkpoint_worker, merge_params
 from pipeexec import launch
 from pipeexec.cli import _parser, config_from_args
 from pipeexec.cli import main as cli_main
-from pipeexec.checkpoint import (FAULT_ENV, CheckpointOptions, convert_checkpoint, read_tracker, state_file,
-                                 tracker_path)
+from pipeexec.checkpoint import (FAULT_ENV, CheckpointOptions, convert_checkpoint, describe,
+                                 read_tracker, state_file, tracker_path)
 
 pytestmark = pytest.mark.slow
 
@@ -109,6 +109,9 @@ def test_sigkill_mid_save_then_resume(tmp_path, capsys):
     rank1_dir = state_file(d, 4, 1).parent
     assert not state_file(d, 4, 1).exists()
     assert [p.name.startswith(".model_optim_rng.pt.tmp-") for p in rank1_dir.iterdir()] == [True]
+    text = describe(d)
+    assert "iter_0000002: 2 rank file(s)  <- latest" in text
+    assert "iter_0000004: INCOMPLETE" in text and "pipeline rank 1 is missing" in text
 
     resumed = _cli(common + ["--save", str(d), "--save-interval", "2", "--load", str(d),
                              "--metrics-out", str(tmp_path / "res.json")])
