@@ -1,0 +1,153 @@
+"""The comparison report: every column, values computed as defined, files written; and the
+``pipeexec compare`` command end to end (a real profiled run, then a cross-schedule prediction
+calibrated from its trace).
+
+The synthetic "measured" run is a jittered simulation: its own calibration must then predict it
+back within the jitter, which checks the whole chain trace -> costs -> simulation -> report.
+"""
+from __future__ import annotations
+
+import json
+import math
+
+import pandas as pd
+import pytest
+
+import pipesim
+from pipeexec.profile import MeasuredRun
+from pipeexec.profile.calibrate import Layout
+from pipeexec.profile.compare import REPORT_KEYS, TABLE_COLUMNS, compare_runs, predict, write_outputs
+
+
+def jittered_run(name="zb-h1", pp=4, vpp=1, m=8, steps=2) -> MeasuredRun:
+    s = pipesim.build_schedule(name, pp=pp, microbatches=m, vpp=vpp)
+    n = s.num_stages
+    truth = pipesim.CostModel(forward=[1.0 + 0.1 * k for k in range(n)],
+                              backward_input=[1.0] * n, backward_weight=[0.8] * n,
+                              p2p_latency=0.01, p2p_bandwidth=1e4, p2p_bytes=[50.0] * n)
+    act = [100.0 * (k + 1) for k in range(n)]
+    frames = []
+    for k in range(steps):
+        t = pipesim.simulate(s, truth, jitter=0.04, seed=k).trace.copy()
+        t["op"], t["kind"] = t["op"].astype(str), t["kind"].astype(str)
+        t["step"] = k
+        # memory readings: F adds act[stage] (held from its end), I keeps it, W / B release it
+        t["mem_start"] = 0.0
+        t["mem_end"] = 0.0
+        held = {r: 0.0 for r in range(pp)}
+        for i in t.sort_values(["rank", "start", "end"]).index:
+            r, op, st = t.at[i, "rank"], t.at[i, "op"], t.at[i, "stage"]
+            t.at[i, "mem_start"] = held[r]
+            if op == "F":
+                held[r] += act[st]
+            elif op in ("B", "W"):
+                held[r] -= act[st]
+            t.at[i, "mem_end"] = held[r]
+        t["arrival_observed"] = True
+        t["link_start"] = t["start"]
+        t["start"] += 10.0 * k
+        t["end"] += 10.0 * k
+        t["link_start"] += 10.0 * k
+        frames.append(t)
+    meta = {"schedule": name, "pp": pp, "vpp": vpp, "microbatches": m,
+            "bounds": list(range(n + 1)), "layer_kinds": ["block"] * n, "memory": "synthetic"}
+    return MeasuredRun(pd.concat(frames, ignore_index=True), meta)
+
+
+def test_report_has_every_column_with_values_as_defined(tmp_path):
+    run = jittered_run()
+    c = compare_runs(run)
+    report = c.report()
+    for key in REPORT_KEYS:
+        assert key in report, key
+    measured = run.result(c.step)
+    assert report["measured_step_time"] == pytest.approx(measured.makespan)
+    assert report["measured_bubble_fraction"] == pytest.approx(measured.bubble_fraction)
+    assert report["step_time_error"] == pytest.approx(
+        (report["predicted_step_time"] - report["measured_step_time"]) / report["measured_step_time"])
+    assert len(report["measured_peak_memory"]) == len(report["predicted_peak_memory"]) == 4
+    assert report["measured_peak_memory"] == pytest.approx(measured.peak_memory)
+    # the jittered run is predicted back from its own costs within the jitter
+    assert abs(report["step_time_error"]) < 0.04
+    assert abs(report["predicted_bubble_fraction"] - report["measured_bubble_fraction"]) < 0.03
+    for meas, pred in zip(report["measured_peak_memory"], report["predicted_peak_memory"]):
+        assert pred == pytest.approx(meas, rel=1e-9)       # same bytes, same order of events
+    table = c.table()
+    assert list(table.index) == ["0", "1", "2", "3", "all"]
+    for q in TABLE_COLUMNS:
+        for suffix in ("measured", "predicted", "error"):
+            assert f"{q}_{suffix}" in table.columns
+    assert table.loc["all", "finish_measured"] == pytest.approx(measured.makespan)
+    text = c.text()
+    assert "zb-h1 pp=4" in text and text.count("\n") >= 7
+    files = write_outputs(c, report_out=str(tmp_path / "r.json"), table_out=str(tmp_path / "t.csv"))
+    saved = json.loads((tmp_path / "r.json").read_text())
+    assert set(REPORT_KEYS) <= set(saved) and saved["files"]["plot"] == str(tmp_path / "r.png")
+    assert (tmp_path / "r.png").stat().st_size > 10_000 and files["table"] == str(tmp_path / "t.csv")
+    assert len(pd.read_csv(tmp_path / "t.csv")) == 5
+
+
+def test_cross_schedule_prediction_uses_the_other_runs_costs():
+    source = jittered_run("1f1b", steps=1)
+    target = pipesim.build_schedule("gpipe", pp=4, microbatches=8)
+    predicted, cal = predict(target, Layout.of_run(source), source)
+    assert cal.source["schedule"] == "1f1b" and not cal.repartitioned
+    # 1f1b runs B: gpipe predicted with the fitted per-stage F and B (B = I + W of the truth)
+    fb = cal.costs.compute_times(4)
+    assert fb["B"] == pytest.approx([1.8] * 4, rel=0.05)
+    assert predicted.makespan == pytest.approx(
+        pipesim.simulate(target, cal.costs).makespan)
+    assert math.isfinite(predicted.bubble_fraction)
+
+
+# -- the command -----------------------------------------------------------------------------------
+TINY = ["--pp", "2", "--microbatches", "4", "--micro-batch-size", "2", "--layers", "2",
+        "--hidden", "16", "--heads", "2", "--seq-len", "8", "--vocab", "32", "--steps", "3",
+        "--no-progress"]
+
+
+def run_cli(argv):
+    from pipeexec.cli import main
+
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    return info.value.code
+
+
+@pytest.mark.slow
+def test_compare_command_end_to_end(tmp_path, capsys):
+    trace = tmp_path / "one" / "run.json"
+    report = tmp_path / "rep.json"
+    code = run_cli(["compare", "--schedule", "1f1b", *TINY, "--trace-out", str(trace),
+                    "--report-out", str(report)])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "1f1b pp=2" in out and "calibrated from its own trace" in out
+    data = json.loads(report.read_text())
+    assert set(REPORT_KEYS) <= set(data) and data["profiled_step"] in (1, 2)
+    assert len(data["measured_peak_memory"]) == 2 and min(data["measured_peak_memory"]) > 0
+    for suffix in (".json", ".csv", ".meta.json"):
+        assert trace.with_name("run" + suffix).exists()
+    chrome = json.loads(trace.read_text())
+    assert any(e.get("args", {}).get("step") == 2 for e in chrome["traceEvents"])
+    # predict another schedule from that trace, then run it
+    report2 = tmp_path / "rep2.json"
+    code = run_cli(["compare", "--schedule", "interleaved", "--vpp", "2", *TINY,
+                    "--calibrate-from", str(trace), "--report-out", str(report2)])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "prediction before running" in out
+    data2 = json.loads(report2.read_text())
+    cal = data2["calibration"]
+    assert cal["source"]["schedule"] == "1f1b" and cal["repartitioned"]
+    assert data2["vpp"] == 2 and len(data2["calibration"]["costs"]["F"]) == 4
+
+
+def test_cli_argument_errors(tmp_path, capsys):
+    assert run_cli(["train", *TINY, "--trace-out", str(tmp_path / "x.json")]) == 2
+    assert "--trace-out needs --profile" in capsys.readouterr().err
+    assert run_cli(["train", *TINY, "--profile", "2:9"]) == 2
+    assert "reaches past" in capsys.readouterr().err
+    assert run_cli(["compare", "--schedule", "1f1b", *TINY,
+                    "--calibrate-from", str(tmp_path / "missing.json")]) == 2
+    assert "missing" in capsys.readouterr().err
