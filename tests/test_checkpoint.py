@@ -361,3 +361,43 @@ def test_mixed_precision_resume_is_exact(tmp_path, precision):
     assert all(torch.equal(a, b) for a, b in zip(full.masters.masters, resumed.masters.masters))
     assert all(a.dtype != torch.float32 and torch.equal(a, b)
                for a, b in zip(full.masters.model_params, resumed.masters.model_params))
+
+
+def test_manager_follows_the_flags(trained, tmp_path):
+    """--save-interval saves at multiples and once more at the end; --keep-last prunes; a run
+    loaded at its last iteration does not re-save; --release ends with a weights-only save."""
+    from pipeexec.checkpoint import CheckpointManager, CheckpointOptions
+
+    t = local_trainer(TINY.replace(steps=5))
+    m = CheckpointManager(CheckpointOptions(save=str(tmp_path), save_interval=2, keep_last=2,
+                                            fault=None))
+    train(t, on_step=m.on_step)
+    m.finish(t)
+    assert [r.tag for r in m.saves] == [2, 4, 5]
+    assert sorted(p.name for p in tmp_path.glob("iter_*")) == ["iter_0000004", "iter_0000005"]
+    assert len(m.metrics()["save_times"]) == 3 and all(s > 0 for s in m.metrics()["save_times"])
+
+    again = CheckpointManager(CheckpointOptions(save=str(tmp_path), load=str(tmp_path), fault=None))
+    t2 = local_trainer(TINY.replace(steps=5))
+    assert again.load(t2).iteration == 5
+    train(t2, on_step=again.on_step)
+    again.finish(t2)
+    assert again.saves == [] and again.metrics()["loaded_iteration"] == 5
+
+    rel = CheckpointManager(CheckpointOptions(save=str(tmp_path), load=str(tmp_path), release=True,
+                                              fault=None))
+    rel.load(t2)
+    rel.finish(t2)
+    assert read_tracker(tmp_path) == RELEASE and [r.tag for r in rel.saves] == [RELEASE]
+
+
+@pytest.mark.parametrize("kwargs, flag", [
+    (dict(save_interval=2), "--save-interval"), (dict(save="d", keep_last=0), "--keep-last"),
+    (dict(release=True), "--release"), (dict(finetune=True), "--finetune"),
+    (dict(no_load_optim=True), "--no-load-optim"), (dict(no_load_rng=True), "--no-load-rng"),
+    (dict(fault="kill:x:2:before-rename"), "checkpoint fault")])
+def test_options_reject_inconsistent_flags(kwargs, flag):
+    from pipeexec.checkpoint import CheckpointOptions
+
+    with pytest.raises(ValueError, match=flag):
+        CheckpointOptions(**kwargs).validate()
