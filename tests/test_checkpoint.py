@@ -401,3 +401,33 @@ def test_options_reject_inconsistent_flags(kwargs, flag):
 
     with pytest.raises(ValueError, match=flag):
         CheckpointOptions(**kwargs).validate()
+
+
+def test_files_of_different_saves_are_not_mixed(trained, tmp_path):
+    """Two saves of the same iteration (say an abandoned run and its replacement) have
+    different save ids: a checkpoint holding files of both is refused, naming the odd file.
+    A later save with fewer pipeline ranks removes the earlier save's extra rank directories."""
+    import shutil
+
+    cfg = TINY.replace(pp=4, vpp=2, schedule="interleaved", microbatches=4, micro_batch_size=2)
+    store = dist.HashStore()
+    ranks = [local_trainer(cfg, pp_rank=r, store=store) for r in range(4)]
+    for t in ranks:
+        load_checkpoint(t, trained["dir"])
+    _threaded_save(cfg, ranks, tmp_path / "a")
+    _threaded_save(cfg, ranks, tmp_path / "b", sequence=1)
+    shutil.copy(state_file(tmp_path / "b", 2, 3), state_file(tmp_path / "a", 2, 3))
+    with pytest.raises(CheckpointError, match="different saves are mixed") as err:
+        load_checkpoint(local_trainer(cfg, pp_rank=0), tmp_path / "a")   # reads only file 0
+    assert err.value.path == str(state_file(tmp_path / "a", 2, 3)) and err.value.field == "save_id"
+
+    two = TINY.replace(pp=2)
+    pair = [local_trainer(two, pp_rank=r, store=store) for r in range(2)]
+    for t in pair:
+        load_checkpoint(t, trained["dir"])
+    _threaded_save(two, pair, tmp_path / "a", sequence=2)
+    assert sorted(p.name for p in (tmp_path / "a" / "iter_0000002").iterdir()) == \
+        ["mp_rank_00_000", "mp_rank_00_001"]
+    back = local_trainer(TINY)
+    load_checkpoint(back, tmp_path / "a")
+    assert all(torch.equal(p, trained["at2"][n]) for n, p in back.named_parameters().items())

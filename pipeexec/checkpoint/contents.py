@@ -6,6 +6,7 @@ One file per pipeline rank (Megatron's key names where Megatron has one):
 ``checkpoint_version``      format version (`layout.CHECKPOINT_VERSION`)
 ``iteration``               optimizer iterations done (0 for a release checkpoint)
 ``release``                 True for a weights-only release checkpoint
+``save_id``                 random id shared by all files of one save (mixed saves are refused)
 ``config``                  the run's `TrainConfig` as a dict (``asdict``)
 ``layout``                  pp, vpp, dp, schedule, this file's pp rank, stage bounds, and per chunk
                             its global stage and global layer indices

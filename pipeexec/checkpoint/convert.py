@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -106,10 +107,12 @@ def convert_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, *, tag: T
     sched = new_cfg.build_schedule()
     first = reader.file(0)
     report = ConvertReport(reader.tag, 0.0, dict(reader.layout, pp_rank=None), {})
+    save_id = uuid.uuid4().hex
     known = set(param_names)
     for r in range(new_cfg.pp):
         stages = list(sched.rank_stages(r))
         out: dict[str, Any] = {k: first[k] for k in ("checkpoint_version", "iteration", "release")}
+        out["save_id"] = save_id
         out["config"] = new_cfg.to_dict()
         out["layout"] = layout_record(new_cfg, bounds, stages, r)
         names_here: list[str] = []

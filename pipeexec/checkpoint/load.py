@@ -117,6 +117,8 @@ def load_checkpoint(trainer, root: str | os.PathLike, *, tag: Tag | None = None,
         notes.append(f"global batch {saved_batch} -> {cfg.global_batch}: the data stream "
                      "continues by iteration, with a different number of samples per step")
 
+    reader.check_same_save()
+
     # -- apply (nothing above changed the trainer) --------------------------------------------
     trainer.load_state_dict(state, load_optim=state["scaler"] is not None)
     buffers = [n for n in names if n not in masters]

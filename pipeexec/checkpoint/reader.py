@@ -130,13 +130,33 @@ class CheckpointReader:
                                       field="layout.pp_rank")
             if self._files:
                 first = next(iter(self._files.values()))
-                for key in ("iteration", "release"):
-                    if f[key] != first[key]:
-                        raise CheckpointError(f"{key} {f[key]!r} differs from the other rank files' "
-                                              f"{first[key]!r}: files of different saves are mixed",
+                for key in ("iteration", "release", "save_id"):
+                    if f.get(key) != first.get(key):
+                        raise CheckpointError(f"{key} {f.get(key)!r} differs from the other rank "
+                                              f"files' {first.get(key)!r}: files of different saves "
+                                              "are mixed (an interrupted save over this iteration?)",
                                               path=self.paths[pp_rank], field=key)
             self._files[pp_rank] = f
         return self._files[pp_rank]
+
+    def check_same_save(self) -> None:
+        """Raise unless every rank file comes from the same save (same ``save_id``).
+
+        Files not opened yet are read for their header only (no CRC pass over their tensors).
+        """
+        ids = {}
+        for r, path in self.paths.items():
+            f = self._files.get(r)
+            if f is None:
+                f = read_state_file(path, verify=False)
+            ids[r] = f.get("save_id")
+        mine = ids[min(self._files)] if self._files else ids[min(ids)]
+        for r, value in ids.items():
+            if value != mine:
+                raise CheckpointError(f"save_id {value!r} differs from {mine!r} of the other rank "
+                                      "files: files of different saves are mixed (an interrupted "
+                                      "save over this iteration?)", path=self.paths[r],
+                                      field="save_id")
 
     def rank_layers(self, pp_rank: int) -> set[int]:
         """Global layers held by the checkpoint's pipeline rank ``pp_rank``.

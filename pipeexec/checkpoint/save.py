@@ -2,7 +2,9 @@
 
 Order of a save (``tag`` = iteration or ``"release"``):
 
-1. every rank captures its RNG states; each data-parallel group gathers them on its dp rank 0;
+1. rank 0 draws a save id (stored in every file, so files of different saves are never
+   mixed silently); every rank captures its RNG states; each data-parallel group gathers them
+   on its dp rank 0;
 2. dp rank 0 of every pipeline rank writes its file atomically (temporary name, fsync, rename,
    fsync dir) into ``iter_XXXXXXX/mp_rank_00_PPP/``;
 3. all ranks meet at a store barrier (which names the ranks that never arrive);
@@ -31,9 +33,9 @@ import torch
 from .atomic import atomic_write, fsync_dir, remove_stale_temps
 from .contents import rank_contents
 from .errors import CheckpointError
-from .layout import RELEASE, Tag, saved_iterations, state_file, tag_dir, tag_dir_name
+from .layout import RELEASE, Tag, rank_files, saved_iterations, state_file, tag_dir, tag_dir_name
 from .rng import capture_rng_state
-from .sync import gather_to_writer, store_barrier
+from .sync import agree_on_id, gather_to_writer, store_barrier
 from .tracker import write_tracker
 
 FAULT_PHASES = ("before-rename", "before-tracker")
@@ -85,6 +87,12 @@ def save_checkpoint(trainer, root: str | os.PathLike, *, release: bool = False,
     root = Path(root)
     tag: Tag = RELEASE if release else int(trainer.iteration)
     parsed = parse_fault(fault)
+    store = getattr(topo, "store", None)
+    if topo.world_size > 1 and store is None:
+        raise CheckpointError("a multi-rank save needs the topology's store for its barrier",
+                              field="store")
+    barrier = f"checkpoint/{sequence}/{tag_dir_name(tag)}"
+    save_id = agree_on_id(store, barrier + "/id", topo.rank, topo.world_size, timeout)
     rng = capture_rng_state(topo.device)
     gathered = gather_to_writer(rng, topo.dp_group, topo.dp)
     report = SaveReport(tag, 0.0)
@@ -92,6 +100,7 @@ def save_checkpoint(trainer, root: str | os.PathLike, *, release: bool = False,
         if gathered is None:
             raise CheckpointError("dp rank 0 did not receive the replicas' RNG states", field="rng_state")
         contents = rank_contents(trainer, release=release)
+        contents["save_id"] = save_id
         if not release:
             contents["rng_state"] = gathered
         path = state_file(root, tag, topo.pp_rank)
@@ -104,13 +113,10 @@ def save_checkpoint(trainer, root: str | os.PathLike, *, release: bool = False,
         except OSError as e:
             raise CheckpointError(f"cannot write the state file ({e})", path=path) from e
         report.write_seconds, report.bytes, report.path = time.perf_counter() - tw, size, str(path)
-    store = getattr(topo, "store", None)
+    if topo.rank == 0:
+        remove_other_layouts(root, tag, trainer.config.pp)
     if topo.world_size > 1:
-        if store is None:
-            raise CheckpointError("a multi-rank save needs the topology's store for its barrier",
-                                  field="store")
-        store_barrier(store, f"checkpoint/{sequence}/{tag_dir_name(tag)}", topo.rank,
-                      topo.world_size, timeout)
+        store_barrier(store, barrier, topo.rank, topo.world_size, timeout)
     if topo.rank == 0:
         _maybe_fault(parsed, topo.rank, tag, "before-tracker")
         write_tracker(root, tag)
@@ -122,6 +128,24 @@ def save_checkpoint(trainer, root: str | os.PathLike, *, release: bool = False,
             f"(rank 0 wrote {report.bytes / 2 ** 20:.2f} MiB in {report.write_seconds:.3f} s)"
             + (f"; removed iterations {report.removed}" if report.removed else ""))
     return report
+
+
+def remove_other_layouts(root: str | os.PathLike, tag: Tag, pp: int) -> list[int]:
+    """Delete rank directories ``mp_rank_00_PPP`` with PPP >= pp under checkpoint ``tag``.
+
+    They can only be left by an earlier save of the same iteration with more pipeline ranks (an
+    abandoned run, resumed from an earlier checkpoint in another layout); no writer of this
+    save touches them, and the tracker cannot name this tag before the barrier.
+    """
+    stale = [r for r in rank_files(root, tag) if r >= pp]
+    for r in stale:
+        d = state_file(root, tag, r).parent
+        trash = d.with_name(f".deleting-{d.name}-{os.getpid()}")
+        os.replace(d, trash)
+        shutil.rmtree(trash, ignore_errors=True)
+    if stale:
+        fsync_dir(tag_dir(root, tag))
+    return stale
 
 
 def prune(root: str | os.PathLike, keep_last: int, current: int) -> list[int]:

@@ -7,7 +7,9 @@ same with gloo and NCCL. Every wait has a deadline.
 """
 from __future__ import annotations
 
+import datetime
 import time
+import uuid
 from typing import Any
 
 import torch.distributed as dist
@@ -56,3 +58,19 @@ def gather_to_writer(obj: Any, group: Any, group_size: int) -> list[Any] | None:
     out = [None] * group_size
     dist.all_gather_object(out, obj, group=group)
     return out if dist.get_rank(group) == 0 else None
+
+
+def agree_on_id(store: Any, key: str, rank: int, world_size: int, timeout: float) -> str:
+    """A fresh random id chosen by rank 0 and read by every rank (one store round trip)."""
+    if world_size == 1 or store is None:
+        return uuid.uuid4().hex
+    if rank == 0:
+        value = uuid.uuid4().hex
+        store.set(key, value.encode())
+        return value
+    try:
+        store.wait([key], datetime.timedelta(seconds=timeout))
+    except Exception as e:   # noqa: BLE001  (the store raises a generic error on timeout)
+        raise CheckpointError(f"rank 0 did not publish the save id within {timeout:g} s ({e})",
+                              field="save_id") from e
+    return store.get(key).decode()
