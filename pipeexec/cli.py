@@ -41,6 +41,9 @@ def _parser() -> argparse.ArgumentParser:
     a("--lr", type=float, default=d.lr)
     a("--min-lr", type=float, default=d.min_lr)
     a("--warmup-steps", type=int, default=d.warmup_steps)
+    a("--decay-steps", type=int, default=d.decay_steps,
+      help="cosine decay length in iterations (default: --steps); fix it to stop a run early "
+           "and resume it on the same LR curve")
     a("--weight-decay", type=float, default=d.weight_decay)
     a("--clip-grad", type=float, default=d.clip_grad, help="global-norm clip (0: off)")
     a("--precision", choices=("fp32", "bf16", "fp16"), default=d.precision)
@@ -74,6 +77,7 @@ def config_from_args(ns: argparse.Namespace) -> TrainConfig:
         micro_batch_size=ns.micro_batch_size, layers=ns.layers, hidden=ns.hidden, heads=ns.heads,
         seq_len=ns.seq_len, vocab=ns.vocab, partition=ns.partition, boundaries=boundaries,
         data=ns.data, steps=ns.steps, lr=ns.lr, min_lr=ns.min_lr, warmup_steps=ns.warmup_steps,
+        decay_steps=ns.decay_steps,
         weight_decay=ns.weight_decay, clip_grad=ns.clip_grad, precision=ns.precision,
         loss_scale=ns.loss_scale, loss_scale_growth_interval=ns.loss_scale_growth_interval,
         seed=ns.seed, p2p_timeout=ns.p2p_timeout, backend=ns.backend, device=ns.device,
