@@ -431,3 +431,18 @@ def test_files_of_different_saves_are_not_mixed(trained, tmp_path):
     back = local_trainer(TINY)
     load_checkpoint(back, tmp_path / "a")
     assert all(torch.equal(p, trained["at2"][n]) for n, p in back.named_parameters().items())
+
+
+def test_convert_command(trained, tmp_path, capsys):
+    dst = tmp_path / "pp2"
+    assert checkpoint_main(["checkpoint", "convert", str(trained["dir"]), str(dst), "--pp", "2",
+                            "--vpp", "2", "--schedule", "interleaved", "--boundaries", "1,3,6"]) == 0
+    assert "converted iter_0000002 from pp=1" in capsys.readouterr().out
+    f = torch.load(state_file(dst, 2, 1), weights_only=True)
+    # explicit boundaries 0|1,2|3,4,5|6,7: pp rank 1 holds stages 1 and 3 (looped placement)
+    assert f["layout"]["bounds"] == [0, 1, 3, 6, 8] and f["layout"]["layers"] == [[1, 2], [6, 7]]
+    assert checkpoint_main(["checkpoint", "convert", str(trained["dir"]), str(dst), "--pp", "2"]) == 1
+    assert "destination already holds a checkpoint" in capsys.readouterr().err
+    assert checkpoint_main(["checkpoint", "convert", str(trained["dir"]), str(tmp_path / "x"),
+                            "--pp", "16"]) == 1
+    assert "stages" in capsys.readouterr().err                   # 8 layers cannot fill 16 stages

@@ -95,7 +95,8 @@ def _cli(args, fault=None, timeout=240):
 def test_sigkill_mid_save_then_resume(tmp_path, capsys):
     common = ["--pp", "2", "--schedule", "1f1b", "--microbatches", "2", "--micro-batch-size", "2",
               "--layers", "2", "--hidden", "16", "--heads", "2", "--seq-len", "8", "--vocab", "32",
-              "--steps", "4", "--warmup-steps", "1", "--seed", "5", "--no-progress", "--timeout", "200"]
+              "--steps", "4", "--warmup-steps", "1", "--decay-steps", "4", "--seed", "5",
+              "--no-progress", "--timeout", "200"]
     d = tmp_path / "ckpt"
     # the uninterrupted run, in-process with the config the CLI builds from the same flags
     cfg = config_from_args(_parser().parse_args(["train", *common]))
