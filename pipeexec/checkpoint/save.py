@@ -12,7 +12,10 @@ Order of a save (``tag`` = iteration or ``"release"``):
    ``keep_last``.
 
 A kill anywhere before 4 leaves the tracker on the previous checkpoint, whose files are
-untouched (a re-save of the same iteration replaces files one at a time, each complete).
+untouched. One case is weaker: a save of the very iteration the tracker already names (a fresh
+run started in an old directory without ``--load``) replaces that checkpoint's files one at a
+time; a kill in between leaves files of two saves, which the loader refuses (their save ids
+differ) instead of mixing them; older iterations stay loadable by number.
 
 Fault injection for tests: ``fault="kill:RANK:TAG:PHASE"`` (or ``raise:...``) makes global rank
 RANK SIGKILL itself (or raise) in the save of TAG at PHASE: ``before-rename`` (its temporary
@@ -135,7 +138,7 @@ def remove_other_layouts(root: str | os.PathLike, tag: Tag, pp: int) -> list[int
 
     They can only be left by an earlier save of the same iteration with more pipeline ranks (an
     abandoned run, resumed from an earlier checkpoint in another layout); no writer of this
-    save touches them, and the tracker cannot name this tag before the barrier.
+    save touches them.
     """
     stale = [r for r in rank_files(root, tag) if r >= pp]
     for r in stale:
