@@ -383,6 +383,8 @@ def test_manager_follows_the_flags(trained, tmp_path):
     train(t2, on_step=again.on_step)
     again.finish(t2)
     assert again.saves == [] and again.metrics()["loaded_iteration"] == 5
+    older = CheckpointManager(CheckpointOptions(load=str(tmp_path), ckpt_step=4, fault=None))
+    assert older.load(local_trainer(TINY)).iteration == 4
 
     rel = CheckpointManager(CheckpointOptions(save=str(tmp_path), load=str(tmp_path), release=True,
                                               fault=None))
@@ -395,6 +397,7 @@ def test_manager_follows_the_flags(trained, tmp_path):
     (dict(save_interval=2), "--save-interval"), (dict(save="d", keep_last=0), "--keep-last"),
     (dict(release=True), "--release"), (dict(finetune=True), "--finetune"),
     (dict(no_load_optim=True), "--no-load-optim"), (dict(no_load_rng=True), "--no-load-rng"),
+    (dict(ckpt_step=3), "--ckpt-step"),
     (dict(fault="kill:x:2:before-rename"), "checkpoint fault")])
 def test_options_reject_inconsistent_flags(kwargs, flag):
     from pipeexec.checkpoint import CheckpointOptions

@@ -19,6 +19,8 @@ def add_train_flags(parser: argparse.ArgumentParser) -> None:
     a("--keep-last", type=int, default=None, metavar="K", help="keep only the newest K checkpoints")
     a("--load", default=None, metavar="DIR",
       help="resume from the latest checkpoint in DIR (any pp/vpp/dp layout)")
+    a("--ckpt-step", type=int, default=None, metavar="N",
+      help="load iteration N of --load instead of the latest (the tracker's)")
     a("--finetune", action="store_true", help="load weights only and start at iteration 0")
     a("--no-load-optim", action="store_true",
       help="do not load optimizer moments and loss scale (iteration and LR position are kept)")
@@ -31,8 +33,9 @@ def add_train_flags(parser: argparse.ArgumentParser) -> None:
 
 def options_from_args(ns: argparse.Namespace) -> CheckpointOptions:
     return CheckpointOptions(save=ns.save, save_interval=ns.save_interval, keep_last=ns.keep_last,
-                             load=ns.load, finetune=ns.finetune, no_load_optim=ns.no_load_optim,
-                             no_load_rng=ns.no_load_rng, release=ns.release,
+                             load=ns.load, ckpt_step=ns.ckpt_step, finetune=ns.finetune,
+                             no_load_optim=ns.no_load_optim, no_load_rng=ns.no_load_rng,
+                             release=ns.release,
                              timeout=ns.checkpoint_timeout).validate()
 
 

@@ -4,7 +4,8 @@ loading and saving into the training loop.
 Semantics follow Megatron-LM: ``--steps`` counts total iterations (a run resumed at iteration
 3 with ``--steps 6`` trains 3 more); ``--save-interval N`` saves after every iteration that is
 a multiple of N and the run saves once more at its end (unless it just did); ``--keep-last K``
-keeps the newest K iteration checkpoints; ``--release`` makes the end-of-run save a
+keeps the newest K iteration checkpoints; ``--ckpt-step N`` loads iteration N instead of the
+tracker's; ``--release`` makes the end-of-run save a
 weights-only ``release`` checkpoint; ``--load`` fails loudly when there is nothing valid to
 load (it never silently starts from a random init).
 """
@@ -27,6 +28,7 @@ class CheckpointOptions:
     save_interval: int | None = None
     keep_last: int | None = None
     load: str | None = None
+    ckpt_step: int | None = None    # load this iteration instead of the tracker's
     finetune: bool = False
     no_load_optim: bool = False
     no_load_rng: bool = False
@@ -46,9 +48,12 @@ class CheckpointOptions:
         if self.release and self.save is None:
             raise ValueError("--release needs --save (the directory to write it to)")
         for flag, value in (("--finetune", self.finetune), ("--no-load-optim", self.no_load_optim),
-                            ("--no-load-rng", self.no_load_rng)):
+                            ("--no-load-rng", self.no_load_rng),
+                            ("--ckpt-step", self.ckpt_step is not None)):
             if value and self.load is None:
                 raise ValueError(f"{flag} needs --load")
+        if self.ckpt_step is not None and self.ckpt_step < 0:
+            raise ValueError(f"--ckpt-step must be a non-negative iteration, got {self.ckpt_step}")
         if self.timeout <= 0:
             raise ValueError(f"checkpoint timeout must be positive, got {self.timeout}")
         parse_fault(self.fault)
@@ -74,7 +79,7 @@ class CheckpointManager:
         o = self.options
         if o.load is None:
             return None
-        self.loaded = load_checkpoint(trainer, o.load, finetune=o.finetune,
+        self.loaded = load_checkpoint(trainer, o.load, tag=o.ckpt_step, finetune=o.finetune,
                                       load_optim=not o.no_load_optim, load_rng=not o.no_load_rng,
                                       verify=o.verify, log=self.log)
         if o.save is not None and Path(o.save).resolve() == Path(o.load).resolve():
