@@ -102,10 +102,23 @@ def worker(board, args) -> list[dict]:
                     tsched.step(**kwargs)
                 return [v.item() for v in losses]
 
-            times = {"pipeexec": [], "torch": []}
+            def run_busy(step):
+                """This rank's compute alone: its stages' F and B over all microbatches."""
+                for x, y in src.microbatches(step, 0, 1, args.microbatches):
+                    for s in sorted(mine):
+                        inp = x if s == 0 else torch.randn(x.shape + (args.hidden,), requires_grad=True)
+                        h = mine[s](inp)
+                        if s == schedule.num_stages - 1:
+                            h = spec.loss_fn(h, y)
+                        torch.autograd.backward(h, torch.ones_like(h) if h.dim() else None)
+                return []
+
+            # Rounds of (pipeexec step, torch step, isolated compute), so that load from other
+            # processes on the machine hits all three alike.
+            times = {"pipeexec": [], "torch": [], "busy": []}
             loss_check = {}
             for step in range(args.warmup + args.steps):
-                for who, fn in (("pipeexec", run_mine), ("torch", run_torch)):
+                for who, fn in (("pipeexec", run_mine), ("torch", run_torch), ("busy", run_busy)):
                     dist.barrier()
                     t0 = time.perf_counter()
                     losses = fn(step)
@@ -114,28 +127,14 @@ def worker(board, args) -> list[dict]:
                         times[who].append(dt)
                     if step == 0:
                         loss_check[who] = losses
-            # busy time of this rank in isolation: forward + backward of its stages, m microbatches
-            busy = []
-            for _ in range(2):
-                dist.barrier()
-                t0 = time.perf_counter()
-                for x, y in src.microbatches(0, 0, 1, args.microbatches):
-                    for s in sorted(mine):
-                        inp = x if s == 0 else torch.randn(x.shape + (args.hidden,), requires_grad=True)
-                        h = mine[s](inp)
-                        if s == schedule.num_stages - 1:
-                            h = spec.loss_fn(h, y)
-                        torch.autograd.backward(h, torch.ones_like(h) if h.dim() else None)
-                busy.append(time.perf_counter() - t0)
-            busy_t = torch.tensor([min(busy)], dtype=torch.float64)
-            dist.all_reduce(busy_t, op=dist.ReduceOp.MAX)
             a, b = loss_check["pipeexec"], loss_check["torch"]
             same = torch.tensor([float(len(a) == len(b) and
                                        all(abs(u - v) <= 1e-5 * abs(v) for u, v in zip(a, b)))])
             dist.all_reduce(same, op=dist.ReduceOp.MIN)
             rows.append({"schedule": name, "vpp": vpp, "torch": torch_name,
                          "pipeexec_s": statistics.median(times["pipeexec"]),
-                         "torch_s": statistics.median(times["torch"]), "busy_s": busy_t.item(),
+                         "torch_s": statistics.median(times["torch"]),
+                         "busy_s": statistics.median(times["busy"]),
                          "same_losses": bool(same.item())})
             del tsched, stages
     finally:

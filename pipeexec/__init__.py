@@ -2,6 +2,25 @@
 
 The executor walks ``schedule.actions(rank)`` action by action (see runtime.py); everything
 that differs between schedules lives in pipesim's builders.
+
+Command line::
+
+    pipeexec train --schedule zbv --pp 2 --vpp 2 --dp 2 --microbatches 8 --layers 6 --steps 10
+    torchrun --nproc-per-node 4 -m pipeexec train --schedule interleaved --pp 4 --vpp 2 ...
+    pipeexec train --pp 1 --dp 1 ...            # single-process reference
+
+From Python (each process, e.g. under torchrun or `launch`)::
+
+    topo = init_topology(pp, dp)                       # explicit pp / dp groups
+    trainer = Trainer(TrainConfig(...), topo, spec)    # spec: gpt_spec(...) or your own ModelSpec
+    result = train(trainer, on_step=...)               # losses, step_times, ...
+
+Modules: config (TrainConfig), topology (ranks and groups), model (layer lists, GPT),
+partition (layers -> stages), stage, data, p2p (tagged async send/recv with timeouts),
+backward (B, and the I/W split), runtime (the interpreter), ddp (fp32 gradient buffer,
+all-reduce), precision (master weights, loss scaling), optim (AdamW, LR, clipping),
+train (step and loop), launcher (forked local workers), board (which action each rank is in),
+worker and cli (entry points).
 """
 from .config import ConfigError, TrainConfig
 from .launcher import WorkerFailed, launch

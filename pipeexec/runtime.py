@@ -45,6 +45,10 @@ class PipelineError(RuntimeError):
 
 
 class ActionRecorder(Protocol):
+    """Hooks around every action. A recorder may also define ``wait_start(recv_action, step)``
+    and ``wait_end(recv_action, step)``: called around the wait for a received tensor, which
+    happens inside the compute action that uses it, so waiting can be told apart from compute."""
+
     def start(self, action: Action, step: int) -> None: ...
     def end(self, action: Action, step: int) -> None: ...
 
@@ -88,6 +92,7 @@ class PipelineRuntime:
         self.board = board
         self.faults = faults or {}
         self.deallocate_outputs = deallocate_outputs
+        self._wait_hooks = recorder is not None and hasattr(recorder, "wait_start")
         self.actions = schedule.actions(pp_rank)
         self.placement = schedule.placement
         self.num_stages = schedule.num_stages
@@ -125,6 +130,7 @@ class PipelineRuntime:
         self._wgrad: dict = {}
         self._recvs: dict = {}
         self._kept: dict = {}
+        self._step = step
         faults = self.faults.get(step)
         ops, rec, board, rank = self._ops, self.recorder, self.board, self.global_rank
         action = None
@@ -177,6 +183,14 @@ class PipelineRuntime:
             raise RuntimeError(f"state left over after the last action ({detail})")
 
     # -- helpers ----------------------------------------------------------------------------
+    def _wait(self, pending) -> torch.Tensor:
+        if not self._wait_hooks:
+            return self.p2p.wait(pending)
+        self.recorder.wait_start(pending.action, self._step)
+        tensor = self.p2p.wait(pending)
+        self.recorder.wait_end(pending.action, self._step)
+        return tensor
+
     def _local(self, stage: int) -> bool:
         return self.placement[stage] == self.pp_rank
 
@@ -195,7 +209,7 @@ class PipelineRuntime:
             if pending is None:
                 raise RuntimeError(f"stage {s} microbatch {mb}: no input (no RECV_F posted and the "
                                    "previous stage is not on this rank)")
-            x = self.p2p.wait(pending)
+            x = self._wait(pending)
         train = not self._forward_only
         if train and x.is_floating_point() and not stage.is_first:
             x.requires_grad_(True)
@@ -240,7 +254,7 @@ class PipelineRuntime:
         if pending is None:
             raise RuntimeError(f"stage {s} microbatch {mb}: no output gradient (no RECV_B posted "
                                "and the next stage is not on this rank)")
-        return self.p2p.wait(pending)
+        return self._wait(pending)
 
     def _hand_back(self, s: int, mb: int, dx: torch.Tensor | None) -> None:
         if self.stages[s].is_first:

@@ -8,10 +8,13 @@ through ``CostModel.from_trace``.
 Memory (the activation model of `pipesim.memory`): for each (stage, microbatch) the bytes its
 forward leaves held, i.e. the meter's growth over RECV_F + F + SEND_F of that pair (input
 buffer, saved tensors, output while not yet sent); ``activation_bytes`` is the per-stage mean.
-``weight_grad_fraction`` comes from the same growth over RECV_B + I + SEND_B. In this executor
-I keeps the whole graph (``retain_graph``) plus the gradients W will need, so a pair holds a
-little *more* after I than after F; the model cannot express growth at I, so the growth is
-added to ``activation_bytes`` and the fraction is 1 (a conservative upper bound).
+``weight_grad_fraction`` comes from the change over RECV_B + I + SEND_B. In this executor
+I frees nothing (it keeps the graph, ``retain_graph``, for W) and even adds the gradients W
+will need (and, on the first stage, the output gradient W's full backward uses), so a pair
+holds a little *more* after I than after F. The model cannot add memory at I: the fraction is
+then 1 and the growth is left out (adding it to ``activation_bytes`` instead would charge it
+from the F on, far too early on stages whose F runs long before its I, as ZB-V's first stage).
+A run without I/W rows also gets fraction 1, the executor's behaviour.
 
 Another partition: costs of a stage are the sums of its layers' costs. When the target layout
 cuts the layers differently (another vpp, pp or boundaries), each field is solved per layer
@@ -115,18 +118,15 @@ def stage_memory(run: MeasuredRun, steps: Sequence[int] | None = None
     fwd = delta[fwd_part].groupby([k[fwd_part] for k in keys]).sum()
     fwd_stage = fwd.groupby(level=1).mean()
     act = [max(float(fwd_stage.get(s, 0.0)), 0.0) for s in range(n)]
-    frac = [0.5] * n
+    # pipeexec's I frees nothing (backward.py keeps the graph for W): without I/W rows to
+    # measure it, the share W needs is all of it.
+    frac = [1.0] * n
     if (ops == "I").any():
         bwd = delta[bwd_part].groupby([k[bwd_part] for k in keys]).sum()
         bwd_stage = bwd.groupby(level=1).mean()
         for s in range(n):
             d = float(bwd_stage.get(s, 0.0))
-            if act[s] <= 0:
-                frac[s] = 1.0
-            elif d > 0:                    # I holds more than F left: conservative model
-                act[s] += d
-                frac[s] = 1.0
-            else:
+            if act[s] > 0 and d < 0:
                 frac[s] = min(max(1.0 + d / act[s], 0.0), 1.0)
     return {"activation_bytes": act, "weight_grad_fraction": frac}
 

@@ -2,18 +2,25 @@
 
 `build_trace` turns the per-rank `ActionRecord` lists (gathered on rank 0) into a DataFrame
 with the simulator's columns (`pipesim.trace.TRACE_COLUMNS`) plus ``step``, ``mem_start``,
-``mem_end`` and ``arrival_observed``, so ``SimResult.from_trace`` scores and draws it exactly
-as it does a simulated step. Rows mean what they mean in the simulator:
+``mem_end``, ``arrival_observed``, ``link_start`` and ``compute_start``, so ``SimResult.from_trace`` scores and draws it exactly
+as it does a simulated step. Rows mean what they mean in the simulator, where a rank runs its computations back to back
+and only waits for messages:
 
-* F/B/I/W: the compute, from when its input was there (after any receive wait) to its end.
-* RECV_F/RECV_B: the time the rank waited for the message (the wait inside the compute that
-  needed it; zero-length when the data was already there). Its ``mem_*`` are the readings
+* F/B/I/W: from when the rank was free to start it (the end of its previous computation, but
+  not before its input was sent, or the arrival of its input if it had to wait for it) to its
+  end. So a computation includes
+  the executor's own work since the previous one (posting sends and receives, bookkeeping):
+  busy time is time spent on the schedule, idle time is time spent waiting for a peer. The
+  computation proper starts at ``compute_start``.
+* RECV_F/RECV_B: the time the rank waited for the message: from when it was free to the
+  arrival (the wait happens inside the computation that needs the data); zero-length at the
+  moment it took the data when the data was already there. Its ``mem_*`` are the readings
   around posting the receive (the buffer it allocated).
 * SEND_F/SEND_B: from the moment the send was posted to the message's arrival. The arrival is
   seen exactly when the receiver was waiting for it (the wait ended when it arrived:
-  ``arrival_observed`` is True); otherwise the data was already there when the receiver looked,
-  and the row ends at that moment, an upper bound of the arrival. ``link_start`` is when both
-  sides had posted (the later posting), the start of the transfer proper.
+  ``arrival_observed`` is True); otherwise the data was already there when the receiver took
+  it, and the row ends at that moment, an upper bound of the arrival. ``link_start`` is when
+  both sides had posted (the later posting), the start of the transfer proper.
 
 `MeasuredRun` holds the trace of all profiled steps with the run's layout, and gives each
 step's trace, memory timeline and `SimResult`; ``save`` writes a Chrome/Perfetto JSON, the
@@ -40,7 +47,7 @@ if TYPE_CHECKING:
     from pipesim import SimResult
 
 COLUMNS = ("rank", "op", "stage", "chunk", "microbatch", "start", "end", "kind", "bytes", "peer",
-           "step", "mem_start", "mem_end", "arrival_observed", "link_start")
+           "step", "mem_start", "mem_end", "arrival_observed", "link_start", "compute_start")
 # A receive wait shorter than this found the data already there (the call itself takes µs).
 WAIT_EPS = 1e-4
 _COMPUTE = (F, B, I, W)
@@ -60,7 +67,10 @@ def build_trace(records: Sequence[Sequence[ActionRecord]], offsets: Sequence[flo
     recv_rows: dict[tuple, list] = {}      # (step, op, stage, mb) -> row
     post: dict[tuple, tuple] = {}           # RECV action records: key -> (rank, record, offset)
     sends: list[tuple[list, tuple]] = []
+    real_wait: dict[tuple, float] = {}      # RECV key -> seconds actually spent in wait()
+    early: list[tuple[list, tuple]] = []    # computations that did not wait for their input
     for rank, (recs, off) in enumerate(zip(records, offsets)):
+        step, free_at = None, 0.0
         for rec in recs:
             op, s, mb = rec.op, rec.stage, rec.microbatch
             if placement[s] != rank:
@@ -68,25 +78,36 @@ def build_trace(records: Sequence[Sequence[ActionRecord]], offsets: Sequence[flo
                                  f"{s} is on rank {placement[s]}")
             chunk = schedule.stage_chunk(s)
             t0, t1 = rec.start + off, rec.end + off
+            if rec.step != step:
+                step, free_at = rec.step, t0
             if op in _COMPUTE:
-                begin = t0
+                begin, raw = free_at, t0
                 if not math.isnan(rec.wait_start):
                     w0, w1 = rec.wait_start + off, rec.wait_end + off
                     rop = RECV_F if op == F else RECV_B
                     peer = placement[s - 1] if rop == RECV_F else placement[s + 1]
-                    row = [rank, rop, s, chunk, mb, w0, w1, "comm", 0, peer, rec.step,
-                           math.nan, math.nan, False, math.nan]
-                    recv_rows[(rec.step, rop, s, mb)] = row
+                    key = (rec.step, rop, s, mb)
+                    real_wait[key] = w1 - w0
+                    waited = w1 - w0 > WAIT_EPS
+                    row = [rank, rop, s, chunk, mb, free_at if waited else w1, w1, "comm", 0,
+                           peer, rec.step, math.nan, math.nan, False, math.nan, math.nan]
+                    recv_rows[key] = row
                     rows.append(row)
-                    begin = w1
-                rows.append([rank, op, s, chunk, mb, begin, t1, "compute", 0, -1, rec.step,
-                             rec.mem_start, rec.mem_end, False, math.nan])
+                    raw = w1
+                    if waited:
+                        begin = w1
+                row = [rank, op, s, chunk, mb, begin, t1, "compute", 0, -1, rec.step,
+                       rec.mem_start, rec.mem_end, False, math.nan, raw]
+                rows.append(row)
+                if raw != begin and not math.isnan(rec.wait_start):
+                    early.append((row, key))
+                free_at = t1
             elif op in (RECV_F, RECV_B):
                 post[(rec.step, op, s, mb)] = (rank, rec, off)
             elif op in (SEND_F, SEND_B):
                 peer = placement[s + 1] if op == SEND_F else placement[s - 1]
                 row = [rank, op, s, chunk, mb, t0, t1, "comm", rec.nbytes, peer, rec.step,
-                       rec.mem_start, rec.mem_end, False, math.nan]
+                       rec.mem_start, rec.mem_end, False, math.nan, math.nan]
                 rows.append(row)
                 key = (rec.step, RECV_F, s + 1, mb) if op == SEND_F else (rec.step, RECV_B, s - 1, mb)
                 sends.append((row, key))
@@ -100,28 +121,35 @@ def build_trace(records: Sequence[Sequence[ActionRecord]], offsets: Sequence[flo
             row = [rank, rec.op, rec.stage, schedule.stage_chunk(rec.stage), rec.microbatch,
                    rec.start + off, rec.end + off, "comm", rec.nbytes,
                    placement[rec.stage - 1] if rec.op == RECV_F else placement[rec.stage + 1],
-                   rec.step, rec.mem_start, rec.mem_end, False, math.nan]
+                   rec.step, rec.mem_start, rec.mem_end, False, math.nan, math.nan]
             rows.append(row)
             recv_rows[key] = row
         else:
             row[8] = rec.nbytes
             row[11], row[12] = rec.mem_start, rec.mem_end   # the posting's readings
+    send_start: dict[tuple, float] = {}
     for row, key in sends:
         recv = recv_rows.get(key)
         if recv is None:
             continue
-        waited = recv[6] - recv[5] > WAIT_EPS
-        arrival = recv[6] if waited else recv[5]
+        waited = real_wait.get(key, 0.0) > WAIT_EPS
+        arrival = recv[6]
         row[6] = max(row[6], arrival)
         row[13] = waited
         posted = post.get(key)
         # Both sides ready: the later of the send's and the receive's posting.
         row[14] = row[5] if posted is None else max(row[5], posted[1].start + posted[2])
+        send_start[key] = row[5]
+    # A computation whose input was already there starts no earlier than the input was sent:
+    # the executor work before that was done while waiting for the peer.
+    for row, key in early:
+        if key in send_start:
+            row[5] = min(max(row[5], send_start[key]), row[15])
     frame = pd.DataFrame(rows, columns=list(COLUMNS))
     if len(frame) == 0:
         raise ValueError("the profile recorded no actions (is the step range inside the run?)")
     t0 = float(frame["start"].min())
-    for c in ("start", "end", "link_start"):
+    for c in ("start", "end", "link_start", "compute_start"):
         frame[c] -= t0
     return _shift(frame)
 
@@ -165,8 +193,9 @@ class MeasuredRun:
             raise ValueError(f"step {step} was not profiled (profiled: {self.steps})")
         rows = rows.copy()
         t0 = rows.loc[rows["kind"] == "compute", "start"].min()
-        for c in ("start", "end", "link_start"):
-            rows[c] = (rows[c] - t0).clip(lower=0.0)
+        for c in ("start", "end", "link_start", "compute_start"):
+            if c in rows.columns:
+                rows[c] = (rows[c] - t0).clip(lower=0.0)
         return rows.reset_index(drop=True)
 
     def memory_timeline(self, step: int) -> "pd.DataFrame":
