@@ -30,10 +30,12 @@ import pandas as pd
 
 pd.set_option("display.width", 160)
 WORK = Path(tempfile.mkdtemp(prefix="pipeexec-"))   # checkpoints and metrics go here
-# One job: a GPT of 6 blocks, 8 microbatches of 1 sequence per step, constant learning rate
-# after a 5-step warm-up (so a run of 30 steps and the first half of a run of 60 agree).
+# One job: a GPT of 6 blocks, 8 microbatches of 1 sequence per step, learning rate warmed
+# up over 5 steps then cosine-decayed over 60 (--decay-steps fixes the curve's length, so a
+# run stopped after 30 steps and the first half of a 60-step run follow the same curve).
 JOB = ["--microbatches", "8", "--layers", "6", "--hidden", "64", "--heads", "4",
-       "--seq-len", "64", "--lr", "3e-3", "--min-lr", "3e-3", "--warmup-steps", "5"]
+       "--seq-len", "64", "--lr", "4e-3", "--min-lr", "4e-4", "--warmup-steps", "5",
+       "--decay-steps", "60"]
 
 
 def pipeexec_train(name, *args):
@@ -92,9 +94,10 @@ assert losses.iloc[-5:].mean() < losses.iloc[0] - 2.0
 # ## 2. Save, then resume
 #
 # The same job, stopped after 30 steps with a checkpoint (`--save`), then restarted with
-# `--load` to run the remaining 30. A checkpoint holds the weights, the AdamW moments, the
-# learning-rate schedule's position, the loss scale and the RNG states, one file per rank in
-# Megatron-LM's layout, written to a temporary name and renamed into place.
+# `--load` to run the remaining 30 (`--steps` is the total). A checkpoint holds the
+# weights, the AdamW moments, the learning-rate schedule's position, the loss scale and the
+# RNG states, one file per rank in Megatron-LM's layout, written to a temporary name and
+# renamed into place.
 
 # %%
 first = pipeexec_train("first_half", "--schedule", "1f1b", "--pp", "4", "--nproc", "4",
