@@ -160,12 +160,12 @@ def main(argv=None) -> None:
           f"{args.steps} steps (fwd+bwd, no optimizer)", flush=True)
     rows = launch(worker, args.pp, (args,), timeout=3000)[0]
     print(f"{'schedule':<12} {'torch class':<26} {'pipeexec s':>10} {'torch s':>9} {'ratio':>6} "
-          f"{'bubble pipeexec':>15} {'bubble torch':>12}  same losses")
+          f"{'bubble_rate pipeexec':>20} {'torch':>6}  same losses")
     for r in rows:
         bp = 1 - r["busy_s"] / r["pipeexec_s"]
         bt = 1 - r["busy_s"] / r["torch_s"]
         print(f"{r['schedule']:<12} {r['torch']:<26} {r['pipeexec_s']:>10.3f} {r['torch_s']:>9.3f} "
-              f"{r['pipeexec_s'] / r['torch_s']:>6.2f} {bp:>15.1%} {bt:>12.1%}  {r['same_losses']}")
+              f"{r['pipeexec_s'] / r['torch_s']:>6.2f} {bp:>20.1%} {bt:>6.1%}  {r['same_losses']}")
     sys.stdout.flush()
 
 

@@ -119,6 +119,9 @@ def main(argv: list[str] | None = None) -> None:
     except (WorkerFailed, CheckpointError) as exc:
         print(f"pipeexec: error: {exc}", file=sys.stderr)
         sys.exit(1)
+    except RuntimeError as exc:   # under torchrun: PipelineError, P2PError, TopologyError ...
+        print(f"pipeexec: error: {exc}", file=sys.stderr, flush=True)
+        sys.exit(1)
 
 
 if __name__ == "__main__":
