@@ -5,12 +5,12 @@
 # simulator's costs to it, predict *other* schedules before running them, then run them and
 # put prediction and measurement side by side.
 #
-# 1. **Profile** a 1F1B run of the built-in GPT: every action of every rank is timed, the
-#    ranks' clocks aligned, activation memory counted, and one trace gathered
+# 1. **Profile** a 1F1B and a ZB-H1 run of the built-in GPT: every action of every rank is
+#    timed, the ranks' clocks aligned, activation memory counted, and one trace gathered
 #    (`pipeexec compare`, or `pipeexec train --profile A:B --trace-out FILE`).
 # 2. **Calibrate**: per-layer forward, backward, input- and weight-gradient times and
-#    activation bytes, fitted to that trace, re-cut for any other layout.
-# 3. **Predict** GPipe, ZB-H1, ZB-H2, interleaved 1F1B and ZB-V with `pipesim`, before running them.
+#    activation bytes, fitted to those traces, re-cut for any other layout.
+# 3. **Predict** GPipe, ZB-H2, interleaved 1F1B and ZB-V with `pipesim`, before running them.
 # 4. **Run** them for real, profiled, and compare: a table and predicted-over-measured Gantt charts.
 #
 # This machine has 2 CPU cores, shared, so the runs use `pp = 2` ranks (one core each) and a
@@ -36,6 +36,7 @@ from IPython.display import display
 import pipesim
 from pipeexec import TrainConfig
 from pipeexec.profile import MeasuredRun
+from pipeexec.profile.calibrate import fit_run
 from pipeexec.profile.compare import compare_runs, layout_of, predict
 
 pd.set_option("display.width", 160)
@@ -70,54 +71,73 @@ def pipeexec_compare(name, vpp, *extra):
     return json.loads((WORK / f"{name}.report.json").read_text())
 
 # %% [markdown]
-# ## 1. Profile a 1F1B run
+# ## 1. Profile two calibration runs
 #
-# `pipeexec compare` trains the schedule with profiling on, then simulates the very same
+# `pipeexec compare` trains a schedule with profiling on, then simulates the very same
 # schedule with costs calibrated from that run: the question it answers is whether the
-# simulator reproduces a step from its per-stage costs alone.
+# simulator reproduces a step from its per-stage costs alone. We profile two schedules:
+# 1F1B, whose backward is one full `B` per stage and microbatch, and ZB-H1, whose backward
+# is split into the input gradient `I` and the weight gradient `W`.
 
 # %%
-reports = {"1f1b": pipeexec_compare("1f1b", 1)}
-calibration_run = MeasuredRun.load(WORK / "1f1b.json")
-print("profiled steps:", calibration_run.steps, " measured step times (ms):",
-      {k: round(v * 1e3, 1) for k, v in calibration_run.makespans().items()})
+reports = {"1f1b": pipeexec_compare("1f1b", 1), "zb-h1": pipeexec_compare("zb-h1", 1)}
+calibration_runs = {name: MeasuredRun.load(WORK / f"{name}.json") for name in reports}
+for name, run in calibration_runs.items():
+    print(f"{name}: profiled steps {run.steps}, measured step times (ms):",
+          {k: round(v * 1e3, 1) for k, v in run.makespans().items()})
+
+# %% [markdown]
+# The two runs' per-stage costs (means over the profiled steps) show why two are needed:
+# `I + W` is not `B`. On the first stage the input gradient is almost free (nothing before
+# the embedding needs it); on the others the executor's split backward does more work than
+# the full one (`I` keeps the autograd graph for `W`, and walks it twice), so costs fitted
+# to a run with only `B` would mispredict the Zero Bubble schedules' compute.
+
+# %%
+fitted = {name: fit_run(run).compute_times(PP) for name, run in calibration_runs.items()}
+costs_table = pd.DataFrame({
+    "F, 1f1b run": fitted["1f1b"]["F"], "B, 1f1b run": fitted["1f1b"]["B"],
+    "F, zb-h1 run": fitted["zb-h1"]["F"], "I, zb-h1 run": fitted["zb-h1"]["I"],
+    "W, zb-h1 run": fitted["zb-h1"]["W"]}, index=pd.Index(range(PP), name="stage")) * 1e3
+costs_table["(I + W) / B"] = (costs_table["I, zb-h1 run"] + costs_table["W, zb-h1 run"]) / costs_table["B, 1f1b run"]
+print("measured mean cost of one action (ms)")
+costs_table
 
 # %% [markdown]
 # ## 2. Calibrate, and predict the other schedules before running them
 #
-# The calibration fits per-layer-kind costs (embedding, transformer block, head) to the
-# 1F1B trace, so it can re-cut them for a layout with other stage boundaries (the 4 stages
-# of `vpp = 2`). 1F1B runs full backwards only; the split into input gradient `I` and
-# weight gradient `W` that the Zero Bubble schedules need is not in its trace, so it is
-# estimated (an even split of `B` unless a trace with `I` and `W` is given).
+# Each prediction takes its costs from the calibration run with the same kind of backward:
+# GPipe and interleaved 1F1B from the 1F1B run, ZB-H2 and ZB-V from the ZB-H1 run. The
+# calibration fits per-layer-kind costs (embedding, transformer block, head), so it can
+# re-cut them for a layout with other stage boundaries (the 4 stages of `vpp = 2`).
 
 # %%
-predictions, calibrations = {}, {}
+SOURCE = {"1f1b": "1f1b", "zb-h1": "zb-h1", "gpipe": "1f1b", "interleaved": "1f1b",
+          "zb-h2": "zb-h1", "zbv": "zb-h1"}
+predictions = {}
 for name, vpp in SCHEDULES.items():
     config = TrainConfig(schedule=name, pp=PP, vpp=vpp, microbatches=M, **MODEL)
-    schedule = config.build_schedule()
-    predictions[name], calibrations[name] = predict(schedule, layout_of(config), calibration_run)
+    predictions[name], _ = predict(config.build_schedule(), layout_of(config),
+                                   calibration_runs[SOURCE[name]])
 before = pd.DataFrame({
-    name: {"vpp": SCHEDULES[name], "predicted step (ms)": r.makespan * 1e3,
+    name: {"vpp": SCHEDULES[name], "calibrated from": f"{SOURCE[name]} run",
+           "predicted step (ms)": r.makespan * 1e3,
            "predicted bubble_fraction": r.bubble_fraction,
            "predicted peak activations (MiB)": max(r.peak_memory) / 2**20}
     for name, r in predictions.items()}).T.sort_values("predicted step (ms)")
-before["vpp"] = before["vpp"].astype(int)
-c = calibrations["1f1b"].costs.compute_times(PP)
-print("calibrated 1f1b stage costs (ms):",
-      {op: [round(x * 1e3, 2) for x in v] for op, v in c.items()})
-before
+before.astype({"vpp": int, "predicted step (ms)": float, "predicted bubble_fraction": float,
+               "predicted peak activations (MiB)": float})
 
 # %% [markdown]
 # ## 3. Run them, profiled, and compare
 #
-# `--calibrate-from` makes `pipeexec compare` predict from the 1F1B run's trace instead of
-# the run itself: a prediction made without any of this run's timings.
+# `--calibrate-from` makes `pipeexec compare` predict from a calibration run's trace instead
+# of the run itself: a prediction made without any of this run's timings.
 
 # %%
 for name, vpp in SCHEDULES.items():
-    if name != "1f1b":
-        reports[name] = pipeexec_compare(name, vpp, "--calibrate-from", "1f1b.json")
+    if name not in reports:
+        reports[name] = pipeexec_compare(name, vpp, "--calibrate-from", f"{SOURCE[name]}.json")
 
 # %%
 MiB = 2**20
@@ -130,7 +150,7 @@ table = pd.DataFrame({
            "measured bubble_fraction": r["measured_bubble_fraction"],
            "predicted peak act. (MiB)": max(r["predicted_peak_memory"]) / MiB,
            "measured peak act. (MiB)": max(r["measured_peak_memory"]) / MiB,
-           "calibrated from": "itself" if name == "1f1b" else "1f1b run"}
+           "calibrated from": "itself" if SOURCE[name] == name else f"{SOURCE[name]} run"}
     for name, r in reports.items()}).T
 table = table.astype({"vpp": int, "predicted step (ms)": float, "measured step (ms)": float,
                       "predicted bubble_fraction": float, "measured bubble_fraction": float,
@@ -142,8 +162,9 @@ table
 # runs (on a shared CPU, another process takes a core and every action gets slower), and
 # the simulator's model of the schedule (ordering, waits, transfers). Re-simulating each run
 # with costs calibrated from *its own* measured step removes the first: what is left is
-# the second. `busy drift` is the slowest rank's measured compute time over the one
-# calibrated from the 1F1B run; far from 1, the machine was not the same machine.
+# the second. `busy drift` is the slowest rank's measured compute time over the predicted
+# one; far from 1, the machine was not the same machine (or the costs came from a run with
+# another kind of backward).
 
 # %%
 own = {}
@@ -151,21 +172,22 @@ for name in SCHEDULES:
     run = MeasuredRun.load(WORK / f"{name}.json")
     own[name] = compare_runs(run)          # calibrated from its own median step
 split = pd.DataFrame({
-    name: {"measured step (ms)": reports[name]["measured_step_time"] * 1e3,
-           "from 1f1b run (ms)": reports[name]["predicted_step_time"] * 1e3,
-           "error from 1f1b run": reports[name]["step_time_error"],
+    name: {"calibrated from": f"{SOURCE[name]} run",
+           "measured step (ms)": reports[name]["measured_step_time"] * 1e3,
+           "predicted (ms)": reports[name]["predicted_step_time"] * 1e3,
+           "error": reports[name]["step_time_error"],
            "busy drift": max(own[name].measured.busy) / max(predictions[name].busy),
            "from own trace (ms)": own[name].predicted.makespan * 1e3,
            "error from own trace": own[name].predicted.makespan / own[name].measured.makespan - 1}
     for name in SCHEDULES}).T
-split.style.format({"measured step (ms)": "{:.1f}", "from 1f1b run (ms)": "{:.1f}",
+split.style.format({"measured step (ms)": "{:.1f}", "predicted (ms)": "{:.1f}",
                     "from own trace (ms)": "{:.1f}", "busy drift": "{:.2f}",
-                    "error from 1f1b run": "{:+.0%}", "error from own trace": "{:+.0%}"})
+                    "error": "{:+.0%}", "error from own trace": "{:+.0%}"})
 
 # %%
 fig, (ax, ax2) = plt.subplots(1, 2, figsize=(12, 3.8))
 x = range(len(table))
-ax.bar([i - 0.27 for i in x], table["predicted step (ms)"], 0.27, label="predicted from the 1f1b run",
+ax.bar([i - 0.27 for i in x], table["predicted step (ms)"], 0.27, label="predicted (calibration run)",
        color="#6fa8dc")
 ax.bar(list(x), split["from own trace (ms)"], 0.27, label="re-simulated from its own trace",
        color="#b4cfe9")
@@ -185,17 +207,17 @@ fig.tight_layout()
 # %% [markdown]
 # ## Overlaid Gantt charts
 #
-# Predicted (top) over measured (bottom), on one time axis, for the prediction made from
-# the 1F1B run. The lanes under each rank are its transfers and its waits on a receive.
+# Predicted (top) over measured (bottom), on one time axis, for two predictions made
+# from the ZB-H1 run. The lanes under each rank are its transfers and its waits on a receive.
 # What the simulator can't know shows up as stretched boxes and extra gaps in the measured
 # chart: a rank losing its core to another process, Python overhead between actions, gloo's
 # send/receive over loopback TCP.
 
 # %%
 comparisons = {}
-for name in ("zb-h1", "zbv"):
+for name in ("zb-h2", "zbv"):
     run = MeasuredRun.load(WORK / f"{name}.json")
-    comparisons[name] = compare_runs(run, calibration_run)
+    comparisons[name] = compare_runs(run, calibration_runs[SOURCE[name]])
     display(comparisons[name].figure())
 comparisons["zbv"].table()
 
@@ -222,6 +244,6 @@ print("step-time error of each prediction (predicted / measured - 1):",
 own_errors = split["error from own trace"].astype(float)
 print("re-simulated from each run's own trace:",
       ", ".join(f"{n} {e:+.0%}" for n, e in own_errors.items()))
-print(f"median absolute error {errors.abs().median():.0%} (from the 1f1b run), "
+print(f"median absolute error {errors.abs().median():.0%} (from a calibration run), "
       f"{own_errors.abs().median():.0%} (from its own trace); peak activation memory within "
       f"{max(abs(max(r['predicted_peak_memory']) / max(r['measured_peak_memory']) - 1) for r in reports.values()):.0%}")
