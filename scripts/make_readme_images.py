@@ -8,8 +8,11 @@
   in microbatches;
 * ``schedules.png``: every schedule of ``pipesim.schedule_names()`` on one time axis.
 
-Everything is simulated by pipesim (no torch needed); the script prints each chart's makespan
-and both bubble metrics, which the README quotes.
+These are simulated by pipesim (no torch needed); the script prints each chart's makespan
+and both bubble metrics, which the README quotes. With ``--measured`` (needs torch) it also
+writes ``predicted_vs_measured.png``: a 1F1B run on 2 CPU ranks is profiled, interleaved 1F1B
+(vpp=2) is predicted from it, then run and measured (``pipeexec compare --calibrate-from``),
+and the two Gantt charts are drawn on one time axis.
 """
 from __future__ import annotations
 
@@ -39,6 +42,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--pp", type=int, default=4)
     p.add_argument("--microbatches", "-m", type=int, default=8)
     p.add_argument("--dpi", type=int, default=110)
+    p.add_argument("--measured", action="store_true",
+                   help="also profile real CPU runs for predicted_vs_measured.png (needs torch)")
     args = p.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     pp, m = args.pp, args.microbatches
@@ -83,7 +88,37 @@ def main(argv: list[str] | None = None) -> int:
     path = args.out / "schedules.png"
     fig.savefig(path, dpi=args.dpi)
     print(f"wrote {path.relative_to(ROOT) if path.is_relative_to(ROOT) else path}")
+    if args.measured:
+        predicted_vs_measured(args.out / "predicted_vs_measured.png", args.dpi)
     return 0
+
+
+def predicted_vs_measured(path: Path, dpi: int) -> None:
+    """Profile 1f1b (pp=2), predict interleaved (pp=2, vpp=2) from it, run it, draw both."""
+    import os
+    import subprocess
+    import tempfile
+
+    from pipeexec.profile import MeasuredRun
+    from pipeexec.profile.compare import compare_runs
+
+    job = ["--pp", "2", "--microbatches", "8", "--layers", "6", "--hidden", "128", "--heads", "4",
+           "--seq-len", "64", "--steps", "6", "--no-progress"]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, extra in (("1f1b", []), ("interleaved", ["--vpp", "2", "--calibrate-from", "1f1b.json"])):
+            cmd = [sys.executable, "-m", "pipeexec", "compare", "--schedule", name, *job, *extra,
+                   "--trace-out", f"{name}.json"]
+            out = subprocess.run(cmd, cwd=tmp, env=env, capture_output=True, text=True, check=True)
+            print(next((l for l in out.stdout.splitlines() if " vs measured " in l), ""))
+        comparison = compare_runs(MeasuredRun.load(Path(tmp) / "interleaved.json"),
+                                  MeasuredRun.load(Path(tmp) / "1f1b.json"))
+    fig = comparison.figure()
+    head, _, _ = comparison.headline().partition("; calibrated")
+    fig.suptitle(f"{head}\npredicted from a profiled 1f1b run (pp=2 vpp=1); measured on 2 CPU "
+                 f"ranks (gloo)", fontsize=10)
+    fig.savefig(path, dpi=dpi)
+    print(f"wrote {path.relative_to(ROOT) if path.is_relative_to(ROOT) else path}")
 
 
 if __name__ == "__main__":
