@@ -1,7 +1,9 @@
 """The equivalence tests on CUDA: every schedule on one GPU (all stages on one rank: local
 hand-offs, split backward on the GPU) and, with enough GPUs, every layout over NCCL, against the
 CPU fp32 reference. GPU matmuls reduce in another order than the CPU's, so the bounds are looser
-than the CPU tests' (losses rtol 1e-4, parameters rtol 1e-4 / atol 1e-5; TF32 is off)."""
+than the CPU tests' (losses rtol 1e-4, parameters rtol 1e-4 / atol 1e-5; TF32 is off).
+Workers are spawned, not forked: asking whether CUDA is available may initialise the driver in
+this process, and a forked child could not use it."""
 from __future__ import annotations
 
 import pytest
@@ -41,9 +43,8 @@ def _check(results, dp, reference, label_prefix):
 
 
 def test_every_schedule_on_one_gpu(reference):
-    torch.backends.cuda.matmul.allow_tf32 = False
     cases = [(name, {}) for name in pipesim.schedule_names()]
-    results = launch(layouts_worker, 1, (1, 1, cases, "cuda"), timeout=600)
+    results = launch(layouts_worker, 1, (1, 1, cases, "cuda"), timeout=600, start_method="spawn")
     _check(results, 1, reference, "pp=1 cuda")
 
 
@@ -55,5 +56,6 @@ def test_layouts_over_nccl(pp, dp, reference):
     if torch.cuda.device_count() < pp * dp:
         pytest.skip(f"needs {pp * dp} GPUs, have {torch.cuda.device_count()}")
     cases = [(name, {}) for name in pipesim.schedule_names()]
-    results = launch(layouts_worker, pp * dp, (pp, dp, cases, "cuda"), timeout=600)
+    results = launch(layouts_worker, pp * dp, (pp, dp, cases, "cuda"), timeout=600,
+                     start_method="spawn")
     _check(results, dp, reference, f"pp={pp} dp={dp} nccl")
