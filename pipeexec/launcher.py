@@ -45,8 +45,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _die_with_parent() -> None:
+    """Linux: have the kernel kill this worker if the launcher dies (no orphaned ranks)."""
+    try:
+        import ctypes
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL)   # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
 def _worker(fn: Callable, rank: int, nproc: int, port: int, workdir: str, board: ActionBoard,
-            args: tuple, env: dict) -> None:
+            args: tuple, env: dict, parent: int) -> None:
+    _die_with_parent()
+    if os.getppid() != parent:     # the launcher died before prctl took effect
+        os._exit(1)
     os.environ.update(env)
     os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(nproc), "LOCAL_RANK": str(rank),
                        "LOCAL_WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1",
@@ -95,7 +108,8 @@ def launch(fn: Callable[..., Any], nproc: int, args: tuple = (), *, timeout: flo
     board = ActionBoard(nproc, ctx)
     port = free_port()
     with tempfile.TemporaryDirectory(prefix="pipeexec-") as workdir:
-        procs = [ctx.Process(target=_worker, args=(fn, r, nproc, port, workdir, board, args, env or {}),
+        procs = [ctx.Process(target=_worker, args=(fn, r, nproc, port, workdir, board, args, env or {},
+                                   os.getpid()),
                              name=f"pipeexec-rank{r}", daemon=False) for r in range(nproc)]
         for p in procs:
             p.start()

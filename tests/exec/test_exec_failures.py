@@ -100,3 +100,33 @@ def test_cli_reports_bad_layout_and_exits_non_zero():
                           timeout=60, env=env)
     assert proc.returncode == 2
     assert "world size 3 != pp * dp = 2 * 2" in proc.stderr
+
+
+@pytest.mark.slow
+def test_workers_die_with_a_killed_launcher():
+    code = ("import time\nfrom pipeexec import launch\n"
+            "def w(board):\n    time.sleep(120)\n"
+            "launch(w, 3)\n")
+    proc = subprocess.Popen([sys.executable, "-c", code], env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        workers: list[str] = []
+        deadline = time.monotonic() + 30
+        while len(workers) < 3 and time.monotonic() < deadline:
+            time.sleep(0.2)
+            workers = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True,
+                                     text=True).stdout.split()
+        assert len(workers) == 3, workers
+    finally:
+        proc.kill()
+        proc.wait()
+
+    def alive(pid: str) -> bool:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+        except FileNotFoundError:
+            return False
+    deadline = time.monotonic() + 5
+    while any(alive(p) for p in workers) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(alive(p) for p in workers), "workers outlived their launcher"
