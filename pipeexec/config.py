@@ -94,8 +94,10 @@ class TrainConfig:
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
-    def validate(self, world_size: int | None = None, num_layers: int | None = None) -> "TrainConfig":
-        """Raise ConfigError naming the field; build the schedule to check it accepts the layout."""
+    def validate(self, world_size: int | None = None, num_layers: int | None = None, *,
+                 check_schedule: bool = True) -> "TrainConfig":
+        """Raise ConfigError naming the field; build the schedule to check it accepts the layout
+        (``check_schedule=False`` when the caller brings its own Schedule)."""
         for name in ("pp", "vpp", "dp", "microbatches", "micro_batch_size", "layers", "hidden",
                      "heads", "seq_len", "vocab", "steps"):
             value = getattr(self, name)
@@ -124,7 +126,8 @@ class TrainConfig:
             raise ConfigError(f"a text file needs vocab >= 256 (byte-level tokens), got {self.vocab}")
         if self.p2p_timeout <= 0 or self.collective_timeout <= 0:
             raise ConfigError("timeouts must be positive")
-        self.build_schedule()
+        if check_schedule:
+            self.build_schedule()
         return self
 
     def build_schedule(self):

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+from pipesim import Schedule
 
 from .board import ActionBoard
 from .config import TrainConfig
@@ -93,14 +94,24 @@ def parse_faults(inject: tuple[str, ...], global_rank: int) -> tuple[dict, set[i
 class Trainer:
     def __init__(self, config: TrainConfig, topology: Topology, spec: ModelSpec | None = None, *,
                  recorder: ActionRecorder | None = None, board: ActionBoard | None = None,
-                 data: BatchSource | None = None) -> None:
+                 data: BatchSource | None = None, schedule: Schedule | None = None) -> None:
+        """``schedule``: run this Schedule (any pipesim Schedule, e.g. hand-made) instead of the
+        one ``config.schedule`` names; its pp, vpp and microbatches must match the config."""
         spec = spec or gpt_spec_from_config(config)
-        config.validate(world_size=topology.world_size, num_layers=spec.num_layers)
+        config.validate(world_size=topology.world_size, num_layers=spec.num_layers,
+                        check_schedule=schedule is None)
         if (config.pp, config.dp) != (topology.pp, topology.dp):
             raise ValueError(f"config pp={config.pp} dp={config.dp} but topology pp={topology.pp} "
                              f"dp={topology.dp}")
+        if schedule is not None:
+            got = (schedule.pp, schedule.vpp, schedule.num_microbatches)
+            if got != (config.pp, config.vpp, config.microbatches):
+                raise ValueError(f"schedule {schedule.name!r} has pp, vpp, microbatches = {got}, the "
+                                 f"config {(config.pp, config.vpp, config.microbatches)}")
+            schedule.validate()
         self.config, self.topology, self.spec = config, topology, spec
-        self.schedule = config.build_schedule()
+        self._custom_schedule = schedule is not None
+        self.schedule = schedule if schedule is not None else config.build_schedule()
         self.bounds = make_partition(spec.num_layers, config.num_stages, config.partition,
                                      config.boundaries,
                                      spec.layer_param_counts() if config.partition == "params" else None)
@@ -193,8 +204,15 @@ class Trainer:
             import pipesim
 
             cfg = self.config
-            sched = pipesim.build_schedule(cfg.schedule, pp=cfg.pp, microbatches=cfg.microbatches,
-                                           vpp=cfg.vpp, forward_only=True).validate()
+            if self._custom_schedule:
+                s = self.schedule   # the forwards of the schedule, in its order
+                sched = pipesim.Schedule(s.pp, s.vpp, s.num_microbatches, s.placement,
+                                         [[a for a in s.compute_order(r) if a.op == "F"]
+                                          for r in range(s.pp)],
+                                         name=f"{s.name} (forward only)", forward_only=True).validate()
+            else:
+                sched = pipesim.build_schedule(cfg.schedule, pp=cfg.pp, microbatches=cfg.microbatches,
+                                               vpp=cfg.vpp, forward_only=True).validate()
             self._fwd_runtime = PipelineRuntime(sched, self.topology.pp_rank, self.stages,
                                                 self.spec.loss_fn, self.grads.accumulate, self.p2p,
                                                 global_rank=self.topology.rank,

@@ -42,6 +42,16 @@ def choose_vpp(schedule: str, pp: int, m: int) -> int:
     raise pipesim.ScheduleError(f"{schedule} builds with neither vpp 2 nor 1 at pp={pp}, m={m}")
 
 
+def mirrored(schedule: pipesim.Schedule) -> pipesim.Schedule:
+    """The schedule with pipeline ranks renumbered r -> pp-1-r: a hand-made schedule with a
+    custom placement (the first stage on the last rank), which no builder produces."""
+    pp = schedule.pp
+    return pipesim.Schedule(pp, schedule.vpp, schedule.num_microbatches,
+                            tuple(pp - 1 - r for r in schedule.placement),
+                            [schedule.compute_order(pp - 1 - r) for r in range(pp)],
+                            name=f"mirrored {schedule.name}").validate()
+
+
 def reference_lr(cfg: TrainConfig, k: int) -> float:
     if k < cfg.warmup_steps:
         return cfg.lr * (k + 1) / cfg.warmup_steps
@@ -106,8 +116,11 @@ def layouts_worker(board, pp: int, dp: int, cases: list[tuple[str, dict]], devic
     out = {}
     try:
         for schedule, changes in cases:
-            cfg = layout_config(schedule, pp, dp, device=device, **changes)
-            trainer = Trainer(cfg, topo, board=board)
+            options = dict(changes)
+            mirror = options.pop("mirror", False)
+            cfg = layout_config(schedule, pp, dp, device=device, **options)
+            custom = mirrored(cfg.build_schedule()) if mirror else None
+            trainer = Trainer(cfg, topo, board=board, schedule=custom)
             res = train(trainer)
             fwd = trainer.forward(cfg.steps, keep_outputs=True)
             out[(schedule, tuple(sorted(changes.items())))] = {

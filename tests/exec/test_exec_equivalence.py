@@ -2,7 +2,9 @@
 all parameters match an independent single-process reference (plain torch, whole global batch),
 and forward-only outputs match the reference model's logits.
 
-One launch per layout runs every schedule (and a few bf16 cases), so the suite stays fast.
+One launch per layout runs every schedule (and a few bf16 cases, and hand-made schedules with a
+custom placement: the registered ones with ranks renumbered r -> pp-1-r), so the suite stays
+fast.
 Bounds: fp32 rtol 1e-5 with atol 1e-6 on parameters (zero-initialised biases have no relative
 scale; the observed error is ~4e-7 after updates of ~1e-2). bf16 (fp32 master weights): losses
 within rtol 1e-3 of the fp32 reference, and the parameter error at most 20% of the size of the
@@ -46,6 +48,8 @@ def _cases(pp: int, dp: int):
     cases = [(name, {}) for name in pipesim.schedule_names()]
     if (pp, dp) in ((2, 2), (4, 1)):
         cases += [(name, {"precision": "bf16"}) for name in BF16_SCHEDULES]
+        # hand-made schedules with a custom placement (first stage on the last rank)
+        cases += [(name, {"mirror": True}) for name in ("1f1b", "interleaved", "zbv")]
     return cases
 
 
