@@ -85,6 +85,10 @@ def test_report_has_every_column_with_values_as_defined(tmp_path):
     assert set(REPORT_KEYS) <= set(saved) and saved["files"]["plot"] == str(tmp_path / "r.png")
     assert (tmp_path / "r.png").stat().st_size > 10_000 and files["table"] == str(tmp_path / "t.csv")
     assert len(pd.read_csv(tmp_path / "t.csv")) == 5
+    write_outputs(c, table_out=str(tmp_path / "t.md"))
+    md = (tmp_path / "t.md").read_text().splitlines()
+    assert md[0] == c.headline() and len(md) == 2 + 2 + 5
+    assert all(line.count("|") == md[2].count("|") for line in md[2:])
 
 
 def test_cross_schedule_prediction_uses_the_other_runs_costs():

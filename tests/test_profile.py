@@ -41,24 +41,27 @@ def test_build_trace_aligns_clocks_splits_waits_and_ends_sends_at_arrival():
           rec(0, "B", 1, 0, 103.0, 103.9), rec(0, "SEND_B", 1, 0, 103.9, 103.91, nbytes=64)]
     t = build_trace([r0, r1], [0.0, -100.0], s)
     assert list(t.columns) == list(COLUMNS)
-    # On rank 0's clock the earliest row is rank 1's receive wait (from 100.6 - 100 = 0.6):
-    # every time is shifted by 0.6.
+    # On rank 0's clock the earliest row is rank 1's receive wait, from when rank 1 was free
+    # (its first action, posting the receive at 100.5 - 100 = 0.5): times shift by 0.5.
     def at(x):
-        return pytest.approx(x - 0.6)
+        return pytest.approx(x - 0.5)
 
     def row(rank, op):
         return t[(t["rank"] == rank) & (t["op"] == op)].iloc[0]
     assert (row(0, "F").start, row(0, "F").end) == (at(1.0), at(2.0))
-    recv_f = row(1, "RECV_F")       # the wait inside F, with the posting's bytes
-    assert (recv_f.start, recv_f.end, recv_f.bytes, recv_f.peer) == (at(0.6), at(2.2), 64, 0)
+    recv_f = row(1, "RECV_F")       # free at 0.5, data at 2.2; bytes of the posting
+    assert (recv_f.start, recv_f.end, recv_f.bytes, recv_f.peer) == (at(0.5), at(2.2), 64, 0)
     assert row(1, "F").start == at(2.2)                     # compute starts when data is there
+    assert row(1, "F").compute_start == at(2.2)
     send_f = row(0, "SEND_F")       # ends at the observed arrival
     assert send_f.start == at(2.0) and send_f.end == at(2.2) and bool(send_f.arrival_observed)
     assert send_f.link_start == at(2.0)                     # later posting: the send's
-    recv_b = row(0, "RECV_B")
-    assert (recv_b.start, recv_b.end) == (at(2.03), at(4.0))
+    recv_b = row(0, "RECV_B")       # free since B's predecessor ended (2.0)
+    assert (recv_b.start, recv_b.end) == (at(2.0), at(4.0))
     assert row(0, "B").start == at(4.0)
     assert row(1, "SEND_B").end == at(4.0)
+    # rank 1's B did not wait: it starts when F ended, executor work in between included
+    assert row(1, "B").start == at(3.0)
     assert len(t) == 8 and set(t["kind"]) == {"compute", "comm"}
 
 
@@ -69,7 +72,10 @@ def test_build_trace_send_to_a_receiver_that_did_not_wait_ends_at_its_look():
           rec(0, "F", 1, 0, 2.001, 3.0, wait=(2.001, 2.00101))]
     t = build_trace([r0, r1], [0.0, 0.0], s)
     send = t[t["op"] == "SEND_F"].iloc[0]
-    assert send.end == pytest.approx(2.001) and not send.arrival_observed
+    assert send.end == pytest.approx(2.00101) and not send.arrival_observed
+    f1 = t[(t["op"] == "F") & (t["stage"] == 1)].iloc[0]
+    # no real wait: the computation spans from when the rank was free (its first action)
+    assert (f1.start, f1.compute_start) == (pytest.approx(2.0), pytest.approx(2.00101))
 
 
 def test_build_trace_rejects_a_stage_on_the_wrong_rank():

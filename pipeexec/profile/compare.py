@@ -105,6 +105,25 @@ class Comparison:
         rows.append(total)
         return pd.DataFrame(rows).set_index("rank")
 
+    def markdown(self) -> str:
+        """The table as markdown: ms, MiB, errors in percent (points for bubble_fraction)."""
+        t = self.table()
+        head = ("| rank | step / finish (ms) meas | pred | error | busy (ms) meas | pred | "
+                "bubble (ms) meas | pred | bubble_fraction (idle/busy) meas | pred | points | "
+                "peak act. memory (MiB) meas | pred | error |")
+        lines = [head, "|" + "---:|" * (head.count("|") - 1)]
+        mib = 2 ** 20
+        for rank, r in t.iterrows():
+            lines.append(
+                f"| {rank} | {r.finish_measured * 1e3:.1f} | {r.finish_predicted * 1e3:.1f} | "
+                f"{r.finish_error:+.1%} | {r.busy_measured * 1e3:.1f} | {r.busy_predicted * 1e3:.1f} | "
+                f"{r.bubble_measured * 1e3:.1f} | {r.bubble_predicted * 1e3:.1f} | "
+                f"{r.idle_over_busy_measured:.3f} | {r.idle_over_busy_predicted:.3f} | "
+                f"{(r.idle_over_busy_predicted - r.idle_over_busy_measured) * 100:+.1f} | "
+                f"{r.peak_memory_measured / mib:.2f} | {r.peak_memory_predicted / mib:.2f} | "
+                f"{r.peak_memory_error:+.1%} |")
+        return "\n".join(lines)
+
     def text(self) -> str:
         """The table for a terminal: milliseconds, MiB, errors in percent."""
         t = self.table()
@@ -263,7 +282,8 @@ def compare_parser() -> argparse.ArgumentParser:
     a("--trace-out", default=None, metavar="FILE.json",
       help="keep the measured trace: Chrome/Perfetto JSON, with .csv and .meta.json beside it")
     a("--report-out", default=None, metavar="FILE.json", help="write the report as JSON")
-    a("--table-out", default=None, metavar="FILE.csv", help="write the table as CSV")
+    a("--table-out", default=None, metavar="FILE.csv|FILE.md",
+      help="write the table as CSV, or as markdown for a .md name")
     a("--plot-out", default=None, metavar="FILE.png",
       help="predicted and measured Gantt charts on one time axis (default: beside "
            "--report-out, as .png)")
@@ -324,7 +344,10 @@ def write_outputs(comparison: Comparison, *, report_out: str | None = None,
         plot_out = str(Path(report_out).with_suffix(".png"))
     if table_out:
         Path(table_out).parent.mkdir(parents=True, exist_ok=True)
-        comparison.table().to_csv(table_out)
+        if table_out.endswith(".md"):
+            Path(table_out).write_text(comparison.headline() + "\n\n" + comparison.markdown() + "\n")
+        else:
+            comparison.table().to_csv(table_out)
         files["table"] = table_out
     if plot_out:
         Path(plot_out).parent.mkdir(parents=True, exist_ok=True)

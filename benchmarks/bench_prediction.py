@@ -1,0 +1,168 @@
+"""Predicted vs measured, in one run: the numbers of the README's results table.
+
+For each pipeline size (default pp = 2 and 4; CPU, gloo, one thread per rank):
+
+1. run 1f1b with ``--profile`` (steps 1..S-1 of S) and keep its measured trace;
+2. *before running it*, predict the next schedule (gpipe, interleaved, zb-h1, zbv) with costs
+   calibrated on that 1f1b trace (re-partitioned per layer kind where vpp differs);
+3. run every schedule profiled, and compare its median step with (a) the simulation calibrated
+   from its own trace (does the simulator reproduce a run from its per-stage costs?) and
+   (b) the cross-schedule prediction of step 2.
+
+A shared machine's load drifts between runs, so 1f1b is run again after every schedule and
+the next schedule is predicted from that fresh run (still before it runs); each repeat of 1f1b
+is itself predicted from the previous 1f1b run, which measures the run-to-run noise floor.
+
+Prints one markdown table: step time (makespan of the pipeline part of the step), Megatron's
+bubble_fraction, and per-rank peak activation memory (measured: exact bytes of the tensors the
+runtime holds; predicted: pipesim's memory model with calibrated bytes), with errors.
+``--out-dir`` keeps every report JSON, overlay picture and measured trace.
+
+Mind the machine: pp ranks share the CPU cores (``os.cpu_count()`` is printed). With more
+ranks than cores, ranks time-share; calibrated costs then include the contention of the run
+they came from, which differs between schedules (a schedule with more ranks computing at once
+slows each computation more). Other processes on the machine add noise of their own.
+
+    python benchmarks/bench_prediction.py                 # pp 2 and 4, ~3-6 minutes
+    python benchmarks/bench_prediction.py --pp 4 --out-dir /tmp/pred
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import pipesim
+from pipeexec.config import TrainConfig
+from pipeexec.profile.compare import compare_runs, layout_of, predict, profiled_run, write_outputs
+
+SCHEDULES = (("1f1b", 1), ("gpipe", 1), ("interleaved", 2), ("zb-h1", 1), ("zbv", 2))
+
+
+def model_config(args: argparse.Namespace, schedule: str, pp: int, vpp: int) -> TrainConfig:
+    return TrainConfig(schedule=schedule, pp=pp, vpp=vpp, microbatches=args.microbatches,
+                       micro_batch_size=args.micro_batch_size, layers=args.layers,
+                       hidden=args.hidden, heads=args.heads, seq_len=args.seq_len,
+                       vocab=args.vocab, steps=args.steps, backend="gloo", device="cpu",
+                       p2p_timeout=600.0, collective_timeout=900.0)
+
+
+def pct(x: float) -> str:
+    return f"{x:+.1%}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--pp", type=int, nargs="+", default=[2, 4])
+    p.add_argument("--schedules", nargs="+", default=[s for s, _ in SCHEDULES],
+                   help="schedules to run (1f1b is always run first: it is the calibration)")
+    p.add_argument("--microbatches", type=int, default=8)
+    p.add_argument("--micro-batch-size", type=int, default=4)
+    p.add_argument("--layers", type=int, default=6, help="transformer blocks (+ embedding, head)")
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--vocab", type=int, default=256)
+    p.add_argument("--steps", type=int, default=4, help="steps per run; 1.. are profiled")
+    p.add_argument("--out-dir", default=None, help="keep reports, pictures and traces here")
+    p.add_argument("--timeout", type=float, default=900.0, help="limit per run, seconds")
+    args = p.parse_args(argv)
+    vpps = dict(SCHEDULES)
+    names = ["1f1b"] + [s for s in args.schedules if s != "1f1b"]
+    out = Path(args.out_dir) if args.out_dir else None
+    print(f"# predicted vs measured: CPU/gloo, {os.cpu_count()} cores, "
+          f"GPT {args.layers}+2 layers hidden {args.hidden} seq {args.seq_len} "
+          f"b {args.micro_batch_size} m {args.microbatches}; steps 1..{args.steps - 1} profiled, "
+          f"median step compared", flush=True)
+    rows, started = [], time.time()
+
+    def record(pp, name, cfg, run, cross, calib_label):
+        own = compare_runs(run)
+        mine = own.report()
+        if out:
+            write_outputs(own, report_out=str(out / f"pp{pp}" / f"{name}-{len(rows)}.report.json"))
+        mem_err = max(abs(e) for e in mine["peak_memory_error"] if e is not None)
+        row = {"pp": pp, "schedule": name, "vpp": cfg.vpp, "calib": calib_label,
+               "measured_ms": mine["measured_step_time"] * 1e3,
+               "self_ms": mine["predicted_step_time"] * 1e3, "self_err": mine["step_time_error"],
+               "bf_meas": mine["measured_bubble_fraction"],
+               "bf_self": mine["predicted_bubble_fraction"], "mem_err": mem_err,
+               "steps_ms": "/".join(f"{v * 1e3:.0f}" for v in mine["measured_step_times"].values()),
+               "load": os.getloadavg()[0]}
+        if cross is not None:
+            crossed = compare_runs(run, cross[2], step=own.step).report()
+            row.update(cross_ms=cross[0].makespan * 1e3,
+                       cross_err=(cross[0].makespan - mine["measured_step_time"]) / mine["measured_step_time"],
+                       bf_cross=cross[0].bubble_fraction,
+                       cross_mem_err=max(abs(e) for e in crossed["peak_memory_error"] if e is not None))
+        rows.append(row)
+        print(f"pp={pp} {name}: measured {row['measured_ms']:.0f} ms (steps {row['steps_ms']}; "
+              f"load {row['load']:.1f}), own trace {pct(row['self_err'])}"
+              + (f", from {calib_label} {pct(row['cross_err'])}" if cross else ""), flush=True)
+
+    for pp in args.pp:
+        trace_dir = out / f"pp{pp}" if out else None
+
+        def run_1f1b(k):
+            return profiled_run(model_config(args, "1f1b", pp, 1), 1, args.steps,
+                                timeout=args.timeout,
+                                trace_out=str(trace_dir / f"1f1b-{k}.json") if trace_dir else None)
+        calib = run_1f1b(0)
+        record(pp, "1f1b", model_config(args, "1f1b", pp, 1), calib, None, "")
+        k = 0
+        for name in names[1:]:
+            vpp = vpps.get(name, 1)
+            cfg = model_config(args, name, pp, vpp)
+            try:
+                cfg.validate()
+            except (ValueError, pipesim.ScheduleError) as exc:
+                print(f"skip {name} pp={pp} vpp={vpp}: {exc}", file=sys.stderr)
+                continue
+            # The prediction, from the latest 1f1b run, before this schedule runs.
+            predicted, cal = predict(cfg.build_schedule(), layout_of(cfg), calib)
+            print(f"pp={pp} {name}: predicted from 1f1b run {k} before running: "
+                  f"{predicted.makespan * 1e3:.0f} ms", flush=True)
+            run = profiled_run(cfg, 1, args.steps, timeout=args.timeout,
+                               trace_out=str(trace_dir / f"{name}.json") if trace_dir else None)
+            record(pp, name, cfg, run, (predicted, cal, calib), f"1f1b run {k}")
+            # A fresh calibration for the next schedule (the machine's load drifts); the
+            # repeat, predicted from the previous 1f1b run, shows the run-to-run noise floor.
+            k += 1
+            fresh = run_1f1b(k)
+            repeat, rcal = predict(calib.schedule, layout_of(model_config(args, "1f1b", pp, 1)), calib)
+            record(pp, "1f1b", model_config(args, "1f1b", pp, 1), fresh, (repeat, rcal, calib),
+                   f"1f1b run {k - 1}")
+            calib = fresh
+    print()
+    print("| pp | schedule | vpp | measured step (ms) | predicted, own trace | error | "
+          "predicted from the previous 1f1b run, before running | error | bubble_fraction "
+          "measured | predicted (own) | predicted (1f1b) | peak act. memory error, max over "
+          "ranks (own / 1f1b) |")
+    print("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for r in rows:
+        if "cross_ms" in r:
+            cross_ms, cross_err = f"{r['cross_ms']:.0f}", pct(r["cross_err"])
+            bf_cross, mem = f"{r['bf_cross']:.3f}", f"{r['mem_err']:.1%} / {r['cross_mem_err']:.1%}"
+        else:
+            cross_ms, cross_err, bf_cross, mem = "(first calibration run)", "", "", f"{r['mem_err']:.1%}"
+        print(f"| {r['pp']} | {r['schedule']} | {r['vpp']} | {r['measured_ms']:.0f} | "
+              f"{r['self_ms']:.0f} | {pct(r['self_err'])} | {cross_ms} | {cross_err} | "
+              f"{r['bf_meas']:.3f} | {r['bf_self']:.3f} | {bf_cross} | {mem} |")
+    own = [abs(r["self_err"]) for r in rows]
+    cross = [abs(r["cross_err"]) for r in rows if "cross_err" in r and r["schedule"] != "1f1b"]
+    floor = [abs(r["cross_err"]) for r in rows if "cross_err" in r and r["schedule"] == "1f1b"]
+    bf = [abs(r["bf_self"] - r["bf_meas"]) * 100 for r in rows]
+    mem = [r["mem_err"] for r in rows]
+    print(f"\nmax |error|: step time, own trace {max(own):.1%}; cross-schedule {max(cross or [0]):.1%}; "
+          f"1f1b from the previous 1f1b run (noise floor) {max(floor or [0]):.1%}; "
+          f"bubble_fraction (own) {max(bf):.1f} points; peak activation memory (own) {max(mem):.1%}")
+    print(f"\n{len(rows)} runs in {time.time() - started:.0f} s; measured step times of the "
+          "profiled steps are in each report (--out-dir).")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
