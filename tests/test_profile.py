@@ -293,6 +293,14 @@ def test_measured_trace_of_a_real_run_is_well_formed(real_runs, name):
                          & (rows["microbatch"] == last.microbatch)]
             assert final["mem_end"].item() == 0
             assert compute["mem_end"].max() > 0
+    # receive waits were recorded: each RECV row ends where its computation proper begins
+    recvs = trace[trace["op"].isin(["RECV_F", "RECV_B"])]
+    comp = trace[trace["kind"] == "compute"].set_index(["step", "stage", "microbatch", "op"])
+    for r in recvs.itertuples():
+        consumer = comp.loc[(r.step, r.stage, r.microbatch, "F" if r.op == "RECV_F" else
+                             ("B" if (r.step, r.stage, r.microbatch, "B") in comp.index else "I"))]
+        assert consumer["compute_start"] == r.end
+    assert trace["arrival_observed"].any()
     tol = max(o.rtt for o in offsets) + 1e-4
     assert causality_violations(trace, schedule, tol) == []
     # without the alignment the skewed clocks break causality: the check can fail

@@ -10,10 +10,10 @@ placed on the CPU clock through one reference event taken, once, when profiling 
 GPU span is when the device ran the action, not when Python launched it.
 
 Receive waits: the runtime posts a receive at RECV_* and waits for it inside the compute action
-that needs the tensor. `ProfiledP2P` wraps the pipeline's `P2P` and marks the wait, so the
-compute span starts when the data is there and the wait becomes the RECV row (the simulator's
-meaning of a RECV row: time the rank spent waiting for the message). It also notes the bytes of
-every send and receive.
+that needs the tensor, calling the recorder's ``wait_start`` / ``wait_end`` around the wait. The
+profiler marks both, so the computation proper starts when the data is there and the wait
+becomes the RECV row (the simulator's meaning of a RECV row: time the rank spent waiting for
+the message). `ProfiledP2P` wraps the pipeline's `P2P` to note the bytes of every message.
 
 Memory: an optional meter (:mod:`pipeexec.profile.memory`) is read before each action's start
 timestamp and after its end timestamp, so its own cost falls between actions, not inside them.
@@ -113,15 +113,16 @@ class ActionProfiler:
                           self._w0, self._w1, self._bytes, self._mem0, mem))
         self._cur = None
 
-    # -- called by ProfiledP2P inside an action -----------------------------------------------
-    def wait_begin(self) -> None:
+    # -- called by the runtime around a receive wait (inside a compute action) -----------------
+    def wait_start(self, recv_action: Action, step: int) -> None:
         if self._cur is not None:
             self._w0 = self._mark()
 
-    def wait_end(self) -> None:
+    def wait_end(self, recv_action: Action, step: int) -> None:
         if self._cur is not None:
             self._w1 = self._mark()
 
+    # -- called by ProfiledP2P inside an action -----------------------------------------------
     def add_bytes(self, nbytes: int) -> None:
         if self._cur is not None:
             self._bytes += nbytes
@@ -169,10 +170,9 @@ class ActionProfiler:
 
 
 class ProfiledP2P:
-    """A `pipeexec.p2p.P2P` that tells the profiler about receive waits and message sizes.
-
-    Everything else is delegated unchanged, so the runtime cannot tell the difference.
-    """
+    """A `pipeexec.p2p.P2P` that tells the profiler the size of every message it sends or
+    receives. Everything else is delegated unchanged, so the runtime cannot tell the
+    difference."""
 
     def __init__(self, inner: Any, profiler: ActionProfiler) -> None:
         self._inner = inner
@@ -195,8 +195,3 @@ class ProfiledP2P:
         self._profiler.add_bytes(pending.tensor.nelement() * pending.tensor.element_size())
         return pending
 
-    def wait(self, pending: Any) -> torch.Tensor:
-        self._profiler.wait_begin()
-        tensor = self._inner.wait(pending)
-        self._profiler.wait_end()
-        return tensor

@@ -4,7 +4,7 @@
 
 1. at start-up, clocks are aligned to global rank 0 (:mod:`pipeexec.profile.clock`);
 2. its `ActionProfiler` is passed to the `Trainer` as the runtime's recorder, and ``attach``
-   instruments the trainer's runtime: the p2p object (receive waits, message sizes) and a
+   instruments the trainer's runtime: the p2p object (message sizes) and a
    memory meter (exact held tensors on CPU, allocator bytes on GPU);
 3. after training, ``finish`` gathers every rank's records to rank 0 (one ``gather_object``)
    and builds a `MeasuredRun` there; with ``trace_out`` it is written to disk.
