@@ -27,6 +27,8 @@ def fit_costs(trace: "pd.DataFrame", num_stages: int | None = None, **overrides:
       SEND rows (each spans one transfer). With a single message size the two cannot be told
       apart, so latency is 0 and bandwidth = bytes / mean duration. ``p2p_bytes`` per stage is
       the mean size of the forward messages the stage sends. No SEND rows: zero-cost links.
+      A measured trace with an ``arrival_observed`` column (pipeexec's) is fitted on the rows
+      where it is True, timed from ``link_start`` when that column exists.
     * ``overrides`` set any other field (memory is not in a trace's timing: pass
       ``activation_bytes`` etc. here).
 
@@ -66,9 +68,17 @@ def _fit_p2p(trace: "pd.DataFrame", num_stages: int) -> dict[str, Any]:
     sends = trace[trace["op"].astype(str).isin(_SENDS)]
     if len(sends) == 0:
         return {}
-    size = sends["bytes"].to_numpy(float)
-    dur = (sends["end"] - sends["start"]).to_numpy(float)
     out: dict[str, Any] = {}
+    timed = sends
+    if "arrival_observed" in sends.columns:
+        # A measured trace (pipeexec.profile): only spans whose arrival was observed are
+        # transfer times; they start when both sides had posted (link_start).
+        timed = sends[sends["arrival_observed"].astype(bool)]
+    start = timed["link_start"] if "link_start" in timed.columns else timed["start"]
+    size = timed["bytes"].to_numpy(float)
+    dur = (timed["end"] - start).to_numpy(float)
+    if len(timed) == 0:
+        size, dur = np.zeros(1), np.zeros(1)
     if np.unique(size).size >= 2:
         slope, intercept = np.polyfit(size, dur, 1)
         latency = max(float(intercept), 0.0)

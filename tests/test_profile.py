@@ -314,3 +314,24 @@ def test_measured_trace_of_a_real_run_is_well_formed(real_runs, name):
     assert result.gantt(comm=True) is not None
     events = result.to_chrome_trace()["traceEvents"]
     assert sum(e["ph"] == "X" for e in events) == len(run.step_trace(run.representative_step()))
+
+
+def test_p2p_fit_uses_only_observed_arrivals_and_all_sizes():
+    s = pipesim.build_schedule("1f1b", pp=4, microbatches=8)
+    truth = pipesim.CostModel(forward=1.0, backward=2.0, p2p_latency=0.02, p2p_bandwidth=500.0,
+                              p2p_bytes=[10.0, 20.0, 40.0, 0.0])
+    run = as_measured(pipesim.simulate(s, truth), s)
+    t = run.trace
+    sends = t.index[t["op"].isin(["SEND_F", "SEND_B"])]
+    hidden = sends[::2]                  # half the arrivals were not seen: ends are upper bounds
+    t.loc[hidden, "arrival_observed"] = False
+    t.loc[hidden, "end"] += 5.0
+    # only the SEND_F rows of stage 2 were observed: sizes still come from every row
+    fitted = pipesim.CostModel.from_trace(t, num_stages=4)
+    assert fitted.p2p_latency == pytest.approx(0.02, rel=1e-6)
+    assert fitted.p2p_bandwidth == pytest.approx(500.0, rel=1e-6)
+    assert fitted.stage_values("p2p_bytes", 4) == [10.0, 20.0, 40.0, 0.0]
+    # link_start: a transfer timed from when both sides had posted
+    t["link_start"] = t["start"] - 1.0
+    late = pipesim.CostModel.from_trace(t, num_stages=4)
+    assert late.p2p_latency == pytest.approx(1.02, rel=1e-6)

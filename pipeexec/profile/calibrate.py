@@ -81,16 +81,9 @@ class Calibration:
 
 
 def calibration_trace(run: MeasuredRun, steps: Sequence[int] | None = None) -> "pd.DataFrame":
-    """The run's rows for fitting (of ``steps``, default all profiled): all compute rows, and
-    only the SEND rows whose arrival was observed (the others end at an upper bound of the
-    arrival)."""
-    t = _steps(run, steps)
-    sends = t["op"].isin(("SEND_F", "SEND_B")) & t["arrival_observed"]
-    keep = (t["kind"] == "compute") | sends
-    out = t[keep].copy()
-    observed = out["op"].isin(("SEND_F", "SEND_B"))
-    out.loc[observed, "start"] = out.loc[observed, "link_start"]
-    return out.reset_index(drop=True)
+    """The run's rows of ``steps`` (default all profiled). ``CostModel.from_trace`` fits the
+    p2p line on the SEND rows whose arrival was observed, timed from ``link_start``."""
+    return _steps(run, steps).reset_index(drop=True)
 
 
 def _steps(run: MeasuredRun, steps: Sequence[int] | None) -> "pd.DataFrame":
