@@ -155,3 +155,20 @@ def test_cli_argument_errors(tmp_path, capsys):
     assert run_cli(["compare", "--schedule", "1f1b", *TINY,
                     "--calibrate-from", str(tmp_path / "missing.json")]) == 2
     assert "missing" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_train_profile_writes_a_loadable_trace(tmp_path):
+    from pipeexec.cli import main
+
+    out = tmp_path / "t" / "run.json"
+    main(["train", "--schedule", "zb-h1", *TINY, "--profile", "1:3", "--trace-out", str(out)])
+    run = MeasuredRun.load(out)
+    assert run.steps == [1, 2] and run.meta["schedule"] == "zb-h1"
+    s = run.schedule
+    rows = run.trace[run.trace["step"] == 2]
+    assert len(rows) == sum(len(s.actions(r)) for r in range(s.pp))
+    chrome = json.loads(out.read_text())
+    assert sum(e["ph"] == "X" for e in chrome["traceEvents"]) == len(run.trace)
+    result = run.result()
+    assert result.makespan > 0 and len(result.peak_memory) == 2
