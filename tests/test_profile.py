@@ -175,6 +175,7 @@ class _Runtime:
     """The attributes HeldTensorMeter reads from a PipelineRuntime, all empty."""
     _inputs: dict = {}
     _outputs: dict = {}
+    _kept: dict = {}
     _grads: dict = {}
     _fwd: dict = {}
     _dx: dict = {}

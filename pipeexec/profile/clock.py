@@ -44,31 +44,39 @@ def _wait(work, timeout: float, rank: int, peer: int, what: str) -> None:
 
 
 def align_clocks(rank: int, world_size: int, *, rounds: int = 16, timeout: float = 60.0,
-                 clock: Callable[[], float] = time.perf_counter, group=None) -> ClockOffset:
-    """Estimate this rank's offset to global rank 0 (collective: every rank must call it)."""
+                 clock: Callable[[], float] = time.perf_counter, group=None,
+                 device: torch.device | str = "cpu") -> ClockOffset:
+    """Estimate this rank's offset to global rank 0 (collective: every rank must call it).
+
+    ``device``: where the message lives (the backend's: CUDA for NCCL). Reading the received
+    value (``float(buf[0])``) waits for it on either device, so clock readings are taken only
+    once a message has really arrived.
+    """
     if rounds < 1:
         raise ValueError(f"clock alignment needs at least one round, got {rounds}")
     if world_size == 1:
         return ClockOffset(rank, 0.0, 0.0)
-    buf = torch.zeros(1, dtype=torch.float64)
+    buf = torch.zeros(1, dtype=torch.float64, device=device)
     tag = 7_777
     if rank == 0:
         for peer in range(1, world_size):
             for _ in range(rounds):
                 _wait(dist.irecv(buf, peer, group=group, tag=tag), timeout, rank, peer,
                       "ping from")
-                buf[0] = clock()
+                float(buf[0])                   # arrived (synchronises a CUDA stream)
+                buf.fill_(clock())
                 _wait(dist.isend(buf, peer, group=group, tag=tag + 1), timeout, rank, peer,
                       "pong to")
         return ClockOffset(0, 0.0, 0.0)
     best: tuple[float, float] | None = None
     for _ in range(rounds):
         t1 = clock()
-        buf[0] = t1
+        buf.fill_(t1)
         _wait(dist.isend(buf, 0, group=group, tag=tag), timeout, rank, 0, "ping to")
         _wait(dist.irecv(buf, 0, group=group, tag=tag + 1), timeout, rank, 0, "pong from")
+        t0 = float(buf[0])
         t2 = clock()
-        rtt, offset = t2 - t1, float(buf[0]) - (t1 + t2) / 2
+        rtt, offset = t2 - t1, t0 - (t1 + t2) / 2
         if best is None or rtt < best[0]:
             best = (rtt, offset)
     return ClockOffset(rank, best[1], best[0])

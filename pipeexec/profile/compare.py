@@ -66,8 +66,10 @@ class Comparison:
         t0 = float(trace["start"].min())
         finish = (trace.groupby("rank")["end"].max() - t0)
         span = r.makespan
-        mem = r.peak_memory if (r._memory_timeline is not None or r.costs is not None) else \
-            [math.nan] * r.num_ranks
+        try:
+            mem = list(r.peak_memory)
+        except ValueError:          # a result without memory (no readings, no CostModel)
+            mem = [math.nan] * r.num_ranks
         return {"finish": [float(finish.get(k, 0.0)) for k in range(r.num_ranks)],
                 "busy": list(r.busy), "bubble": list(r.bubble),
                 "idle_over_busy": [(span - b) / b if b > 0 else math.nan for b in r.busy],

@@ -6,8 +6,8 @@
   filed under that F's
   (stage, microbatch); after each F/B/I/W of a pair the pair's live storages are re-read, so a
   backward that frees its graph drops them. On top come the tensors in the runtime's own
-  dictionaries (stage inputs, outputs waiting to be sent, posted receive buffers, gradients
-  waiting, W's recorded gradients). Storages are counted once each (a view shares its base's
+  dictionaries (stage inputs, outputs waiting to be sent or kept for backward, posted receive
+  buffers, gradients waiting, W's recorded gradients). Storages are counted once each (a view shares its base's
   storage) and parameters are never counted: the result is activation memory, the quantity
   the schedule changes.
 * `CudaMemoryMeter` (GPU): ``torch.cuda.memory_allocated`` minus its value at the start of the
@@ -26,7 +26,7 @@ from pipesim.schedule.action import B, F, I, W, Action
 
 _COMPUTE = (F, B, I, W)
 # Runtime dictionaries whose tensors are activation memory (see pipeexec.runtime's docstring).
-_RUNTIME_STATE = ("_inputs", "_outputs", "_grads", "_fwd", "_dx", "_wgrad", "_recvs")
+_RUNTIME_STATE = ("_inputs", "_outputs", "_kept", "_grads", "_fwd", "_dx", "_wgrad", "_recvs")
 
 
 def _identity(x: Any) -> Any:

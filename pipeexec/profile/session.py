@@ -76,7 +76,8 @@ class ProfileSession:
         self.clock = clock
         self.offset: ClockOffset = align_clocks(topology.rank, topology.world_size,
                                                 rounds=options.align_rounds,
-                                                timeout=options.timeout, clock=clock)
+                                                timeout=options.timeout, clock=clock,
+                                                device=topology.device)
         self.profiler = ActionProfiler(options.first, options.stop, device=topology.device,
                                        clock=clock)
 
