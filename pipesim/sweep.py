@@ -63,10 +63,12 @@ def sweep(schedules: Sequence[str], pp: Iterable[int], vpp: Iterable[int],
         try:
             schedule = build_schedule(name, pp=p, microbatches=m, vpp=v)
             schedule.validate()
-        except ScheduleError as exc:
+            # A cost factory refuses what the model can't be cut into (more stages than layers).
+            stage_costs = factory(p * v, b)
+        except (ScheduleError, ValueError) as exc:
             row.update(status="invalid", reason=str(exc))
             continue
-        result = simulate(schedule, factory(p * v, b), comm=comm, step_tail=step_tail, dp=dp)
+        result = simulate(schedule, stage_costs, comm=comm, step_tail=step_tail, dp=dp)
         mem = result.peak_memory
         worst = max(range(p), key=mem.__getitem__)
         row.update(makespan=result.makespan, bubble_fraction=result.bubble_fraction,
@@ -83,4 +85,6 @@ def sweep(schedules: Sequence[str], pp: Iterable[int], vpp: Iterable[int],
                           f"microbatches > {inflight_limit}")
         if failed:
             row.update(status="infeasible", reason="; ".join(failed))
-    return pd.DataFrame(rows, columns=list(SWEEP_COLUMNS))
+    frame = pd.DataFrame(rows, columns=list(SWEEP_COLUMNS))
+    # Whole numbers stay whole even where invalid rows leave gaps.
+    return frame.astype({"peak_memory_rank": "Int64", "peak_inflight": "Int64"})

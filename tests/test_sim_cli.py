@@ -92,3 +92,19 @@ def test_parse_bytes():
     assert parse_bytes("80GB") == 80e9
     assert parse_bytes("72 GiB") == 72 * 2**30
     assert parse_bytes("8e10") == 8e10
+
+
+def test_sweep_marks_a_refused_cost_model_invalid():
+    """A cost factory that can't serve a layout (e.g. more stages than layers) is a row, not a crash."""
+    import pipesim
+    from pipesim.sweep import sweep
+
+    def factory(num_stages, micro_batch_size):
+        if num_stages > 4:
+            raise ValueError(f"cannot cut 4 layers into {num_stages} stages")
+        return pipesim.CostModel.uniform(1.0, 2.0)
+
+    frame = sweep(["1f1b"], pp=[2, 8], vpp=[1], microbatches=[8], costs=factory)
+    assert list(frame.status) == ["ok", "invalid"]
+    assert "cannot cut 4 layers into 8 stages" in frame.reason[1]
+    assert str(frame.peak_inflight.dtype) == "Int64" and frame.peak_inflight[0] == 2
