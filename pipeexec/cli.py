@@ -58,6 +58,8 @@ def _parser() -> argparse.ArgumentParser:
     a("--inject", action="append", default=[], help=argparse.SUPPRESS)
     a("--metrics-out", default=None, help="write losses and step times as JSON here")
     a("--no-progress", action="store_true", help="no progress bar")
+    a("--forward-only", action="store_true",
+      help="evaluate: run the schedule's forward-only variant, no backward, no optimizer step")
     add_train_flags(t)
     add_profile_flags(t)
     add_commands(sub)
@@ -81,7 +83,7 @@ def config_from_args(ns: argparse.Namespace) -> TrainConfig:
         weight_decay=ns.weight_decay, clip_grad=ns.clip_grad, precision=ns.precision,
         loss_scale=ns.loss_scale, loss_scale_growth_interval=ns.loss_scale_growth_interval,
         seed=ns.seed, p2p_timeout=ns.p2p_timeout, backend=ns.backend, device=ns.device,
-        inject=tuple(ns.inject))
+        inject=tuple(ns.inject), forward_only=ns.forward_only)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -159,9 +159,12 @@ class Trainer:
 
     # -- one optimizer step -----------------------------------------------------------------
     def step(self) -> StepStats:
+        """One optimizer step (or, when the schedule is forward-only, one evaluation step)."""
         cfg, topo = self.config, self.topology
         k = self.iteration
         t0 = time.perf_counter()
+        if self.schedule.forward_only:
+            return self._eval_step(k, t0)
         self.grads.zero()
         mbs = self.data.microbatches(k, topo.dp_rank, cfg.dp, cfg.microbatches)
         out = self.runtime.run(mbs, step=k, loss_scale=self.scaler.scale)
@@ -196,6 +199,20 @@ class Trainer:
         dt = time.perf_counter() - t0
         return StepStats(k, loss_total / (cfg.microbatches * cfg.dp), dt, norm, lr, scale,
                          found_inf, cfg.global_batch * cfg.seq_len / dt)
+
+    def _eval_step(self, k: int, t0: float) -> StepStats:
+        cfg, topo = self.config, self.topology
+        out = self.runtime.run(self.data.microbatches(k, topo.dp_rank, cfg.dp, cfg.microbatches),
+                               step=k, forward_only=True)
+        dev = self.grads.data.device
+        loss = (torch.stack(list(out.losses.values())).sum().float() if out.losses
+                else torch.zeros((), device=dev))
+        if topo.world_size > 1:
+            dist.all_reduce(loss)
+        self.iteration += 1
+        dt = time.perf_counter() - t0
+        return StepStats(k, loss.item() / (cfg.microbatches * cfg.dp), dt, 0.0, 0.0,
+                         self.scaler.scale, True, cfg.global_batch * cfg.seq_len / dt)
 
     # -- forward only -----------------------------------------------------------------------
     def forward(self, step: int, keep_outputs: bool = False):

@@ -52,3 +52,13 @@ def test_torchrun_matches_single_process(tmp_path, reference):
                         "--microbatches", "4", "--micro-batch-size", "2")
     assert metrics["world_size"] == 2
     assert metrics["losses"] == pytest.approx(reference["losses"], rel=1e-5)
+
+
+def test_forward_only_run(tmp_path, reference):
+    metrics, _ = _train(tmp_path, "eval", PIPEEXEC, "--schedule", "interleaved", "--pp", "2",
+                        "--vpp", "2", "--microbatches", "4", "--micro-batch-size", "2",
+                        "--forward-only")
+    # no update happens, so every step's loss is that step's batch under the initial weights;
+    # step 0's equals the reference's first (pre-update) loss
+    assert metrics["losses"][0] == pytest.approx(reference["losses"][0], rel=1e-5)
+    assert all(metrics["skipped"])
