@@ -1,29 +1,34 @@
 """Predicted vs measured, in one run: the numbers of the README's results table.
 
-For each pipeline size (default pp = 2 and 4; CPU, gloo, one thread per rank):
+For each pipeline size (default pp = 2 and 4; CPU, gloo, one thread per rank), and each
+schedule X of gpipe, interleaved (vpp 2), zb-h1, zbv (vpp 2) and 1f1b itself:
 
-1. run 1f1b with ``--profile`` (steps 1..S-1 of S) and keep its measured trace;
-2. *before running it*, predict the next schedule (gpipe, interleaved, zb-h1, zbv) with costs
-   calibrated on that 1f1b trace (re-partitioned per layer kind where vpp differs);
-3. run every schedule profiled, and compare its median step with (a) the simulation calibrated
-   from its own trace (does the simulator reproduce a run from its per-stage costs?) and
-   (b) the cross-schedule prediction of step 2.
+1. one job trains 1f1b and X side by side in the same processes, alternating step by step
+   (``--steps`` steps each, steps 1.. profiled), so both meet the same machine;
+2. X is predicted from the 1f1b steps' trace alone (costs per stage, re-partitioned per layer
+   kind where vpp differs) and compared with X's measured median step: the cross-schedule
+   error. X = 1f1b measures the noise floor of that comparison;
+3. X is also simulated with costs calibrated from its own measured step: does the simulator
+   reproduce a run from its per-stage costs?
 
-A shared machine's load drifts between runs, so 1f1b is run again after every schedule and
-the next schedule is predicted from that fresh run (still before it runs); each repeat of 1f1b
-is itself predicted from the previous 1f1b run, which measures the run-to-run noise floor.
+Why side by side: this benchmark runs on shared machines. On the 2-core VM it was written on,
+two back-to-back runs of the very same 1f1b configuration differed by up to 2x in step time
+(``--mode sequential`` runs schedules one after the other, each predicted from a fresh 1f1b run
+made just before it, and shows that). Alternating steps puts calibration and measurement
+seconds apart instead of a minute.
 
 Prints one markdown table: step time (makespan of the pipeline part of the step), Megatron's
 bubble_fraction, and per-rank peak activation memory (measured: exact bytes of the tensors the
-runtime holds; predicted: pipesim's memory model with calibrated bytes), with errors.
-``--out-dir`` keeps every report JSON, overlay picture and measured trace.
+runtime holds; predicted: pipesim's memory model with calibrated bytes), with errors, and the
+machine's load average during each job. ``--out-dir`` keeps every report JSON, overlay
+picture and measured trace.
 
 Mind the machine: pp ranks share the CPU cores (``os.cpu_count()`` is printed). With more
 ranks than cores, ranks time-share; calibrated costs then include the contention of the run
 they came from, which differs between schedules (a schedule with more ranks computing at once
 slows each computation more). Other processes on the machine add noise of their own.
 
-    python benchmarks/bench_prediction.py                 # pp 2 and 4, ~3-6 minutes
+    python benchmarks/bench_prediction.py                 # pp 2 and 4, ~5 minutes
     python benchmarks/bench_prediction.py --pp 4 --out-dir /tmp/pred
 """
 from __future__ import annotations
@@ -36,6 +41,7 @@ import time
 from pathlib import Path
 
 import pipesim
+from pipeexec import launch
 from pipeexec.config import TrainConfig
 from pipeexec.profile.compare import compare_runs, layout_of, predict, profiled_run, write_outputs
 
@@ -48,6 +54,31 @@ def model_config(args: argparse.Namespace, schedule: str, pp: int, vpp: int) -> 
                        hidden=args.hidden, heads=args.heads, seq_len=args.seq_len,
                        vocab=args.vocab, steps=args.steps, backend="gloo", device="cpu",
                        p2p_timeout=600.0, collective_timeout=900.0)
+
+
+def paired_worker(board, configs: list[TrainConfig], first: int, stop: int) -> list:
+    """One rank of a job that trains every config side by side, alternating steps; returns
+    (on rank 0) one MeasuredRun per config."""
+    from pipeexec.profile import ProfileOptions, ProfileSession
+    from pipeexec.topology import destroy_topology, init_topology
+    from pipeexec.train import Trainer
+
+    cfg0 = configs[0]
+    topo = init_topology(cfg0.pp, 1, backend="gloo", device="cpu",
+                         timeout=cfg0.collective_timeout)
+    try:
+        pairs = []
+        for cfg in configs:
+            session = ProfileSession(ProfileOptions(first, stop), topo)
+            trainer = Trainer(cfg, topo, board=board, recorder=session.profiler)
+            session.attach(trainer)
+            pairs.append((session, trainer))
+        for _ in range(cfg0.steps):
+            for _, trainer in pairs:
+                trainer.step()
+        return [session.finish(trainer) for session, trainer in pairs]
+    finally:
+        destroy_topology(topo)
 
 
 def pct(x: float) -> str:
@@ -69,6 +100,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=4, help="steps per run; 1.. are profiled")
     p.add_argument("--out-dir", default=None, help="keep reports, pictures and traces here")
     p.add_argument("--timeout", type=float, default=900.0, help="limit per run, seconds")
+    p.add_argument("--mode", choices=("paired", "sequential"), default="paired",
+                   help="paired: 1f1b and each schedule alternate steps in one job (default); "
+                        "sequential: separate runs, each schedule predicted from a 1f1b run "
+                        "made just before it")
     args = p.parse_args(argv)
     vpps = dict(SCHEDULES)
     names = ["1f1b"] + [s for s in args.schedules if s != "1f1b"]
@@ -83,7 +118,8 @@ def main(argv: list[str] | None = None) -> int:
         own = compare_runs(run)
         mine = own.report()
         if out:
-            write_outputs(own, report_out=str(out / f"pp{pp}" / f"{name}-{len(rows)}.report.json"))
+            tag = name.split(" ")[0]
+            write_outputs(own, report_out=str(out / f"pp{pp}" / f"{tag}-{len(rows)}.report.json"))
         mem_err = max(abs(e) for e in mine["peak_memory_error"] if e is not None)
         row = {"pp": pp, "schedule": name, "vpp": cfg.vpp, "calib": calib_label,
                "measured_ms": mine["measured_step_time"] * 1e3,
@@ -103,7 +139,31 @@ def main(argv: list[str] | None = None) -> int:
               f"load {row['load']:.1f}), own trace {pct(row['self_err'])}"
               + (f", from {calib_label} {pct(row['cross_err'])}" if cross else ""), flush=True)
 
-    for pp in args.pp:
+    for pp in (args.pp if args.mode == "paired" else []):
+        first_job = True
+        for name in names[1:] + ["1f1b"]:
+            vpp = vpps.get(name, 1)
+            cfg = model_config(args, name, pp, vpp)
+            calib_cfg = model_config(args, "1f1b", pp, 1)
+            try:
+                cfg.validate()
+            except (ValueError, pipesim.ScheduleError) as exc:
+                print(f"skip {name} pp={pp} vpp={vpp}: {exc}", file=sys.stderr)
+                continue
+            calib, run = launch(paired_worker, pp, ([calib_cfg, cfg], 1, args.steps),
+                                timeout=args.timeout)[0]
+            if out:
+                calib.save(out / f"pp{pp}" / f"1f1b-with-{name}.json")
+                run.save(out / f"pp{pp}" / f"{name}-with-1f1b.json")
+            if first_job:
+                record(pp, "1f1b", calib_cfg, calib, None, "")
+                first_job = False
+            # The cross-schedule prediction uses only the 1f1b steps of the job.
+            predicted, cal = predict(cfg.build_schedule(), layout_of(cfg), calib)
+            record(pp, name if name != "1f1b" else "1f1b (2nd copy)", cfg, run,
+                   (predicted, cal, calib), "1f1b steps of the same job")
+
+    for pp in (args.pp if args.mode == "sequential" else []):
         trace_dir = out / f"pp{pp}" if out else None
 
         def run_1f1b(k):
@@ -138,26 +198,26 @@ def main(argv: list[str] | None = None) -> int:
             calib = fresh
     print()
     print("| pp | schedule | vpp | measured step (ms) | predicted, own trace | error | "
-          "predicted from the previous 1f1b run, before running | error | bubble_fraction "
+          "predicted from 1f1b (without its own timings) | error | bubble_fraction "
           "measured | predicted (own) | predicted (1f1b) | peak act. memory error, max over "
-          "ranks (own / 1f1b) |")
-    print("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+          "ranks (own / 1f1b) | load avg |")
+    print("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         if "cross_ms" in r:
             cross_ms, cross_err = f"{r['cross_ms']:.0f}", pct(r["cross_err"])
             bf_cross, mem = f"{r['bf_cross']:.3f}", f"{r['mem_err']:.1%} / {r['cross_mem_err']:.1%}"
         else:
-            cross_ms, cross_err, bf_cross, mem = "(first calibration run)", "", "", f"{r['mem_err']:.1%}"
+            cross_ms, cross_err, bf_cross, mem = "(calibration)", "", "", f"{r['mem_err']:.1%}"
         print(f"| {r['pp']} | {r['schedule']} | {r['vpp']} | {r['measured_ms']:.0f} | "
               f"{r['self_ms']:.0f} | {pct(r['self_err'])} | {cross_ms} | {cross_err} | "
-              f"{r['bf_meas']:.3f} | {r['bf_self']:.3f} | {bf_cross} | {mem} |")
+              f"{r['bf_meas']:.3f} | {r['bf_self']:.3f} | {bf_cross} | {mem} | {r['load']:.1f} |")
     own = [abs(r["self_err"]) for r in rows]
-    cross = [abs(r["cross_err"]) for r in rows if "cross_err" in r and r["schedule"] != "1f1b"]
-    floor = [abs(r["cross_err"]) for r in rows if "cross_err" in r and r["schedule"] == "1f1b"]
+    cross = [abs(r["cross_err"]) for r in rows if "cross_err" in r and not r["schedule"].startswith("1f1b")]
+    floor = [abs(r["cross_err"]) for r in rows if "cross_err" in r and r["schedule"].startswith("1f1b")]
     bf = [abs(r["bf_self"] - r["bf_meas"]) * 100 for r in rows]
     mem = [r["mem_err"] for r in rows]
     print(f"\nmax |error|: step time, own trace {max(own):.1%}; cross-schedule {max(cross or [0]):.1%}; "
-          f"1f1b from the previous 1f1b run (noise floor) {max(floor or [0]):.1%}; "
+          f"1f1b predicted from 1f1b (noise floor) {max(floor or [0]):.1%}; "
           f"bubble_fraction (own) {max(bf):.1f} points; peak activation memory (own) {max(mem):.1%}")
     print(f"\n{len(rows)} runs in {time.time() - started:.0f} s; measured step times of the "
           "profiled steps are in each report (--out-dir).")
