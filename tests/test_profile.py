@@ -289,6 +289,11 @@ def test_measured_trace_of_a_real_run_is_well_formed(real_runs, name):
             order = [f"{st}{op}{mb}" for op, st, mb in zip(compute["op"], compute["stage"], compute["microbatch"])]
             assert order == [str(a) for a in schedule.compute_order(rank)]
             # everything the runtime held for the step is released by its last action
+            # CPU work: positive, and no more than the wall time since the previous computation
+            # (one thread cannot use more than one core; waits use none)
+            prev_end = np.concatenate(([compute["start"].iloc[0]], compute["end"].to_numpy()[:-1]))
+            assert (compute["cpu"] > 0).all()
+            assert (compute["cpu"].to_numpy() <= compute["end"].to_numpy() - prev_end + 2e-3).all()
             last = schedule.actions(rank)[-1]
             final = rows[(rows["op"] == last.op) & (rows["stage"] == last.stage)
                          & (rows["microbatch"] == last.microbatch)]
@@ -336,3 +341,51 @@ def test_p2p_fit_uses_only_observed_arrivals_and_all_sizes():
     t["link_start"] = t["start"] - 1.0
     late = pipesim.CostModel.from_trace(t, num_stages=4)
     assert late.p2p_latency == pytest.approx(1.02, rel=1e-6)
+
+
+# -- cores shared by more ranks than there are ---------------------------------------------------
+def _rows(spans, cpu=None):
+    rows = [{"rank": r, "op": "F", "stage": r, "chunk": 0, "microbatch": 0, "start": s, "end": e,
+             "kind": "compute"} for r, (s, e) in enumerate(spans)]
+    t = pd.DataFrame(rows)
+    if cpu is not None:
+        t["cpu"] = cpu
+    return t
+
+
+def test_progress_under_processor_sharing_by_hand():
+    from pipeexec.profile.contention import progress
+
+    t = _rows([(0.0, 2.0), (1.0, 3.0)])
+    # one core: alone for 1 s, shared for 1 s (half speed), alone for 1 s
+    np.testing.assert_allclose(progress(t, 1.0), [1.5, 1.5])
+    np.testing.assert_allclose(progress(t, 2.0), [2.0, 2.0])
+
+
+def test_effective_cores_explains_the_cpu_work():
+    from pipeexec.profile.contention import effective_cores
+
+    # two ranks computing side by side for 2 s each did 1 s of work each: one core's worth
+    assert effective_cores(_rows([(0.0, 2.0), (0.0, 2.0)], cpu=[1.0, 1.0])) == pytest.approx(1.0, abs=1e-6)
+    # full speed: no sign of sharing, as many cores as ranks
+    assert effective_cores(_rows([(0.0, 2.0), (0.0, 2.0)], cpu=[2.0, 2.0])) == 2.0
+    with pytest.raises(ValueError, match="no CPU times"):
+        effective_cores(_rows([(0.0, 1.0)], cpu=[math.nan]))
+
+
+def test_contention_costs_fixed_point():
+    from pipeexec.profile.contention import contention_costs, slowdowns
+
+    s = pipesim.build_schedule("1f1b", pp=4, microbatches=8)
+    work = pipesim.CostModel(forward=1.0, backward=2.0)
+    free = contention_costs(s, work, 4.0)          # a core per rank: nothing stretches
+    assert free.result.makespan == pytest.approx(pipesim.simulate(s, work).makespan)
+    shared = contention_costs(s, work, 2.0)
+    # at the fixed point every (op, stage) progresses exactly its work on average
+    for op, ratios in slowdowns(shared.result.trace, 2.0, 4).items():
+        if op in ("F", "B"):
+            np.testing.assert_allclose(ratios, shared.slowdown[op], rtol=0.02)
+    # 4 ranks x 8 x 3 s of work on 2 cores take at least 48 s; the bubbles add some
+    assert 48.0 <= shared.result.makespan < 1.3 * 48.0
+    one = contention_costs(s, work, 1.0)
+    assert one.result.makespan >= 96.0 and one.result.makespan > shared.result.makespan

@@ -71,13 +71,17 @@ class Layout:
 
 @dataclass
 class Calibration:
-    """The fitted model and how it was obtained."""
+    """The fitted model and how it was obtained. ``model``: "wall" (per-stage means of measured
+    wall time) or "processor-sharing" (CPU work stretched by simulated core sharing on
+    ``cores`` effective cores, :mod:`pipeexec.profile.contention`)."""
 
     costs: CostModel
     source: dict[str, Any]
     repartitioned: bool = False
     underdetermined: list[str] = field(default_factory=list)
     per_kind: dict[str, dict[str, float]] = field(default_factory=dict)
+    model: str = "wall"
+    cores: float | None = None
 
 
 def calibration_trace(run: MeasuredRun, steps: Sequence[int] | None = None) -> "pd.DataFrame":
@@ -132,6 +136,24 @@ def fit_run(run: MeasuredRun, steps: Sequence[int] | None = None) -> CostModel:
     return CostModel.from_trace(calibration_trace(run, steps), num_stages=n, **memory)
 
 
+def has_cpu_times(run: MeasuredRun) -> bool:
+    """Whether the run recorded CPU work per computation (CPU runs do)."""
+    t = run.trace
+    return "cpu" in t.columns and bool(np.isfinite(t.loc[t["kind"] == "compute", "cpu"]).all())
+
+
+def fit_work(run: MeasuredRun, steps: Sequence[int] | None = None) -> CostModel:
+    """Like `fit_run`, with each computation's CPU work in place of its wall time."""
+    if not has_cpu_times(run):
+        raise ValueError("fit_work: the run has no CPU times per computation (GPU run?)")
+    t = calibration_trace(run, steps).copy()
+    compute = t["kind"] == "compute"
+    t.loc[compute, "end"] = t.loc[compute, "start"] + t.loc[compute, "cpu"].clip(lower=0.0)
+    n = run.meta["pp"] * run.meta["vpp"]
+    memory = stage_memory(run, steps) or {}
+    return CostModel.from_trace(t, num_stages=n, **memory)
+
+
 def _nnls(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """Non-negative least squares by trying every support (a handful of layer kinds)."""
     k = a.shape[1]
@@ -184,10 +206,11 @@ def repartition(costs: CostModel, source: Layout, target: Layout) -> Calibration
 
 
 def calibrate(run: MeasuredRun, target: Layout | None = None,
-              steps: Sequence[int] | None = None) -> Calibration:
+              steps: Sequence[int] | None = None, *, work: bool = False) -> Calibration:
     """A CostModel for ``target`` (default: the run's own layout) from a measured run's
-    ``steps`` (default: all profiled)."""
-    costs = fit_run(run, steps)
+    ``steps`` (default: all profiled). ``work``: CPU work instead of wall time (see
+    `fit_work`; the caller turns it into wall time for a schedule)."""
+    costs = fit_work(run, steps) if work else fit_run(run, steps)
     source = Layout.of_run(run)
     info = {"schedule": run.meta["schedule"], "pp": run.meta["pp"], "vpp": run.meta["vpp"],
             "microbatches": run.meta["microbatches"], "bounds": list(source.bounds),

@@ -156,6 +156,8 @@ class Comparison:
         where = ("its own trace" if src.get("schedule") == s.name and src.get("bounds") ==
                  list(self.run.meta["bounds"]) else
                  f"a {src.get('schedule')} run (pp={src.get('pp')} vpp={src.get('vpp')})")
+        if self.calibration.model == "processor-sharing":
+            where += f", CPU work shared by {self.calibration.cores:.2f} effective cores"
         return (f"{s.name} pp={s.pp} vpp={s.vpp} m={s.num_microbatches}: predicted "
                 f"{self.predicted.makespan * 1e3:.1f} ms vs measured "
                 f"{self.measured.makespan * 1e3:.1f} ms "
@@ -192,6 +194,8 @@ class Comparison:
             "clock_offsets": meta.get("clock_offsets"), "clock_rtts": meta.get("clock_rtts"),
             "calibration": {"source": self.calibration.source,
                             "repartitioned": self.calibration.repartitioned,
+                            "model": self.calibration.model,
+                            "effective_cores": self.calibration.cores,
                             "underdetermined": self.calibration.underdetermined,
                             "per_layer_kind": self.calibration.per_kind,
                             "costs": costs_summary(self.calibration.costs, n)},
@@ -211,27 +215,49 @@ def _num(x: Any) -> Any:
 
 
 def predict(schedule: "pipesim.Schedule", layout: Layout, calibration_run: MeasuredRun,
-            steps: list[int] | None = None) -> tuple["SimResult", Calibration]:
+            steps: list[int] | None = None, *, contention: bool | None = None
+            ) -> tuple["SimResult", Calibration]:
     """Simulate ``schedule`` cut as ``layout`` with costs calibrated on ``calibration_run``
-    (its ``steps``, default all profiled): the prediction before (or without) running it."""
-    cal = calibrate(calibration_run, layout, steps)
-    return pipesim.simulate(schedule, cal.costs), cal
+    (its ``steps``, default all profiled): the prediction before (or without) running it.
+
+    ``contention`` (default: when the calibration run recorded CPU work, i.e. on CPU): model
+    ranks sharing cores. Costs are then the CPU work per (op, stage), stretched by processor
+    sharing of the calibration run's effective core count under the *target* schedule's
+    overlap (:mod:`pipeexec.profile.contention`); otherwise per-stage wall-time means.
+    """
+    from .calibrate import has_cpu_times
+    from .contention import contention_costs, effective_cores
+
+    if contention is None:
+        contention = has_cpu_times(calibration_run)
+    if not contention:
+        cal = calibrate(calibration_run, layout, steps)
+        return pipesim.simulate(schedule, cal.costs), cal
+    cal = calibrate(calibration_run, layout, steps, work=True)
+    trace = calibration_run.trace
+    if steps is not None:
+        trace = trace[trace["step"].isin(steps)]
+    cores = effective_cores(trace)
+    shared = contention_costs(schedule, cal.costs, cores)
+    cal.costs, cal.model, cal.cores = shared.costs, "processor-sharing", cores
+    return shared.result, cal
 
 
 def compare_runs(run: MeasuredRun, calibration_run: MeasuredRun | None = None,
-                 step: int | None = None) -> Comparison:
+                 step: int | None = None, *, contention: bool | None = None) -> Comparison:
     """Compare ``run``'s step ``step`` (default the median one) with its simulation.
 
-    Costs come from ``calibration_run`` (all its profiled steps), or by default from the
-    compared step itself: then the question is only whether the simulator reproduces the
-    step's timing from its per-stage costs, and step-to-step drift of a shared machine stays
-    out of it."""
+    Costs come from ``calibration_run`` (all its profiled steps; ``contention`` as in
+    `predict`), or by default from the compared step itself (wall-time means): then the
+    question is only whether the simulator reproduces the step's timing from its per-stage
+    costs, and step-to-step drift of a shared machine stays out of it."""
     step = run.representative_step() if step is None else step
     measured = run.result(step)
     if calibration_run is None:
-        predicted, cal = predict(run.schedule, Layout.of_run(run), run, [step])
+        predicted, cal = predict(run.schedule, Layout.of_run(run), run, [step], contention=False)
     else:
-        predicted, cal = predict(run.schedule, Layout.of_run(run), calibration_run)
+        predicted, cal = predict(run.schedule, Layout.of_run(run), calibration_run,
+                                 contention=contention)
     return Comparison(measured, predicted, cal, run, step)
 
 

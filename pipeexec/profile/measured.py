@@ -2,7 +2,7 @@
 
 `build_trace` turns the per-rank `ActionRecord` lists (gathered on rank 0) into a DataFrame
 with the simulator's columns (`pipesim.trace.TRACE_COLUMNS`) plus ``step``, ``mem_start``,
-``mem_end``, ``arrival_observed``, ``link_start`` and ``compute_start``, so ``SimResult.from_trace`` scores and draws it exactly
+``mem_end``, ``arrival_observed``, ``link_start``, ``compute_start`` and ``cpu``, so ``SimResult.from_trace`` scores and draws it exactly
 as it does a simulated step. Rows mean what they mean in the simulator, where a rank runs its computations back to back
 and only waits for messages:
 
@@ -21,6 +21,10 @@ and only waits for messages:
   ``arrival_observed`` is True); otherwise the data was already there when the receiver took
   it, and the row ends at that moment, an upper bound of the arrival. ``link_start`` is when
   both sides had posted (the later posting), the start of the transfer proper.
+
+``cpu`` (compute rows of CPU runs): the CPU seconds the rank's thread used over the same span
+(from the end of its previous computation), i.e. its work without the time it lost to other
+processes sharing its core (waits block and use none).
 
 `MeasuredRun` holds the trace of all profiled steps with the run's layout, and gives each
 step's trace, memory timeline and `SimResult`; ``save`` writes a Chrome/Perfetto JSON, the
@@ -47,7 +51,7 @@ if TYPE_CHECKING:
     from pipesim import SimResult
 
 COLUMNS = ("rank", "op", "stage", "chunk", "microbatch", "start", "end", "kind", "bytes", "peer",
-           "step", "mem_start", "mem_end", "arrival_observed", "link_start", "compute_start")
+           "step", "mem_start", "mem_end", "arrival_observed", "link_start", "compute_start", "cpu")
 # A receive wait shorter than this found the data already there (the call itself takes µs).
 WAIT_EPS = 1e-4
 _COMPUTE = (F, B, I, W)
@@ -70,7 +74,7 @@ def build_trace(records: Sequence[Sequence[ActionRecord]], offsets: Sequence[flo
     real_wait: dict[tuple, float] = {}      # RECV key -> seconds actually spent in wait()
     early: list[tuple[list, tuple]] = []    # computations that did not wait for their input
     for rank, (recs, off) in enumerate(zip(records, offsets)):
-        step, free_at = None, 0.0
+        step, free_at, cpu_free = None, 0.0, math.nan
         for rec in recs:
             op, s, mb = rec.op, rec.stage, rec.microbatch
             if placement[s] != rank:
@@ -79,7 +83,7 @@ def build_trace(records: Sequence[Sequence[ActionRecord]], offsets: Sequence[flo
             chunk = schedule.stage_chunk(s)
             t0, t1 = rec.start + off, rec.end + off
             if rec.step != step:
-                step, free_at = rec.step, t0
+                step, free_at, cpu_free = rec.step, t0, rec.cpu_start
             if op in _COMPUTE:
                 begin, raw = free_at, t0
                 if not math.isnan(rec.wait_start):
@@ -90,24 +94,26 @@ def build_trace(records: Sequence[Sequence[ActionRecord]], offsets: Sequence[flo
                     real_wait[key] = w1 - w0
                     waited = w1 - w0 > WAIT_EPS
                     row = [rank, rop, s, chunk, mb, free_at if waited else w1, w1, "comm", 0,
-                           peer, rec.step, math.nan, math.nan, False, math.nan, math.nan]
+                           peer, rec.step, math.nan, math.nan, False, math.nan, math.nan,
+                           math.nan]
                     recv_rows[key] = row
                     rows.append(row)
                     raw = w1
                     if waited:
                         begin = w1
                 row = [rank, op, s, chunk, mb, begin, t1, "compute", 0, -1, rec.step,
-                       rec.mem_start, rec.mem_end, False, math.nan, raw]
+                       rec.mem_start, rec.mem_end, False, math.nan, raw,
+                       rec.cpu_end - cpu_free]
                 rows.append(row)
                 if raw != begin and not math.isnan(rec.wait_start):
                     early.append((row, key))
-                free_at = t1
+                free_at, cpu_free = t1, rec.cpu_end
             elif op in (RECV_F, RECV_B):
                 post[(rec.step, op, s, mb)] = (rank, rec, off)
             elif op in (SEND_F, SEND_B):
                 peer = placement[s + 1] if op == SEND_F else placement[s - 1]
                 row = [rank, op, s, chunk, mb, t0, t1, "comm", rec.nbytes, peer, rec.step,
-                       rec.mem_start, rec.mem_end, False, math.nan, math.nan]
+                       rec.mem_start, rec.mem_end, False, math.nan, math.nan, math.nan]
                 rows.append(row)
                 key = (rec.step, RECV_F, s + 1, mb) if op == SEND_F else (rec.step, RECV_B, s - 1, mb)
                 sends.append((row, key))
@@ -121,7 +127,7 @@ def build_trace(records: Sequence[Sequence[ActionRecord]], offsets: Sequence[flo
             row = [rank, rec.op, rec.stage, schedule.stage_chunk(rec.stage), rec.microbatch,
                    rec.start + off, rec.end + off, "comm", rec.nbytes,
                    placement[rec.stage - 1] if rec.op == RECV_F else placement[rec.stage + 1],
-                   rec.step, rec.mem_start, rec.mem_end, False, math.nan, math.nan]
+                   rec.step, rec.mem_start, rec.mem_end, False, math.nan, math.nan, math.nan]
             rows.append(row)
             recv_rows[key] = row
         else:

@@ -46,6 +46,8 @@ class ActionRecord:
     ``wait_start`` / ``wait_end``: the receive wait inside a compute action (NaN when it waited
     on nothing). ``nbytes``: bytes sent or received by a SEND / RECV action. ``mem_start`` /
     ``mem_end``: the memory meter's reading before and after the action (NaN without a meter).
+    ``cpu_start`` / ``cpu_end``: the thread's CPU time (``time.thread_time``) at start and end
+    (CPU runs; NaN on GPU): the work the rank did, whatever else shared its core.
     """
 
     step: int
@@ -59,6 +61,8 @@ class ActionRecord:
     nbytes: int
     mem_start: float
     mem_end: float
+    cpu_start: float = math.nan
+    cpu_end: float = math.nan
 
 
 class ActionProfiler:
@@ -71,13 +75,15 @@ class ActionProfiler:
 
     def __init__(self, first: int, stop: int, *, device: torch.device | str = "cpu",
                  clock: Callable[[], float] = time.perf_counter,
-                 memory: MemoryMeter | None = None) -> None:
+                 memory: MemoryMeter | None = None,
+                 cpu_clock: Callable[[], float] = time.thread_time) -> None:
         if not 0 <= first < stop:
             raise ValueError(f"profiled steps {first}:{stop}: need 0 <= first < stop")
         self.first, self.stop = first, stop
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
         self.clock = clock
+        self.cpu_clock = cpu_clock
         self.memory = memory
         self._raw: list[tuple] = []
         self._cur: Action | None = None
@@ -100,17 +106,19 @@ class ActionProfiler:
         self._w0 = self._w1 = None
         self._mem0 = mem
         self._t0 = self._mark()
+        self._c0 = self._cpu()
 
     def end(self, action: Action, step: int) -> None:
         if self._cur is None:
             return
         t1 = self._mark()
+        c1 = self._cpu()
         mem = self.memory.finish(action) if self.memory is not None else math.nan
         if action != self._cur or step != self._step:
             raise RuntimeError(f"profiler: end({action}, step {step}) does not match "
                                f"start({self._cur}, step {self._step})")
         self._raw.append((step, action.op, action.stage, action.microbatch, self._t0, t1,
-                          self._w0, self._w1, self._bytes, self._mem0, mem))
+                          self._w0, self._w1, self._bytes, self._mem0, mem, self._c0, c1))
         self._cur = None
 
     # -- called by the runtime around a receive wait (inside a compute action) -----------------
@@ -137,17 +145,20 @@ class ActionProfiler:
             torch.cuda.synchronize(self.device)
         nan = math.nan
         out = []
-        for step, op, stage, mb, t0, t1, w0, w1, nbytes, m0, m1 in self._raw:
+        for step, op, stage, mb, t0, t1, w0, w1, nbytes, m0, m1, c0, c1 in self._raw:
             out.append(ActionRecord(step, op, stage, mb, self._seconds(t0), self._seconds(t1),
                                     nan if w0 is None else self._seconds(w0),
                                     nan if w1 is None else self._seconds(w1),
-                                    int(nbytes), float(m0), float(m1)))
+                                    int(nbytes), float(m0), float(m1), c0, c1))
         return out
 
     def clear(self) -> None:
         self._raw.clear()
 
     # -- timestamps -------------------------------------------------------------------------
+    def _cpu(self) -> float:
+        return math.nan if self.cuda else self.cpu_clock()
+
     def _mark(self) -> Any:
         if not self.cuda:
             return self.clock()
