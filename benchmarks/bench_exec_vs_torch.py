@@ -61,6 +61,8 @@ def worker(board, args) -> list[dict]:
     rows = []
     try:
         for name, vpp, torch_name in SCHEDULES:
+            if args.schedules and name not in args.schedules.split(","):
+                continue
             schedule = pipesim.build_schedule(name, pp=args.pp, microbatches=args.microbatches,
                                               vpp=vpp).validate()
             bounds = by_layers(spec.num_layers, schedule.num_stages)
@@ -114,11 +116,13 @@ def worker(board, args) -> list[dict]:
                 return []
 
             # Rounds of (pipeexec step, torch step, isolated compute), so that load from other
-            # processes on the machine hits all three alike.
+            # processes on the machine hits all three alike; who goes first alternates.
             times = {"pipeexec": [], "torch": [], "busy": []}
             loss_check = {}
+            runs = (("pipeexec", run_mine), ("torch", run_torch), ("busy", run_busy))
             for step in range(args.warmup + args.steps):
-                for who, fn in (("pipeexec", run_mine), ("torch", run_torch), ("busy", run_busy)):
+                order = runs if step % 2 == 0 else (runs[1], runs[0], runs[2])   # no order bias
+                for who, fn in order:
                     dist.barrier()
                     t0 = time.perf_counter()
                     losses = fn(step)
@@ -154,6 +158,8 @@ def main(argv=None) -> None:
     p.add_argument("--vocab", type=int, default=512)
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--schedules", default="", help="comma-separated subset of "
+                   + ",".join(n for n, _, _ in SCHEDULES))
     args = p.parse_args(argv)
     print(f"pp={args.pp} m={args.microbatches} b={args.micro_batch_size} GPT layers={args.layers}+2 "
           f"hidden={args.hidden} seq={args.seq_len}; CPU/gloo, {torch.__version__}; median of "
