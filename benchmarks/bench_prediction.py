@@ -5,9 +5,10 @@ schedule X of gpipe, interleaved (vpp 2), zb-h1, zbv (vpp 2) and 1f1b itself:
 
 1. one job trains 1f1b and X side by side in the same processes, alternating step by step
    (``--steps`` steps each, steps 1.. profiled), so both meet the same machine;
-2. X is predicted from the 1f1b steps' trace alone (costs per stage, re-partitioned per layer
-   kind where vpp differs) and compared with X's measured median step: the cross-schedule
-   error. X = 1f1b measures the noise floor of that comparison;
+2. X is predicted from the 1f1b steps' trace alone (CPU work per stage, re-partitioned per
+   layer kind where vpp differs, stretched by processor sharing of the effective cores fitted
+   to the 1f1b steps under X's own overlap) and compared with X's measured median step: the
+   cross-schedule error. X = 1f1b measures the noise floor of that comparison;
 3. X is also simulated with costs calibrated from its own measured step: does the simulator
    reproduce a run from its per-stage costs?
 

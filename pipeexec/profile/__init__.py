@@ -4,7 +4,8 @@ calibrate a CostModel from it and compare prediction with measurement.
 One module per idea: `recorder` (the runtime's action timer and the receive-wait probe),
 `clock` (offsets to rank 0), `memory` (held-tensor and allocator meters), `measured` (the
 gathered trace and `MeasuredRun`), `session` (wiring a profiled training run), `calibrate`
-(costs from a measured run, re-partitioned if needed), `compare` (prediction vs measurement,
+(costs from a measured run, re-partitioned if needed), `contention` (ranks sharing cores:
+processor sharing around the simulator), `compare` (prediction vs measurement,
 the report and ``pipeexec compare``), `overlay` (predicted and measured Gantt charts on one
 time axis).
 """

@@ -17,6 +17,12 @@ every profiled step's makespan is in the report too. Definitions are pipesim's
 
 Errors: ``step_time_error = (predicted - measured) / measured``; bubble_fraction error in
 points (predicted - measured); memory errors relative, per rank.
+
+Calibrated from the run itself, the costs are the compared step's per-stage wall-time means.
+Calibrated from another run (``--calibrate-from``, cross-schedule), a CPU run's costs are its
+CPU work per (op, stage), stretched for the target schedule by processor sharing of the
+calibration run's effective cores (:mod:`pipeexec.profile.contention`): with more ranks than
+cores, how much each computation is slowed depends on the schedule.
 """
 from __future__ import annotations
 
