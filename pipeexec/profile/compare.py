@@ -133,28 +133,29 @@ class Comparison:
         return "\n".join(lines)
 
     def text(self) -> str:
-        """The table for a terminal: milliseconds, MiB, errors in percent."""
+        """The table for a terminal: milliseconds, MiB, errors in percent (points for
+        bubble_fraction); each quantity as measured / predicted / error."""
         t = self.table()
-        lines = [self.headline(), ""]
-        head = (f"{'rank':>4} | {'step/finish ms':>21} {'err':>7} | {'busy ms':>17} | "
-                f"{'bubble ms':>17} | {'bubble_fraction':>15} {'pts':>6} | "
-                f"{'peak act. MiB':>17} {'err':>7}")
-        lines += [head, "     | " + "measured  predicted".rjust(21) + " " * 9 + "meas / pred" .rjust(17)
-                  + " | " + "meas / pred".rjust(17) + " | " + "meas / pred".rjust(15) + " " * 9
-                  + "meas / pred".rjust(17), "-" * len(head)]
+        mib = 2 ** 20
+        groups = (("step|finish ms", "finish", 1e3, ".1f", "+.1%"),
+                  ("busy ms", "busy", 1e3, ".1f", "+.1%"),
+                  ("bubble ms", "bubble", 1e3, ".1f", "+.1%"),
+                  ("bubble_fraction", "idle_over_busy", 1.0, ".3f", None),
+                  ("peak act. MiB", "peak_memory", 1.0 / mib, ".2f", "+.1%"))
+        head1 = f"{'':>4} |" + "|".join(f" {name:^25} " for name, *_ in groups) + "|"
+        head2 = f"{'rank':>4} |" + "|".join(f" {'meas':>7} {'pred':>7} {'err':>8} "
+                                            for _ in groups) + "|"
+        lines = [self.headline(), "", head1, head2, "-" * len(head2)]
         for rank, row in t.iterrows():
-            mib = 2 ** 20
-            lines.append(
-                f"{rank:>4} | {row.finish_measured * 1e3:>10.1f} {row.finish_predicted * 1e3:>10.1f} "
-                f"{row.finish_error:>+7.1%} | {row.busy_measured * 1e3:>8.1f} "
-                f"{row.busy_predicted * 1e3:>8.1f} | {row.bubble_measured * 1e3:>8.1f} "
-                f"{row.bubble_predicted * 1e3:>8.1f} | {row.idle_over_busy_measured:>7.3f} "
-                f"{row.idle_over_busy_predicted:>7.3f} "
-                f"{(row.idle_over_busy_predicted - row.idle_over_busy_measured) * 100:>+6.1f} | "
-                f"{row.peak_memory_measured / mib:>8.2f} {row.peak_memory_predicted / mib:>8.2f} "
-                f"{row.peak_memory_error:>+7.1%}")
-        lines.append("(rank rows: finish time, idle/busy of the rank; 'all': step time, "
-                     "Megatron bubble_fraction, slowest rank's bubble)")
+            cells = []
+            for _, q, scale, fmt, efmt in groups:
+                m, p = row[f"{q}_measured"], row[f"{q}_predicted"]
+                err = (f"{(p - m) * 100:+.1f}pt" if efmt is None
+                       else format(row[f"{q}_error"], efmt))
+                cells.append(f" {format(m * scale, fmt):>7} {format(p * scale, fmt):>7} {err:>8} ")
+            lines.append(f"{rank:>4} |" + "|".join(cells) + "|")
+        lines.append("rank rows: the rank's finish time and idle/busy; 'all': the step time, "
+                     "Megatron's bubble_fraction and the slowest rank's bubble")
         return "\n".join(lines)
 
     def headline(self) -> str:
