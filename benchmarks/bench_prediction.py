@@ -35,7 +35,6 @@ slows each computation more). Other processes on the machine add noise of their 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
