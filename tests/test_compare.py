@@ -172,3 +172,33 @@ def test_train_profile_writes_a_loadable_trace(tmp_path):
     assert sum(e["ph"] == "X" for e in chrome["traceEvents"]) == len(run.trace)
     result = run.result()
     assert result.makespan > 0 and len(result.peak_memory) == 2
+
+
+@pytest.mark.slow
+def test_without_profile_nothing_is_timed_or_synchronised(monkeypatch):
+    """Clock alignment is the only start-up exchange profiling adds, and the recorder the
+    only per-action hook: a run without --profile must use neither."""
+    import types
+
+    import pipeexec.profile.session as session_mod
+    from pipeexec import launch
+    from pipeexec.cli import _parser, config_from_args
+    from pipeexec.worker import run_training
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("clock alignment ran")
+    monkeypatch.setattr(session_mod, "align_clocks", forbidden)
+    # the check bites: a profiled session would align clocks
+    topo = types.SimpleNamespace(rank=0, world_size=2, device=torch_cpu())
+    with pytest.raises(AssertionError, match="clock alignment ran"):
+        session_mod.ProfileSession(session_mod.ProfileOptions(0, 1), topo)
+    cfg = config_from_args(_parser().parse_args(["train", "--schedule", "1f1b", *TINY]))
+    results = launch(run_training, 2, (cfg, None, False), timeout=120)   # forked: patched too
+    assert all("measured_run" not in r and "profile" not in r for r in results)
+    assert len(results[0]["losses"]) == cfg.steps
+
+
+def torch_cpu():
+    import torch
+
+    return torch.device("cpu")
