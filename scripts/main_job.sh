@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# The main job: simulate a config, run it for real on 4 CPU ranks (gloo), and compare.
+#   bash scripts/main_job.sh [OUT_DIR]        (default: out/)
+# 1. pipesim predicts 1F1B on uniform stages (the textbook picture);
+# 2. pipeexec trains the built-in GPT with 1F1B on 4 ranks, profiled; pipesim re-simulates it
+#    with costs calibrated from that run: predicted vs measured, table and Gantt;
+# 3. ZB-V is predicted from the 1F1B run before it runs, then run and compared.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+out=${1:-out}
+mkdir -p "$out"
+export OMP_NUM_THREADS=1
+model=(--pp 4 --microbatches 8 --layers 6 --hidden 256 --heads 4 --seq-len 128
+       --micro-batch-size 4 --steps 4 --no-progress)
+
+echo "== 1. simulate: 1f1b, pp=4, m=8, uniform stages"
+pipesim simulate 1f1b --pp 4 --microbatches 8 --gantt "$out/simulated_1f1b.png"
+
+echo "== 2. run 1f1b for real on 4 CPU ranks and compare with its simulation"
+pipeexec compare --schedule 1f1b "${model[@]}" --trace-out "$out/run_1f1b.json" \
+    --report-out "$out/compare_1f1b.json" --table-out "$out/compare_1f1b.md" --plot-out "$out/compare_1f1b.png"
+
+echo "== 3. predict zbv from the 1f1b run, then run it"
+pipeexec compare --schedule zbv --vpp 2 "${model[@]}" --calibrate-from "$out/run_1f1b.json" \
+    --report-out "$out/compare_zbv.json" --table-out "$out/compare_zbv.md" --plot-out "$out/compare_zbv.png"
+
+python3 - "$out" <<'PY'
+import json, sys
+out = sys.argv[1]
+print("\n| schedule | measured step | predicted step | error | measured bubble_fraction | predicted |")
+print("|---|---:|---:|---:|---:|---:|")
+for name, how in (("1f1b", "own trace"), ("zbv", "from the 1f1b run")):
+    r = json.load(open(f"{out}/compare_{name}.json"))
+    print(f"| {name} ({how}) | {r['measured_step_time']*1e3:.1f} ms | {r['predicted_step_time']*1e3:.1f} ms "
+          f"| {r['step_time_error']:+.1%} | {r['measured_bubble_fraction']:.3f} | {r['predicted_bubble_fraction']:.3f} |")
+print(f"\npictures and reports in {out}/ (compare_*.png: predicted above measured)")
+PY
