@@ -37,3 +37,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ScheduleError, ValueError, FileNotFoundError) as exc:
         print(f"pipesim {args.command}: error: {exc}", file=sys.stderr)
         return 2
+    except BrokenPipeError:
+        # The reader went away (`pipesim show ... | head`): not an error of ours.
+        import os
+
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
