@@ -14,9 +14,15 @@ a message (an activation or a gradient) crossing a link, so the model makes even
 
 The result is the same as stepping every action as a SimPy timeout (the tests check it against
 an independent list scheduler), at a fraction of the events. Modes: ``comm="async"`` (the
-default; a send is posted and the rank goes on, as with ``isend``) or ``"blocking"`` (the sender
-waits until its transfer has arrived; receives are pre-posted, so there is no rendezvous and no
-deadlock that the asynchronous schedule does not have). The model is deterministic; ``jitter``
+default; a send is posted and the rank goes on, as with ``isend``, and the data moves at once:
+receives count as pre-posted), ``"blocking"`` (the sender waits until its transfer has arrived;
+receives are pre-posted, so there is no rendezvous and no deadlock that the asynchronous
+schedule does not have) or ``"rendezvous"`` (sends are posted and the rank goes on, but a
+transfer starts only once the receiver has posted its receive, i.e. reached the RECV action:
+how gloo and NCCL move a point-to-point message. A receive posted right before the computation
+that needs it then always waits the transfer time. Each such transfer is one SimPy event at
+the moment both sides are ready, so a directed link serves transfers in the order they become
+ready). The model is deterministic; ``jitter``
 multiplies every compute time by a factor drawn uniformly from ``[1 - jitter, 1 + jitter]`` with
 a generator seeded by ``seed``, in rank then action order.
 """
@@ -37,7 +43,7 @@ from .schedule.schedule import Schedule
 if TYPE_CHECKING:
     from .result import SimResult
 
-COMM_MODES = ("async", "blocking")
+COMM_MODES = ("async", "blocking", "rendezvous")
 
 
 def simulate(schedule: Schedule, costs: CostModel | None = None, *, comm: str = "async",
@@ -64,7 +70,8 @@ def simulate(schedule: Schedule, costs: CostModel | None = None, *, comm: str = 
     actions = [schedule.actions(r) for r in range(schedule.pp)]
     columns = _columns(schedule, actions, costs)
     factors = _jitter(len(columns["op"]), jitter, seed)
-    starts, ends = _run(schedule, actions, costs, factors, comm == "blocking")
+    starts, ends = _run(schedule, actions, costs, factors, comm == "blocking",
+                        comm == "rendezvous")
     if step_tail:
         _append_tail(schedule, costs, dp, columns, starts, ends)
     trace = _frame(columns, starts, ends)
@@ -130,11 +137,17 @@ def _columns(schedule: Schedule, actions: list[list], costs: CostModel) -> dict:
 
 
 def _run(schedule: Schedule, actions: list[list], costs: CostModel, factors: list[float] | None,
-         blocking: bool) -> tuple[list[float], list[float]]:
+         blocking: bool, rendezvous: bool = False) -> tuple[list[float], list[float]]:
     """Run the SimPy model; return the start and end time of every row (rank, action order).
 
     Messages are numbered ``(direction * n + receiving stage) * m + microbatch``; the directed
     link ``a -> b`` is ``a * pp + b``.
+
+    ``rendezvous``: a SEND only records when it was posted (and its row); the transfer is placed
+    on its link by `ready` at ``max(send posted, receive posted)``. That moment is never before
+    ``env.now`` (it is the local clock of the rank posting second, and local clocks run at or
+    ahead of ``env.now``), so ready events are processed in time order and the link's FIFO is
+    the order in which transfers became ready.
     """
     pp, n, m = schedule.pp, schedule.num_stages, schedule.num_microbatches
     placement = schedule.placement
@@ -151,6 +164,31 @@ def _run(schedule: Schedule, actions: list[list], costs: CostModel, factors: lis
     link_free = [0.0] * (pp * pp)
     env = simpy.Environment()
     done = [False] * pp
+    send_post = [-1.0] * (2 * n * m) if rendezvous else None
+    recv_post = [-1.0] * (2 * n * m) if rendezvous else None
+    send_of: list = [None] * (2 * n * m) if rendezvous else None   # msg -> (row, link, seconds)
+
+    def ready(msg: int, at: float) -> None:
+        """Both sides have posted ``msg`` at time ``at``: start its transfer then (or when the
+        link frees), at simulated time ``at`` so that links serve transfers in time order."""
+        def start(_event, msg=msg):
+            row, link, c = send_of[msg]
+            s = link_free[link]
+            if s < env.now:
+                s = env.now
+            e = s + c
+            link_free[link] = e
+            arrival[msg] = e
+            starts[row] = s
+            ends[row] = e
+            ev = waiters[msg]
+            if ev is not None:
+                ev.fire_at(e)
+        event = simpy.Event(env)
+        event.callbacks.append(start)
+        event._ok = True
+        event._value = None
+        env.schedule(event, NORMAL, at - env.now)
 
     def rank_process(rank: int, acts: list, row: int):
         t = 0.0
@@ -166,6 +204,10 @@ def _run(schedule: Schedule, actions: list[list], costs: CostModel, factors: lis
                 ends[row] = t
             elif op == RECV_F or op == RECV_B:
                 msg = stage * m + mb if op == RECV_F else (n + stage) * m + mb
+                if rendezvous:
+                    recv_post[msg] = t
+                    if send_post[msg] >= 0.0:
+                        ready(msg, t if t > send_post[msg] else send_post[msg])
                 e = arrival[msg]
                 if e < 0.0:
                     ev = waiters[msg] = _Arrival(env)
@@ -179,6 +221,14 @@ def _run(schedule: Schedule, actions: list[list], costs: CostModel, factors: lis
                     msg, link, c = (stage + 1) * m + mb, base + placement[stage + 1], fwd_time[stage]
                 else:
                     msg, link, c = (n + stage - 1) * m + mb, base + placement[stage - 1], bwd_time[stage]
+                if rendezvous:
+                    send_post[msg] = t
+                    send_of[msg] = (row, link, c)
+                    starts[row] = ends[row] = t          # until the transfer is placed
+                    if recv_post[msg] >= 0.0:
+                        ready(msg, t if t > recv_post[msg] else recv_post[msg])
+                    row += 1
+                    continue
                 s = link_free[link]
                 if s < t:
                     s = t

@@ -16,7 +16,8 @@ import pytest
 import pipesim
 from pipeexec.profile import MeasuredRun
 from pipeexec.profile.calibrate import Layout
-from pipeexec.profile.compare import REPORT_KEYS, TABLE_COLUMNS, compare_runs, predict, write_outputs
+from pipeexec.profile.compare import (EXECUTOR_COMM, REPORT_KEYS, TABLE_COLUMNS, compare_runs,
+                                      predict, write_outputs)
 
 
 def jittered_run(name="zb-h1", pp=4, vpp=1, m=8, steps=2) -> MeasuredRun:
@@ -100,7 +101,7 @@ def test_cross_schedule_prediction_uses_the_other_runs_costs():
     fb = cal.costs.compute_times(4)
     assert fb["B"] == pytest.approx([1.8] * 4, rel=0.05)
     assert predicted.makespan == pytest.approx(
-        pipesim.simulate(target, cal.costs).makespan)
+        pipesim.simulate(target, cal.costs, comm=EXECUTOR_COMM).makespan)
     assert math.isfinite(predicted.bubble_fraction)
 
 

@@ -232,3 +232,127 @@ def test_hand_computed_makespan_with_latency():
     assert r.makespan == pytest.approx(10.0)
     assert starts_of(r)[(1, "B", 1, 1)] == pytest.approx(7.5)
     assert math.isclose(r.busy[0], 4.0)
+
+
+# -- rendezvous: a transfer starts once the receiver has posted its receive --------------------------
+def rendezvous_reference(schedule, costs):
+    """Start time of every compute action, and the arrival of every message, in the rendezvous
+    model, by a plain time-ordered event loop (a heap; no SimPy, no local clocks).
+
+    Independent of the engine's run-ahead: each rank walks ``schedule.actions(rank)``, one
+    compute per event; a SEND or a RECV notes when it was posted; when the second of the two is
+    posted the transfer is ready, and at that moment it takes its directed link (``latency +
+    bytes / bandwidth``, after the link's previous transfer); a RECV blocks the rank until its
+    message has arrived.
+    """
+    import heapq
+
+    n, pp = schedule.num_stages, schedule.pp
+    place = schedule.placement
+    t = costs.compute_times(n)
+    nbytes = costs.stage_values("p2p_bytes", n)
+    acts = [schedule.actions(r) for r in range(pp)]
+    idx = [0] * pp
+    blocked = {}                      # msg -> rank waiting on it
+    send_post, recv_post, arrival, link_free = {}, {}, {}, {}
+    info = {}                         # msg -> (link, seconds)
+    start = {}
+    heap, seq = [], [0]
+
+    def push(time, kind, data):
+        seq[0] += 1
+        heapq.heappush(heap, (time, seq[0], kind, data))
+
+    def run(r, now):
+        while idx[r] < len(acts[r]):
+            op, s, mb = acts[r][idx[r]]
+            if op in ("F", "B", "I", "W"):
+                start[(r, op, s, mb)] = now
+                idx[r] += 1
+                push(now + t[op][s], "run", r)
+                return
+            if op in ("SEND_F", "SEND_B"):
+                dest = s + 1 if op == "SEND_F" else s - 1
+                msg = ("F" if op == "SEND_F" else "G", dest, mb)
+                info[msg] = ((r, place[dest]), costs.transfer_time(nbytes[min(s, dest)]))
+                send_post[msg] = now
+                if msg in recv_post:
+                    push(now, "ready", msg)
+            else:
+                msg = ("F" if op == "RECV_F" else "G", s, mb)
+                recv_post[msg] = now
+                if msg in send_post:
+                    push(now, "ready", msg)
+                if msg not in arrival:
+                    blocked[msg] = r
+                    idx[r] += 1
+                    return
+            idx[r] += 1
+
+    for r in range(pp):
+        push(0.0, "run", r)
+    while heap:
+        now, _, kind, data = heapq.heappop(heap)
+        if kind == "run":
+            run(data, now)
+        elif kind == "ready":
+            link, c = info[data]
+            begin = max(now, link_free.get(link, 0.0))
+            link_free[link] = begin + c
+            push(begin + c, "arrive", data)
+        else:
+            arrival[data] = now
+            if data in blocked:
+                push(now, "run", blocked.pop(data))
+    assert all(idx[r] == len(acts[r]) for r in range(pp)) and not blocked, "reference got stuck"
+    return start, arrival
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.data(), name=st.sampled_from(NAMES), pp=st.integers(1, 5), m=st.integers(1, 8),
+       vpp=st.integers(1, 3), comm=st.sampled_from(["none", "latency", "bandwidth"]))
+def test_rendezvous_matches_event_loop_reference(data, name, pp, m, vpp, comm):
+    schedule = build_any(name, pp, m, vpp)
+    n = schedule.num_stages
+    f, i, w = data.draw(stage_costs(n))
+    extra = {}
+    if comm == "latency":
+        extra = dict(p2p_latency=data.draw(st.floats(0.0, 3.0)))
+    elif comm == "bandwidth":
+        extra = dict(p2p_latency=0.1, p2p_bandwidth=10.0,
+                     p2p_bytes=data.draw(st.lists(st.floats(0.0, 40.0), min_size=n, max_size=n)))
+    costs = CostModel(forward=f, backward_input=i, backward_weight=w, **extra)
+    result = simulate(schedule, costs, comm="rendezvous")
+    expected, arrival = rendezvous_reference(schedule, costs)
+    got = starts_of(result)
+    assert got.keys() == expected.keys()
+    for key, value in expected.items():
+        assert got[key] == pytest.approx(value, rel=1e-12, abs=1e-9), key
+    tr = result.trace
+    sends = tr[tr["op"].isin(["SEND_F", "SEND_B"])]
+    for row in sends.itertuples(index=False):
+        dest = row.stage + 1 if row.op == "SEND_F" else row.stage - 1
+        msg = ("F" if row.op == "SEND_F" else "G", dest, row.microbatch)
+        assert row.end == pytest.approx(arrival[msg], rel=1e-12, abs=1e-9), msg
+
+
+def test_rendezvous_by_hand():
+    # 1F1B, pp = 2, m = 2, F = 1, B = 2, transfers of 0.5 s. Rank 1 posts RECV_F1 only after
+    # its B0 (at 4.5): F1, sent at 2, moves 4.5-5.0 instead of 2.0-2.5, and everything after
+    # shifts by the transfer; rank 0 posts RECV_B1 at 7, before B1's send at 8: no extra wait.
+    s = pipesim.build_schedule("1f1b", pp=2, microbatches=2)
+    costs = CostModel(forward=1.0, backward=2.0, p2p_latency=0.5)
+    r = simulate(s, costs, comm="rendezvous")
+    starts = starts_of(r)
+    assert starts[(1, "F", 1, 1)] == pytest.approx(5.0)
+    assert starts[(0, "B", 0, 1)] == pytest.approx(8.5)
+    assert r.makespan == pytest.approx(10.5)
+    assert simulate(s, costs).makespan == pytest.approx(10.0)      # async: F1 was there at 2.5
+    tr = r.trace
+    f1 = tr[(tr["op"] == "SEND_F") & (tr["microbatch"] == 1)].iloc[0]
+    assert (f1["start"], f1["end"]) == pytest.approx((4.5, 5.0))
+    recv = tr[(tr["op"] == "RECV_F") & (tr["microbatch"] == 1)].iloc[0]
+    assert (recv["start"], recv["end"]) == pytest.approx((4.5, 5.0))
+    # Free transfers: the moment of posting no longer matters.
+    free = CostModel(forward=1.0, backward=2.0)
+    assert simulate(s, free, comm="rendezvous").makespan == simulate(s, free).makespan

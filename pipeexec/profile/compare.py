@@ -19,6 +19,12 @@ Errors: ``step_time_error = (predicted - measured) / measured``; bubble_fraction
 points (predicted - measured); memory errors relative, per rank.
 
 Calibrated from the run itself, the costs are the compared step's per-stage wall-time means.
+Either way the simulation moves messages as the executor does (``EXECUTOR_COMM``, pipesim's
+``comm="rendezvous"``): gloo and NCCL start a transfer only once the receiver has posted its
+receive, and the runtime posts it right before the computation that needs the data, so each
+message between ranks costs its receiver the transfer time. Simulating sends as starting at
+once (``"async"``) hid those waits and ran short, most for schedules with many cross-rank
+messages per step (interleaved, ZB-V).
 Calibrated from another run (``--calibrate-from``, cross-schedule), a CPU run's costs are its
 CPU work per (op, stage), stretched for the target schedule by processor sharing of the
 calibration run's effective cores (:mod:`pipeexec.profile.contention`): with more ranks than
@@ -221,11 +227,20 @@ def _num(x: Any) -> Any:
     return float(x) if isinstance(x, (int, float)) else x
 
 
+# How pipeexec's transports move a message: gloo (and NCCL) start a point-to-point transfer only
+# once the receiver has posted its receive, and the runtime posts each receive right before the
+# computation that needs it, so every message between ranks is waited for.
+EXECUTOR_COMM = "rendezvous"
+
+
 def predict(schedule: "pipesim.Schedule", layout: Layout, calibration_run: MeasuredRun,
-            steps: list[int] | None = None, *, contention: bool | None = None
-            ) -> tuple["SimResult", Calibration]:
+            steps: list[int] | None = None, *, contention: bool | None = None,
+            comm: str = EXECUTOR_COMM) -> tuple["SimResult", Calibration]:
     """Simulate ``schedule`` cut as ``layout`` with costs calibrated on ``calibration_run``
     (its ``steps``, default all profiled): the prediction before (or without) running it.
+
+    ``comm``: the simulator's communication mode (``pipesim.simulate``); by default the
+    executor's rendezvous, where a transfer starts when both sides have posted.
 
     ``contention`` (default: when the calibration run recorded CPU work, i.e. on CPU): model
     ranks sharing cores. Costs are then the CPU work per (op, stage), stretched by processor
@@ -239,13 +254,13 @@ def predict(schedule: "pipesim.Schedule", layout: Layout, calibration_run: Measu
         contention = has_cpu_times(calibration_run)
     if not contention:
         cal = calibrate(calibration_run, layout, steps)
-        return pipesim.simulate(schedule, cal.costs), cal
+        return pipesim.simulate(schedule, cal.costs, comm=comm), cal
     cal = calibrate(calibration_run, layout, steps, work=True)
     trace = calibration_run.trace
     if steps is not None:
         trace = trace[trace["step"].isin(steps)]
     cores = effective_cores(trace)
-    shared = contention_costs(schedule, cal.costs, cores)
+    shared = contention_costs(schedule, cal.costs, cores, comm=comm)
     cal.costs, cal.model, cal.cores = shared.costs, "processor-sharing", cores
     return shared.result, cal
 

@@ -101,15 +101,16 @@ class ContentionPrediction:
 
 
 def contention_costs(schedule: "pipesim.Schedule", work: "CostModel", cores: float, *,
-                     iterations: int = 30, damping: float = 0.5, tol: float = 1e-4
-                     ) -> ContentionPrediction:
-    """Wall-time costs of ``schedule`` on ``cores`` cores from CPU-work costs ``work``."""
+                     iterations: int = 30, damping: float = 0.5, tol: float = 1e-4,
+                     comm: str = "async") -> ContentionPrediction:
+    """Wall-time costs of ``schedule`` on ``cores`` cores from CPU-work costs ``work``
+    (simulated with ``pipesim.simulate``'s ``comm`` mode)."""
     n = schedule.num_stages
     base = work.compute_times(n)       # F, B, I, W with the model's defaults applied
     factor = {op: [1.0] * n for op, _ in _FIELDS}
     it = 0
     for it in range(1, iterations + 1):
-        result = pipesim.simulate(schedule, _scaled(work, base, factor))
+        result = pipesim.simulate(schedule, _scaled(work, base, factor), comm=comm)
         # wall / progress in the simulated trace is the factor that would make each
         # computation's progress equal its work: the fixed point is factor == that ratio.
         slow = slowdowns(result.trace, cores, n)
@@ -122,7 +123,8 @@ def contention_costs(schedule: "pipesim.Schedule", work: "CostModel", cores: flo
         if change < tol:
             break
     costs = _scaled(work, base, factor)
-    return ContentionPrediction(costs, pipesim.simulate(schedule, costs), cores, it, factor)
+    return ContentionPrediction(costs, pipesim.simulate(schedule, costs, comm=comm), cores, it,
+                                factor)
 
 
 def _scaled(work: "CostModel", base: dict, factor: dict) -> "CostModel":

@@ -29,7 +29,7 @@ def _add_cost_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--efficiency", type=float, default=0.5, help="achieved / peak FLOP/s")
     g.add_argument("--link", choices=("intra", "inter"), default="inter",
                    help="pipeline p2p over NVLink (intra) or the network (inter)")
-    g.add_argument("--comm", choices=("async", "blocking"), default="async")
+    g.add_argument("--comm", choices=("async", "blocking", "rendezvous"), default="async")
     g.add_argument("--dp", type=int, default=1, help="data-parallel replicas (for --step-tail)")
     g.add_argument("--step-tail", action="store_true",
                    help="add the dp gradient all-reduce and the optimizer step")
