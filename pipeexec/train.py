@@ -286,8 +286,8 @@ def train(trainer: Trainer, *, on_step: Callable[[Trainer, StepStats], None] | N
     is_logger = trainer.topology.rank == 0
     bar = None
     if progress and is_logger:
-        from tqdm import tqdm
-        bar = tqdm(total=cfg.steps, initial=trainer.iteration, desc="train", unit="step",
+        from pipesim.progress import progress_bar
+        bar = progress_bar(total=cfg.steps, initial=trainer.iteration, desc="train", unit="step",
                    file=sys.stderr, leave=False)
     try:
         while trainer.iteration < cfg.steps:

@@ -46,7 +46,7 @@ def sweep(schedules: Sequence[str], pp: Iterable[int], vpp: Iterable[int],
     ``samples_per_s`` is ``microbatches * micro_batch_size / makespan``.
     """
     import pandas as pd
-    from tqdm import tqdm
+    from .progress import progress_bar
 
     from .engine import simulate
     from .schedule.registry import build_schedule
@@ -56,7 +56,7 @@ def sweep(schedules: Sequence[str], pp: Iterable[int], vpp: Iterable[int],
     factory: CostFactory = costs if callable(costs) else (lambda n, b: costs)
     configs = list(itertools.product(schedules, pp, vpp, microbatches, micro_batch_sizes))
     rows: list[dict[str, Any]] = []
-    for name, p, v, m, b in tqdm(configs, desc="pipesim sweep", unit="config", disable=not progress):
+    for name, p, v, m, b in progress_bar(configs, desc="pipesim sweep", unit="config", disable=not progress):
         row: dict[str, Any] = {"schedule": name, "pp": p, "vpp": v, "microbatches": m,
                                "micro_batch_size": b, "status": "ok", "reason": ""}
         rows.append(row)

@@ -108,3 +108,15 @@ def test_sweep_marks_a_refused_cost_model_invalid():
     assert list(frame.status) == ["ok", "invalid"]
     assert "cannot cut 4 layers into 8 stages" in frame.reason[1]
     assert str(frame.peak_inflight.dtype) == "Int64" and frame.peak_inflight[0] == 2
+
+
+def test_sweep_leaves_no_thread_behind(tmp_path):
+    """pipeexec forks workers from the same process; a leftover thread (tqdm's monitor) forbids it."""
+    import threading
+
+    from pipesim.cli import main
+
+    before = {t.name for t in threading.enumerate()}
+    assert main(["sweep", "--schedules", "1f1b", "--pp", "2", "--microbatches", "4",
+                 "--out", str(tmp_path / "s.csv")]) == 0
+    assert {t.name for t in threading.enumerate()} <= before
