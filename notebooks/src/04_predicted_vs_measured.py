@@ -35,9 +35,7 @@ from IPython.display import display
 
 import pipesim
 from pipeexec import TrainConfig
-from pipeexec.profile import MeasuredRun
-from pipeexec.profile.calibrate import fit_run
-from pipeexec.profile.compare import compare_runs, layout_of, predict
+from pipeexec.profile import MeasuredRun, compare_runs, fit_run, layout_of, predict
 
 pd.set_option("display.width", 160)
 pd.set_option("display.precision", 3)

@@ -11,11 +11,13 @@ time axis).
 """
 from __future__ import annotations
 
+from .calibrate import fit_run
 from .clock import ClockAlignmentError, ClockOffset, align_clocks
+from .compare import compare_runs, layout_of, predict
 from .measured import MeasuredRun, build_trace
 from .recorder import ActionProfiler, ActionRecord, ProfiledP2P
 from .session import ProfileOptions, ProfileSession, parse_step_range
 
 __all__ = ["ActionProfiler", "ActionRecord", "ClockAlignmentError", "ClockOffset",
            "MeasuredRun", "ProfileOptions", "ProfileSession", "ProfiledP2P", "align_clocks",
-           "build_trace", "parse_step_range"]
+           "build_trace", "compare_runs", "fit_run", "layout_of", "parse_step_range", "predict"]
