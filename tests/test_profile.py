@@ -156,6 +156,50 @@ def test_repartition_sums_per_kind_costs_over_the_new_stages():
         repartition(pipesim.CostModel(forward=f2), two, Layout((0, 1, 2), ("block",) * 2))
 
 
+def test_repartition_fits_a_per_action_cost_when_stage_sizes_identify_it():
+    # Stages of 2, 3, 2, 2 layers: [1 | layer counts] has full rank, so a fixed cost per
+    # action is told apart from the layers' costs and charged once per target stage.
+    kinds = ("embedding",) + ("block",) * 7 + ("head",)
+    per_kind = {"embedding": 0.2, "block": 1.0, "head": 0.6}
+    over = {"F": 0.3, "B": 0.5}
+    src_bounds = [0, 2, 5, 7, 9]
+    s = pipesim.build_schedule("1f1b", pp=4, microbatches=4)
+    stage = [sum(per_kind[kinds[i]] for i in range(a, b))
+             for a, b in zip(src_bounds, src_bounds[1:])]
+    truth = pipesim.CostModel(forward=[over["F"] + x for x in stage],
+                              backward=[over["B"] + 2 * x for x in stage])
+    run = as_measured(pipesim.simulate(s, truth), s, bounds=src_bounds, kinds=list(kinds))
+    cal = calibrate(run, Layout(tuple(range(10)), kinds))
+    assert cal.per_action == "fitted"
+    for field, op, scale in (("forward", "F", 1.0), ("backward", "B", 2.0)):
+        assert cal.per_kind[field]["per action"] == pytest.approx(over[op], abs=1e-9)
+        for k, v in per_kind.items():
+            assert cal.per_kind[field][k] == pytest.approx(scale * v, abs=1e-9)
+        expect = [over[op] + scale * per_kind[k] for k in kinds]
+        np.testing.assert_allclose(cal.costs.stage_values(field, 9), expect, atol=1e-9)
+
+
+def test_repartition_keeps_the_measured_executor_overhead_per_action():
+    # Equal stages (3 blocks each) cannot separate a constant from the layers: the executor's
+    # own work before each computation (compute_start - start) is the per-action term.
+    s = pipesim.build_schedule("1f1b", pp=2, microbatches=4)
+    post, block = [0.1, 0.3], 1.0
+    truth = pipesim.CostModel(forward=[p + 3 * block for p in post],
+                              backward=[p + 6 * block for p in post])
+    run = as_measured(pipesim.simulate(s, truth), s, bounds=[0, 3, 6], kinds=["block"] * 6)
+    t = run.trace
+    t["compute_start"] = t["start"]
+    compute = t["kind"] == "compute"
+    t.loc[compute, "compute_start"] = t.loc[compute, "start"] + [post[k] for k in t.loc[compute, "stage"]]
+    cal = calibrate(run, Layout(tuple(range(7)), ("block",) * 6))
+    assert cal.per_action == "executor"
+    mean_post = sum(post) / 2
+    np.testing.assert_allclose(cal.costs.stage_values("forward", 6), [mean_post + block] * 6)
+    np.testing.assert_allclose(cal.costs.stage_values("backward", 6), [mean_post + 2 * block] * 6)
+    # six actions per microbatch now pay the overhead six times, not a sixth of it twice
+    assert sum(cal.costs.stage_values("forward", 6)) == pytest.approx(6 * mean_post + 6 * block)
+
+
 def test_calibrate_uses_the_target_layout():
     s = pipesim.build_schedule("1f1b", pp=2, microbatches=4)
     kinds = ["embedding", "block", "block", "head"]

@@ -108,6 +108,12 @@ costs_table
 # GPipe and interleaved 1F1B from the 1F1B run, ZB-H2 and ZB-V from the ZB-H1 run. The
 # calibration fits per-layer-kind costs (embedding, transformer block, head), so it can
 # re-cut them for a layout with other stage boundaries (the 4 stages of `vpp = 2`).
+# A computation also pays a fixed cost per action that does not scale with its layers (the
+# executor's work between actions: posting sends and receives, bookkeeping); `vpp = 2` runs
+# twice the actions, so that part is charged once per target stage, not divided by layers.
+# Stages of equal size cannot tell what the computation itself spends per action apart from
+# its layers' share, so that part is still re-cut per layer: predictions for `vpp = 2` from a
+# `vpp = 1` run stay on the short side at this small size.
 
 # %%
 SOURCE = {"1f1b": "1f1b", "zb-h1": "zb-h1", "gpipe": "1f1b", "interleaved": "1f1b",

@@ -21,6 +21,21 @@ cuts the layers differently (another vpp, pp or boundaries), each field is solve
 kind (embedding, block, head: layers of one kind cost the same) by non-negative least squares
 over the source stages, then summed over the target's stages. The result says when the source
 stages could not separate the kinds (``underdetermined``).
+
+Per-action cost: a computation also costs a fixed amount that does not scale with its layers
+(Python dispatch, autograd bookkeeping, posting sends and receives, small-kernel overheads).
+Re-partitioned as if it were per layer, it is divided among the target's stages, while a layout
+with more stages (another vpp) runs proportionally *more* actions, each paying it: a 1f1b run
+(vpp=1) then predicts interleaved (vpp=2) far too short at small model sizes. So each time
+field is fitted as ``per_action + layers x per_layer_cost`` and every target stage gets the
+per-action term once. The term is fitted jointly with the kinds when the source stages'
+compositions identify it (the matrix [1 | layer counts] has full column rank: stages with
+different numbers of layers); otherwise (e.g. pp stages of equal size: a constant is
+indistinguishable from a layer's share) the executor's own measured per-action work is used:
+``compute_start - start`` of each computation, its work since the previous one before the
+computation proper (posting, bookkeeping), which by construction does not depend on layers.
+What the computation proper spends per action outside its layers is then not identifiable and
+stays in the per-layer costs (``Calibration.per_action``: how the term was obtained).
 """
 from __future__ import annotations
 
@@ -82,6 +97,7 @@ class Calibration:
     per_kind: dict[str, dict[str, float]] = field(default_factory=dict)
     model: str = "wall"
     cores: float | None = None
+    per_action: str = "none"
 
 
 def calibration_trace(run: MeasuredRun, steps: Sequence[int] | None = None) -> "pd.DataFrame":
@@ -154,6 +170,30 @@ def fit_work(run: MeasuredRun, steps: Sequence[int] | None = None) -> CostModel:
     return CostModel.from_trace(t, num_stages=n, **memory)
 
 
+def action_overhead(run: MeasuredRun, steps: Sequence[int] | None = None, *,
+                    work: bool = False) -> dict[str, list[float]]:
+    """Per time field, per stage: the mean of each computation's executor work before the
+    computation proper (``compute_start - start``; with ``work``, no more than its CPU time).
+    A per-action cost that re-partitioning must not divide by layers. Zero when the trace has
+    no ``compute_start`` (older or synthetic traces)."""
+    t = _steps(run, steps)
+    n = run.meta["pp"] * run.meta["vpp"]
+    out: dict[str, list[float]] = {}
+    if "compute_start" not in t.columns:
+        return out
+    rows = t[t["kind"] == "compute"]
+    post = (rows["compute_start"] - rows["start"]).astype(float).fillna(0.0).clip(lower=0.0)
+    if work and "cpu" in rows.columns:
+        post = np.minimum(post, rows["cpu"].astype(float).fillna(0.0).clip(lower=0.0))
+    frame = rows[["op", "stage"]].assign(post=post)
+    frame["op"] = frame["op"].astype(str)
+    means = frame.groupby(["op", "stage"])["post"].mean()
+    for op, name in _TIME_FIELDS:
+        if (frame["op"] == op).any():
+            out[name] = [float(means.get((op, s), 0.0)) for s in range(n)]
+    return out
+
+
 def _nnls(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """Non-negative least squares by trying every support (a handful of layer kinds)."""
     k = a.shape[1]
@@ -172,8 +212,13 @@ def _nnls(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return best
 
 
-def repartition(costs: CostModel, source: Layout, target: Layout) -> Calibration:
-    """Costs of ``target``'s stages from ``costs`` fitted on ``source``'s stages."""
+def repartition(costs: CostModel, source: Layout, target: Layout,
+                overhead: dict[str, Sequence[float]] | None = None) -> Calibration:
+    """Costs of ``target``'s stages from ``costs`` fitted on ``source``'s stages.
+
+    Time fields: ``per_action + counts x per_kind``, the per-action term fitted jointly when
+    the source identifies it, else taken from ``overhead`` (per field, per source stage: the
+    measured per-action work, `action_overhead`), else zero. Memory: per layer only."""
     if source.layer_kinds != target.layer_kinds:
         raise ValueError(f"calibration layout has {len(source.layer_kinds)} layers "
                          f"({_kinds_text(source.layer_kinds)}), the target "
@@ -188,21 +233,35 @@ def repartition(costs: CostModel, source: Layout, target: Layout) -> Calibration
     n_src = source.num_stages
     changes: dict[str, Any] = {}
     per_kind: dict[str, dict[str, float]] = {}
+    with_const = np.hstack((np.ones((n_src, 1)), a_src))
+    joint = np.linalg.matrix_rank(with_const) == len(kinds) + 1
+    how = "fitted" if joint else ("executor" if overhead else "none")
     for name in ("forward", "backward", "backward_input", "backward_weight", "activation_bytes"):
         if getattr(costs, name) is None:
             continue
         values = np.asarray(costs.stage_values(name, n_src), float)
+        per_action = 0.0
+        if name == "activation_bytes":
+            pass
+        elif joint:
+            x1 = _nnls(with_const, values)
+            per_action, values = float(x1[0]), values - x1[0]
+        elif overhead and name in overhead:
+            measured = np.asarray(overhead[name], float)
+            per_action, values = float(np.mean(measured)), np.clip(values - measured, 0.0, None)
         x = _nnls(a_src, values) if rank >= len(kinds) else np.clip(
             np.linalg.lstsq(a_src, values, rcond=None)[0], 0.0, None)
         per_kind[name] = dict(zip(kinds, map(float, x)))
-        changes[name] = [float(v) for v in a_dst @ x]
+        if name != "activation_bytes":
+            per_kind[name]["per action"] = per_action
+        changes[name] = [float(v) + per_action for v in a_dst @ x]
     # Fractions and message sizes are per stage boundary, not per layer: use their means.
     wfrac = costs.stage_values("weight_grad_fraction", n_src)
     changes["weight_grad_fraction"] = float(np.mean(wfrac))
     p2p = costs.stage_values("p2p_bytes", n_src)
     sent = [b for b in p2p[:-1] if b > 0]
     changes["p2p_bytes"] = float(np.mean(sent)) if sent else 0.0
-    return Calibration(costs.with_(**changes), {}, True, under, per_kind)
+    return Calibration(costs.with_(**changes), {}, True, under, per_kind, per_action=how)
 
 
 def calibrate(run: MeasuredRun, target: Layout | None = None,
@@ -217,7 +276,7 @@ def calibrate(run: MeasuredRun, target: Layout | None = None,
             "steps": list(steps) if steps is not None else run.steps}
     if target is None or target.bounds == source.bounds:
         return Calibration(costs, info)
-    cal = repartition(costs, source, target)
+    cal = repartition(costs, source, target, action_overhead(run, steps, work=work))
     cal.source = info
     return cal
 

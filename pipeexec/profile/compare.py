@@ -210,6 +210,7 @@ class Comparison:
                             "model": self.calibration.model,
                             "effective_cores": self.calibration.cores,
                             "underdetermined": self.calibration.underdetermined,
+                            "per_action": self.calibration.per_action,
                             "per_layer_kind": self.calibration.per_kind,
                             "costs": costs_summary(self.calibration.costs, n)},
             "config": meta.get("config"),
