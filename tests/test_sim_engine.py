@@ -101,13 +101,8 @@ def stage_costs(n):
                      st.lists(pos, min_size=n, max_size=n))
 
 
-@settings(max_examples=60, deadline=None)
-@given(data=st.data(), name=st.sampled_from(NAMES), pp=st.integers(1, 5), m=st.integers(1, 8),
-       vpp=st.integers(1, 3), comm=st.sampled_from(["none", "latency", "bandwidth"]),
-       blocking=st.booleans(), forward_only=st.sampled_from([False, False, False, True]))
-def test_start_times_match_list_scheduler(data, name, pp, m, vpp, comm, blocking, forward_only):
-    schedule = build_any(name, pp, m, vpp, forward_only)
-    n = schedule.num_stages
+def draw_costs(data, n, comm):
+    """Random per-stage F/I/W and one of three communication settings ("none", "latency", "bandwidth")."""
     f, i, w = data.draw(stage_costs(n))
     extra = {}
     if comm == "latency":
@@ -115,7 +110,16 @@ def test_start_times_match_list_scheduler(data, name, pp, m, vpp, comm, blocking
     elif comm == "bandwidth":
         extra = dict(p2p_latency=0.1, p2p_bandwidth=10.0,
                      p2p_bytes=data.draw(st.lists(st.floats(0.0, 40.0), min_size=n, max_size=n)))
-    costs = CostModel(forward=f, backward_input=i, backward_weight=w, **extra)
+    return CostModel(forward=f, backward_input=i, backward_weight=w, **extra)
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.data(), name=st.sampled_from(NAMES), pp=st.integers(1, 5), m=st.integers(1, 8),
+       vpp=st.integers(1, 3), comm=st.sampled_from(["none", "latency", "bandwidth"]),
+       blocking=st.booleans(), forward_only=st.sampled_from([False, False, False, True]))
+def test_start_times_match_list_scheduler(data, name, pp, m, vpp, comm, blocking, forward_only):
+    schedule = build_any(name, pp, m, vpp, forward_only)
+    costs = draw_costs(data, schedule.num_stages, comm)
     result = simulate(schedule, costs, comm="blocking" if blocking else "async")
     expected = list_schedule(schedule, costs, blocking=blocking)
     got = starts_of(result)
@@ -313,15 +317,7 @@ def rendezvous_reference(schedule, costs):
        vpp=st.integers(1, 3), comm=st.sampled_from(["none", "latency", "bandwidth"]))
 def test_rendezvous_matches_event_loop_reference(data, name, pp, m, vpp, comm):
     schedule = build_any(name, pp, m, vpp)
-    n = schedule.num_stages
-    f, i, w = data.draw(stage_costs(n))
-    extra = {}
-    if comm == "latency":
-        extra = dict(p2p_latency=data.draw(st.floats(0.0, 3.0)))
-    elif comm == "bandwidth":
-        extra = dict(p2p_latency=0.1, p2p_bandwidth=10.0,
-                     p2p_bytes=data.draw(st.lists(st.floats(0.0, 40.0), min_size=n, max_size=n)))
-    costs = CostModel(forward=f, backward_input=i, backward_weight=w, **extra)
+    costs = draw_costs(data, schedule.num_stages, comm)
     result = simulate(schedule, costs, comm="rendezvous")
     expected, arrival = rendezvous_reference(schedule, costs)
     got = starts_of(result)
