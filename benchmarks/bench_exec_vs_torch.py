@@ -64,7 +64,8 @@ def worker(board, args) -> list[dict]:
             if args.schedules and name not in args.schedules.split(","):
                 continue
             schedule = pipesim.build_schedule(name, pp=args.pp, microbatches=args.microbatches,
-                                              vpp=vpp).validate()
+                                              vpp=vpp, recv_lookahead=args.recv_lookahead
+                                              ).validate()
             bounds = by_layers(spec.num_layers, schedule.num_stages)
             mine = {s: build_stage(spec, s, bounds, seed=0, device=cpu, dtype=torch.float32)
                     for s in schedule.rank_stages(topo.pp_rank)}
@@ -72,11 +73,12 @@ def worker(board, args) -> list[dict]:
                       for s in mine}
             # -- pipeexec
             buf = GradBuffer({s: list(st.parameters()) for s, st in mine.items()}, cpu)
+            buf.bind()          # autograd accumulates into the fp32 buffer, as in training
             p2p = P2P(rank=topo.rank, pp_rank=topo.pp_rank, groups=topo.p2p_groups,
                       peers=topo.pp_ranks, num_stages=schedule.num_stages,
                       num_microbatches=args.microbatches, device=cpu, timeout=300)
             rt = PipelineRuntime(schedule, topo.pp_rank, mine, spec.loss_fn, buf.accumulate, p2p,
-                                 global_rank=topo.rank, device=cpu)
+                                 global_rank=topo.rank, device=cpu, grads_in_place=True)
             # -- torch.distributed.pipelining, same stages on the same ranks
             stages = [tpp.PipelineStage(theirs[s], s, schedule.num_stages, cpu, group=topo.pp_group)
                       for s in sorted(theirs)]
@@ -157,6 +159,8 @@ def main(argv=None) -> None:
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--vocab", type=int, default=512)
     p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--recv-lookahead", type=int, default=1,
+                   help="pipeexec posts each receive this many computations before its consumer")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--schedules", default="", help="comma-separated subset of "
                    + ",".join(n for n, _, _ in SCHEDULES))

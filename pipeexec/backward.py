@@ -20,6 +20,11 @@ A stage whose input needs no gradient (the first stage: token ids) has nothing f
 I is then a no-op and W runs the whole backward. Parameters that reach the output without
 touching the input path get their gradient in I.
 
+``into_grad=True`` (B and W): instead of returning the parameter gradients, let autograd add
+them into each parameter's ``.grad``, which the caller has pointed at its fp32 gradient buffer
+(torch DDP's ``gradient_as_bucket_view``): one in-place add per parameter inside autograd, with
+no gradient tensor handed back to Python and added again. Only when parameters are fp32.
+
 Outputs are given as ``GradientEdge`` s, not tensors: after a send the runtime replaces the
 output's storage with a one-element placeholder (Megatron's deallocate trick), and a gradient
 edge carries the original shape in the graph's metadata.
@@ -44,16 +49,33 @@ def grad_node(t: torch.Tensor) -> Node | None:
 
 
 def full_backward(root: GradientEdge, grad_output: torch.Tensor | None,
-                  stage_input: torch.Tensor | None, params: Sequence[torch.nn.Parameter]
+                  stage_input: torch.Tensor | None, params: Sequence[torch.nn.Parameter],
+                  into_grad: bool = False
                   ) -> tuple[torch.Tensor | None, list[torch.Tensor | None]]:
-    """B: gradients of the stage input (None when it needs none) and of every parameter."""
+    """B: gradients of the stage input (None when it needs none) and of every parameter (all
+    None with ``into_grad``: they were added into ``.grad``)."""
     want_input = stage_input is not None and stage_input.requires_grad
     inputs = ([stage_input] if want_input else []) + list(params)
+    if into_grad:
+        _backward_into_grad([root], inputs, grad_output)
+        dx = None
+        if want_input:
+            dx, stage_input.grad = stage_input.grad, None
+        return dx, [None] * len(params)
     grads = torch.autograd.grad([root], inputs, None if grad_output is None else [grad_output],
                                 allow_unused=True)
     if want_input:
         return grads[0], list(grads[1:])
     return None, list(grads)
+
+
+def _backward_into_grad(roots: list, inputs: list[torch.Tensor],
+                        grad_output: torch.Tensor | None) -> None:
+    """Run autograd from ``roots`` and add the gradients of ``inputs`` into their ``.grad``."""
+    inputs = [t for t in inputs if t.requires_grad]
+    if inputs:
+        torch.autograd.backward(roots, None if grad_output is None else [grad_output],
+                                inputs=inputs)
 
 
 class WeightGradient:
@@ -67,11 +89,17 @@ class WeightGradient:
         self._grad_output = grad_output
         self._params = params
 
-    def compute(self, params: Sequence[torch.nn.Parameter]) -> list[torch.Tensor | None]:
-        """W: the weight gradients (None for parameters that got theirs in I or are unused)."""
+    def compute(self, params: Sequence[torch.nn.Parameter], into_grad: bool = False
+                ) -> list[torch.Tensor | None]:
+        """W: the weight gradients (None for parameters that got theirs in I or are unused, and
+        for all with ``into_grad``: they were added into ``.grad``)."""
         out: list[torch.Tensor | None] = [None] * len(params)
         if self._root is not None:
             idx = self._params
+            if into_grad:
+                _backward_into_grad([self._root], [params[i] for i in idx], self._grad_output)
+                self._root = self._grad_output = None
+                return out
             grads = torch.autograd.grad([self._root], [params[i] for i in idx],
                                         None if self._grad_output is None else [self._grad_output],
                                         allow_unused=True)
@@ -96,6 +124,10 @@ class WeightGradient:
                     if node_grads is not None:
                         handles.append(node.register_prehook(lambda _g, saved=node_grads: saved))
             try:
+                if into_grad:
+                    torch.autograd.backward(edges, grads, retain_graph=True,
+                                            inputs=[params[i] for i in pidx])
+                    continue
                 dws = torch.autograd.grad(edges, [params[i] for i in pidx], grads,
                                           retain_graph=True, allow_unused=True)
             finally:

@@ -51,6 +51,9 @@ def _parser() -> argparse.ArgumentParser:
     a("--loss-scale-growth-interval", type=int, default=d.loss_scale_growth_interval)
     a("--seed", type=int, default=d.seed)
     a("--p2p-timeout", type=float, default=d.p2p_timeout, help="seconds per send/receive")
+    a("--recv-lookahead", type=int, default=d.recv_lookahead,
+      help="post each receive this many computations before the one that needs it (0: right "
+           "before it); the simulator models the same schedule")
     a("--backend", default=None, help="nccl or gloo (default: nccl with CUDA, else gloo)")
     a("--device", default=None, help="cpu or cuda (default: cuda when available)")
     a("--nproc", type=int, default=None, help="local workers to start (default pp * dp)")
@@ -82,7 +85,8 @@ def config_from_args(ns: argparse.Namespace) -> TrainConfig:
         decay_steps=ns.decay_steps,
         weight_decay=ns.weight_decay, clip_grad=ns.clip_grad, precision=ns.precision,
         loss_scale=ns.loss_scale, loss_scale_growth_interval=ns.loss_scale_growth_interval,
-        seed=ns.seed, p2p_timeout=ns.p2p_timeout, backend=ns.backend, device=ns.device,
+        seed=ns.seed, p2p_timeout=ns.p2p_timeout, recv_lookahead=ns.recv_lookahead,
+        backend=ns.backend, device=ns.device,
         inject=tuple(ns.inject), forward_only=ns.forward_only)
 
 

@@ -62,6 +62,7 @@ class TrainConfig:
     seed: int = 0
     forward_only: bool = False
     deallocate_outputs: bool = True
+    recv_lookahead: int = 1          # post receives this many computations before their consumer
     p2p_timeout: float = 300.0       # seconds for one send/receive to complete
     collective_timeout: float = 600.0
     backend: str | None = None       # None: nccl when CUDA is available, else gloo
@@ -124,6 +125,8 @@ class TrainConfig:
                 raise ConfigError(str(exc)) from None
         if self.data != "synthetic" and self.vocab < 256:
             raise ConfigError(f"a text file needs vocab >= 256 (byte-level tokens), got {self.vocab}")
+        if not isinstance(self.recv_lookahead, int) or self.recv_lookahead < 0:
+            raise ConfigError(f"recv_lookahead must be a non-negative integer, got {self.recv_lookahead!r}")
         if self.p2p_timeout <= 0 or self.collective_timeout <= 0:
             raise ConfigError("timeouts must be positive")
         if check_schedule:
@@ -135,5 +138,6 @@ class TrainConfig:
         import pipesim
 
         schedule = pipesim.build_schedule(self.schedule, pp=self.pp, microbatches=self.microbatches,
-                                          vpp=self.vpp, forward_only=self.forward_only)
+                                          vpp=self.vpp, forward_only=self.forward_only,
+                                          recv_lookahead=self.recv_lookahead)
         return schedule.validate()

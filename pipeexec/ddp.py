@@ -18,6 +18,7 @@ import torch.distributed as dist
 class GradBuffer:
     def __init__(self, params_by_stage: dict[int, Sequence[torch.nn.Parameter]],
                  device: torch.device, bucket_bytes: int = 25 * 2 ** 20) -> None:
+        self.params = {s: list(ps) for s, ps in params_by_stage.items()}
         total = sum(p.numel() for ps in params_by_stage.values() for p in ps)
         self.data = torch.zeros(total, dtype=torch.float32, device=device)
         self.views: dict[int, list[torch.Tensor]] = {}
@@ -30,6 +31,17 @@ class GradBuffer:
                 offset += n
             self.views[s] = views
         self.bucket_elems = max(1, bucket_bytes // 4)
+
+    def bind(self) -> bool:
+        """Point every fp32 parameter's ``.grad`` at its view of the buffer, so that autograd
+        accumulates into the buffer in place (``PipelineRuntime(grads_in_place=True)``).
+        Returns False, binding nothing, when some parameter is not fp32."""
+        if any(p.dtype != torch.float32 for ps in self.params.values() for p in ps):
+            return False
+        for s, ps in self.params.items():
+            for p, view in zip(ps, self.views[s]):
+                p.grad = view
+        return True
 
     def zero(self) -> None:
         self.data.zero_()

@@ -38,9 +38,10 @@ class P2PError(RuntimeError):
 @dataclass
 class Pending:
     work: Any
-    tensor: torch.Tensor
+    tensor: torch.Tensor | None
     peer: int
     action: Any
+    deferred: Any = None     # posts the receive at wait time (first activation of a boundary)
 
 
 class P2P:
@@ -108,19 +109,29 @@ class P2P:
 
     # -- receiving --------------------------------------------------------------------------
     def recv_activation(self, peer_rank: int, boundary: int, mb: int, action: Any) -> Pending:
-        spec = self._specs.get(boundary)
+        """Post the receive of an activation. The first one of a boundary has no known shape
+        yet: its header and data are then received when it is waited for, so that posting never
+        blocks (a receive may be posted computations before its consumer)."""
         peer = self.peers[peer_rank]
         group = self._group(FWD, peer_rank, self.pp_rank)
+        tag = self._tag(FWD, boundary, mb)
+        pending = Pending(None, None, peer, action)
+        if boundary in self._specs:
+            self._post(pending, boundary, group, tag)
+        else:
+            pending.deferred = (boundary, group, tag)
+        return pending
+
+    def _post(self, p: Pending, boundary: int, group: Any, tag: int) -> None:
+        spec = self._specs.get(boundary)
         if spec is None:
             header = torch.empty(_HEADER_LEN, dtype=torch.int64, device=self.device)
-            hp = Pending(self._irecv(header, peer, group, self._header_tag(boundary), action),
-                         header, peer, action)
-            self._wait(hp, "activation header from")
-            spec = self._read_header(header)
-            self._specs[boundary] = spec
-        buf = torch.empty(spec[0], dtype=spec[1], device=self.device)
-        return Pending(self._irecv(buf, peer, group, self._tag(FWD, boundary, mb), action), buf,
-                       peer, action)
+            self._wait(Pending(self._irecv(header, p.peer, group, self._header_tag(boundary),
+                                           p.action), header, p.peer, p.action),
+                       "activation header from")
+            spec = self._specs[boundary] = self._read_header(header)
+        p.tensor = torch.empty(spec[0], dtype=spec[1], device=self.device)
+        p.work = self._irecv(p.tensor, p.peer, group, tag, p.action)
 
     def recv_gradient(self, peer_rank: int, boundary: int, mb: int, shape: torch.Size,
                       dtype: torch.dtype, action: Any) -> Pending:
@@ -131,6 +142,10 @@ class P2P:
                        peer, action)
 
     def wait(self, pending: Pending) -> torch.Tensor:
+        if pending.deferred is not None:
+            boundary, group, tag = pending.deferred
+            pending.deferred = None
+            self._post(pending, boundary, group, tag)
         self._wait(pending, "receive from")
         return pending.tensor
 

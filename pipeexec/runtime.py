@@ -68,7 +68,9 @@ class PipelineRuntime:
 
     ``stages``: this rank's stages by global stage index. ``accumulate(stage, grads)`` adds the
     parameter gradients of one backward (B or W; I adds those few it computes) to wherever the
-    caller keeps them (fp32 main grads).
+    caller keeps them (fp32 main grads). With ``grads_in_place`` (fp32 parameters whose
+    ``.grad`` the caller has bound to those main grads, see `GradBuffer.bind`), B and W let
+    autograd add into ``.grad`` directly instead.
     """
 
     def __init__(self, schedule, pp_rank: int, stages: dict[int, Stage],
@@ -77,7 +79,7 @@ class PipelineRuntime:
                  p2p: P2P | None, *, global_rank: int, device: torch.device,
                  compute_dtype: torch.dtype = torch.float32, recorder: ActionRecorder | None = None,
                  board: Any = None, faults: dict | None = None,
-                 deallocate_outputs: bool = True) -> None:
+                 deallocate_outputs: bool = True, grads_in_place: bool = False) -> None:
         self.schedule = schedule
         self.pp_rank = pp_rank
         self.global_rank = global_rank
@@ -92,6 +94,9 @@ class PipelineRuntime:
         self.board = board
         self.faults = faults or {}
         self.deallocate_outputs = deallocate_outputs
+        self.grads_in_place = grads_in_place
+        if grads_in_place:
+            _check_bound_grads(self.params, global_rank)
         self._wait_hooks = recorder is not None and hasattr(recorder, "wait_start")
         self.actions = schedule.actions(pp_rank)
         self.placement = schedule.placement
@@ -272,8 +277,10 @@ class PipelineRuntime:
         key = (s, mb)
         self._meta.pop(key, None)
         self._kept.pop(key, None)
-        dx, dws = full_backward(self._roots.pop(key), g, self._inputs.pop(key), self.params[s])
-        self.accumulate(s, dws)
+        dx, dws = full_backward(self._roots.pop(key), g, self._inputs.pop(key), self.params[s],
+                                self.grads_in_place)
+        if not self.grads_in_place:
+            self.accumulate(s, dws)
         self._hand_back(s, mb, dx)
 
     def _backward_input(self, s: int, mb: int) -> None:
@@ -289,7 +296,9 @@ class PipelineRuntime:
 
     def _backward_weight(self, s: int, mb: int) -> None:
         wgrad = self._wgrad.pop((s, mb))
-        self.accumulate(s, wgrad.compute(self.params[s]))
+        dws = wgrad.compute(self.params[s], self.grads_in_place)
+        if not self.grads_in_place:
+            self.accumulate(s, dws)
 
     def _send_backward(self, s: int, mb: int) -> None:
         dx = self._dx.pop((s, mb))
@@ -299,6 +308,17 @@ class PipelineRuntime:
         shape, dtype = self._meta[(s, mb)]
         self._recvs[(RECV_B, s, mb)] = self.p2p.recv_gradient(
             self.placement[s + 1], s, mb, shape, dtype, Action(RECV_B, s, mb))
+
+
+def _check_bound_grads(params: dict[int, list[torch.nn.Parameter]], rank: int) -> None:
+    """``grads_in_place`` needs every parameter's ``.grad`` to be its gradient buffer already."""
+    for s, ps in params.items():
+        for k, p in enumerate(ps):
+            g = p.grad
+            if p.requires_grad and (g is None or g.dtype != p.dtype or g.shape != p.shape):
+                raise ValueError(f"rank {rank}: grads_in_place needs each parameter's .grad bound "
+                                 f"to its gradient buffer; stage {s} parameter {k} has "
+                                 f"{'no .grad' if g is None else f'a {g.dtype} {tuple(g.shape)} .grad'}")
 
 
 __all__ = ["PipelineRuntime", "PipelineError", "ActionRecorder", "StepOutput", "P2PError"]

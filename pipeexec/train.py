@@ -149,7 +149,9 @@ class Trainer:
                                        self.grads.accumulate, self.p2p, global_rank=topology.rank,
                                        device=dev, compute_dtype=self.dtype, recorder=recorder,
                                        board=board, faults=faults,
-                                       deallocate_outputs=config.deallocate_outputs)
+                                       deallocate_outputs=config.deallocate_outputs,
+                                       # fp32: the masters are the parameters, .grad bound above
+                                       grads_in_place=self.dtype == torch.float32)
         self._fwd_runtime: PipelineRuntime | None = None
         self.data = data or BatchSource(seed=config.seed, seq_len=config.seq_len, vocab=config.vocab,
                                         global_batch=config.global_batch, data=config.data)
@@ -226,10 +228,12 @@ class Trainer:
                 sched = pipesim.Schedule(s.pp, s.vpp, s.num_microbatches, s.placement,
                                          [[a for a in s.compute_order(r) if a.op == "F"]
                                           for r in range(s.pp)],
-                                         name=f"{s.name} (forward only)", forward_only=True).validate()
+                                         name=f"{s.name} (forward only)", forward_only=True,
+                                         recv_lookahead=s.recv_lookahead).validate()
             else:
                 sched = pipesim.build_schedule(cfg.schedule, pp=cfg.pp, microbatches=cfg.microbatches,
-                                               vpp=cfg.vpp, forward_only=True).validate()
+                                               vpp=cfg.vpp, forward_only=True,
+                                               recv_lookahead=cfg.recv_lookahead).validate()
             self._fwd_runtime = PipelineRuntime(sched, self.topology.pp_rank, self.stages,
                                                 self.spec.loss_fn, self.grads.accumulate, self.p2p,
                                                 global_rank=self.topology.rank,

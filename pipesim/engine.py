@@ -9,8 +9,11 @@ a message (an activation or a gradient) crossing a link, so the model makes even
   seconds, starting when both the data and the link are free: one transfer per direction at a
   time, first in, first out. A directed link has one sender, so its queue follows that rank's
   order and needs no global arbitration;
-* a RECV whose message has not been sent yet parks the process on an event; the sender
-  schedules it at the arrival time, so ``env.now`` is the simulated time at every wake-up.
+* a RECV posts a receive; the computation that needs the message waits for it (as the
+  executor does). A message that has not arrived yet parks the process on an event; the sender
+  schedules it at the arrival time, so ``env.now`` is the simulated time at every wake-up. The
+  RECV row of the trace spans that wait: from when the consumer was ready to start to the
+  arrival (zero-length at the consumer's start if the data was there).
 
 The result is the same as stepping every action as a SimPy timeout (the tests check it against
 an independent list scheduler), at a fraction of the events. Modes: ``comm="async"`` (the
@@ -20,7 +23,8 @@ receives are pre-posted, so there is no rendezvous and no deadlock that the asyn
 schedule does not have) or ``"rendezvous"`` (sends are posted and the rank goes on, but a
 transfer starts only once the receiver has posted its receive, i.e. reached the RECV action:
 how gloo and NCCL move a point-to-point message. A receive posted right before the computation
-that needs it then always waits the transfer time. Each such transfer is one SimPy event at
+that needs it then always waits the transfer time; one posted earlier (``recv_lookahead``)
+overlaps it with the computations in between. Each such transfer is one SimPy event at
 the moment both sides are ready, so a directed link serves transfers in the order they become
 ready). The model is deterministic; ``jitter``
 multiplies every compute time by a factor drawn uniformly from ``[1 - jitter, 1 + jitter]`` with
@@ -164,6 +168,7 @@ def _run(schedule: Schedule, actions: list[list], costs: CostModel, factors: lis
     link_free = [0.0] * (pp * pp)
     env = simpy.Environment()
     done = [False] * pp
+    recv_row = [-1] * (2 * n * m)                  # msg -> row of its posted RECV
     send_post = [-1.0] * (2 * n * m) if rendezvous else None
     recv_post = [-1.0] * (2 * n * m) if rendezvous else None
     send_of: list = [None] * (2 * n * m) if rendezvous else None   # msg -> (row, link, seconds)
@@ -196,26 +201,32 @@ def _run(schedule: Schedule, actions: list[list], costs: CostModel, factors: lis
         for op, stage, mb in acts:
             d = durations.get(op)
             if d is not None:                       # F, B, I, W
+                # The wait for a posted receive happens here, in the compute that needs it.
+                msg = stage * m + mb if op == F else (n + stage) * m + mb
+                r = recv_row[msg] if op != W else -1
+                if r >= 0:
+                    e = arrival[msg]
+                    if e < 0.0:
+                        ev = waiters[msg] = _Arrival(env)
+                        e = yield ev
+                    starts[r] = t
+                    if e > t:
+                        t = e
+                    ends[r] = t
                 starts[row] = t
                 if factors is None:
                     t += d[stage]
                 else:
                     t += d[stage] * factors[row]
                 ends[row] = t
-            elif op == RECV_F or op == RECV_B:
+            elif op == RECV_F or op == RECV_B:      # post only
                 msg = stage * m + mb if op == RECV_F else (n + stage) * m + mb
+                recv_row[msg] = row
+                starts[row] = ends[row] = t         # until the consumer waits
                 if rendezvous:
                     recv_post[msg] = t
                     if send_post[msg] >= 0.0:
                         ready(msg, t if t > send_post[msg] else send_post[msg])
-                e = arrival[msg]
-                if e < 0.0:
-                    ev = waiters[msg] = _Arrival(env)
-                    e = yield ev
-                starts[row] = t
-                if e > t:
-                    t = e
-                ends[row] = t
             else:                                   # SEND_F, SEND_B
                 if op == SEND_F:
                     msg, link, c = (stage + 1) * m + mb, base + placement[stage + 1], fwd_time[stage]

@@ -105,6 +105,55 @@ def test_comms_inserted_next_to_compute():
     assert [str(a) for a in s.actions(0)][:3] == ["0F0", "0SEND_F0", "0F1"]
 
 
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(name=st.sampled_from(pipesim.schedule_names()), pp=st.integers(2, 6),
+       vpp=st.integers(1, 3), m=st.integers(1, 12), lookahead=st.integers(1, 4))
+def test_receives_posted_ahead(name, pp, vpp, m, lookahead):
+    base = try_build(name, pp, vpp, m)
+    if base is None:
+        return
+    s = pipesim.build_schedule(name, pp=pp, microbatches=m, vpp=vpp, recv_lookahead=lookahead)
+    assert s == base.with_recv_lookahead(lookahead) and s.recv_lookahead == lookahead
+    assert pipesim.schedule_from_json(pipesim.schedule_to_json(s)) == s
+    s.validate()
+    for rank in range(pp):
+        late, early = base.actions(rank), s.actions(rank)
+        # the same computations in the same order, the same sends right after their producers
+        assert [a for a in early if a.op not in ("RECV_F", "RECV_B")] == \
+            [a for a in late if a.op not in ("RECV_F", "RECV_B")]
+        recvs = [a for a in late if a.op in ("RECV_F", "RECV_B")]
+        assert sorted(a for a in early if a.op in ("RECV_F", "RECV_B")) == sorted(recvs)
+        compute = [i for i, a in enumerate(early) if a.op in ("F", "B", "I", "W")]
+        channel_order = {}
+        for i, a in enumerate(early):
+            if a.op not in ("RECV_F", "RECV_B"):
+                continue
+            consumer = early.index(Action("F" if a.op == "RECV_F" else next(
+                op for op in ("B", "I") if Action(op, a.stage, a.microbatch) in early),
+                a.stage, a.microbatch))
+            between = sum(1 for c in compute if i < c < consumer)
+            made = early.index(Action("F", a.stage, a.microbatch)) if a.op == "RECV_B" else -1
+            # at most `lookahead` computations ahead of the consumer, never above the forward
+            # whose output shape the gradient buffer takes; as many as allowed otherwise
+            assert i > made and between <= lookahead, (rank, a)
+            peer = s.stage_rank(a.stage - 1 if a.op == "RECV_F" else a.stage + 1)
+            channel_order.setdefault((a.op, peer), []).append(consumer)
+        for consumers in channel_order.values():   # each channel keeps its consumers' order
+            assert consumers == sorted(consumers)
+
+
+def test_receive_lookahead_by_hand():
+    s = pipesim.build_schedule("1f1b", pp=3, microbatches=3, recv_lookahead=1)
+    assert [str(a) for a in s.actions(1)] == [
+        # compute order F0 F1 B0 F2 B1 B2; B0's gradient receive waits for F0 to have run
+        "1RECV_F0", "1RECV_F1", "1F0", "1SEND_F0", "1RECV_B0", "1F1", "1SEND_F1",
+        "1RECV_F2", "1B0", "1SEND_B0", "1RECV_B1", "1F2", "1SEND_F2", "1RECV_B2", "1B1",
+        "1SEND_B1", "1B2", "1SEND_B2"]
+    assert "recv_lookahead=1" in repr(s)
+    with pytest.raises(ScheduleError, match="recv_lookahead"):
+        pipesim.build_schedule("1f1b", pp=2, microbatches=2, recv_lookahead=-1)
+
+
 def test_no_comms_between_stages_on_the_same_rank():
     # V placement: stages 1 and 2 both on rank 1 for pp=2.
     orders = [[Action("F", 0, 0), Action("F", 3, 0), Action("B", 3, 0), Action("B", 0, 0)],

@@ -181,7 +181,7 @@ class MeasuredRun:
     def schedule(self) -> "pipesim.Schedule":
         m = self.meta
         return pipesim.build_schedule(m["schedule"], pp=m["pp"], microbatches=m["microbatches"],
-                                      vpp=m["vpp"])
+                                      vpp=m["vpp"], recv_lookahead=m.get("recv_lookahead", 0))
 
     @property
     def steps(self) -> list[int]:

@@ -118,7 +118,8 @@ class ProfileSession:
                             schedule)
         meta = {
             "schedule": cfg.schedule, "pp": cfg.pp, "vpp": cfg.vpp, "dp": cfg.dp,
-            "microbatches": cfg.microbatches, "bounds": list(trainer.bounds),
+            "microbatches": cfg.microbatches, "recv_lookahead": schedule.recv_lookahead,
+            "bounds": list(trainer.bounds),
             "layer_kinds": layer_kinds(trainer.spec.num_layers, cfg),
             "device": str(topo.device), "backend": topo.backend,
             "clock_offsets": [p["offset"] for p in pipeline],

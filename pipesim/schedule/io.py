@@ -33,6 +33,8 @@ def schedule_to_dict(schedule: Schedule) -> dict:
         "placement": list(schedule.placement),
         "forward_only": schedule.forward_only,
     }
+    if schedule.recv_lookahead:
+        data["recv_lookahead"] = schedule.recv_lookahead
     if schedule.has_explicit_comms:
         data["actions"] = [[str(a) for a in schedule.actions(r)] for r in ranks]
     else:
@@ -54,7 +56,8 @@ def schedule_from_dict(data: dict, source: str = "schedule") -> Schedule:
     return Schedule(
         data["pp"], data["vpp"], data["microbatches"], data["placement"],
         [[Action.parse(t) for t in row] for row in lists],
-        name=data.get("name", "custom"), forward_only=data.get("forward_only", False))
+        name=data.get("name", "custom"), forward_only=data.get("forward_only", False),
+        recv_lookahead=data.get("recv_lookahead", 0))
 
 
 def schedule_to_json(schedule: Schedule, path: str | os.PathLike | None = None) -> str:

@@ -56,10 +56,15 @@ def schedule_info(name: str) -> BuilderInfo:
 
 
 def build_schedule(name: str, pp: int, microbatches: int, vpp: int = 1, *,
-                   forward_only: bool = False, **options) -> Schedule:
-    """Build the named schedule; raise ScheduleError naming the constraint it breaks."""
+                   forward_only: bool = False, recv_lookahead: int = 0, **options) -> Schedule:
+    """Build the named schedule; raise ScheduleError naming the constraint it breaks.
+
+    ``recv_lookahead``: post each receive that many computations before the one that needs it
+    (0: right before it); see :mod:`pipesim.schedule.comms`.
+    """
     info = schedule_info(name)
     for field, value in (("pp", pp), ("vpp", vpp), ("microbatches", microbatches)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ScheduleError(f"{name}: {field} must be a positive integer, got {value!r}")
-    return info.builder(pp, vpp, microbatches, forward_only=forward_only, **options)
+    schedule = info.builder(pp, vpp, microbatches, forward_only=forward_only, **options)
+    return schedule.with_recv_lookahead(recv_lookahead)

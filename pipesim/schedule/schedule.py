@@ -15,12 +15,14 @@ class Schedule:
     Build it from per-rank lists of compute actions (communication is inserted by
     :func:`insert_comms`) or from full lists that already hold SEND/RECV actions (taken as they
     are, so hand-made schedules can be validated). ``placement`` is ``"looped"``, ``"v"`` or an
-    explicit stage -> rank sequence. Equality compares the data (pp, vpp, microbatches,
-    placement and actions), not the name.
+    explicit stage -> rank sequence. ``recv_lookahead`` is how many computations ahead of their
+    consumer inserted receives are posted (see :mod:`pipesim.schedule.comms`). Equality
+    compares the data (pp, vpp, microbatches, placement and actions), not the name.
     """
 
     __slots__ = ("name", "pp", "vpp", "num_microbatches", "placement", "forward_only",
-                 "_orders", "_actions", "_rank_stages", "_validated", "_explicit_comms")
+                 "_orders", "_actions", "_rank_stages", "_validated", "_explicit_comms",
+                 "recv_lookahead")
 
     def __init__(
         self,
@@ -32,11 +34,15 @@ class Schedule:
         *,
         name: str = "custom",
         forward_only: bool = False,
+        recv_lookahead: int = 0,
     ) -> None:
         for field, value in (("pp", pp), ("vpp", vpp), ("microbatches", num_microbatches)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ScheduleError(f"{field} must be a positive integer, got {value!r}")
+        if not isinstance(recv_lookahead, int) or isinstance(recv_lookahead, bool) or recv_lookahead < 0:
+            raise ScheduleError(f"recv_lookahead must be a non-negative integer, got {recv_lookahead!r}")
         self.name = name
+        self.recv_lookahead = recv_lookahead
         self.pp = pp
         self.vpp = vpp
         self.num_microbatches = num_microbatches
@@ -81,6 +87,9 @@ class Schedule:
         self._orders = tuple(compute)
         self._actions = full
         self._explicit_comms = any(a is not None for a in full)
+        if self._explicit_comms and recv_lookahead:
+            raise ScheduleError("recv_lookahead applies to inserted receives; this schedule's "
+                                "SEND/RECV actions are given by hand")
         self._validated = False
 
     # -- shape ------------------------------------------------------------------------------
@@ -114,9 +123,16 @@ class Schedule:
         """All actions of ``rank`` in execution order, SEND/RECV included."""
         full = self._actions[rank]
         if full is None:
-            full = tuple(insert_comms(self._orders[rank], rank, self.placement))
+            full = tuple(insert_comms(self._orders[rank], rank, self.placement, self.recv_lookahead))
             self._actions[rank] = full
         return list(full)
+
+    def with_recv_lookahead(self, lookahead: int) -> "Schedule":
+        """The same schedule with its receives posted ``lookahead`` computations early."""
+        if lookahead == self.recv_lookahead:
+            return self
+        return Schedule(self.pp, self.vpp, self.num_microbatches, self.placement, self._orders,
+                        name=self.name, forward_only=self.forward_only, recv_lookahead=lookahead)
 
     @property
     def has_explicit_comms(self) -> bool:
@@ -158,7 +174,8 @@ class Schedule:
     def __repr__(self) -> str:
         head = (f"Schedule({self.name!r}, pp={self.pp}, vpp={self.vpp}, "
                 f"microbatches={self.num_microbatches}, placement={self.placement_kind!r}"
-                + (", forward_only=True" if self.forward_only else ""))
+                + (", forward_only=True" if self.forward_only else "")
+                + (f", recv_lookahead={self.recv_lookahead}" if self.recv_lookahead else ""))
         lines = []
         for rank in range(self.pp):
             order = self._orders[rank]

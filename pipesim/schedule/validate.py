@@ -11,6 +11,11 @@ reason:
 3. *deadlock-free*: symbolic execution with asynchronous sends and blocking receives. A compute
    action waits for its inputs (the previous stage's F, the next stage's B/I, locally or through a
    receive). If no rank can move, every stuck rank is named with the action it waits on.
+
+A RECV only posts a receive; the computation that needs the tensor waits (the executor and the
+simulator both do this). Inserted receives are checked that way, through the compute orders.
+Hand-written lists are checked with each RECV blocking where it stands, which is stricter: a
+schedule that completes so also completes when the waits happen later.
 """
 from __future__ import annotations
 
@@ -36,9 +41,9 @@ def validate_schedule(schedule: "Schedule") -> None:
         _check_comm_matching(schedule, lists)
         _check_no_deadlock(schedule, lists)
         return
-    # Inserted receives sit right before their consumer and sends right after their producer,
-    # so running the compute orders with direct cross-rank dependencies is equivalent and 3x
-    # shorter. Only a failure replays the full lists, to name the receive each rank is stuck at.
+    # Inserted sends sit right after their producer and receives only post (the consumer
+    # waits), so running the compute orders with direct cross-rank dependencies is exact and
+    # 3x shorter. Only a failure replays the full lists, to name the receive each rank is stuck at.
     try:
         _check_no_deadlock(schedule, computes, direct=True)
     except ScheduleError:

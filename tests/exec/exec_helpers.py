@@ -49,7 +49,8 @@ def mirrored(schedule: pipesim.Schedule) -> pipesim.Schedule:
     return pipesim.Schedule(pp, schedule.vpp, schedule.num_microbatches,
                             tuple(pp - 1 - r for r in schedule.placement),
                             [schedule.compute_order(pp - 1 - r) for r in range(pp)],
-                            name=f"mirrored {schedule.name}").validate()
+                            name=f"mirrored {schedule.name}",
+                            recv_lookahead=schedule.recv_lookahead).validate()
 
 
 def reference_lr(cfg: TrainConfig, k: int) -> float:

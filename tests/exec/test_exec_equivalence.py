@@ -2,9 +2,9 @@
 all parameters match an independent single-process reference (plain torch, whole global batch),
 and forward-only outputs match the reference model's logits.
 
-One launch per layout runs every schedule (and a few bf16 cases, and hand-made schedules with a
-custom placement: the registered ones with ranks renumbered r -> pp-1-r), so the suite stays
-fast.
+One launch per layout runs every schedule (and a few bf16 cases, hand-made schedules with a
+custom placement: the registered ones with ranks renumbered r -> pp-1-r, and other receive
+lookaheads than the default 1), so the suite stays fast.
 Bounds: fp32 rtol 1e-5 with atol 1e-6 on parameters (zero-initialised biases have no relative
 scale; the observed error is ~4e-7 after updates of ~1e-2). bf16 (fp32 master weights): losses
 within rtol 1e-3 of the fp32 reference, and the parameter error at most 20% of the size of the
@@ -50,6 +50,10 @@ def _cases(pp: int, dp: int):
         cases += [(name, {"precision": "bf16"}) for name in BF16_SCHEDULES]
         # hand-made schedules with a custom placement (first stage on the last rank)
         cases += [(name, {"mirror": True}) for name in ("1f1b", "interleaved", "zbv")]
+        # receives posted right before their consumer (the runs above post them one early),
+        # and far ahead
+        cases += [(name, {"recv_lookahead": 0}) for name in ("1f1b", "zbv")]
+        cases += [(name, {"recv_lookahead": 4}) for name in ("interleaved", "zb-h1")]
     return cases
 
 

@@ -120,14 +120,17 @@ def _reference_grads(spec, seed, batches, m):
     return total
 
 
-def _one_rank_grads(schedule, spec, seed, batches):
+def _one_rank_grads(schedule, spec, seed, batches, in_place=False, steps=1):
     bounds = by_layers(spec.num_layers, schedule.num_stages)
     stages = {s: build_stage(spec, s, bounds, seed=seed, device=torch.device("cpu"),
                              dtype=torch.float32) for s in schedule.rank_stages(0)}
     buf = GradBuffer({s: list(st.parameters()) for s, st in stages.items()}, torch.device("cpu"))
+    assert buf.bind() if in_place else True
     rt = PipelineRuntime(schedule, 0, stages, spec.loss_fn, buf.accumulate, None, global_rank=0,
-                         device=torch.device("cpu"))
-    out = rt.run(batches, step=0)
+                         device=torch.device("cpu"), grads_in_place=in_place)
+    for step in range(steps):          # the buffer is zeroed between steps, as in training
+        buf.zero()
+        out = rt.run(batches, step=step)
     return [v for s in sorted(stages) for v in buf.views[s]], out
 
 
@@ -159,6 +162,22 @@ def test_interpreter_gradients_match_plain_backward(name, schedule):
     assert sorted(out.losses) == [0, 1, 2]
     for a, b in zip(grads, ref):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+    # autograd adding into the bound buffer gives the same sums as adding returned gradients,
+    # and still after the buffer was zeroed for a second step
+    in_place, _ = _one_rank_grads(schedule, SPEC, 5, batches, in_place=True, steps=2)
+    for a, b in zip(in_place, grads):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-8)
+
+
+def test_grads_in_place_needs_bound_grads():
+    sched = pipesim.build_schedule("1f1b", pp=1, microbatches=2)
+    stage = build_stage(SPEC, 0, by_layers(SPEC.num_layers, 1), seed=0,
+                        device=torch.device("cpu"), dtype=torch.float32)
+    with pytest.raises(ValueError, match="rank 3: grads_in_place .* stage 0 parameter 0 has no .grad"):
+        PipelineRuntime(sched, 0, {0: stage}, SPEC.loss_fn, lambda s, g: None, None,
+                        global_rank=3, device=torch.device("cpu"), grads_in_place=True)
+    assert not GradBuffer({0: [p.to(torch.bfloat16) for p in stage.parameters()]},
+                          torch.device("cpu")).bind()      # 16-bit parameters: not bound
 
 
 def test_interpreter_names_rank_and_action_on_error():
@@ -279,7 +298,8 @@ def test_registered_schedules_keep_channel_order():
                     sched = pipesim.build_schedule(name, pp=pp, vpp=vpp, microbatches=m).validate()
                 except pipesim.ScheduleError:
                     continue
-                check_p2p_order(sched)
+                for lookahead in (0, 1, 2, 5):   # posting receives early keeps channel order
+                    check_p2p_order(sched.with_recv_lookahead(lookahead))
                 break
 
 
