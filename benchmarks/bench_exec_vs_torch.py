@@ -6,6 +6,9 @@ pipeline forward + backward over the global batch (gradients accumulated, no opt
 executors alternating step by step so that background load hits both alike. Step time: the
 slowest rank's time from a common barrier to its last action; the median over the timed steps.
 
+The paired ratio is the median over timed steps of (pipeexec step / torch step) of the same
+round, with its quartiles: the noise of the machine shows there.
+
 Bubble (``bubble_rate``, the Zero Bubble paper's definition): ``1 - busy / step_time``, where
 ``busy`` is the compute time of the busiest rank measured in isolation (its stages' forward and
 backward over all microbatches, no communication), the same figure for both executors.
@@ -141,11 +144,20 @@ def worker(board, args) -> list[dict]:
                          "pipeexec_s": statistics.median(times["pipeexec"]),
                          "torch_s": statistics.median(times["torch"]),
                          "busy_s": statistics.median(times["busy"]),
+                         "pairs": [a / b for a, b in zip(times["pipeexec"], times["torch"])],
                          "same_losses": bool(same.item())})
             del tsched, stages
     finally:
         destroy_topology(topo)
     return rows
+
+
+def _quartiles(xs: list[float]) -> tuple[float, float, float]:
+    """First quartile, median, third quartile (the spread of the step-by-step ratios)."""
+    if len(xs) < 2:
+        return xs[0], xs[0], xs[0]
+    q = statistics.quantiles(xs, n=4)
+    return q[0], statistics.median(xs), q[2]
 
 
 def main(argv=None) -> None:
@@ -170,12 +182,14 @@ def main(argv=None) -> None:
           f"{args.steps} steps (fwd+bwd, no optimizer)", flush=True)
     rows = launch(worker, args.pp, (args,), timeout=3000)[0]
     print(f"{'schedule':<12} {'torch class':<26} {'pipeexec s':>10} {'torch s':>9} {'ratio':>6} "
-          f"{'bubble_rate pipeexec':>20} {'torch':>6}  same losses")
+          f"{'paired ratio [q1, q3]':>22} {'bubble_rate pipeexec':>20} {'torch':>6}  same losses")
     for r in rows:
         bp = 1 - r["busy_s"] / r["pipeexec_s"]
         bt = 1 - r["busy_s"] / r["torch_s"]
+        q1, med, q3 = _quartiles(r["pairs"])
         print(f"{r['schedule']:<12} {r['torch']:<26} {r['pipeexec_s']:>10.3f} {r['torch_s']:>9.3f} "
-              f"{r['pipeexec_s'] / r['torch_s']:>6.2f} {bp:>20.1%} {bt:>6.1%}  {r['same_losses']}")
+              f"{r['pipeexec_s'] / r['torch_s']:>6.2f} {f'{med:.3f} [{q1:.2f}, {q3:.2f}]':>22} "
+              f"{bp:>20.1%} {bt:>6.1%}  {r['same_losses']}")
     sys.stdout.flush()
 
 

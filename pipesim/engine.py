@@ -51,14 +51,18 @@ COMM_MODES = ("async", "blocking", "rendezvous")
 
 
 def simulate(schedule: Schedule, costs: CostModel | None = None, *, comm: str = "async",
-             step_tail: bool = False, dp: int = 1, jitter: float = 0.0, seed: int = 0
-             ) -> "SimResult":
+             step_tail: bool = False, dp: int = 1, jitter: float = 0.0, seed: int = 0,
+             cores: float | None = None) -> "SimResult":
     """Simulate one step of ``schedule`` under ``costs``; return a :class:`pipesim.SimResult`.
 
     ``step_tail`` appends, on every rank after its last action and outgoing transfer, the
     data-parallel gradient all-reduce over ``dp`` replicas and the optimizer step (see
-    :class:`CostModel`). Raises :class:`pipesim.ScheduleError` for an invalid schedule and
-    ValueError for costs that do not fit it.
+    :class:`CostModel`). ``cores``: the ranks share that many processors (more ranks than
+    cores, as CPU runs on a small machine): compute costs are then work, and the ranks computing
+    at any moment each progress at ``min(1, cores / computing)`` of it (processor sharing), so a
+    computation's duration depends on what the other ranks do meanwhile. Raises
+    :class:`pipesim.ScheduleError` for an invalid schedule and ValueError for costs that do not
+    fit it.
     """
     from .result import SimResult
 
@@ -69,17 +73,21 @@ def simulate(schedule: Schedule, costs: CostModel | None = None, *, comm: str = 
         raise ValueError(f"jitter must be in [0, 1), got {jitter}")
     if not isinstance(dp, int) or dp < 1:
         raise ValueError(f"dp must be a positive integer, got {dp!r}")
+    if cores is not None and not (isinstance(cores, (int, float)) and cores > 0):
+        raise ValueError(f"cores must be a positive number or None, got {cores!r}")
     schedule.validate()
     costs.check_shape(schedule.num_stages, schedule.pp)
     actions = [schedule.actions(r) for r in range(schedule.pp)]
     columns = _columns(schedule, actions, costs)
     factors = _jitter(len(columns["op"]), jitter, seed)
+    shared = cores if cores is not None and cores < schedule.pp else None
     starts, ends = _run(schedule, actions, costs, factors, comm == "blocking",
-                        comm == "rendezvous")
+                        comm == "rendezvous", shared)
     if step_tail:
         _append_tail(schedule, costs, dp, columns, starts, ends)
     trace = _frame(columns, starts, ends)
-    options = {"comm": comm, "step_tail": step_tail, "dp": dp, "jitter": jitter, "seed": seed}
+    options = {"comm": comm, "step_tail": step_tail, "dp": dp, "jitter": jitter, "seed": seed,
+               "cores": cores}
     return SimResult(trace, schedule=schedule, costs=costs, options=options)
 
 
@@ -100,6 +108,57 @@ class _Arrival(simpy.Event):
         self._ok = True
         self._value = time
         self.env.schedule(self, NORMAL, time - self.env.now)
+
+
+class _SharedCores:
+    """Processor sharing: the ``n`` computations in progress each advance at ``min(1, cores/n)``
+    units of work per second. A computation is one job; whenever the set of jobs changes, the
+    work done since the last change is booked and the next completion is scheduled (earlier
+    timers are superseded by a generation number)."""
+
+    def __init__(self, env: simpy.Environment, cores: float) -> None:
+        self.env, self.cores = env, cores
+        self.jobs: list[list] = []          # [remaining work, event]
+        self.last = 0.0
+        self.generation = 0
+
+    def run(self, work: float) -> simpy.Event:
+        """An event that fires, with the time, when ``work`` has been done."""
+        self._book()
+        done = simpy.Event(self.env)
+        self.jobs.append([work, done])
+        self._next()
+        return done
+
+    def _rate(self) -> float:
+        n = len(self.jobs)
+        return 1.0 if n <= self.cores else self.cores / n
+
+    def _book(self) -> None:
+        now = self.env.now
+        if self.jobs and now > self.last:
+            done = (now - self.last) * self._rate()
+            for job in self.jobs:
+                job[0] -= done
+        self.last = now
+
+    def _next(self) -> None:
+        self.generation += 1
+        if self.jobs:
+            wait = max(0.0, min(job[0] for job in self.jobs)) / self._rate()
+            timer = self.env.timeout(wait, value=self.generation)
+            timer.callbacks.append(self._tick)
+
+    def _tick(self, timer: simpy.Event) -> None:
+        if timer.value != self.generation:
+            return                          # the job set changed since this was scheduled
+        self._book()
+        least = min(job[0] for job in self.jobs)
+        finished = [job for job in self.jobs if job[0] <= least + 1e-12]
+        self.jobs = [job for job in self.jobs if job[0] > least + 1e-12]
+        for _, event in finished:
+            event.succeed(self.env.now)
+        self._next()
 
 
 def _jitter(rows: int, jitter: float, seed: int) -> list[float] | None:
@@ -141,7 +200,8 @@ def _columns(schedule: Schedule, actions: list[list], costs: CostModel) -> dict:
 
 
 def _run(schedule: Schedule, actions: list[list], costs: CostModel, factors: list[float] | None,
-         blocking: bool, rendezvous: bool = False) -> tuple[list[float], list[float]]:
+         blocking: bool, rendezvous: bool = False, cores: float | None = None
+         ) -> tuple[list[float], list[float]]:
     """Run the SimPy model; return the start and end time of every row (rank, action order).
 
     Messages are numbered ``(direction * n + receiving stage) * m + microbatch``; the directed
@@ -152,6 +212,9 @@ def _run(schedule: Schedule, actions: list[list], costs: CostModel, factors: lis
     ``env.now`` (it is the local clock of the rank posting second, and local clocks run at or
     ahead of ``env.now``), so ready events are processed in time order and the link's FIFO is
     the order in which transfers became ready.
+
+    ``cores``: computations go through `_SharedCores`; a rank's clock then cannot run ahead of
+    ``env.now`` into a computation (its speed depends on the others), so it first catches up.
     """
     pp, n, m = schedule.pp, schedule.num_stages, schedule.num_microbatches
     placement = schedule.placement
@@ -167,6 +230,7 @@ def _run(schedule: Schedule, actions: list[list], costs: CostModel, factors: lis
     waiters: list = [None] * (2 * n * m)
     link_free = [0.0] * (pp * pp)
     env = simpy.Environment()
+    shared = _SharedCores(env, cores) if cores is not None else None
     done = [False] * pp
     recv_row = [-1] * (2 * n * m)                  # msg -> row of its posted RECV
     send_post = [-1.0] * (2 * n * m) if rendezvous else None
@@ -213,11 +277,15 @@ def _run(schedule: Schedule, actions: list[list], costs: CostModel, factors: lis
                     if e > t:
                         t = e
                     ends[r] = t
-                starts[row] = t
-                if factors is None:
-                    t += d[stage]
+                work = d[stage] if factors is None else d[stage] * factors[row]
+                if shared is not None:
+                    if t > env.now:
+                        yield env.timeout(t - env.now)
+                    starts[row] = t
+                    t = yield shared.run(work)
                 else:
-                    t += d[stage] * factors[row]
+                    starts[row] = t
+                    t += work
                 ends[row] = t
             elif op == RECV_F or op == RECV_B:      # post only
                 msg = stage * m + mb if op == RECV_F else (n + stage) * m + mb

@@ -406,3 +406,81 @@ def test_hand_written_early_receive_waits_at_its_consumer():
     starts = starts_of(simulate(s, costs))
     assert starts[(1, "F", 1, 0)] == pytest.approx(1.5)     # not 2.5, mb 1's arrival
     assert starts[(1, "F", 1, 1)] == pytest.approx(2.5)
+
+
+# -- processor sharing: more ranks than cores ------------------------------------------------------
+def sharing_reference(schedule, costs, cores):
+    """Start time of every compute action when the ranks share ``cores`` processors, by a plain
+    loop over completions (no SimPy): ranks start their next computation as soon as its input
+    exists (free, instant messages); the k running ones each progress at min(1, cores / k)."""
+    n, pp = schedule.num_stages, schedule.pp
+    t = costs.compute_times(n)
+    orders = [schedule.compute_order(r) for r in range(pp)]
+    idx = [0] * pp
+    made = set()                       # ("F" | "G", stage, mb): outputs and input gradients
+    running = {}                       # rank -> [remaining work, action]
+    start, now = {}, 0.0
+
+    def ready(op, s, mb):
+        if op == "F":
+            return s == 0 or ("F", s - 1, mb) in made
+        if op in ("B", "I"):
+            return s == n - 1 or ("G", s + 1, mb) in made
+        return True
+
+    while True:
+        for r in range(pp):
+            if r not in running and idx[r] < len(orders[r]):
+                op, s, mb = orders[r][idx[r]]
+                if ready(op, s, mb):
+                    running[r] = [t[op][s], (op, s, mb)]
+                    start[(r, op, s, mb)] = now
+        if not running:
+            break
+        rate = min(1.0, cores / len(running))
+        dt = min(w for w, _ in running.values()) / rate
+        now += dt
+        for r in list(running):
+            running[r][0] -= dt * rate
+            if running[r][0] <= 1e-12:
+                op, s, mb = running.pop(r)[1]
+                made.add(("F" if op == "F" else "G", s, mb))
+                idx[r] += 1
+    assert all(idx[r] == len(orders[r]) for r in range(pp)), "reference got stuck"
+    return start
+
+
+def test_processor_sharing_by_hand():
+    # 1F1B, pp = 2, m = 2, F = 1, B = 2, one core: the two ranks halve it whenever both compute.
+    s = pipesim.build_schedule("1f1b", pp=2, microbatches=2)
+    r = simulate(s, CostModel(forward=1.0, backward=2.0), cores=1)
+    spans = {(row.rank, row.op, row.microbatch): (row.start, row.end)
+             for row in r.trace[r.trace["kind"] == "compute"].itertuples()}
+    assert spans == {(0, "F", 0): (0, 1), (0, "F", 1): (1, 3), (1, "F", 0): (1, 3),
+                     (1, "B", 0): (3, 5), (0, "B", 0): (5, 9), (1, "F", 1): (5, 7),
+                     (1, "B", 1): (7, 10), (0, "B", 1): (10, 12)}
+    assert r.makespan == 12.0 and r.options["cores"] == 1
+    assert simulate(s, CostModel(forward=1.0, backward=2.0), cores=2).makespan == \
+        simulate(s, CostModel(forward=1.0, backward=2.0)).makespan    # a core per rank
+    with pytest.raises(ValueError, match="cores"):
+        simulate(s, cores=0)
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.data(), name=st.sampled_from(NAMES), pp=st.integers(2, 5), m=st.integers(1, 8),
+       vpp=st.integers(1, 3), cores=st.sampled_from([1, 1.5, 2, 3]))
+def test_processor_sharing_matches_reference(data, name, pp, m, vpp, cores):
+    schedule = build_any(name, pp, m, vpp)
+    costs = draw_costs(data, schedule.num_stages, "none")
+    result = simulate(schedule, costs, cores=cores)
+    expected = sharing_reference(schedule, costs, cores)
+    got = starts_of(result)
+    assert got.keys() == expected.keys()
+    for key, value in expected.items():
+        assert got[key] == pytest.approx(value, rel=1e-9, abs=1e-9), key
+    work = sum(costs.compute_times(schedule.num_stages)[a.op][a.stage]
+               for r in range(schedule.pp) for a in schedule.compute_order(r))
+    # one core never idles while work is left (free messages, a deadlock-free schedule)
+    if cores == 1:
+        assert result.makespan == pytest.approx(work, rel=1e-9)
+    assert result.makespan >= max(work / cores, simulate(schedule, costs).makespan) * (1 - 1e-9)

@@ -21,14 +21,15 @@ points (predicted - measured); memory errors relative, per rank.
 Calibrated from the run itself, the costs are the compared step's per-stage wall-time means.
 Either way the simulation moves messages as the executor does (``EXECUTOR_COMM``, pipesim's
 ``comm="rendezvous"``): gloo and NCCL start a transfer only once the receiver has posted its
-receive, and the runtime posts it right before the computation that needs the data, so each
-message between ranks costs its receiver the transfer time. Simulating sends as starting at
-once (``"async"``) hid those waits and ran short, most for schedules with many cross-rank
-messages per step (interleaved, ZB-V).
+receive, which the runtime does where the schedule's RECV stands (``recv_lookahead``
+computations before the one that needs the data; with 0, every message between ranks costs
+its receiver the transfer time). Simulating sends as starting at once (``"async"``) hid those
+waits and ran short, most for schedules with many cross-rank messages per step (interleaved,
+ZB-V).
 Calibrated from another run (``--calibrate-from``, cross-schedule), a CPU run's costs are its
-CPU work per (op, stage), stretched for the target schedule by processor sharing of the
-calibration run's effective cores (:mod:`pipeexec.profile.contention`): with more ranks than
-cores, how much each computation is slowed depends on the schedule.
+CPU work per (op, stage), and the simulation shares the calibration run's effective cores
+(:mod:`pipeexec.profile.contention`) among the ranks computing at each moment: with more ranks
+than cores, how much each computation is slowed depends on the schedule.
 """
 from __future__ import annotations
 
@@ -229,8 +230,7 @@ def _num(x: Any) -> Any:
 
 
 # How pipeexec's transports move a message: gloo (and NCCL) start a point-to-point transfer only
-# once the receiver has posted its receive, and the runtime posts each receive right before the
-# computation that needs it, so every message between ranks is waited for.
+# once the receiver has posted its receive (at the schedule's RECV action).
 EXECUTOR_COMM = "rendezvous"
 
 
@@ -244,12 +244,13 @@ def predict(schedule: "pipesim.Schedule", layout: Layout, calibration_run: Measu
     executor's rendezvous, where a transfer starts when both sides have posted.
 
     ``contention`` (default: when the calibration run recorded CPU work, i.e. on CPU): model
-    ranks sharing cores. Costs are then the CPU work per (op, stage), stretched by processor
-    sharing of the calibration run's effective core count under the *target* schedule's
-    overlap (:mod:`pipeexec.profile.contention`); otherwise per-stage wall-time means.
+    ranks sharing cores. Costs are then the CPU work per (op, stage), and the simulation shares
+    the calibration run's effective core count among the ranks computing at each moment of the
+    *target* schedule (``pipesim.simulate(cores=...)``, processor sharing); otherwise per-stage
+    wall-time means.
     """
     from .calibrate import has_cpu_times
-    from .contention import contention_costs, effective_cores
+    from .contention import effective_cores
 
     if contention is None:
         contention = has_cpu_times(calibration_run)
@@ -261,23 +262,23 @@ def predict(schedule: "pipesim.Schedule", layout: Layout, calibration_run: Measu
     if steps is not None:
         trace = trace[trace["step"].isin(steps)]
     cores = effective_cores(trace)
-    shared = contention_costs(schedule, cal.costs, cores, comm=comm)
-    cal.costs, cal.model, cal.cores = shared.costs, "processor-sharing", cores
-    return shared.result, cal
+    cal.model, cal.cores = "processor-sharing", cores
+    return pipesim.simulate(schedule, cal.costs, comm=comm, cores=cores), cal
 
 
 def compare_runs(run: MeasuredRun, calibration_run: MeasuredRun | None = None,
                  step: int | None = None, *, contention: bool | None = None) -> Comparison:
     """Compare ``run``'s step ``step`` (default the median one) with its simulation.
 
-    Costs come from ``calibration_run`` (all its profiled steps; ``contention`` as in
-    `predict`), or by default from the compared step itself (wall-time means): then the
-    question is only whether the simulator reproduces the step's timing from its per-stage
-    costs, and step-to-step drift of a shared machine stays out of it."""
+    Costs come from ``calibration_run`` (all its profiled steps), or by default from the
+    compared step itself: then the question is only whether the simulator reproduces the step's
+    timing from its per-stage costs, and step-to-step drift of a shared machine stays out of
+    it. ``contention`` as in `predict` (on CPU: CPU work shared by the effective cores)."""
     step = run.representative_step() if step is None else step
     measured = run.result(step)
     if calibration_run is None:
-        predicted, cal = predict(run.schedule, Layout.of_run(run), run, [step], contention=False)
+        predicted, cal = predict(run.schedule, Layout.of_run(run), run, [step],
+                                 contention=contention)
     else:
         predicted, cal = predict(run.schedule, Layout.of_run(run), calibration_run,
                                  contention=contention)

@@ -1,4 +1,4 @@
-"""More ranks than cores: a processor-sharing correction around the pipesim simulator.
+"""More ranks than cores: how many cores a CPU run effectively had.
 
 On a machine with C cores running p > C ranks (the CPU benchmarks: 4 ranks on 2 cores), an
 action's wall time is its CPU work stretched by how many ranks compute at the same moment:
@@ -6,30 +6,28 @@ processor sharing gives each of n computing ranks min(1, C/n) of a core. The sch
 that overlap, so wall-time costs measured under one schedule do not carry over to another
 (1F1B's steady state keeps every rank busy; interleaving and zero-bubble schedules change who
 overlaps whom). CPU work (``time.thread_time`` per computation, the ``cpu`` column of a
-measured trace) does carry over.
+measured trace) does carry over: `pipesim.simulate(costs=work, cores=C)` shares C cores among
+the ranks computing at each moment of the target schedule.
 
+* `progress`: the work each computation of a trace gets done over its wall span when C cores
+  are shared among the computing ranks.
 * `effective_cores` finds the C that makes processor sharing explain a measured run: the CPU
-  work of all its computations equals their progress at rate min(1, C/n(t)) over their wall
-  spans. Other processes on the machine lower it below the core count.
-* `contention_costs` predicts wall-time costs for another schedule from CPU-work costs: a
-  fixed point of "simulate, measure each (op, stage)'s mean slowdown in the simulated trace,
-  stretch the work by it", damped, with the unmodified pipesim engine.
+  work of all its computations equals their progress over their wall spans. Other processes
+  on the machine lower it below the core count.
+* `shared_work` fits the work per (op, stage) that, shared on C cores under the run's own
+  schedule, gives back the run's wall-time means.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
 
-import pipesim
-
 if TYPE_CHECKING:
     import pandas as pd
 
-    from pipesim import CostModel, SimResult
-
-_FIELDS = (("F", "forward"), ("B", "backward"), ("I", "backward_input"), ("W", "backward_weight"))
+    import pipesim
+    from pipesim import CostModel
 
 
 def progress(trace: "pd.DataFrame", cores: float) -> np.ndarray:
@@ -67,7 +65,7 @@ def effective_cores(trace: "pd.DataFrame", cpu: np.ndarray | None = None) -> flo
     lo, hi = 0.05, ranks
     if float(progress(trace, hi)[ok].sum()) <= total:
         return hi                                  # no sign of sharing
-    for _ in range(50):
+    for _ in range(60):
         mid = 0.5 * (lo + hi)
         if float(progress(trace, mid)[ok].sum()) < total:
             lo = mid
@@ -76,57 +74,41 @@ def effective_cores(trace: "pd.DataFrame", cpu: np.ndarray | None = None) -> flo
     return 0.5 * (lo + hi)
 
 
-def slowdowns(trace: "pd.DataFrame", cores: float, num_stages: int) -> dict[str, list[float]]:
-    """Mean wall / work per (op, stage) in a simulated trace under processor sharing."""
-    rows = trace[trace["kind"] == "compute"]
-    wall = (rows["end"] - rows["start"]).to_numpy(float)
-    got = progress(trace, cores)
-    ratio = np.where(got > 0, wall / np.maximum(got, 1e-300), 1.0)
-    frame = rows[["op", "stage"]].assign(ratio=ratio)
-    frame["op"] = frame["op"].astype(str)
-    means = frame.groupby(["op", "stage"])["ratio"].mean()
-    out = {}
-    for op, _ in _FIELDS:
-        out[op] = [float(means.get((op, s), 1.0)) for s in range(num_stages)]
-    return out
+_FIELDS = (("F", "forward"), ("B", "backward"), ("I", "backward_input"), ("W", "backward_weight"))
 
 
-@dataclass
-class ContentionPrediction:
-    costs: "CostModel"           # wall-time costs for the target schedule
-    result: "SimResult"
-    cores: float
-    iterations: int
-    slowdown: dict[str, list[float]]
+def shared_work(schedule: "pipesim.Schedule", wall: "CostModel", cores: float, *,
+                comm: str = "rendezvous", iterations: int = 40, tol: float = 1e-4
+                ) -> "CostModel":
+    """Work per (op, stage) that, shared among the computing ranks of ``schedule`` on
+    ``cores`` processors, takes the wall times of ``wall`` on average: the run's per-stage costs
+    with the sharing of *its* schedule taken out, ready to be shared under another one.
 
+    A fixed point of ``work *= measured wall mean / simulated wall mean`` per (op, stage),
+    simulated with ``pipesim.simulate(cores=...)``. Unlike CPU time per computation (which a
+    hyperthread sibling or the memory bus stretch too), it reproduces the run's busy time per
+    rank exactly once converged.
+    """
+    import pipesim
 
-def contention_costs(schedule: "pipesim.Schedule", work: "CostModel", cores: float, *,
-                     iterations: int = 30, damping: float = 0.5, tol: float = 1e-4,
-                     comm: str = "async") -> ContentionPrediction:
-    """Wall-time costs of ``schedule`` on ``cores`` cores from CPU-work costs ``work``
-    (simulated with ``pipesim.simulate``'s ``comm`` mode)."""
     n = schedule.num_stages
-    base = work.compute_times(n)       # F, B, I, W with the model's defaults applied
-    factor = {op: [1.0] * n for op, _ in _FIELDS}
-    it = 0
-    for it in range(1, iterations + 1):
-        result = pipesim.simulate(schedule, _scaled(work, base, factor), comm=comm)
-        # wall / progress in the simulated trace is the factor that would make each
-        # computation's progress equal its work: the fixed point is factor == that ratio.
-        slow = slowdowns(result.trace, cores, n)
+    target = wall.compute_times(n)
+    work = {op: list(target[op]) for op, _ in _FIELDS}
+    used = {(a.op, a.stage) for r in range(schedule.pp) for a in schedule.compute_order(r)}
+    for _ in range(iterations):
+        trial = wall.with_(**{name: work[op] for op, name in _FIELDS})
+        trace = pipesim.simulate(schedule, trial, comm=comm, cores=cores).trace
+        rows = trace[trace["kind"] == "compute"]
+        frame = rows[["op", "stage"]].assign(wall=rows["end"] - rows["start"])
+        frame["op"] = frame["op"].astype(str)
+        means = frame.groupby(["op", "stage"])["wall"].mean()
         change = 0.0
-        for op in factor:
-            for s in range(n):
-                target = (1 - damping) * factor[op][s] + damping * slow[op][s]
-                change = max(change, abs(target - factor[op][s]) / factor[op][s])
-                factor[op][s] = target
+        for op, stage in used:
+            got = float(means.get((op, stage), 0.0))
+            if got > 0 and target[op][stage] > 0:
+                factor = target[op][stage] / got
+                work[op][stage] *= factor
+                change = max(change, abs(factor - 1.0))
         if change < tol:
             break
-    costs = _scaled(work, base, factor)
-    return ContentionPrediction(costs, pipesim.simulate(schedule, costs, comm=comm), cores, it,
-                                factor)
-
-
-def _scaled(work: "CostModel", base: dict, factor: dict) -> "CostModel":
-    return work.with_(**{field: [b * f for b, f in zip(base[op], factor[op])]
-                         for op, field in _FIELDS})
+    return wall.with_(**{name: work[op] for op, name in _FIELDS})

@@ -197,12 +197,16 @@ class ProfiledP2P:
         return self._inner.send(tensor, *args, **kwargs)
 
     def recv_activation(self, *args: Any, **kwargs: Any) -> Any:
-        pending = self._inner.recv_activation(*args, **kwargs)
-        self._profiler.add_bytes(pending.tensor.nelement() * pending.tensor.element_size())
-        return pending
+        return self._posted(self._inner.recv_activation(*args, **kwargs))
 
     def recv_gradient(self, *args: Any, **kwargs: Any) -> Any:
-        pending = self._inner.recv_gradient(*args, **kwargs)
-        self._profiler.add_bytes(pending.tensor.nelement() * pending.tensor.element_size())
+        return self._posted(self._inner.recv_gradient(*args, **kwargs))
+
+    def _posted(self, pending: Any) -> Any:
+        # A boundary's first activation is posted only when waited for (its shape arrives
+        # with it), so its RECV records no bytes.
+        t = pending.tensor
+        if t is not None:
+            self._profiler.add_bytes(t.nelement() * t.element_size())
         return pending
 
