@@ -270,15 +270,19 @@ def compare_runs(run: MeasuredRun, calibration_run: MeasuredRun | None = None,
                  step: int | None = None, *, contention: bool | None = None) -> Comparison:
     """Compare ``run``'s step ``step`` (default the median one) with its simulation.
 
-    Costs come from ``calibration_run`` (all its profiled steps), or by default from the
-    compared step itself: then the question is only whether the simulator reproduces the step's
-    timing from its per-stage costs, and step-to-step drift of a shared machine stays out of
-    it. ``contention`` as in `predict` (on CPU: CPU work shared by the effective cores)."""
+    Costs come from ``calibration_run`` (all its profiled steps; ``contention`` as in
+    `predict`), or by default from the compared step itself: then the question is only whether
+    the simulator reproduces the step's timing from its per-stage costs, and step-to-step drift
+    of a shared machine stays out of it. The step's own costs are its per-stage wall-time means
+    unless ``contention=True`` (CPU work shared by the step's effective cores): the means carry
+    the step's own contention, and give each rank exactly its measured busy time, which the
+    sharing model does not (on 4 ranks over 2 vCPUs it gets the step time closer but spreads
+    busy time differently over the ranks, so bubble_fraction further off)."""
     step = run.representative_step() if step is None else step
     measured = run.result(step)
     if calibration_run is None:
         predicted, cal = predict(run.schedule, Layout.of_run(run), run, [step],
-                                 contention=contention)
+                                 contention=bool(contention))
     else:
         predicted, cal = predict(run.schedule, Layout.of_run(run), calibration_run,
                                  contention=contention)
