@@ -6,9 +6,9 @@ schedule X of gpipe, interleaved (vpp 2), zb-h1, zbv (vpp 2) and 1f1b itself:
 1. one job trains 1f1b and X side by side in the same processes, alternating step by step
    (``--steps`` steps each, steps 1.. profiled), so both meet the same machine;
 2. X is predicted from the 1f1b steps' trace alone (CPU work per stage, re-partitioned per
-   layer kind where vpp differs, stretched by processor sharing of the effective cores fitted
-   to the 1f1b steps under X's own overlap) and compared with X's measured median step: the
-   cross-schedule error. X = 1f1b measures the noise floor of that comparison;
+   layer kind where vpp differs, simulated with the effective cores fitted to the 1f1b steps
+   shared among the ranks computing at each moment of X) and compared with X's measured median
+   step: the cross-schedule error. X = 1f1b measures the noise floor of that comparison;
 3. X is also simulated with costs calibrated from its own measured step: does the simulator
    reproduce a run from its per-stage costs?
 
@@ -29,7 +29,7 @@ ranks than cores, ranks time-share; calibrated costs then include the contention
 they came from, which differs between schedules (a schedule with more ranks computing at once
 slows each computation more). Other processes on the machine add noise of their own.
 
-    python benchmarks/bench_prediction.py                 # pp 2 and 4, ~5 minutes
+    python benchmarks/bench_prediction.py                 # pp 2 and 4, ~3 minutes
     python benchmarks/bench_prediction.py --pp 4 --out-dir /tmp/pred
 """
 from __future__ import annotations
@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--vocab", type=int, default=256)
-    p.add_argument("--steps", type=int, default=4, help="steps per run; 1.. are profiled")
+    p.add_argument("--steps", type=int, default=6, help="steps per run; 1.. are profiled")
     p.add_argument("--out-dir", default=None, help="keep reports, pictures and traces here")
     p.add_argument("--timeout", type=float, default=900.0, help="limit per run, seconds")
     p.add_argument("--mode", choices=("paired", "sequential"), default="paired",
@@ -125,6 +125,7 @@ def main(argv: list[str] | None = None) -> int:
                "measured_ms": mine["measured_step_time"] * 1e3,
                "self_ms": mine["predicted_step_time"] * 1e3, "self_err": mine["step_time_error"],
                "bf_meas": mine["measured_bubble_fraction"],
+               "bf_steps": [run.result(s).bubble_fraction for s in run.steps],
                "bf_self": mine["predicted_bubble_fraction"], "mem_err": mem_err,
                "steps_ms": "/".join(f"{v * 1e3:.0f}" for v in mine["measured_step_times"].values()),
                "load": os.getloadavg()[0]}
@@ -199,9 +200,9 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print("| pp | schedule | vpp | measured step (ms) | predicted, own trace | error | "
           "predicted from 1f1b (without its own timings) | error | bubble_fraction "
-          "measured | predicted (own) | predicted (1f1b) | peak act. memory error, max over "
-          "ranks (own / 1f1b) | load avg |")
-    print("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+          "measured | (its range over the profiled steps) | predicted (own) | predicted (1f1b) "
+          "| peak act. memory error, max over ranks (own / 1f1b) | load avg |")
+    print("|---:|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|")
     for r in rows:
         if "cross_ms" in r:
             cross_ms, cross_err = f"{r['cross_ms']:.0f}", pct(r["cross_err"])
@@ -210,7 +211,8 @@ def main(argv: list[str] | None = None) -> int:
             cross_ms, cross_err, bf_cross, mem = "(calibration)", "", "", f"{r['mem_err']:.1%}"
         print(f"| {r['pp']} | {r['schedule']} | {r['vpp']} | {r['measured_ms']:.0f} | "
               f"{r['self_ms']:.0f} | {pct(r['self_err'])} | {cross_ms} | {cross_err} | "
-              f"{r['bf_meas']:.3f} | {r['bf_self']:.3f} | {bf_cross} | {mem} | {r['load']:.1f} |")
+              f"{r['bf_meas']:.3f} | {min(r['bf_steps']):.3f}-{max(r['bf_steps']):.3f} | "
+              f"{r['bf_self']:.3f} | {bf_cross} | {mem} | {r['load']:.1f} |")
     own = [abs(r["self_err"]) for r in rows]
     cross = [abs(r["cross_err"]) for r in rows if "cross_err" in r and not r["schedule"].startswith("1f1b")]
     floor = [abs(r["cross_err"]) for r in rows if "cross_err" in r and r["schedule"].startswith("1f1b")]
@@ -219,6 +221,13 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nmax |error|: step time, own trace {max(own):.1%}; cross-schedule {max(cross or [0]):.1%}; "
           f"1f1b predicted from 1f1b (noise floor) {max(floor or [0]):.1%}; "
           f"bubble_fraction (own) {max(bf):.1f} points; peak activation memory (own) {max(mem):.1%}")
+    for pp in sorted({r["pp"] for r in rows}):
+        mine = [r for r in rows if r["pp"] == pp]
+        spread = max(max(r["bf_steps"]) - min(r["bf_steps"]) for r in mine)
+        print(f"  pp={pp}: step time, own trace {max(abs(r['self_err']) for r in mine):.1%}; "
+              f"bubble_fraction, own trace {max(abs(r['bf_self'] - r['bf_meas']) for r in mine) * 100:.1f} "
+              f"points, while the measured one moves up to {spread * 100:.1f} points from step to "
+              "step within a run")
     print(f"\n{len(rows)} runs in {time.time() - started:.0f} s; measured step times of the "
           "profiled steps are in each report (--out-dir).")
     return 0

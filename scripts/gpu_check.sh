@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # GPU check for pipeexec, for when a CUDA machine is lent: the cuda-marked tests, then a short
-# benchmark. Finishes in well under 10 minutes on one GPU.
+# benchmark, then the CPU prediction benchmark at pp=4 with a core per rank (the development
+# machine has 2 cores, where 4 ranks time-share). Finishes in well under 10 minutes.
 #   bash scripts/gpu_check.sh            (from the repository root)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -31,6 +32,8 @@ if [ "${NGPU:-0}" -ge 2 ]; then
 else
   echo "(one GPU: NCCL needs one GPU per rank, so the multi-rank benchmark is skipped)"
 fi
+echo "== predicted vs measured on CPU/gloo, pp=4, one core per rank (this machine has the cores)"
+timeout 300 python benchmarks/bench_prediction.py --pp 4 --steps 6 || status=1
 python - <<'PY'
 import glob, json, statistics
 for f in sorted(glob.glob("/tmp/pipeexec_gpu_*.json")):
