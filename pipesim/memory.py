@@ -12,6 +12,12 @@ Frees sort before allocations at the same instant. Static bytes per rank are
 ``CostModel.static_bytes[rank]`` plus ``stage_static_bytes`` of every stage the rank holds.
 Because it reads only the trace, the same model predicts a measured run's memory from its
 measured timing.
+
+Receive buffers (with the schedule, when messages have a size, ``p2p_bytes``): a RECV
+allocates its buffer when it is posted, i.e. at the start of the first computation after it in
+the rank's list. An activation's buffer is part of the stage's ``activation_bytes`` from its
+F on, so it adds only while posted ahead of that F (``recv_lookahead``); a gradient's buffer
+is held from its posting to the end of the B or I that uses it.
 """
 from __future__ import annotations
 
@@ -24,13 +30,16 @@ if TYPE_CHECKING:
     import pandas as pd
 
     from .costs import CostModel
+    from .schedule.schedule import Schedule
 
 
 def memory_timeline(trace: "pd.DataFrame", costs: "CostModel", num_stages: int, pp: int,
-                    rank_stages: Sequence[Sequence[int]] | None = None) -> "pd.DataFrame":
+                    rank_stages: Sequence[Sequence[int]] | None = None,
+                    schedule: "Schedule | None" = None) -> "pd.DataFrame":
     """Columns rank, time, bytes: bytes held on the rank after each event.
 
-    Each rank's timeline starts with its static bytes at the trace's first start.
+    Each rank's timeline starts with its static bytes at the trace's first start. With
+    ``schedule``, receive buffers are counted too (see the module docstring).
     """
     import pandas as pd
 
@@ -59,6 +68,13 @@ def memory_timeline(trace: "pd.DataFrame", costs: "CostModel", num_stages: int, 
     deltas = np.concatenate([d[m] for m, _, d, _ in parts])
     prio = np.concatenate([np.full(m.sum(), p) for m, _, _, p in parts])
     ranks = np.concatenate([rank[m] for m, _, _, _ in parts])
+    nbytes = costs.stage_values("p2p_bytes", num_stages)
+    if schedule is not None and has_backward and any(nbytes):
+        extra = _receive_buffers(rows, schedule, nbytes)
+        if extra:
+            r, t, d, p = (np.asarray(x) for x in zip(*extra))
+            times, deltas = np.concatenate((times, t)), np.concatenate((deltas, d))
+            prio, ranks = np.concatenate((prio, p)), np.concatenate((ranks, r))
 
     if rank_stages is None:
         held = rows.groupby("rank")["stage"].unique()
@@ -73,6 +89,39 @@ def memory_timeline(trace: "pd.DataFrame", costs: "CostModel", num_stages: int, 
     frame = pd.DataFrame({"rank": ranks[order], "time": times[order], "bytes": deltas[order]})
     frame["bytes"] = frame.groupby("rank")["bytes"].cumsum()
     return frame.reset_index(drop=True)
+
+
+def _receive_buffers(rows: "pd.DataFrame", schedule: "Schedule", nbytes: Sequence[float]
+                     ) -> list[tuple[int, float, float, int]]:
+    """(rank, time, +/- bytes, priority) of the receive buffers a schedule's RECVs hold."""
+    span = {(int(r), str(o), int(s), int(b)): (t0, t1) for r, o, s, b, t0, t1 in zip(
+        rows["rank"], rows["op"], rows["stage"], rows["microbatch"], rows["start"], rows["end"])}
+    out: list[tuple[int, float, float, int]] = []
+    for rank in range(schedule.pp):
+        actions = schedule.actions(rank)
+        posted: list = []                    # RECVs waiting for the next computation to start
+        for op, stage, mb in actions:
+            if op == "RECV_F" or op == "RECV_B":
+                posted.append((op, stage, mb))
+                continue
+            if not posted or op not in ("F", "B", "I", "W"):
+                continue
+            at = span.get((rank, op, stage, mb))
+            for rop, s, b in posted:
+                if rop == "RECV_F":
+                    use = span.get((rank, "F", s, b))
+                    if at is None or use is None or (op == "F" and (s, b) == (stage, mb)):
+                        continue             # posted right before its F: in activation_bytes
+                    size = nbytes[s - 1]
+                    out += [(rank, at[0], size, 1), (rank, use[0], -size, 0)]
+                else:
+                    use = span.get((rank, "B", s, b)) or span.get((rank, "I", s, b))
+                    if at is None or use is None:
+                        continue
+                    size = nbytes[s]
+                    out += [(rank, at[0], size, 1), (rank, use[1], -size, 0)]
+            posted = []
+    return out
 
 
 def peak_per_rank(timeline: "pd.DataFrame", pp: int) -> list[float]:

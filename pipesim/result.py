@@ -115,7 +115,7 @@ class SimResult:
         n = self.schedule.num_stages if self.schedule is not None else int(self.trace["stage"].max()) + 1
         stages = ([self.schedule.rank_stages(r) for r in range(self.num_ranks)]
                   if self.schedule is not None else None)
-        return memory_timeline(self.trace, self.costs, n, self.num_ranks, stages)
+        return memory_timeline(self.trace, self.costs, n, self.num_ranks, stages, self.schedule)
 
     @cached_property
     def peak_memory(self) -> list[float]:

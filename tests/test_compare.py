@@ -32,7 +32,8 @@ def jittered_run(name="zb-h1", pp=4, vpp=1, m=8, steps=2) -> MeasuredRun:
         t = pipesim.simulate(s, truth, jitter=0.04, seed=k).trace.copy()
         t["op"], t["kind"] = t["op"].astype(str), t["kind"].astype(str)
         t["step"] = k
-        # memory readings: F adds act[stage] (held from its end), I keeps it, W / B release it
+        # memory readings: F adds act[stage] (held from its end), I keeps it, W / B release it;
+        # a gradient's receive buffer (p2p_bytes) is held from its RECV to the end of its I / B
         t["mem_start"] = 0.0
         t["mem_end"] = 0.0
         held = {r: 0.0 for r in range(pp)}
@@ -41,8 +42,12 @@ def jittered_run(name="zb-h1", pp=4, vpp=1, m=8, steps=2) -> MeasuredRun:
             t.at[i, "mem_start"] = held[r]
             if op == "F":
                 held[r] += act[st]
-            elif op in ("B", "W"):
+            elif op == "RECV_B":
+                held[r] += 50.0
+            if op in ("B", "W"):
                 held[r] -= act[st]
+            if op in ("B", "I") and st < n - 1:
+                held[r] -= 50.0
             t.at[i, "mem_end"] = held[r]
         t["arrival_observed"] = True
         t["link_start"] = t["start"]

@@ -93,3 +93,19 @@ def test_memory_model_agrees_with_inflight_count(name, pp, m, vpp, frac):
                                               static_bytes=2.0))
     last = r2.memory_timeline.groupby("rank")["bytes"].last()
     assert list(last) == pytest.approx([2.0] * schedule.pp, abs=1e-9)
+
+
+def test_receive_buffers_held_from_posting():
+    # 1F1B, pp = 2, m = 2, F = 1, B = 2, free transfers of 1-byte messages, 10 bytes of
+    # activations per (stage, microbatch). A gradient's buffer is held from its posting to the
+    # end of its B; an activation's buffer adds only while posted ahead of its F.
+    costs = CostModel(forward=1.0, backward=2.0, activation_bytes=10.0, p2p_bytes=1.0)
+    late = pipesim.build_schedule("1f1b", pp=2, microbatches=2)
+    early = late.with_recv_lookahead(1)
+    assert simulate(late, costs).peak_memory == [21.0, 10.0]     # rank 0: B0 holds its gradient
+    # rank 0 posts RECV_B0 before F1 and RECV_B1 before B0: 10 + 1 + 10 + 1 at B0's start;
+    # rank 1 posts RECV_F1 before B0: 10 + 1 while B0 runs
+    assert simulate(early, costs).peak_memory == [22.0, 11.0]
+    tl = simulate(early, costs).memory_timeline
+    assert list(tl[tl["rank"] == 1]["bytes"]) == [0.0, 10.0, 11.0, 1.0, 0.0, 10.0, 0.0]
+    assert simulate(early, costs.with_(p2p_bytes=0.0)).peak_memory == [20.0, 10.0]
