@@ -357,6 +357,13 @@ def test_measured_trace_of_a_real_run_is_well_formed(real_runs, name):
     raw = [r[name]["records"] for r in real_runs]
     unaligned = build_trace(raw, [0.0] * len(raw), schedule)
     assert causality_violations(unaligned, schedule, tol)
+    # the split probe timed every stage; the first stage has no input gradient to compute
+    probe = run.meta["split_probe"]
+    assert sorted(probe, key=int) == [str(s) for s in range(schedule.num_stages)]
+    for p in probe.values():
+        assert all(p["wall"][op] > 0 for op in ("F", "B", "I", "W"))
+        assert 0.3 < p["ratio_wall"]["W"] < 3 and p["ratio_cpu"]["I"] >= 0
+    assert probe["0"]["ratio_wall"]["I"] < 0.5 < probe["0"]["ratio_wall"]["W"]
     # the measured run scores and draws like a simulated one
     result = run.result()
     assert 0 < result.bubble_fraction < 50 and 0 <= result.bubble_rate < 1
@@ -452,3 +459,65 @@ def test_shared_work_takes_the_sharing_out(name, vpp):
     want = work.compute_times(n)
     for op in ("F", "I", "W") if name == "zbv" else ("F", "B"):
         np.testing.assert_allclose(got[op], want[op], rtol=2e-3, err_msg=op)
+
+
+def probe_worker(board):
+    import torch
+
+    from pipeexec.config import TrainConfig
+    from pipeexec.profile.probe import probe_split
+    from pipeexec.topology import destroy_topology, init_topology
+    from pipeexec.train import Trainer, train
+
+    topo = init_topology(1, 1, timeout=60)
+    try:
+        cfg = TrainConfig(schedule="1f1b", pp=1, microbatches=2, micro_batch_size=2, layers=2,
+                          hidden=16, heads=2, seq_len=8, vocab=32, steps=1)
+        trainer = Trainer(cfg, topo, board=board)
+        train(trainer)
+        grads = trainer.grads.data.clone()
+        params = [p.detach().clone() for p in trainer.masters.masters]
+        rng = torch.get_rng_state()
+        probe = probe_split(trainer)
+        untouched = (torch.equal(grads, trainer.grads.data)
+                     and all(torch.equal(a, b) for a, b in zip(params, trainer.masters.masters))
+                     and torch.equal(rng, torch.get_rng_state()))
+        return probe, untouched
+    finally:
+        destroy_topology(topo)
+
+
+@pytest.mark.slow
+def test_split_probe_leaves_training_state_alone():
+    from pipeexec import launch
+
+    probe, untouched = launch(probe_worker, 1, (), timeout=120)[0]
+    assert untouched                      # no gradient, parameter or random state changed
+    # one stage, first and last: its input (token ids) needs no gradient, so I does nothing
+    assert list(probe) == [0] and probe[0]["ratio_cpu"]["I"] < 0.5 < probe[0]["ratio_cpu"]["W"]
+
+
+def test_probed_split_gives_i_and_w_to_a_run_without_them():
+    from pipeexec.profile.calibrate import calibrate
+
+    run = synthetic_run_without_split()
+    costs = calibrate(run).costs.compute_times(2)
+    assert costs["B"] == pytest.approx([2.0, 4.0])
+    assert costs["I"] == pytest.approx([0.0, 4.0 * 0.6])      # B x the probed I/B of the stage
+    assert costs["W"] == pytest.approx([2.0 * 1.0, 4.0 * 0.5])
+    del run.meta["split_probe"]                                 # without a probe: even split
+    assert calibrate(run).costs.compute_times(2)["I"] == pytest.approx([1.0, 2.0])
+
+
+def synthetic_run_without_split() -> MeasuredRun:
+    s = pipesim.build_schedule("1f1b", pp=2, microbatches=4)
+    t = pipesim.simulate(s, pipesim.CostModel(forward=[1.0, 2.0], backward=[2.0, 4.0])).trace.copy()
+    t["op"], t["kind"] = t["op"].astype(str), t["kind"].astype(str)
+    t["step"] = 0
+    for c in ("mem_start", "mem_end", "link_start", "compute_start", "cpu"):
+        t[c] = math.nan
+    t["arrival_observed"] = False
+    probe = {"0": {"ratio_wall": {"I": 0.0, "W": 1.0}}, "1": {"ratio_wall": {"I": 0.6, "W": 0.5}}}
+    meta = {"schedule": "1f1b", "pp": 2, "vpp": 1, "microbatches": 4, "bounds": [0, 1, 2],
+            "layer_kinds": ["block", "block"], "split_probe": probe}
+    return MeasuredRun(t, meta)

@@ -16,6 +16,9 @@ then 1 and the growth is left out (adding it to ``activation_bytes`` instead wou
 from the F on, far too early on stages whose F runs long before its I, as ZB-V's first stage).
 A run without I/W rows also gets fraction 1, the executor's behaviour.
 
+A run without I/W rows gets its I and W from the split probe (`probed_split`): each stage's B
+times the I/B and W/B ratios timed on that stage after the profiled steps.
+
 Another partition: costs of a stage are the sums of its layers' costs. When the target layout
 cuts the layers differently (another vpp, pp or boundaries), each field is solved per layer
 kind (embedding, block, head: layers of one kind cost the same) by non-negative least squares
@@ -170,6 +173,25 @@ def fit_work(run: MeasuredRun, steps: Sequence[int] | None = None) -> CostModel:
     return CostModel.from_trace(t, num_stages=n, **memory)
 
 
+def probed_split(costs: CostModel, run: MeasuredRun, clock: str = "wall") -> CostModel:
+    """``costs`` with I and W of every stage from its B and the run's split probe
+    (:mod:`pipeexec.profile.probe`: ``B x I/B`` and ``B x W/B`` as timed on that stage), when the
+    run has no I/W of its own; unchanged otherwise. Stages without a usable probe keep the even
+    split."""
+    probe = run.meta.get("split_probe")
+    if not probe or costs.backward_input is not None or costs.backward is None:
+        return costs
+    n = run.meta["pp"] * run.meta["vpp"]
+    b = costs.stage_values("backward", n)
+    i, w = [x / 2 for x in b], [x / 2 for x in b]
+    for s in range(n):
+        r = probe.get(str(s), {}).get(f"ratio_{clock}", {})
+        ri, rw = float(r.get("I", math.nan)), float(r.get("W", math.nan))
+        if math.isfinite(ri) and math.isfinite(rw):
+            i[s], w[s] = b[s] * ri, b[s] * rw
+    return costs.with_(backward_input=i, backward_weight=w)
+
+
 def action_overhead(run: MeasuredRun, steps: Sequence[int] | None = None, *,
                     work: bool = False) -> dict[str, list[float]]:
     """Per time field, per stage: the mean of each computation's executor work before the
@@ -270,6 +292,7 @@ def calibrate(run: MeasuredRun, target: Layout | None = None,
     ``steps`` (default: all profiled). ``work``: CPU work instead of wall time (see
     `fit_work`; the caller turns it into wall time for a schedule)."""
     costs = fit_work(run, steps) if work else fit_run(run, steps)
+    costs = probed_split(costs, run, clock="cpu" if work else "wall")
     source = Layout.of_run(run)
     info = {"schedule": run.meta["schedule"], "pp": run.meta["pp"], "vpp": run.meta["vpp"],
             "microbatches": run.meta["microbatches"], "bounds": list(source.bounds),

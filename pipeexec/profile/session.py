@@ -6,8 +6,10 @@
 2. its `ActionProfiler` is passed to the `Trainer` as the runtime's recorder, and ``attach``
    instruments the trainer's runtime: the p2p object (message sizes) and a
    memory meter (exact held tensors on CPU, allocator bytes on GPU);
-3. after training, ``finish`` gathers every rank's records to rank 0 (one ``gather_object``)
-   and builds a `MeasuredRun` there; with ``trace_out`` it is written to disk.
+3. after training, ``finish`` times each stage's F, B, I and W outside the schedule
+   (:mod:`pipeexec.profile.probe`, what a run without I/W cannot show), gathers every rank's
+   records to rank 0 (one ``gather_object``) and builds a `MeasuredRun` there; with
+   ``trace_out`` it is written to disk.
 
 Only the pipeline of data-parallel replica 0 goes into the trace (every replica runs the same
 schedule; one pipeline is one timeline).
@@ -52,6 +54,7 @@ class ProfileOptions:
     trace_out: str | None = None
     align_rounds: int = 16
     timeout: float = 120.0
+    probe_split: bool = True          # time F, B, I, W of each stage after the range (probe.py)
 
     @classmethod
     def parse(cls, text: str, trace_out: str | None = None) -> "ProfileOptions":
@@ -101,9 +104,14 @@ class ProfileSession:
         if isinstance(memory, HeldTensorMeter):
             memory.close()
         topo = self.topology
+        probe = None
+        if self.options.probe_split and not trainer.config.forward_only and topo.dp_rank == 0:
+            from .probe import probe_split
+            probe = probe_split(trainer)
         payload = {"rank": topo.rank, "pp_rank": topo.pp_rank, "dp_rank": topo.dp_rank,
                    "offset": self.offset.offset, "rtt": self.offset.rtt,
-                   "records": self.profiler.records() if topo.dp_rank == 0 else []}
+                   "records": self.profiler.records() if topo.dp_rank == 0 else [],
+                   "split_probe": probe}
         if topo.world_size > 1:
             gathered: list | None = [None] * topo.world_size if topo.rank == 0 else None
             dist.gather_object(payload, gathered, dst=0)
@@ -128,6 +136,9 @@ class ProfileSession:
             "memory": ("allocated" if topo.device.type == "cuda" else "held_tensors"),
             "config": cfg.to_dict(),
         }
+        probes = {str(s): v for p in pipeline for s, v in (p["split_probe"] or {}).items()}
+        if probes:
+            meta["split_probe"] = probes
         run = MeasuredRun(trace, meta)
         if self.options.trace_out:
             run.save(self.options.trace_out)

@@ -1,0 +1,116 @@
+"""The split-backward probe: what I and W cost on each of a rank's stages, beside F and B.
+
+A run of a schedule without I/W (1F1B, GPipe, interleaved) shows only B, and predicting a Zero
+Bubble schedule from it needs I and W. An even split of B misses two facts of this executor:
+the first stage has no input gradient (its I is a no-op and its W the whole backward), and the
+split costs more than B (two autograd passes, and W reads back what B had just used; about 10%
+on a CPU). So after the profiled steps every rank times, on each of its stages, one microbatch
+through F + B and through F + I + W, outside the schedule: nothing is sent, no gradient
+reaches the gradient buffer (the passes return their gradients and they are dropped), and the
+random state is restored afterwards. All ranks probe at once, as they compute during a step.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any
+
+import torch
+from torch.autograd.graph import get_gradient_edge
+
+from ..backward import backward_input, full_backward
+
+OPS = ("F", "B", "I", "W")
+
+
+def probe_split(trainer: Any, repeats: int = 5) -> dict[int, dict[str, dict[str, float]]]:
+    """``{stage: {"wall": {op: seconds}, "cpu": {op: seconds}, "ratio_wall": {"I": I/B, "W":
+    W/B}, "ratio_cpu": {...}}}`` for this rank's stages whose input shape is known (medians over
+    ``repeats``; CPU times are NaN on GPU)."""
+    device = trainer.topology.device
+    devices = [device] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        return _probe(trainer, device, repeats)
+
+
+def _probe(trainer: Any, device: torch.device, repeats: int) -> dict:
+    cfg = trainer.config
+    gen = torch.Generator(device=device)
+    gen.manual_seed(cfg.seed)
+    tokens, targets = trainer.data.microbatches(0, trainer.topology.dp_rank, cfg.dp,
+                                                cfg.microbatches)[0]
+    tokens, targets = tokens.to(device), targets.to(device)
+    specs = getattr(trainer.p2p, "_specs", {}) if trainer.p2p is not None else {}
+    outputs: dict[int, torch.Tensor] = {}
+    out: dict[int, dict[str, dict[str, float]]] = {}
+    for s in sorted(trainer.stages):
+        stage = trainer.stages[s]
+        if stage.is_first:
+            x = tokens
+        elif s - 1 in outputs:                         # the previous stage is on this rank
+            x = outputs[s - 1]
+        elif s - 1 in specs:
+            shape, dtype = specs[s - 1]
+            x = torch.randn(shape, generator=gen, device=device).to(dtype)
+        else:
+            continue                                   # shape unknown (no message seen)
+        if x.is_floating_point():
+            x = x.to(trainer.dtype)
+        params = trainer.runtime.params[s]
+        times: dict[str, list[float]] = {op: [] for op in OPS}
+        cpus: dict[str, list[float]] = {op: [] for op in OPS}
+        for _ in range(repeats):
+            for split in (False, True):
+                leaf = x.detach().requires_grad_(x.is_floating_point() and not stage.is_first)
+                (root, grad), t = _timed(device, lambda: _forward(trainer, stage, leaf, targets, gen))
+                _add(times, cpus, "F", t)
+                edge = get_gradient_edge(root)
+                stage_input = leaf if leaf.requires_grad else None
+                if not split:
+                    _, t = _timed(device, lambda: full_backward(edge, grad, stage_input, params))
+                    _add(times, cpus, "B", t)
+                    if not stage.is_last:
+                        outputs[s] = root.detach()     # the input of a local next stage
+                    continue
+                (_, _, wgrad), t = _timed(device, lambda: backward_input(edge, grad, stage_input,
+                                                                         params))
+                _add(times, cpus, "I", t)
+                _, t = _timed(device, lambda: wgrad.compute(params))
+                _add(times, cpus, "W", t)
+        out[s] = {"wall": {op: statistics.median(v) for op, v in times.items()},
+                  "cpu": {op: statistics.median(v) for op, v in cpus.items()},
+                  "ratio_wall": _ratios(times), "ratio_cpu": _ratios(cpus)}
+    return out
+
+
+def _ratios(t: dict[str, list[float]]) -> dict[str, float]:
+    """Median over the repeats of I/B and W/B of the same repeat (the pair ran seconds apart,
+    so a change of load between repeats cancels)."""
+    return {op: statistics.median(x / b if b > 0 else float("nan") for x, b in zip(t[op], t["B"]))
+            for op in ("I", "W")}
+
+
+def _forward(trainer: Any, stage: Any, x: torch.Tensor, targets: torch.Tensor,
+             gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The stage's output (or scaled loss on the last stage) and the gradient to start from."""
+    with torch.enable_grad():
+        y = stage(x)
+        if stage.is_last:
+            return trainer.spec.loss_fn(y.float(), targets), None
+    return y, torch.randn(y.shape, generator=gen, device=y.device).to(y.dtype)
+
+
+def _timed(device: torch.device, fn: Any) -> tuple[Any, tuple[float, float]]:
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize(device)
+    w0, c0 = time.perf_counter(), time.thread_time()
+    value = fn()
+    if cuda:
+        torch.cuda.synchronize(device)
+    return value, (time.perf_counter() - w0, float("nan") if cuda else time.thread_time() - c0)
+
+
+def _add(times: dict, cpus: dict, op: str, t: tuple[float, float]) -> None:
+    times[op].append(t[0])
+    cpus[op].append(t[1])
