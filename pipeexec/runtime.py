@@ -95,8 +95,11 @@ class PipelineRuntime:
         self.faults = faults or {}
         self.deallocate_outputs = deallocate_outputs
         self.grads_in_place = grads_in_place
+        self._bound: list = []
         if grads_in_place:
             _check_bound_grads(self.params, global_rank)
+            self._bound = [(s, k, p, p.grad) for s, ps in self.params.items()
+                           for k, p in enumerate(ps)]
         self._wait_hooks = recorder is not None and hasattr(recorder, "wait_start")
         self.actions = schedule.actions(pp_rank)
         self.placement = schedule.placement
@@ -136,6 +139,12 @@ class PipelineRuntime:
         self._recvs: dict = {}
         self._kept: dict = {}
         self._step = step
+        for s, k, p, g in self._bound:
+            if p.grad is not g:      # autograd would accumulate somewhere the caller never reads
+                raise PipelineError(f"rank {self.global_rank}: stage {s} parameter {k}: its .grad "
+                                    "was replaced since the runtime was built with "
+                                    "grads_in_place (it must stay bound to the gradient buffer)",
+                                    self.global_rank, "start", step)
         faults = self.faults.get(step)
         ops, rec, board, rank = self._ops, self.recorder, self.board, self.global_rank
         action = None

@@ -178,6 +178,14 @@ def test_grads_in_place_needs_bound_grads():
                         global_rank=3, device=torch.device("cpu"), grads_in_place=True)
     assert not GradBuffer({0: [p.to(torch.bfloat16) for p in stage.parameters()]},
                           torch.device("cpu")).bind()      # 16-bit parameters: not bound
+    buf = GradBuffer({0: list(stage.parameters())}, torch.device("cpu"))
+    assert buf.bind()
+    rt = PipelineRuntime(sched, 0, {0: stage}, SPEC.loss_fn, lambda s, g: None, None,
+                         global_rank=3, device=torch.device("cpu"), grads_in_place=True)
+    next(stage.parameters()).grad = None       # e.g. an optimizer's zero_grad(set_to_none=True)
+    src = BatchSource(seed=1, seq_len=8, vocab=32, global_batch=2)
+    with pytest.raises(PipelineError, match="stage 0 parameter 0: its .grad was replaced"):
+        rt.run(src.microbatches(0, 0, 1, 2), step=0)
 
 
 def test_interpreter_names_rank_and_action_on_error():
