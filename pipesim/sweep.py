@@ -36,13 +36,15 @@ def sweep(schedules: Sequence[str], pp: Iterable[int], vpp: Iterable[int],
           microbatches: Iterable[int], micro_batch_sizes: Iterable[int] = (1,), *,
           costs: CostModel | CostFactory | None = None, memory_limit: float | None = None,
           inflight_limit: int | None = None, comm: str = "async", step_tail: bool = False,
-          dp: int = 1, progress: bool = False) -> "pd.DataFrame":
+          dp: int = 1, recv_lookahead: int = 0, cores: float | None = None,
+          progress: bool = False) -> "pd.DataFrame":
     """Simulate every combination; return a DataFrame with ``SWEEP_COLUMNS``.
 
     ``costs`` is one CostModel for every configuration, or a function
     ``(num_stages, micro_batch_size) -> CostModel`` (e.g. wrapping
     :meth:`CostModel.transformer`); default uniform F=1, B=2. ``memory_limit`` (bytes) bounds
     each rank's peak memory, ``inflight_limit`` its peak in-flight microbatches.
+    ``comm``, ``recv_lookahead`` and ``cores`` are passed on to `build_schedule` / `simulate`.
     ``samples_per_s`` is ``microbatches * micro_batch_size / makespan``.
     """
     import pandas as pd
@@ -61,14 +63,16 @@ def sweep(schedules: Sequence[str], pp: Iterable[int], vpp: Iterable[int],
                                "micro_batch_size": b, "status": "ok", "reason": ""}
         rows.append(row)
         try:
-            schedule = build_schedule(name, pp=p, microbatches=m, vpp=v)
+            schedule = build_schedule(name, pp=p, microbatches=m, vpp=v,
+                                      recv_lookahead=recv_lookahead)
             schedule.validate()
             # A cost factory refuses what the model can't be cut into (more stages than layers).
             stage_costs = factory(p * v, b)
         except (ScheduleError, ValueError) as exc:
             row.update(status="invalid", reason=str(exc))
             continue
-        result = simulate(schedule, stage_costs, comm=comm, step_tail=step_tail, dp=dp)
+        result = simulate(schedule, stage_costs, comm=comm, step_tail=step_tail, dp=dp,
+                          cores=cores)
         mem = result.peak_memory
         worst = max(range(p), key=mem.__getitem__)
         row.update(makespan=result.makespan, bubble_fraction=result.bubble_fraction,

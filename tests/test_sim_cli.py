@@ -40,6 +40,23 @@ def test_simulate_transformer_and_step_tail(capsys):
     assert "peak_memory" in capsys.readouterr().out
 
 
+def test_simulate_rendezvous_lookahead_and_shared_cores(tmp_path, capsys):
+    costs = tmp_path / "c.json"
+    CostModel(forward=1.0, backward=2.0, p2p_latency=0.5).save(costs)
+    # the 1F1B of tests/test_sim_engine.py: rendezvous costs a transfer on the critical path
+    # unless the receive is posted a computation early (10.5 s vs 10 s)
+    base = ["simulate", "1f1b", "--pp", "2", "-m", "2", "--costs", str(costs), "--comm", "rendezvous"]
+    assert main(base) == 0 and "makespan 10.5 s" in capsys.readouterr().out
+    assert main(base + ["--recv-lookahead", "1"]) == 0 and "makespan 10 s" in capsys.readouterr().out
+    # one shared core: the step is all the work, 2 ranks x 2 microbatches x 3 s
+    assert main(["simulate", "1f1b", "--pp", "2", "-m", "2", "--cores", "1"]) == 0
+    assert "makespan 12 s" in capsys.readouterr().out
+    out = tmp_path / "sweep.csv"
+    assert main(["sweep", "--schedules", "1f1b", "--pp", "2", "-m", "2", "--cores", "1",
+                 "--out", str(out), "--no-progress"]) == 0
+    assert pd.read_csv(out)["makespan"].tolist() == [12.0]
+
+
 @pytest.mark.parametrize("argv,match", [
     (["simulate", "gpipe", "--vpp", "2"], "gpipe needs vpp == 1"),
     (["simulate", "1f1b", "--costs", "/nonexistent/c.json"], "No such file"),

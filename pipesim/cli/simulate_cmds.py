@@ -29,7 +29,13 @@ def _add_cost_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--efficiency", type=float, default=0.5, help="achieved / peak FLOP/s")
     g.add_argument("--link", choices=("intra", "inter"), default="inter",
                    help="pipeline p2p over NVLink (intra) or the network (inter)")
-    g.add_argument("--comm", choices=("async", "blocking", "rendezvous"), default="async")
+    g.add_argument("--comm", choices=("async", "blocking", "rendezvous"), default="async",
+                   help="async: receives count as pre-posted; rendezvous: a transfer starts "
+                        "once both sides have posted (gloo, NCCL)")
+    g.add_argument("--recv-lookahead", type=int, default=0, metavar="K",
+                   help="post each receive K computations before the one that needs it")
+    g.add_argument("--cores", type=float, default=None,
+                   help="the ranks share this many processors (costs are then work)")
     g.add_argument("--dp", type=int, default=1, help="data-parallel replicas (for --step-tail)")
     g.add_argument("--step-tail", action="store_true",
                    help="add the dp gradient all-reduce and the optimizer step")
@@ -94,11 +100,11 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     from ..schedule.registry import build_schedule
 
     schedule = build_schedule(args.name, pp=args.pp, microbatches=args.microbatches, vpp=args.vpp,
-                              forward_only=args.forward_only)
+                              forward_only=args.forward_only, recv_lookahead=args.recv_lookahead)
     source = _cost_source(args)
     costs = source(schedule.num_stages, args.micro_batch_size) if callable(source) else source
     result = simulate(schedule, costs, comm=args.comm, step_tail=args.step_tail, dp=args.dp,
-                      jitter=args.jitter, seed=args.seed)
+                      jitter=args.jitter, seed=args.seed, cores=args.cores)
     print(result.summary_text())
     if args.gantt:
         result.gantt(comm=args.gantt_comm, memory=True).savefig(args.gantt, dpi=100)
@@ -126,6 +132,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     table = sweep(args.schedules, args.pp, args.vpp, args.microbatches, args.micro_batch_size,
                   costs=source, memory_limit=limit, inflight_limit=args.inflight_limit,
                   comm=args.comm, step_tail=args.step_tail, dp=args.dp,
+                  recv_lookahead=args.recv_lookahead, cores=args.cores,
                   progress=not args.no_progress)
     table.to_csv(args.out, index=False)
     ok = table[table["status"] == "ok"].sort_values("makespan")
