@@ -33,7 +33,7 @@ else
   echo "(one GPU: NCCL needs one GPU per rank, so the multi-rank benchmark is skipped)"
 fi
 echo "== predicted vs measured on CPU/gloo, pp=4, one core per rank (this machine has the cores)"
-timeout 300 python benchmarks/bench_prediction.py --pp 4 --steps 6 || status=1
+timeout 200 python benchmarks/bench_prediction.py --pp 4 --steps 6 || status=1
 python - <<'PY'
 import glob, json, statistics
 for f in sorted(glob.glob("/tmp/pipeexec_gpu_*.json")):
