@@ -441,26 +441,6 @@ def test_effective_cores_recovers_the_simulated_sharing(name, vpp, cores):
     assert effective_cores(trace, cpu) == pytest.approx(cores, rel=1e-6)
 
 
-@pytest.mark.parametrize("name,vpp", [("1f1b", 1), ("zbv", 2)])
-def test_shared_work_takes_the_sharing_out(name, vpp):
-    from pipeexec.profile.contention import shared_work
-
-    # Simulate known work on 2 shared cores, keep only the per-(op, stage) wall means (what a
-    # run's calibration sees), and recover the work from them.
-    s = pipesim.build_schedule(name, pp=4, microbatches=8, vpp=vpp)
-    n = s.num_stages
-    work = pipesim.CostModel(forward=[1.0, 1.3, 0.8, 1.1] * vpp,
-                             backward_input=[0.9, 1.2, 1.0, 1.1] * vpp,
-                             backward_weight=[1.1, 0.8, 1.0, 0.9] * vpp)
-    trace = pipesim.simulate(s, work, cores=2.0, comm="rendezvous").trace
-    wall = pipesim.CostModel.from_trace(trace, num_stages=n)
-    assert wall.compute_times(n)["F"] != pytest.approx(work.compute_times(n)["F"], rel=0.05)
-    got = shared_work(s, wall, 2.0).compute_times(n)
-    want = work.compute_times(n)
-    for op in ("F", "I", "W") if name == "zbv" else ("F", "B"):
-        np.testing.assert_allclose(got[op], want[op], rtol=2e-3, err_msg=op)
-
-
 def probe_worker(board):
     import torch
 

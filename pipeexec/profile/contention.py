@@ -14,8 +14,6 @@ the ranks computing at each moment of the target schedule.
 * `effective_cores` finds the C that makes processor sharing explain a measured run: the CPU
   work of all its computations equals their progress over their wall spans. Other processes
   on the machine lower it below the core count.
-* `shared_work` fits the work per (op, stage) that, shared on C cores under the run's own
-  schedule, gives back the run's wall-time means.
 """
 from __future__ import annotations
 
@@ -25,9 +23,6 @@ import numpy as np
 
 if TYPE_CHECKING:
     import pandas as pd
-
-    import pipesim
-    from pipesim import CostModel
 
 
 def progress(trace: "pd.DataFrame", cores: float) -> np.ndarray:
@@ -73,42 +68,3 @@ def effective_cores(trace: "pd.DataFrame", cpu: np.ndarray | None = None) -> flo
             hi = mid
     return 0.5 * (lo + hi)
 
-
-_FIELDS = (("F", "forward"), ("B", "backward"), ("I", "backward_input"), ("W", "backward_weight"))
-
-
-def shared_work(schedule: "pipesim.Schedule", wall: "CostModel", cores: float, *,
-                comm: str = "rendezvous", iterations: int = 40, tol: float = 1e-4
-                ) -> "CostModel":
-    """Work per (op, stage) that, shared among the computing ranks of ``schedule`` on
-    ``cores`` processors, takes the wall times of ``wall`` on average: the run's per-stage costs
-    with the sharing of *its* schedule taken out, ready to be shared under another one.
-
-    A fixed point of ``work *= measured wall mean / simulated wall mean`` per (op, stage),
-    simulated with ``pipesim.simulate(cores=...)``. Unlike CPU time per computation (which a
-    hyperthread sibling or the memory bus stretch too), it reproduces the run's busy time per
-    rank exactly once converged.
-    """
-    import pipesim
-
-    n = schedule.num_stages
-    target = wall.compute_times(n)
-    work = {op: list(target[op]) for op, _ in _FIELDS}
-    used = {(a.op, a.stage) for r in range(schedule.pp) for a in schedule.compute_order(r)}
-    for _ in range(iterations):
-        trial = wall.with_(**{name: work[op] for op, name in _FIELDS})
-        trace = pipesim.simulate(schedule, trial, comm=comm, cores=cores).trace
-        rows = trace[trace["kind"] == "compute"]
-        frame = rows[["op", "stage"]].assign(wall=rows["end"] - rows["start"])
-        frame["op"] = frame["op"].astype(str)
-        means = frame.groupby(["op", "stage"])["wall"].mean()
-        change = 0.0
-        for op, stage in used:
-            got = float(means.get((op, stage), 0.0))
-            if got > 0 and target[op][stage] > 0:
-                factor = target[op][stage] / got
-                work[op][stage] *= factor
-                change = max(change, abs(factor - 1.0))
-        if change < tol:
-            break
-    return wall.with_(**{name: work[op] for op, name in _FIELDS})
