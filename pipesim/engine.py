@@ -266,17 +266,18 @@ def _run(schedule: Schedule, actions: list[list], costs: CostModel, factors: lis
             d = durations.get(op)
             if d is not None:                       # F, B, I, W
                 # The wait for a posted receive happens here, in the compute that needs it.
-                msg = stage * m + mb if op == F else (n + stage) * m + mb
-                r = recv_row[msg] if op != W else -1
-                if r >= 0:
-                    e = arrival[msg]
-                    if e < 0.0:
-                        ev = waiters[msg] = _Arrival(env)
-                        e = yield ev
-                    starts[r] = t
-                    if e > t:
-                        t = e
-                    ends[r] = t
+                if op != W:
+                    msg = stage * m + mb if op == F else (n + stage) * m + mb
+                    r = recv_row[msg]
+                    if r >= 0:
+                        e = arrival[msg]
+                        if e < 0.0:
+                            ev = waiters[msg] = _Arrival(env)
+                            e = yield ev
+                        starts[r] = t
+                        if e > t:
+                            t = e
+                        ends[r] = t
                 work = d[stage] if factors is None else d[stage] * factors[row]
                 if shared is not None:
                     if t > env.now:
