@@ -27,9 +27,13 @@ picture and measured trace.
 Mind the machine: pp ranks share the CPU cores (``os.cpu_count()`` is printed). With more
 ranks than cores, ranks time-share; calibrated costs then include the contention of the run
 they came from, which differs between schedules (a schedule with more ranks computing at once
-slows each computation more). Other processes on the machine add noise of their own.
+slows each computation more), and an action's duration depends on which other ranks compute
+at that moment. A pipeline gives each rank its own device; for each pp above the core count
+the benchmark therefore also runs with every rank confined to cores/pp CPUs by a cgroup quota
+(``--confine``, `pipeexec.cpu_quota`): a device per rank, emulated (slower ones). Other
+processes on the machine add noise of their own.
 
-    python benchmarks/bench_prediction.py                 # pp 2 and 4, ~3 minutes
+    python benchmarks/bench_prediction.py                 # pp 2, 4, 4 confined: ~5 minutes
     python benchmarks/bench_prediction.py --pp 4 --out-dir /tmp/pred
 """
 from __future__ import annotations
@@ -43,6 +47,7 @@ from pathlib import Path
 import pipesim
 from pipeexec import launch
 from pipeexec.config import TrainConfig
+from pipeexec.cpu_quota import quotas_available
 from pipeexec.profile.compare import compare_runs, layout_of, predict, profiled_run, write_outputs
 
 SCHEDULES = (("1f1b", 1), ("gpipe", 1), ("interleaved", 2), ("zb-h1", 1), ("zbv", 2))
@@ -85,6 +90,18 @@ def pct(x: float) -> str:
     return f"{x:+.1%}"
 
 
+def where(cpus: float | None) -> str:
+    return f" ({cpus:g} CPU per rank)" if cpus else ""
+
+
+def share(cpus: float | None, pp: int) -> str:
+    """The table's CPU column: ranks sharing the machine's cores, or confined to a share."""
+    if cpus:
+        return f"{cpus:g} (quota)"
+    cores = os.cpu_count() or 1
+    return f"{cores} cores shared" if pp > cores else "1 core each"
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--pp", type=int, nargs="+", default=[2, 4])
@@ -100,6 +117,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=6, help="steps per run; 1.. are profiled")
     p.add_argument("--out-dir", default=None, help="keep reports, pictures and traces here")
     p.add_argument("--timeout", type=float, default=900.0, help="limit per run, seconds")
+    p.add_argument("--confine", choices=("auto", "on", "off"), default="auto",
+                   help="for each pp above the core count, also run with every rank confined "
+                        "to cores/pp CPUs by a cgroup quota (a core per rank, emulated): "
+                        "auto = when this machine allows it")
     p.add_argument("--mode", choices=("paired", "sequential"), default="paired",
                    help="paired: 1f1b and each schedule alternate steps in one job (default); "
                         "sequential: separate runs, each schedule predicted from a 1f1b run "
@@ -114,14 +135,15 @@ def main(argv: list[str] | None = None) -> int:
           f"median step compared", flush=True)
     rows, started = [], time.time()
 
-    def record(pp, name, cfg, run, cross, calib_label):
+    def record(pp, cpus, name, cfg, run, cross, calib_label):
         own = compare_runs(run)
         mine = own.report()
         if out:
             tag = name.split(" ")[0]
-            write_outputs(own, report_out=str(out / f"pp{pp}" / f"{tag}-{len(rows)}.report.json"))
+            sub = f"pp{pp}" + (f"-cpus{cpus:g}" if cpus else "")
+            write_outputs(own, report_out=str(out / sub / f"{tag}-{len(rows)}.report.json"))
         mem_err = max(abs(e) for e in mine["peak_memory_error"] if e is not None)
-        row = {"pp": pp, "schedule": name, "vpp": cfg.vpp, "calib": calib_label,
+        row = {"pp": pp, "cpus": cpus, "schedule": name, "vpp": cfg.vpp, "calib": calib_label,
                "measured_ms": mine["measured_step_time"] * 1e3,
                "self_ms": mine["predicted_step_time"] * 1e3, "self_err": mine["step_time_error"],
                "bf_meas": mine["measured_bubble_fraction"],
@@ -136,11 +158,21 @@ def main(argv: list[str] | None = None) -> int:
                        bf_cross=cross[0].bubble_fraction,
                        cross_mem_err=max(abs(e) for e in crossed["peak_memory_error"] if e is not None))
         rows.append(row)
-        print(f"pp={pp} {name}: measured {row['measured_ms']:.0f} ms (steps {row['steps_ms']}; "
+        print(f"pp={pp}{where(cpus)} {name}: measured {row['measured_ms']:.0f} ms (steps {row['steps_ms']}; "
               f"load {row['load']:.1f}), own trace {pct(row['self_err'])}"
               + (f", from {calib_label} {pct(row['cross_err'])}" if cross else ""), flush=True)
 
+    cores = os.cpu_count() or 1
+    plan = []
     for pp in (args.pp if args.mode == "paired" else []):
+        plan.append((pp, None))
+        if pp > cores and args.confine != "off":
+            if args.confine == "on" or quotas_available():
+                plan.append((pp, cores / pp))
+            else:
+                print(f"pp={pp}: no rows with a core per rank (no writable cgroup CPU "
+                      "controller here; --confine on to insist)", file=sys.stderr)
+    for pp, cpus in plan:
         first_job = True
         for name in names[1:] + ["1f1b"]:
             vpp = vpps.get(name, 1)
@@ -152,16 +184,17 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"skip {name} pp={pp} vpp={vpp}: {exc}", file=sys.stderr)
                 continue
             calib, run = launch(paired_worker, pp, ([calib_cfg, cfg], 1, args.steps),
-                                timeout=args.timeout)[0]
+                                timeout=args.timeout, cpus_per_rank=cpus)[0]
+            sub = f"pp{pp}" + (f"-cpus{cpus:g}" if cpus else "")
             if out:
-                calib.save(out / f"pp{pp}" / f"1f1b-with-{name}.json")
-                run.save(out / f"pp{pp}" / f"{name}-with-1f1b.json")
+                calib.save(out / sub / f"1f1b-with-{name}.json")
+                run.save(out / sub / f"{name}-with-1f1b.json")
             if first_job:
-                record(pp, "1f1b", calib_cfg, calib, None, "")
+                record(pp, cpus, "1f1b", calib_cfg, calib, None, "")
                 first_job = False
             # The cross-schedule prediction uses only the 1f1b steps of the job.
             predicted, cal = predict(cfg.build_schedule(), layout_of(cfg), calib)
-            record(pp, name if name != "1f1b" else "1f1b (2nd copy)", cfg, run,
+            record(pp, cpus, name if name != "1f1b" else "1f1b (2nd copy)", cfg, run,
                    (predicted, cal, calib), "1f1b steps of the same job")
 
     for pp in (args.pp if args.mode == "sequential" else []):
@@ -172,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
                                 timeout=args.timeout,
                                 trace_out=str(trace_dir / f"1f1b-{k}.json") if trace_dir else None)
         calib = run_1f1b(0)
-        record(pp, "1f1b", model_config(args, "1f1b", pp, 1), calib, None, "")
+        record(pp, None, "1f1b", model_config(args, "1f1b", pp, 1), calib, None, "")
         k = 0
         for name in names[1:]:
             vpp = vpps.get(name, 1)
@@ -188,28 +221,28 @@ def main(argv: list[str] | None = None) -> int:
                   f"{predicted.makespan * 1e3:.0f} ms", flush=True)
             run = profiled_run(cfg, 1, args.steps, timeout=args.timeout,
                                trace_out=str(trace_dir / f"{name}.json") if trace_dir else None)
-            record(pp, name, cfg, run, (predicted, cal, calib), f"1f1b run {k}")
+            record(pp, None, name, cfg, run, (predicted, cal, calib), f"1f1b run {k}")
             # A fresh calibration for the next schedule (the machine's load drifts); the
             # repeat, predicted from the previous 1f1b run, shows the run-to-run noise floor.
             k += 1
             fresh = run_1f1b(k)
             repeat, rcal = predict(calib.schedule, layout_of(model_config(args, "1f1b", pp, 1)), calib)
-            record(pp, "1f1b", model_config(args, "1f1b", pp, 1), fresh, (repeat, rcal, calib),
+            record(pp, None, "1f1b", model_config(args, "1f1b", pp, 1), fresh, (repeat, rcal, calib),
                    f"1f1b run {k - 1}")
             calib = fresh
     print()
-    print("| pp | schedule | vpp | measured step (ms) | predicted, own trace | error | "
+    print("| pp | CPUs per rank | schedule | vpp | measured step (ms) | predicted, own trace | error | "
           "predicted from 1f1b (without its own timings) | error | bubble_fraction "
           "measured | (its range over the profiled steps) | predicted (own) | predicted (1f1b) "
           "| peak act. memory error, max over ranks (own / 1f1b) | load avg |")
-    print("|---:|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|")
+    print("|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|")
     for r in rows:
         if "cross_ms" in r:
             cross_ms, cross_err = f"{r['cross_ms']:.0f}", pct(r["cross_err"])
             bf_cross, mem = f"{r['bf_cross']:.3f}", f"{r['mem_err']:.1%} / {r['cross_mem_err']:.1%}"
         else:
             cross_ms, cross_err, bf_cross, mem = "(calibration)", "", "", f"{r['mem_err']:.1%}"
-        print(f"| {r['pp']} | {r['schedule']} | {r['vpp']} | {r['measured_ms']:.0f} | "
+        print(f"| {r['pp']} | {share(r['cpus'], r['pp'])} | {r['schedule']} | {r['vpp']} | {r['measured_ms']:.0f} | "
               f"{r['self_ms']:.0f} | {pct(r['self_err'])} | {cross_ms} | {cross_err} | "
               f"{r['bf_meas']:.3f} | {min(r['bf_steps']):.3f}-{max(r['bf_steps']):.3f} | "
               f"{r['bf_self']:.3f} | {bf_cross} | {mem} | {r['load']:.1f} |")
@@ -221,13 +254,16 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nmax |error|: step time, own trace {max(own):.1%}; cross-schedule {max(cross or [0]):.1%}; "
           f"1f1b predicted from 1f1b (noise floor) {max(floor or [0]):.1%}; "
           f"bubble_fraction (own) {max(bf):.1f} points; peak activation memory (own) {max(mem):.1%}")
-    for pp in sorted({r["pp"] for r in rows}):
-        mine = [r for r in rows if r["pp"] == pp]
+    for pp, cpus in dict.fromkeys((r["pp"], r["cpus"]) for r in rows):
+        mine = [r for r in rows if r["pp"] == pp and r["cpus"] == cpus]
         spread = max(max(r["bf_steps"]) - min(r["bf_steps"]) for r in mine)
-        print(f"  pp={pp}: step time, own trace {max(abs(r['self_err']) for r in mine):.1%}; "
-              f"bubble_fraction, own trace {max(abs(r['bf_self'] - r['bf_meas']) for r in mine) * 100:.1f} "
-              f"points, while the measured one moves up to {spread * 100:.1f} points from step to "
-              "step within a run")
+        crossed = [abs(r["cross_err"]) for r in mine
+                   if "cross_err" in r and not r["schedule"].startswith("1f1b")]
+        print(f"  pp={pp}{where(cpus)}: step time, own trace "
+              f"{max(abs(r['self_err']) for r in mine):.1%}, cross-schedule "
+              f"{max(crossed or [0]):.1%}; bubble_fraction, own trace "
+              f"{max(abs(r['bf_self'] - r['bf_meas']) for r in mine) * 100:.1f} points, while the "
+              f"measured one moves up to {spread * 100:.1f} points from step to step within a run")
     print(f"\n{len(rows)} runs in {time.time() - started:.0f} s; measured step times of the "
           "profiled steps are in each report (--out-dir).")
     return 0

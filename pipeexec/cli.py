@@ -54,10 +54,17 @@ def _parser() -> argparse.ArgumentParser:
     a("--recv-lookahead", type=int, default=d.recv_lookahead,
       help="post each receive this many computations before the one that needs it (0: right "
            "before it); the simulator models the same schedule")
+    a("--cpu-return-freed-memory", action="store_true",
+      help="CPU: let malloc give freed memory back to the kernel (by default it is kept for "
+           "the next step, which saves a page fault per fresh page; pipeexec/malloc.py)")
     a("--backend", default=None, help="nccl or gloo (default: nccl with CUDA, else gloo)")
     a("--device", default=None, help="cpu or cuda (default: cuda when available)")
     a("--nproc", type=int, default=None, help="local workers to start (default pp * dp)")
     a("--timeout", type=float, default=None, help="overall limit for a local run, seconds")
+    a("--cpus-per-rank", type=float, default=None, metavar="X",
+      help="local run on CPU: confine each rank to X CPUs with a cgroup quota (e.g. 0.5 for 4 "
+           "ranks on 2 cores), so ranks do not slow each other down as they would sharing "
+           "cores; needs write access to the cgroup CPU controller")
     a("--inject", action="append", default=[], help=argparse.SUPPRESS)
     a("--metrics-out", default=None, help="write losses and step times as JSON here")
     a("--no-progress", action="store_true", help="no progress bar")
@@ -86,6 +93,7 @@ def config_from_args(ns: argparse.Namespace) -> TrainConfig:
         weight_decay=ns.weight_decay, clip_grad=ns.clip_grad, precision=ns.precision,
         loss_scale=ns.loss_scale, loss_scale_growth_interval=ns.loss_scale_growth_interval,
         seed=ns.seed, p2p_timeout=ns.p2p_timeout, recv_lookahead=ns.recv_lookahead,
+        cpu_keep_freed_memory=not ns.cpu_return_freed_memory,
         backend=ns.backend, device=ns.device,
         inject=tuple(ns.inject), forward_only=ns.forward_only)
 
@@ -100,6 +108,7 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(run_command(ns))
     import pipesim
     from .checkpoint import CheckpointError, read_tracker
+    from .cpu_quota import QuotaUnavailable
     from .launcher import WorkerFailed, launch
     from .worker import run_training
 
@@ -118,8 +127,8 @@ def main(argv: list[str] | None = None) -> None:
         else:
             launch(run_training, world,
                    (config, ns.metrics_out, not ns.no_progress, checkpoint, profile),
-                   timeout=ns.timeout)
-    except (ConfigError, pipesim.ScheduleError, ValueError) as exc:
+                   timeout=ns.timeout, cpus_per_rank=ns.cpus_per_rank)
+    except (ConfigError, pipesim.ScheduleError, ValueError, QuotaUnavailable) as exc:
         print(f"pipeexec: error: {exc}", file=sys.stderr)
         sys.exit(2)
     except (WorkerFailed, CheckpointError) as exc:

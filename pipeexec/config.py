@@ -63,6 +63,7 @@ class TrainConfig:
     forward_only: bool = False
     deallocate_outputs: bool = True
     recv_lookahead: int = 1          # post receives this many computations before their consumer
+    cpu_keep_freed_memory: bool = True   # CPU: malloc keeps freed memory (pipeexec/malloc.py)
     p2p_timeout: float = 300.0       # seconds for one send/receive to complete
     collective_timeout: float = 600.0
     backend: str | None = None       # None: nccl when CUDA is available, else gloo

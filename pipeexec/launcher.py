@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from .board import ActionBoard
+from .cpu_quota import RankQuotas
 
 
 class WorkerFailed(RuntimeError):
@@ -56,10 +57,17 @@ def _die_with_parent() -> None:
 
 
 def _worker(fn: Callable, rank: int, nproc: int, port: int, workdir: str, board: ActionBoard,
-            args: tuple, env: dict, parent: int) -> None:
+            args: tuple, env: dict, parent: int, quotas: RankQuotas | None = None) -> None:
     _die_with_parent()
     if os.getppid() != parent:     # the launcher died before prctl took effect
         os._exit(1)
+    if quotas is not None:
+        try:
+            quotas.join(rank)
+        except OSError as exc:
+            (Path(workdir) / f"error-{rank}.txt").write_text(
+                f"{time.time()!r}\nrank {rank} could not join its CPU quota cgroup: {exc}\n")
+            os._exit(1)
     os.environ.update(env)
     os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(nproc), "LOCAL_RANK": str(rank),
                        "LOCAL_WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1",
@@ -89,11 +97,14 @@ def _worker(fn: Callable, rank: int, nproc: int, port: int, workdir: str, board:
 
 
 def launch(fn: Callable[..., Any], nproc: int, args: tuple = (), *, timeout: float | None = None,
-           start_method: str = "fork", env: dict | None = None, grace: float = 2.0) -> list[Any]:
+           start_method: str = "fork", env: dict | None = None, grace: float = 2.0,
+           cpus_per_rank: float | None = None) -> list[Any]:
     """Run ``fn(board, *args)`` in ``nproc`` workers; return their results by rank.
 
     Raises `WorkerFailed` (naming the first failed rank, its action and its error) as soon as a
     worker fails, after stopping the others; or when ``timeout`` seconds pass.
+    ``cpus_per_rank``: confine each worker to that many CPUs (`pipeexec.cpu_quota.RankQuotas`;
+    raises `QuotaUnavailable` before starting any worker when the machine does not allow it).
     """
     if start_method == "fork" and threading.active_count() > 1:
         raise RuntimeError(f"refusing to fork: the parent has {threading.active_count()} threads "
@@ -104,12 +115,23 @@ def launch(fn: Callable[..., Any], nproc: int, args: tuple = (), *, timeout: flo
         if torch is not None and torch.cuda.is_initialized():
             raise RuntimeError("refusing to fork: CUDA is initialised in the parent (children "
                                "could not use it); use start_method='spawn'")
+    quotas = RankQuotas(nproc, cpus_per_rank) if cpus_per_rank is not None else None
+    try:
+        return _launch(fn, nproc, args, timeout, start_method, env, grace, quotas)
+    finally:
+        if quotas is not None:
+            quotas.close()
+
+
+def _launch(fn: Callable[..., Any], nproc: int, args: tuple, timeout: float | None,
+            start_method: str, env: dict | None, grace: float,
+            quotas: RankQuotas | None) -> list[Any]:
     ctx = multiprocessing.get_context(start_method)
     board = ActionBoard(nproc, ctx)
     port = free_port()
     with tempfile.TemporaryDirectory(prefix="pipeexec-") as workdir:
         procs = [ctx.Process(target=_worker, args=(fn, r, nproc, port, workdir, board, args, env or {},
-                                   os.getpid()),
+                                   os.getpid(), quotas),
                              name=f"pipeexec-rank{r}", daemon=False) for r in range(nproc)]
         for p in procs:
             p.start()

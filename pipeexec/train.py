@@ -29,6 +29,7 @@ from .board import ActionBoard
 from .config import TrainConfig
 from .data import BatchSource
 from .ddp import GradBuffer
+from .malloc import keep_freed_memory
 from .model import ModelSpec, gpt_spec_from_config
 from .optim import build_adamw, clip_coefficient, lr_at, set_lr
 from .p2p import P2P, check_p2p_order
@@ -116,6 +117,8 @@ class Trainer:
                                      config.boundaries,
                                      spec.layer_param_counts() if config.partition == "params" else None)
         dev = topology.device
+        if dev.type == "cpu" and config.cpu_keep_freed_memory:
+            keep_freed_memory()         # no fresh pages, hence no page faults, every step
         self.dtype = compute_dtype(config.precision)
         self.stages = {s: build_stage(spec, s, self.bounds, seed=config.seed, device=dev,
                                       dtype=torch.float32)

@@ -208,3 +208,31 @@ def torch_cpu():
     import torch
 
     return torch.device("cpu")
+
+
+@pytest.mark.parametrize("rank_cpus,host,model", [(None, None, "processor-sharing"),
+                                                  ([1.0] * 4, 2, "processor-sharing"),
+                                                  ([1.0] * 4, 4, "processor-sharing"),
+                                                  ([0.5] * 4, 2, "wall"),
+                                                  ([1.0] * 4, 16, "wall")])
+def test_cross_schedule_model_follows_whether_the_ranks_shared_cores(rank_cpus, host, model):
+    """CPU work shared among cores only when the calibration run's ranks competed for them
+    (together they could fill every CPU of the machine); ranks confined to a share each
+    (--cpus-per-rank), or fewer ranks than cores, keep their wall-time costs."""
+    source = jittered_run("1f1b", steps=1)
+    t = source.trace
+    compute = t["kind"] == "compute"
+    t.loc[compute, "cpu"] = (t.loc[compute, "end"] - t.loc[compute, "start"]) * 0.5
+    if rank_cpus is not None:
+        source.meta.update(rank_cpus=rank_cpus, host_cpus=host)
+    target = pipesim.build_schedule("gpipe", pp=4, microbatches=8)
+    predicted, cal = predict(target, Layout.of_run(source), source)
+    assert cal.model == model
+    if model == "wall":
+        assert cal.cores is None
+        assert predicted.makespan == pytest.approx(
+            pipesim.simulate(target, cal.costs, comm=EXECUTOR_COMM).makespan)
+        assert cal.costs.compute_times(4)["F"] == pytest.approx([1.0, 1.1, 1.2, 1.3], rel=0.05)
+    else:
+        # CPU work (half the wall time here) as the costs
+        assert cal.costs.compute_times(4)["F"] == pytest.approx([0.5, 0.55, 0.6, 0.65], rel=0.05)

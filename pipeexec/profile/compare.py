@@ -26,10 +26,12 @@ computations before the one that needs the data; with 0, every message between r
 its receiver the transfer time). Simulating sends as starting at once (``"async"``) hid those
 waits and ran short, most for schedules with many cross-rank messages per step (interleaved,
 ZB-V).
-Calibrated from another run (``--calibrate-from``, cross-schedule), a CPU run's costs are its
-CPU work per (op, stage), and the simulation shares the calibration run's effective cores
-(:mod:`pipeexec.profile.contention`) among the ranks computing at each moment: with more ranks
-than cores, how much each computation is slowed depends on the schedule.
+Calibrated from another run (``--calibrate-from``, cross-schedule), the costs are per-stage
+wall-time means too, unless the calibration run's ranks competed for cores (a CPU run with more
+ranks than cores and no ``--cpus-per-rank``): then they are its CPU work per (op, stage), and
+the simulation shares the run's effective cores (:mod:`pipeexec.profile.contention`) among the
+ranks computing at each moment, since how much each computation is slowed depends on the
+schedule.
 """
 from __future__ import annotations
 
@@ -243,17 +245,17 @@ def predict(schedule: "pipesim.Schedule", layout: Layout, calibration_run: Measu
     ``comm``: the simulator's communication mode (``pipesim.simulate``); by default the
     executor's rendezvous, where a transfer starts when both sides have posted.
 
-    ``contention`` (default: when the calibration run recorded CPU work, i.e. on CPU): model
-    ranks sharing cores. Costs are then the CPU work per (op, stage), and the simulation shares
+    ``contention`` (default: when the calibration run recorded CPU work, i.e. on CPU, and its
+    ranks competed for cores, `contention.shares_cores`): model ranks sharing cores. Costs are then the CPU work per (op, stage), and the simulation shares
     the calibration run's effective core count among the ranks computing at each moment of the
     *target* schedule (``pipesim.simulate(cores=...)``, processor sharing); otherwise per-stage
     wall-time means.
     """
     from .calibrate import has_cpu_times
-    from .contention import effective_cores
+    from .contention import effective_cores, shares_cores
 
     if contention is None:
-        contention = has_cpu_times(calibration_run)
+        contention = has_cpu_times(calibration_run) and shares_cores(calibration_run.meta)
     if not contention:
         cal = calibrate(calibration_run, layout, steps)
         return pipesim.simulate(schedule, cal.costs, comm=comm), cal
@@ -303,9 +305,11 @@ def layout_of(config: Any) -> Layout:
 
 
 def profiled_run(config: Any, first: int, stop: int, *, trace_out: str | None = None,
-                 timeout: float | None = None) -> MeasuredRun:
+                 timeout: float | None = None, cpus_per_rank: float | None = None
+                 ) -> MeasuredRun:
     """Train ``config`` in local forked workers, profiling steps ``first..stop-1``; return the
-    gathered run (written to ``trace_out`` too, when given)."""
+    gathered run (written to ``trace_out`` too, when given). ``cpus_per_rank``: as for
+    `pipeexec.launcher.launch`."""
     from ..launcher import launch
     from ..worker import run_training
     from .session import ProfileOptions
@@ -313,7 +317,7 @@ def profiled_run(config: Any, first: int, stop: int, *, trace_out: str | None = 
     options = ProfileOptions(first, stop, trace_out)
     options.check(config.steps)
     results = launch(run_training, config.world_size, (config, None, False, None, options),
-                     timeout=timeout)
+                     timeout=timeout, cpus_per_rank=cpus_per_rank)
     run = results[0].get("measured_run")
     if run is None:
         raise RuntimeError("rank 0 returned no measured run (was the profiled range empty?)")
@@ -349,6 +353,7 @@ def compare_parser() -> argparse.ArgumentParser:
 def compare_main(argv: list[str], train_parser: Callable[[], argparse.ArgumentParser],
                  config_from_args: Callable[[argparse.Namespace], Any]) -> int:
     """``pipeexec compare ...``; returns the exit status (2: bad arguments, 1: run failed)."""
+    from ..cpu_quota import QuotaUnavailable
     from ..launcher import WorkerFailed
     from .session import parse_step_range
 
@@ -377,12 +382,13 @@ def compare_main(argv: list[str], train_parser: Callable[[], argparse.ArgumentPa
                   f"{predicted.makespan * 1e3:.1f} ms, bubble_fraction "
                   f"{predicted.bubble_fraction:.3f}", flush=True)
         run = profiled_run(config, first, stop, trace_out=ns.trace_out,
-                           timeout=getattr(tns, "timeout", None))
+                           timeout=getattr(tns, "timeout", None),
+                           cpus_per_rank=getattr(tns, "cpus_per_rank", None))
         comparison = compare_runs(run, source)
     except WorkerFailed as exc:
         print(f"pipeexec compare: error: {exc}", file=sys.stderr)
         return 1
-    except (ValueError, FileNotFoundError, pipesim.ScheduleError) as exc:
+    except (ValueError, FileNotFoundError, pipesim.ScheduleError, QuotaUnavailable) as exc:
         print(f"pipeexec compare: error: {exc}", file=sys.stderr)
         return 2
     print(comparison.text())

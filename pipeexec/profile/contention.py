@@ -14,6 +14,11 @@ the ranks computing at each moment of the target schedule.
 * `effective_cores` finds the C that makes processor sharing explain a measured run: the CPU
   work of all its computations equals their progress over their wall spans. Other processes
   on the machine lower it below the core count.
+* `shares_cores` says whether a run's ranks competed for cores at all: what they could keep
+  busy (``rank_cpus``: threads, capped by affinity and CPU quota, :mod:`pipeexec.cpu_quota`)
+  against the machine's CPUs. Ranks confined to a share each (``--cpus-per-rank``), or fewer
+  than the cores, run at their own speed whatever the others do, and wall-time costs then
+  carry over as they are.
 """
 from __future__ import annotations
 
@@ -44,6 +49,22 @@ def progress(trace: "pd.DataFrame", cores: float) -> np.ndarray:
     r_start = work[np.searchsorted(t, s, side="left")]
     r_end = work[np.searchsorted(t, e, side="left")]
     return r_end - r_start
+
+
+def shares_cores(meta: dict) -> bool:
+    """Whether the ranks of a run with this metadata competed for the machine's cores.
+
+    They did when together they could keep all of its CPUs busy (the runtime's communication
+    threads and the OS then take their time from the ranks too), unless every rank was confined
+    to a share below one CPU that together fit the machine (``--cpus-per-rank``): each then runs
+    at its own speed. True for runs recorded without ``rank_cpus``, the conservative answer.
+    """
+    cpus, host = meta.get("rank_cpus"), meta.get("host_cpus")
+    if not cpus or not host:
+        return True
+    total = float(sum(cpus))
+    confined = all(c < 1.0 for c in cpus) and total <= host + 1e-6
+    return not confined and total >= host - 1e-6
 
 
 def effective_cores(trace: "pd.DataFrame", cpu: np.ndarray | None = None) -> float:

@@ -16,6 +16,7 @@ schedule; one pipeline is one timeline).
 """
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -111,7 +112,7 @@ class ProfileSession:
         payload = {"rank": topo.rank, "pp_rank": topo.pp_rank, "dp_rank": topo.dp_rank,
                    "offset": self.offset.offset, "rtt": self.offset.rtt,
                    "records": self.profiler.records() if topo.dp_rank == 0 else [],
-                   "split_probe": probe}
+                   "split_probe": probe, "cpus": rank_cpus()}
         if topo.world_size > 1:
             gathered: list | None = [None] * topo.world_size if topo.rank == 0 else None
             dist.gather_object(payload, gathered, dst=0)
@@ -134,6 +135,7 @@ class ProfileSession:
             "clock_rtts": [p["rtt"] for p in pipeline],
             "profiled_steps": [self.options.first, self.options.stop],
             "memory": ("allocated" if topo.device.type == "cuda" else "held_tensors"),
+            "rank_cpus": [p["cpus"] for p in pipeline], "host_cpus": os.cpu_count(),
             "config": cfg.to_dict(),
         }
         probes = {str(s): v for p in pipeline for s, v in (p["split_probe"] or {}).items()}
@@ -143,6 +145,15 @@ class ProfileSession:
         if self.options.trace_out:
             run.save(self.options.trace_out)
         return run
+
+
+def rank_cpus() -> float:
+    """CPUs this rank can keep busy: its intra-op threads, capped by the CPUs it may use."""
+    import torch
+
+    from ..cpu_quota import cpu_limit
+
+    return float(min(cpu_limit(), torch.get_num_threads()))
 
 
 def layer_kinds(num_layers: int, config: Any) -> list[str]:
