@@ -156,6 +156,31 @@ def test_repartition_sums_per_kind_costs_over_the_new_stages():
         repartition(pipesim.CostModel(forward=f2), two, Layout((0, 1, 2), ("block",) * 2))
 
 
+def test_repartition_keeps_the_first_stage_without_an_input_gradient():
+    # The first stage's I does nothing and its W is its whole backward, whatever layers it
+    # holds: fitted per kind, the block's I would be pulled towards zero by the first stage's.
+    kinds = ("embedding",) + ("block",) * 6 + ("head",)
+    i_kind = {"embedding": 0.0, "block": 1.0, "head": 0.4}
+    w_kind = {"embedding": 0.1, "block": 0.8, "head": 0.3}
+    src = Layout((0, 2, 4, 6, 8), kinds)          # E+B, B+B, B+B, B+H
+    dst = Layout(tuple(range(9)), kinds)           # one layer per stage
+    spans = list(zip(src.bounds, src.bounds[1:]))
+    stage_i = [sum(i_kind[kinds[k]] for k in range(a, b)) for a, b in spans]
+    stage_w = [sum(w_kind[kinds[k]] for k in range(a, b)) for a, b in spans]
+    stage_w[0] += stage_i[0]                       # the first stage: all of it in W
+    stage_i[0] = 0.01                              # a no-op I still costs the executor a little
+    f = [1.0] * 4
+    cal = repartition(pipesim.CostModel(forward=f, backward_input=stage_i,
+                                        backward_weight=stage_w), src, dst)
+    i = cal.costs.stage_values("backward_input", 8)
+    w = cal.costs.stage_values("backward_weight", 8)
+    np.testing.assert_allclose(i[1:], [i_kind[k] for k in kinds[1:]], atol=1e-9)
+    np.testing.assert_allclose(w[1:], [w_kind[k] for k in kinds[1:]], atol=1e-9)
+    assert i[0] == pytest.approx(0.01)             # the first stage's measured no-op I
+    # W of the new first stage (the embedding alone): its whole backward, never negative
+    assert 0.0 <= w[0] <= w_kind["embedding"] + 1e-9
+
+
 def test_repartition_fits_a_per_action_cost_when_stage_sizes_identify_it():
     # Stages of 2, 3, 2, 2 layers: [1 | layer counts] has full rank, so a fixed cost per
     # action is told apart from the layers' costs and charged once per target stage.

@@ -258,25 +258,37 @@ def repartition(costs: CostModel, source: Layout, target: Layout,
     with_const = np.hstack((np.ones((n_src, 1)), a_src))
     joint = np.linalg.matrix_rank(with_const) == len(kinds) + 1
     how = "fitted" if joint else ("executor" if overhead else "none")
+    split = costs.backward_input is not None and costs.backward_weight is not None and n_src > 1
     for name in ("forward", "backward", "backward_input", "backward_weight", "activation_bytes"):
         if getattr(costs, name) is None:
             continue
         values = np.asarray(costs.stage_values(name, n_src), float)
+        # The first stage has no input gradient: its I does nothing and its W is the whole
+        # backward, whatever layers it holds. Fit the kinds' I and W on the other stages; the
+        # target's first stage gets the same treatment below.
+        rows = slice(1, None) if split and name in ("backward_input", "backward_weight") \
+            else slice(None)
+        a_fit, fit_const, values = a_src[rows], with_const[rows], values[rows]
         per_action = 0.0
         if name == "activation_bytes":
             pass
-        elif joint:
-            x1 = _nnls(with_const, values)
+        elif joint and np.linalg.matrix_rank(fit_const) == len(kinds) + 1:
+            x1 = _nnls(fit_const, values)
             per_action, values = float(x1[0]), values - x1[0]
         elif overhead and name in overhead:
-            measured = np.asarray(overhead[name], float)
+            measured = np.asarray(overhead[name], float)[rows]
             per_action, values = float(np.mean(measured)), np.clip(values - measured, 0.0, None)
-        x = _nnls(a_src, values) if rank >= len(kinds) else np.clip(
-            np.linalg.lstsq(a_src, values, rcond=None)[0], 0.0, None)
+        x = _nnls(a_fit, values) if np.linalg.matrix_rank(a_fit) >= len(kinds) else np.clip(
+            np.linalg.lstsq(a_fit, values, rcond=None)[0], 0.0, None)
         per_kind[name] = dict(zip(kinds, map(float, x)))
         if name != "activation_bytes":
             per_kind[name]["per action"] = per_action
         changes[name] = [float(v) + per_action for v in a_dst @ x]
+    if split:
+        first_i = float(costs.stage_values("backward_input", n_src)[0])
+        whole = changes["backward_input"][0] + changes["backward_weight"][0]
+        changes["backward_input"][0] = first_i
+        changes["backward_weight"][0] = max(whole - first_i, 0.0)
     # Fractions and message sizes are per stage boundary, not per layer: use their means.
     wfrac = costs.stage_values("weight_grad_fraction", n_src)
     changes["weight_grad_fraction"] = float(np.mean(wfrac))

@@ -5,7 +5,8 @@ Bubble schedule from it needs I and W. An even split of B misses two facts of th
 the first stage has no input gradient (its I is a no-op and its W the whole backward), and the
 split costs more than B (two autograd passes, and W reads back what B had just used; about 10%
 on a CPU). So after the profiled steps every rank times, on each of its stages, one microbatch
-through F + B and through F + I + W, outside the schedule: nothing is sent, no gradient
+through F + B and through F + I + W, outside the schedule, with another forward (untimed)
+before B, before I and between I and W, as a schedule has other work there: nothing is sent, no gradient
 reaches the gradient buffer (the passes return their gradients and they are dropped), and the
 random state is restored afterwards. All ranks probe at once, as they compute during a step.
 """
@@ -66,6 +67,7 @@ def _probe(trainer: Any, device: torch.device, repeats: int) -> dict:
                 _add(times, cpus, "F", t)
                 edge = get_gradient_edge(root)
                 stage_input = leaf if leaf.requires_grad else None
+                _other_work(stage, leaf)
                 if not split:
                     _, t = _timed(device, lambda: full_backward(edge, grad, stage_input, params))
                     _add(times, cpus, "B", t)
@@ -75,6 +77,7 @@ def _probe(trainer: Any, device: torch.device, repeats: int) -> dict:
                 (_, _, wgrad), t = _timed(device, lambda: backward_input(edge, grad, stage_input,
                                                                          params))
                 _add(times, cpus, "I", t)
+                _other_work(stage, leaf)
                 _, t = _timed(device, lambda: wgrad.compute(params))
                 _add(times, cpus, "W", t)
         out[s] = {"wall": {op: statistics.median(v) for op, v in times.items()},
@@ -98,6 +101,13 @@ def _forward(trainer: Any, stage: Any, x: torch.Tensor, targets: torch.Tensor,
         if stage.is_last:
             return trainer.spec.loss_fn(y.float(), targets), None
     return y, torch.randn(y.shape, generator=gen, device=y.device).to(y.dtype)
+
+
+def _other_work(stage: Any, x: torch.Tensor) -> None:
+    """A forward of another microbatch, untimed: in a schedule a backward never follows its own
+    forward at once, and a W comes long after its I, so the caches hold other data by then."""
+    with torch.no_grad():
+        stage(x.detach())
 
 
 def _timed(device: torch.device, fn: Any) -> tuple[Any, tuple[float, float]]:
