@@ -66,13 +66,27 @@ def test_report_has_every_column_with_values_as_defined(tmp_path):
     report = c.report()
     for key in REPORT_KEYS:
         assert key in report, key
-    measured = run.result(c.step)
-    assert report["measured_step_time"] == pytest.approx(measured.makespan)
-    assert report["measured_bubble_fraction"] == pytest.approx(measured.bubble_fraction)
+    # measured: the means over the profiled steps (the costs are means over the same steps)
+    assert c.steps == run.steps == [0, 1] and report["compared_steps"] == [0, 1]
+    results = [run.result(s) for s in run.steps]
+    mean = lambda xs: sum(xs) / len(xs)                   # noqa: E731
+    assert report["measured_step_time"] == pytest.approx(mean([r.makespan for r in results]))
+    assert report["measured_bubble_fraction"] == pytest.approx(
+        mean([r.bubble_fraction for r in results]))
+    assert report["measured_bubble_fraction_range"] == pytest.approx(
+        sorted(r.bubble_fraction for r in results))
     assert report["step_time_error"] == pytest.approx(
         (report["predicted_step_time"] - report["measured_step_time"]) / report["measured_step_time"])
     assert len(report["measured_peak_memory"]) == len(report["predicted_peak_memory"]) == 4
-    assert report["measured_peak_memory"] == pytest.approx(measured.peak_memory)
+    assert report["measured_peak_memory"] == pytest.approx(
+        [max(r.peak_memory[k] for r in results) for k in range(4)])
+    busy1 = [mean([r.busy[k] for r in results]) for k in range(4)]
+    assert [row["busy_measured"] for row in report["per_rank"]] == pytest.approx(busy1)
+    # one step alone, on request
+    one = compare_runs(run, step=1).report()
+    assert one["compared_steps"] == [1] and one["pictured_step"] == 1
+    assert one["measured_step_time"] == pytest.approx(results[1].makespan)
+    assert one["calibration"]["source"]["steps"] == [1]
     # the jittered run is predicted back from its own costs within the jitter
     assert abs(report["step_time_error"]) < 0.04
     assert abs(report["predicted_bubble_fraction"] - report["measured_bubble_fraction"]) < 0.03
@@ -83,7 +97,7 @@ def test_report_has_every_column_with_values_as_defined(tmp_path):
     for q in TABLE_COLUMNS:
         for suffix in ("measured", "predicted", "error"):
             assert f"{q}_{suffix}" in table.columns
-    assert table.loc["all", "finish_measured"] == pytest.approx(measured.makespan)
+    assert table.loc["all", "finish_measured"] == pytest.approx(report["measured_step_time"])
     text = c.text()
     assert "zb-h1 pp=4" in text and text.count("\n") >= 7
     files = write_outputs(c, report_out=str(tmp_path / "r.json"), table_out=str(tmp_path / "t.csv"))
@@ -134,7 +148,7 @@ def test_compare_command_end_to_end(tmp_path, capsys):
     assert code == 0, out
     assert "1f1b pp=2" in out and "calibrated from its own trace" in out
     data = json.loads(report.read_text())
-    assert set(REPORT_KEYS) <= set(data) and data["profiled_step"] in (1, 2)
+    assert set(REPORT_KEYS) <= set(data) and data["compared_steps"] == [1, 2] and data["pictured_step"] in (1, 2)
     assert len(data["measured_peak_memory"]) == 2 and min(data["measured_peak_memory"]) > 0
     for suffix in (".json", ".csv", ".meta.json"):
         assert trace.with_name("run" + suffix).exists()

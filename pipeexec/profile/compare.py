@@ -2,9 +2,11 @@
 
 `compare_runs` scores one measured run against the simulation of the same schedule with costs
 calibrated from that run or from another one (`pipeexec.profile.calibrate`). Measured values
-come from the profiled step with the median makespan (`MeasuredRun.representative_step`);
-every profiled step's makespan is in the report too. Definitions are pipesim's
-(:mod:`pipesim.metrics`), computed by the same code on both traces:
+are the means over the compared steps (by default every profiled step: the costs a simulation
+uses are per-stage means over the same steps, so what it predicts is the run's mean step);
+each step's makespan is in the report too, and the pictures show the step with the median
+makespan (`MeasuredRun.representative_step`). ``step=N`` compares that one step alone.
+Definitions are pipesim's (:mod:`pipesim.metrics`), computed by the same code on both traces:
 
 * step time: the step's makespan (first action start to last action end over all ranks: the
   pipeline part of the step, which is what the schedule decides; the optimizer is not in it);
@@ -18,7 +20,7 @@ every profiled step's makespan is in the report too. Definitions are pipesim's
 Errors: ``step_time_error = (predicted - measured) / measured``; bubble_fraction error in
 points (predicted - measured); memory errors relative, per rank.
 
-Calibrated from the run itself, the costs are the compared step's per-stage wall-time means.
+Calibrated from the run itself, the costs are the compared steps' per-stage wall-time means.
 Either way the simulation moves messages as the executor does (``EXECUTOR_COMM``, pipesim's
 ``comm="rendezvous"``): gloo and NCCL start a transfer only once the receiver has posted its
 receive, which the runtime does where the schedule's RECV stands (``recv_lookahead``
@@ -40,9 +42,11 @@ import json
 import math
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+import numpy as np
 
 import pipesim
 
@@ -67,13 +71,31 @@ def _rel(pred: float, meas: float) -> float:
 
 @dataclass
 class Comparison:
-    """A measured step and its prediction, with the calibration that made it."""
+    """Measured steps and their prediction, with the calibration that made it. ``measured`` is
+    the step drawn in pictures (``step``); the numbers are means over ``steps``."""
 
     measured: "SimResult"
     predicted: "SimResult"
     calibration: Calibration
     run: MeasuredRun
     step: int
+    steps: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.steps = list(self.steps) or [self.step]
+        results = [self.measured if s == self.step else self.run.result(s) for s in self.steps]
+        per_step = [self._rank_values(r) for r in results]
+        # per rank: the mean over the steps (peak memory: the largest)
+        self._measured = {q: [float((np.max if q == "peak_memory" else np.mean)(
+            [v[q][k] for v in per_step])) for k in range(self.measured.num_ranks)]
+            for q in TABLE_COLUMNS}
+        overall = {"makespan": [r.makespan for r in results],
+                   "busy": [max(r.busy) for r in results],
+                   "bubble_time": [r.bubble_time for r in results],
+                   "bubble_fraction": [r.bubble_fraction for r in results],
+                   "bubble_rate": [r.bubble_rate for r in results]}
+        self._overall = {k: float(np.mean(v)) for k, v in overall.items()}
+        self._bf_range = (min(overall["bubble_fraction"]), max(overall["bubble_fraction"]))
 
     # -- table ----------------------------------------------------------------------------------
     def _rank_values(self, r: "SimResult") -> dict[str, list[float]]:
@@ -96,7 +118,8 @@ class Comparison:
         "all" row), busy, bubble, idle_over_busy (bubble_fraction on "all") and peak_memory."""
         import pandas as pd
 
-        m, p = self._rank_values(self.measured), self._rank_values(self.predicted)
+        m, p = self._measured, self._rank_values(self.predicted)
+        o = self._overall
         rows = []
         for rank in range(self.measured.num_ranks):
             row: dict[str, Any] = {"rank": str(rank)}
@@ -105,17 +128,17 @@ class Comparison:
                 row[f"{q}_predicted"] = p[q][rank]
                 row[f"{q}_error"] = _rel(p[q][rank], m[q][rank])
             rows.append(row)
-        ms, ps = self.measured, self.predicted
+        ps = self.predicted
         total = {"rank": "all",
-                 "finish_measured": ms.makespan, "finish_predicted": ps.makespan,
-                 "finish_error": _rel(ps.makespan, ms.makespan),
-                 "busy_measured": max(ms.busy), "busy_predicted": max(ps.busy),
-                 "busy_error": _rel(max(ps.busy), max(ms.busy)),
-                 "bubble_measured": ms.bubble_time, "bubble_predicted": ps.bubble_time,
-                 "bubble_error": _rel(ps.bubble_time, ms.bubble_time),
-                 "idle_over_busy_measured": ms.bubble_fraction,
+                 "finish_measured": o["makespan"], "finish_predicted": ps.makespan,
+                 "finish_error": _rel(ps.makespan, o["makespan"]),
+                 "busy_measured": o["busy"], "busy_predicted": max(ps.busy),
+                 "busy_error": _rel(max(ps.busy), o["busy"]),
+                 "bubble_measured": o["bubble_time"], "bubble_predicted": ps.bubble_time,
+                 "bubble_error": _rel(ps.bubble_time, o["bubble_time"]),
+                 "idle_over_busy_measured": o["bubble_fraction"],
                  "idle_over_busy_predicted": ps.bubble_fraction,
-                 "idle_over_busy_error": ps.bubble_fraction - ms.bubble_fraction,
+                 "idle_over_busy_error": ps.bubble_fraction - o["bubble_fraction"],
                  "peak_memory_measured": max(m["peak_memory"]),
                  "peak_memory_predicted": max(p["peak_memory"]),
                  "peak_memory_error": _rel(max(p["peak_memory"]), max(m["peak_memory"]))}
@@ -174,17 +197,19 @@ class Comparison:
                  f"a {src.get('schedule')} run (pp={src.get('pp')} vpp={src.get('vpp')})")
         if self.calibration.model == "processor-sharing":
             where += f", CPU work shared by {self.calibration.cores:.2f} effective cores"
+        measured = self._overall["makespan"]
+        over = (f"step {self.steps[0]}" if len(self.steps) == 1 else
+                f"mean of steps {self.steps[0]}-{self.steps[-1]}")
         return (f"{s.name} pp={s.pp} vpp={s.vpp} m={s.num_microbatches}: predicted "
-                f"{self.predicted.makespan * 1e3:.1f} ms vs measured "
-                f"{self.measured.makespan * 1e3:.1f} ms "
-                f"({_rel(self.predicted.makespan, self.measured.makespan):+.1%}); calibrated "
+                f"{self.predicted.makespan * 1e3:.1f} ms vs measured {measured * 1e3:.1f} ms "
+                f"({over}, {_rel(self.predicted.makespan, measured):+.1%}); calibrated "
                 f"from {where}")
 
     # -- report ---------------------------------------------------------------------------------
     def report(self) -> dict[str, Any]:
         """JSON-ready: the keys of REPORT_KEYS and more (see the module docstring)."""
-        ms, ps = self.measured, self.predicted
-        m, p = self._rank_values(ms), self._rank_values(ps)
+        ps, o = self.predicted, self._overall
+        m, p = self._measured, self._rank_values(ps)
         t = self.table()
         per_rank = [{"rank": int(r), **{k: _num(v) for k, v in row.items()}}
                     for r, row in t.drop(index="all").iterrows()]
@@ -193,19 +218,20 @@ class Comparison:
         return {
             "schedule": meta["schedule"], "pp": meta["pp"], "vpp": meta["vpp"],
             "microbatches": meta["microbatches"], "device": meta.get("device"),
-            "measured_step_time": ms.makespan, "predicted_step_time": ps.makespan,
-            "step_time_error": _rel(ps.makespan, ms.makespan),
-            "measured_bubble_fraction": ms.bubble_fraction,
+            "measured_step_time": o["makespan"], "predicted_step_time": ps.makespan,
+            "step_time_error": _rel(ps.makespan, o["makespan"]),
+            "measured_bubble_fraction": o["bubble_fraction"],
             "predicted_bubble_fraction": ps.bubble_fraction,
-            "bubble_fraction_error": ps.bubble_fraction - ms.bubble_fraction,
-            "measured_bubble_rate": ms.bubble_rate, "predicted_bubble_rate": ps.bubble_rate,
-            "measured_bubble_time": ms.bubble_time, "predicted_bubble_time": ps.bubble_time,
+            "bubble_fraction_error": ps.bubble_fraction - o["bubble_fraction"],
+            "measured_bubble_fraction_range": list(self._bf_range),
+            "measured_bubble_rate": o["bubble_rate"], "predicted_bubble_rate": ps.bubble_rate,
+            "measured_bubble_time": o["bubble_time"], "predicted_bubble_time": ps.bubble_time,
             "measured_peak_memory": [_num(x) for x in m["peak_memory"]],
             "predicted_peak_memory": [_num(x) for x in p["peak_memory"]],
             "peak_memory_error": [_num(_rel(a, b)) for a, b in zip(p["peak_memory"], m["peak_memory"])],
             "memory_measure": meta.get("memory"),
             "per_rank": per_rank,
-            "profiled_step": self.step,
+            "compared_steps": list(self.steps), "pictured_step": self.step,
             "measured_step_times": {str(k): v for k, v in self.run.makespans().items()},
             "clock_offsets": meta.get("clock_offsets"), "clock_rtts": meta.get("clock_rtts"),
             "calibration": {"source": self.calibration.source,
@@ -270,25 +296,27 @@ def predict(schedule: "pipesim.Schedule", layout: Layout, calibration_run: Measu
 
 def compare_runs(run: MeasuredRun, calibration_run: MeasuredRun | None = None,
                  step: int | None = None, *, contention: bool | None = None) -> Comparison:
-    """Compare ``run``'s step ``step`` (default the median one) with its simulation.
+    """Compare ``run``'s profiled steps (their means; ``step``: that step alone) with a
+    simulation.
 
     Costs come from ``calibration_run`` (all its profiled steps; ``contention`` as in
-    `predict`), or by default from the compared step itself: then the question is only whether
-    the simulator reproduces the step's timing from its per-stage costs, and step-to-step drift
-    of a shared machine stays out of it. The step's own costs are its per-stage wall-time means
-    unless ``contention=True`` (CPU work shared by the step's effective cores): the means carry
-    the step's own contention, and give each rank exactly its measured busy time, which the
-    sharing model does not (on 4 ranks over 2 vCPUs it gets the step time closer but spreads
-    busy time differently over the ranks, so bubble_fraction further off)."""
-    step = run.representative_step() if step is None else step
-    measured = run.result(step)
+    `predict`), or by default from the compared steps themselves: then the question is only
+    whether the simulator reproduces the run's timing from its per-stage costs. The run's own
+    costs are its per-stage wall-time means unless ``contention=True`` (CPU work shared by the
+    run's effective cores): the means carry the run's own contention, and give each rank
+    exactly its measured busy time, which the sharing model does not (on 4 ranks over 2 vCPUs
+    it gets the step time as close but spreads busy time differently over the ranks, so
+    bubble_fraction further off)."""
+    steps = run.steps if step is None else [step]
+    shown = run.representative_step() if step is None else step
+    measured = run.result(shown)
     if calibration_run is None:
-        predicted, cal = predict(run.schedule, Layout.of_run(run), run, [step],
+        predicted, cal = predict(run.schedule, Layout.of_run(run), run, steps,
                                  contention=bool(contention))
     else:
         predicted, cal = predict(run.schedule, Layout.of_run(run), calibration_run,
                                  contention=contention)
-    return Comparison(measured, predicted, cal, run, step)
+    return Comparison(measured, predicted, cal, run, shown, steps)
 
 
 def layout_of(config: Any) -> Layout:
