@@ -2,8 +2,10 @@
 
 `compare_runs` scores one measured run against the simulation of the same schedule with costs
 calibrated from that run or from another one (`pipeexec.profile.calibrate`). Measured values
-are the means over the compared steps (by default every profiled step: the costs a simulation
-uses are per-stage means over the same steps, so what it predicts is the run's mean step);
+are the means over the compared steps (by default the profiled steps but the quarter with the
+longest and the quarter with the shortest makespan, `MeasuredRun.central_steps`: the costs a
+simulation uses are per-stage means over the same steps, so what it predicts is the run's mean
+step, and one stalled step should move neither);
 each step's makespan is in the report too, and the pictures show the step with the median
 makespan (`MeasuredRun.representative_step`). ``step=N`` compares that one step alone.
 Definitions are pipesim's (:mod:`pipesim.metrics`), computed by the same code on both traces:
@@ -266,7 +268,8 @@ def predict(schedule: "pipesim.Schedule", layout: Layout, calibration_run: Measu
             steps: list[int] | None = None, *, contention: bool | None = None,
             comm: str = EXECUTOR_COMM) -> tuple["SimResult", Calibration]:
     """Simulate ``schedule`` cut as ``layout`` with costs calibrated on ``calibration_run``
-    (its ``steps``, default all profiled): the prediction before (or without) running it.
+    (its ``steps``, default its `central_steps`): the prediction before (or without) running
+    it.
 
     ``comm``: the simulator's communication mode (``pipesim.simulate``); by default the
     executor's rendezvous, where a transfer starts when both sides have posted.
@@ -280,6 +283,8 @@ def predict(schedule: "pipesim.Schedule", layout: Layout, calibration_run: Measu
     from .calibrate import has_cpu_times
     from .contention import effective_cores, shares_cores
 
+    if steps is None:
+        steps = calibration_run.central_steps()
     if contention is None:
         contention = has_cpu_times(calibration_run) and shares_cores(calibration_run.meta)
     if not contention:
@@ -296,18 +301,18 @@ def predict(schedule: "pipesim.Schedule", layout: Layout, calibration_run: Measu
 
 def compare_runs(run: MeasuredRun, calibration_run: MeasuredRun | None = None,
                  step: int | None = None, *, contention: bool | None = None) -> Comparison:
-    """Compare ``run``'s profiled steps (their means; ``step``: that step alone) with a
-    simulation.
+    """Compare ``run``'s profiled steps (the means over its `central_steps`; ``step``: that
+    step alone) with a simulation.
 
-    Costs come from ``calibration_run`` (all its profiled steps; ``contention`` as in
-    `predict`), or by default from the compared steps themselves: then the question is only
+    Costs come from ``calibration_run`` (its central steps; ``contention`` as in `predict`),
+    or by default from the compared steps themselves: then the question is only
     whether the simulator reproduces the run's timing from its per-stage costs. The run's own
     costs are its per-stage wall-time means unless ``contention=True`` (CPU work shared by the
     run's effective cores): the means carry the run's own contention, and give each rank
     exactly its measured busy time, which the sharing model does not (on 4 ranks over 2 vCPUs
     it gets the step time as close but spreads busy time differently over the ranks, so
     bubble_fraction further off)."""
-    steps = run.steps if step is None else [step]
+    steps = run.central_steps() if step is None else [step]
     shown = run.representative_step() if step is None else step
     measured = run.result(shown)
     if calibration_run is None:

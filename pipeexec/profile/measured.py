@@ -244,6 +244,16 @@ class MeasuredRun:
         order = sorted(spans, key=lambda s: (spans[s], s))
         return order[(len(order) - 1) // 2]
 
+    def central_steps(self) -> list[int]:
+        """The profiled steps without the quarter with the longest and the quarter with the
+        shortest makespan (none dropped below 4 steps), in step order: what comparisons and
+        calibrations average over, so that one stalled step (another process, a page-cache
+        flush) neither moves the measured mean nor the calibrated costs."""
+        spans = self.makespans()
+        order = sorted(spans, key=lambda s: (spans[s], s))
+        k = len(order) // 4
+        return sorted(order[k:len(order) - k])
+
     # -- files ------------------------------------------------------------------------------------
     @staticmethod
     def paths(path: str | Path) -> tuple[Path, Path, Path]:
