@@ -250,3 +250,25 @@ def test_cross_schedule_model_follows_whether_the_ranks_shared_cores(rank_cpus, 
     else:
         # CPU work (half the wall time here) as the costs
         assert cal.costs.compute_times(4)["F"] == pytest.approx([0.5, 0.55, 0.6, 0.65], rel=0.05)
+
+
+def test_a_stalled_step_moves_neither_the_measured_mean_nor_the_costs():
+    run = jittered_run(steps=5)
+    t = run.trace
+    stalled = t["step"] == 2
+    t0 = t.loc[stalled, "start"].min()
+    for col in ("start", "end", "link_start"):                  # step 2 runs 1.5x slower
+        t.loc[stalled, col] = t0 + (t.loc[stalled, col] - t0) * 1.5
+    spans = run.makespans()
+    shortest = min(spans, key=spans.get)
+    central = run.central_steps()
+    assert 2 not in central and shortest not in central and len(central) == 3
+    c = compare_runs(run)
+    report = c.report()
+    assert report["compared_steps"] == central
+    assert report["measured_step_time"] == pytest.approx(sum(spans[s] for s in central) / 3)
+    assert report["calibration"]["source"]["steps"] == central
+    assert abs(report["step_time_error"]) < 0.04             # the stall is not in the costs
+    # with the stalled step in, both the mean and the costs would move
+    assert compare_runs(run, step=2).report()["measured_step_time"] == pytest.approx(spans[2])
+    assert spans[2] > 1.4 * report["measured_step_time"]

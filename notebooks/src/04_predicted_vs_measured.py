@@ -165,7 +165,7 @@ table
 # Two things make a prediction from another run miss: the machine itself drifting between
 # runs (on a shared CPU, another process takes a core and every action gets slower), and
 # the simulator's model of the schedule (ordering, waits, transfers). Re-simulating each run
-# with costs calibrated from *its own* measured step removes the first: what is left is
+# with costs calibrated from *its own* measured steps removes the first: what is left is
 # the second. `busy drift` is the slowest rank's measured compute time over the predicted
 # one; far from 1, the machine was not the same machine (or the costs came from a run with
 # another kind of backward).
@@ -174,15 +174,15 @@ table
 own = {}
 for name in SCHEDULES:
     run = MeasuredRun.load(WORK / f"{name}.json")
-    own[name] = compare_runs(run)          # calibrated from its own median step
+    own[name] = compare_runs(run)          # its central steps' means, from their own costs
 split = pd.DataFrame({
     name: {"calibrated from": f"{SOURCE[name]} run",
            "measured step (ms)": reports[name]["measured_step_time"] * 1e3,
            "predicted (ms)": reports[name]["predicted_step_time"] * 1e3,
            "error": reports[name]["step_time_error"],
-           "busy drift": max(own[name].measured.busy) / max(predictions[name].busy),
+           "busy drift": own[name].table().loc["all", "busy_measured"] / max(predictions[name].busy),
            "from own trace (ms)": own[name].predicted.makespan * 1e3,
-           "error from own trace": own[name].predicted.makespan / own[name].measured.makespan - 1}
+           "error from own trace": own[name].report()["step_time_error"]}
     for name in SCHEDULES}).T
 split.style.format({"measured step (ms)": "{:.1f}", "predicted (ms)": "{:.1f}",
                     "from own trace (ms)": "{:.1f}", "busy drift": "{:.2f}",
