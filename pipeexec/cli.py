@@ -121,6 +121,9 @@ def main(argv: list[str] | None = None) -> None:
         if checkpoint.load is not None:
             read_tracker(checkpoint.load)       # a bad --load fails before any worker starts
         profile = profile_from_args(ns)
+        if under_torchrun and ns.cpus_per_rank is not None:
+            raise ConfigError("--cpus-per-rank confines the workers of a local run; under "
+                              "torchrun, set CPU limits where the processes are started")
         if under_torchrun:
             run_training(None, config, ns.metrics_out, progress=not ns.no_progress,
                          checkpoint=checkpoint, profile=profile)

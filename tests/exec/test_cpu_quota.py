@@ -110,3 +110,14 @@ def test_confined_workers_get_their_share_and_the_cgroups_are_removed():
     # without a quota the same loop runs on a whole CPU (this process's own limit)
     (limit, share, _), = launch(_spin, 1, (0.2,), timeout=60)
     assert limit == pytest.approx(cpu_limit()) and share > 0.5
+
+
+def test_cpus_per_rank_is_refused_under_torchrun(monkeypatch, capsys):
+    from pipeexec.cli import main
+
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(SystemExit) as info:
+        main(["train", "--pp", "2", "--cpus-per-rank", "0.5", "--no-progress"])
+    assert info.value.code == 2
+    assert "--cpus-per-rank confines the workers of a local run" in capsys.readouterr().err
