@@ -201,7 +201,7 @@ class Comparison:
             where += f", CPU work shared by {self.calibration.cores:.2f} effective cores"
         measured = self._overall["makespan"]
         over = (f"step {self.steps[0]}" if len(self.steps) == 1 else
-                f"mean of steps {self.steps[0]}-{self.steps[-1]}")
+                "mean of steps " + ", ".join(map(str, self.steps)))
         return (f"{s.name} pp={s.pp} vpp={s.vpp} m={s.num_microbatches}: predicted "
                 f"{self.predicted.makespan * 1e3:.1f} ms vs measured {measured * 1e3:.1f} ms "
                 f"({over}, {_rel(self.predicted.makespan, measured):+.1%}); calibrated "
