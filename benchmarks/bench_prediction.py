@@ -8,7 +8,7 @@ schedule X of gpipe, interleaved (vpp 2), zb-h1, zbv (vpp 2) and 1f1b itself:
 2. X is predicted from the 1f1b steps' trace alone (CPU work per stage, re-partitioned per
    layer kind where vpp differs, simulated with the effective cores fitted to the 1f1b steps
    shared among the ranks computing at each moment of X) and compared with X's measured mean
-   step (step time and bubble_fraction averaged over the profiled steps): the cross-schedule
+   step (step time and bubble_fraction averaged over its central profiled steps): the cross-schedule
    error. X = 1f1b measures the noise floor of that comparison;
 3. X is also simulated with costs calibrated from its own profiled steps: does the simulator
    reproduce a run from its per-stage costs?
@@ -95,6 +95,11 @@ def where(cpus: float | None) -> str:
     return f" ({cpus:g} CPU per rank)" if cpus else ""
 
 
+def subdir(pp: int, cpus: float | None) -> str:
+    """Where --out-dir keeps one (pp, CPUs per rank) group's files."""
+    return f"pp{pp}" + (f"-cpus{cpus:g}" if cpus else "")
+
+
 def share(cpus: float | None, pp: int) -> str:
     """The table's CPU column: ranks sharing the machine's cores, or confined to a share."""
     if cpus:
@@ -141,8 +146,7 @@ def main(argv: list[str] | None = None) -> int:
         mine = own.report()
         if out:
             tag = name.split(" ")[0]
-            sub = f"pp{pp}" + (f"-cpus{cpus:g}" if cpus else "")
-            write_outputs(own, report_out=str(out / sub / f"{tag}-{len(rows)}.report.json"))
+            write_outputs(own, report_out=str(out / subdir(pp, cpus) / f"{tag}-{len(rows)}.report.json"))
         mem_err = max(abs(e) for e in mine["peak_memory_error"] if e is not None)
         row = {"pp": pp, "cpus": cpus, "schedule": name, "vpp": cfg.vpp, "calib": calib_label,
                "measured_ms": mine["measured_step_time"] * 1e3,
@@ -186,10 +190,9 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             calib, run = launch(paired_worker, pp, ([calib_cfg, cfg], 1, args.steps),
                                 timeout=args.timeout, cpus_per_rank=cpus)[0]
-            sub = f"pp{pp}" + (f"-cpus{cpus:g}" if cpus else "")
             if out:
-                calib.save(out / sub / f"1f1b-with-{name}.json")
-                run.save(out / sub / f"{name}-with-1f1b.json")
+                calib.save(out / subdir(pp, cpus) / f"1f1b-with-{name}.json")
+                run.save(out / subdir(pp, cpus) / f"{name}-with-1f1b.json")
             if first_job:
                 record(pp, cpus, "1f1b", calib_cfg, calib, None, "")
                 first_job = False

@@ -62,18 +62,19 @@ def _own_cgroups() -> dict[str, str]:
     return out
 
 
-def _cpu_dir() -> tuple[Path, str] | None:
-    """This process's cgroup directory for the CPU controller and its version ("v1"/"v2")."""
+def _cpu_dir() -> tuple[Path, str, Path] | None:
+    """This process's cgroup directory for the CPU controller, its version ("v1"/"v2") and the
+    hierarchy's mount point (the top of the ancestors whose quotas apply)."""
     own = _own_cgroups()
     for mount, fstype, opts in _mounts():
         if fstype == "cgroup" and "cpu" in opts and "cpu" in own:
-            return Path(mount + own["cpu"].rstrip("/")), "v1"
+            return Path(mount + own["cpu"].rstrip("/")), "v1", Path(mount)
     for mount, fstype, _ in _mounts():
         if fstype == "cgroup2" and "" in own:
             path = Path(mount + own[""].rstrip("/"))
             try:
                 if "cpu" in (path / "cgroup.controllers").read_text().split():
-                    return path, "v2"
+                    return path, "v2", Path(mount)
             except OSError:
                 continue
     return None
@@ -105,10 +106,7 @@ def cpu_limit() -> float:
     found = _cpu_dir()
     if found is None:
         return limit
-    path, version = found
-    root = next((Path(m) for m, t, o in _mounts()
-                 if (t == "cgroup" and "cpu" in o) == (version == "v1")
-                 and path.is_relative_to(m)), Path("/"))
+    path, version, root = found
     while True:
         limit = min(limit, _quota(path, version))
         if path == root or path.parent == path:
@@ -131,7 +129,7 @@ class RankQuotas:
         if found is None:
             raise QuotaUnavailable("cpus_per_rank: no cgroup CPU controller for this process "
                                    "(/proc/self/cgroup, /proc/self/mountinfo)")
-        base, self.version = found
+        base, self.version, _ = found
         self.cpus = float(cpus)
         self.root = base / f"pipeexec-{os.getpid()}-{secrets.token_hex(3)}"
         self.dirs: list[Path] = []

@@ -292,9 +292,7 @@ def predict(schedule: "pipesim.Schedule", layout: Layout, calibration_run: Measu
         return pipesim.simulate(schedule, cal.costs, comm=comm), cal
     cal = calibrate(calibration_run, layout, steps, work=True)
     trace = calibration_run.trace
-    if steps is not None:
-        trace = trace[trace["step"].isin(steps)]
-    cores = effective_cores(trace)
+    cores = effective_cores(trace[trace["step"].isin(steps)])
     cal.model, cal.cores = "processor-sharing", cores
     return pipesim.simulate(schedule, cal.costs, comm=comm, cores=cores), cal
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import time
+from pathlib import Path
 
 import pytest
 
@@ -60,7 +61,7 @@ def test_no_cgroup_controller_is_a_clear_error_before_any_worker(monkeypatch):
 
 @pytest.mark.parametrize("version", ["v1", "v2"])
 def test_quotas_are_written_per_rank_and_removed(monkeypatch, tmp_path, version):
-    monkeypatch.setattr(cpu_quota, "_cpu_dir", lambda: (tmp_path, version))
+    monkeypatch.setattr(cpu_quota, "_cpu_dir", lambda: (tmp_path, version, tmp_path))
     for cpus, period in ((0.5, 2000), (0.25, 4000), (1.5, 2000)):
         q = RankQuotas(3, cpus)
         assert [d.name for d in q.dirs] == ["rank0", "rank1", "rank2"]
@@ -92,7 +93,7 @@ def _spin(board, seconds: float) -> tuple[float, float, str]:
     while time.perf_counter() - start_wall < seconds:
         sum(range(1000))
     return (cpu_limit(), (time.thread_time() - start_cpu) / (time.perf_counter() - start_wall),
-            open("/proc/self/cgroup").read())
+            Path("/proc/self/cgroup").read_text())
 
 
 @pytest.mark.skipif(not quotas_available(), reason="no writable cgroup CPU controller here")
