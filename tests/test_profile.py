@@ -387,8 +387,11 @@ def test_measured_trace_of_a_real_run_is_well_formed(real_runs, name):
     assert sorted(probe, key=int) == [str(s) for s in range(schedule.num_stages)]
     for p in probe.values():
         assert all(p["wall"][op] > 0 for op in ("F", "B", "I", "W"))
-        assert 0.3 < p["ratio_wall"]["W"] < 3 and p["ratio_cpu"]["I"] >= 0
-    assert probe["0"]["ratio_wall"]["I"] < 0.5 < probe["0"]["ratio_wall"]["W"]
+        assert all(p["ratio_wall"][op] > 0 for op in ("I", "W"))
+        # ratios of thread CPU time: a wall-time ratio moves with preemption (3 ranks share
+        # 2 cores here; one CI run saw a W/B of 0.3 in wall time, about 1 in CPU time)
+        assert 0.3 < p["ratio_cpu"]["W"] < 3 and p["ratio_cpu"]["I"] >= 0
+    assert probe["0"]["ratio_cpu"]["I"] < 0.5 < probe["0"]["ratio_cpu"]["W"]
     # the measured run scores and draws like a simulated one
     result = run.result()
     assert 0 < result.bubble_fraction < 50 and 0 <= result.bubble_rate < 1
