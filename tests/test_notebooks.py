@@ -66,6 +66,7 @@ def test_notebook_executes(path, tmp_path, monkeypatch):
     shutil.copy(path, copy)
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     monkeypatch.setenv("MPLBACKEND", "Agg")
+    monkeypatch.setenv("TMPDIR", str(tmp_path))      # the notebooks' scratch folders too
     nb = nbformat.read(copy, as_version=4)
     for cell in nb.cells:
         if cell.cell_type == "code":

@@ -103,11 +103,13 @@ def test_cli_reports_bad_layout_and_exits_non_zero():
 
 
 @pytest.mark.slow
-def test_workers_die_with_a_killed_launcher():
+def test_workers_die_with_a_killed_launcher(tmp_path):
     code = ("import time\nfrom pipeexec import launch\n"
             "def w(board):\n    time.sleep(120)\n"
             "launch(w, 3)\n")
-    proc = subprocess.Popen([sys.executable, "-c", code], env={**os.environ, "OMP_NUM_THREADS": "1"})
+    # a killed launcher cannot remove its work folder: let it leave it here
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TMPDIR": str(tmp_path)}
+    proc = subprocess.Popen([sys.executable, "-c", code], env=env)
     try:
         workers: list[str] = []
         deadline = time.monotonic() + 30
