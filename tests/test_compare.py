@@ -252,6 +252,27 @@ def test_cross_schedule_model_follows_whether_the_ranks_shared_cores(rank_cpus, 
         assert cal.costs.compute_times(4)["F"] == pytest.approx([0.5, 0.55, 0.6, 0.65], rel=0.05)
 
 
+@pytest.mark.parametrize("meta,note", [
+    ({"rank_cpus": [1.0] * 4, "host_cpus": 2, "device": "cpu"}, "--cpus-per-rank 0.5"),
+    ({"rank_cpus": [1.0] * 2, "host_cpus": 2, "device": "cpu", "dp": 2}, "--cpus-per-rank 0.5"),
+    ({"rank_cpus": [2.0] * 4, "host_cpus": 4, "device": "cpu"}, "--cpus-per-rank 1"),
+    ({"rank_cpus": [1.0] * 2, "host_cpus": 2, "device": "cpu"}, None),     # a core each
+    ({"rank_cpus": [0.5] * 4, "host_cpus": 2, "device": "cpu"}, None),     # confined
+    ({"rank_cpus": [1.0] * 4, "host_cpus": 2, "device": "cuda:0"}, None),
+    ({}, None)])                                                           # not recorded
+def test_a_run_whose_ranks_time_shared_cores_says_so(meta, note):
+    run = jittered_run("1f1b", steps=1)
+    run.meta.update(meta)
+    c = compare_runs(run)
+    said = c.report()["note"]
+    if note is None:
+        assert said is None and "note:" not in c.text()
+    else:
+        assert note in said and f"note: {said}" in c.text()
+        ranks = len(meta["rank_cpus"]) * meta.get("dp", 1)
+        assert said.startswith(f"{ranks} ranks wanting")
+
+
 def test_a_stalled_step_moves_neither_the_measured_mean_nor_the_costs():
     run = jittered_run(steps=5)
     t = run.trace

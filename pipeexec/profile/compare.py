@@ -35,7 +35,8 @@ wall-time means too, unless the calibration run's ranks competed for cores (a CP
 ranks than cores and no ``--cpus-per-rank``): then they are its CPU work per (op, stage), and
 the simulation shares the run's effective cores (:mod:`pipeexec.profile.contention`) among the
 ranks computing at each moment, since how much each computation is slowed depends on the
-schedule.
+schedule. A measured run whose ranks time-shared cores carries a ``note`` in the report and
+under the table (`contention.time_sharing_note`), with the ``--cpus-per-rank`` that avoids it.
 """
 from __future__ import annotations
 
@@ -53,6 +54,7 @@ import numpy as np
 import pipesim
 
 from .calibrate import Calibration, Layout, calibrate, costs_summary
+from .contention import effective_cores, shares_cores, time_sharing_note
 from .measured import MeasuredRun
 
 if TYPE_CHECKING:
@@ -190,6 +192,9 @@ class Comparison:
             lines.append(f"{rank:>4} |" + "|".join(cells) + "|")
         lines.append("rank rows: the rank's finish time and idle/busy; 'all': the step time, "
                      "Megatron's bubble_fraction and the slowest rank's bubble")
+        note = time_sharing_note(self.run.meta)
+        if note:
+            lines.append(f"note: {note}")
         return "\n".join(lines)
 
     def headline(self) -> str:
@@ -245,6 +250,7 @@ class Comparison:
                             "per_layer_kind": self.calibration.per_kind,
                             "costs": costs_summary(self.calibration.costs, n)},
             "config": meta.get("config"),
+            "note": time_sharing_note(meta),
         }
 
     def figure(self) -> "Figure":
@@ -281,7 +287,6 @@ def predict(schedule: "pipesim.Schedule", layout: Layout, calibration_run: Measu
     wall-time means.
     """
     from .calibrate import has_cpu_times
-    from .contention import effective_cores, shares_cores
 
     if steps is None:
         steps = calibration_run.central_steps()

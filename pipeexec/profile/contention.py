@@ -67,6 +67,24 @@ def shares_cores(meta: dict) -> bool:
     return not confined and total >= host - 1e-6
 
 
+def time_sharing_note(meta: dict) -> str | None:
+    """A warning for a CPU run whose ranks wanted more CPUs than the machine has (and were not
+    confined): what each action took then depended on which ranks computed at the same moment,
+    which per-stage costs cannot carry, so how the idle time falls on each rank (bubble_fraction)
+    is predicted less well than the step time. None otherwise."""
+    cpus, host = meta.get("rank_cpus"), meta.get("host_cpus")
+    if not cpus or not host or not str(meta.get("device", "cpu")).startswith("cpu"):
+        return None
+    ranks = len(cpus) * int(meta.get("dp", 1))
+    wanted = float(sum(cpus)) * int(meta.get("dp", 1))
+    if wanted <= host + 1e-6 or not shares_cores(meta):
+        return None
+    return (f"{ranks} ranks wanting {wanted:g} CPUs time-shared {host} CPUs: an action's time "
+            "depended on which ranks computed with it, so per-rank idle time (bubble_fraction) "
+            "is predicted less well than the step time; to give each rank its own share, run "
+            f"with --cpus-per-rank {host / ranks:g}")
+
+
 def effective_cores(trace: "pd.DataFrame", cpu: np.ndarray | None = None) -> float:
     """C such that processor sharing of C cores explains the trace's CPU work (``cpu`` column,
     or ``cpu`` given per compute row). Bounded by [0.05, number of ranks]."""
