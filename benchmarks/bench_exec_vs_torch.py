@@ -27,7 +27,6 @@ import time
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from pipeexec import launch
 from pipeexec.data import BatchSource

@@ -49,7 +49,8 @@ import pipesim
 from pipeexec import launch
 from pipeexec.config import TrainConfig
 from pipeexec.cpu_quota import quotas_available
-from pipeexec.profile.compare import compare_runs, layout_of, predict, profiled_run, write_outputs
+from pipeexec.profile import compare_runs, layout_of, predict
+from pipeexec.profile.compare_cli import profiled_run, write_outputs
 
 SCHEDULES = (("1f1b", 1), ("gpipe", 1), ("interleaved", 2), ("zb-h1", 1), ("zbv", 2))
 

@@ -52,7 +52,6 @@ def costs_for(n: int) -> CostModel:
 def list_scheduler(schedule, times) -> dict:
     """Start time of each compute action (zero communication cost), by plain list scheduling."""
     n, pp = schedule.num_stages, schedule.pp
-    place = schedule.placement
     orders = [schedule.compute_order(r) for r in range(pp)]
     pos = [0] * pp
     free = [0.0] * pp

@@ -101,7 +101,7 @@ def config_from_args(ns: argparse.Namespace) -> TrainConfig:
 def main(argv: list[str] | None = None) -> None:
     args = sys.argv[1:] if argv is None else list(argv)
     if args[:1] == ["compare"]:
-        from .profile.compare import compare_main
+        from .profile.compare_cli import compare_main
         sys.exit(compare_main(args[1:], _parser, config_from_args))
     ns = _parser().parse_args(args)
     if ns.command == "checkpoint":

@@ -16,8 +16,9 @@ import pytest
 import pipesim
 from pipeexec.profile import MeasuredRun
 from pipeexec.profile.calibrate import Layout
-from pipeexec.profile.compare import (EXECUTOR_COMM, REPORT_KEYS, TABLE_COLUMNS, compare_runs,
-                                      predict, write_outputs)
+from pipeexec.profile.compare import REPORT_KEYS, TABLE_COLUMNS, compare_runs
+from pipeexec.profile.compare_cli import write_outputs
+from pipeexec.profile.predict import EXECUTOR_COMM, predict
 
 
 def jittered_run(name="zb-h1", pp=4, vpp=1, m=8, steps=2) -> MeasuredRun:

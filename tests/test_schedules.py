@@ -6,7 +6,6 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 import pipesim
 from pipesim import Action, ScheduleError
-from pipesim.schedule.action import COMM_OPS
 
 
 def try_build(name, pp, vpp, m, **kw):

@@ -1,6 +1,6 @@
 """Command-line pieces for profiling: ``--profile`` / ``--trace-out`` of ``pipeexec train`` and
 the ``compare`` entry in ``pipeexec --help`` (its flags are parsed by
-`pipeexec.profile.compare.compare_main`, which reuses every train flag)."""
+`pipeexec.profile.compare_cli.compare_main`, which reuses every train flag)."""
 from __future__ import annotations
 
 import argparse

@@ -1,4 +1,5 @@
-"""Prediction vs measurement: the comparison table, the report, and ``pipeexec compare``.
+"""Prediction vs measurement: the comparison table and report (``pipeexec compare`` is
+`compare_cli`).
 
 `compare_runs` scores one measured run against the simulation of the same schedule with costs
 calibrated from that run or from another one (`pipeexec.profile.calibrate`). Measured values
@@ -22,40 +23,24 @@ Definitions are pipesim's (:mod:`pipesim.metrics`), computed by the same code on
 Errors: ``step_time_error = (predicted - measured) / measured``; bubble_fraction error in
 points (predicted - measured); memory errors relative, per rank.
 
-Calibrated from the run itself, the costs are the compared steps' per-stage wall-time means.
-Either way the simulation moves messages as the executor does (``EXECUTOR_COMM``, pipesim's
-``comm="rendezvous"``): gloo and NCCL start a transfer only once the receiver has posted its
-receive, which the runtime does where the schedule's RECV stands (``recv_lookahead``
-computations before the one that needs the data; with 0, every message between ranks costs
-its receiver the transfer time). Simulating sends as starting at once (``"async"``) hid those
-waits and ran short, most for schedules with many cross-rank messages per step (interleaved,
-ZB-V).
-Calibrated from another run (``--calibrate-from``, cross-schedule), the costs are per-stage
-wall-time means too, unless the calibration run's ranks competed for cores (a CPU run with more
-ranks than cores and no ``--cpus-per-rank``): then they are its CPU work per (op, stage), and
-the simulation shares the run's effective cores (:mod:`pipeexec.profile.contention`) among the
-ranks computing at each moment, since how much each computation is slowed depends on the
-schedule. A measured run whose ranks time-shared cores carries a ``note`` in the report and
-under the table (`contention.time_sharing_note`), with the ``--cpus-per-rank`` that avoids it.
+Calibrated from the run itself, the costs are the compared steps' per-stage wall-time means
+(how the simulation moves messages, and the model for a calibration run whose ranks shared
+cores: `pipeexec.profile.predict`). A measured run whose ranks time-shared cores carries a
+``note`` in the report and under the table (`contention.time_sharing_note`), with the
+``--cpus-per-rank`` that avoids it.
 """
 from __future__ import annotations
 
-import argparse
-import json
 import math
-import sys
-from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-import pipesim
-
-from .calibrate import Calibration, Layout, calibrate, costs_summary
-from .contention import effective_cores, shares_cores, time_sharing_note
+from .calibrate import Calibration, Layout, costs_summary
+from .contention import time_sharing_note
 from .measured import MeasuredRun
+from .predict import predict
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -265,43 +250,6 @@ def _num(x: Any) -> Any:
     return float(x) if isinstance(x, (int, float)) else x
 
 
-# How pipeexec's transports move a message: gloo (and NCCL) start a point-to-point transfer only
-# once the receiver has posted its receive (at the schedule's RECV action).
-EXECUTOR_COMM = "rendezvous"
-
-
-def predict(schedule: "pipesim.Schedule", layout: Layout, calibration_run: MeasuredRun,
-            steps: list[int] | None = None, *, contention: bool | None = None,
-            comm: str = EXECUTOR_COMM) -> tuple["SimResult", Calibration]:
-    """Simulate ``schedule`` cut as ``layout`` with costs calibrated on ``calibration_run``
-    (its ``steps``, default its `central_steps`): the prediction before (or without) running
-    it.
-
-    ``comm``: the simulator's communication mode (``pipesim.simulate``); by default the
-    executor's rendezvous, where a transfer starts when both sides have posted.
-
-    ``contention`` (default: when the calibration run recorded CPU work, i.e. on CPU, and its
-    ranks competed for cores, `contention.shares_cores`): model ranks sharing cores. Costs are then the CPU work per (op, stage), and the simulation shares
-    the calibration run's effective core count among the ranks computing at each moment of the
-    *target* schedule (``pipesim.simulate(cores=...)``, processor sharing); otherwise per-stage
-    wall-time means.
-    """
-    from .calibrate import has_cpu_times
-
-    if steps is None:
-        steps = calibration_run.central_steps()
-    if contention is None:
-        contention = has_cpu_times(calibration_run) and shares_cores(calibration_run.meta)
-    if not contention:
-        cal = calibrate(calibration_run, layout, steps)
-        return pipesim.simulate(schedule, cal.costs, comm=comm), cal
-    cal = calibrate(calibration_run, layout, steps, work=True)
-    trace = calibration_run.trace
-    cores = effective_cores(trace[trace["step"].isin(steps)])
-    cal.model, cal.cores = "processor-sharing", cores
-    return pipesim.simulate(schedule, cal.costs, comm=comm, cores=cores), cal
-
-
 def compare_runs(run: MeasuredRun, calibration_run: MeasuredRun | None = None,
                  step: int | None = None, *, contention: bool | None = None) -> Comparison:
     """Compare ``run``'s profiled steps (the means over its `central_steps`; ``step``: that
@@ -325,144 +273,3 @@ def compare_runs(run: MeasuredRun, calibration_run: MeasuredRun | None = None,
         predicted, cal = predict(run.schedule, Layout.of_run(run), calibration_run,
                                  contention=contention)
     return Comparison(measured, predicted, cal, run, shown, steps)
-
-
-def layout_of(config: Any) -> Layout:
-    """The layout ``config`` will run with, computed without running (same code as Trainer)."""
-    from ..model import gpt_spec_from_config
-    from ..partition import make_partition
-    from .session import layer_kinds
-
-    spec = gpt_spec_from_config(config)
-    bounds = make_partition(spec.num_layers, config.num_stages, config.partition,
-                            config.boundaries,
-                            spec.layer_param_counts() if config.partition == "params" else None)
-    return Layout(tuple(bounds), tuple(layer_kinds(spec.num_layers, config)))
-
-
-def profiled_run(config: Any, first: int, stop: int, *, trace_out: str | None = None,
-                 timeout: float | None = None, cpus_per_rank: float | None = None
-                 ) -> MeasuredRun:
-    """Train ``config`` in local forked workers, profiling steps ``first..stop-1``; return the
-    gathered run (written to ``trace_out`` too, when given). ``cpus_per_rank``: as for
-    `pipeexec.launcher.launch`."""
-    from ..launcher import launch
-    from ..worker import run_training
-    from .session import ProfileOptions
-
-    options = ProfileOptions(first, stop, trace_out)
-    options.check(config.steps)
-    results = launch(run_training, config.world_size, (config, None, False, None, options),
-                     timeout=timeout, cpus_per_rank=cpus_per_rank)
-    run = results[0].get("measured_run")
-    if run is None:
-        raise RuntimeError("rank 0 returned no measured run (was the profiled range empty?)")
-    return run
-
-
-# -- pipeexec compare --------------------------------------------------------------------------
-def compare_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="pipeexec compare", add_help=False,
-        description="Run a schedule for real with profiling, simulate it with costs calibrated "
-                    "from that run (or from --calibrate-from), and compare. Every model and "
-                    "layout flag of `pipeexec train` applies (--schedule, --pp, --vpp, "
-                    "--microbatches, --layers, --hidden, ...).")
-    a = p.add_argument
-    a("-h", "--help", action="store_true", help="show this help and the train flags")
-    a("--profile", default=None, metavar="A:B",
-      help="steps to profile (default: 1:STEPS, skipping the warm-up step)")
-    a("--calibrate-from", default=None, metavar="RUN_TRACE",
-      help="calibrate from this measured run (its .json, .csv or .meta.json) instead of the "
-           "run itself: a prediction made without this run's timings")
-    a("--trace-out", default=None, metavar="FILE.json",
-      help="keep the measured trace: Chrome/Perfetto JSON, with .csv and .meta.json beside it")
-    a("--report-out", default=None, metavar="FILE.json", help="write the report as JSON")
-    a("--table-out", default=None, metavar="FILE.csv|FILE.md",
-      help="write the table as CSV, or as markdown for a .md name")
-    a("--plot-out", default=None, metavar="FILE.png",
-      help="predicted and measured Gantt charts on one time axis (default: beside "
-           "--report-out, as .png)")
-    return p
-
-
-def compare_main(argv: list[str], train_parser: Callable[[], argparse.ArgumentParser],
-                 config_from_args: Callable[[argparse.Namespace], Any]) -> int:
-    """``pipeexec compare ...``; returns the exit status (2: bad arguments, 1: run failed)."""
-    from ..cpu_quota import QuotaUnavailable
-    from ..launcher import WorkerFailed
-    from .session import parse_step_range
-
-    ns, rest = compare_parser().parse_known_args(argv)
-    parser = train_parser()
-    if ns.help:
-        compare_parser().print_help()
-        print("\ntrain flags (pipeexec train --help):")
-        parser.parse_args(["train", "--help"])
-        return 0
-    try:
-        tns = parser.parse_args(["train", *rest])
-    except SystemExit as exc:
-        return int(exc.code or 0)
-    try:
-        config = config_from_args(tns)
-        if config.steps < 2 and ns.profile is None:
-            config = config.replace(steps=2)
-        first, stop = parse_step_range(ns.profile) if ns.profile else (1, config.steps)
-        config.validate(world_size=config.world_size)
-        source = MeasuredRun.load(ns.calibrate_from) if ns.calibrate_from else None
-        if source is not None:
-            layout = layout_of(config)
-            predicted, cal = predict(config.build_schedule(), layout, source)
-            print(f"prediction before running, calibrated from {ns.calibrate_from}: "
-                  f"{predicted.makespan * 1e3:.1f} ms, bubble_fraction "
-                  f"{predicted.bubble_fraction:.3f}", flush=True)
-        run = profiled_run(config, first, stop, trace_out=ns.trace_out,
-                           timeout=getattr(tns, "timeout", None),
-                           cpus_per_rank=getattr(tns, "cpus_per_rank", None))
-        comparison = compare_runs(run, source)
-    except WorkerFailed as exc:
-        print(f"pipeexec compare: error: {exc}", file=sys.stderr)
-        return 1
-    except (ValueError, FileNotFoundError, pipesim.ScheduleError, QuotaUnavailable) as exc:
-        print(f"pipeexec compare: error: {exc}", file=sys.stderr)
-        return 2
-    print(comparison.text())
-    write_outputs(comparison, report_out=ns.report_out, table_out=ns.table_out,
-                  plot_out=ns.plot_out, trace_out=ns.trace_out)
-    return 0
-
-
-def write_outputs(comparison: Comparison, *, report_out: str | None = None,
-                  table_out: str | None = None, plot_out: str | None = None,
-                  trace_out: str | None = None) -> dict[str, str]:
-    """Write the report JSON, table CSV and picture; return their paths."""
-    files: dict[str, str] = {}
-    if plot_out is None and report_out is not None:
-        plot_out = str(Path(report_out).with_suffix(".png"))
-    if table_out:
-        Path(table_out).parent.mkdir(parents=True, exist_ok=True)
-        if table_out.endswith(".md"):
-            Path(table_out).write_text(comparison.headline() + "\n\n" + comparison.markdown() + "\n")
-        else:
-            comparison.table().to_csv(table_out)
-        files["table"] = table_out
-    if plot_out:
-        Path(plot_out).parent.mkdir(parents=True, exist_ok=True)
-        comparison.figure().savefig(plot_out, dpi=110)
-        files["plot"] = plot_out
-    if trace_out:
-        chrome, csv, meta = MeasuredRun.paths(trace_out)
-        files.update(trace=str(chrome), trace_csv=str(csv), trace_meta=str(meta))
-    if report_out:
-        report = comparison.report()
-        report["files"] = dict(files)
-        path = Path(report_out)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(json.dumps(report, indent=1))
-        tmp.replace(path)
-        files["report"] = report_out
-    for kind, path in files.items():
-        print(f"wrote {kind}: {path}")
-    return files

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch.autograd.graph import get_gradient_edge
 
 import pipesim
-from pipesim.schedule.action import B, I, W, Action
+from pipesim.schedule.action import I, W, Action
 from pipeexec.backward import backward_input, full_backward
 from pipeexec.data import BatchSource
 from pipeexec.ddp import GradBuffer

@@ -1,0 +1,77 @@
+"""Prediction before running: simulate a schedule with costs calibrated from a measured run.
+
+`layout_of` says how a config will cut the model, without running it; `predict` calibrates
+costs for that layout from a measured run (re-partitioned when the cut differs) and simulates.
+The simulation moves messages as the executor does (``EXECUTOR_COMM``, pipesim's
+``comm="rendezvous"``): gloo and NCCL start a transfer only once the receiver has posted its
+receive, which the runtime does where the schedule's RECV stands (``recv_lookahead``
+computations before the one that needs the data; with 0, every message between ranks costs
+its receiver the transfer time). Simulating sends as starting at once (``"async"``) hid those
+waits and ran short, most for schedules with many cross-rank messages per step (interleaved,
+ZB-V).
+
+Costs are the calibration run's per-stage wall-time means, unless the calibration run's ranks competed for cores (a CPU run with more
+ranks than cores and no ``--cpus-per-rank``): then they are its CPU work per (op, stage), and
+the simulation shares the run's effective cores (:mod:`pipeexec.profile.contention`) among the
+ranks computing at each moment, since how much each computation is slowed depends on the
+schedule.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import pipesim
+
+from .calibrate import Calibration, Layout, calibrate, has_cpu_times
+from .contention import effective_cores, shares_cores
+from .measured import MeasuredRun
+
+if TYPE_CHECKING:
+    from pipesim import SimResult
+
+# How pipeexec's transports move a message: gloo (and NCCL) start a point-to-point transfer only
+# once the receiver has posted its receive (at the schedule's RECV action).
+EXECUTOR_COMM = "rendezvous"
+
+
+def predict(schedule: "pipesim.Schedule", layout: Layout, calibration_run: MeasuredRun,
+            steps: list[int] | None = None, *, contention: bool | None = None,
+            comm: str = EXECUTOR_COMM) -> tuple["SimResult", Calibration]:
+    """Simulate ``schedule`` cut as ``layout`` with costs calibrated on ``calibration_run``
+    (its ``steps``, default its `central_steps`): the prediction before (or without) running
+    it.
+
+    ``comm``: the simulator's communication mode (``pipesim.simulate``); by default the
+    executor's rendezvous, where a transfer starts when both sides have posted.
+
+    ``contention`` (default: when the calibration run recorded CPU work, i.e. on CPU, and its
+    ranks competed for cores, `contention.shares_cores`): model ranks sharing cores. Costs are then the CPU work per (op, stage), and the simulation shares
+    the calibration run's effective core count among the ranks computing at each moment of the
+    *target* schedule (``pipesim.simulate(cores=...)``, processor sharing); otherwise per-stage
+    wall-time means.
+    """
+    if steps is None:
+        steps = calibration_run.central_steps()
+    if contention is None:
+        contention = has_cpu_times(calibration_run) and shares_cores(calibration_run.meta)
+    if not contention:
+        cal = calibrate(calibration_run, layout, steps)
+        return pipesim.simulate(schedule, cal.costs, comm=comm), cal
+    cal = calibrate(calibration_run, layout, steps, work=True)
+    trace = calibration_run.trace
+    cores = effective_cores(trace[trace["step"].isin(steps)])
+    cal.model, cal.cores = "processor-sharing", cores
+    return pipesim.simulate(schedule, cal.costs, comm=comm, cores=cores), cal
+
+
+def layout_of(config: Any) -> Layout:
+    """The layout ``config`` will run with, computed without running (same code as Trainer)."""
+    from ..model import gpt_spec_from_config
+    from ..partition import make_partition
+    from .session import layer_kinds
+
+    spec = gpt_spec_from_config(config)
+    bounds = make_partition(spec.num_layers, config.num_stages, config.partition,
+                            config.boundaries,
+                            spec.layer_param_counts() if config.partition == "params" else None)
+    return Layout(tuple(bounds), tuple(layer_kinds(spec.num_layers, config)))
