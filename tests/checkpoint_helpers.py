@@ -3,6 +3,10 @@ topology (no process group: a rank of any layout can be built and loaded alone),
 worker run in forked ranks by `pipeexec.launch`."""
 from __future__ import annotations
 
+import struct
+import zipfile
+from pathlib import Path
+
 import torch
 
 from pipeexec.config import TrainConfig
@@ -69,3 +73,21 @@ def merge_params(results: list[dict], iteration: int, dp_rank: int = 0) -> dict[
         if r["dp_rank"] == dp_rank:
             out.update(r["params"][iteration])
     return out
+
+
+def flip_bit(path: Path, record: str | None = None, bit: int = 0x01) -> str:
+    """Flip one bit in the middle of a record's stored bytes (``record``: its name, or the part
+    after the archive's folder, e.g. ``data.pkl``; default: the largest record) of a torch zip
+    file; return the record's full name. The offset is read from the record's local header
+    (its length varies: torch pads it to align the data), so the flip lands in the data, which
+    the record's CRC-32 covers, and never in a header."""
+    with zipfile.ZipFile(path) as z:
+        infos = [i for i in z.infolist() if record is None or i.filename == record
+                 or i.filename.endswith("/" + record)]
+        info = max(infos, key=lambda i: i.file_size)
+    data = bytearray(path.read_bytes())
+    name_len, extra_len = struct.unpack("<HH", data[info.header_offset + 26:info.header_offset + 30])
+    start = info.header_offset + 30 + name_len + extra_len
+    data[start + info.compress_size // 2] ^= bit
+    path.write_bytes(bytes(data))
+    return info.filename

@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import random
 import threading
-import zipfile
 
 import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
 
-from checkpoint_helpers import TINY, local_trainer, params_of
+from checkpoint_helpers import TINY, flip_bit, local_trainer, params_of
 from pipeexec.checkpoint import (RELEASE, CheckpointError, CheckpointReader, convert_checkpoint,
                                  describe, load_checkpoint, read_tracker, save_checkpoint,
                                  state_file, tracker_path)
@@ -196,12 +195,7 @@ def test_errors_name_the_file_and_field(trained, tmp_path, case):
         data = f.read_bytes()
         f.write_bytes(data[: len(data) // 2])
     elif case == "bit flip":
-        with zipfile.ZipFile(f) as z:
-            info = max(z.infolist(), key=lambda i: i.file_size)   # the largest tensor record
-        data = bytearray(f.read_bytes())
-        data[info.header_offset + 100 + info.file_size // 2] ^= 0x10
-        f.write_bytes(bytes(data))
-        field = info.filename
+        field = flip_bit(f, bit=0x10)
     elif case == "config":
         field = "hidden"
     elif case == "missing key":
@@ -232,6 +226,26 @@ def test_errors_name_the_file_and_field(trained, tmp_path, case):
     if field is not None:
         assert err.value.field == field and field.removeprefix("optimizer.") in str(err.value)
     after = params_of(t)                                # nothing was loaded
+    assert t.iteration == 0 and all(torch.equal(after[n], v) for n, v in before.items())
+
+
+def test_a_file_read_for_its_header_only_has_its_pickle_checked(trained, tmp_path):
+    """Rank 0 of a pp=2 load reads rank 1's file for the save's id only: a flipped bit in that
+    file's pickle record is a CRC failure naming the file and record, never an unpickling error
+    or a silently changed value (both happened before: which one depends on where the bit
+    lands, since the pickle holds the save's random id)."""
+    cfg = TINY.replace(pp=2, schedule="1f1b")
+    convert_checkpoint(trained["dir"], tmp_path, pp=2, vpp=1, schedule="1f1b",
+                       microbatches=cfg.microbatches)
+    other = state_file(tmp_path, 2, 1)
+    record = flip_bit(other, "data.pkl")
+    t = local_trainer(cfg, pp_rank=0)
+    before = params_of(t)
+    with pytest.raises(CheckpointError) as err:
+        load_checkpoint(t, tmp_path)
+    assert err.value.path == str(other) and str(other) in str(err.value)
+    assert err.value.field == record and "CRC-32" in str(err.value)
+    after = params_of(t)
     assert t.iteration == 0 and all(torch.equal(after[n], v) for n, v in before.items())
 
 

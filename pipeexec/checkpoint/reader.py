@@ -2,7 +2,8 @@
 
 `read_state_file` checks a file before trusting it: a truncated file has no zip central
 directory, a flipped bit fails the CRC-32 that ``torch.save`` stores for every record (which
-``torch.load`` itself does not check), and a file without the expected top-level keys is named
+``torch.load`` itself does not check; a file read for its header only has its pickle record
+checked), and a file without the expected top-level keys is named
 with the key. Loading uses ``weights_only=True``: a checkpoint is data, never code.
 
 `CheckpointReader` opens every rank file of one checkpoint lazily (``mmap``: a rank reads only
@@ -27,20 +28,36 @@ REQUIRED_KEYS = ("checkpoint_version", "iteration", "release", "config", "layout
 TRAINING_KEYS = ("optimizer", "opt_param_scheduler", "loss_scaler", "rng_state", "consumed_samples")
 
 
-def verify_file(path: str | Path) -> None:
-    """Raise CheckpointError unless ``path`` is a complete, uncorrupted torch zip file."""
+def verify_file(path: str | Path, *, pickle_only: bool = False) -> None:
+    """Raise CheckpointError unless ``path`` is a complete, uncorrupted torch zip file.
+
+    ``pickle_only``: CRC-check only the pickle record (``data.pkl``: the object structure and
+    every non-tensor value, small), enough to read the file's header safely without a pass
+    over its tensors.
+    """
     path = Path(path)
     if not path.is_file():
         raise CheckpointError("state file is missing", path=path)
     try:
         with zipfile.ZipFile(path) as z:
-            bad = z.testzip()
+            bad = _bad_pickle_record(z) if pickle_only else z.testzip()
     except (zipfile.BadZipFile, OSError, EOFError) as e:
         raise CheckpointError(f"state file is truncated or not a torch checkpoint ({e}); "
                               f"size {path.stat().st_size} bytes", path=path) from e
     if bad is not None:
         raise CheckpointError(f"state file is corrupt: record {bad!r} fails its CRC-32 check",
                               path=path, field=bad)
+
+
+def _bad_pickle_record(z: zipfile.ZipFile) -> str | None:
+    """Name of the pickle record if it fails its CRC-32 (zipfile checks it on a full read)."""
+    for name in z.namelist():
+        if name == "data.pkl" or name.endswith("/data.pkl"):
+            try:
+                z.read(name)
+            except zipfile.BadZipFile:
+                return name
+    return None
 
 
 def read_state_file(path: str | Path, *, verify: bool = True, mmap: bool = True) -> dict[str, Any]:
@@ -142,12 +159,15 @@ class CheckpointReader:
     def check_same_save(self) -> None:
         """Raise unless every rank file comes from the same save (same ``save_id``).
 
-        Files not opened yet are read for their header only (no CRC pass over their tensors).
+        Files not opened yet are read for their header only: their pickle record is CRC-checked,
+        their tensors are not read.
         """
         ids = {}
         for r, path in self.paths.items():
             f = self._files.get(r)
             if f is None:
+                if self.verify:
+                    verify_file(path, pickle_only=True)
                 f = read_state_file(path, verify=False)
             ids[r] = f.get("save_id")
         mine = ids[min(self._files)] if self._files else ids[min(ids)]
