@@ -5,6 +5,9 @@
 # 2. pipeexec trains the built-in GPT with 1F1B on 4 ranks, profiled; pipesim re-simulates it
 #    with costs calibrated from that run: predicted vs measured, table and Gantt;
 # 3. ZB-V is predicted from the 1F1B run before it runs, then run and compared.
+# On a machine with fewer than 4 CPUs, each rank is confined to its share of them
+# (--cpus-per-rank, a cgroup quota) where the machine allows it, so that every rank computes at
+# its own steady speed as with a device per rank; CONFINE=off shares the cores freely instead.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=${1:-out}
@@ -12,6 +15,15 @@ mkdir -p "$out"
 export OMP_NUM_THREADS=1
 model=(--pp 4 --microbatches 8 --layers 6 --hidden 256 --heads 4 --seq-len 128
        --micro-batch-size 4 --steps 4 --no-progress)
+if [ "${CONFINE:-auto}" != off ]; then
+    confine=$(python3 -c "from pipeexec.cpu_quota import cpu_limit, quotas_available
+c = cpu_limit()
+print(f'--cpus-per-rank {c / 4:g}' if c < 4 and quotas_available() else '')")
+    if [ -n "$confine" ]; then
+        echo "(fewer than 4 CPUs: each rank confined with $confine)"
+        model+=($confine)
+    fi
+fi
 
 echo "== 1. simulate: 1f1b, pp=4, m=8, uniform stages"
 pipesim simulate 1f1b --pp 4 --microbatches 8 --gantt "$out/simulated_1f1b.png"
