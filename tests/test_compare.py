@@ -225,11 +225,17 @@ def torch_cpu():
     return torch.device("cpu")
 
 
+# two hosts of 4 CPUs, 2 single-threaded ranks on each
+TWO_HOSTS = {h: {"cpus": 4, "ranks": 2, "rank_cpus": 2.0, "max_rank_cpus": 1.0} for h in "ab"}
+
+
 @pytest.mark.parametrize("rank_cpus,host,model", [(None, None, "processor-sharing"),
                                                   ([1.0] * 4, 2, "processor-sharing"),
                                                   ([1.0] * 4, 4, "processor-sharing"),
                                                   ([0.5] * 4, 2, "wall"),
-                                                  ([1.0] * 4, 16, "wall")])
+                                                  ([1.0] * 4, 16, "wall"),
+                                                  # per host: 2 of the 4 ranks on each of 2 hosts
+                                                  ([1.0] * 4, {"hosts": TWO_HOSTS}, "wall")])
 def test_cross_schedule_model_follows_whether_the_ranks_shared_cores(rank_cpus, host, model):
     """CPU work shared among cores only when the calibration run's ranks competed for them
     (together they could fill every CPU of the machine); ranks confined to a share each
@@ -239,7 +245,8 @@ def test_cross_schedule_model_follows_whether_the_ranks_shared_cores(rank_cpus, 
     compute = t["kind"] == "compute"
     t.loc[compute, "cpu"] = (t.loc[compute, "end"] - t.loc[compute, "start"]) * 0.5
     if rank_cpus is not None:
-        source.meta.update(rank_cpus=rank_cpus, host_cpus=host)
+        hosts = host if isinstance(host, dict) else {}
+        source.meta.update(rank_cpus=rank_cpus, host_cpus=4 if hosts else host, **hosts)
     target = pipesim.build_schedule("gpipe", pp=4, microbatches=8)
     predicted, cal = predict(target, Layout.of_run(source), source)
     assert cal.model == model
@@ -260,6 +267,10 @@ def test_cross_schedule_model_follows_whether_the_ranks_shared_cores(rank_cpus, 
     ({"rank_cpus": [1.0] * 2, "host_cpus": 2, "device": "cpu"}, None),     # a core each
     ({"rank_cpus": [0.5] * 4, "host_cpus": 2, "device": "cpu"}, None),     # confined
     ({"rank_cpus": [1.0] * 4, "host_cpus": 2, "device": "cuda:0"}, None),
+    ({"rank_cpus": [1.0] * 4, "host_cpus": 4, "device": "cpu", "hosts": TWO_HOSTS}, None),
+    ({"rank_cpus": [1.0] * 4, "host_cpus": 4, "device": "cpu",
+      "hosts": {**TWO_HOSTS, "b": {"cpus": 1, "ranks": 2, "rank_cpus": 2.0, "max_rank_cpus": 1.0}}},
+     "of one host: an action"),
     ({}, None)])                                                           # not recorded
 def test_a_run_whose_ranks_time_shared_cores_says_so(meta, note):
     run = jittered_run("1f1b", steps=1)
@@ -270,7 +281,7 @@ def test_a_run_whose_ranks_time_shared_cores_says_so(meta, note):
         assert said is None and "note:" not in c.text()
     else:
         assert note in said and f"note: {said}" in c.text()
-        ranks = len(meta["rank_cpus"]) * meta.get("dp", 1)
+        ranks = 2 if "hosts" in meta else len(meta["rank_cpus"]) * meta.get("dp", 1)
         assert said.startswith(f"{ranks} ranks wanting")
 
 

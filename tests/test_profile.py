@@ -8,6 +8,8 @@ tensors a Linear-GELU-Linear stage saves, written out by hand.
 from __future__ import annotations
 
 import math
+import os
+import socket
 
 import numpy as np
 import pandas as pd
@@ -346,6 +348,12 @@ def test_measured_trace_of_a_real_run_is_well_formed(real_runs, name):
     for o, skew in zip(offsets, SKEWS):
         assert o.offset == pytest.approx(-skew, abs=max(o.rtt, 1e-3))
     assert run.steps == [1, 2]
+    # where the ranks ran: all on this host, each able to use at most its threads
+    cpus = run.meta["rank_cpus"]
+    assert len(cpus) == len(SKEWS) and all(0 < c <= torch.get_num_threads() for c in cpus)
+    assert run.meta["hosts"] == {socket.gethostname(): {
+        "cpus": os.cpu_count(), "ranks": len(SKEWS), "rank_cpus": pytest.approx(sum(cpus)),
+        "max_rank_cpus": max(cpus)}}
     trace = run.trace
     for step in (1, 2):
         for rank in range(schedule.pp):

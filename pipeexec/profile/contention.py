@@ -14,9 +14,9 @@ the ranks computing at each moment of the target schedule.
 * `effective_cores` finds the C that makes processor sharing explain a measured run: the CPU
   work of all its computations equals their progress over their wall spans. Other processes
   on the machine lower it below the core count.
-* `shares_cores` says whether a run's ranks competed for cores at all: what they could keep
-  busy (``rank_cpus``: threads, capped by affinity and CPU quota, :mod:`pipeexec.cpu_quota`)
-  against the machine's CPUs. Ranks confined to a share each (``--cpus-per-rank``), or fewer
+* `shares_cores` says whether a run's ranks competed for cores at all: on each host, what its
+  ranks could keep busy (``rank_cpus``: threads, capped by affinity and CPU quota,
+  :mod:`pipeexec.cpu_quota`) against that host's CPUs (the profile's ``hosts``). Ranks confined to a share each (``--cpus-per-rank``), or fewer
   than the cores, run at their own speed whatever the others do, and wall-time costs then
   carry over as they are.
 """
@@ -51,38 +51,54 @@ def progress(trace: "pd.DataFrame", cores: float) -> np.ndarray:
     return r_end - r_start
 
 
-def shares_cores(meta: dict) -> bool:
-    """Whether the ranks of a run with this metadata competed for the machine's cores.
-
-    They did when together they could keep all of its CPUs busy (the runtime's communication
-    threads and the OS then take their time from the ranks too), unless every rank was confined
-    to a share below one CPU that together fit the machine (``--cpus-per-rank``): each then runs
-    at its own speed. True for runs recorded without ``rank_cpus``, the conservative answer.
-    """
+def _hosts(meta: dict) -> list[dict[str, float]] | None:
+    """Per host: ``cpus``, ``ranks``, ``rank_cpus`` (what its ranks could keep busy together)
+    and ``max_rank_cpus``. Runs recorded before ``hosts`` was: every rank on rank 0's host.
+    None when not recorded at all."""
+    if meta.get("hosts"):
+        return list(meta["hosts"].values())
     cpus, host = meta.get("rank_cpus"), meta.get("host_cpus")
     if not cpus or not host:
-        return True
-    total = float(sum(cpus))
-    confined = all(c < 1.0 for c in cpus) and total <= host + 1e-6
-    return not confined and total >= host - 1e-6
+        return None
+    dp = int(meta.get("dp", 1))
+    return [{"cpus": host, "ranks": len(cpus) * dp, "rank_cpus": float(sum(cpus)) * dp,
+             "max_rank_cpus": max(cpus)}]
+
+
+def _competing(h: dict[str, float]) -> bool:
+    """Whether the ranks on host ``h`` competed for its cores: together they could keep all of
+    its CPUs busy (the runtime's communication threads and the OS then take their time from the
+    ranks too), unless every rank was confined to a share below one CPU and the shares fit."""
+    confined = h["max_rank_cpus"] < 1.0 and h["rank_cpus"] <= h["cpus"] + 1e-6
+    return not confined and h["rank_cpus"] >= h["cpus"] - 1e-6
+
+
+def shares_cores(meta: dict) -> bool:
+    """Whether the ranks of a run with this metadata competed for cores on any of its hosts
+    (each rank's CPUs: threads capped by affinity and quota, ``--cpus-per-rank``). Ranks
+    confined to a share each, or fewer than a host's cores, run at their own speed. True for
+    runs recorded without CPU counts, the conservative answer."""
+    hosts = _hosts(meta)
+    return hosts is None or any(_competing(h) for h in hosts)
 
 
 def time_sharing_note(meta: dict) -> str | None:
-    """A warning for a CPU run whose ranks wanted more CPUs than the machine has (and were not
+    """A warning for a CPU run whose ranks wanted more CPUs than their host has (and were not
     confined): what each action took then depended on which ranks computed at the same moment,
     which per-stage costs cannot carry, so how the idle time falls on each rank (bubble_fraction)
     is predicted less well than the step time. None otherwise."""
-    cpus, host = meta.get("rank_cpus"), meta.get("host_cpus")
-    if not cpus or not host or not str(meta.get("device", "cpu")).startswith("cpu"):
+    hosts = _hosts(meta)
+    if hosts is None or not str(meta.get("device", "cpu")).startswith("cpu"):
         return None
-    ranks = len(cpus) * int(meta.get("dp", 1))
-    wanted = float(sum(cpus)) * int(meta.get("dp", 1))
-    if wanted <= host + 1e-6 or not shares_cores(meta):
-        return None
-    return (f"{ranks} ranks wanting {wanted:g} CPUs time-shared {host} CPUs: an action's time "
-            "depended on which ranks computed with it, so per-rank idle time (bubble_fraction) "
-            "is predicted less well than the step time; to give each rank its own share, run "
-            f"with --cpus-per-rank {host / ranks:g}")
+    for h in hosts:
+        if h["rank_cpus"] > h["cpus"] + 1e-6 and _competing(h):
+            where = f"{h['cpus']:g} CPUs" + (" of one host" if len(hosts) > 1 else "")
+            return (f"{h['ranks']:g} ranks wanting {h['rank_cpus']:g} CPUs time-shared {where}: "
+                    "an action's time depended on which ranks computed with it, so per-rank "
+                    "idle time (bubble_fraction) is predicted less well than the step time; to "
+                    f"give each rank its own share, run with --cpus-per-rank "
+                    f"{h['cpus'] / h['ranks']:g}")
+    return None
 
 
 def effective_cores(trace: "pd.DataFrame", cpu: np.ndarray | None = None) -> float:

@@ -17,6 +17,7 @@ schedule; one pipeline is one timeline).
 from __future__ import annotations
 
 import os
+import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -112,7 +113,8 @@ class ProfileSession:
         payload = {"rank": topo.rank, "pp_rank": topo.pp_rank, "dp_rank": topo.dp_rank,
                    "offset": self.offset.offset, "rtt": self.offset.rtt,
                    "records": self.profiler.records() if topo.dp_rank == 0 else [],
-                   "split_probe": probe, "cpus": rank_cpus()}
+                   "split_probe": probe, "cpus": rank_cpus(), "host": socket.gethostname(),
+                   "host_cpus": os.cpu_count()}
         if topo.world_size > 1:
             gathered: list | None = [None] * topo.world_size if topo.rank == 0 else None
             dist.gather_object(payload, gathered, dst=0)
@@ -136,6 +138,7 @@ class ProfileSession:
             "profiled_steps": [self.options.first, self.options.stop],
             "memory": ("allocated" if topo.device.type == "cuda" else "held_tensors"),
             "rank_cpus": [p["cpus"] for p in pipeline], "host_cpus": os.cpu_count(),
+            "hosts": host_loads(gathered),
             "config": cfg.to_dict(),
         }
         probes = {str(s): v for p in pipeline for s, v in (p["split_probe"] or {}).items()}
@@ -145,6 +148,20 @@ class ProfileSession:
         if self.options.trace_out:
             run.save(self.options.trace_out)
         return run
+
+
+def host_loads(payloads: list[dict]) -> dict[str, dict[str, float]]:
+    """Per host, over every rank of the job (all replicas): its CPUs, how many ranks ran there,
+    the CPUs they could keep busy together, and the most any one of them could (below 1 for
+    every rank: all confined to shares)."""
+    hosts: dict[str, dict[str, float]] = {}
+    for p in payloads:
+        h = hosts.setdefault(p["host"], {"cpus": p["host_cpus"], "ranks": 0, "rank_cpus": 0.0,
+                                         "max_rank_cpus": 0.0})
+        h["ranks"] += 1
+        h["rank_cpus"] += p["cpus"]
+        h["max_rank_cpus"] = max(h["max_rank_cpus"], p["cpus"])
+    return hosts
 
 
 def rank_cpus() -> float:
