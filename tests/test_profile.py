@@ -183,6 +183,23 @@ def test_repartition_keeps_the_first_stage_without_an_input_gradient():
     assert 0.0 <= w[0] <= w_kind["embedding"] + 1e-9
 
 
+def test_repartition_fits_what_i_frees_per_layer_kind():
+    # I frees the loss computation's saved tensors on the head and nothing on a block: a mean
+    # fraction over the source stages would spread the head's release over every block.
+    kinds = ("embedding",) + ("block",) * 6 + ("head",)
+    act_kind = {"embedding": 10.0, "block": 100.0, "head": 60.0}
+    freed_kind = {"embedding": 0.0, "block": 0.0, "head": 20.0}
+    src = Layout((0, 2, 4, 6, 8), kinds)          # E+B, B+B, B+B, B+H
+    dst = Layout(tuple(range(9)), kinds)           # one layer per stage
+    spans = list(zip(src.bounds, src.bounds[1:]))
+    act = [sum(act_kind[kinds[k]] for k in range(a, b)) for a, b in spans]
+    freed = [sum(freed_kind[kinds[k]] for k in range(a, b)) for a, b in spans]
+    costs = pipesim.CostModel(forward=1.0, activation_bytes=act,
+                              weight_grad_fraction=[1 - f / a for f, a in zip(freed, act)])
+    got = repartition(costs, src, dst).costs.stage_values("weight_grad_fraction", 8)
+    assert got == pytest.approx([1.0] * 7 + [1 - 20.0 / 60.0])
+
+
 def test_repartition_fits_a_per_action_cost_when_stage_sizes_identify_it():
     # Stages of 2, 3, 2, 2 layers: [1 | layer counts] has full rank, so a fixed cost per
     # action is told apart from the layers' costs and charged once per target stage.
@@ -400,6 +417,11 @@ def test_measured_trace_of_a_real_run_is_well_formed(real_runs, name):
         # 2 cores here; one CI run saw a W/B of 0.3 in wall time, about 1 in CPU time)
         assert 0.3 < p["ratio_cpu"]["W"] < 3 and p["ratio_cpu"]["I"] >= 0
     assert probe["0"]["ratio_cpu"]["I"] < 0.5 < probe["0"]["ratio_cpu"]["W"]
+    # I releases the loss computation's saved tensors on the last stage (its log-softmax of
+    # 2 x 8 x 32 fp32 values at least), which W does not need
+    last = probe[str(schedule.num_stages - 1)]["freed_at_I"]
+    assert last >= 2 * 8 * 32 * 4
+    assert all(p["freed_at_I"] >= 0 for p in probe.values())
     # the measured run scores and draws like a simulated one
     result = run.result()
     assert 0 < result.bubble_fraction < 50 and 0 <= result.bubble_rate < 1
@@ -523,6 +545,27 @@ def test_probed_split_gives_i_and_w_to_a_run_without_them():
     assert costs["W"] == pytest.approx([2.0 * 1.0, 4.0 * 0.5])
     del run.meta["split_probe"]                                 # without a probe: even split
     assert calibrate(run).costs.compute_times(2)["I"] == pytest.approx([1.0, 2.0])
+
+
+def test_probed_split_takes_what_i_frees_from_the_probe():
+    import types
+
+    from pipeexec.profile.calibrate import probed_split
+
+    run = types.SimpleNamespace(meta={"pp": 2, "vpp": 1, "split_probe": {
+        "0": {"ratio_wall": {"I": 0.0, "W": 1.0}, "freed_at_I": 0.0},
+        "1": {"ratio_wall": {"I": 0.6, "W": 0.5}, "freed_at_I": 300.0}}})
+    costs = pipesim.CostModel(forward=1.0, backward=2.0, activation_bytes=[500.0, 1000.0],
+                              weight_grad_fraction=1.0)
+    assert probed_split(costs, run).stage_values("weight_grad_fraction", 2) == \
+        pytest.approx([1.0, 0.7])
+    # a probe without the bytes (older runs): I frees nothing, as this executor's blocks show
+    del run.meta["split_probe"]["1"]["freed_at_I"]
+    assert probed_split(costs, run).stage_values("weight_grad_fraction", 2) == \
+        pytest.approx([1.0, 1.0])
+    # a run with I rows of its own keeps its measured fractions
+    own = costs.with_(backward_input=1.0, backward_weight=1.0, weight_grad_fraction=0.9)
+    assert probed_split(own, run) is own
 
 
 def synthetic_run_without_split() -> MeasuredRun:

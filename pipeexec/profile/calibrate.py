@@ -175,9 +175,10 @@ def fit_work(run: MeasuredRun, steps: Sequence[int] | None = None) -> CostModel:
 
 def probed_split(costs: CostModel, run: MeasuredRun, clock: str = "wall") -> CostModel:
     """``costs`` with I and W of every stage from its B and the run's split probe
-    (:mod:`pipeexec.profile.probe`: ``B x I/B`` and ``B x W/B`` as timed on that stage), when the
-    run has no I/W of its own; unchanged otherwise. Stages without a usable probe keep the even
-    split."""
+    (:mod:`pipeexec.profile.probe`: ``B x I/B`` and ``B x W/B`` as timed on that stage), and
+    the share of activations I frees (``weight_grad_fraction`` from the probe's bytes freed at
+    I), when the run has no I/W of its own; unchanged otherwise. Stages without a usable probe
+    keep the even split and I freeing nothing."""
     probe = run.meta.get("split_probe")
     if not probe or costs.backward_input is not None or costs.backward is None:
         return costs
@@ -189,7 +190,15 @@ def probed_split(costs: CostModel, run: MeasuredRun, clock: str = "wall") -> Cos
         ri, rw = float(r.get("I", math.nan)), float(r.get("W", math.nan))
         if math.isfinite(ri) and math.isfinite(rw):
             i[s], w[s] = b[s] * ri, b[s] * rw
-    return costs.with_(backward_input=i, backward_weight=w)
+    # What I releases (the probe's ``freed_at_I``): the share of each stage's activations that
+    # W does not need, which a run without I could not show.
+    act = costs.stage_values("activation_bytes", n)
+    frac = list(costs.stage_values("weight_grad_fraction", n))
+    for s in range(n):
+        freed = probe.get(str(s), {}).get("freed_at_I")
+        if freed is not None and act[s] > 0:
+            frac[s] = min(max(1.0 - float(freed) / act[s], 0.0), 1.0)
+    return costs.with_(backward_input=i, backward_weight=w, weight_grad_fraction=frac)
 
 
 def action_overhead(run: MeasuredRun, steps: Sequence[int] | None = None, *,
@@ -289,9 +298,17 @@ def repartition(costs: CostModel, source: Layout, target: Layout,
         whole = changes["backward_input"][0] + changes["backward_weight"][0]
         changes["backward_input"][0] = first_i
         changes["backward_weight"][0] = max(whole - first_i, 0.0)
-    # Fractions and message sizes are per stage boundary, not per layer: use their means.
-    wfrac = costs.stage_values("weight_grad_fraction", n_src)
-    changes["weight_grad_fraction"] = float(np.mean(wfrac))
+    # What I frees is per layer (the loss computation's saved tensors on the head, next to
+    # nothing on a block): fit the bytes freed, ``(1 - fraction) x activation``, per kind as the
+    # activations are, and turn them back into each target stage's fraction.
+    act_src = np.asarray(costs.stage_values("activation_bytes", n_src), float)
+    freed_src = (1.0 - np.asarray(costs.stage_values("weight_grad_fraction", n_src), float)) * act_src
+    x = _nnls(a_src, freed_src) if rank >= len(kinds) else np.clip(
+        np.linalg.lstsq(a_src, freed_src, rcond=None)[0], 0.0, None)
+    act_dst = changes.get("activation_bytes", [0.0] * target.num_stages)
+    changes["weight_grad_fraction"] = [
+        float(np.clip(1.0 - fr / a, 0.0, 1.0)) if a > 0 else 1.0 for fr, a in zip(a_dst @ x, act_dst)]
+    # Message sizes are per stage boundary, not per layer: use their mean.
     p2p = costs.stage_values("p2p_bytes", n_src)
     sent = [b for b in p2p[:-1] if b > 0]
     changes["p2p_bytes"] = float(np.mean(sent)) if sent else 0.0

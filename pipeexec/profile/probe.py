@@ -14,20 +14,22 @@ from __future__ import annotations
 
 import statistics
 import time
+import weakref
 from typing import Any
 
 import torch
-from torch.autograd.graph import get_gradient_edge
+from torch.autograd.graph import get_gradient_edge, saved_tensors_hooks
 
 from ..backward import backward_input, full_backward
 
 OPS = ("F", "B", "I", "W")
 
 
-def probe_split(trainer: Any, repeats: int = 5) -> dict[int, dict[str, dict[str, float]]]:
+def probe_split(trainer: Any, repeats: int = 5) -> dict[int, dict[str, Any]]:
     """``{stage: {"wall": {op: seconds}, "cpu": {op: seconds}, "ratio_wall": {"I": I/B, "W":
-    W/B}, "ratio_cpu": {...}}}`` for this rank's stages whose input shape is known (medians over
-    ``repeats``; CPU times are NaN on GPU)."""
+    W/B}, "ratio_cpu": {...}, "freed_at_I": bytes}}`` for this rank's stages whose input shape
+    is known (medians over ``repeats``; CPU times are NaN on GPU). ``freed_at_I``: the bytes of
+    saved activations that I releases (`_SavedBytes`), which a run without I cannot show."""
     device = trainer.topology.device
     devices = [device] if device.type == "cuda" else []
     with torch.random.fork_rng(devices=devices):
@@ -60,10 +62,14 @@ def _probe(trainer: Any, device: torch.device, repeats: int) -> dict:
         params = trainer.runtime.params[s]
         times: dict[str, list[float]] = {op: [] for op in OPS}
         cpus: dict[str, list[float]] = {op: [] for op in OPS}
+        freed: list[float] = []
         for _ in range(repeats):
             for split in (False, True):
                 leaf = x.detach().requires_grad_(x.is_floating_point() and not stage.is_first)
-                (root, grad), t = _timed(device, lambda: _forward(trainer, stage, leaf, targets, gen))
+                saved = _SavedBytes(params)
+                with saved:
+                    (root, grad), t = _timed(device, lambda: _forward(trainer, stage, leaf,
+                                                                      targets, gen))
                 _add(times, cpus, "F", t)
                 edge = get_gradient_edge(root)
                 stage_input = leaf if leaf.requires_grad else None
@@ -74,16 +80,54 @@ def _probe(trainer: Any, device: torch.device, repeats: int) -> dict:
                     if not stage.is_last:
                         outputs[s] = root.detach()     # the input of a local next stage
                     continue
+                held = saved.live()
                 (_, _, wgrad), t = _timed(device, lambda: backward_input(edge, grad, stage_input,
                                                                          params))
                 _add(times, cpus, "I", t)
+                root = edge = None      # as the runtime drops them: W keeps only its join nodes
+                freed.append(float(held - saved.live()))
                 _other_work(stage, leaf)
                 _, t = _timed(device, lambda: wgrad.compute(params))
                 _add(times, cpus, "W", t)
         out[s] = {"wall": {op: statistics.median(v) for op, v in times.items()},
                   "cpu": {op: statistics.median(v) for op, v in cpus.items()},
-                  "ratio_wall": _ratios(times), "ratio_cpu": _ratios(cpus)}
+                  "ratio_wall": _ratios(times), "ratio_cpu": _ratios(cpus),
+                  "freed_at_I": statistics.median(freed)}
     return out
+
+
+class _SavedBytes:
+    """Bytes of the tensors autograd saves for backward inside the ``with`` block that are still
+    alive (each storage once, parameters never), tracked by weak reference to the detached
+    alias handed to autograd, as the profiler's memory meter does (`memory.HeldTensorMeter`).
+    I frees what only the graph above W's join nodes saved (on the last stage, the loss
+    computation's), since W keeps only those nodes."""
+
+    def __init__(self, params: Any) -> None:
+        self._exclude = {p.untyped_storage().data_ptr() for p in params}
+        self._refs: list[tuple[weakref.ref, int, int]] = []
+        self._hooks = saved_tensors_hooks(self._pack, _identity)
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        d = t.detach()          # never ``t``: a saved output would hold its own node (a cycle)
+        st = d.untyped_storage()
+        if st.data_ptr() not in self._exclude:
+            self._refs.append((weakref.ref(d), st.data_ptr(), st.nbytes()))
+        return d
+
+    def __enter__(self) -> "_SavedBytes":
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._hooks.__exit__(*exc)
+
+    def live(self) -> int:
+        return sum(dict((ptr, n) for ref, ptr, n in self._refs if ref() is not None).values())
+
+
+def _identity(x: Any) -> Any:
+    return x
 
 
 def _ratios(t: dict[str, list[float]]) -> dict[str, float]:
