@@ -9,15 +9,16 @@ Memory (the activation model of `pipesim.memory`): for each (stage, microbatch) 
 forward leaves held, i.e. the meter's growth over RECV_F + F + SEND_F of that pair (input
 buffer, saved tensors, output while not yet sent); ``activation_bytes`` is the per-stage mean.
 ``weight_grad_fraction`` comes from the change over RECV_B + I + SEND_B. In this executor
-I frees nothing (it keeps the graph, ``retain_graph``, for W) and even adds the gradients W
-will need (and, on the first stage, the output gradient W's full backward uses), so a pair
-holds a little *more* after I than after F. The model cannot add memory at I: the fraction is
-then 1 and the growth is left out (adding it to ``activation_bytes`` instead would charge it
+I frees only what the graph above W's join nodes saved (on the head: the loss computation's
+tensors; it keeps the rest, ``retain_graph``, for W) and adds the gradients W will need (and,
+on the first stage, the output gradient W's full backward uses), so a block's pair holds a
+little *more* after I than after F. The model cannot add memory at I: the fraction is then 1
+and the growth is left out (adding it to ``activation_bytes`` instead would charge it
 from the F on, far too early on stages whose F runs long before its I, as ZB-V's first stage).
-A run without I/W rows also gets fraction 1, the executor's behaviour.
-
 A run without I/W rows gets its I and W from the split probe (`probed_split`): each stage's B
-times the I/B and W/B ratios timed on that stage after the profiled steps.
+times the I/B and W/B ratios timed on that stage after the profiled steps, and its fraction
+from the bytes the probe saw I release (1 where it saw nothing released, as on a block; the
+head's I releases the loss computation's saved tensors, which W does not need).
 
 Another partition: costs of a stage are the sums of its layers' costs. When the target layout
 cuts the layers differently (another vpp, pp or boundaries), each field is solved per layer
