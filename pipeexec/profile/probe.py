@@ -21,6 +21,7 @@ import torch
 from torch.autograd.graph import get_gradient_edge, saved_tensors_hooks
 
 from ..backward import backward_input, full_backward
+from .memory import _identity
 
 OPS = ("F", "B", "I", "W")
 
@@ -124,10 +125,6 @@ class _SavedBytes:
 
     def live(self) -> int:
         return sum(dict((ptr, n) for ref, ptr, n in self._refs if ref() is not None).values())
-
-
-def _identity(x: Any) -> Any:
-    return x
 
 
 def _ratios(t: dict[str, list[float]]) -> dict[str, float]:
