@@ -11,6 +11,8 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import torch.distributed as dist
+
 from .board import ActionBoard
 from .checkpoint import CheckpointManager, CheckpointOptions
 from .config import TrainConfig
@@ -73,6 +75,8 @@ def run_training(board: ActionBoard | None, config: TrainConfig, metrics_out: st
             tmp.replace(path)
         if measured is not None:
             metrics["measured_run"] = measured
+        if topology.world_size > 1:
+            dist.barrier()      # no rank tears its groups down while a peer still uses them
         return metrics
     finally:
         destroy_topology(topology)
