@@ -139,12 +139,22 @@ def test_calibration_recovers_known_costs_from_a_synthetic_trace():
     assert again.makespan == pytest.approx(pipesim.simulate(s, truth).makespan, rel=0.03)
 
 
+# The built-in GPT's 8 layers, cut into 4 stages (E+B, B+B, B+B, B+H) and into 8 of one layer.
+KINDS = ("embedding",) + ("block",) * 6 + ("head",)
+SRC = Layout((0, 2, 4, 6, 8), KINDS)
+DST = Layout(tuple(range(9)), KINDS)
+
+
+def stage_sums(per_kind: dict[str, float], layout: Layout) -> list[float]:
+    """Each stage's value: the sum of its layers' per-kind values."""
+    return [sum(per_kind[layout.layer_kinds[k]] for k in range(a, b))
+            for a, b in zip(layout.bounds, layout.bounds[1:])]
+
+
 def test_repartition_sums_per_kind_costs_over_the_new_stages():
-    kinds = ("embedding",) + ("block",) * 6 + ("head",)
+    kinds, src, dst = KINDS, SRC, DST
     per_kind = {"embedding": 0.2, "block": 1.0, "head": 0.6}
-    src = Layout((0, 2, 4, 6, 8), kinds)          # 4 stages: E+B, B+B, B+B, B+H
-    dst = Layout(tuple(range(9)), kinds)           # 8 stages of one layer
-    stage_f = [sum(per_kind[kinds[i]] for i in range(a, b)) for a, b in zip(src.bounds, src.bounds[1:])]
+    stage_f = stage_sums(per_kind, src)
     cal = repartition(pipesim.CostModel(forward=stage_f, backward=[2 * x for x in stage_f]), src, dst)
     expect = [per_kind[k] for k in kinds]
     np.testing.assert_allclose(cal.costs.stage_values("forward", 8), expect, atol=1e-12)
@@ -152,7 +162,7 @@ def test_repartition_sums_per_kind_costs_over_the_new_stages():
     assert cal.underdetermined == [] and cal.repartitioned
     # two stages cannot separate three kinds: flagged
     two = Layout((0, 4, 8), kinds)
-    f2 = [sum(per_kind[kinds[i]] for i in range(a, b)) for a, b in zip(two.bounds, two.bounds[1:])]
+    f2 = stage_sums(per_kind, two)
     assert repartition(pipesim.CostModel(forward=f2), two, dst).underdetermined
     with pytest.raises(ValueError, match="same model"):
         repartition(pipesim.CostModel(forward=f2), two, Layout((0, 1, 2), ("block",) * 2))
@@ -161,14 +171,10 @@ def test_repartition_sums_per_kind_costs_over_the_new_stages():
 def test_repartition_keeps_the_first_stage_without_an_input_gradient():
     # The first stage's I does nothing and its W is its whole backward, whatever layers it
     # holds: fitted per kind, the block's I would be pulled towards zero by the first stage's.
-    kinds = ("embedding",) + ("block",) * 6 + ("head",)
+    kinds, src, dst = KINDS, SRC, DST
     i_kind = {"embedding": 0.0, "block": 1.0, "head": 0.4}
     w_kind = {"embedding": 0.1, "block": 0.8, "head": 0.3}
-    src = Layout((0, 2, 4, 6, 8), kinds)          # E+B, B+B, B+B, B+H
-    dst = Layout(tuple(range(9)), kinds)           # one layer per stage
-    spans = list(zip(src.bounds, src.bounds[1:]))
-    stage_i = [sum(i_kind[kinds[k]] for k in range(a, b)) for a, b in spans]
-    stage_w = [sum(w_kind[kinds[k]] for k in range(a, b)) for a, b in spans]
+    stage_i, stage_w = stage_sums(i_kind, src), stage_sums(w_kind, src)
     stage_w[0] += stage_i[0]                       # the first stage: all of it in W
     stage_i[0] = 0.01                              # a no-op I still costs the executor a little
     f = [1.0] * 4
@@ -186,17 +192,11 @@ def test_repartition_keeps_the_first_stage_without_an_input_gradient():
 def test_repartition_fits_what_i_frees_per_layer_kind():
     # I frees the loss computation's saved tensors on the head and nothing on a block: a mean
     # fraction over the source stages would spread the head's release over every block.
-    kinds = ("embedding",) + ("block",) * 6 + ("head",)
-    act_kind = {"embedding": 10.0, "block": 100.0, "head": 60.0}
-    freed_kind = {"embedding": 0.0, "block": 0.0, "head": 20.0}
-    src = Layout((0, 2, 4, 6, 8), kinds)          # E+B, B+B, B+B, B+H
-    dst = Layout(tuple(range(9)), kinds)           # one layer per stage
-    spans = list(zip(src.bounds, src.bounds[1:]))
-    act = [sum(act_kind[kinds[k]] for k in range(a, b)) for a, b in spans]
-    freed = [sum(freed_kind[kinds[k]] for k in range(a, b)) for a, b in spans]
+    act = stage_sums({"embedding": 10.0, "block": 100.0, "head": 60.0}, SRC)
+    freed = stage_sums({"embedding": 0.0, "block": 0.0, "head": 20.0}, SRC)
     costs = pipesim.CostModel(forward=1.0, activation_bytes=act,
                               weight_grad_fraction=[1 - f / a for f, a in zip(freed, act)])
-    got = repartition(costs, src, dst).costs.stage_values("weight_grad_fraction", 8)
+    got = repartition(costs, SRC, DST).costs.stage_values("weight_grad_fraction", 8)
     assert got == pytest.approx([1.0] * 7 + [1 - 20.0 / 60.0])
 
 
