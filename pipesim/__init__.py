@@ -14,7 +14,10 @@ from .schedule import Action, Schedule, build_schedule, schedule_info, schedule_
 # Public names that live in modules loaded on first use: name -> module.
 _LAZY = {
     "CostModel": "pipesim.costs",
-    "simulate": "pipesim.engine",
+    "simulate": "pipesim.api",
+    "Plan": "pipesim.plan.plan",
+    "ModelSpec": "pipesim.plan.model",
+    "PlanError": "pipesim.errors",
     "SimResult": "pipesim.result",
     "schedule_to_json": "pipesim.schedule.io",
     "schedule_from_json": "pipesim.schedule.io",

@@ -3,3 +3,7 @@
 
 class ScheduleError(ValueError):
     """A schedule is malformed, cannot be built for the given parameters, or would deadlock."""
+
+
+class PlanError(ValueError):
+    """A plan cannot run: the message names the field and the rule it breaks."""

@@ -11,6 +11,8 @@ Closed-form counts, so a user can predict a schedule on a cluster they do not ha
   Activation Recomputation in Large Transformer Models", eq. 1, no tensor parallelism). The
   weight gradient needs the inputs of the four linear layers, ``2+2+2+8 = 14 sbh`` of those
   bytes (same paper's breakdown); I frees the rest;
+* for GQA, SwiGLU and MoE shapes the same counts generalised (:mod:`pipesim.plan.flops`,
+  :mod:`pipesim.plan.footprint`); a full training configuration is a :class:`pipesim.Plan`;
 * the embedding on the first stage (dropout mask ``sbh`` bytes), the final norm and LM head on
   the last (``2 b s h V`` FLOPs forward, each backward half the same, logits kept in fp32:
   ``4 s b V`` bytes, Korthikanti et al. §4.3);
@@ -21,45 +23,11 @@ Closed-form counts, so a user can predict a schedule on a cluster they do not ha
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
-
-@dataclass(frozen=True)
-class ModelSpec:
-    """A decoder-only transformer: ``layers`` blocks of width ``hidden`` with ``heads`` heads."""
-
-    name: str
-    layers: int
-    hidden: int
-    heads: int
-    seq_length: int
-    vocab: int
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-
-_MODELS = {
-    "tiny": ModelSpec("tiny", 8, 512, 8, 512, 32000),
-    "gpt3-1.3b": ModelSpec("gpt3-1.3b", 24, 2048, 16, 2048, 50257),
-    "gpt3-2.7b": ModelSpec("gpt3-2.7b", 32, 2560, 32, 2048, 50257),
-    "gpt3-6.7b": ModelSpec("gpt3-6.7b", 32, 4096, 32, 2048, 50257),
-    "gpt3-13b": ModelSpec("gpt3-13b", 40, 5120, 40, 2048, 50257),
-    "gpt3-175b": ModelSpec("gpt3-175b", 96, 12288, 96, 2048, 50257),
-}
-
-
-def model_names() -> list[str]:
-    return list(_MODELS)
-
-
-def get_model(name: "str | ModelSpec") -> ModelSpec:
-    if isinstance(name, ModelSpec):
-        return name
-    spec = _MODELS.get(str(name).lower())
-    if spec is None:
-        raise ValueError(f"unknown model preset {name!r}; known: {', '.join(_MODELS)}")
-    return spec
+# The generalised ModelSpec and its presets live with the plans; these names stay importable.
+from .plan.model import PRESETS as _MODELS  # noqa: F401
+from .plan.model import ModelSpec, get_model, model_names  # noqa: F401
 
 
 def split_layers(layers: int, num_stages: int) -> list[int]:
@@ -88,25 +56,35 @@ def stage_counts(model: ModelSpec, num_stages: int, micro_batch_size: int = 1,
     """FLOPs and bytes of each stage for one microbatch of ``micro_batch_size`` sequences."""
     if micro_batch_size < 1:
         raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
-    b, s, h, a, v = micro_batch_size, model.seq_length, model.hidden, model.heads, model.vocab
+    from .plan.flops import layer_flops
+    from .plan.footprint import layer_activations
+    from .plan.parallelism import Parallelism
+
+    b, s, h, v = micro_batch_size, model.seq_length, model.hidden, model.vocab
     sbh = s * b * h
-    layer_f = sbh * (24 * h + 4 * s)
-    layer_i = sbh * (24 * h + 8 * s)
-    layer_w = sbh * 24 * h
-    layer_act = sbh * (34 + 5 * a * s / h)
-    layer_wact = 14 * sbh
-    layer_params = 12 * h * h + 13 * h
+    unfused = Parallelism(micro_batch_size=b, flash_attention=False)
+    kinds = {}
+    for moe in set(model.moe_pattern()):
+        lf = layer_flops(model, b, moe=moe)
+        la = layer_activations(model, unfused, moe)
+        kinds[moe] = (lf.forward, lf.input_grad, lf.weight_grad, la.total, la.weight_grad,
+                      sum(model.layer_params(moe).values()))
+    pattern = model.moe_pattern()
     head = 2 * b * s * h * v
     counts = split_layers(model.layers, num_stages)
     f, i, w, act, wact, params = [], [], [], [], [], []
     last = num_stages - 1
+    start = 0
+    pos = (s if model.position == "learned" else 0) * h
     for stage, n in enumerate(counts):
-        f.append(n * layer_f + (head if stage == last else 0))
-        i.append(n * layer_i + (head if stage == last else 0))
-        w.append(n * layer_w + (head if stage == last else 0))
-        act.append(n * layer_act + (sbh if stage == 0 else 0)
+        sums = [sum(kinds[moe][k] for moe in pattern[start:start + n]) for k in range(6)]
+        start += n
+        f.append(sums[0] + (head if stage == last else 0))
+        i.append(sums[1] + (head if stage == last else 0))
+        w.append(sums[2] + (head if stage == last else 0))
+        act.append(sums[3] + (sbh if stage == 0 else 0)
                    + (2 * sbh + 4 * s * b * v if stage == last else 0))
-        wact.append(n * layer_wact + (2 * sbh if stage == last else 0))
-        params.append(n * layer_params + ((v + s) * h if stage == 0 else 0)
-                      + (v * h + 2 * h if stage == last else 0))
+        wact.append(sums[4] + (2 * sbh if stage == last else 0))
+        params.append(sums[5] + (v * h + pos if stage == 0 else 0)
+                      + (v * h + model.norm_params() if stage == last else 0))
     return StageCounts(f, i, w, act, wact, dtype_bytes * sbh, params)

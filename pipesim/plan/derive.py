@@ -1,0 +1,262 @@
+"""``plan.costs()``: a plan's per-stage :class:`pipesim.CostModel`, with the parts it is made of.
+
+Pure and cheap (no simulation; a few list operations per stage), so a planner can derive
+thousands. For each stage and one microbatch on one rank of its tensor/context-parallel group:
+
+* compute: the layers' FLOPs (:mod:`pipesim.plan.flops`) split F / I / W, divided by ``tp * cp``,
+  at ``peak * efficiency`` (GEMMs at the precision's peak, fp8 doubling it; attention matmuls at
+  bf16 peak). Full recomputation adds each recomputed layer's forward (with its communication)
+  to I; selective adds the attention matmuls (none with flash attention). The last stage adds
+  the LM head (F, I and W each ``2 b s h V``);
+* communication inside a layer, alpha-beta over the link the group crosses
+  (:mod:`pipesim.plan.collectives`, :class:`pipesim.plan.cluster.Cluster`): TP two all-reduces
+  of ``2 b s h`` bytes in F and two in I, or with sequence parallelism two all-gathers and two
+  reduce-scatters (same bytes); added to the compute, or overlapped with it
+  (``overlap_tp_comm``: the longer of the two). CP all-gathers K and V in F and
+  reduce-scatters their gradients in I, overlapped with the attention matmuls (ring attention:
+  only the excess shows). EP: two all-to-alls of the ``k`` routed copies in F and two in I per
+  MoE layer. ZeRO-3 gathers each layer's weights in F and I and reduce-scatters its gradients
+  in W, prefetched (overlapped);
+* point-to-point: one activation ``2 b s h / sp`` bytes (Megatron sends the sequence-parallel
+  shard) over the pipeline group's link;
+* memory: activations per stage and microbatch (:mod:`pipesim.plan.footprint`), the share W
+  still needs after I, weights + gradients + optimizer state per stage, and per-rank transient
+  buffers (one layer's recomputed activations with full recomputation, two gathered layers
+  with ZeRO-3);
+* the step tail per rank: the data-parallel gradient all-reduce (or reduce-scatter and, with
+  sharded optimizer, the parameter all-gather) over the dp x cp group, overlapped with the
+  last microbatch's backward (``overlap_grad_reduce``: all but what that window cannot hide,
+  at least the last 40M-parameter bucket) and the next forward (``overlap_param_gather``), and
+  an optimizer step bound by HBM bandwidth (28 bytes read and written per parameter updated).
+
+The CostModel carries what the engine reads; its ``grad_bytes`` / ``dp_*`` / ``optimizer``
+keep the engine's own (non-overlapped, all-reduce) step tail usable, while
+:func:`pipesim.plan.report.simulate_plan` adds the overlap-aware tail computed here.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..costs import CostModel
+from . import collectives as coll
+from .cluster import Link
+from .efficiency import default_efficiency
+from .flops import head_flops, layer_flops
+from .footprint import (BYTES_PER_PARAM, embedding_activations, head_activations,
+                        layer_activations, param_bytes)
+
+BUCKET_PARAMS = 40e6          # Megatron DDP bucket (ddp_bucket_size default: max(40M, 1M * dp))
+OPTIMIZER_BYTES = 28          # Adam: bytes read + written per parameter updated
+
+
+@dataclass(frozen=True)
+class PlanCosts:
+    costs: CostModel
+    stage_layers: list[int]
+    efficiency: float
+    links: dict[str, Link]
+    stage_params: list[dict[str, float]]          # per stage, on one rank: dense / expert
+    stage_memory: list[dict[str, float]]          # per stage: weights / gradients / optimizer
+    rank_buffers: list[float]                     # per pipeline rank: transient bytes
+    tail: list[dict[str, float]]                  # per rank: dp_comm, dp_exposed, optimizer
+    comm: dict[str, float] = field(default_factory=dict)   # per microbatch, whole pipeline: seconds
+    model_flops: float = 0.0                      # per step, all GPUs (Korthikanti eq. 7)
+    hardware_flops: float = 0.0                   # per step, with recomputation
+
+
+def derive(plan) -> PlanCosts:
+    model, par, cluster = plan.model, plan.parallelism, plan.cluster
+    hw = cluster.hardware
+    t, cp, sp, b = par.tp, par.cp, par.sp, par.micro_batch_size
+    s = model.seq_length
+    layers = plan.stage_layers()
+    n = len(layers)
+    links = cluster.group_links(par)
+    eff = plan.efficiency if plan.efficiency is not None else \
+        default_efficiency(hw.name)(model.hidden / t)
+    bf16_rate = hw.peak_flops * eff
+    if par.precision == "fp8":
+        gemm_rate = hw.fp8_peak_flops * eff
+    elif par.precision == "fp32":
+        gemm_rate = bf16_rate = hw.peak_flops / 2 * eff
+    else:
+        gemm_rate = bf16_rate
+    shard = t * cp
+    act_bytes = 2 * b * (s / cp) * model.hidden          # one activation on one cp rank, bf16
+    pattern = model.moe_pattern()
+    d, d_exp = par.dp * cp, max(1, par.dp * cp // par.ep)
+
+    # per-layer-kind pieces (dense, moe), each (F, I_extra_for_recompute, I, W) seconds
+    tp_one = (coll.all_gather(act_bytes, t, links["tp"]) + coll.reduce_scatter(act_bytes, t, links["tp"])
+              if par.sequence_parallel else coll.all_reduce(act_bytes, t, links["tp"]))
+    tp_pass = 2 * tp_one                                  # two per pass (attention, MLP)
+    kv_bytes = 2 * 2 * b * s * model.kv_size / t          # K and V, whole sequence, per tp rank
+    cp_pass = coll.all_gather(kv_bytes, cp, links["cp"])
+    ep_pass = 2 * coll.all_to_all(model.top_k * act_bytes / sp, par.ep, links["ep"]) if model.is_moe else 0.0
+
+    def kind(moe: bool) -> dict[str, float]:
+        lf = layer_flops(model, b, moe=moe)
+        g, a = lf.gemm / shard / gemm_rate, lf.attention / shard / bf16_rate
+        lp = model.layer_params(moe)
+        lp_rank = lp["dense"] / t + lp["expert"] / (t * par.ep)
+        z3 = coll.all_gather(2 * lp_rank * d, d, links["dp"]) if par.zero == 3 else 0.0
+        z3_rs = coll.reduce_scatter(4 * lp_rank * d, d, links["dp"]) if par.zero == 3 else 0.0
+        ep = ep_pass if moe else 0.0
+
+        def op(compute: float, attn: float, tp_c: float, cp_c: float, extra: float, z: float) -> float:
+            x = max(compute, tp_c) if par.overlap_tp_comm else compute + tp_c
+            x += max(0.0, cp_c - attn) + extra
+            return max(x, z)
+
+        f = op(g + a, a, tp_pass, cp_pass, ep, z3)
+        i = op(g + 2 * a, 2 * a, tp_pass, cp_pass, ep, z3)
+        w = max(g, z3_rs)
+        return {"F": f, "I": i, "W": w, "attn": a, "params": lp_rank,
+                "tp": tp_pass, "cp": cp_pass, "ep": ep}
+
+    kinds = {False: kind(False), True: kind(True) if model.is_moe else None}
+    head_s = head_flops(model, b, tp=t) / shard / gemm_rate
+    emb_comm = tp_one / 2 if t > 1 else 0.0               # the embedding's all-reduce / RS
+
+    fwd, inp, wgt, act, wfrac, params_st, mem_st = [], [], [], [], [], [], []
+    buffers_stage = []
+    start = 0
+    comm = {"tp": 0.0, "cp": 0.0, "ep": 0.0}
+    recomputed_total = 0
+    for stage, count in enumerate(layers):
+        f = i = w = a_bytes = w_bytes = 0.0
+        dense_p = expert_p = 0.0
+        transient = 0.0
+        for j, moe in enumerate(pattern[start:start + count]):
+            k = kinds[moe]
+            rec = par.recompute
+            if rec == "full" and par.recompute_layers is not None and j >= par.recompute_layers:
+                rec = "none"
+            f += k["F"]
+            i += k["I"] + (k["F"] if rec == "full" else 0.0)
+            if rec == "selective" and not par.flash_attention:
+                i += k["attn"]
+            w += k["W"]
+            la = layer_activations(model, par, moe, recompute=rec)
+            a_bytes += la.total
+            w_bytes += la.weight_grad
+            if rec == "full":
+                recomputed_total += 1
+                transient = max(transient, layer_activations(model, par, moe, recompute="none").total)
+            lp = model.layer_params(moe)
+            dense_p += lp["dense"] / t
+            expert_p += lp["expert"] / (t * par.ep)
+            for c in comm:
+                comm[c] += 2 * k[c]
+        start += count
+        if stage == 0:
+            dense_p += model.embedding_params(t) / t
+            a_bytes += embedding_activations(model, par)
+            f += emb_comm
+            i += emb_comm
+        if stage == n - 1:
+            head_p = model.head_params(t)
+            if model.tied_embeddings and n > 1:
+                head_p += model.padded_vocab(t) * model.hidden    # the output layer's copy
+            dense_p += head_p / t
+            f += head_s
+            i += head_s
+            w += head_s
+            a_bytes += head_activations(model, par)
+            w_bytes += 2 * b * (s / cp) * model.hidden / sp       # the head's input, for W
+        fwd.append(f)
+        inp.append(i)
+        wgt.append(w)
+        act.append(a_bytes)
+        wfrac.append(min(1.0, w_bytes / a_bytes) if a_bytes > 0 else 0.0)
+        params_st.append({"dense": dense_p, "expert": expert_p})
+        mem_st.append(param_bytes(par.precision, par.zero, dense_p, expert_p, d, d_exp))
+        if par.zero == 3:
+            largest = max(kinds[m]["params"] for m in set(pattern[start - count:start])) if count else 0.0
+            transient += 2 * largest * 6
+        buffers_stage.append(transient)
+
+    schedule_stages = _rank_stages(plan, n)
+    rank_buffers = [max((buffers_stage[st] for st in sts), default=0.0) for sts in schedule_stages]
+    gbytes = BYTES_PER_PARAM[par.precision][1]
+    tail = []
+    for sts in schedule_stages:
+        dense = sum(params_st[st]["dense"] for st in sts)
+        expert = sum(params_st[st]["expert"] for st in sts)
+        if par.zero == 0:
+            comm_s = coll.all_reduce(gbytes * dense, d, links["dp"]) + \
+                coll.all_reduce(gbytes * expert, d_exp, links["dp"])
+            gather = 0.0
+        else:
+            comm_s = coll.reduce_scatter(gbytes * dense, d, links["dp"]) + \
+                coll.reduce_scatter(gbytes * expert, d_exp, links["dp"])
+            gather = 0.0 if par.zero == 3 else (coll.all_gather(2 * dense, d, links["dp"])
+                                                + coll.all_gather(2 * expert, d_exp, links["dp"]))
+        window_b = sum(inp[st] + wgt[st] for st in sts)
+        window_f = sum(fwd[st] for st in sts)
+        total = dense + expert
+        if par.overlap_grad_reduce:
+            last_bucket = comm_s * min(1.0, BUCKET_PARAMS / total) if total else 0.0
+            exposed = max(comm_s - window_b, last_bucket)
+        else:
+            exposed = comm_s
+        exposed += max(0.0, gather - window_f) if par.overlap_param_gather else gather
+        updated = dense / (d if par.zero >= 1 else 1) + expert / (d_exp if par.zero >= 1 else 1)
+        tail.append({"dp_comm": comm_s + gather, "dp_exposed": exposed,
+                     "optimizer": OPTIMIZER_BYTES * updated / hw.hbm_bandwidth})
+
+    dp_link = links["dp"]
+    pp_link = links["pp"]
+    stage_static = [sum(m.values()) for m in mem_st]
+    costs = CostModel(
+        forward=fwd, backward=[x + y for x, y in zip(inp, wgt)], backward_input=inp,
+        backward_weight=wgt, p2p_latency=pp_link.latency, p2p_bandwidth=pp_link.bandwidth,
+        p2p_bytes=act_bytes / sp, activation_bytes=act, weight_grad_fraction=wfrac,
+        static_bytes=rank_buffers, stage_static_bytes=stage_static,
+        grad_bytes=[gbytes * (p["dense"] + p["expert"]) for p in params_st],
+        optimizer=[OPTIMIZER_BYTES * (p["dense"] / (d if par.zero >= 1 else 1)
+                                      + p["expert"] / (d_exp if par.zero >= 1 else 1)) / hw.hbm_bandwidth
+                   for p in params_st],
+        dp_latency=dp_link.latency, dp_bandwidth=dp_link.bandwidth,
+    )
+    from .flops import model_flops, recompute_flops
+
+    gbs = par.gbs
+    mflops = model_flops(model, gbs, tp=t)
+    per_stage_rec = par.recompute_layers
+    if par.recompute == "full" and per_stage_rec is not None:
+        # recomputed layers: the first recompute_layers of each stage
+        extra = 0.0
+        start = 0
+        for count in layers:
+            for moe in pattern[start:start + min(count, per_stage_rec)]:
+                extra += layer_flops(model, gbs, moe=moe).forward
+            start += count
+    else:
+        extra = recompute_flops(model, gbs, par.recompute, flash=par.flash_attention)
+    return PlanCosts(costs=costs, stage_layers=layers, efficiency=eff, links=links,
+                     stage_params=params_st, stage_memory=mem_st, rank_buffers=rank_buffers,
+                     tail=tail, comm=comm, model_flops=mflops, hardware_flops=mflops + extra)
+
+
+def _rank_stages(plan, n: int) -> list[list[int]]:
+    """Stages of each pipeline rank: the schedule's placement (looped or V)."""
+    par = plan.parallelism
+    from ..schedule.registry import schedule_info
+    from ..schedule.schedule import Schedule
+
+    if isinstance(plan.schedule, Schedule):
+        return [plan.schedule.rank_stages(r) for r in range(par.pp)]
+
+    try:
+        looped = schedule_info(plan.schedule_name).placement == "looped"
+    except Exception:
+        looped = True
+    if looped:
+        return [[st for st in range(n) if st % par.pp == r] for r in range(par.pp)]
+    # V-shape: down then up (ZB-V, DualPipeV) for vpp = 2
+    out = [[] for _ in range(par.pp)]
+    for st in range(n):
+        chunk, pos = divmod(st, par.pp)
+        out[pos if chunk % 2 == 0 else par.pp - 1 - pos].append(st)
+    return out

@@ -1,0 +1,115 @@
+"""Bytes a plan keeps: activations per layer, and weights, gradients and optimizer state.
+
+Activations of one layer for ``b`` sequences (bf16, 2 bytes), Korthikanti et al. 2022,
+"Reducing Activation Recomputation in Large Transformer Models", §4, generalised to GQA
+(query width ``q``, key/value width ``kv``), SwiGLU (three matrices) and MoE:
+
+* kept whole on every tensor-parallel rank unless sequence parallelism splits them (``/sp``):
+  the two norm inputs ``4sbh``, the QKV and MLP inputs ``2sbh`` each, the two dropout masks
+  ``2sbh`` (only with dropout) -- the paper's ``10 sbh``;
+* split over tp (``/t``): Q, K, V ``2sb(q + 2kv)``, the output projection's input ``2sbq``,
+  the MLP's ``4sbf`` (GeLU: fc1 output, GeLU output) or ``6sbf`` (SwiGLU: the ``2f`` fc1
+  output and the gated product); an MoE layer stores each token ``k`` times (``2sbh`` routed
+  input and the expert's MLP activations per copy) plus its shared expert -- the paper's
+  ``24 sbh`` for GPT;
+* core attention (``/t``): the softmax output ``2as^2b``, with dropout also its mask
+  ``as^2b`` and output ``2as^2b`` -- the paper's ``5as^2b``; with flash attention only the fp32
+  log-sum-exp ``4asb``; dropped by selective recomputation;
+* full recomputation keeps only the layer's input ``2sbh`` (``/sp``).
+
+With context parallelism ``s`` is the local ``s / cp`` (scores: local queries x all keys). For
+GPT shapes this is Table 2 exactly: ``sbh(34 + 5as/h)``; TP ``sbh(10 + 24/t + 5as/(ht))``;
+TP+SP ``sbh(34/t + 5as/(ht))``; selective ``sbh(10 + 24/t)``; SP+selective ``34 sbh / t``;
+full ``2sbh``. W (Zero Bubble's weight gradient) needs the inputs of the linear layers:
+QKV and fc1 inputs ``2sbh/sp`` each, the output projection's ``2sbq/t`` and fc2's ``2sbf/t``
+(GPT, tp=1: ``14 sbh``).
+
+Bytes per parameter, Megatron-LM's distributed optimizer table (docs/source/api-guide/
+dist_optimizer.md; ``d`` data-parallel ranks): fp16 params and grads 20 or ``4 + 16/d``; bf16
+params with fp32 grads 18 or ``6 + 12/d``; fp32 16 or ``8 + 8/d``. Split as weights / grads /
+optimizer: fp16 2/2/16, bf16 (and fp8 GEMMs) 2/4/12, fp32 4/4/8. ZeRO-2 also shards gradients,
+ZeRO-3 weights too (plus a transient of two gathered layers).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .model import ModelSpec
+from .parallelism import Parallelism
+
+# precision -> (weight, gradient, optimizer) bytes per parameter
+BYTES_PER_PARAM = {"fp16": (2, 2, 16), "bf16": (2, 4, 12), "fp8": (2, 4, 12), "fp32": (4, 4, 8)}
+
+
+@dataclass(frozen=True)
+class LayerActivations:
+    """Bytes of one layer's activations for one microbatch on one rank, and W's share."""
+
+    total: float
+    weight_grad: float
+
+
+def layer_activations(model: ModelSpec, par: Parallelism, moe: bool = False, *,
+                      recompute: str | None = None) -> LayerActivations:
+    recompute = par.recompute if recompute is None else recompute
+    b = par.micro_batch_size
+    s_full = model.seq_length
+    s = s_full / par.cp
+    h, q, kv, a = model.hidden, model.q_size, model.kv_size, model.heads
+    t, sp = par.tp, par.sp
+    drop = 1 if model.dropout else 0
+    sbh = s * b * h
+    if recompute == "full":
+        return LayerActivations(2 * sbh / sp, 2 * sbh / sp)
+    replicated = 8 * sbh + 2 * drop * sbh
+    mlp_per_f = 6 if model.gated else 4
+    if moe:
+        k = model.top_k
+        mlp = k * (2 * sbh + mlp_per_f * s * b * model.moe_ffn)
+        mlp += mlp_per_f * s * b * model.shared_expert_ffn_hidden
+        fc2_in = k * 2 * s * b * model.moe_ffn + 2 * s * b * model.shared_expert_ffn_hidden
+        routed_in = k * 2 * sbh
+    else:
+        mlp = mlp_per_f * s * b * model.ffn
+        fc2_in = 2 * s * b * model.ffn
+        routed_in = 0.0
+    split = 2 * s * b * (q + 2 * kv) + 2 * s * b * q + mlp
+    if par.flash_attention:
+        core = 4 * a * s * b
+    else:
+        core = (2 + 3 * drop) * a * s * s_full * b
+    if recompute == "selective" and not par.flash_attention:
+        core = 0.0
+    total = replicated / sp + (split + core) / t
+    wgrad = 4 * sbh / sp + (2 * s * b * q + fc2_in + routed_in) / t
+    return LayerActivations(total, wgrad)
+
+
+def embedding_activations(model: ModelSpec, par: Parallelism) -> float:
+    """First stage, beyond its layers: token ids ``8sb`` and the embedding dropout mask ``sbh``
+    (Megatron's theoretical_memory_usage counts both)."""
+    s = model.seq_length / par.cp
+    b = par.micro_batch_size
+    return (8 * s * b + (s * b * model.hidden if model.dropout else 0)) / par.sp
+
+
+def head_activations(model: ModelSpec, par: Parallelism) -> float:
+    """Last stage, beyond its layers: ``4sbh(1 + V/h)`` (Korthikanti et al. §4.3: the final
+    norm's input and output, fp32 logits for the loss), vocabulary split over tp."""
+    s = model.seq_length / par.cp
+    b = par.micro_batch_size
+    return 4 * s * b * model.hidden / par.sp + 4 * s * b * model.padded_vocab(par.tp) / par.tp
+
+
+def param_bytes(precision: str, zero: int, dense: float, expert: float, d: int, d_expert: int
+                ) -> dict[str, float]:
+    """Weights, gradients and optimizer bytes of ``dense`` and ``expert`` parameters held by a
+    rank, sharded over ``d`` (``d_expert``) data-parallel ranks as ``zero`` says."""
+    w, g, o = BYTES_PER_PARAM[precision]
+
+    def share(n: float, dd: int) -> tuple[float, float, float]:
+        return (w * n / (dd if zero >= 3 else 1), g * n / (dd if zero >= 2 else 1),
+                o * n / (dd if zero >= 1 else 1))
+
+    a, b = share(dense, d), share(expert, d_expert)
+    return {"weights": a[0] + b[0], "gradients": a[1] + b[1], "optimizer": a[2] + b[2]}

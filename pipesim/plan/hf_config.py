@@ -1,0 +1,87 @@
+"""Read a Hugging Face ``config.json`` into a :class:`ModelSpec` (plain JSON; no transformers).
+
+Key names are those of the transformers configuration classes: ``LlamaConfig`` (also Mistral,
+Qwen2, Qwen3), ``MixtralConfig`` (``num_local_experts``, ``num_experts_per_tok``),
+``Qwen2MoeConfig`` (``num_experts``, ``moe_intermediate_size``,
+``shared_expert_intermediate_size``, ``decoder_sparse_step``) and ``GPT2Config`` (``n_embd``,
+``n_layer``, ``n_head``, ``n_positions``, ``n_inner``). Defaults for absent keys are those
+classes' defaults (``tie_word_embeddings``: False for Llama-family, True for GPT-2).
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from ..errors import PlanError
+
+_LLAMA_FAMILY = ("llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe")
+_GELU = ("gelu", "gelu_new", "gelu_pytorch_tanh", "gelu_fast")
+
+
+def spec_from_hf_config(cls: type, path: "str | Path | dict", *, name: str | None = None,
+                        seq_length: int | None = None):
+    if isinstance(path, dict):
+        cfg, source = path, "config"
+    else:
+        source = str(path)
+        p = Path(path)
+        if p.is_dir():
+            p = p / "config.json"
+        try:
+            cfg = json.loads(p.read_text())
+        except FileNotFoundError:
+            raise PlanError(f"model: no such config file {source!r}") from None
+        except json.JSONDecodeError as exc:
+            raise PlanError(f"{source}: not valid JSON: {exc}") from None
+        if not isinstance(cfg, dict):
+            raise PlanError(f"{source}: a config.json holds a JSON object")
+    kind = str(cfg.get("model_type", "")).lower()
+    if kind == "gpt2" or "n_embd" in cfg:
+        return _gpt2(cls, cfg, source, name, seq_length)
+    if kind in _LLAMA_FAMILY or "num_key_value_heads" in cfg or "intermediate_size" in cfg:
+        return _llama(cls, cfg, source, name or kind or "hf-model", seq_length)
+    raise PlanError(f"{source}: model_type {kind!r} is not supported; from_hf_config reads "
+                    f"Llama-family ({', '.join(_LLAMA_FAMILY)}) and GPT-2 configs")
+
+
+def _need(cfg: dict, key: str, source: str) -> Any:
+    if key not in cfg:
+        raise PlanError(f"{source}: config.json has no {key!r}")
+    return cfg[key]
+
+
+def _llama(cls: type, cfg: dict, source: str, name: str, seq_length: int | None):
+    hidden = _need(cfg, "hidden_size", source)
+    heads = _need(cfg, "num_attention_heads", source)
+    act = str(cfg.get("hidden_act", "silu")).lower()
+    experts = int(cfg.get("num_local_experts") or cfg.get("num_experts") or 0)
+    top_k = int(cfg.get("num_experts_per_tok") or 0) if experts else 0
+    ffn = _need(cfg, "intermediate_size", source)
+    moe_ffn = cfg.get("moe_intermediate_size", ffn) if experts else None
+    shared = int(cfg.get("shared_expert_intermediate_size") or 0) if experts else 0
+    return cls(
+        name=name, layers=_need(cfg, "num_hidden_layers", source), hidden=hidden, heads=heads,
+        seq_length=int(seq_length or cfg.get("max_position_embeddings", 4096)),
+        vocab=_need(cfg, "vocab_size", source),
+        kv_heads=cfg.get("num_key_value_heads") or heads,
+        head_dim=cfg.get("head_dim") or hidden // heads,
+        ffn_hidden=ffn, mlp="gelu" if act in _GELU else "swiglu", norm="rmsnorm",
+        position="rotary", tied_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        bias=bool(cfg.get("mlp_bias", False)), dropout=float(cfg.get("attention_dropout", 0.0)) > 0,
+        experts=experts, top_k=top_k, moe_ffn_hidden=moe_ffn, shared_expert_ffn_hidden=shared,
+        moe_layer_freq=int(cfg.get("decoder_sparse_step", 1) or 1),
+    )
+
+
+def _gpt2(cls: type, cfg: dict, source: str, name: str | None, seq_length: int | None):
+    hidden = _need(cfg, "n_embd", source)
+    positions = int(cfg.get("n_positions", 1024))
+    return cls(
+        name=name or "gpt2", layers=_need(cfg, "n_layer", source), hidden=hidden,
+        heads=_need(cfg, "n_head", source), seq_length=int(seq_length or positions),
+        vocab=_need(cfg, "vocab_size", source), ffn_hidden=cfg.get("n_inner") or 4 * hidden,
+        mlp="gelu", norm="layernorm", position="learned",
+        tied_embeddings=bool(cfg.get("tie_word_embeddings", True)), bias=True, dropout=True,
+        max_position=positions,
+    )

@@ -1,0 +1,295 @@
+"""`ModelSpec`: the shape of a decoder-only transformer, dense or mixture-of-experts.
+
+One frozen value holds what FLOPs, parameters and activations depend on: layers, width, heads,
+key/value heads (GQA / MQA), head dim, FFN size, MLP kind (GeLU, two matrices; SwiGLU, three),
+norm (LayerNorm has a bias, RMSNorm none), vocabulary (padded as Megatron pads it), training
+sequence length, tied or untied embeddings, learned or rotary positions, dropout, linear biases,
+and MoE (experts, top-k, expert and shared-expert FFN sizes, which layers are MoE).
+
+Defaults reproduce the GPT-3 shape (Brown et al. 2020, Table 2.1): kv heads = heads, head dim
+= hidden / heads, FFN = 4 hidden, GeLU, LayerNorm, learned positions, tied embeddings, biases.
+The first six fields keep the order of the original ``pipesim.transformer.ModelSpec``.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields, replace
+from pathlib import Path
+from typing import Any
+
+from ..errors import PlanError
+
+MLP_KINDS = ("gelu", "swiglu")
+NORMS = ("layernorm", "rmsnorm")
+POSITIONS = ("learned", "rotary")
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A decoder-only transformer. ``None`` fields take the GPT-3 defaults (module docstring)."""
+
+    name: str
+    layers: int
+    hidden: int
+    heads: int
+    seq_length: int
+    vocab: int
+    kv_heads: int | None = None
+    head_dim: int | None = None
+    ffn_hidden: int | None = None
+    mlp: str = "gelu"
+    norm: str = "layernorm"
+    position: str = "learned"
+    tied_embeddings: bool = True
+    bias: bool = True              # biases on the linear layers (GPT-2/3 yes, Llama no)
+    dropout: bool = True           # hidden / attention dropout (its masks are activations)
+    experts: int = 0               # 0: dense
+    top_k: int = 0
+    moe_ffn_hidden: int | None = None
+    shared_expert_ffn_hidden: int = 0
+    moe_layer_freq: int = 1        # every k-th layer is MoE, from layer 0 (Megatron's moe_layer_freq)
+    max_position: int | None = None  # learned position table size (default seq_length)
+
+    def __post_init__(self) -> None:
+        for f in ("layers", "hidden", "heads", "seq_length", "vocab"):
+            _positive(self, f)
+        for f in ("kv_heads", "head_dim", "ffn_hidden", "moe_ffn_hidden", "max_position"):
+            if getattr(self, f) is not None:
+                _positive(self, f)
+        for f, allowed in (("mlp", MLP_KINDS), ("norm", NORMS), ("position", POSITIONS)):
+            value = str(getattr(self, f)).lower()
+            if value not in allowed:
+                raise PlanError(f"model.{f}: {getattr(self, f)!r} is not one of {', '.join(allowed)}")
+            object.__setattr__(self, f, value)
+        if self.heads % self.num_kv_heads:
+            raise PlanError(f"model.kv_heads: heads ({self.heads}) must be a multiple of kv_heads "
+                            f"({self.num_kv_heads})")
+        if self.experts < 0 or self.top_k < 0 or self.shared_expert_ffn_hidden < 0:
+            raise PlanError("model: experts, top_k and shared_expert_ffn_hidden must be >= 0")
+        if self.experts and not 1 <= self.top_k <= self.experts:
+            raise PlanError(f"model.top_k: must be in 1..experts ({self.experts}) for an MoE model, "
+                            f"got {self.top_k}")
+        if self.moe_layer_freq < 1:
+            raise PlanError(f"model.moe_layer_freq: must be >= 1, got {self.moe_layer_freq}")
+
+    # -- derived shapes ------------------------------------------------------------------------
+    @property
+    def num_kv_heads(self) -> int:
+        return self.heads if self.kv_heads is None else self.kv_heads
+
+    @property
+    def kv_channels(self) -> int:
+        """Head dim (Megatron's ``kv_channels``); hidden / heads unless given."""
+        return self.hidden // self.heads if self.head_dim is None else self.head_dim
+
+    @property
+    def q_size(self) -> int:
+        """Width of the query projection, heads x head dim."""
+        return self.heads * self.kv_channels
+
+    @property
+    def kv_size(self) -> int:
+        """Width of the key (and of the value) projection, kv heads x head dim."""
+        return self.num_kv_heads * self.kv_channels
+
+    @property
+    def ffn(self) -> int:
+        return 4 * self.hidden if self.ffn_hidden is None else self.ffn_hidden
+
+    @property
+    def moe_ffn(self) -> int:
+        return self.ffn if self.moe_ffn_hidden is None else self.moe_ffn_hidden
+
+    @property
+    def gated(self) -> bool:
+        return self.mlp == "swiglu"
+
+    @property
+    def mlp_matrices(self) -> int:
+        return 3 if self.gated else 2
+
+    @property
+    def is_moe(self) -> bool:
+        return self.experts > 0
+
+    def moe_pattern(self) -> list[bool]:
+        """For each layer, whether it is an MoE layer (Megatron: ``i % moe_layer_freq == 0``)."""
+        if not self.is_moe:
+            return [False] * self.layers
+        return [i % self.moe_layer_freq == 0 for i in range(self.layers)]
+
+    def padded_vocab(self, tp: int = 1, divisible_by: int = 128) -> int:
+        """Vocabulary padded as Megatron pads it: up to a multiple of ``divisible_by * tp``
+        (``--make-vocab-size-divisible-by``, megatron/training/tokenizer ``_vocab_size_with_padding``)."""
+        multiple = divisible_by * tp
+        return -(-self.vocab // multiple) * multiple
+
+    # -- parameters ----------------------------------------------------------------------------
+    def attention_params(self) -> int:
+        q, kv, h = self.q_size, self.kv_size, self.hidden
+        weights = h * (q + 2 * kv) + q * h
+        return weights + ((q + 2 * kv) + h if self.bias else 0)
+
+    def mlp_params(self, ffn: int) -> int:
+        h = self.hidden
+        weights = self.mlp_matrices * h * ffn
+        biases = ((2 if self.gated else 1) * ffn + h) if self.bias else 0
+        return weights + biases
+
+    def norm_params(self) -> int:
+        return (2 if self.norm == "layernorm" else 1) * self.hidden
+
+    def layer_params(self, moe: bool = False) -> dict[str, int]:
+        """Parameters of one layer by kind: ``dense`` (attention, norms, dense or shared MLP,
+        router) and ``expert`` (routed experts, all of them)."""
+        dense = self.attention_params() + 2 * self.norm_params()
+        if not moe:
+            return {"dense": dense + self.mlp_params(self.ffn), "expert": 0}
+        dense += self.hidden * self.experts                      # router
+        if self.shared_expert_ffn_hidden:
+            dense += self.mlp_params(self.shared_expert_ffn_hidden)
+        return {"dense": dense, "expert": self.experts * self.mlp_params(self.moe_ffn)}
+
+    def embedding_params(self, tp: int = 1) -> int:
+        """Word embedding (padded vocab) plus a learned position table."""
+        pos = (self.max_position or self.seq_length) * self.hidden if self.position == "learned" else 0
+        return self.padded_vocab(tp) * self.hidden + pos
+
+    def head_params(self, tp: int = 1) -> int:
+        """Final norm, and the output layer when it is not tied to the embedding."""
+        out = 0 if self.tied_embeddings else self.padded_vocab(tp) * self.hidden
+        return self.norm_params() + out
+
+    def num_params(self, tp: int = 1) -> int:
+        """All parameters (tied embeddings counted once)."""
+        layers = sum(sum(self.layer_params(moe).values()) for moe in self.moe_pattern())
+        return layers + self.embedding_params(tp) + self.head_params(tp)
+
+    def active_params(self, tp: int = 1) -> int:
+        """Parameters a token passes through (top-k of the experts)."""
+        total = 0
+        for moe in self.moe_pattern():
+            p = self.layer_params(moe)
+            total += p["dense"] + (p["expert"] * self.top_k // self.experts if moe else 0)
+        return total + self.embedding_params(tp) + self.head_params(tp)
+
+    # -- values --------------------------------------------------------------------------------
+    def with_(self, **changes: Any) -> "ModelSpec":
+        return replace(self, **changes)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict, source: str = "model") -> "ModelSpec":
+        if not isinstance(data, dict):
+            raise PlanError(f"{source}: a model is a JSON object, got {type(data).__name__}")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise PlanError(f"{source}: unknown model field(s) {', '.join(unknown)}; "
+                            f"known: {', '.join(sorted(known))}")
+        try:
+            return cls(**data)
+        except TypeError as exc:
+            raise PlanError(f"{source}: {exc}") from None
+
+    @classmethod
+    def from_hf_config(cls, path: "str | Path | dict", name: str | None = None,
+                       seq_length: int | None = None) -> "ModelSpec":
+        """Read a Hugging Face ``config.json`` (plain JSON, no transformers import).
+
+        Llama family (llama, mistral, qwen2, qwen3: ``hidden_size``, ``num_key_value_heads``,
+        ``intermediate_size``, ``head_dim``...), Mixtral (``num_local_experts``,
+        ``num_experts_per_tok``), Qwen-MoE (``num_experts``, ``moe_intermediate_size``,
+        ``shared_expert_intermediate_size``) and GPT-2 (``n_embd``, ``n_layer``, ``n_head``,
+        ``n_positions``, ``n_inner``). ``seq_length`` defaults to ``max_position_embeddings``
+        (``n_positions``).
+        """
+        from .hf_config import spec_from_hf_config
+
+        return spec_from_hf_config(cls, path, name=name, seq_length=seq_length)
+
+    def __repr__(self) -> str:
+        parts = [f"{self.name!r}", f"layers={self.layers}", f"hidden={self.hidden}",
+                 f"heads={self.heads}"]
+        if self.num_kv_heads != self.heads:
+            parts.append(f"kv_heads={self.num_kv_heads}")
+        parts += [f"ffn={self.ffn}", self.mlp, self.norm, f"seq={self.seq_length}",
+                  f"vocab={self.vocab}"]
+        if self.is_moe:
+            parts.append(f"experts={self.experts} top_k={self.top_k} moe_ffn={self.moe_ffn}")
+        parts.append(f"params={self.num_params() / 1e9:.3g}B")
+        return f"ModelSpec({', '.join(parts)})"
+
+
+def _positive(spec: ModelSpec, field: str) -> None:
+    value = getattr(spec, field)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise PlanError(f"model.{field}: must be a positive integer, got {value!r}")
+
+
+# -- presets -----------------------------------------------------------------------------------
+def _gpt3(name: str, layers: int, hidden: int, heads: int) -> ModelSpec:
+    # GPT-3: Brown et al. 2020, "Language Models are Few-Shot Learners", Table 2.1
+    # (n_layers, d_model, n_heads; n_ctx = 2048; GPT-2 BPE vocabulary of 50257 tokens).
+    return ModelSpec(name, layers, hidden, heads, 2048, 50257)
+
+
+def _llama(name: str, layers: int, hidden: int, heads: int, kv: int, ffn: int, vocab: int,
+           seq: int, **kw: Any) -> ModelSpec:
+    return ModelSpec(name, layers, hidden, heads, seq, vocab, kv_heads=kv, ffn_hidden=ffn,
+                     mlp="swiglu", norm="rmsnorm", position="rotary", tied_embeddings=False,
+                     bias=False, dropout=False, **kw)
+
+
+PRESETS: dict[str, ModelSpec] = {
+    "tiny": ModelSpec("tiny", 8, 512, 8, 512, 32000),
+    "gpt3-1.3b": _gpt3("gpt3-1.3b", 24, 2048, 16),
+    "gpt3-2.7b": _gpt3("gpt3-2.7b", 32, 2560, 32),
+    "gpt3-6.7b": _gpt3("gpt3-6.7b", 32, 4096, 32),
+    "gpt3-13b": _gpt3("gpt3-13b", 40, 5120, 40),
+    "gpt3-175b": _gpt3("gpt3-175b", 96, 12288, 96),
+    # Llama 2: Touvron et al. 2023, "Llama 2", Table 1 (context 4k; GQA for 70B) and the
+    # meta-llama/Llama-2-{7b,70b}-hf config.json (intermediate_size 11008 / 28672, 8 kv heads).
+    "llama2-7b": _llama("llama2-7b", 32, 4096, 32, 32, 11008, 32000, 4096),
+    "llama2-70b": _llama("llama2-70b", 80, 8192, 64, 8, 28672, 32000, 4096),
+    # Llama 3: Dubey et al. 2024, "The Llama 3 Herd of Models", Table 3 (8B: 32 layers, 4096,
+    # FFN 14336, 32 heads, 8 kv heads; 70B: 80, 8192, 28672, 64, 8; 405B: 126, 16384, 53248,
+    # 128, 8; vocabulary 128K = 128256 tokens; pre-training sequence length 8192, §3.4.1).
+    "llama3-8b": _llama("llama3-8b", 32, 4096, 32, 8, 14336, 128256, 8192),
+    "llama3-70b": _llama("llama3-70b", 80, 8192, 64, 8, 28672, 128256, 8192),
+    "llama3-405b": _llama("llama3-405b", 126, 16384, 128, 8, 53248, 128256, 8192),
+    # Mixtral 8x7B: Jiang et al. 2024, "Mixtral of Experts", Table 1 (dim 4096, 32 layers,
+    # head_dim 128, hidden_dim 14336, 32 heads, 8 kv heads, 8 experts, top-2, vocab 32000;
+    # context 32768; here a 4096-token training default, override with seq_length).
+    "mixtral-8x7b": _llama("mixtral-8x7b", 32, 4096, 32, 8, 14336, 32000, 4096,
+                           experts=8, top_k=2, moe_ffn_hidden=14336),
+    # Qwen1.5-MoE-A2.7B: Qwen/Qwen1.5-MoE-A2.7B config.json (hidden_size 2048, 24 layers,
+    # 16 heads, 60 experts, 4 per token, moe_intermediate_size 1408, a shared expert of 5632,
+    # vocab 151936, max_position_embeddings 8192); QKV biases ignored.
+    "qwen1.5-moe-a2.7b": _llama("qwen1.5-moe-a2.7b", 24, 2048, 16, 16, 5632, 151936, 8192,
+                                experts=60, top_k=4, moe_ffn_hidden=1408,
+                                shared_expert_ffn_hidden=5632),
+    # Qwen3-30B-A3B: Qwen/Qwen3-30B-A3B config.json (hidden_size 2048, 48 layers, 32 heads of
+    # head_dim 128, 4 kv heads, 128 experts, 8 per token, moe_intermediate_size 768, vocab
+    # 151936); a 4096-token training default.
+    "qwen3-30b-a3b": _llama("qwen3-30b-a3b", 48, 2048, 32, 4, 6144, 151936, 4096, head_dim=128,
+                            experts=128, top_k=8, moe_ffn_hidden=768),
+}
+
+
+def model_names() -> list[str]:
+    return list(PRESETS)
+
+
+def get_model(name: "str | ModelSpec") -> ModelSpec:
+    """A preset by name (case-insensitive), a ``config.json`` path, or a ModelSpec unchanged."""
+    if isinstance(name, ModelSpec):
+        return name
+    key = str(name).lower()
+    if key in PRESETS:
+        return PRESETS[key]
+    if key.endswith(".json") or Path(str(name)).is_file():
+        return ModelSpec.from_hf_config(name)
+    raise PlanError(f"model: unknown preset {name!r}; known: {', '.join(PRESETS)} "
+                    "(or give a Hugging Face config.json path)")

@@ -1,0 +1,115 @@
+"""`Parallelism`: how one training step is spread over GPUs and what it keeps or recomputes.
+
+Sizes (tp, cp, pp, vpp, dp, ep), sequence parallelism, optimizer sharding (``zero``: 0 none,
+1 Megatron's distributed optimizer / ZeRO-1, 2 ZeRO-2, 3 ZeRO-3 / FSDP), recomputation
+(none / selective / full, optionally for ``recompute_layers`` layers of each stage, Megatron's
+``--recompute-num-layers`` with the block method), micro and global batch
+(``microbatches = global_batch_size / (micro_batch_size * dp)``), GEMM precision and the overlap
+switches. A frozen value; :meth:`pipesim.Plan.validate` checks it against the model and cluster.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields, replace
+from typing import Any
+
+from ..errors import PlanError
+
+RECOMPUTE = ("none", "selective", "full")
+PRECISIONS = ("bf16", "fp16", "fp8", "fp32")
+
+
+@dataclass(frozen=True)
+class Parallelism:
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+    vpp: int = 1
+    cp: int = 1
+    ep: int = 1
+    sequence_parallel: bool = False
+    zero: int = 0
+    recompute: str = "none"
+    recompute_layers: int | None = None     # full recomputation of this many layers per stage
+    micro_batch_size: int = 1
+    global_batch_size: int | None = None    # default: micro_batch_size * dp (one microbatch)
+    precision: str = "bf16"
+    flash_attention: bool = True            # fused attention keeps no s x s scores
+    overlap_grad_reduce: bool = True
+    overlap_param_gather: bool = True
+    overlap_tp_comm: bool = False
+
+    def __post_init__(self) -> None:
+        for f in ("tp", "pp", "dp", "vpp", "cp", "ep", "micro_batch_size"):
+            value = getattr(self, f)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise PlanError(f"parallelism.{f}: must be a positive integer, got {value!r}")
+        if self.global_batch_size is not None and (
+                isinstance(self.global_batch_size, bool) or not isinstance(self.global_batch_size, int)
+                or self.global_batch_size < 1):
+            raise PlanError(f"parallelism.global_batch_size: must be a positive integer, got "
+                            f"{self.global_batch_size!r}")
+        if self.zero not in (0, 1, 2, 3):
+            raise PlanError(f"parallelism.zero: must be 0 (none), 1 (distributed optimizer), 2 or 3, "
+                            f"got {self.zero!r}")
+        if self.recompute not in RECOMPUTE:
+            raise PlanError(f"parallelism.recompute: {self.recompute!r} is not one of "
+                            f"{', '.join(RECOMPUTE)}")
+        if self.recompute_layers is not None:
+            if self.recompute != "full":
+                raise PlanError("parallelism.recompute_layers: only with recompute='full'")
+            if not isinstance(self.recompute_layers, int) or self.recompute_layers < 0:
+                raise PlanError(f"parallelism.recompute_layers: must be an integer >= 0, got "
+                                f"{self.recompute_layers!r}")
+        if self.precision not in PRECISIONS:
+            raise PlanError(f"parallelism.precision: {self.precision!r} is not one of "
+                            f"{', '.join(PRECISIONS)}")
+
+    @property
+    def gbs(self) -> int:
+        return self.micro_batch_size * self.dp if self.global_batch_size is None else self.global_batch_size
+
+    @property
+    def microbatches(self) -> int:
+        """m = global batch / (micro batch x dp); validate() checks that it divides."""
+        return self.gbs // (self.micro_batch_size * self.dp)
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.cp * self.pp * self.dp
+
+    @property
+    def num_stages(self) -> int:
+        return self.pp * self.vpp
+
+    @property
+    def sp(self) -> int:
+        """The factor sequence parallelism divides the replicated activations by (tp or 1)."""
+        return self.tp if self.sequence_parallel else 1
+
+    def with_(self, **changes: Any) -> "Parallelism":
+        return replace(self, **changes)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict, source: str = "parallelism") -> "Parallelism":
+        if not isinstance(data, dict):
+            raise PlanError(f"{source}: parallelism is a JSON object, got {type(data).__name__}")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise PlanError(f"{source}: unknown parallelism field(s) {', '.join(unknown)}; "
+                            f"known: {', '.join(sorted(known))}")
+        return cls(**data)
+
+    def short(self) -> str:
+        parts = [f"tp={self.tp}" + ("+sp" if self.sequence_parallel and self.tp > 1 else ""),
+                 f"cp={self.cp}", f"pp={self.pp}", f"vpp={self.vpp}", f"dp={self.dp}"]
+        if self.ep > 1:
+            parts.append(f"ep={self.ep}")
+        parts += [f"mbs={self.micro_batch_size}", f"gbs={self.gbs} (m={self.microbatches})",
+                  f"recompute={self.recompute}"
+                  + (f"[{self.recompute_layers}]" if self.recompute_layers is not None else ""),
+                  f"zero={self.zero}", self.precision]
+        return " ".join(parts)

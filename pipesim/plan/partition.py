@@ -1,0 +1,67 @@
+"""Which transformer layers each pipeline stage holds.
+
+Even (the first ``layers % stages`` stages take one more), or Megatron-LM's options:
+``first_stage_layers`` / ``last_stage_layers`` (``--decoder-first-pipeline-num-layers`` /
+``--decoder-last-pipeline-num-layers``: the first and last virtual stage get that many, the
+others share the rest evenly), and ``account_for_embedding`` / ``account_for_loss``
+(``--account-for-embedding-in-pipeline-split`` / ``...-loss-in-...``: the embedding, or the
+head and loss, counts as one layer when splitting, so the first / last stage takes one layer
+fewer). An explicit list of layers per stage overrides all of these.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from ..errors import PlanError
+
+
+def _even(total: int, parts: int) -> list[int]:
+    base, extra = divmod(total, parts)
+    return [base + (1 if i < extra else 0) for i in range(parts)]
+
+
+def stage_layers(layers: int, num_stages: int, *, explicit: Sequence[int] | None = None,
+                 first: int | None = None, last: int | None = None,
+                 account_for_embedding: bool = False, account_for_loss: bool = False) -> list[int]:
+    """Layers of each of ``num_stages`` stages; raise PlanError naming the field and rule."""
+    if explicit is not None:
+        counts = [int(x) for x in explicit]
+        if len(counts) != num_stages:
+            raise PlanError(f"partition: {len(counts)} entries, expected pp * vpp = {num_stages}")
+        if any(c < 0 for c in counts) or sum(counts) != layers:
+            raise PlanError(f"partition: layers per stage {counts} must be >= 0 and sum to the "
+                            f"model's {layers} layers (they sum to {sum(counts)})")
+    elif first is not None or last is not None:
+        if account_for_embedding or account_for_loss:
+            raise PlanError("partition: first/last_stage_layers and account_for_embedding/loss "
+                            "exclude each other (as in Megatron-LM)")
+        fixed = (first or 0) + (last or 0)
+        middle = num_stages - (first is not None) - (last is not None)
+        rest = layers - fixed
+        if rest < 0 or (middle == 0 and rest != 0) or (middle > 0 and rest < middle):
+            raise PlanError(f"partition: first_stage_layers={first}, last_stage_layers={last} "
+                            f"leave {rest} of {layers} layers for {middle} other stage(s); each "
+                            "needs at least one")
+        counts = _even(rest, middle) if middle else []
+        if first is not None:
+            counts.insert(0, first)
+        if last is not None:
+            counts.append(last)
+    else:
+        extra = int(account_for_embedding) + int(account_for_loss)
+        if layers + extra < num_stages:
+            raise PlanError(f"partition: the model has {layers} layers, fewer than pp * vpp = "
+                            f"{num_stages} stages")
+        counts = _even(layers + extra, num_stages)
+        if account_for_embedding:
+            counts[0] -= 1
+        if account_for_loss:
+            counts[-1] -= 1
+        if min(counts) < 0:
+            raise PlanError(f"partition: {layers} layers with the embedding/loss accounted for "
+                            f"cannot fill {num_stages} stages")
+    for stage, c in enumerate(counts):
+        holds_other = (stage == 0) or (stage == num_stages - 1)
+        if c == 0 and not holds_other:
+            raise PlanError(f"partition: stage {stage} holds no layer (layers per stage {counts})")
+    return counts

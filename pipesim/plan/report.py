@@ -1,0 +1,167 @@
+"""``pipesim.simulate(plan)``: one step of a plan, with throughput, MFU/HFU and memory per rank.
+
+The schedule is simulated under ``plan.costs()``; the in-flight microbatches, and so the
+activation peak of each rank, come from the simulator's memory timeline (not a closed form).
+The step time is the pipeline's makespan plus, per rank, the exposed data-parallel
+communication and the optimizer step (:mod:`pipesim.plan.derive`): the latest rank finishing.
+
+* ``tokens_per_s_per_gpu = global_batch * seq_length / step_time / world_size``;
+* ``mfu = model FLOPs / (step_time * world_size * peak)``, model FLOPs as Korthikanti et al.
+  2022 eq. 7 counts them (no recomputation; :func:`pipesim.plan.flops.model_flops`);
+* ``hfu`` the same with the FLOPs recomputation adds (the hardware FLOPs);
+* ``memory_breakdown`` per pipeline rank (weights, gradients, optimizer, activations, buffers;
+  activations = simulated peak minus the static parts, so it includes receive buffers) and
+  ``fits`` against the hardware's memory, with the worst rank and by how much.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from .derive import PlanCosts
+
+if TYPE_CHECKING:
+    from ..result import SimResult
+    from .plan import Plan
+
+GiB = 2 ** 30
+
+
+@dataclass(frozen=True)
+class PlanResult:
+    plan: "Plan"
+    derived: PlanCosts
+    sim: "SimResult"
+    pipeline_time: float
+    step_time: float
+    rank_step_time: list[float]
+
+    # -- throughput ----------------------------------------------------------------------------
+    @property
+    def tokens_per_s_per_gpu(self) -> float:
+        p = self.plan
+        return p.parallelism.gbs * p.model.seq_length / self.step_time / p.world_size
+
+    @property
+    def mfu(self) -> float:
+        return self.derived.model_flops / (self.step_time * self.plan.world_size * self._peak)
+
+    @property
+    def hfu(self) -> float:
+        return self.derived.hardware_flops / (self.step_time * self.plan.world_size * self._peak)
+
+    @property
+    def _peak(self) -> float:
+        return self.plan.cluster.hardware.peak_flops
+
+    # -- memory --------------------------------------------------------------------------------
+    @property
+    def peak_memory(self) -> list[float]:
+        return list(self.sim.peak_memory)
+
+    @property
+    def memory_breakdown(self) -> list[dict[str, float]]:
+        rows = []
+        stages = [self.sim.schedule.rank_stages(r) for r in range(self.sim.schedule.pp)]
+        for r, sts in enumerate(stages):
+            row = {k: sum(self.derived.stage_memory[s][k] for s in sts)
+                   for k in ("weights", "gradients", "optimizer")}
+            row["buffers"] = self.derived.rank_buffers[r]
+            static = sum(row.values())
+            row["activations"] = max(0.0, self.peak_memory[r] - static)
+            row["total"] = self.peak_memory[r]
+            rows.append(row)
+        return rows
+
+    @property
+    def memory_limit(self) -> float:
+        return self.plan.cluster.hardware.memory_bytes
+
+    @property
+    def fits(self) -> bool:
+        return max(self.peak_memory) <= self.memory_limit
+
+    @property
+    def fit_message(self) -> str:
+        peaks = self.peak_memory
+        worst = max(range(len(peaks)), key=peaks.__getitem__)
+        gap = (peaks[worst] - self.memory_limit) / GiB
+        if gap <= 0:
+            return (f"fits: peak {peaks[worst] / GiB:.1f} GiB on rank {worst}, "
+                    f"{-gap:.1f} GiB under the {self.memory_limit / GiB:.1f} GiB of a "
+                    f"{self.plan.cluster.hardware.name}")
+        return (f"does not fit by {gap:.1f} GiB on rank {worst} (peak {peaks[worst] / GiB:.1f} "
+                f"GiB, {self.plan.cluster.hardware.name} has {self.memory_limit / GiB:.1f} GiB)")
+
+    # -- output --------------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        tail = self.derived.tail
+        return {
+            "plan": self.plan.to_dict(),
+            "step_time": self.step_time,
+            "pipeline_time": self.pipeline_time,
+            "tokens_per_s_per_gpu": self.tokens_per_s_per_gpu,
+            "mfu": self.mfu, "hfu": self.hfu,
+            "efficiency": self.derived.efficiency,
+            "bubble_fraction": self.sim.bubble_fraction, "bubble_rate": self.sim.bubble_rate,
+            "model_flops": self.derived.model_flops, "hardware_flops": self.derived.hardware_flops,
+            "peak_memory": self.peak_memory,
+            "memory_breakdown": self.memory_breakdown,
+            "memory_limit": self.memory_limit,
+            "fits": self.fits, "fit_message": self.fit_message,
+            "step_tail": tail,
+            "stage_layers": self.derived.stage_layers,
+            "links": {k: {"kind": v.kind, "latency": v.latency, "bandwidth": v.bandwidth}
+                      for k, v in self.derived.links.items()},
+        }
+
+    def save(self, path: "str | Path") -> None:
+        Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+
+    def summary_text(self) -> str:
+        p = self.plan
+        lines = [repr(p),
+                 f"step {self.step_time:.4g} s (pipeline {self.pipeline_time:.4g} s)   "
+                 f"{self.tokens_per_s_per_gpu:,.0f} tokens/s/GPU   MFU {self.mfu:.1%}   "
+                 f"HFU {self.hfu:.1%}   efficiency {self.derived.efficiency:.3f}   "
+                 f"bubble_fraction {self.sim.bubble_fraction:.4f}",
+                 f"{'rank':>4} {'layers':>7} {'weights':>8} {'grads':>8} {'optim':>8} "
+                 f"{'activ':>8} {'buffers':>8} {'peak GiB':>9} {'dp exposed s':>13} {'optim s':>8}"]
+        stages = [self.sim.schedule.rank_stages(r) for r in range(self.sim.schedule.pp)]
+        for r, row in enumerate(self.memory_breakdown):
+            nl = sum(self.derived.stage_layers[s] for s in stages[r])
+            t = self.derived.tail[r]
+            lines.append(f"{r:>4} {nl:>7} " + " ".join(
+                f"{row[k] / GiB:>8.2f}" for k in ("weights", "gradients", "optimizer",
+                                                 "activations", "buffers"))
+                + f" {row['total'] / GiB:>9.2f} {t['dp_exposed']:>13.4g} {t['optimizer']:>8.4g}")
+        lines.append(self.fit_message)
+        return "\n".join(lines)
+
+    def gantt(self, **kwargs: Any):
+        return self.sim.gantt(**kwargs)
+
+    def to_chrome_trace(self, path: "str | Path | None" = None) -> dict:
+        return self.sim.to_chrome_trace(path)
+
+    def __repr__(self) -> str:
+        return (f"PlanResult(step_time={self.step_time:.4g} s, mfu={self.mfu:.3f}, "
+                f"hfu={self.hfu:.3f}, fits={self.fits})")
+
+
+def simulate_plan(plan: "Plan", *, comm: str = "async", validate: bool = True) -> PlanResult:
+    """Simulate one step of ``plan``; see the module docstring."""
+    from ..engine import simulate
+
+    if validate:
+        plan.validate()
+    derived = plan.derive()
+    schedule = plan.build_schedule()
+    sim = simulate(schedule, derived.costs, comm=comm)
+    ends = sim.trace.groupby("rank", observed=True)["end"].max()
+    pipeline = float(ends.max())
+    rank_step = [float(ends.get(r, 0.0)) + t["dp_exposed"] + t["optimizer"]
+                 for r, t in enumerate(derived.tail)]
+    return PlanResult(plan, derived, sim, pipeline, max(rank_step), rank_step)
