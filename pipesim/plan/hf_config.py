@@ -65,7 +65,7 @@ def _llama(cls: type, cfg: dict, source: str, name: str, seq_length: int | None)
         seq_length=int(seq_length or cfg.get("max_position_embeddings", 4096)),
         vocab=_need(cfg, "vocab_size", source),
         kv_heads=cfg.get("num_key_value_heads") or heads,
-        head_dim=cfg.get("head_dim") or hidden // heads,
+        head_dim=None if cfg.get("head_dim") in (None, hidden // heads) else cfg["head_dim"],
         ffn_hidden=ffn, mlp="gelu" if act in _GELU else "swiglu", norm="rmsnorm",
         position="rotary", tied_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         bias=bool(cfg.get("mlp_bias", False)), dropout=float(cfg.get("attention_dropout", 0.0)) > 0,
