@@ -5,7 +5,7 @@ thousands. For each stage and one microbatch on one rank of its tensor/context-p
 
 * compute: the layers' FLOPs (:mod:`pipesim.plan.flops`) split F / I / W, divided by ``tp * cp``,
   at ``peak * efficiency`` (GEMMs at the precision's peak, fp8 doubling it; attention matmuls at
-  bf16 peak). Full recomputation adds each recomputed layer's forward (with its communication)
+  bf16 peak, causal halves of them with flash attention, which skips the masked blocks). Full recomputation adds each recomputed layer's forward (with its communication)
   to I; selective adds the attention matmuls (none with flash attention). The last stage adds
   the LM head (F, I and W each ``2 b s h V``);
 * communication inside a layer, alpha-beta over the link the group crosses
@@ -95,7 +95,7 @@ def derive(plan) -> PlanCosts:
     ep_pass = 2 * coll.all_to_all(model.top_k * act_bytes / sp, par.ep, links["ep"]) if model.is_moe else 0.0
 
     def kind(moe: bool) -> dict[str, float]:
-        lf = layer_flops(model, b, moe=moe)
+        lf = layer_flops(model, b, moe=moe, causal=par.flash_attention)   # flash skips masked blocks
         g, a = lf.gemm / shard / gemm_rate, lf.attention / shard / bf16_rate
         lp = model.layer_params(moe)
         lp_rank = lp["dense"] / t + lp["expert"] / (t * par.ep)

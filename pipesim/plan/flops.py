@@ -3,7 +3,9 @@
 Counts are those of matrix multiplies (2 FLOPs per multiply-add), as Megatron-LM's
 ``num_floating_point_operations`` (megatron/training/training.py) and Narayanan et al. 2021
 (eq. 3) count them; element-wise work, softmax, norms and the MoE router are not counted.
-Attention over the full ``s x s`` scores (no causal halving), as both count it.
+Attention over the full ``s x s`` scores by default, as Korthikanti et al. 2022 (eq. 7) count
+it; ``causal=True`` halves the score and value matmuls, as current Megatron-LM counts them
+(and as causal flash-attention kernels compute them, skipping the masked blocks).
 
 A layer's forward is ``G + A``: ``G`` the GEMMs with weights (QKV with GQA, output projection,
 two or three MLP matrices, top-k experts plus a shared expert), ``A = 4 b s^2 q`` the score and
@@ -39,7 +41,8 @@ class LayerFlops:
         return self.gemm
 
 
-def layer_flops(model: ModelSpec, b: int, s: int | None = None, moe: bool = False) -> LayerFlops:
+def layer_flops(model: ModelSpec, b: int, s: int | None = None, moe: bool = False,
+                causal: bool = False) -> LayerFlops:
     s = model.seq_length if s is None else s
     h, q, kv = model.hidden, model.q_size, model.kv_size
     tokens = b * s
@@ -49,7 +52,8 @@ def layer_flops(model: ModelSpec, b: int, s: int | None = None, moe: bool = Fals
                + 2 * tokens * h * model.shared_expert_ffn_hidden * model.mlp_matrices)
     else:
         mlp = 2 * tokens * h * model.ffn * model.mlp_matrices
-    return LayerFlops(gemm=float(attn_gemm + mlp), attention=float(4 * b * s * s * q))
+    attention = 4 * b * s * s * q / (2 if causal else 1)
+    return LayerFlops(gemm=float(attn_gemm + mlp), attention=float(attention))
 
 
 def head_flops(model: ModelSpec, b: int, s: int | None = None, tp: int = 1) -> float:
@@ -58,22 +62,23 @@ def head_flops(model: ModelSpec, b: int, s: int | None = None, tp: int = 1) -> f
     return float(2 * b * s * model.hidden * model.padded_vocab(tp))
 
 
-def model_flops(model: ModelSpec, batch: int, tp: int = 1) -> float:
+def model_flops(model: ModelSpec, batch: int, tp: int = 1, causal: bool = False) -> float:
     """FLOPs of forward and backward (3x forward) for ``batch`` sequences: Korthikanti et al.
     2022 eq. 7's "model FLOPs", generalised; no recomputation."""
-    fwd = sum(layer_flops(model, batch, moe=moe).forward for moe in model.moe_pattern())
+    fwd = sum(layer_flops(model, batch, moe=moe, causal=causal).forward
+              for moe in model.moe_pattern())
     return 3 * (fwd + head_flops(model, batch, tp=tp))
 
 
 def recompute_flops(model: ModelSpec, batch: int, recompute: str, layers: int | None = None,
-                    flash: bool = False) -> float:
+                    flash: bool = False, causal: bool = False) -> float:
     """Extra FLOPs recomputation adds for ``batch`` sequences: a full forward of each of the
     ``layers`` recomputed layers (default all), or the attention matmuls (selective; none with
     flash attention, which keeps no scores to drop)."""
     pattern = model.moe_pattern()
     if recompute == "full":
         chosen = pattern if layers is None else pattern[:layers]
-        return sum(layer_flops(model, batch, moe=moe).forward for moe in chosen)
+        return sum(layer_flops(model, batch, moe=moe, causal=causal).forward for moe in chosen)
     if recompute == "selective" and not flash:
-        return sum(layer_flops(model, batch, moe=moe).attention for moe in pattern)
+        return sum(layer_flops(model, batch, moe=moe, causal=causal).attention for moe in pattern)
     return 0.0
