@@ -116,7 +116,8 @@ def derive(plan) -> PlanCosts:
 
     kinds = {False: kind(False), True: kind(True) if model.is_moe else None}
     head_s = head_flops(model, b, tp=t) / shard / gemm_rate
-    emb_comm = tp_one / 2 if t > 1 else 0.0               # the embedding's all-reduce / RS
+    # the embedding's output: one all-reduce, or with sequence parallelism one reduce-scatter
+    emb_comm = tp_one / 2 if par.sequence_parallel else tp_one
 
     fwd, inp, wgt, act, wfrac, params_st, mem_st = [], [], [], [], [], [], []
     buffers_stage = []

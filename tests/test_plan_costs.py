@@ -1,0 +1,180 @@
+"""plan.costs() and simulate(plan): closed forms at zero communication, collectives, recompute,
+the step tail, memory and the report; the Korthikanti et al. 2022 Table 5 runs within 10%."""
+import importlib.util
+import math
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+import pipesim
+from pipesim.plan import collectives as coll
+from pipesim.plan.cluster import Link
+from pipesim.plan.model import ModelSpec
+
+FREE = dict(intra_bandwidth=math.inf, inter_bandwidth=math.inf, intra_latency=0.0, inter_latency=0.0)
+GPT = ModelSpec("gpt", 16, 2048, 16, 1024, 51200)
+
+
+def rate(plan):
+    return plan.cluster.hardware.peak_flops * plan.derive().efficiency
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+@pytest.mark.parametrize("pp, m", [(2, 3), (4, 4), (4, 8), (8, 16)])
+def test_closed_forms_hold_exactly_at_zero_communication(schedule, pp, m):
+    """Uniform layer stages, a heavier last stage (the head): the step is the fill, m times the
+    last stage's F + B, and the drain: sum_{s<p-1} F_s + m (F_p + B_p) + sum_{s<p-1} B_s."""
+    plan = pipesim.Plan.create(GPT, "H100", schedule=schedule, pp=pp, global_batch_size=m,
+                               flash_attention=False, **FREE)
+    r = pipesim.simulate(plan)
+    times = plan.costs().compute_times(pp)
+    F, B = times["F"], times["B"]
+    assert r.pipeline_time == pytest.approx(sum(F[:-1]) + m * (F[-1] + B[-1]) + sum(B[:-1]), rel=1e-12)
+    # and each stage's time is its FLOPs (Narayanan et al. 2021 / Zero Bubble Table 1) / rate
+    s, h, v, n = GPT.seq_length, GPT.hidden, GPT.padded_vocab(1), GPT.layers // pp
+    sbh = s * h
+    head = 2 * sbh * v
+    assert F[0] == pytest.approx(n * sbh * (24 * h + 4 * s) / rate(plan), rel=1e-12)
+    assert times["I"][0] == pytest.approx(n * sbh * (24 * h + 8 * s) / rate(plan), rel=1e-12)
+    assert times["W"][-1] == pytest.approx((n * sbh * 24 * h + head) / rate(plan), rel=1e-12)
+    # no data parallelism: the step adds the optimizer step only
+    tail = plan.derive().tail
+    assert r.step_time == pytest.approx(max(e + t["optimizer"] for e, t in
+                                            zip(r.sim.trace.groupby("rank")["end"].max(), tail)))
+
+
+def test_tensor_parallel_collectives_are_alpha_beta_over_nvlink():
+    base = pipesim.Plan.create(GPT, "H100", tp=4, pp=4, global_batch_size=4, flash_attention=False)
+    free = base.with_(**FREE)
+    hw = base.cluster.hardware
+    nvlink = Link("intra", hw.link_latency, hw.link_bandwidth)
+    act = 2 * GPT.seq_length * GPT.hidden          # bf16 activation of one sequence
+    ar = 2 * 3 * hw.link_latency + 2 * 3 / 4 * act / hw.link_bandwidth      # ring, p = 4
+    assert coll.all_reduce(act, 4, nvlink) == pytest.approx(ar)
+    got = [a - b for a, b in zip(base.costs().forward, free.costs().forward)]
+    n = GPT.layers // 4
+    # two all-reduces per layer forward; the embedding's one on stage 0
+    assert got[1] == pytest.approx(n * 2 * ar, rel=1e-9)
+    assert got[0] == pytest.approx((2 * n + 1) * ar, rel=1e-9)
+    # sequence parallelism: all-gather + reduce-scatter move the same bytes as one all-reduce
+    sp = base.with_(sequence_parallel=True)
+    assert sp.costs().forward[1] == pytest.approx(base.costs().forward[1], rel=1e-12)
+    # overlapped TP communication: per layer, the longer of compute and communication
+    ov = base.with_(overlap_tp_comm=True)
+    layer = free.costs().forward[1] / n
+    assert ov.costs().forward[1] == pytest.approx(n * max(layer, 2 * ar), rel=1e-12)
+    # across nodes (a 16-GPU tp group on 8-GPU nodes) the network is slower
+    wide = pipesim.Plan.create(GPT, "H100", tp=16, global_batch_size=1, flash_attention=False)
+    assert wide.derive().links["tp"].kind == "inter"
+
+
+def test_recomputation_adds_the_forward_to_the_input_gradient():
+    plain = pipesim.Plan.create(GPT, "H100", pp=2, global_batch_size=4, flash_attention=False, **FREE)
+    full = plain.with_(recompute="full")
+    sel = plain.with_(recompute="selective")
+    c0, cf, cs = (p.costs().compute_times(2) for p in (plain, full, sel))
+    assert cf["I"][0] == pytest.approx(c0["I"][0] + c0["F"][0], rel=1e-12)
+    # selective recomputes the attention matmuls 4 b s^2 h of each layer
+    attn = 4 * GPT.seq_length ** 2 * GPT.hidden * (GPT.layers // 2) / rate(plain)
+    assert cs["I"][0] == pytest.approx(c0["I"][0] + attn, rel=1e-12)
+    assert cf["F"] == c0["F"] and cf["W"] == c0["W"]
+    # full recomputation keeps only each layer's input, 2 s b h
+    act = full.costs().activation_bytes
+    s, h = GPT.seq_length, GPT.hidden
+    assert act[1] == pytest.approx(8 * 2 * s * h + 4 * s * h + 4 * s * GPT.padded_vocab(1))
+    assert pipesim.simulate(full).hfu > pipesim.simulate(full).mfu
+
+
+def test_data_parallel_tail_exposed_unless_overlapped():
+    p = pipesim.Plan.create(GPT, "H100", dp=8, tp=2, global_batch_size=64,
+                            overlap_grad_reduce=False, overlap_param_gather=False)
+    d = p.derive()
+    hw = p.cluster.hardware
+    params = sum(x for x in d.stage_params[0].values())
+    net = Link("inter", hw.network_latency, hw.network_bandwidth)    # dp spans 8 nodes' GPUs
+    assert d.links["dp"].kind == "inter"
+    assert d.tail[0]["dp_exposed"] == pytest.approx(coll.all_reduce(4 * params, 8, net), rel=1e-12)
+    z = p.with_(zero=1)
+    expect = coll.reduce_scatter(4 * params, 8, net) + coll.all_gather(2 * params, 8, net)
+    assert z.derive().tail[0]["dp_exposed"] == pytest.approx(expect, rel=1e-12)
+    overlapped = p.with_(overlap_grad_reduce=True, overlap_param_gather=True)
+    assert overlapped.derive().tail[0]["dp_exposed"] < d.tail[0]["dp_exposed"]
+    r = pipesim.simulate(p)
+    assert r.step_time == pytest.approx(r.pipeline_time + d.tail[0]["dp_exposed"] + d.tail[0]["optimizer"])
+
+
+def test_moe_all_to_all_and_expert_sharding():
+    plan = pipesim.Plan.create("mixtral-8x7b", "H100", tp=2, pp=4, dp=4, ep=4, zero=1,
+                               sequence_parallel=True, global_batch_size=16)
+    d = plan.derive()
+    assert d.comm["ep"] > 0
+    no_ep = plan.with_(ep=1)
+    # experts are split over ep ranks: 4x fewer expert parameters per rank
+    assert d.stage_params[1]["expert"] * 4 == pytest.approx(no_ep.derive().stage_params[1]["expert"])
+    assert d.stage_params[1]["dense"] == no_ep.derive().stage_params[1]["dense"]
+
+
+def test_llama3_70b_report_memory_and_fit():
+    # pp = 8 alone, no TP, no optimizer sharding: "needs 140 GB a GPU" -- far more, it does not fit
+    naive = pipesim.Plan.create("llama3-70b", "H100", pp=8, global_batch_size=16)
+    r = pipesim.simulate(naive)
+    assert not r.fits and "does not fit by" in r.fit_message and "on rank" in r.fit_message
+    w = r.memory_breakdown[1]
+    assert w["weights"] == pytest.approx(2 * 10 * sum(naive.model.layer_params().values()))
+    good = pipesim.Plan.create("llama3-70b", "H100", schedule="interleaved", tp=8, pp=4, vpp=5,
+                               dp=8, sequence_parallel=True, zero=1, recompute="selective",
+                               global_batch_size=512)
+    g = pipesim.simulate(good)
+    assert g.fits
+    report = g.to_dict()
+    for key in ("step_time", "tokens_per_s_per_gpu", "mfu", "hfu", "peak_memory",
+                "memory_breakdown", "fits"):
+        assert key in report
+    assert set(report["memory_breakdown"][0]) >= {"weights", "gradients", "optimizer",
+                                                  "activations", "buffers"}
+    assert report["tokens_per_s_per_gpu"] == pytest.approx(512 * 8192 / g.step_time / 256)
+    assert 0.2 < g.mfu < 0.7 and g.hfu == pytest.approx(g.mfu)   # flash: nothing recomputed
+    assert "MFU" in g.summary_text() and "fits" in g.summary_text()
+    # a plan reproduces its result from JSON
+    again = pipesim.simulate(pipesim.Plan.from_json(good.to_json()))
+    assert again.step_time == g.step_time
+
+
+def test_simulate_still_takes_a_schedule_and_costs():
+    s = pipesim.build_schedule("1f1b", pp=4, microbatches=8)
+    r = pipesim.simulate(s, pipesim.CostModel.uniform(1.0, 2.0))
+    assert r.makespan == pytest.approx((8 + 3) * 3.0)
+    plan = pipesim.Plan.create("tiny", pp=2, global_batch_size=2)
+    with pytest.raises(ValueError, match="derives its own costs"):
+        pipesim.simulate(plan, pipesim.CostModel())
+
+
+def test_plan_is_torch_free():
+    code = ("import sys; sys.modules['torch'] = None; import pipesim, pipesim.plan; "
+            "p = pipesim.Plan.create('llama3-8b', pp=2, global_batch_size=4); "
+            "pipesim.simulate(p); print('ok')")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "ok"
+
+
+def _benchmark():
+    path = pathlib.Path(__file__).parents[1] / "benchmarks" / "plan_vs_published.py"
+    spec = importlib.util.spec_from_file_location("plan_vs_published", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_korthikanti_table5_iteration_times_within_5_percent():
+    """The eight runs of Korthikanti et al. 2022 (Table 3 configs, Table 5 times, transcribed
+    in benchmarks/plan_vs_published.py), with the A100 efficiency curve stated in
+    pipesim.plan.efficiency: every predicted iteration time within 5% (the issue asks 10%)."""
+    bench = _benchmark()
+    assert bench.TABLE5["175B"] == (18.13, 13.75) and bench.TABLE5["1T"] == (94.42, 71.49)
+    rows = bench.predict()
+    assert len(rows) == 8
+    errors = {(name, method): predicted / published - 1
+              for name, method, published, predicted, _, _ in rows}
+    assert max(abs(e) for e in errors.values()) < 0.05, errors
