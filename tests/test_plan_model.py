@@ -65,7 +65,7 @@ def test_bad_model_fields_name_the_field():
         ModelSpec("x", 2, 64, 4, 32, 100, mlp="relu2")
     with pytest.raises(pipesim.PlanError, match="model.top_k"):
         ModelSpec("x", 2, 64, 4, 32, 100, experts=4, top_k=5)
-    with pytest.raises(pipesim.PlanError, match="unknown preset"):
+    with pytest.raises(pipesim.PlanError, match="unknown model preset"):
         get_model("llama9-1t")
 
 

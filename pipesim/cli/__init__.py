@@ -12,7 +12,8 @@ from collections.abc import Sequence
 from ..errors import ScheduleError
 
 # Modules that add sub-commands; each has add_commands(subparsers) and sets args.func.
-_COMMAND_MODULES = ("pipesim.cli.schedule_cmds", "pipesim.cli.simulate_cmds")
+_COMMAND_MODULES = ("pipesim.cli.schedule_cmds", "pipesim.cli.simulate_cmds",
+                    "pipesim.cli.plan_cmds")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -32,6 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    args.argv = None if argv is None else list(argv)
     try:
         return int(args.func(args) or 0)
     except (ScheduleError, ValueError, FileNotFoundError) as exc:

@@ -6,6 +6,7 @@ import re
 import sys
 
 from ..costs import CostModel
+from .plan_cmds import add_plan_args, cmd_simulate_plan, explicit_flags, wants_plan
 
 _SIZE = re.compile(r"^\s*([0-9.eE+-]+)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
 _UNITS = {"b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12,
@@ -23,10 +24,11 @@ def parse_bytes(text: str) -> float:
 def _add_cost_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("costs (default: uniform F=1, B=2 (I=W=1), zero communication)")
     g.add_argument("--costs", metavar="FILE.json", help="a CostModel saved as JSON")
-    g.add_argument("--model", metavar="PRESET",
-                   help="transformer preset (pipesim.transformer.model_names())")
+    g.add_argument("--model", metavar="PRESET|config.json",
+                   help="model preset (`pipesim models`) or a Hugging Face config.json")
     g.add_argument("--hardware", metavar="PRESET", default=None, help="A100, H100 or H200 (default H100)")
-    g.add_argument("--efficiency", type=float, default=0.5, help="achieved / peak FLOP/s")
+    g.add_argument("--efficiency", type=float, default=None,
+                   help="achieved / peak FLOP/s (default 0.5; with a plan, the fitted curve)")
     g.add_argument("--link", choices=("intra", "inter"), default="inter",
                    help="pipeline p2p over NVLink (intra) or the network (inter)")
     g.add_argument("--comm", choices=("async", "blocking", "rendezvous"), default="async",
@@ -55,14 +57,15 @@ def _cost_source(args: argparse.Namespace):
         def factory(num_stages: int, micro_batch_size: int) -> CostModel:
             return CostModel.transformer(args.model, hw, num_stages=num_stages,
                                          micro_batch_size=micro_batch_size,
-                                         efficiency=args.efficiency, link=args.link)
+                                         efficiency=0.5 if args.efficiency is None
+                                         else args.efficiency, link=args.link)
         return factory
     return CostModel.uniform(1.0, 2.0)
 
 
 def add_commands(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("simulate", help="simulate one step of a schedule and print its summary")
-    p.add_argument("name", help="schedule name (see `pipesim list`)")
+    p.add_argument("name", nargs="?", help="schedule name (see `pipesim list`)")
     p.add_argument("--pp", type=int, default=4, help="pipeline ranks")
     p.add_argument("--vpp", type=int, default=1, help="chunks (virtual stages) per rank")
     p.add_argument("--microbatches", "-m", type=int, default=8)
@@ -76,6 +79,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--chrome", metavar="OUT.json", help="write a Chrome/Perfetto trace")
     p.add_argument("--trace-csv", metavar="OUT.csv", help="write the trace table")
     p.add_argument("--save-costs", metavar="OUT.json", help="write the cost model used")
+    add_plan_args(p)
     p.set_defaults(func=cmd_simulate)
 
     p = sub.add_parser("sweep", help="simulate schedules x pp x vpp x microbatches, write CSV")
@@ -98,6 +102,11 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
 def cmd_simulate(args: argparse.Namespace) -> int:
     from ..engine import simulate
     from ..schedule.registry import build_schedule
+
+    if wants_plan(args):
+        return cmd_simulate_plan(args, explicit_flags(sys.argv[1:] if args.argv is None else args.argv))
+    if args.name is None:
+        raise ValueError("give a SCHEDULE name (see `pipesim list`), or --plan FILE")
 
     schedule = build_schedule(args.name, pp=args.pp, microbatches=args.microbatches, vpp=args.vpp,
                               forward_only=args.forward_only, recv_lookahead=args.recv_lookahead)

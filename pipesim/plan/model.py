@@ -291,5 +291,5 @@ def get_model(name: "str | ModelSpec") -> ModelSpec:
         return PRESETS[key]
     if key.endswith(".json") or Path(str(name)).is_file():
         return ModelSpec.from_hf_config(name)
-    raise PlanError(f"model: unknown preset {name!r}; known: {', '.join(PRESETS)} "
+    raise PlanError(f"model: unknown model preset {name!r}; known: {', '.join(PRESETS)} "
                     "(or give a Hugging Face config.json path)")
