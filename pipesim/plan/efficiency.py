@@ -7,7 +7,7 @@ per-GPU width of the layer's matrices, ``w = hidden / tp``:
 
 ``e_max`` and ``w_half`` were fitted once, for A100, to the eight iteration times of Korthikanti
 et al. 2022, Table 5 (see ``benchmarks/plan_vs_published.py``, which refits and prints them):
-``e_max = 0.80``, ``w_half = 470`` (largest error 2.4%). The same curve is used for the other presets until they are
+``e_max = 0.80``, ``w_half = 470`` (largest error 2.5%). The same curve is used for the other presets until they are
 calibrated (newer GPUs usually reach a lower fraction of a higher peak: pass a measured
 ``efficiency`` in the plan, or use :mod:`pipesim.calibrate` on a measured run). A plan's
 ``efficiency`` (a constant) overrides the model.
