@@ -178,3 +178,36 @@ def test_korthikanti_table5_iteration_times_within_5_percent():
     errors = {(name, method): predicted / published - 1
               for name, method, published, predicted, _, _ in rows}
     assert max(abs(e) for e in errors.values()) < 0.05, errors
+
+
+def test_context_parallel_halves_tokens_and_overlaps_the_kv_gather():
+    one = pipesim.Plan.create("llama3-8b", "H100", cp=1, global_batch_size=2, **FREE)
+    two = one.with_(cp=2)
+    c1, c2 = one.costs(), two.costs()
+    # every activation and every FLOP is per token: half of each on a context-parallel rank
+    assert c2.activation_bytes[0] == pytest.approx(c1.activation_bytes[0] / 2, rel=1e-12)
+    assert c2.forward[0] == pytest.approx(c1.forward[0] / 2, rel=1e-12)
+    # with real links: K and V all-gathered (2 tensors, 2 bytes, the whole sequence) over the
+    # cp group, hidden behind the attention matmuls where they are long enough
+    real = pipesim.Plan.create("llama3-8b", "H100", cp=2, global_batch_size=2).derive()
+    m = two.model
+    kv = 2 * 2 * m.seq_length * m.kv_size
+    link = real.links["cp"]
+    assert link.kind == "intra"
+    assert real.comm["cp"] == pytest.approx(2 * m.layers * coll.all_gather(kv, 2, link), rel=1e-12)
+    with pytest.raises(pipesim.PlanError, match="parallelism.cp"):
+        one.with_(cp=3).validate()
+
+
+def test_fp8_doubles_the_gemm_rate_only():
+    bf = pipesim.Plan.create(GPT, "H100", global_batch_size=1, flash_attention=False, **FREE)
+    f8 = bf.with_(precision="fp8")
+    from pipesim.plan.flops import layer_flops
+
+    lf = layer_flops(GPT, 1)
+    r = rate(bf)
+    n = GPT.layers
+    head = 2 * GPT.seq_length * GPT.hidden * GPT.padded_vocab(1)
+    assert f8.costs().forward[0] == pytest.approx(
+        n * (lf.gemm / (2 * r) + lf.attention / r) + head / (2 * r), rel=1e-12)
+    assert bf.costs().forward[0] == pytest.approx(n * lf.forward / r + head / r, rel=1e-12)

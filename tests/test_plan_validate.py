@@ -166,3 +166,29 @@ def test_plan_file_round_trip_with_a_schedule_value(tmp_path):
         Plan.from_dict({**p.to_dict(), "tpp": 2})
     with pytest.raises(PlanError, match="no such file"):
         Plan.load(tmp_path / "nope.json")
+
+
+def test_megatron_layout_string():
+    from pipesim.plan.partition import parse_layout
+
+    # the example of megatron/core/transformer/pipeline_parallel_layer_layout.py (without MTP)
+    assert parse_layout("Et*3|(tt|)*29,L", 61, 31) == [3] + [2] * 29 + [0]
+    assert parse_layout("Ett|tt|tt|ttL", 8, 4) == [2, 2, 2, 2]
+    # a standalone embedding stage, interleaved: 8 virtual stages
+    p = plan(model="llama3-8b", pp=4, vpp=2, schedule="interleaved", partition_layout="E|(tttt|)*6t*8L")
+    assert p.validate().stage_layers() == [0] + [4] * 6 + [8]
+    with pytest.raises(PlanError, match="partition_layout: MTP"):
+        parse_layout("Et*3|(tt|)*29,m|L", 61, 32)
+    with pytest.raises(PlanError, match="partition_layout: .* has 3 stages, the plan pp \\* vpp = 4"):
+        parse_layout("Ett|tt|ttttL", 8, 4)
+    with pytest.raises(PlanError, match="'E' must come once, first"):
+        parse_layout("tt|Ett|tt|ttL", 8, 4)
+    with pytest.raises(PlanError, match="7 transformer layers"):
+        parse_layout("Ett|tt|tt|tL", 8, 4)
+    with pytest.raises(PlanError, match="unknown layer character"):
+        parse_layout("Exx|tt", 8, 2)
+    good = plan(model="llama3-8b", pp=4, partition_layout="Et*5|t*9|t*9|t*9L").validate()
+    assert good.stage_layers() == [5, 9, 9, 9]
+    assert Plan.from_json(good.to_json()) == good
+    r = pipesim.simulate(good)
+    assert r.derived.stage_layers == [5, 9, 9, 9]

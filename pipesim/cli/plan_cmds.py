@@ -14,7 +14,7 @@ import json
 _PLAN_ONLY = ("plan", "tp", "cp", "ep", "global_batch_size", "seq_len", "recompute",
               "recompute_layers", "sequence_parallel", "distributed_optimizer", "zero",
               "precision", "gpus_per_node", "report_out", "save_plan", "no_flash_attention",
-              "overlap_tp_comm", "no_overlap")
+              "overlap_tp_comm", "no_overlap", "pipeline_layout")
 _LEGACY_MODELS = ("tiny", "gpt3-1.3b", "gpt3-2.7b", "gpt3-6.7b", "gpt3-13b", "gpt3-175b")
 
 
@@ -43,6 +43,8 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--overlap-tp-comm", action="store_true", default=None)
     g.add_argument("--no-overlap", action="store_true", default=None,
                    help="expose the data-parallel gradient reduce and parameter gather")
+    g.add_argument("--pipeline-layout", metavar="LAYOUT",
+                   help="Megatron's --pipeline-model-parallel-layout, e.g. 'Et*3|(tt|)*29,m|L'")
     g.add_argument("--report-out", metavar="REPORT.json", help="write the report as JSON")
     g.add_argument("--save-plan", metavar="PLAN.json", help="write the plan simulated")
 
@@ -100,6 +102,8 @@ def plan_from_args(args: argparse.Namespace, explicit: set[str]):
         changes.update(overlap_grad_reduce=False, overlap_param_gather=False)
     if args.efficiency is not None:
         changes["efficiency"] = args.efficiency
+    if args.pipeline_layout:
+        changes["partition_layout"] = args.pipeline_layout
     if "global_batch_size" not in changes and "microbatches" in explicit:
         par = plan.parallelism
         mbs = changes.get("micro_batch_size", par.micro_batch_size)

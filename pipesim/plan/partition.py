@@ -6,10 +6,14 @@ Even (the first ``layers % stages`` stages take one more), or Megatron-LM's opti
 others share the rest evenly), and ``account_for_embedding`` / ``account_for_loss``
 (``--account-for-embedding-in-pipeline-split`` / ``...-loss-in-...``: the embedding, or the
 head and loss, counts as one layer when splitting, so the first / last stage takes one layer
-fewer). An explicit list of layers per stage overrides all of these.
+fewer). Megatron's layout string (``--pipeline-model-parallel-layout``, e.g.
+``"Et*3|(tt|)*29,m|L"``: stages split by ``|``, ``E`` embedding, ``t`` a transformer layer,
+``L`` the loss, ``X*n`` and ``(...)*n`` repeat, commas are cosmetic) or an explicit list of
+layers per stage override all of these.
 """
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 
 from ..errors import PlanError
@@ -64,4 +68,37 @@ def stage_layers(layers: int, num_stages: int, *, explicit: Sequence[int] | None
         holds_other = (stage == 0) or (stage == num_stages - 1)
         if c == 0 and not holds_other:
             raise PlanError(f"partition: stage {stage} holds no layer (layers per stage {counts})")
+    return counts
+
+
+_GROUP = re.compile(r"\(([^()]+)\)\*(\d+)")
+_SINGLE = re.compile(r"(.)\*(\d+)")
+
+
+def parse_layout(layout: str, layers: int, num_stages: int) -> list[int]:
+    """Transformer layers per stage from Megatron's layout string (the format of
+    megatron/core/transformer/pipeline_parallel_layer_layout.py ``parse_str_to_list``);
+    PlanError naming ``partition_layout`` and the rule broken."""
+    text = str(layout).replace(",", "")
+    text = _GROUP.sub(lambda m: m.group(1) * int(m.group(2)), text)
+    text = _SINGLE.sub(lambda m: m.group(1) * int(m.group(2)), text)
+    stages = text.split("|")
+    bad = sorted(set(text) - set("ELt|m"))
+    if bad:
+        raise PlanError(f"partition_layout: unknown layer character(s) {''.join(bad)!r} in "
+                        f"{layout!r}; known: E (embedding), t (transformer layer), L (loss)")
+    if "m" in text:
+        raise PlanError("partition_layout: MTP layers ('m') are not modelled by pipesim")
+    if len(stages) != num_stages:
+        raise PlanError(f"partition_layout: {layout!r} has {len(stages)} stages, the plan "
+                        f"pp * vpp = {num_stages}")
+    flat = text.replace("|", "")
+    if not flat.startswith("E") or flat.count("E") != 1:
+        raise PlanError(f"partition_layout: the embedding 'E' must come once, first ({layout!r})")
+    if not flat.endswith("L") or flat.count("L") != 1:
+        raise PlanError(f"partition_layout: the loss 'L' must come once, last ({layout!r})")
+    counts = [st.count("t") for st in stages]
+    if sum(counts) != layers:
+        raise PlanError(f"partition_layout: {sum(counts)} transformer layers in {layout!r}, the "
+                        f"model has {layers}")
     return counts

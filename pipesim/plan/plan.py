@@ -21,7 +21,7 @@ from ..schedule.schedule import Schedule
 from .cluster import Cluster
 from .model import ModelSpec, get_model
 from .parallelism import Parallelism
-from .partition import stage_layers
+from .partition import parse_layout, stage_layers
 
 if TYPE_CHECKING:
     from ..costs import CostModel
@@ -38,6 +38,7 @@ class Plan:
     schedule: "str | Schedule" = "1f1b"
     schedule_options: tuple = ()                 # (name, value) pairs for build_schedule
     partition: tuple | None = None               # explicit layers per stage
+    partition_layout: str | None = None          # Megatron's --pipeline-model-parallel-layout
     first_stage_layers: int | None = None
     last_stage_layers: int | None = None
     account_for_embedding: bool = False
@@ -100,6 +101,11 @@ class Plan:
         return self.schedule.name if isinstance(self.schedule, Schedule) else str(self.schedule)
 
     def stage_layers(self) -> list[int]:
+        if self.partition_layout is not None:
+            if self.partition is not None:
+                raise PlanError("partition_layout: give a layout or an explicit partition, not both")
+            return parse_layout(self.partition_layout, self.model.layers,
+                                self.parallelism.num_stages)
         return stage_layers(self.model.layers, self.parallelism.num_stages,
                             explicit=self.partition, first=self.first_stage_layers,
                             last=self.last_stage_layers,
@@ -193,6 +199,7 @@ class Plan:
             "schedule": schedule,
             "schedule_options": dict(self.schedule_options),
             "partition": None if self.partition is None else list(self.partition),
+            "partition_layout": self.partition_layout,
             "first_stage_layers": self.first_stage_layers,
             "last_stage_layers": self.last_stage_layers,
             "account_for_embedding": self.account_for_embedding,
