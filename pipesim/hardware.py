@@ -2,7 +2,10 @@
 
 Figures are vendors' datasheet peaks (dense bf16 tensor-core FLOP/s, HBM capacity, link
 bandwidth per direction). Achieved throughput is a fraction of peak; that fraction is the
-``efficiency`` argument of :meth:`pipesim.CostModel.transformer`, not part of the preset.
+``efficiency`` argument of :meth:`pipesim.CostModel.transformer` (or a plan's efficiency model,
+:mod:`pipesim.plan.efficiency`), not part of the preset. ``nvlink_domain`` is how many GPUs one
+NVLink (scale-up) domain joins (8 in an HGX node, 72 in a GB200 NVL72 rack); ``fp8_flops`` the
+dense FP8 peak, for plans with fp8 GEMMs.
 """
 from __future__ import annotations
 

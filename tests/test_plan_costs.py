@@ -211,3 +211,11 @@ def test_fp8_doubles_the_gemm_rate_only():
     assert f8.costs().forward[0] == pytest.approx(
         n * (lf.gemm / (2 * r) + lf.attention / r) + head / (2 * r), rel=1e-12)
     assert bf.costs().forward[0] == pytest.approx(n * lf.forward / r + head / r, rel=1e-12)
+
+
+def test_plan_result_reads_through_to_the_sim_result():
+    r = pipesim.simulate(pipesim.Plan.create("tiny", pp=2, global_batch_size=4))
+    assert r.makespan == r.sim.makespan and r.bubble_fraction == r.sim.bubble_fraction
+    assert list(r.trace.columns) == list(r.sim.trace.columns)
+    with pytest.raises(AttributeError):
+        r.no_such_figure

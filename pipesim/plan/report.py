@@ -1,6 +1,8 @@
 """``pipesim.simulate(plan)``: one step of a plan, with throughput, MFU/HFU and memory per rank.
 
-The schedule is simulated under ``plan.costs()``; the in-flight microbatches, and so the
+A :class:`PlanResult` is the simulation's :class:`pipesim.SimResult` (``.sim``; its attributes,
+``makespan``, ``bubble_fraction``, ``trace``... read through) plus the plan's figures. The
+schedule is simulated under ``plan.costs()``; the in-flight microbatches, and so the
 activation peak of each rank, come from the simulator's memory timeline (not a closed form).
 The step time is the pipeline's makespan plus, per rank, the exposed data-parallel
 communication and the optimizer step (:mod:`pipesim.plan.derive`): the latest rank finishing.
@@ -8,7 +10,11 @@ communication and the optimizer step (:mod:`pipesim.plan.derive`): the latest ra
 * ``tokens_per_s_per_gpu = global_batch * seq_length / step_time / world_size``;
 * ``mfu = model FLOPs / (step_time * world_size * peak)``, model FLOPs as Korthikanti et al.
   2022 eq. 7 counts them (no recomputation; :func:`pipesim.plan.flops.model_flops`);
-* ``hfu`` the same with the FLOPs recomputation adds (the hardware FLOPs);
+* ``hfu`` the same with the FLOPs recomputation adds (the hardware FLOPs: a recomputed layer's
+  forward, or with selective recomputation its attention matmuls once; Korthikanti et al.'s
+  Table 5 HFU counts the latter twice, ``1 + s/3h`` for ``1 + s/6h``). With flash attention
+  the step's time counts the causal half of the attention matmuls (what the kernels compute),
+  while MFU keeps eq. 7's full ``s x s`` count, as the paper and most reports do;
 * ``memory_breakdown`` per pipeline rank (weights, gradients, optimizer, activations, buffers;
   activations = simulated peak minus the static parts, so it includes receive buffers) and
   ``fits`` against the hardware's memory, with the worst rank and by how much.
@@ -37,6 +43,12 @@ class PlanResult:
     pipeline_time: float
     step_time: float
     rank_step_time: list[float]
+
+    def __getattr__(self, name: str) -> Any:
+        # the SimResult's own figures (makespan, bubble_fraction, trace, ...) read through
+        if name.startswith("_") or name in ("plan", "derived", "sim"):
+            raise AttributeError(name)
+        return getattr(self.sim, name)
 
     # -- throughput ----------------------------------------------------------------------------
     @property
