@@ -3,7 +3,6 @@
 Every reference below is transcribed from its source (named in each function's comment), with
 Megatron's ``args`` replaced by keyword arguments; nothing here calls pipesim to compute them.
 """
-import math
 import types
 
 import pytest
