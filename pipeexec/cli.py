@@ -54,6 +54,9 @@ def _parser() -> argparse.ArgumentParser:
     a("--recv-lookahead", type=int, default=d.recv_lookahead,
       help="post each receive this many computations before the one that needs it (0: right "
            "before it); the simulator models the same schedule")
+    a("--nccl-matching", action="store_true",
+      help="gloo on CPU matching point-to-point transfers as NCCL does (tags ignored, in "
+           "posting order per group and pair of ranks): shows on CPU what a NCCL run would get")
     a("--cpu-return-freed-memory", action="store_true",
       help="CPU: let malloc give freed memory back to the kernel (by default it is kept for "
            "the next step, which saves a page fault per fresh page; pipeexec/malloc.py)")
@@ -93,6 +96,7 @@ def config_from_args(ns: argparse.Namespace) -> TrainConfig:
         weight_decay=ns.weight_decay, clip_grad=ns.clip_grad, precision=ns.precision,
         loss_scale=ns.loss_scale, loss_scale_growth_interval=ns.loss_scale_growth_interval,
         seed=ns.seed, p2p_timeout=ns.p2p_timeout, recv_lookahead=ns.recv_lookahead,
+        nccl_matching=ns.nccl_matching,
         cpu_keep_freed_memory=not ns.cpu_return_freed_memory,
         backend=ns.backend, device=ns.device,
         inject=tuple(ns.inject), forward_only=ns.forward_only)

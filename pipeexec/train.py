@@ -147,7 +147,8 @@ class Trainer:
             self.p2p = P2P(rank=topology.rank, pp_rank=topology.pp_rank,
                            groups=topology.p2p_groups, peers=topology.pp_ranks,
                            num_stages=config.num_stages, num_microbatches=config.microbatches,
-                           device=dev, timeout=config.p2p_timeout)
+                           device=dev, timeout=config.p2p_timeout,
+                           nccl_matching=config.nccl_matching)
         self.runtime = PipelineRuntime(self.schedule, topology.pp_rank, self.stages, spec.loss_fn,
                                        self.grads.accumulate, self.p2p, global_rank=topology.rank,
                                        device=dev, compute_dtype=self.dtype, recorder=recorder,
