@@ -113,6 +113,7 @@ def main(argv: list[str] | None = None) -> None:
     import pipesim
     from .checkpoint import CheckpointError, read_tracker
     from .cpu_quota import QuotaUnavailable
+    from .devices import may_use_cuda, start_method_for
     from .launcher import WorkerFailed, launch
     from .worker import run_training
 
@@ -128,13 +129,18 @@ def main(argv: list[str] | None = None) -> None:
         if under_torchrun and ns.cpus_per_rank is not None:
             raise ConfigError("--cpus-per-rank confines the workers of a local run; under "
                               "torchrun, set CPU limits where the processes are started")
+        if ns.cpus_per_rank is not None and may_use_cuda(config.device, config.backend):
+            raise ConfigError("--cpus-per-rank is for CPU runs: on CUDA it would throttle the "
+                              "threads that launch kernels and drive NCCL (drop it, or use "
+                              "--device cpu)")
         if under_torchrun:
             run_training(None, config, ns.metrics_out, progress=not ns.no_progress,
                          checkpoint=checkpoint, profile=profile)
         else:
             launch(run_training, world,
                    (config, ns.metrics_out, not ns.no_progress, checkpoint, profile),
-                   timeout=ns.timeout, cpus_per_rank=ns.cpus_per_rank)
+                   timeout=ns.timeout, cpus_per_rank=ns.cpus_per_rank,
+                   start_method=start_method_for(config.device, config.backend))
     except (ConfigError, pipesim.ScheduleError, ValueError, QuotaUnavailable) as exc:
         print(f"pipeexec: error: {exc}", file=sys.stderr)
         sys.exit(2)

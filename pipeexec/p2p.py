@@ -18,6 +18,15 @@ schedule's order, never one before an earlier one that is still deferred (below)
 ``nccl_matching=True`` forces every tag to 0, so gloo matches as NCCL does: a CPU run then shows
 what a NCCL run would compute. `record_posting` logs what is really posted, per channel.
 
+Waiting: on gloo (CPU) a wait blocks the host, with the timeout. On CUDA (NCCL) a wait is a
+stream wait: ``work.wait()`` makes the current (compute) stream wait for the transfer and the
+host goes on (torch's ``work.wait(timeout)`` would instead poll the host in 1 ms sleeps from
+torch 2.6, and ignore the timeout before). The timeout is then enforced where the host syncs
+anyway, at the end of each step (`wait_sends`): every transfer of the step must complete within
+``timeout``, else `P2PError` names the rank, the peer and the first action still incomplete.
+If the host itself is stuck, the channel groups' own timeout and NCCL's watchdog abort the
+process (flight recorder: README, GPUs).
+
 Shapes and dtypes: the receiver of a forward activation learns them once per stage boundary from
 a small header the sender sends on the same channel right before its first activation; a
 backward gradient has the shape of the forward output the receiver produced itself, so it needs
@@ -28,6 +37,7 @@ microbatch's data can never land in another microbatch's buffer.
 from __future__ import annotations
 
 import datetime
+import time
 from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -80,6 +90,9 @@ class P2P:
         self._sends: list[Pending] = []
         self._deferred: dict[ChannelKey, deque[Pending]] = {}   # per channel, in posting order
         self._log: dict[ChannelKey, list[tuple]] | None = None
+        # CUDA: stream waits; the host checks the step's transfers at its end (see above)
+        self.stream_waits = device.type == "cuda"
+        self._stream_waited: list[tuple[Pending, str]] = []
 
     def record_posting(self) -> dict[ChannelKey, list[tuple]]:
         """Start logging every transfer as it is really posted; returns the log: per channel,
@@ -145,8 +158,13 @@ class P2P:
             self._sends = [p for p in self._sends if not p.work.is_completed()]
 
     def wait_sends(self) -> None:
-        for p in self._sends:
-            self._wait(p, "send to")
+        """End of a step: every send (and, on CUDA, every stream-waited receive) completes."""
+        if self.stream_waits:
+            self._host_wait([(p, "send to") for p in self._sends] + self._stream_waited)
+            self._stream_waited.clear()
+        else:
+            for p in self._sends:
+                self._wait(p, "send to")
         self._sends.clear()
 
     # -- receiving --------------------------------------------------------------------------
@@ -184,9 +202,13 @@ class P2P:
             if spec is None:
                 header = torch.empty(_HEADER_LEN, dtype=torch.int64, device=self.device)
                 self._note(key, "header", boundary, p.mb)
-                self._wait(Pending(self._irecv(header, p.peer, group, self._header_tag(boundary),
-                                               p.action), header, p.peer, p.action),
-                           "activation header from")
+                hp = Pending(self._irecv(header, p.peer, group, self._header_tag(boundary),
+                                         p.action), header, p.peer, p.action)
+                if self.stream_waits:      # the host reads it: wait on the host, with timeout
+                    self._host_wait([(hp, "activation header from")])
+                    hp.work.wait()
+                else:
+                    self._wait(hp, "activation header from")
                 spec = self._specs[boundary] = self._read_header(header)
             p.tensor = torch.empty(spec[0], dtype=spec[1], device=self.device)
         self._note(key, "data", boundary, p.mb)
@@ -203,7 +225,11 @@ class P2P:
                 self._post(p)
                 if p is pending:
                     break
-        self._wait(pending, "receive from")
+        if self.stream_waits:
+            pending.work.wait()            # the compute stream waits; the host goes on
+            self._stream_waited.append((pending, "receive from"))
+        else:
+            self._wait(pending, "receive from")
         return pending.tensor
 
     def _irecv(self, buf: torch.Tensor, peer: int, group: Any, tag: int, action: Any):
@@ -222,6 +248,25 @@ class P2P:
                       else f"failed ({text.strip().splitlines()[-1] if text.strip() else type(exc).__name__})")
             raise P2PError(f"rank {self.rank}: action {p.action}: {what} rank {p.peer} {reason}; "
                            f"the peer probably failed or is stuck") from exc
+
+    def _host_wait(self, items: list[tuple[Pending, str]]) -> None:
+        """Poll until every transfer has completed; past the timeout raise P2PError naming the
+        first incomplete one (posting order). Sleeps 0.2 ms between polls, and only while
+        something is still in flight."""
+        deadline = time.monotonic() + self.timeout_s
+        for p, what in items:
+            while True:
+                try:
+                    if p.work.is_completed():
+                        break
+                except Exception as exc:
+                    raise P2PError(f"rank {self.rank}: action {p.action}: {what} rank {p.peer} "
+                                   f"failed ({exc})") from exc
+                if time.monotonic() > deadline:
+                    raise P2PError(f"rank {self.rank}: action {p.action}: {what} rank {p.peer} "
+                                   f"still incomplete after {self.timeout_s:g} s; the peer "
+                                   "probably failed or is stuck")
+                time.sleep(0.0002)
 
     # -- headers ----------------------------------------------------------------------------
     def _make_header(self, t: torch.Tensor) -> torch.Tensor:

@@ -16,6 +16,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .devices import check_unique_gpus, gpu_uuid, pick_device
+
 
 class TopologyError(RuntimeError):
     """The environment does not describe a usable layout."""
@@ -62,6 +64,14 @@ def channel_keys(pp: int) -> list[tuple[int, int, int]]:
     return [(kind, a, b) for a, b in pairs if a != b for kind in (0, 1)]
 
 
+def nccl_diagnostics_defaults() -> None:
+    """Turn on torch's NCCL flight recorder unless the user chose otherwise: on a timeout the
+    watchdog then dumps the last collectives and p2p operations of every rank (read them with
+    ``python -m torch.distributed.flight_recorder.fr_trace``; README, GPUs)."""
+    os.environ.setdefault("TORCH_NCCL_TRACE_BUFFER_SIZE", "2000")
+    os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
+
+
 def env_rank_info() -> tuple[int, int, int, str, int]:
     """(rank, world_size, local_rank, master_addr, master_port) from torchrun's variables."""
     missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
@@ -73,20 +83,13 @@ def env_rank_info() -> tuple[int, int, int, str, int]:
     return rank, world, local, os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
 
 
-def pick_device(local_rank: int, device: str | None) -> torch.device:
-    if device is not None:
-        dev = torch.device(device)
-        if dev.type == "cuda" and dev.index is None:
-            dev = torch.device("cuda", local_rank)
-        return dev
-    if torch.cuda.is_available():
-        return torch.device("cuda", local_rank % torch.cuda.device_count())
-    return torch.device("cpu")
-
-
 def init_topology(pp: int, dp: int, *, backend: str | None = None, device: str | None = None,
-                  timeout: float = 600.0) -> Topology:
+                  timeout: float = 600.0, p2p_timeout: float | None = None) -> Topology:
     """Initialise torch.distributed from the environment and build the pp and dp groups.
+
+    ``p2p_timeout``: on NCCL, the p2p channel groups' timeout is this plus a minute, so that the
+    watchdog aborts a stuck transfer even when the host is stuck too (the runtime's own check at
+    the end of each step names the action first; `pipeexec.p2p`).
 
     ``world_size`` must equal ``pp * dp``: checked before any collective, with the reason.
     """
@@ -97,11 +100,6 @@ def init_topology(pp: int, dp: int, *, backend: str | None = None, device: str |
     if backend is None:
         backend = "nccl" if dev.type == "cuda" else "gloo"
     if dev.type == "cuda":
-        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-        if backend == "nccl" and local_world > torch.cuda.device_count():
-            raise TopologyError(f"{local_world} ranks on this node but {torch.cuda.device_count()} "
-                                "CUDA device(s): NCCL needs one GPU per rank (use fewer ranks, or "
-                                "--device cpu for gloo on CPU)")
         torch.cuda.set_device(dev)
     # torchrun's agent hosts a store at MASTER_PORT; the local launcher makes rank 0 host it.
     agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
@@ -109,6 +107,9 @@ def init_topology(pp: int, dp: int, *, backend: str | None = None, device: str |
     store = dist.TCPStore(addr, port, world, is_master=(rank == 0 and not agent_store), timeout=td,
                           wait_for_workers=False)
     store = dist.PrefixStore("pipeexec", store)
+    if dev.type == "cuda" and backend == "nccl":
+        check_unique_gpus(store, rank, world, gpu_uuid(dev), timeout)
+        nccl_diagnostics_defaults()
     kwargs = {"device_id": dev} if dev.type == "cuda" else {}
     dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=td, **kwargs)
     pp_rank, dp_rank = divmod(rank, dp)
@@ -122,13 +123,14 @@ def init_topology(pp: int, dp: int, *, backend: str | None = None, device: str |
     # and "send to i+1" on one stream, which deadlocks some schedules).
     p2p_groups: dict = {}
     order: list = []
+    channel_td = td if p2p_timeout is None else datetime.timedelta(seconds=p2p_timeout + 60)
     for d in range(dp):
         ranks = tuple(layout_rank(p, d, dp) for p in range(pp))
         group = dist.new_group(list(ranks), timeout=td) if pp > 1 else None
         channels = {}
         for key in channel_keys(pp):
             members = [ranks[key[1]], ranks[key[2]]]
-            channels[key] = dist.new_group(sorted(members), timeout=td)
+            channels[key] = dist.new_group(sorted(members), timeout=channel_td)
             order.append((key, members, channels[key]))
         if d == dp_rank:
             pp_group, pp_ranks = group, ranks

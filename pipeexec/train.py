@@ -31,7 +31,7 @@ from .data import BatchSource
 from .ddp import GradBuffer
 from .malloc import keep_freed_memory
 from .model import ModelSpec, gpt_spec_from_config
-from .optim import build_adamw, clip_coefficient, lr_at, set_lr
+from .optim import adamw_state_for, build_adamw, clip_coefficient, lr_at, set_lr
 from .p2p import P2P, check_p2p_order
 from .partition import make_partition
 from .precision import LossScaler, MasterWeights, compute_dtype
@@ -172,7 +172,8 @@ class Trainer:
         if self.schedule.forward_only:
             return self._eval_step(k, t0)
         self.grads.zero()
-        mbs = self.data.microbatches(k, topo.dp_rank, cfg.dp, cfg.microbatches)
+        mbs = pinned(self.data.microbatches(k, topo.dp_rank, cfg.dp, cfg.microbatches),
+                     self.topology.device)
         out = self.runtime.run(mbs, step=k, loss_scale=self.scaler.scale)
         if self.board is not None:
             self.board.set(topo.rank, k, "ALLREDUCE", -1, -1)
@@ -243,7 +244,8 @@ class Trainer:
                                                 global_rank=self.topology.rank,
                                                 device=self.topology.device, compute_dtype=self.dtype,
                                                 board=self.board)
-        mbs = self.data.microbatches(step, self.topology.dp_rank, self.config.dp, self.config.microbatches)
+        mbs = pinned(self.data.microbatches(step, self.topology.dp_rank, self.config.dp,
+                                            self.config.microbatches), self.topology.device)
         return self._fwd_runtime.run(mbs, step=step, forward_only=True, keep_outputs=keep_outputs)
 
     # -- state, keyed by global parameter names ---------------------------------------------
@@ -280,10 +282,17 @@ class Trainer:
             for name, p in zip(self.param_names, self.masters.masters):
                 st = state["optimizer"].get(name)
                 if st is not None:
-                    self.optimizer.state[p] = {k: (v.to(p.device).clone() if torch.is_tensor(v) else v)
-                                               for k, v in st.items()}
+                    self.optimizer.state[p] = adamw_state_for(self.optimizer, p, st)
             self.scaler.load_state_dict(state["scaler"])
         self.iteration, self.updates = int(state["iteration"]), int(state["updates"])
+
+
+def pinned(microbatches, device: torch.device):
+    """On CUDA, the microbatches in pinned memory, so their copies to the GPU are asynchronous
+    (a non_blocking copy from pageable memory is a synchronous staged copy)."""
+    if device.type != "cuda":
+        return microbatches
+    return [tuple(t.pin_memory() for t in mb) for mb in microbatches]
 
 
 def train(trainer: Trainer, *, on_step: Callable[[Trainer, StepStats], None] | None = None,
