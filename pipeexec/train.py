@@ -15,6 +15,7 @@ every rank agrees on (fp16 skips the step together) and the mean loss of the glo
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import sys
 import time
@@ -50,6 +51,10 @@ class StepStats:
     loss_scale: float
     skipped: bool
     tokens_per_s: float
+    # CUDA: the step's allocator peaks (torch.cuda.max_memory_allocated / _reserved, bytes,
+    # reset at the step's start); NaN on CPU
+    max_memory_allocated: float = math.nan
+    max_memory_reserved: float = math.nan
 
 
 @dataclass
@@ -61,8 +66,12 @@ class TrainResult:
     loss_scales: list[float] = field(default_factory=list)
     skipped: list[bool] = field(default_factory=list)
     tokens_per_s: list[float] = field(default_factory=list)
+    max_memory_allocated: list[float] = field(default_factory=list)
+    max_memory_reserved: list[float] = field(default_factory=list)
 
     def add(self, s: StepStats) -> None:
+        self.max_memory_allocated.append(s.max_memory_allocated)
+        self.max_memory_reserved.append(s.max_memory_reserved)
         self.losses.append(s.loss)
         self.step_times.append(s.step_time)
         self.grad_norms.append(s.grad_norm)
@@ -169,8 +178,10 @@ class Trainer:
         cfg, topo = self.config, self.topology
         k = self.iteration
         t0 = time.perf_counter()
+        if self.topology.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.topology.device)
         if self.schedule.forward_only:
-            return self._eval_step(k, t0)
+            return with_peaks(self._eval_step(k, t0), self.topology.device)
         self.grads.zero()
         mbs = pinned(self.data.microbatches(k, topo.dp_rank, cfg.dp, cfg.microbatches),
                      self.topology.device)
@@ -204,8 +215,9 @@ class Trainer:
         self.scaler.update(found_inf)
         self.iteration += 1
         dt = time.perf_counter() - t0
-        return StepStats(k, loss_total / (cfg.microbatches * cfg.dp), dt, norm, lr, scale,
-                         found_inf, cfg.global_batch * cfg.seq_len / dt)
+        return with_peaks(StepStats(k, loss_total / (cfg.microbatches * cfg.dp), dt, norm, lr,
+                                    scale, found_inf, cfg.global_batch * cfg.seq_len / dt),
+                          self.topology.device)
 
     def _eval_step(self, k: int, t0: float) -> StepStats:
         cfg, topo = self.config, self.topology
@@ -285,6 +297,14 @@ class Trainer:
                     self.optimizer.state[p] = adamw_state_for(self.optimizer, p, st)
             self.scaler.load_state_dict(state["scaler"])
         self.iteration, self.updates = int(state["iteration"]), int(state["updates"])
+
+
+def with_peaks(stats: StepStats, device: torch.device) -> StepStats:
+    """``stats`` with the step's CUDA allocator peaks (unchanged on CPU)."""
+    if device.type != "cuda":
+        return stats
+    return dataclasses.replace(stats, max_memory_allocated=float(torch.cuda.max_memory_allocated(device)),
+                               max_memory_reserved=float(torch.cuda.max_memory_reserved(device)))
 
 
 def pinned(microbatches, device: torch.device):

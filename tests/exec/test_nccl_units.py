@@ -206,3 +206,44 @@ def test_versions_and_the_supported_range_agree_with_pyproject():
 
 if sys.version_info < (3, 11):        # tomllib
     pytestmark = pytest.mark.skip("needs Python 3.11")
+
+
+# -- measuring on a GPU (CUDA mocked) ---------------------------------------------------------
+def test_probe_times_with_cuda_events(monkeypatch):
+    from pipeexec.profile import probe
+    calls = []
+
+    class Event:
+        def __init__(self, enable_timing=False):
+            assert enable_timing
+            calls.append("new")
+
+        def record(self):
+            calls.append("record")
+
+        def synchronize(self):
+            calls.append("sync")
+
+        def elapsed_time(self, other):
+            return 12.5                        # milliseconds, as torch's
+
+    def no_sync(*a):
+        raise AssertionError("host synchronize: times the launch overhead, not the kernels")
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "synchronize", no_sync)
+    value, (wall, cpu) = probe._timed(torch.device("cuda", 0), lambda: (calls.append("fn"), 7)[1])
+    assert value == 7 and wall == pytest.approx(0.0125) and cpu != cpu
+    assert calls == ["new", "new", "record", "fn", "record", "sync"]
+
+
+def test_step_peaks_on_cuda_and_nan_on_cpu(monkeypatch):
+    import math
+
+    from pipeexec.train import StepStats, with_peaks
+    s = StepStats(0, 1.0, 0.1, 1.0, 1e-3, 1.0, False, 10.0)
+    assert math.isnan(with_peaks(s, torch.device("cpu")).max_memory_allocated)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda d: 1000)
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda d: 2048)
+    got = with_peaks(s, torch.device("cuda", 0))
+    assert (got.max_memory_allocated, got.max_memory_reserved) == (1000.0, 2048.0)
