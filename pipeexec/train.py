@@ -151,8 +151,8 @@ class Trainer:
         self.board = board
         self.p2p = None
         if config.pp > 1:
-            if topology.backend == "nccl":
-                check_p2p_order(self.schedule)
+            if topology.backend == "nccl" or config.nccl_matching:
+                check_p2p_order(self.schedule)      # NCCL's matching and streams: before start
             self.p2p = P2P(rank=topology.rank, pp_rank=topology.pp_rank,
                            groups=topology.p2p_groups, peers=topology.pp_ranks,
                            num_stages=config.num_stages, num_microbatches=config.microbatches,

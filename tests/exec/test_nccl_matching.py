@@ -22,7 +22,7 @@ import torch
 import pipesim
 from pipeexec import launch
 from pipeexec.config import ConfigError
-from pipeexec.topology import destroy_topology, init_topology
+from pipeexec.topology import channel_keys, destroy_topology, init_topology
 from pipeexec.train import Trainer, train
 
 from exec_helpers import GLOBAL_BATCH, MICROBATCHES, TINY, layout_config, reference_train
@@ -39,6 +39,8 @@ REF_CFG = TINY.replace(microbatches=MICROBATCHES, micro_batch_size=GLOBAL_BATCH 
 def matching_worker(board, pp: int, dp: int, cases: list[tuple[str, int]]) -> dict:
     topo = init_topology(pp, dp, device="cpu", timeout=120)
     out = {}
+    # this rank's channels: the 2-rank groups of the ring-neighbour pairs it is an end of
+    assert set(topo.p2p_groups) == {k for k in channel_keys(pp) if topo.pp_rank in k[1:]}
     try:
         for schedule, lookahead in cases:
             cfg = layout_config(schedule, pp, dp, steps=STEPS, recv_lookahead=lookahead,

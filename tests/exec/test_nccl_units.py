@@ -181,6 +181,36 @@ def test_duplicate_gpus_are_found_by_uuid():
     check_unique_gpus(store, 1, 2, "GPU-bbbb", timeout=5)     # distinct GPUs: fine
 
 
+def test_nccl_matching_flag_reaches_the_config():
+    from pipeexec.cli import _parser, config_from_args
+    assert config_from_args(_parser().parse_args(["train", "--nccl-matching"])).nccl_matching
+    assert not config_from_args(_parser().parse_args(["train"])).nccl_matching
+
+
+def test_channel_keys_are_the_ring_neighbours_both_ways():
+    from pipeexec.topology import channel_keys
+    assert channel_keys(1) == []
+    assert channel_keys(2) == [(0, 0, 1), (1, 0, 1), (0, 1, 0), (1, 1, 0)]
+    keys = channel_keys(4)
+    assert len(keys) == 16 and len(set(keys)) == 16
+    pairs = {(a, b) for _, a, b in keys}
+    assert pairs == {(r, (r + 1) % 4) for r in range(4)} | {((r + 1) % 4, r) for r in range(4)}
+    # every transfer of every builder's placement runs on one of them
+    import pipesim
+    from pipesim.schedule.channels import transfer_of
+    for name in pipesim.schedule_names():
+        for vpp in (1, 2):
+            try:
+                s = pipesim.build_schedule(name, pp=4, vpp=vpp, microbatches=8)
+            except pipesim.ScheduleError:
+                continue
+            for r in range(4):
+                for a in s.actions(r):
+                    if a.op.startswith(("SEND", "RECV")):
+                        t = transfer_of(s, r, a)
+                        assert (0 if t.kind == "F" else 1, t.src, t.dst) in keys, (name, a)
+
+
 def test_cpus_per_rank_refused_with_cuda(capsys):
     from pipeexec.cli import main
     with pytest.raises(SystemExit) as info:
