@@ -43,6 +43,18 @@ def test_local_launcher_matches_single_process(tmp_path, reference):
     for k in (1, 2, 3):
         assert f"step {k}/3 loss" in stdout
     assert "tokens/s" in stdout
+    import torch
+    assert metrics["versions"]["torch"] == torch.__version__ and metrics["versions"]["nccl"] is None
+    assert f"torch {torch.__version__}" in stdout
+
+
+def test_nccl_matching_run_matches_single_process(tmp_path, reference):
+    # gpipe, pp 2, lookahead 1: the layout whose losses went wrong under NCCL's matching
+    metrics, _ = _train(tmp_path, "nccl", PIPEEXEC, "--schedule", "gpipe", "--pp", "2",
+                        "--microbatches", "4", "--micro-batch-size", "2", "--recv-lookahead", "1",
+                        "--nccl-matching")
+    assert metrics["config"]["nccl_matching"] is True
+    assert metrics["losses"] == pytest.approx(reference["losses"], rel=1e-5)
 
 
 def test_torchrun_matches_single_process(tmp_path, reference):
