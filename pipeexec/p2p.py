@@ -94,6 +94,10 @@ class P2P:
         self.stream_waits = device.type == "cuda"
         self._stream_waited: list[tuple[Pending, str]] = []
 
+    def activation_specs(self) -> dict[int, tuple[torch.Size, torch.dtype]]:
+        """(shape, dtype) of the activation received at each stage boundary seen so far."""
+        return dict(self._specs)
+
     def record_posting(self) -> dict[ChannelKey, list[tuple]]:
         """Start logging every transfer as it is really posted; returns the log: per channel,
         ``(what, direction, boundary, microbatch)`` in posting order, ``what`` being "header" or

@@ -44,7 +44,7 @@ def _probe(trainer: Any, device: torch.device, repeats: int) -> dict:
     tokens, targets = trainer.data.microbatches(0, trainer.topology.dp_rank, cfg.dp,
                                                 cfg.microbatches)[0]
     tokens, targets = tokens.to(device), targets.to(device)
-    specs = getattr(trainer.p2p, "_specs", {}) if trainer.p2p is not None else {}
+    specs = trainer.p2p.activation_specs() if trainer.p2p is not None else {}
     outputs: dict[int, torch.Tensor] = {}
     out: dict[int, dict[str, dict[str, float]]] = {}
     for s in sorted(trainer.stages):
