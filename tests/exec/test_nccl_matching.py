@@ -5,7 +5,8 @@ tag): every schedule, pp 2 and 4, dp 1 and 2, receive lookahead 0, 1 and 2, fp32
 * losses and parameters equal independent single-process training (rtol 1e-5, atol 1e-6 on
   parameters, as in test_exec_equivalence);
 * what the runtime REALLY posts (`P2P.record_posting`), per channel: the sender's sequence
-  (header / data, kind, boundary, microbatch) equals the receiver's, which is what NCCL needs.
+  (header / data, kind, boundary, microbatch) equals the receiver's, which is what NCCL needs,
+  and the receiver's data receives come in the schedule's RECV order on that channel.
 
 Before the fix (receives of a boundary's first activation deferred, later ones posted at once)
 gpipe and looped-bfs at pp 2, lookahead 1 gave losses [3.466205, 3.472553] and
@@ -20,6 +21,7 @@ import pytest
 import torch
 
 import pipesim
+from pipesim.schedule.channels import transfer_of
 from pipeexec import launch
 from pipeexec.config import ConfigError
 from pipeexec.topology import channel_keys, destroy_topology, init_topology
@@ -49,7 +51,7 @@ def matching_worker(board, pp: int, dp: int, cases: list[tuple[str, int]]) -> di
             log = trainer.p2p.record_posting()
             res = train(trainer)
             out[(schedule, lookahead)] = {
-                "losses": res.losses, "vpp": cfg.vpp, "dp_rank": topo.dp_rank,
+                "losses": res.losses, "vpp": cfg.vpp, "schedule": trainer.schedule, "dp_rank": topo.dp_rank,
                 "pp_rank": topo.pp_rank, "posted": {k: list(v) for k, v in log.items()},
                 "params": {n: p.detach().clone() for n, p in trainer.named_parameters().items()},
             }
@@ -81,6 +83,17 @@ def test_nccl_matching_equals_single_process(pp, dp):
                                       f"{seq if p == src else other}, rank {dst} "
                                       f"{other if p == src else seq}")
                 assert len(seq) > 0
+            # ... and a receiver posts each channel's data in the schedule's RECV order, every step
+            sched = results[0][key]["schedule"]
+            want: dict = {}
+            for a in sched.actions(p):
+                if a.op in ("RECV_F", "RECV_B"):
+                    t = transfer_of(sched, p, a)
+                    want.setdefault((0 if t.kind == "F" else 1, t.src, t.dst), []).append(
+                        (t.boundary, t.microbatch))
+            for channel, order in want.items():
+                got = [(b, mb) for what, _, b, mb in posted[channel] if what == "data"]
+                assert got == order * STEPS, f"{label}: rank {p} channel {channel}: posted {got}"
         losses = [r[key]["losses"] for r in results]
         assert all(ls == losses[0] for ls in losses), f"{label}: ranks disagree on the losses"
         torch.testing.assert_close(torch.tensor(losses[0]), torch.tensor(ref_losses), rtol=1e-5,
