@@ -113,7 +113,7 @@ def main(argv: list[str] | None = None) -> None:
     import pipesim
     from .checkpoint import CheckpointError, read_tracker
     from .cpu_quota import QuotaUnavailable
-    from .devices import may_use_cuda, start_method_for
+    from .devices import cuda_device_count, may_use_cuda, start_method_for
     from .launcher import WorkerFailed, launch
     from .worker import run_training
 
@@ -129,6 +129,10 @@ def main(argv: list[str] | None = None) -> None:
         if under_torchrun and ns.cpus_per_rank is not None:
             raise ConfigError("--cpus-per-rank confines the workers of a local run; under "
                               "torchrun, set CPU limits where the processes are started")
+        if (config.device or "").startswith("cuda") and cuda_device_count() == 0:
+            raise ConfigError(f"--device {config.device}: no CUDA device is visible here (NVML "
+                              "counts none; check the driver and CUDA_VISIBLE_DEVICES), or use "
+                              "--device cpu")
         if ns.cpus_per_rank is not None and may_use_cuda(config.device, config.backend):
             raise ConfigError("--cpus-per-rank is for CPU runs: on CUDA it would throttle the "
                               "threads that launch kernels and drive NCCL (drop it, or use "

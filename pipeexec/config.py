@@ -70,7 +70,8 @@ class TrainConfig:
     nccl_matching: bool = False
     collective_timeout: float = 600.0
     backend: str | None = None       # None: nccl when CUDA is available, else gloo
-    device: str | None = None        # None: cuda:<local rank> when CUDA is available, else cpu
+    device: str | None = None        # None: cuda when a GPU is visible, else cpu; cuda means
+                                     # cuda:<local rank % visible GPUs> (pipeexec/devices.py)
     # fault injection, for tests of the failure paths (never set in normal runs):
     # "raise:RANK:STEP:ACTION" raises in that action, "exit:RANK:STEP:ACTION" kills the process
     # there (SIGKILL), "hang:RANK:STEP:ACTION" blocks there forever, "overflow:STEP" puts an inf into one gradient of the last stage at that step.

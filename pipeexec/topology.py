@@ -153,8 +153,9 @@ def warm_up_channels(order: list, rank: int, device: torch.device, timeout: floa
     creation blocks until both ranks arrive; during a step, two ranks arriving at two channels
     in opposite orders would deadlock. Here the lowest-numbered unfinished channel always has
     both its ranks at it (each has finished every lower one), so warm-up completes, and after
-    it no communicator is created during a step (with ``device_id``, torch >= 2.8 creates them
-    eagerly anyway)."""
+    it no communicator is created during a step. With ``device_id`` (torch >= 2.8) `new_group`
+    creates each 2-rank communicator eagerly, a rendezvous of its two ranks; every rank creates
+    the groups in the same global order, so the same argument applies there."""
     td = datetime.timedelta(seconds=timeout)
     for key, (src, dst), group in order:
         if rank not in (src, dst):

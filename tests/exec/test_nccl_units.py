@@ -216,7 +216,29 @@ def test_cpus_per_rank_refused_with_cuda(capsys):
     with pytest.raises(SystemExit) as info:
         main(["train", "--device", "cuda", "--cpus-per-rank", "1", "--no-progress"])
     assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert "--cpus-per-rank is for CPU runs" in err or "no CUDA device is visible" in err
+
+
+def test_cpus_per_rank_refused_when_a_gpu_is_visible(capsys, monkeypatch):
+    from pipeexec.cli import main
+    monkeypatch.setattr(devices, "cuda_device_count", lambda: 2)     # as NVML would count
+    with pytest.raises(SystemExit) as info:
+        main(["train", "--cpus-per-rank", "1", "--no-progress"])     # device None -> cuda
+    assert info.value.code == 2
     assert "--cpus-per-rank is for CPU runs" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as info:
+        main(["train", "--device", "cuda", "--cpus-per-rank", "1", "--no-progress"])
+    assert "--cpus-per-rank is for CPU runs" in capsys.readouterr().err
+
+
+def test_cuda_without_a_visible_gpu_is_refused_before_start(capsys, monkeypatch):
+    from pipeexec.cli import main
+    monkeypatch.setattr(devices, "cuda_device_count", lambda: 0)
+    with pytest.raises(SystemExit) as info:
+        main(["train", "--device", "cuda", "--no-progress"])
+    assert info.value.code == 2
+    assert "--device cuda: no CUDA device is visible here" in capsys.readouterr().err
 
 
 # -- versions ---------------------------------------------------------------------------------
