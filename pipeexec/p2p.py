@@ -287,6 +287,22 @@ class P2P:
         return torch.Size(vals[2: 2 + vals[1]]), DTYPES[vals[0]]
 
 
+def check_channels_exist(schedule, pp_rank: int, channels) -> None:
+    """Raise P2PError naming the first action of ``pp_rank`` whose transfer has no channel
+    among ``channels`` (a hand-made placement sending between ranks that are not ring
+    neighbours), before any step starts."""
+    from pipesim.schedule.channels import transfer_of
+
+    keys = set(channels)
+    for a in schedule.actions(pp_rank):
+        if a.op in ("SEND_F", "RECV_F", "SEND_B", "RECV_B"):
+            t = transfer_of(schedule, pp_rank, a)
+            if (FWD if t.kind == "F" else BWD, t.src, t.dst) not in keys:
+                raise P2PError(f"schedule {schedule.name!r}: pipeline rank {pp_rank}: {a} needs a "
+                               f"channel from rank {t.src} to {t.dst}, and pipeexec connects "
+                               "ring neighbours only (placements with stages on adjacent ranks)")
+
+
 def check_p2p_order(schedule) -> None:
     """Raise P2PError if some channel's transfers would match the wrong tensor or deadlock
     under NCCL's rules with pipeexec's channel layout (`pipesim.schedule.channels`, with the

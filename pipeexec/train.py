@@ -33,7 +33,7 @@ from .ddp import GradBuffer
 from .malloc import keep_freed_memory
 from .model import ModelSpec, gpt_spec_from_config
 from .optim import adamw_state_for, build_adamw, clip_coefficient, lr_at, set_lr
-from .p2p import P2P, check_p2p_order
+from .p2p import P2P, check_channels_exist, check_p2p_order
 from .partition import make_partition
 from .precision import LossScaler, MasterWeights, compute_dtype
 from .runtime import ActionRecorder, PipelineRuntime
@@ -151,6 +151,7 @@ class Trainer:
         self.board = board
         self.p2p = None
         if config.pp > 1:
+            check_channels_exist(self.schedule, topology.pp_rank, topology.p2p_groups)
             if topology.backend == "nccl" or config.nccl_matching:
                 check_p2p_order(self.schedule)      # NCCL's matching and streams: before start
             self.p2p = P2P(rank=topology.rank, pp_rank=topology.pp_rank,

@@ -211,6 +211,22 @@ def test_channel_keys_are_the_ring_neighbours_both_ways():
                         assert (0 if t.kind == "F" else 1, t.src, t.dst) in keys, (name, a)
 
 
+def test_a_placement_beyond_ring_neighbours_is_refused_before_start():
+    import pipesim
+    from pipesim.schedule.action import Action as A
+    from pipeexec.p2p import check_channels_exist
+    from pipeexec.topology import channel_keys
+    # pp 4, stage 0 on rank 0 and stage 1 on rank 2: not neighbours
+    compute = [[A("F", 0, 0), A("B", 0, 0)], [A("F", 2, 0), A("B", 2, 0)],
+               [A("F", 1, 0), A("B", 1, 0)], [A("F", 3, 0), A("B", 3, 0)]]
+    s = pipesim.Schedule(4, 1, 1, (0, 2, 1, 3), compute, name="skip").validate()
+    with pytest.raises(P2PError, match=r"pipeline rank 0: 0SEND_F0 needs a channel from rank 0 "
+                                       r"to 2"):
+        check_channels_exist(s, 0, channel_keys(4))
+    check_channels_exist(pipesim.build_schedule("zbv", pp=4, vpp=2, microbatches=8), 0,
+                         channel_keys(4))
+
+
 def test_cpus_per_rank_refused_with_cuda(capsys):
     from pipeexec.cli import main
     with pytest.raises(SystemExit) as info:
