@@ -14,6 +14,11 @@ that needs the tensor, calling the recorder's ``wait_start`` / ``wait_end`` arou
 profiler marks both, so the computation proper starts when the data is there and the wait
 becomes the RECV row (the simulator's meaning of a RECV row: time the rank spent waiting for
 the message). `ProfiledP2P` wraps the pipeline's `P2P` to note the bytes of every message.
+On a GPU the wait is a stream wait (`pipeexec.p2p`): both marks are events recorded on the
+compute stream at once, so a RECV row measures nothing of the transfer there (it is zero
+long), and the waiting shows inside the computation that follows, which starts on the device
+only when its data is there. SEND rows likewise span host-side posting to completion as seen
+at the next host check, not the transfer on the wire.
 
 Memory: an optional meter (:mod:`pipeexec.profile.memory`) is read before each action's start
 timestamp and after its end timestamp, so its own cost falls between actions, not inside them.
