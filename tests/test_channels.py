@@ -75,6 +75,19 @@ def test_shared_pipeline_communicator_deadlocks(name, pp, vpp, m, la):
     check_channels(s, one_way_pairs, defer_first_activation=True)
 
 
+def test_lazy_communicator_creation_needs_the_warm_up():
+    # torch 2.6-2.7: a communicator is created at its first transfer, the host blocking until the
+    # peer arrives; issue 12 saw gpipe pp 4 m 4 lookahead 1 deadlock in the first step that way.
+    s = _build("gpipe", 4, 1, 4, 1)
+    with pytest.raises(ChannelError, match="creates the communicator of channel"):
+        check_channels(s, one_way_pairs, defer_first_activation=True, lazy_communicators=True)
+    # pipeexec creates and warms up every channel before the first step: the eager model holds
+    check_channels(s, one_way_pairs, defer_first_activation=True)
+    # posted right before use, creation meets no cycle here
+    check_channels(_build("gpipe", 4, 1, 4, 0), one_way_pairs, defer_first_activation=True,
+                   lazy_communicators=True)
+
+
 def test_single_untagged_group_head_of_line_deadlock():
     # gpipe pp 2, lookahead 1: rank 0 posts RECV_B0 before SEND_F1 on the one stream; rank 1
     # needs F1's activation before it can compute and send B0's gradient.

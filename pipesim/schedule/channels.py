@@ -21,6 +21,11 @@ order. Waiting on the device instead (stream waits) gives the same dependencies:
 the communicator's stream waits for the computations enqueued before it, a computation for the
 receives it waits on, so the same schedules complete.
 
+``lazy_communicators`` models torch 2.6-2.7 without eager init (a communicator created at its
+first transfer, blocking the host until the peer arrives there too): pipeexec's layout then
+deadlocks e.g. gpipe pp 4 m 4 lookahead 1 in the first step, which is why pipeexec creates
+and warms up every channel, in one global order, before the first step.
+
 Channel functions provided (any callable ``Transfer -> hashable`` works):
 
 * `one_way_pairs`: one communicator per (kind, src, dst), pipeexec's layout. Each stream carries
@@ -115,10 +120,16 @@ class _Op:
 
 
 def check_channels(schedule: "Schedule", channel_of: ChannelFn = one_way_pairs, *,
-                   steps: int = 2, defer_first_activation: bool = False) -> None:
+                   steps: int = 2, defer_first_activation: bool = False,
+                   lazy_communicators: bool = False) -> None:
     """Run ``steps`` steps of ``schedule`` with every transfer posted on the FIFO
     ``channel_of(transfer)`` names, matched NCCL's way; raise `ChannelError` at the first
-    mismatch or deadlock. See the module docstring for the model."""
+    mismatch or deadlock. See the module docstring for the model.
+
+    ``lazy_communicators``: torch 2.6-2.7's NCCL behaviour without eager init: the first
+    transfer a rank posts on a (channel, pair of ranks) creates its communicator, and the host
+    blocks until the other rank of the pair arrives at its own first transfer there (what
+    pipeexec's start-up warm-up, done in one global order, takes out of the steps)."""
     pp = schedule.pp
     programs = [schedule.actions(r) for r in range(pp)]
     ops: list[list[list[_Op | None]]] = []       # [step][rank][index in the action list]
@@ -150,19 +161,38 @@ def check_channels(schedule: "Schedule", channel_of: ChannelFn = one_way_pairs, 
     pc = [(0, 0)] * pp                                   # (step, index) of each host
     blocked: list[_Op | None] = [None] * pp              # what a host waits for
     micro: list[deque] = [deque() for _ in range(pp)]    # flush work queued by a wait
+    arrived: dict[tuple, set[int]] = {}                  # lazy communicators: who has come
+    created: set[tuple] = set()
 
     def post(op: _Op) -> None:
         fifos.setdefault((op.rank, op.fifo), deque()).append(op)
+
+    def must_create(r: int, op: _Op) -> bool:
+        """Lazy mode: register ``r`` at ``op``'s communicator; True if ``r`` must wait there."""
+        if not lazy_communicators:
+            return False
+        comm = (op.fifo, min(op.rank, op.peer), max(op.rank, op.peer))
+        if comm in created:
+            return False
+        arrived.setdefault(comm, set()).add(r)
+        if len(arrived[comm]) == 2:
+            created.add(comm)
+            return False
+        blocked[r] = _Creation(comm, op)
+        return True
 
     def try_advance(r: int) -> bool:
         moved = False
         while True:
             if blocked[r] is not None:
-                if not blocked[r].done:
+                b = blocked[r]
+                if not (b.comm in created if isinstance(b, _Creation) else b.done):
                     return moved
                 blocked[r] = None
                 moved = True
             if micro[r]:
+                if must_create(r, micro[r][0]):
+                    return moved
                 op = micro[r].popleft()
                 post(op)
                 moved = True
@@ -189,6 +219,8 @@ def check_channels(schedule: "Schedule", channel_of: ChannelFn = one_way_pairs, 
                 if not op.is_send and defer_first_activation and (
                         queue or (t.kind == "F" and t.boundary not in known[r])):
                     queue.append(op)
+                elif must_create(r, op):
+                    return moved
                 else:
                     post(op)
                 pc[r] = (step, i + 1)
@@ -244,11 +276,26 @@ def check_channels(schedule: "Schedule", channel_of: ChannelFn = one_way_pairs, 
             raise _deadlock(schedule, blocked, fifos, pc)
 
 
+class _Creation(NamedTuple):
+    """A host blocked creating a communicator lazily, at its first transfer ``op`` there."""
+
+    comm: tuple
+    op: _Op
+
+
 def _deadlock(schedule: "Schedule", blocked: list, fifos: dict, pc: list) -> ChannelError:
     lines = []
     first = None
     for r, need in enumerate(blocked):
         if need is None:
+            continue
+        if isinstance(need, _Creation):
+            op = need.op
+            lines.append(f"rank {r} (step {pc[r][0]}) creates the communicator of channel "
+                         f"{op.fifo!r} at its first transfer there, {op}, and waits for rank "
+                         f"{op.peer} to arrive")
+            if first is None:
+                first = (r, op)
             continue
         fifo = fifos.get((r, need.fifo))
         head = fifo[0] if fifo else None
