@@ -222,7 +222,8 @@ class Trainer:
 
     def _eval_step(self, k: int, t0: float) -> StepStats:
         cfg, topo = self.config, self.topology
-        out = self.runtime.run(self.data.microbatches(k, topo.dp_rank, cfg.dp, cfg.microbatches),
+        out = self.runtime.run(pinned(self.data.microbatches(k, topo.dp_rank, cfg.dp,
+                                                             cfg.microbatches), topo.device),
                                step=k, forward_only=True)
         dev = self.grads.data.device
         loss = (torch.stack(list(out.losses.values())).sum().float() if out.losses
