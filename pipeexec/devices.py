@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import datetime
+import os
 
 import torch
 
@@ -68,12 +69,14 @@ def gpu_uuid(device: torch.device) -> str:
 
 def check_unique_gpus(store, rank: int, world: int, uuid: str, timeout: float) -> None:
     """Every rank publishes its GPU's UUID in the store and reads everyone's; two ranks on one
-    GPU raise `DeviceError` naming both (NCCL cannot run two ranks of a group on one GPU)."""
-    store.set(f"gpu-uuid/{rank}", uuid)
-    store.wait([f"gpu-uuid/{r}" for r in range(world)], datetime.timedelta(seconds=timeout))
+    GPU raise `DeviceError` naming both (NCCL cannot run two ranks of a group on one GPU).
+    Keys carry torchrun's restart count, so a restarted job never reads its previous round's."""
+    key = f"gpu-uuid/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
+    store.set(key + str(rank), uuid)
+    store.wait([key + str(r) for r in range(world)], datetime.timedelta(seconds=timeout))
     seen: dict[str, int] = {}
     for r in range(world):
-        u = store.get(f"gpu-uuid/{r}").decode()
+        u = store.get(key + str(r)).decode()
         if u in seen:
             raise DeviceError(f"rank {rank}: ranks {seen[u]} and {r} are on the same GPU ({u}); "
                               "NCCL needs one GPU per rank: start at most one rank per GPU, "

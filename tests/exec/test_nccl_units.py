@@ -171,14 +171,19 @@ def test_device_count_via_nvml_and_spawn_when_cuda_may_be_used(monkeypatch):
     assert start_method_for(None, "nccl") == "spawn"
 
 
-def test_duplicate_gpus_are_found_by_uuid():
+def test_duplicate_gpus_are_found_by_uuid(monkeypatch):
+    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
     store = dist.HashStore()
-    store.set("gpu-uuid/0", "GPU-aaaa")
+    store.set("gpu-uuid/0/0", "GPU-aaaa")          # rank 0 has published its GPU
     with pytest.raises(DeviceError, match=r"ranks 0 and 1 are on the same GPU \(GPU-aaaa\)"):
         check_unique_gpus(store, 1, 2, "GPU-aaaa", timeout=5)
     store = dist.HashStore()
-    store.set("gpu-uuid/0", "GPU-aaaa")
+    store.set("gpu-uuid/0/0", "GPU-aaaa")
     check_unique_gpus(store, 1, 2, "GPU-bbbb", timeout=5)     # distinct GPUs: fine
+    # a torchrun restart does not read the previous round's keys
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    store.set("gpu-uuid/1/0", "GPU-bbbb")          # ranks swapped GPUs in the new round
+    check_unique_gpus(store, 1, 2, "GPU-aaaa", timeout=5)
 
 
 def test_nccl_matching_flag_reaches_the_config():
