@@ -255,7 +255,7 @@ class P2P:
 
     def _host_wait(self, items: list[tuple[Pending, str]]) -> None:
         """Poll until every transfer has completed; past the timeout raise P2PError naming the
-        first incomplete one (posting order). Sleeps 0.2 ms between polls, and only while
+        first incomplete one in ``items``' order (sends, then receives, each as posted). Sleeps 0.2 ms between polls, and only while
         something is still in flight."""
         deadline = time.monotonic() + self.timeout_s
         for p, what in items:
