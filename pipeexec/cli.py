@@ -54,6 +54,9 @@ def _parser() -> argparse.ArgumentParser:
     a("--recv-lookahead", type=int, default=d.recv_lookahead,
       help="post each receive this many computations before the one that needs it (0: right "
            "before it); the simulator models the same schedule")
+    a("--nccl-matching", action="store_true",
+      help="gloo on CPU matching point-to-point transfers as NCCL does (tags ignored, in "
+           "posting order per group and pair of ranks): shows on CPU what a NCCL run would get")
     a("--cpu-return-freed-memory", action="store_true",
       help="CPU: let malloc give freed memory back to the kernel (by default it is kept for "
            "the next step, which saves a page fault per fresh page; pipeexec/malloc.py)")
@@ -93,6 +96,7 @@ def config_from_args(ns: argparse.Namespace) -> TrainConfig:
         weight_decay=ns.weight_decay, clip_grad=ns.clip_grad, precision=ns.precision,
         loss_scale=ns.loss_scale, loss_scale_growth_interval=ns.loss_scale_growth_interval,
         seed=ns.seed, p2p_timeout=ns.p2p_timeout, recv_lookahead=ns.recv_lookahead,
+        nccl_matching=ns.nccl_matching,
         cpu_keep_freed_memory=not ns.cpu_return_freed_memory,
         backend=ns.backend, device=ns.device,
         inject=tuple(ns.inject), forward_only=ns.forward_only)
@@ -109,6 +113,7 @@ def main(argv: list[str] | None = None) -> None:
     import pipesim
     from .checkpoint import CheckpointError, read_tracker
     from .cpu_quota import QuotaUnavailable
+    from .devices import cuda_device_count, may_use_cuda, start_method_for
     from .launcher import WorkerFailed, launch
     from .worker import run_training
 
@@ -124,13 +129,22 @@ def main(argv: list[str] | None = None) -> None:
         if under_torchrun and ns.cpus_per_rank is not None:
             raise ConfigError("--cpus-per-rank confines the workers of a local run; under "
                               "torchrun, set CPU limits where the processes are started")
+        if (config.device or "").startswith("cuda") and cuda_device_count() == 0:
+            raise ConfigError(f"--device {config.device}: no CUDA device is visible here (NVML "
+                              "counts none; check the driver and CUDA_VISIBLE_DEVICES), or use "
+                              "--device cpu")
+        if ns.cpus_per_rank is not None and may_use_cuda(config.device, config.backend):
+            raise ConfigError("--cpus-per-rank is for CPU runs: on CUDA it would throttle the "
+                              "threads that launch kernels and drive NCCL (drop it, or use "
+                              "--device cpu)")
         if under_torchrun:
             run_training(None, config, ns.metrics_out, progress=not ns.no_progress,
                          checkpoint=checkpoint, profile=profile)
         else:
             launch(run_training, world,
                    (config, ns.metrics_out, not ns.no_progress, checkpoint, profile),
-                   timeout=ns.timeout, cpus_per_rank=ns.cpus_per_rank)
+                   timeout=ns.timeout, cpus_per_rank=ns.cpus_per_rank,
+                   start_method=start_method_for(config.device, config.backend))
     except (ConfigError, pipesim.ScheduleError, ValueError, QuotaUnavailable) as exc:
         print(f"pipeexec: error: {exc}", file=sys.stderr)
         sys.exit(2)

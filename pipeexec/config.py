@@ -65,9 +65,13 @@ class TrainConfig:
     recv_lookahead: int = 1          # post receives this many computations before their consumer
     cpu_keep_freed_memory: bool = True   # CPU: malloc keeps freed memory (pipeexec/malloc.py)
     p2p_timeout: float = 300.0       # seconds for one send/receive to complete
+    # gloo emulating NCCL's point-to-point matching: tags ignored, a group's transfers between
+    # two ranks matched in posting order (finds posting-order bugs on CPU; pipeexec/p2p.py)
+    nccl_matching: bool = False
     collective_timeout: float = 600.0
     backend: str | None = None       # None: nccl when CUDA is available, else gloo
-    device: str | None = None        # None: cuda:<local rank> when CUDA is available, else cpu
+    device: str | None = None        # None: cuda when a GPU is visible, else cpu; cuda means
+                                     # cuda:<local rank % visible GPUs> (pipeexec/devices.py)
     # fault injection, for tests of the failure paths (never set in normal runs):
     # "raise:RANK:STEP:ACTION" raises in that action, "exit:RANK:STEP:ACTION" kills the process
     # there (SIGKILL), "hang:RANK:STEP:ACTION" blocks there forever, "overflow:STEP" puts an inf into one gradient of the last stage at that step.
@@ -128,6 +132,13 @@ class TrainConfig:
             raise ConfigError(f"a text file needs vocab >= 256 (byte-level tokens), got {self.vocab}")
         if not isinstance(self.recv_lookahead, int) or self.recv_lookahead < 0:
             raise ConfigError(f"recv_lookahead must be a non-negative integer, got {self.recv_lookahead!r}")
+        if not isinstance(self.nccl_matching, bool):
+            raise ConfigError(f"nccl_matching must be true or false, got {self.nccl_matching!r}")
+        if self.nccl_matching and (self.backend == "nccl" or
+                                   (self.device or "").startswith("cuda")):
+            raise ConfigError("nccl_matching emulates NCCL's matching on gloo (CPU); with "
+                              f"backend={self.backend!r} device={self.device!r} it does not apply: "
+                              "drop --nccl-matching, or run with --device cpu")
         if self.p2p_timeout <= 0 or self.collective_timeout <= 0:
             raise ConfigError("timeouts must be positive")
         if check_schedule:

@@ -3,6 +3,8 @@
 Forking is the fast path (8 gloo ranks start in a fraction of a second, where spawn or torchrun
 re-import torch in every worker for seconds each). It is only safe while the parent has no
 threads, so the launcher refuses to fork a multi-threaded parent unless told to use "spawn".
+A run that may use CUDA must spawn (a forked child cannot initialise CUDA once the parent has):
+the CLI picks the method with `pipeexec.devices.start_method_for`.
 Each worker gets torchrun's variables (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT)
 and one intra-op thread (OMP_NUM_THREADS=1 semantics), so code written for torchrun runs as is.
 

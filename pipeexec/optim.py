@@ -25,13 +25,37 @@ def lr_at(step: int, *, lr: float, min_lr: float, warmup: int, decay_steps: int)
 
 def build_adamw(named_masters: Sequence[tuple[str, torch.nn.Parameter]], *, lr: float,
                 weight_decay: float, betas: tuple[float, float], eps: float) -> torch.optim.AdamW:
+    """AdamW over the masters. CPU: the per-parameter loop (``foreach=False``; the same numbers
+    as torch's default there). CUDA: ``fused=True``, one kernel for all parameters (the loop
+    would launch several kernels per parameter, and read ``step`` on the host each time)."""
     decay = [p for _, p in named_masters if p.dim() >= 2]
     no_decay = [p for _, p in named_masters if p.dim() < 2]
     groups = [g for g in ({"params": decay, "weight_decay": weight_decay},
                           {"params": no_decay, "weight_decay": 0.0}) if g["params"]]
     if not groups:   # a rank without parameters still steps (nothing), keeping ranks in lock-step
         groups = [{"params": [torch.nn.Parameter(torch.zeros(0))], "weight_decay": 0.0}]
+    on_cuda = any(p.is_cuda for g in groups for p in g["params"])
+    if on_cuda:
+        return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, fused=True)
     return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, foreach=False)
+
+
+def adamw_state_for(optimizer: torch.optim.Optimizer, param: torch.Tensor, state: dict) -> dict:
+    """A loaded per-parameter AdamW state placed where this optimizer keeps it: moments on the
+    parameter's device; ``step`` on the CPU (as torch creates it) unless the group is fused or
+    capturable, which keep it on the device. A CUDA ``step`` with the per-parameter loop would
+    cost one device sync per parameter per step."""
+    group = next(g for g in optimizer.param_groups if any(p is param for p in g["params"]))
+    on_device = bool(group.get("fused") or group.get("capturable"))
+    out = {}
+    for k, v in state.items():
+        if not torch.is_tensor(v):
+            out[k] = v
+        elif k == "step":
+            out[k] = v.detach().to("cpu" if not on_device else param.device).clone()
+        else:
+            out[k] = v.detach().to(param.device).clone()
+    return out
 
 
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:

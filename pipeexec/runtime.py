@@ -213,7 +213,8 @@ class PipelineRuntime:
         stage = self.stages[s]
         key = (s, mb)
         if stage.is_first:
-            x = self._mbs[mb][0].to(self.device, non_blocking=True)
+            x = self._mbs[mb][0]
+            x = x.to(self.device, non_blocking=x.is_pinned())   # async only from pinned memory
             if x.is_floating_point():
                 x = x.to(self.compute_dtype)   # Float16Module: cast inputs on the first stage
         elif key in self._fwd:
@@ -230,7 +231,8 @@ class PipelineRuntime:
         with torch.set_grad_enabled(train):
             y = stage(x)
             if stage.is_last:
-                loss = self.loss_fn(y.float(), self._mbs[mb][1].to(self.device, non_blocking=True))
+                t = self._mbs[mb][1]
+                loss = self.loss_fn(y.float(), t.to(self.device, non_blocking=t.is_pinned()))
                 self._out.losses[mb] = loss.detach()
                 if self._keep:
                     self._out.outputs[mb] = y.detach().float()

@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import datetime
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from .devices import check_unique_gpus, gpu_uuid, pick_device
 
 
 class TopologyError(RuntimeError):
@@ -41,9 +43,9 @@ class Topology:
     pp_ranks: tuple[int, ...]  # global rank of each pipeline rank of this pipeline
     dp_ranks: tuple[int, ...]
     store: Any = None          # the c10d store (failure notes, checkpoint barriers)
-    # Four process groups over this pipeline's ranks, one per p2p channel: (activation or
-    # gradient) x (towards a higher or a lower pipeline rank); see p2p.channel().
-    p2p_groups: tuple = ()
+    # The 2-rank process group of every p2p channel this rank is an end of, keyed
+    # (FWD or BWD, src pipeline rank, dst pipeline rank); see `channel_keys`.
+    p2p_groups: dict = field(default_factory=dict)
 
     def pipeline_peer(self, pp_rank: int) -> int:
         """Global rank of pipeline rank ``pp_rank`` in this replica's pipeline."""
@@ -52,6 +54,22 @@ class Topology:
     def __str__(self) -> str:
         return (f"rank {self.rank}/{self.world_size} (pp rank {self.pp_rank}/{self.pp}, "
                 f"dp rank {self.dp_rank}/{self.dp}, {self.device}, {self.backend})")
+
+
+def channel_keys(pp: int) -> list[tuple[int, int, int]]:
+    """Every p2p channel of a pipeline of ``pp`` ranks, in the order all ranks create them:
+    (kind 0 activation / 1 gradient, src, dst) for each ordered pair of ring neighbours (the
+    pairs every builder's placement uses: looped ``stage % pp`` and V-shape)."""
+    pairs = sorted({(r, (r + 1) % pp) for r in range(pp)} | {((r + 1) % pp, r) for r in range(pp)})
+    return [(kind, a, b) for a, b in pairs if a != b for kind in (0, 1)]
+
+
+def nccl_diagnostics_defaults() -> None:
+    """Turn on torch's NCCL flight recorder unless the user chose otherwise: on a timeout the
+    watchdog then dumps the last collectives and p2p operations of every rank (read them with
+    ``python -m torch.distributed.flight_recorder.fr_trace``; README, GPUs)."""
+    os.environ.setdefault("TORCH_NCCL_TRACE_BUFFER_SIZE", "2000")
+    os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
 
 
 def env_rank_info() -> tuple[int, int, int, str, int]:
@@ -65,20 +83,13 @@ def env_rank_info() -> tuple[int, int, int, str, int]:
     return rank, world, local, os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
 
 
-def pick_device(local_rank: int, device: str | None) -> torch.device:
-    if device is not None:
-        dev = torch.device(device)
-        if dev.type == "cuda" and dev.index is None:
-            dev = torch.device("cuda", local_rank)
-        return dev
-    if torch.cuda.is_available():
-        return torch.device("cuda", local_rank % torch.cuda.device_count())
-    return torch.device("cpu")
-
-
 def init_topology(pp: int, dp: int, *, backend: str | None = None, device: str | None = None,
-                  timeout: float = 600.0) -> Topology:
+                  timeout: float = 600.0, p2p_timeout: float | None = None) -> Topology:
     """Initialise torch.distributed from the environment and build the pp and dp groups.
+
+    ``p2p_timeout``: on NCCL, the p2p channel groups' timeout is this plus a minute, so that the
+    watchdog aborts a stuck transfer even when the host is stuck too (the runtime's own check at
+    the end of each step names the action first; `pipeexec.p2p`).
 
     ``world_size`` must equal ``pp * dp``: checked before any collective, with the reason.
     """
@@ -89,11 +100,6 @@ def init_topology(pp: int, dp: int, *, backend: str | None = None, device: str |
     if backend is None:
         backend = "nccl" if dev.type == "cuda" else "gloo"
     if dev.type == "cuda":
-        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-        if backend == "nccl" and local_world > torch.cuda.device_count():
-            raise TopologyError(f"{local_world} ranks on this node but {torch.cuda.device_count()} "
-                                "CUDA device(s): NCCL needs one GPU per rank (use fewer ranks, or "
-                                "--device cpu for gloo on CPU)")
         torch.cuda.set_device(dev)
     # torchrun's agent hosts a store at MASTER_PORT; the local launcher makes rank 0 host it.
     agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
@@ -101,6 +107,9 @@ def init_topology(pp: int, dp: int, *, backend: str | None = None, device: str |
     store = dist.TCPStore(addr, port, world, is_master=(rank == 0 and not agent_store), timeout=td,
                           wait_for_workers=False)
     store = dist.PrefixStore("pipeexec", store)
+    if dev.type == "cuda" and backend == "nccl":
+        check_unique_gpus(store, rank, world, gpu_uuid(dev), timeout)
+        nccl_diagnostics_defaults()
     kwargs = {"device_id": dev} if dev.type == "cuda" else {}
     dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=td, **kwargs)
     pp_rank, dp_rank = divmod(rank, dp)
@@ -108,17 +117,25 @@ def init_topology(pp: int, dp: int, *, backend: str | None = None, device: str |
     pp_ranks: tuple[int, ...] = ()
     dp_ranks: tuple[int, ...] = ()
     # Every rank creates every group, in the same order (a torch.distributed requirement).
-    p2p_groups: tuple = ()
+    # P2P channels: one 2-rank group per (kind, src, dst), so that on NCCL each communicator,
+    # hence each stream, carries one kind one way between two ranks (pipesim.schedule.channels:
+    # no deadlock for any builder; a group over the whole pipeline would put "receive from i-1"
+    # and "send to i+1" on one stream, which deadlocks some schedules).
+    p2p_groups: dict = {}
+    order: list = []
+    channel_td = td if p2p_timeout is None else datetime.timedelta(seconds=p2p_timeout + 60)
     for d in range(dp):
         ranks = tuple(layout_rank(p, d, dp) for p in range(pp))
         group = dist.new_group(list(ranks), timeout=td) if pp > 1 else None
-        # NCCL matches sends and receives between two ranks in posting order, whatever the tag,
-        # and a receive waiting on a communicator's stream holds up the sends queued behind it.
-        # One communicator per (kind, direction) keeps each stream one-way and each one's order
-        # the same on both sides (pipesim schedules keep that order per kind and direction).
-        channels = (group, *(dist.new_group(list(ranks), timeout=td) for _ in range(3))) if pp > 1 else ()
+        channels = {}
+        for key in channel_keys(pp):
+            members = [ranks[key[1]], ranks[key[2]]]
+            channels[key] = dist.new_group(sorted(members), timeout=channel_td)
+            order.append((key, members, channels[key]))
         if d == dp_rank:
-            pp_group, pp_ranks, p2p_groups = group, ranks, channels
+            pp_group, pp_ranks = group, ranks
+            p2p_groups = {k: g for k, g in channels.items() if rank in (ranks[k[1]], ranks[k[2]])}
+    warm_up_channels(order, rank, dev, timeout)
     for p in range(pp):
         ranks = tuple(layout_rank(p, d, dp) for d in range(dp))
         group = dist.new_group(list(ranks), timeout=td) if dp > 1 else None
@@ -126,6 +143,30 @@ def init_topology(pp: int, dp: int, *, backend: str | None = None, device: str |
             dp_group, dp_ranks = group, ranks
     return Topology(rank, world, pp, dp, pp_rank, dp_rank, local_rank, dev, backend,
                     pp_group, dp_group, pp_ranks, dp_ranks, store, p2p_groups)
+
+
+def warm_up_channels(order: list, rank: int, device: torch.device, timeout: float) -> None:
+    """One tiny transfer over every channel this rank is an end of, all ranks walking the
+    channels in the same global order, each waiting for its transfer before the next.
+
+    torch 2.6-2.7 create a NCCL communicator lazily at a group's first p2p operation, and that
+    creation blocks until both ranks arrive; during a step, two ranks arriving at two channels
+    in opposite orders would deadlock. Here the lowest-numbered unfinished channel always has
+    both its ranks at it (each has finished every lower one), so warm-up completes, and after
+    it no communicator is created during a step. With ``device_id`` (torch >= 2.8) `new_group`
+    creates each 2-rank communicator eagerly, a rendezvous of its two ranks; every rank creates
+    the groups in the same global order, so the same argument applies there."""
+    td = datetime.timedelta(seconds=timeout)
+    for key, (src, dst), group in order:
+        if rank not in (src, dst):
+            continue
+        buf = torch.zeros(1, device=device)
+        work = dist.isend(buf, dst, group=group) if rank == src else dist.irecv(buf, src, group=group)
+        try:
+            work.wait(td)
+        except Exception as exc:
+            raise TopologyError(f"rank {rank}: warming up p2p channel {key} (rank {src} -> "
+                                f"{dst}) failed: {exc}") from exc
 
 
 def destroy_topology(topology: Topology) -> None:

@@ -15,6 +15,7 @@ every rank agrees on (fp16 skips the step together) and the mean loss of the glo
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import sys
 import time
@@ -31,8 +32,8 @@ from .data import BatchSource
 from .ddp import GradBuffer
 from .malloc import keep_freed_memory
 from .model import ModelSpec, gpt_spec_from_config
-from .optim import build_adamw, clip_coefficient, lr_at, set_lr
-from .p2p import P2P, check_p2p_order
+from .optim import adamw_state_for, build_adamw, clip_coefficient, lr_at, set_lr
+from .p2p import P2P, check_channels_exist, check_p2p_order
 from .partition import make_partition
 from .precision import LossScaler, MasterWeights, compute_dtype
 from .runtime import ActionRecorder, PipelineRuntime
@@ -50,6 +51,10 @@ class StepStats:
     loss_scale: float
     skipped: bool
     tokens_per_s: float
+    # CUDA: the step's allocator peaks (torch.cuda.max_memory_allocated / _reserved, bytes,
+    # reset at the step's start); NaN on CPU
+    max_memory_allocated: float = math.nan
+    max_memory_reserved: float = math.nan
 
 
 @dataclass
@@ -61,8 +66,12 @@ class TrainResult:
     loss_scales: list[float] = field(default_factory=list)
     skipped: list[bool] = field(default_factory=list)
     tokens_per_s: list[float] = field(default_factory=list)
+    max_memory_allocated: list[float] = field(default_factory=list)
+    max_memory_reserved: list[float] = field(default_factory=list)
 
     def add(self, s: StepStats) -> None:
+        self.max_memory_allocated.append(s.max_memory_allocated)
+        self.max_memory_reserved.append(s.max_memory_reserved)
         self.losses.append(s.loss)
         self.step_times.append(s.step_time)
         self.grad_norms.append(s.grad_norm)
@@ -142,12 +151,14 @@ class Trainer:
         self.board = board
         self.p2p = None
         if config.pp > 1:
-            if topology.backend == "nccl":
-                check_p2p_order(self.schedule)
+            check_channels_exist(self.schedule, topology.pp_rank, topology.p2p_groups)
+            if topology.backend == "nccl" or config.nccl_matching:
+                check_p2p_order(self.schedule)      # NCCL's matching and streams: before start
             self.p2p = P2P(rank=topology.rank, pp_rank=topology.pp_rank,
                            groups=topology.p2p_groups, peers=topology.pp_ranks,
                            num_stages=config.num_stages, num_microbatches=config.microbatches,
-                           device=dev, timeout=config.p2p_timeout)
+                           device=dev, timeout=config.p2p_timeout,
+                           nccl_matching=config.nccl_matching)
         self.runtime = PipelineRuntime(self.schedule, topology.pp_rank, self.stages, spec.loss_fn,
                                        self.grads.accumulate, self.p2p, global_rank=topology.rank,
                                        device=dev, compute_dtype=self.dtype, recorder=recorder,
@@ -168,10 +179,13 @@ class Trainer:
         cfg, topo = self.config, self.topology
         k = self.iteration
         t0 = time.perf_counter()
+        if self.topology.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.topology.device)
         if self.schedule.forward_only:
-            return self._eval_step(k, t0)
+            return with_peaks(self._eval_step(k, t0), self.topology.device)
         self.grads.zero()
-        mbs = self.data.microbatches(k, topo.dp_rank, cfg.dp, cfg.microbatches)
+        mbs = pinned(self.data.microbatches(k, topo.dp_rank, cfg.dp, cfg.microbatches),
+                     self.topology.device)
         out = self.runtime.run(mbs, step=k, loss_scale=self.scaler.scale)
         if self.board is not None:
             self.board.set(topo.rank, k, "ALLREDUCE", -1, -1)
@@ -202,12 +216,14 @@ class Trainer:
         self.scaler.update(found_inf)
         self.iteration += 1
         dt = time.perf_counter() - t0
-        return StepStats(k, loss_total / (cfg.microbatches * cfg.dp), dt, norm, lr, scale,
-                         found_inf, cfg.global_batch * cfg.seq_len / dt)
+        return with_peaks(StepStats(k, loss_total / (cfg.microbatches * cfg.dp), dt, norm, lr,
+                                    scale, found_inf, cfg.global_batch * cfg.seq_len / dt),
+                          self.topology.device)
 
     def _eval_step(self, k: int, t0: float) -> StepStats:
         cfg, topo = self.config, self.topology
-        out = self.runtime.run(self.data.microbatches(k, topo.dp_rank, cfg.dp, cfg.microbatches),
+        out = self.runtime.run(pinned(self.data.microbatches(k, topo.dp_rank, cfg.dp,
+                                                             cfg.microbatches), topo.device),
                                step=k, forward_only=True)
         dev = self.grads.data.device
         loss = (torch.stack(list(out.losses.values())).sum().float() if out.losses
@@ -242,7 +258,8 @@ class Trainer:
                                                 global_rank=self.topology.rank,
                                                 device=self.topology.device, compute_dtype=self.dtype,
                                                 board=self.board)
-        mbs = self.data.microbatches(step, self.topology.dp_rank, self.config.dp, self.config.microbatches)
+        mbs = pinned(self.data.microbatches(step, self.topology.dp_rank, self.config.dp,
+                                            self.config.microbatches), self.topology.device)
         return self._fwd_runtime.run(mbs, step=step, forward_only=True, keep_outputs=keep_outputs)
 
     # -- state, keyed by global parameter names ---------------------------------------------
@@ -279,10 +296,25 @@ class Trainer:
             for name, p in zip(self.param_names, self.masters.masters):
                 st = state["optimizer"].get(name)
                 if st is not None:
-                    self.optimizer.state[p] = {k: (v.to(p.device).clone() if torch.is_tensor(v) else v)
-                                               for k, v in st.items()}
+                    self.optimizer.state[p] = adamw_state_for(self.optimizer, p, st)
             self.scaler.load_state_dict(state["scaler"])
         self.iteration, self.updates = int(state["iteration"]), int(state["updates"])
+
+
+def with_peaks(stats: StepStats, device: torch.device) -> StepStats:
+    """``stats`` with the step's CUDA allocator peaks (unchanged on CPU)."""
+    if device.type != "cuda":
+        return stats
+    return dataclasses.replace(stats, max_memory_allocated=float(torch.cuda.max_memory_allocated(device)),
+                               max_memory_reserved=float(torch.cuda.max_memory_reserved(device)))
+
+
+def pinned(microbatches, device: torch.device):
+    """On CUDA, the microbatches in pinned memory, so their copies to the GPU are asynchronous
+    (a non_blocking copy from pageable memory is a synchronous staged copy)."""
+    if device.type != "cuda":
+        return microbatches
+    return [tuple(t.pin_memory() for t in mb) for mb in microbatches]
 
 
 def train(trainer: Trainer, *, on_step: Callable[[Trainer, StepStats], None] | None = None,

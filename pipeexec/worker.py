@@ -18,6 +18,7 @@ from .checkpoint import CheckpointManager, CheckpointOptions
 from .config import TrainConfig
 from .topology import destroy_topology, init_topology
 from .train import Trainer, train
+from .versions import run_versions
 
 if TYPE_CHECKING:
     from .profile import ProfileOptions
@@ -36,7 +37,7 @@ def run_training(board: ActionBoard | None, config: TrainConfig, metrics_out: st
     ``profile``: time the actions of a step range (``--profile A:B``); rank 0's metrics then
     hold the gathered `MeasuredRun` under "measured_run" (not written to ``metrics_out``)."""
     topology = init_topology(config.pp, config.dp, backend=config.backend, device=config.device,
-                             timeout=config.collective_timeout)
+                             timeout=config.collective_timeout, p2p_timeout=config.p2p_timeout)
     try:
         session = None
         if profile is not None:
@@ -51,6 +52,10 @@ def run_training(board: ActionBoard | None, config: TrainConfig, metrics_out: st
                  f"m={config.microbatches} b={config.micro_batch_size} precision={config.precision} "
                  f"layers={config.layers}+2 hidden={config.hidden} on {topology.backend}/"
                  f"{topology.device.type}; stage bounds {list(trainer.bounds)}")
+            v = run_versions(topology.backend)
+            _log(f"pipeexec: torch {v['torch']}" + (f", NCCL {v['nccl']}" if v["nccl"] else "")
+                 + ("" if v["torch_supported"] or topology.backend != "nccl" else
+                    " (outside the torch range the NCCL path supports: pipeexec/versions.py)"))
         manager = CheckpointManager(checkpoint, log=_log) if checkpoint and checkpoint.active else None
         if manager is not None:
             manager.load(trainer)
@@ -62,7 +67,8 @@ def run_training(board: ActionBoard | None, config: TrainConfig, metrics_out: st
         if manager is not None:
             metrics["checkpoint"] = manager.metrics()
         metrics.update(config=config.to_dict(), world_size=topology.world_size,
-                       backend=topology.backend, device=str(topology.device))
+                       backend=topology.backend, device=str(topology.device),
+                       versions=run_versions(topology.backend))
         measured = session.finish(trainer) if session is not None else None
         if measured is not None:
             metrics["profile"] = {"steps": measured.steps, "makespans": measured.makespans(),

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from pipeexec.config import TrainConfig
-from pipeexec.topology import Topology, destroy_topology, init_topology
+from pipeexec.topology import Topology, channel_keys, destroy_topology, init_topology
 from pipeexec.train import Trainer, train
 
 # decay_steps is fixed so that a run stopped early (smaller --steps) follows the same LR curve.
@@ -27,7 +27,7 @@ def fake_topology(pp: int = 1, dp: int = 1, pp_rank: int = 0, dp_rank: int = 0,
                     torch.device("cpu"), "gloo", None, None,
                     tuple(p * dp + dp_rank for p in range(pp)),
                     tuple(pp_rank * dp + d for d in range(dp)), store,
-                    p2p_groups=(None,) * 4 if pp > 1 else ())
+                    p2p_groups={k: None for k in channel_keys(pp)})
 
 
 def local_trainer(cfg: TrainConfig, pp_rank: int = 0, dp_rank: int = 0, store=None) -> Trainer:

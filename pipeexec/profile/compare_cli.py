@@ -22,6 +22,7 @@ def profiled_run(config: Any, first: int, stop: int, *, trace_out: str | None = 
     """Train ``config`` in local forked workers, profiling steps ``first..stop-1``; return the
     gathered run (written to ``trace_out`` too, when given). ``cpus_per_rank``: as for
     `pipeexec.launcher.launch`."""
+    from ..devices import start_method_for
     from ..launcher import launch
     from ..worker import run_training
     from .session import ProfileOptions
@@ -29,7 +30,8 @@ def profiled_run(config: Any, first: int, stop: int, *, trace_out: str | None = 
     options = ProfileOptions(first, stop, trace_out)
     options.check(config.steps)
     results = launch(run_training, config.world_size, (config, None, False, None, options),
-                     timeout=timeout, cpus_per_rank=cpus_per_rank)
+                     timeout=timeout, cpus_per_rank=cpus_per_rank,
+                     start_method=start_method_for(config.device, config.backend))
     run = results[0].get("measured_run")
     if run is None:
         raise RuntimeError("rank 0 returned no measured run (was the profiled range empty?)")

@@ -1,6 +1,6 @@
 """Memory meters for the profiler: what a rank holds for its in-flight microbatches.
 
-* `HeldTensorMeter` (CPU, and anywhere allocator statistics are missing): counts exactly the
+* `HeldTensorMeter` (the profiler's meter on every device): counts exactly the
   bytes of the tensors the runtime keeps. During each F, a ``saved_tensors_hooks`` pair notes
   (by weak reference to the alias autograd keeps) every tensor autograd saves for backward,
   filed under that F's
@@ -10,8 +10,9 @@
   buffers, gradients waiting, W's recorded gradients). Storages are counted once each (a view shares its base's
   storage) and parameters are never counted: the result is activation memory, the quantity
   the schedule changes.
-* `CudaMemoryMeter` (GPU): ``torch.cuda.memory_allocated`` minus its value at the start of the
-  step, i.e. what the step allocated and still holds.
+* `CudaMemoryMeter` (GPU, for comparison): ``torch.cuda.memory_allocated`` minus its value at
+  the start of the step. Read at host time it runs ahead of the device (a tensor still being
+  sent already counts as freed), so the profiler uses the held-tensor meter on GPUs too.
 """
 from __future__ import annotations
 

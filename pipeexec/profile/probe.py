@@ -44,7 +44,7 @@ def _probe(trainer: Any, device: torch.device, repeats: int) -> dict:
     tokens, targets = trainer.data.microbatches(0, trainer.topology.dp_rank, cfg.dp,
                                                 cfg.microbatches)[0]
     tokens, targets = tokens.to(device), targets.to(device)
-    specs = getattr(trainer.p2p, "_specs", {}) if trainer.p2p is not None else {}
+    specs = trainer.p2p.activation_specs() if trainer.p2p is not None else {}
     outputs: dict[int, torch.Tensor] = {}
     out: dict[int, dict[str, dict[str, float]]] = {}
     for s in sorted(trainer.stages):
@@ -152,14 +152,19 @@ def _other_work(stage: Any, x: torch.Tensor) -> None:
 
 
 def _timed(device: torch.device, fn: Any) -> tuple[Any, tuple[float, float]]:
-    cuda = device.type == "cuda"
-    if cuda:
-        torch.cuda.synchronize(device)
+    """(wall seconds, CPU seconds) of ``fn``. On CUDA the wall time is the device's, between
+    two CUDA events on the current stream (synchronize + perf_counter would add the launch
+    overhead, large next to a small stage's kernels); CPU time is then NaN."""
+    if device.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        value = fn()
+        end.record()
+        end.synchronize()
+        return value, (start.elapsed_time(end) / 1e3, float("nan"))
     w0, c0 = time.perf_counter(), time.thread_time()
     value = fn()
-    if cuda:
-        torch.cuda.synchronize(device)
-    return value, (time.perf_counter() - w0, float("nan") if cuda else time.thread_time() - c0)
+    return value, (time.perf_counter() - w0, time.thread_time() - c0)
 
 
 def _add(times: dict, cpus: dict, op: str, t: tuple[float, float]) -> None:

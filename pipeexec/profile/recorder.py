@@ -14,6 +14,12 @@ that needs the tensor, calling the recorder's ``wait_start`` / ``wait_end`` arou
 profiler marks both, so the computation proper starts when the data is there and the wait
 becomes the RECV row (the simulator's meaning of a RECV row: time the rank spent waiting for
 the message). `ProfiledP2P` wraps the pipeline's `P2P` to note the bytes of every message.
+On a GPU the wait is a stream wait (`pipeexec.p2p`): ``wait_start``'s event is recorded on
+the compute stream before the stream wait and ``wait_end``'s after it, so the RECV row is the
+time the device's compute stream stood still for the data (with a host-blocking wait both
+events would sit back to back on the stream: zero long). A SEND row runs from its posting
+event on the sender's compute stream to that arrival; the transfer on the NCCL stream itself is
+not timed.
 
 Memory: an optional meter (:mod:`pipeexec.profile.memory`) is read before each action's start
 timestamp and after its end timestamp, so its own cost falls between actions, not inside them.

@@ -5,7 +5,7 @@
 1. at start-up, clocks are aligned to global rank 0 (:mod:`pipeexec.profile.clock`);
 2. its `ActionProfiler` is passed to the `Trainer` as the runtime's recorder, and ``attach``
    instruments the trainer's runtime: the p2p object (message sizes) and a
-   memory meter (exact held tensors on CPU, allocator bytes on GPU);
+   memory meter (exact held tensors, on CPU and GPU alike);
 3. after training, ``finish`` times each stage's F, B, I and W outside the schedule
    (:mod:`pipeexec.profile.probe`, what a run without I/W cannot show), gathers every rank's
    records to rank 0 (one ``gather_object``) and builds a `MeasuredRun` there; with
@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from .clock import ClockOffset, align_clocks
 from .measured import MeasuredRun, build_trace
-from .memory import CudaMemoryMeter, HeldTensorMeter
+from .memory import HeldTensorMeter
 from .recorder import ActionProfiler, ProfiledP2P
 
 
@@ -94,11 +94,12 @@ class ProfileSession:
                              "recorder=session.profiler")
         if runtime.p2p is not None and not isinstance(runtime.p2p, ProfiledP2P):
             runtime.p2p = ProfiledP2P(runtime.p2p, self.profiler)
-        if self.topology.device.type == "cuda":
-            self.profiler.memory = CudaMemoryMeter(self.topology.device)
-        else:
-            params = [p for st in runtime.stages.values() for p in st.parameters()]
-            self.profiler.memory = HeldTensorMeter(runtime, exclude=params)
+        # The held-tensor meter on every device: it counts what the runtime holds, which is
+        # device-independent. On a GPU, memory_allocated read at host time runs ahead of the
+        # device and counts tensors still being sent as freed (CudaMemoryMeter stays available
+        # to compare against; per-step allocator peaks are in the metrics).
+        params = [p for st in runtime.stages.values() for p in st.parameters()]
+        self.profiler.memory = HeldTensorMeter(runtime, exclude=params)
 
     def finish(self, trainer: Any) -> MeasuredRun | None:
         """Gather to global rank 0; return the `MeasuredRun` there (None elsewhere)."""
@@ -136,7 +137,7 @@ class ProfileSession:
             "clock_offsets": [p["offset"] for p in pipeline],
             "clock_rtts": [p["rtt"] for p in pipeline],
             "profiled_steps": [self.options.first, self.options.stop],
-            "memory": ("allocated" if topo.device.type == "cuda" else "held_tensors"),
+            "memory": "held_tensors",
             "rank_cpus": [p["cpus"] for p in pipeline], "host_cpus": os.cpu_count(),
             "hosts": host_loads(gathered),
             "config": cfg.to_dict(),

@@ -43,6 +43,18 @@ def test_local_launcher_matches_single_process(tmp_path, reference):
     for k in (1, 2, 3):
         assert f"step {k}/3 loss" in stdout
     assert "tokens/s" in stdout
+    import torch
+    assert metrics["versions"]["torch"] == torch.__version__ and metrics["versions"]["nccl"] is None
+    assert f"torch {torch.__version__}" in stdout
+
+
+def test_nccl_matching_run_matches_single_process(tmp_path, reference):
+    # gpipe, pp 2, lookahead 1: the layout whose losses went wrong under NCCL's matching
+    metrics, _ = _train(tmp_path, "nccl", PIPEEXEC, "--schedule", "gpipe", "--pp", "2",
+                        "--microbatches", "4", "--micro-batch-size", "2", "--recv-lookahead", "1",
+                        "--nccl-matching")
+    assert metrics["config"]["nccl_matching"] is True
+    assert metrics["losses"] == pytest.approx(reference["losses"], rel=1e-5)
 
 
 def test_torchrun_matches_single_process(tmp_path, reference):
@@ -62,3 +74,17 @@ def test_forward_only_run(tmp_path, reference):
     # step 0's equals the reference's first (pre-update) loss
     assert metrics["losses"][0] == pytest.approx(reference["losses"][0], rel=1e-5)
     assert all(metrics["skipped"])
+
+
+def test_spawn_start_runs_training(tmp_path, reference):
+    # what a local CUDA run uses (pipeexec.devices.start_method_for): spawned workers, which
+    # re-import pipeexec and unpickle the config; here on the CPU
+    from pipeexec import launch
+    from pipeexec.config import TrainConfig
+    from pipeexec.worker import run_training
+    cfg = TrainConfig(schedule="1f1b", pp=2, microbatches=4, micro_batch_size=2, layers=2,
+                      hidden=16, heads=2, seq_len=8, vocab=64, steps=3, seed=3, lr=0.01,
+                      device="cpu")
+    results = launch(run_training, 2, (cfg, None, False, None, None), timeout=300,
+                     start_method="spawn")
+    assert results[0]["losses"] == pytest.approx(reference["losses"], rel=1e-5)

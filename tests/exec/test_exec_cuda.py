@@ -55,7 +55,8 @@ LAYOUTS = [(2, 1), (2, 2), (4, 1), (4, 2)]
 def test_layouts_over_nccl(pp, dp, reference):
     if torch.cuda.device_count() < pp * dp:
         pytest.skip(f"needs {pp * dp} GPUs, have {torch.cuda.device_count()}")
-    cases = [(name, {}) for name in pipesim.schedule_names()]
+    print(f"torch {torch.__version__}, NCCL {torch.cuda.nccl.version()}")
+    cases = [(name, {"recv_lookahead": la}) for name in pipesim.schedule_names() for la in (1, 2)]
     results = launch(layouts_worker, pp * dp, (pp, dp, cases, "cuda"), timeout=600,
                      start_method="spawn")
     _check(results, dp, reference, f"pp={pp} dp={dp} nccl")
