@@ -13,7 +13,7 @@ def add_schedule_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("name", help="schedule name (see `pipesim list`)")
     p.add_argument("--pp", type=int, default=4, help="pipeline ranks")
     p.add_argument("--vpp", type=int, default=1, help="chunks (virtual stages) per rank")
-    p.add_argument("--microbatches", "-m", type=int, default=8)
+    p.add_argument("--microbatches", "-m", type=int, default=8, help="microbatches per step")
     p.add_argument("--forward-only", action="store_true", help="inference: forwards only")
 
 

@@ -65,12 +65,12 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("name", help="schedule name (see `pipesim list`)")
     p.add_argument("--pp", type=int, default=4, help="pipeline ranks")
     p.add_argument("--vpp", type=int, default=1, help="chunks (virtual stages) per rank")
-    p.add_argument("--microbatches", "-m", type=int, default=8)
+    p.add_argument("--microbatches", "-m", type=int, default=8, help="microbatches per step")
     p.add_argument("--micro-batch-size", type=int, default=1, help="sequences per microbatch (--model)")
     p.add_argument("--forward-only", action="store_true", help="inference: forwards only")
     _add_cost_args(p)
     p.add_argument("--jitter", type=float, default=0.0, help="relative compute-time noise, seeded")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of --jitter")
     p.add_argument("--gantt", metavar="OUT.png", help="write a Gantt chart")
     p.add_argument("--gantt-comm", action="store_true", help="with a communication lane")
     p.add_argument("--chrome", metavar="OUT.json", help="write a Chrome/Perfetto trace")
@@ -79,11 +79,14 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_simulate)
 
     p = sub.add_parser("sweep", help="simulate schedules x pp x vpp x microbatches, write CSV")
-    p.add_argument("--schedules", nargs="+", required=True, metavar="NAME")
-    p.add_argument("--pp", type=int, nargs="+", default=[4])
-    p.add_argument("--vpp", type=int, nargs="+", default=[1])
-    p.add_argument("--microbatches", "-m", type=int, nargs="+", default=[8])
-    p.add_argument("--micro-batch-size", type=int, nargs="+", default=[1])
+    p.add_argument("--schedules", nargs="+", required=True, metavar="NAME",
+                   help="schedule names (see `pipesim list`)")
+    p.add_argument("--pp", type=int, nargs="+", default=[4], help="pipeline rank counts")
+    p.add_argument("--vpp", type=int, nargs="+", default=[1], help="chunks per rank")
+    p.add_argument("--microbatches", "-m", type=int, nargs="+", default=[8],
+                   help="microbatches per step")
+    p.add_argument("--micro-batch-size", type=int, nargs="+", default=[1],
+                   help="sequences per microbatch (--model)")
     _add_cost_args(p)
     p.add_argument("--memory-limit", type=parse_bytes, default=None,
                    help="per-rank peak memory limit, e.g. 80GB (default with --model: the "
@@ -91,7 +94,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--inflight-limit", type=int, default=None,
                    help="per-rank limit on microbatches in flight")
     p.add_argument("--out", metavar="OUT.csv", required=True, help="CSV of every configuration")
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_sweep)
 
 
