@@ -86,9 +86,9 @@ def add_train_arguments(t: argparse.ArgumentParser) -> None:
 TRAIN_HELP = "train the built-in GPT with a pipeline schedule"
 
 
-def train_parser() -> argparse.ArgumentParser:
+def train_parser(prog: str = "pipeexec train") -> argparse.ArgumentParser:
     """``pipeexec train``'s own parser: its usage and errors name train's flags."""
-    t = argparse.ArgumentParser(prog="pipeexec train", description=TRAIN_HELP,
+    t = argparse.ArgumentParser(prog=prog, description=TRAIN_HELP,
                                 formatter_class=DefaultsHelpFormatter)
     add_train_arguments(t)
     return t
@@ -147,7 +147,7 @@ def main(argv: list[str] | None = None) -> None:
     args = sys.argv[1:] if argv is None else list(argv)
     if args[:1] == ["compare"]:
         from .profile.compare_cli import compare_main
-        sys.exit(compare_main(args[1:], _parser, config_from_args))
+        sys.exit(compare_main(args[1:]))
     if args[:1] == ["train"]:      # errors and usage of train's own parser
         ns = train_parser().parse_args(args[1:])
         ns.command = "train"

@@ -26,14 +26,14 @@ print(f'--cpus-per-rank {c / 4:g}' if c < 4 and quotas_available() else '')")
 fi
 
 echo "== 1. simulate: 1f1b, pp=4, m=8, uniform stages"
-pipesim simulate 1f1b --pp 4 --microbatches 8 --gantt "$out/simulated_1f1b.png"
+python3 -m pipesim simulate 1f1b --pp 4 --microbatches 8 --gantt "$out/simulated_1f1b.png"
 
 echo "== 2. run 1f1b for real on 4 CPU ranks and compare with its simulation"
-pipeexec compare --schedule 1f1b "${model[@]}" --trace-out "$out/run_1f1b.json" \
+python3 -m pipeexec compare --schedule 1f1b "${model[@]}" --trace-out "$out/run_1f1b.json" \
     --report-out "$out/compare_1f1b.json" --table-out "$out/compare_1f1b.md" --plot-out "$out/compare_1f1b.png"
 
 echo "== 3. predict zbv from the 1f1b run, then run it"
-pipeexec compare --schedule zbv --vpp 2 "${model[@]}" --calibrate-from "$out/run_1f1b.json" \
+python3 -m pipeexec compare --schedule zbv --vpp 2 "${model[@]}" --calibrate-from "$out/run_1f1b.json" \
     --report-out "$out/compare_zbv.json" --table-out "$out/compare_zbv.md" --plot-out "$out/compare_zbv.png"
 
 python3 - "$out" <<'PY'

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +13,10 @@ import pipesim
 from .compare import Comparison, compare_runs
 from .measured import MeasuredRun
 from .predict import layout_of, predict
+
+
+# compare's own default where train's would make a toy (one step).
+DEFAULT_STEPS = 6          # steps 1..5 profiled: the central 3 are compared
 
 
 def profiled_run(config: Any, first: int, stop: int, *, trace_out: str | None = None,
@@ -26,7 +29,7 @@ def profiled_run(config: Any, first: int, stop: int, *, trace_out: str | None = 
     from ..worker import run_training
     from .session import ProfileOptions
 
-    options = ProfileOptions(first, stop, trace_out)
+    options = ProfileOptions(first, stop, trace_out, cpus_per_rank=cpus_per_rank)
     options.check(config.steps)
     results = launch(run_training, config.world_size, (config, None, False, None, options),
                      timeout=timeout, cpus_per_rank=cpus_per_rank)
@@ -37,8 +40,10 @@ def profiled_run(config: Any, first: int, stop: int, *, trace_out: str | None = 
 
 
 def compare_parser() -> argparse.ArgumentParser:
+    from pipesim.cli.help import DefaultsHelpFormatter
+
     p = argparse.ArgumentParser(
-        prog="pipeexec compare", add_help=False,
+        prog="pipeexec compare", add_help=False, formatter_class=DefaultsHelpFormatter,
         description="Run a schedule for real with profiling, simulate it with costs calibrated "
                     "from that run (or from --calibrate-from), and compare. Every model and "
                     "layout flag of `pipeexec train` applies (--schedule, --pp, --vpp, "
@@ -46,7 +51,9 @@ def compare_parser() -> argparse.ArgumentParser:
     a = p.add_argument
     a("-h", "--help", action="store_true", help="show this help and the train flags")
     a("--profile", default=None, metavar="A:B",
-      help="steps to profile (default: 1:STEPS, skipping the warm-up step)")
+      help="steps to profile (default: 1:STEPS, skipping the warm-up step; without it, "
+           f"compare defaults to --steps {DEFAULT_STEPS}, --microbatches 2*pp (at least the "
+           "calibration run's) and enough --layers for one per stage)")
     a("--calibrate-from", default=None, metavar="RUN_TRACE",
       help="calibrate from this measured run (its .json, .csv or .meta.json) instead of the "
            "run itself: a prediction made without this run's timings")
@@ -61,31 +68,76 @@ def compare_parser() -> argparse.ArgumentParser:
     return p
 
 
-def compare_main(argv: list[str], train_parser: Callable[[], argparse.ArgumentParser],
-                 config_from_args: Callable[[argparse.Namespace], Any]) -> int:
+def compare_defaults(config: Any, given: set[str], calibration: MeasuredRun | None = None
+                     ) -> tuple[Any, list[str]]:
+    """``config`` with compare's defaults for what the user did not set: m = 2 pp (at least
+    the calibration run's m), enough blocks for every stage to hold one (pp * vpp - 2), and
+    `DEFAULT_STEPS` steps. Returns the config and what was defaulted, in words."""
+    changes: dict[str, Any] = {}
+    if "microbatches" not in given:
+        m = max(2 * config.pp, int(calibration.meta["microbatches"]) if calibration else 0)
+        changes["microbatches"] = m
+    if "layers" not in given and calibration is None:
+        changes["layers"] = max(config.layers, config.num_stages - 2)
+    if "steps" not in given:
+        changes["steps"] = DEFAULT_STEPS
+    changes = {k: v for k, v in changes.items() if getattr(config, k) != v}
+    said = [f"{k} {v}" for k, v in changes.items()]
+    return config.replace(**changes), said
+
+
+def compare_main(argv: list[str]) -> int:
     """``pipeexec compare ...``; returns the exit status (2: bad arguments, 1: run failed)."""
+    from ..cli import config_from_args, explicit_dests, train_parser
+    from ..config import ConfigError
     from ..cpu_quota import QuotaUnavailable
     from ..launcher import WorkerFailed
+    from .run_description import inherit
     from .session import parse_step_range
 
     ns, rest = compare_parser().parse_known_args(argv)
-    parser = train_parser()
+    parser = train_parser(prog="pipeexec compare")
     if ns.help:
         compare_parser().print_help()
         print("\ntrain flags (pipeexec train --help):")
-        parser.parse_args(["train", "--help"])
+        parser.print_help()
         return 0
     try:
-        tns = parser.parse_args(["train", *rest])
+        tns = parser.parse_args(rest)
     except SystemExit as exc:
         return int(exc.code or 0)
     try:
+        given = explicit_dests(parser, rest)
         config = config_from_args(tns)
-        if config.steps < 2 and ns.profile is None:
-            config = config.replace(steps=2)
-        first, stop = parse_step_range(ns.profile) if ns.profile else (1, config.steps)
-        config.validate(world_size=config.world_size)
+        cpus_per_rank = tns.cpus_per_rank
         source = MeasuredRun.load(ns.calibrate_from) if ns.calibrate_from else None
+        notes: list[str] = []
+        if source is not None:
+            inherited = inherit(config, given, source.meta, cpus_per_rank=cpus_per_rank,
+                                source=ns.calibrate_from)
+            config, cpus_per_rank = inherited.config, inherited.cpus_per_rank
+            notes += inherited.notes
+            if inherited.taken:
+                print(f"from the calibration run {ns.calibrate_from}: {inherited.describe()}",
+                      flush=True)
+        config, defaulted = compare_defaults(config, given, source)
+        if ns.profile is not None and "steps" not in given:
+            config = config.replace(steps=parse_step_range(ns.profile)[1])
+            defaulted = [d for d in defaulted if not d.startswith("steps")]
+        if defaulted:
+            print(f"compare defaults: {', '.join(defaulted)} (set them to change)", flush=True)
+        if config.microbatches < 2 * config.pp:
+            notes.append(f"m = {config.microbatches} < 2 pp = {2 * config.pp}: a step is "
+                         "mostly ramp-up and ramp-down")
+        first, stop = parse_step_range(ns.profile) if ns.profile else (1, config.steps)
+        try:
+            config.validate(world_size=config.world_size)
+        except ConfigError as exc:
+            if source is not None and "layers" not in given and "stages" in str(exc):
+                raise ConfigError(f"{exc} (the calibration run's model has --layers "
+                                  f"{config.layers}; calibrate from a run with more layers)"
+                                  ) from None
+            raise
         if source is not None:
             layout = layout_of(config)
             predicted, cal = predict(config.build_schedule(), layout, source)
@@ -94,7 +146,7 @@ def compare_main(argv: list[str], train_parser: Callable[[], argparse.ArgumentPa
                   f"{predicted.bubble_fraction:.3f}", flush=True)
         run = profiled_run(config, first, stop, trace_out=ns.trace_out,
                            timeout=getattr(tns, "timeout", None),
-                           cpus_per_rank=getattr(tns, "cpus_per_rank", None))
+                           cpus_per_rank=cpus_per_rank)
         comparison = compare_runs(run, source)
     except WorkerFailed as exc:
         print(f"pipeexec compare: error: {exc}", file=sys.stderr)
@@ -103,6 +155,8 @@ def compare_main(argv: list[str], train_parser: Callable[[], argparse.ArgumentPa
         print(f"pipeexec compare: error: {exc}", file=sys.stderr)
         return 2
     print(comparison.text())
+    for note in notes:
+        print(f"note: {note}")
     write_outputs(comparison, report_out=ns.report_out, table_out=ns.table_out,
                   plot_out=ns.plot_out, trace_out=ns.trace_out)
     return 0
