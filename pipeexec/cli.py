@@ -159,12 +159,13 @@ def main(argv: list[str] | None = None) -> None:
     from .checkpoint import CheckpointError, read_tracker
     from .cpu_quota import QuotaUnavailable
     from .launcher import WorkerFailed, launch
+    from .preflight import check_train
     from .worker import run_training
 
+    under_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    world = int(os.environ["WORLD_SIZE"]) if under_torchrun else (ns.nproc or ns.pp * ns.dp)
     try:
         config = config_from_args(ns)
-        under_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
-        world = int(os.environ["WORLD_SIZE"]) if under_torchrun else (ns.nproc or config.world_size)
         config.validate(world_size=world)    # before any process group exists
         checkpoint = options_from_args(ns)
         if checkpoint.load is not None:
@@ -173,6 +174,14 @@ def main(argv: list[str] | None = None) -> None:
         if under_torchrun and ns.cpus_per_rank is not None:
             raise ConfigError("--cpus-per-rank confines the workers of a local run; under "
                               "torchrun, set CPU limits where the processes are started")
+        checks = check_train(config, checkpoint, nproc=world, cpus_per_rank=ns.cpus_per_rank)
+        first = not under_torchrun or os.environ.get("RANK") == "0"
+        for warning in checks.warnings if first else ():
+            print(f"pipeexec: warning: {warning}", file=sys.stderr, flush=True)
+        if checks.nothing_to_train:
+            if first:
+                print(f"pipeexec: {checks.nothing_to_train}", flush=True)
+            sys.exit(0)
         if under_torchrun:
             run_training(None, config, ns.metrics_out, progress=not ns.no_progress,
                          checkpoint=checkpoint, profile=profile)
@@ -180,6 +189,11 @@ def main(argv: list[str] | None = None) -> None:
             launch(run_training, world,
                    (config, ns.metrics_out, not ns.no_progress, checkpoint, profile),
                    timeout=ns.timeout, cpus_per_rank=ns.cpus_per_rank)
+    except KeyboardInterrupt:
+        # The launcher's cleanup has run (every worker stopped, quotas removed) on the way here.
+        stopped = "" if under_torchrun else f": stopped {world} worker{'s' if world != 1 else ''}"
+        print(f"\npipeexec: interrupted{stopped}", file=sys.stderr, flush=True)
+        sys.exit(130)
     except (ConfigError, pipesim.ScheduleError, ValueError, QuotaUnavailable) as exc:
         print(f"pipeexec: error: {exc}", file=sys.stderr)
         sys.exit(2)

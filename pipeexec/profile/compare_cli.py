@@ -148,6 +148,10 @@ def compare_main(argv: list[str]) -> int:
                            timeout=getattr(tns, "timeout", None),
                            cpus_per_rank=cpus_per_rank)
         comparison = compare_runs(run, source)
+    except KeyboardInterrupt:
+        print(f"\npipeexec compare: interrupted: stopped {tns.pp * tns.dp} workers",
+              file=sys.stderr, flush=True)
+        return 130
     except WorkerFailed as exc:
         print(f"pipeexec compare: error: {exc}", file=sys.stderr)
         return 1
