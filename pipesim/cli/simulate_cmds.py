@@ -45,8 +45,12 @@ def _cost_source(args: argparse.Namespace):
     """A CostModel, or a (num_stages, micro_batch_size) -> CostModel factory for --model."""
     if args.costs and args.model:
         raise ValueError("give either --costs or --model, not both")
-    if args.hardware and not args.model:
-        raise ValueError("--hardware needs --model")
+    if args.hardware:
+        from ..hardware import get_hardware
+
+        get_hardware(args.hardware)         # a misspelled preset is named before anything else
+        if not args.model:
+            raise ValueError("--hardware needs --model")
     if args.costs:
         return CostModel.load(args.costs)
     if args.model:
@@ -89,8 +93,8 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                    help="sequences per microbatch (--model)")
     _add_cost_args(p)
     p.add_argument("--memory-limit", type=parse_bytes, default=None,
-                   help="per-rank peak memory limit, e.g. 80GB (default with --model: the "
-                        "hardware's memory)")
+                   help="per-rank peak memory limit, e.g. 80GB, 72GiB (a bare number is "
+                        "bytes; default with --model: the hardware's memory)")
     p.add_argument("--inflight-limit", type=int, default=None,
                    help="per-rank limit on microbatches in flight")
     p.add_argument("--out", metavar="OUT.csv", required=True, help="CSV of every configuration")
@@ -151,4 +155,9 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         print(f"invalid ({len(group)} configuration{'s' if len(group) > 1 else ''}): {name}: "
               f"{reason}", file=sys.stderr)
     print(f"{len(ok)} of {len(table)} configurations feasible; wrote {args.out}")
+    if len(ok) == 0:
+        if limit is not None and limit < 2**20:
+            print(f"note: the memory limit is {limit:g} bytes (a number without a unit is "
+                  "bytes: say 80GB or 80GiB)", file=sys.stderr)
+        return 1
     return 0
