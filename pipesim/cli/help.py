@@ -38,4 +38,5 @@ class VersionAction(argparse.Action):
         self.version_text = version_text
 
     def __call__(self, parser, namespace, values, option_string=None):
-        parser.exit(message=self.version_text() + "\n")
+        print(self.version_text())
+        parser.exit()
