@@ -104,3 +104,32 @@ def test_compare_names_the_missing_file_the_user_gave(tmp_path, capsys):
     assert run_cli(["compare", "--schedule", "zbv", "--pp", "4", "--vpp", "2", "--layers", "1",
                     "--calibrate-from", str(calibration_run(tmp_path))]) == 2
     assert "--layers 1 (calibration run: 6)" in capsys.readouterr().err
+
+
+def test_alongside_config_and_its_refusals(tmp_path, capsys):
+    from pipeexec.profile.compare_cli import alongside_config
+
+    c = TrainConfig(schedule="zbv", pp=2, vpp=2, microbatches=4, layers=2)
+    assert (alongside_config(c, "1f1b").schedule, alongside_config(c, "1f1b").vpp) == ("1f1b", 1)
+    assert alongside_config(c, "interleaved:2").vpp == 2
+    with pytest.raises(ValueError, match="expected NAME or NAME:VPP"):
+        alongside_config(c, "1f1b:x")
+    assert run_cli(["compare", "--alongside", "1f1b",
+                    "--calibrate-from", str(calibration_run(tmp_path))]) == 2
+    assert "not both" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_compare_alongside_predicts_from_the_partner_steps_of_one_job(tmp_path, capsys):
+    import json
+
+    from test_compare import TINY
+
+    report = tmp_path / "r.json"
+    assert run_cli(["compare", "--schedule", "zb-h1", *TINY, "--alongside", "1f1b",
+                    "--report-out", str(report)]) == 0
+    out = capsys.readouterr().out
+    assert "predicted from the 1f1b steps of the same job" in out
+    data = json.loads(report.read_text())
+    assert data["schedule"] == "zb-h1" and data["calibration"]["source"]["schedule"] == "1f1b"
+    assert data["compared_steps"] == [1, 2]

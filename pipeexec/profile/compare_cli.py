@@ -57,6 +57,10 @@ def compare_parser() -> argparse.ArgumentParser:
     a("--calibrate-from", default=None, metavar="RUN_TRACE",
       help="calibrate from this measured run (its .json, .csv or .meta.json) instead of the "
            "run itself: a prediction made without this run's timings")
+    a("--alongside", default=None, metavar="NAME[:VPP]",
+      help="train this schedule (e.g. 1f1b) in the same job, alternating steps with the "
+           "compared one, and predict the compared schedule from its steps alone: calibration "
+           "and measurement meet the same machine seconds apart (not with --calibrate-from)")
     a("--trace-out", default=None, metavar="FILE.json",
       help="keep the measured trace: Chrome/Perfetto JSON, with .csv and .meta.json beside it")
     a("--report-out", default=None, metavar="FILE.json", help="write the report as JSON")
@@ -84,6 +88,19 @@ def compare_defaults(config: Any, given: set[str], calibration: MeasuredRun | No
     changes = {k: v for k, v in changes.items() if getattr(config, k) != v}
     said = [f"{k} {v}" for k, v in changes.items()]
     return config.replace(**changes), said
+
+
+def alongside_config(config: Any, text: str) -> Any:
+    """The calibration config of ``--alongside NAME[:VPP]``: ``config`` with that schedule."""
+    name, _, vpp = text.partition(":")
+    try:
+        v = int(vpp) if vpp else 1
+    except ValueError:
+        raise ValueError(f"--alongside {text!r}: expected NAME or NAME:VPP (e.g. 1f1b, "
+                         "interleaved:2)") from None
+    partner = config.replace(schedule=name, vpp=v)
+    partner.validate(world_size=partner.world_size)
+    return partner
 
 
 def compare_main(argv: list[str]) -> int:
@@ -138,15 +155,31 @@ def compare_main(argv: list[str]) -> int:
                                   f"{config.layers}; calibrate from a run with more layers)"
                                   ) from None
             raise
+        partner = None
+        if ns.alongside:
+            if source is not None:
+                raise ValueError("give --calibrate-from (a run made before) or --alongside (a "
+                                 "calibration run in the same job), not both")
+            partner = alongside_config(config, ns.alongside)
         if source is not None:
             layout = layout_of(config)
             predicted, cal = predict(config.build_schedule(), layout, source)
             print(f"prediction before running, calibrated from {ns.calibrate_from}: "
                   f"{predicted.makespan * 1e3:.1f} ms, bubble_fraction "
                   f"{predicted.bubble_fraction:.3f}", flush=True)
-        run = profiled_run(config, first, stop, trace_out=ns.trace_out,
-                           timeout=getattr(tns, "timeout", None),
-                           cpus_per_rank=cpus_per_rank)
+        if partner is not None:
+            from .paired import paired_runs
+
+            source, run = paired_runs([partner, config], first, stop,
+                                      trace_outs=[None, ns.trace_out],
+                                      timeout=getattr(tns, "timeout", None),
+                                      cpus_per_rank=cpus_per_rank)
+            print(f"predicted from the {partner.schedule} steps of the same job (alternating "
+                  f"with the {config.schedule} steps)", flush=True)
+        else:
+            run = profiled_run(config, first, stop, trace_out=ns.trace_out,
+                               timeout=getattr(tns, "timeout", None),
+                               cpus_per_rank=cpus_per_rank)
         comparison = compare_runs(run, source)
     except KeyboardInterrupt:
         print(f"\npipeexec compare: interrupted: stopped {tns.pp * tns.dp} workers",
