@@ -133,3 +133,17 @@ def test_compare_alongside_predicts_from_the_partner_steps_of_one_job(tmp_path, 
     data = json.loads(report.read_text())
     assert data["schedule"] == "zb-h1" and data["calibration"]["source"]["schedule"] == "1f1b"
     assert data["compared_steps"] == [1, 2]
+
+
+def test_a_noisy_calibration_run_is_noted():
+    from pipeexec.profile.compare_cli import calibration_spread_note
+
+    run = jittered_run("1f1b", pp=2, m=4, steps=3)
+    assert calibration_spread_note(run) == []              # 4% jitter: steady
+    late = run.trace["step"] == 2
+    # stretch step 2 by half
+    t0 = run.trace.loc[late, "start"].min()
+    run.trace.loc[late, "end"] = t0 + (run.trace.loc[late, "end"] - t0) * 1.5
+    run.trace.loc[late, "start"] = t0 + (run.trace.loc[late, "start"] - t0) * 1.5
+    (note,) = calibration_spread_note(run)
+    assert "the machine was busy" in note and "--alongside 1f1b" in note

@@ -90,6 +90,22 @@ def compare_defaults(config: Any, given: set[str], calibration: MeasuredRun | No
     return config.replace(**changes), said
 
 
+def calibration_spread_note(source: MeasuredRun, threshold: float = 0.10) -> list[str]:
+    """A note when the calibration run's profiled steps moved more than ``threshold`` (of
+    their median): a separate job on a busy machine, whose drift the prediction carries."""
+    spans = sorted(source.makespans().values())
+    if len(spans) < 2:
+        return []
+    median = spans[(len(spans) - 1) // 2]
+    spread = (spans[-1] - spans[0]) / median if median > 0 else 0.0
+    if spread <= threshold:
+        return []
+    return [f"the calibration run's profiled steps took {spans[0] * 1e3:.0f}-"
+            f"{spans[-1] * 1e3:.0f} ms ({spread:.0%} of their median): the machine was busy "
+            "then, and a prediction from another job carries that drift; --alongside 1f1b "
+            "calibrates in the same job"]
+
+
 def alongside_config(config: Any, text: str) -> Any:
     """The calibration config of ``--alongside NAME[:VPP]``: ``config`` with that schedule."""
     name, _, vpp = text.partition(":")
@@ -134,6 +150,7 @@ def compare_main(argv: list[str]) -> int:
                                 source=ns.calibrate_from)
             config, cpus_per_rank = inherited.config, inherited.cpus_per_rank
             notes += inherited.notes
+            notes += calibration_spread_note(source)
             if inherited.taken:
                 print(f"from the calibration run {ns.calibrate_from}: {inherited.describe()}",
                       flush=True)
