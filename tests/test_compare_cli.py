@@ -81,10 +81,19 @@ def test_cpu_share_of_runs_recorded_before_the_field():
 def test_compare_defaults_make_a_meaningful_run():
     c, said = compare_defaults(TrainConfig(schedule="zbv", pp=4, vpp=2), {"schedule", "pp", "vpp"})
     assert (c.microbatches, c.layers, c.steps) == (8, 6, DEFAULT_STEPS)
+    assert (c.hidden, c.seq_len, c.micro_batch_size) == (256, 128, 4)    # the benchmark's model
     assert c.validate() and "microbatches 8" in said
+    c, _ = compare_defaults(TrainConfig(schedule="interleaved", pp=8, vpp=2),
+                            {"schedule", "pp", "vpp", "hidden"})
+    assert c.layers == 14 and c.hidden == TrainConfig().hidden and c.validate()
+    # with a calibration run, the model is the run's (inherit) and m at least its m
+    c, _ = compare_defaults(TrainConfig(pp=2), {"pp"}, jittered_run("1f1b", pp=4, m=8, steps=1))
+    assert (c.microbatches, c.hidden, c.layers) == (8, TrainConfig().hidden, TrainConfig().layers)
     # the user's values stay
-    c, said = compare_defaults(TrainConfig(pp=2, microbatches=3, steps=3),
-                               {"pp", "microbatches", "steps"})
+    c, said = compare_defaults(TrainConfig(pp=2, microbatches=3, steps=3, hidden=32, layers=2,
+                                           heads=4, seq_len=32, micro_batch_size=1),
+                               {"pp", "microbatches", "steps", "hidden", "layers", "heads",
+                                "seq_len", "micro_batch_size"})
     assert (c.microbatches, c.steps) == (3, 3) and said == []
 
 

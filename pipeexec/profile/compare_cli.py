@@ -17,6 +17,8 @@ from .predict import layout_of, predict
 
 # compare's own default where train's would make a toy (one step).
 DEFAULT_STEPS = 6          # steps 1..5 profiled: the central 3 are compared
+# The model compare runs when neither a flag nor a calibration run sets it: the benchmark's.
+DEFAULT_MODEL = {"layers": 6, "hidden": 256, "heads": 4, "seq_len": 128, "micro_batch_size": 4}
 
 
 def profiled_run(config: Any, first: int, stop: int, *, trace_out: str | None = None,
@@ -53,7 +55,9 @@ def compare_parser() -> argparse.ArgumentParser:
     a("--profile", default=None, metavar="A:B",
       help="steps to profile (default: 1:STEPS, skipping the warm-up step; without it, "
            f"compare defaults to --steps {DEFAULT_STEPS}, --microbatches 2*pp (at least the "
-           "calibration run's) and enough --layers for one per stage)")
+           "calibration run's) and, without --calibrate-from, the model of "
+           "benchmarks/bench_prediction.py: --layers 6 (more for more stages) --hidden 256 "
+           "--heads 4 --seq-len 128 --micro-batch-size 4)")
     a("--calibrate-from", default=None, metavar="RUN_TRACE",
       help="calibrate from this measured run (its .json, .csv or .meta.json) instead of the "
            "run itself: a prediction made without this run's timings")
@@ -75,18 +79,24 @@ def compare_parser() -> argparse.ArgumentParser:
 def compare_defaults(config: Any, given: set[str], calibration: MeasuredRun | None = None
                      ) -> tuple[Any, list[str]]:
     """``config`` with compare's defaults for what the user did not set: m = 2 pp (at least
-    the calibration run's m), enough blocks for every stage to hold one (pp * vpp - 2), and
-    `DEFAULT_STEPS` steps. Returns the config and what was defaulted, in words."""
+    the calibration run's m), `DEFAULT_STEPS` steps, and without a calibration run the model of
+    ``benchmarks/bench_prediction.py`` (`DEFAULT_MODEL`, with a block per stage at least: train's
+    tiny default model runs actions of a millisecond, where per-action overheads and CPU-quota
+    periods dominate). Returns the config and what was defaulted, in words."""
     changes: dict[str, Any] = {}
     if "microbatches" not in given:
         m = max(2 * config.pp, int(calibration.meta["microbatches"]) if calibration else 0)
         changes["microbatches"] = m
-    if "layers" not in given and calibration is None:
-        changes["layers"] = max(config.layers, config.num_stages - 2)
+    if calibration is None:
+        for name, value in DEFAULT_MODEL.items():
+            if name not in given:
+                changes[name] = value
+        if "layers" not in given:
+            changes["layers"] = max(DEFAULT_MODEL["layers"], config.num_stages - 2)
     if "steps" not in given:
         changes["steps"] = DEFAULT_STEPS
     changes = {k: v for k, v in changes.items() if getattr(config, k) != v}
-    said = [f"{k} {v}" for k, v in changes.items()]
+    said = [f"{k.replace('_', '-')} {v}" for k, v in changes.items()]
     return config.replace(**changes), said
 
 
