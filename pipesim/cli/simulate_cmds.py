@@ -112,9 +112,15 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     costs = source(schedule.num_stages, args.micro_batch_size) if callable(source) else source
     result = simulate(schedule, costs, comm=args.comm, step_tail=args.step_tail, dp=args.dp,
                       jitter=args.jitter, seed=args.seed, cores=args.cores)
-    print(result.summary_text())
+    unitless = not (args.costs or args.model)
+    print(result.summary_text(unitless=unitless))
+    if unitless and schedule.vpp > 1:
+        print(f"note: the default costs are per stage (F=1, B=2 each): with vpp = "
+              f"{schedule.vpp} a rank holds {schedule.vpp} stages and does {schedule.vpp}x the "
+              f"work of vpp = 1 (the README's schedule table divides them by vpp)")
     if args.gantt:
-        result.gantt(comm=args.gantt_comm, memory=True).savefig(args.gantt, dpi=100)
+        result.gantt(comm=args.gantt_comm, memory=True,
+                     unitless=unitless).savefig(args.gantt, dpi=100)
         print(f"wrote {args.gantt}")
     if args.chrome:
         result.to_chrome_trace(args.chrome)
@@ -146,7 +152,14 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     shown = ["schedule", "pp", "vpp", "microbatches", "micro_batch_size", "makespan",
              "bubble_fraction", "bubble_rate", "peak_memory", "peak_inflight"]
     if len(ok):
-        print(ok[shown].to_string(index=False, float_format=lambda x: f"{x:.5g}"))
+        view = ok[shown]
+        if args.costs or args.model:
+            from ..result import byte_unit
+
+            scale, name = byte_unit(float(view["peak_memory"].max()))
+            view = view.assign(peak_memory=view["peak_memory"] / scale).rename(
+                columns={"peak_memory": f"peak_memory_{name}", "makespan": "makespan_s"})
+        print(view.to_string(index=False, float_format=lambda x: f"{x:.5g}"))
     for row in table[table["status"] == "infeasible"].itertuples(index=False):
         print(f"infeasible: {row.schedule} pp={row.pp} vpp={row.vpp} m={row.microbatches} "
               f"mbs={row.micro_batch_size}: {row.reason}", file=sys.stderr)
