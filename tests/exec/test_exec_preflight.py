@@ -117,7 +117,7 @@ def test_ctrl_c_stops_the_workers_with_one_line():
                          stderr=subprocess.PIPE, text=True, start_new_session=True, env=env)
     try:
         assert p.stdout.readline().startswith("pipeexec:")      # the banner
-        assert p.stdout.readline().startswith("step 1/")        # the workers run
+        assert p.stdout.readline().startswith("step 0 (1 of")   # the workers run
         os.killpg(p.pid, signal.SIGINT)                         # what a terminal's Ctrl-C does
         _, err = p.communicate(timeout=120)
     finally:
