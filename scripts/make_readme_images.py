@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
         v = r.schedule.vpp
         title = (f"{name}: pp={pp}" + (f" vpp={v}" if v > 1 else "") + f" m={m}, uniform stages "
                  f"(simulated): bubble_fraction {r.bubble_fraction:.3f}, bubble_rate {r.bubble_rate:.3f}")
-        fig = r.gantt(memory=True, title=title, figsize=(11, 3.6))
+        fig = r.gantt(memory=True, title=title, figsize=(11, 3.6), unitless=True)
         fig.axes[0].set_xlabel("")
         fig.axes[1].set_ylabel("activations held\n(microbatches)", fontsize=8)
         fig.axes[1].set_xlabel("time (units of one forward)")
@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     axes = fig.subplots(len(results), 1, sharex=True)
     for ax, (name, r) in zip(axes, results.items()):
         v = r.schedule.vpp
-        r.gantt(ax=ax, xlim=(0, span), labels=True,
+        r.gantt(ax=ax, xlim=(0, span), labels=True, unitless=True,
                 title=f"{name}" + (f" (vpp={v})" if v > 1 else "") +
                       f": makespan {r.makespan:.4g}, bubble_fraction {r.bubble_fraction:.3f}, "
                       f"peak {max(r.peak_memory):.3g} microbatches held")
