@@ -156,3 +156,8 @@ def test_a_noisy_calibration_run_is_noted():
     run.trace.loc[late, "start"] = t0 + (run.trace.loc[late, "start"] - t0) * 1.5
     (note,) = calibration_spread_note(run)
     assert "the machine was busy" in note and "--alongside 1f1b" in note
+
+
+def test_compare_checks_the_cpu_share_before_running(capsys):
+    assert run_cli(["compare", "--pp", "2", "--cpus-per-rank", "64"]) == 2
+    assert "--cpus-per-rank 64 for 2 rank(s) asks for 128 CPUs" in capsys.readouterr().err

@@ -47,20 +47,23 @@ def compare_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="pipeexec compare", add_help=False, formatter_class=DefaultsHelpFormatter,
         description="Run a schedule for real with profiling, simulate it with costs calibrated "
-                    "from that run (or from --calibrate-from), and compare. Every model and "
-                    "layout flag of `pipeexec train` applies (--schedule, --pp, --vpp, "
-                    "--microbatches, --layers, --hidden, ...).")
+                    "from that run (or from --alongside steps, or a --calibrate-from run), and "
+                    "compare. Every model and layout flag of `pipeexec train` applies "
+                    "(--schedule, --pp, --vpp, --microbatches, --layers, --hidden, ...), with "
+                    f"compare's own defaults where a flag is not given: --steps {DEFAULT_STEPS} "
+                    "(steps 1.. profiled), --microbatches 2*pp (at least the calibration run's), "
+                    "and, without --calibrate-from, the model of benchmarks/bench_prediction.py "
+                    "(--layers 6, more for more stages, --hidden 256 --heads 4 --seq-len 128 "
+                    "--micro-batch-size 4). With --calibrate-from, the model, precision and "
+                    "CPU share (--cpus-per-rank) are the calibration run's.")
     a = p.add_argument
     a("-h", "--help", action="store_true", help="show this help and the train flags")
     a("--profile", default=None, metavar="A:B",
-      help="steps to profile (default: 1:STEPS, skipping the warm-up step; without it, "
-           f"compare defaults to --steps {DEFAULT_STEPS}, --microbatches 2*pp (at least the "
-           "calibration run's) and, without --calibrate-from, the model of "
-           "benchmarks/bench_prediction.py: --layers 6 (more for more stages) --hidden 256 "
-           "--heads 4 --seq-len 128 --micro-batch-size 4)")
+      help="steps to profile (default: 1:STEPS, skipping the warm-up step)")
     a("--calibrate-from", default=None, metavar="RUN_TRACE",
       help="calibrate from this measured run (its .json, .csv or .meta.json) instead of the "
-           "run itself: a prediction made without this run's timings")
+           "run itself: a prediction made without this run's timings. Its model and CPU share "
+           "are taken; a flag setting another value is refused, naming each field")
     a("--alongside", default=None, metavar="NAME[:VPP]",
       help="train this schedule (e.g. 1f1b) in the same job, alternating steps with the "
            "compared one, and predict the compared schedule from its steps alone: calibration "
@@ -135,6 +138,7 @@ def compare_main(argv: list[str]) -> int:
     from ..config import ConfigError
     from ..cpu_quota import QuotaUnavailable
     from ..launcher import WorkerFailed
+    from ..preflight import check_cpus_per_rank
     from .run_description import inherit
     from .session import parse_step_range
 
@@ -174,6 +178,7 @@ def compare_main(argv: list[str]) -> int:
             notes.append(f"m = {config.microbatches} < 2 pp = {2 * config.pp}: a step is "
                          "mostly ramp-up and ramp-down")
         first, stop = parse_step_range(ns.profile) if ns.profile else (1, config.steps)
+        check_cpus_per_rank(cpus_per_rank, config.world_size)
         try:
             config.validate(world_size=config.world_size)
         except ConfigError as exc:
