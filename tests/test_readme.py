@@ -75,3 +75,25 @@ def test_the_calibration_file_the_tour_names_is_what_the_main_job_writes():
         if "--calibrate-from" in argv:
             name = Path(argv[argv.index("--calibrate-from") + 1])
             assert name.parent == Path("out") and f'"$out/{name.name}"' in job
+
+
+@pytest.mark.slow
+def test_the_tours_calibrate_from_line_runs_as_written(tmp_path, monkeypatch, capsys):
+    """The line is run exactly as the README spells it, against a calibration run written
+    where the main job writes it: the model comes from the run's description."""
+    from pipeexec.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    tiny = ["--layers", "2", "--hidden", "16", "--heads", "2", "--seq-len", "8", "--vocab", "32",
+            "--micro-batch-size", "2", "--no-progress"]
+    main(["train", "--schedule", "1f1b", "--pp", "4", "--microbatches", "8", *tiny,
+          "--steps", "3", "--profile", "1:3", "--trace-out", "out/run_1f1b.json"])
+    (line,) = [argv for argv in commands("pipeexec") if "--calibrate-from" in argv]
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as info:
+        main(line)
+    out = capsys.readouterr().out
+    assert info.value.code == 0, out
+    assert ("from the calibration run out/run_1f1b.json: hidden 16, heads 2, "
+            "seq-len 8, vocab 32, micro-batch-size 2") in out
+    assert "prediction before running" in out and "calibrated from a 1f1b run (pp=4" in out
