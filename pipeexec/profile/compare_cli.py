@@ -178,6 +178,10 @@ def compare_main(argv: list[str]) -> int:
             notes.append(f"m = {config.microbatches} < 2 pp = {2 * config.pp}: a step is "
                          "mostly ramp-up and ramp-down")
         first, stop = parse_step_range(ns.profile) if ns.profile else (1, config.steps)
+        if stop - first < 3:
+            notes.append(f"{stop - first} profiled step(s): single steps move by 10% and more on "
+                         f"a shared machine; --steps {DEFAULT_STEPS} (the default) profiles "
+                         f"{DEFAULT_STEPS - 1} and compares the central 3")
         check_cpus_per_rank(cpus_per_rank, config.world_size)
         try:
             config.validate(world_size=config.world_size)
