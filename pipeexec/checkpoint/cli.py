@@ -100,6 +100,11 @@ def run_command(ns: argparse.Namespace) -> int:
     except (CheckpointError, ConfigError, pipesim.ScheduleError, ValueError) as exc:
         print(f"pipeexec checkpoint: error: {exc}", file=sys.stderr)
         return 1
+    except BrokenPipeError:
+        # The reader went away (`pipeexec checkpoint inspect DIR | head`): not an error of ours.
+        import os
+
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     return 0
 
 
