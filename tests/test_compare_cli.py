@@ -21,7 +21,8 @@ CAL = TrainConfig(schedule="1f1b", pp=4, microbatches=8, layers=6, hidden=256, h
 def calibration_run(tmp_path, cpus_per_rank=0.5):
     run = jittered_run("1f1b", pp=4, m=8, steps=2)
     run.trace["compute_start"], run.trace["cpu"] = run.trace["start"], float("nan")
-    run.meta.update(config=CAL.to_dict(), cpus_per_rank=cpus_per_rank,
+    run.meta.update(config=CAL.to_dict(), cpus_per_rank=cpus_per_rank, bounds=[0, 2, 4, 6, 8],
+                    layer_kinds=["embedding"] + ["block"] * 6 + ["head"],
                     rank_cpus=[cpus_per_rank or 1.0] * 4, host_cpus=None)
     path = tmp_path / "run_1f1b.json"
     run.save(path)
@@ -161,3 +162,14 @@ def test_a_noisy_calibration_run_is_noted():
 def test_compare_checks_the_cpu_share_before_running(capsys):
     assert run_cli(["compare", "--pp", "2", "--cpus-per-rank", "64"]) == 2
     assert "--cpus-per-rank 64 for 2 rank(s) asks for 128 CPUs" in capsys.readouterr().err
+
+
+def test_an_inherited_cpu_share_the_machine_cannot_give_says_where_it_came_from(
+        tmp_path, capsys, monkeypatch):
+    import pipeexec.cpu_quota as cpu_quota
+
+    monkeypatch.setattr(cpu_quota, "_cpu_dir", lambda: None)      # no cgroup CPU controller
+    assert run_cli(["compare", "--schedule", "zb-h1", "--pp", "2",
+                    "--calibrate-from", str(calibration_run(tmp_path))]) == 2
+    err = capsys.readouterr().err
+    assert "the calibration run's ranks were confined to --cpus-per-rank 0.5" in err

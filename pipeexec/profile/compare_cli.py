@@ -159,10 +159,12 @@ def compare_main(argv: list[str]) -> int:
         cpus_per_rank = tns.cpus_per_rank
         source = MeasuredRun.load(ns.calibrate_from) if ns.calibrate_from else None
         notes: list[str] = []
+        share_taken = False
         if source is not None:
             inherited = inherit(config, given, source.meta, cpus_per_rank=cpus_per_rank,
                                 source=ns.calibrate_from)
             config, cpus_per_rank = inherited.config, inherited.cpus_per_rank
+            share_taken = "cpus_per_rank" in inherited.taken
             notes += inherited.notes
             notes += calibration_spread_note(source)
             if inherited.taken:
@@ -224,7 +226,13 @@ def compare_main(argv: list[str]) -> int:
     except WorkerFailed as exc:
         print(f"pipeexec compare: error: {exc}", file=sys.stderr)
         return 1
-    except (ValueError, FileNotFoundError, pipesim.ScheduleError, QuotaUnavailable) as exc:
+    except QuotaUnavailable as exc:
+        why = (f"the calibration run's ranks were confined to --cpus-per-rank {cpus_per_rank:g}, "
+               f"which this machine cannot do ({exc}); calibrate from a run made without "
+               "--cpus-per-rank" if share_taken else str(exc))
+        print(f"pipeexec compare: error: {why}", file=sys.stderr)
+        return 2
+    except (ValueError, FileNotFoundError, pipesim.ScheduleError) as exc:
         print(f"pipeexec compare: error: {exc}", file=sys.stderr)
         return 2
     print(comparison.text())
