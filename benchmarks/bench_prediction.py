@@ -46,11 +46,11 @@ import time
 from pathlib import Path
 
 import pipesim
-from pipeexec import launch
 from pipeexec.config import TrainConfig
 from pipeexec.cpu_quota import quotas_available
 from pipeexec.profile import compare_runs, layout_of, predict
 from pipeexec.profile.compare_cli import profiled_run, write_outputs
+from pipeexec.profile.paired import paired_runs
 
 SCHEDULES = (("1f1b", 1), ("gpipe", 1), ("interleaved", 2), ("zb-h1", 1), ("zbv", 2))
 
@@ -61,31 +61,6 @@ def model_config(args: argparse.Namespace, schedule: str, pp: int, vpp: int) -> 
                        hidden=args.hidden, heads=args.heads, seq_len=args.seq_len,
                        vocab=args.vocab, steps=args.steps, backend="gloo", device="cpu",
                        p2p_timeout=600.0, collective_timeout=900.0)
-
-
-def paired_worker(board, configs: list[TrainConfig], first: int, stop: int) -> list:
-    """One rank of a job that trains every config side by side, alternating steps; returns
-    (on rank 0) one MeasuredRun per config."""
-    from pipeexec.profile import ProfileOptions, ProfileSession
-    from pipeexec.topology import destroy_topology, init_topology
-    from pipeexec.train import Trainer
-
-    cfg0 = configs[0]
-    topo = init_topology(cfg0.pp, 1, backend="gloo", device="cpu",
-                         timeout=cfg0.collective_timeout)
-    try:
-        pairs = []
-        for cfg in configs:
-            session = ProfileSession(ProfileOptions(first, stop), topo)
-            trainer = Trainer(cfg, topo, board=board, recorder=session.profiler)
-            session.attach(trainer)
-            pairs.append((session, trainer))
-        for _ in range(cfg0.steps):
-            for _, trainer in pairs:
-                trainer.step()
-        return [session.finish(trainer) for session, trainer in pairs]
-    finally:
-        destroy_topology(topo)
 
 
 def pct(x: float) -> str:
@@ -189,8 +164,8 @@ def main(argv: list[str] | None = None) -> int:
             except (ValueError, pipesim.ScheduleError) as exc:
                 print(f"skip {name} pp={pp} vpp={vpp}: {exc}", file=sys.stderr)
                 continue
-            calib, run = launch(paired_worker, pp, ([calib_cfg, cfg], 1, args.steps),
-                                timeout=args.timeout, cpus_per_rank=cpus)[0]
+            calib, run = paired_runs([calib_cfg, cfg], 1, args.steps, timeout=args.timeout,
+                                     cpus_per_rank=cpus)
             if out:
                 calib.save(out / subdir(pp, cpus) / f"1f1b-with-{name}.json")
                 run.save(out / subdir(pp, cpus) / f"{name}-with-1f1b.json")

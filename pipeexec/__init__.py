@@ -20,7 +20,7 @@ partition (layers -> stages), stage, data, p2p (tagged async send/recv with time
 backward (B, and the I/W split), runtime (the interpreter), ddp (fp32 gradient buffer,
 all-reduce), precision (master weights, loss scaling), optim (AdamW, LR, clipping),
 train (step and loop), launcher (forked local workers), board (which action each rank is in),
-worker and cli (entry points).
+preflight (checks of a command before any worker starts), worker and cli (entry points).
 """
 from .config import ConfigError, TrainConfig
 from .launcher import WorkerFailed, launch

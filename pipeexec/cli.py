@@ -11,15 +11,19 @@ import argparse
 import os
 import sys
 
+from pipesim.cli.help import DefaultsHelpFormatter, VersionAction, package_version
+
 from .checkpoint.cli import add_commands, add_train_flags, options_from_args, run_command
 from .config import ConfigError, TrainConfig
 from .profile.cli import add_compare_command, add_profile_flags, profile_from_args
 
 
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="pipeexec", description=__doc__.split("\n\n")[0])
-    sub = p.add_subparsers(dest="command", required=True)
-    t = sub.add_parser("train", help="train the built-in GPT with a pipeline schedule")
+DESCRIPTION = ("Run pipesim schedules for real over torch.distributed (gloo on CPU, NCCL on "
+               "GPUs): train, checkpoint, and compare predicted with measured.")
+
+
+def add_train_arguments(t: argparse.ArgumentParser) -> None:
+    """Every flag of ``pipeexec train`` (``compare`` reuses them all)."""
     d = TrainConfig()
     a = t.add_argument
     a("--schedule", default=d.schedule, help="a pipesim schedule name (pipesim list)")
@@ -27,29 +31,33 @@ def _parser() -> argparse.ArgumentParser:
     a("--vpp", type=int, default=d.vpp, help="stages (chunks) per pipeline rank")
     a("--dp", type=int, default=d.dp, help="data-parallel replicas")
     a("--microbatches", type=int, default=d.microbatches, help="microbatches per replica per step")
-    a("--micro-batch-size", type=int, default=d.micro_batch_size)
+    a("--micro-batch-size", type=int, default=d.micro_batch_size,
+      help="sequences per microbatch")
     a("--layers", type=int, default=d.layers, help="transformer blocks (plus embedding and head)")
-    a("--hidden", type=int, default=d.hidden)
-    a("--heads", type=int, default=d.heads)
-    a("--seq-len", type=int, default=d.seq_len)
-    a("--vocab", type=int, default=d.vocab)
-    a("--partition", choices=("layers", "params"), default=d.partition)
+    a("--hidden", type=int, default=d.hidden, help="model width (divisible by --heads)")
+    a("--heads", type=int, default=d.heads, help="attention heads")
+    a("--seq-len", type=int, default=d.seq_len, help="tokens per sequence")
+    a("--vocab", type=int, default=d.vocab, help="vocabulary size (>= 256 for a text file)")
+    a("--partition", choices=("layers", "params"), default=d.partition,
+      help="cut the layers into stages of equal layer counts or of balanced parameter counts")
     a("--boundaries", default=None,
       help="explicit stage boundaries: first layer index of stages 1..S-1, comma separated")
     a("--data", default=d.data, help="'synthetic' or a text file (byte-level tokens)")
     a("--steps", type=int, default=d.steps, help="optimizer iterations in total")
-    a("--lr", type=float, default=d.lr)
-    a("--min-lr", type=float, default=d.min_lr)
-    a("--warmup-steps", type=int, default=d.warmup_steps)
+    a("--lr", type=float, default=d.lr, help="peak learning rate (AdamW)")
+    a("--min-lr", type=float, default=d.min_lr, help="learning rate at the end of the decay")
+    a("--warmup-steps", type=int, default=d.warmup_steps, help="linear LR warm-up iterations")
     a("--decay-steps", type=int, default=d.decay_steps,
       help="cosine decay length in iterations (default: --steps); fix it to stop a run early "
            "and resume it on the same LR curve")
-    a("--weight-decay", type=float, default=d.weight_decay)
+    a("--weight-decay", type=float, default=d.weight_decay, help="AdamW weight decay")
     a("--clip-grad", type=float, default=d.clip_grad, help="global-norm clip (0: off)")
-    a("--precision", choices=("fp32", "bf16", "fp16"), default=d.precision)
+    a("--precision", choices=("fp32", "bf16", "fp16"), default=d.precision,
+      help="compute precision (bf16 / fp16 keep fp32 master weights)")
     a("--loss-scale", type=float, default=d.loss_scale, help="initial dynamic loss scale (fp16)")
-    a("--loss-scale-growth-interval", type=int, default=d.loss_scale_growth_interval)
-    a("--seed", type=int, default=d.seed)
+    a("--loss-scale-growth-interval", type=int, default=d.loss_scale_growth_interval,
+      help="fp16: double the loss scale after this many steps without overflow")
+    a("--seed", type=int, default=d.seed, help="seed of the weights, data and dropout")
     a("--p2p-timeout", type=float, default=d.p2p_timeout, help="seconds per send/receive")
     a("--recv-lookahead", type=int, default=d.recv_lookahead,
       help="post each receive this many computations before the one that needs it (0: right "
@@ -63,11 +71,12 @@ def _parser() -> argparse.ArgumentParser:
     a("--backend", default=None, help="nccl or gloo (default: nccl with CUDA, else gloo)")
     a("--device", default=None, help="cpu or cuda (default: cuda when available)")
     a("--nproc", type=int, default=None, help="local workers to start (default pp * dp)")
-    a("--timeout", type=float, default=None, help="overall limit for a local run, seconds")
+    a("--timeout", type=float, default=None,
+      help="overall limit for a local run, seconds (default: none)")
     a("--cpus-per-rank", type=float, default=None, metavar="X",
       help="local run on CPU: confine each rank to X CPUs with a cgroup quota (e.g. 0.5 for 4 "
            "ranks on 2 cores), so ranks do not slow each other down as they would sharing "
-           "cores; needs write access to the cgroup CPU controller")
+           "cores; needs write access to the cgroup CPU controller (default: not confined)")
     a("--inject", action="append", default=[], help=argparse.SUPPRESS)
     a("--metrics-out", default=None, help="write losses and step times as JSON here")
     a("--no-progress", action="store_true", help="no progress bar")
@@ -75,9 +84,45 @@ def _parser() -> argparse.ArgumentParser:
       help="evaluate: run the schedule's forward-only variant, no backward, no optimizer step")
     add_train_flags(t)
     add_profile_flags(t)
+
+
+TRAIN_HELP = "train the built-in GPT with a pipeline schedule"
+
+
+def train_parser(prog: str = "pipeexec train") -> argparse.ArgumentParser:
+    """``pipeexec train``'s own parser: its usage and errors name train's flags."""
+    t = argparse.ArgumentParser(prog=prog, description=TRAIN_HELP,
+                                formatter_class=DefaultsHelpFormatter)
+    add_train_arguments(t)
+    return t
+
+
+def explicit_dests(parser: argparse.ArgumentParser, argv: list[str]) -> set[str]:
+    """The destinations of the flags ``argv`` sets (abbreviated or ``--flag=value`` forms
+    included), as opposed to those left at their defaults."""
+    unset = object()
+    dests = [k for k, v in vars(parser.parse_args([])).items() if not isinstance(v, list)]
+    ns = parser.parse_args(argv, namespace=argparse.Namespace(**{k: unset for k in dests}))
+    return {k for k in dests if getattr(ns, k) is not unset}
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="pipeexec", description=DESCRIPTION,
+                                formatter_class=DefaultsHelpFormatter)
+    p.add_argument("--version", action=VersionAction, version_text=_version)
+    sub = p.add_subparsers(dest="command", required=True)
+    t = sub.add_parser("train", help=TRAIN_HELP, description=TRAIN_HELP,
+                       formatter_class=DefaultsHelpFormatter)
+    add_train_arguments(t)
     add_commands(sub)
     add_compare_command(sub)
     return p
+
+
+def _version() -> str:
+    import torch
+
+    return f"pipeexec {package_version()} (torch {torch.__version__})"
 
 
 def config_from_args(ns: argparse.Namespace) -> TrainConfig:
@@ -106,8 +151,12 @@ def main(argv: list[str] | None = None) -> None:
     args = sys.argv[1:] if argv is None else list(argv)
     if args[:1] == ["compare"]:
         from .profile.compare_cli import compare_main
-        sys.exit(compare_main(args[1:], _parser, config_from_args))
-    ns = _parser().parse_args(args)
+        sys.exit(compare_main(args[1:]))
+    if args[:1] == ["train"]:      # errors and usage of train's own parser
+        ns = train_parser().parse_args(args[1:])
+        ns.command = "train"
+    else:
+        ns = _parser().parse_args(args)
     if ns.command == "checkpoint":
         sys.exit(run_command(ns))
     import pipesim
@@ -115,12 +164,13 @@ def main(argv: list[str] | None = None) -> None:
     from .cpu_quota import QuotaUnavailable
     from .devices import cuda_device_count, may_use_cuda, start_method_for
     from .launcher import WorkerFailed, launch
+    from .preflight import check_train
     from .worker import run_training
 
+    under_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    world = int(os.environ["WORLD_SIZE"]) if under_torchrun else (ns.nproc or ns.pp * ns.dp)
     try:
         config = config_from_args(ns)
-        under_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
-        world = int(os.environ["WORLD_SIZE"]) if under_torchrun else (ns.nproc or config.world_size)
         config.validate(world_size=world)    # before any process group exists
         checkpoint = options_from_args(ns)
         if checkpoint.load is not None:
@@ -137,6 +187,14 @@ def main(argv: list[str] | None = None) -> None:
             raise ConfigError("--cpus-per-rank is for CPU runs: on CUDA it would throttle the "
                               "threads that launch kernels and drive NCCL (drop it, or use "
                               "--device cpu)")
+        checks = check_train(config, checkpoint, nproc=world, cpus_per_rank=ns.cpus_per_rank)
+        first = not under_torchrun or os.environ.get("RANK") == "0"
+        for warning in checks.warnings if first else ():
+            print(f"pipeexec: warning: {warning}", file=sys.stderr, flush=True)
+        if checks.nothing_to_train:
+            if first:
+                print(f"pipeexec: {checks.nothing_to_train}", flush=True)
+            sys.exit(0)
         if under_torchrun:
             run_training(None, config, ns.metrics_out, progress=not ns.no_progress,
                          checkpoint=checkpoint, profile=profile)
@@ -145,6 +203,11 @@ def main(argv: list[str] | None = None) -> None:
                    (config, ns.metrics_out, not ns.no_progress, checkpoint, profile),
                    timeout=ns.timeout, cpus_per_rank=ns.cpus_per_rank,
                    start_method=start_method_for(config.device, config.backend))
+    except KeyboardInterrupt:
+        # The launcher's cleanup has run (every worker stopped, quotas removed) on the way here.
+        stopped = "" if under_torchrun else f": stopped {world} worker{'s' if world != 1 else ''}"
+        print(f"\npipeexec: interrupted{stopped}", file=sys.stderr, flush=True)
+        sys.exit(130)
     except (ConfigError, pipesim.ScheduleError, ValueError, QuotaUnavailable) as exc:
         print(f"pipeexec: error: {exc}", file=sys.stderr)
         sys.exit(2)

@@ -130,6 +130,15 @@ class TrainConfig:
                 raise ConfigError(str(exc)) from None
         if self.data != "synthetic" and self.vocab < 256:
             raise ConfigError(f"a text file needs vocab >= 256 (byte-level tokens), got {self.vocab}")
+        self._validate_optimisation()
+        if self.data != "synthetic":
+            import os
+            if not os.path.isfile(self.data):
+                raise ConfigError(f"data: file {self.data!r} does not exist ('synthetic' or a "
+                                  "text file)")
+            if os.path.getsize(self.data) < self.seq_len + 2:
+                raise ConfigError(f"data: file {self.data!r} has {os.path.getsize(self.data)} "
+                                  f"bytes, fewer than seq_len + 2 = {self.seq_len + 2}")
         if not isinstance(self.recv_lookahead, int) or self.recv_lookahead < 0:
             raise ConfigError(f"recv_lookahead must be a non-negative integer, got {self.recv_lookahead!r}")
         if not isinstance(self.nccl_matching, bool):
@@ -144,6 +153,39 @@ class TrainConfig:
         if check_schedule:
             self.build_schedule()
         return self
+
+    def _validate_optimisation(self) -> None:
+        import math
+
+        def number(name: str, *, low: float = 0.0, strict: bool = False, high: float | None = None,
+                   hint: str = "") -> None:
+            v = getattr(self, name)
+            ok = (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+                  and (v > low if strict else v >= low) and (high is None or v <= high))
+            if not ok:
+                bound = f"{'>' if strict else '>='} {low:g}" + (f" and <= {high:g}" if high is not None else "")
+                raise ConfigError(f"{name} must be a finite number {bound}{hint}, got {v!r}")
+
+        number("lr", hint=" (--lr)")
+        number("min_lr", high=self.lr, hint=" and at most --lr (--min-lr)")
+        number("weight_decay")
+        number("clip_grad", hint=" (0: no clipping)")
+        number("beta1", high=1.0 - 1e-12)
+        number("beta2", high=1.0 - 1e-12)
+        number("eps", strict=True)
+        number("loss_scale", strict=True)
+        number("min_loss_scale", strict=True)
+        number("loss_scale_backoff", strict=True, high=1.0)
+        number("loss_scale_growth", low=1.0)
+        for name in ("warmup_steps", "loss_scale_growth_interval"):
+            v = getattr(self, name)
+            low = 1 if name == "loss_scale_growth_interval" else 0
+            if not isinstance(v, int) or isinstance(v, bool) or v < low:
+                raise ConfigError(f"{name} must be an integer >= {low}, got {v!r}")
+        if self.decay_steps is not None and (not isinstance(self.decay_steps, int)
+                                             or self.decay_steps < 1):
+            raise ConfigError(f"decay_steps must be a positive integer (or unset: --steps), got "
+                              f"{self.decay_steps!r}")
 
     def build_schedule(self):
         """The pipesim Schedule of this run (raises pipesim.ScheduleError with the reason)."""

@@ -63,6 +63,8 @@ def _worker(fn: Callable, rank: int, nproc: int, port: int, workdir: str, board:
     _die_with_parent()
     if os.getppid() != parent:     # the launcher died before prctl took effect
         os._exit(1)
+    # Ctrl-C reaches the whole process group: the launcher alone handles it, stopping workers.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     if quotas is not None:
         try:
             quotas.join(rank)

@@ -333,7 +333,10 @@ def train(trainer: Trainer, *, on_step: Callable[[Trainer, StepStats], None] | N
             stats = trainer.step()
             result.add(stats)
             if is_logger and log is not None:
-                msg = (f"step {stats.iteration + 1}/{cfg.steps} loss {stats.loss:.4f} "
+                # Steps are numbered from 0 everywhere (--profile A:B, traces, reports,
+                # errors); "k of N" counts iterations done, as the checkpoint names do.
+                msg = (f"step {stats.iteration} ({stats.iteration + 1} of {cfg.steps}) "
+                       f"loss {stats.loss:.4f} "
                        f"step_time {stats.step_time * 1e3:.1f} ms tokens/s {stats.tokens_per_s:,.0f} "
                        f"lr {stats.lr:.2e} grad_norm {stats.grad_norm:.3f}")
                 if trainer.scaler.dynamic:

@@ -19,7 +19,9 @@ if TYPE_CHECKING:
 
 OP_COLORS = {"F": "#3b75af", "B": "#4a9a52", "I": "#e08b2d", "W": "#8a63b8",
              "OPTIMIZER": "#7f7f7f"}
-COMM_COLORS = {"SEND_F": "#6fa8dc", "SEND_B": "#93c47d", "RECV_F": "#cccccc", "RECV_B": "#cccccc",
+# Communication lanes in colours no compute box has, whatever its chunk's shade: a chunk-1
+# backward is a light green, a chunk-1 forward a light blue, chunk shades in the legend grey.
+COMM_COLORS = {"SEND_F": "#17becf", "SEND_B": "#bcbd22", "RECV_F": "#e7969c", "RECV_B": "#e7969c",
                "ALLREDUCE": "#c0504d"}
 _IDLE = "#f3f3f3"
 
@@ -35,7 +37,8 @@ def _shade(color: str, chunk: int, chunks: int) -> tuple[float, float, float]:
 
 def gantt(result: "SimResult", *, comm: bool = False, memory: bool = False,
           labels: bool = True, title: str | None = None, figsize: tuple[float, float] | None = None,
-          ax: "Axes | None" = None, xlim: tuple[float, float] | None = None) -> "Figure":
+          ax: "Axes | None" = None, xlim: tuple[float, float] | None = None,
+          unitless: bool = False) -> "Figure":
     """Draw ``result`` (a :class:`pipesim.SimResult`, simulated or measured).
 
     * ``comm``: a thin lane under each rank with its transfers (SEND spans) and waits (RECV).
@@ -45,6 +48,8 @@ def gantt(result: "SimResult", *, comm: bool = False, memory: bool = False,
     * ``ax``: draw the chart into an existing Axes (then ``memory`` is not drawn).
     * ``xlim``: the time axis range in seconds from the step start, e.g. to put predicted and
       measured charts on one axis.
+    * ``unitless``: the costs are unit counts (``CostModel.uniform``): axes say "units", not
+      seconds and bytes.
     """
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
@@ -109,20 +114,24 @@ def gantt(result: "SimResult", *, comm: bool = False, memory: bool = False,
     ax.set_yticks(range(ranks))
     ax.set_yticklabels([f"rank {r}" for r in range(ranks)], fontsize=8 if ranks <= 24 else 6)
     ax.tick_params(axis="x", labelsize=8)
+    time_label = "time (units)" if unitless else "time (s)"
     if mem_ax is None:
-        ax.set_xlabel("time (s)")
+        ax.set_xlabel(time_label)
     for side in ("top", "right"):
         ax.spines[side].set_visible(False)
 
     if labels:
         dark = np.array([_luminance(_shade(OP_COLORS.get(o, "#444444"), max(c, 0), chunks)) < 0.5
                          for o, c in zip(op_col, chunk_col)], dtype=bool)
-        _label_boxes(fig, ax, starts, durs, rank_col, compute["microbatch"].to_numpy(int),
-                     dark, bar_top, bar_h)
+        fits = _label_boxes(fig, ax, starts, durs, rank_col, compute["microbatch"].to_numpy(int),
+                            dark, bar_top, bar_h)
+        _note_unlabelled_ranks(ax, durs, rank_col, fits, span, bar_top, bar_h, unitless)
 
     handles = [Patch(color=OP_COLORS[o], label=o) for o in OP_COLORS if o in set(op_col)]
     if chunks > 1:
-        handles += [Patch(color=_shade("#555555", c, chunks), label=f"chunk {c}") for c in range(chunks)]
+        handles += [Patch(color=_shade("#555555", c, chunks),
+                          label=f"chunk {c}" + (" (full colour)" if c == 0 else " (lighter)"))
+                    for c in range(chunks)]
     if comm:
         handles += [Patch(color=COMM_COLORS["SEND_F"], label="send F"),
                     Patch(color=COMM_COLORS["SEND_B"], label="send B"),
@@ -133,12 +142,13 @@ def gantt(result: "SimResult", *, comm: bool = False, memory: bool = False,
         s = result.schedule
         head = (f"{s.name}: pp={s.pp} vpp={s.vpp} m={s.num_microbatches}, "
                 if s is not None else "")
-        title = (f"{head}{result.source}: makespan {result.makespan:.4g} s, "
+        title = (f"{head}{result.source}: makespan {result.makespan:.4g}"
+                 f"{' units' if unitless else ' s'}, "
                  f"bubble_fraction {result.bubble_fraction:.3f}, bubble_rate {result.bubble_rate:.3f}")
     ax.set_title(title, fontsize=10, loc="left")
 
     if mem_ax is not None:
-        _memory_plot(result, mem_ax, t0)
+        _memory_plot(result, mem_ax, t0, unitless=unitless, time_label=time_label)
     return fig
 
 
@@ -146,9 +156,28 @@ def _luminance(rgb: tuple[float, float, float]) -> float:
     return 0.299 * rgb[0] + 0.587 * rgb[1] + 0.114 * rgb[2]
 
 
+def _note_unlabelled_ranks(ax: "Axes", durs, ranks, fits, span: float, bar_top: float,
+                           bar_h: float, unitless: bool) -> None:
+    """A rank whose computations are all too short to label (e.g. a stage holding only the
+    embedding or the head) gets a note in its row: how many, and how long each is."""
+    for r in sorted(set(ranks.tolist())):
+        mine = ranks == r
+        if fits[mine].any():
+            continue
+        d = float(np.median(durs[mine]))
+        each = (f"{d:.3g} units" if unitless else
+                f"{d * 1e6:.0f} µs" if d < 1e-3 else f"{d * 1e3:.2g} ms")
+        ax.text(span / 2, r + bar_top + bar_h / 2,
+                f"{int(mine.sum())} computations of {each} (median) each: too short to label",
+                ha="center", va="center", fontsize=7, style="italic", color="#333333",
+                bbox={"facecolor": "white", "alpha": 0.7, "edgecolor": "none", "pad": 1.0},
+                clip_on=True)
+
+
 def _label_boxes(fig: "Figure", ax: "Axes", starts, durs, ranks, mbs, dark, bar_top: float,
-                 bar_h: float) -> None:
-    """Write each microbatch number centred in its box when the box is wide enough.
+                 bar_h: float) -> np.ndarray:
+    """Write each microbatch number centred in its box when the box is wide enough; return
+    which boxes got one.
 
     The font is the smaller of what the row height allows and what lets the median box hold
     the widest number (75th percentile box), between 4.5 and 8 points; white text on dark boxes, black on light ones.
@@ -160,7 +189,7 @@ def _label_boxes(fig: "Figure", ax: "Axes", starts, durs, ranks, mbs, dark, bar_
     pt_per_px = 72 / fig.dpi
     digits = np.floor(np.log10(np.maximum(mbs, 1))).astype(int) + 1
     if len(durs) == 0:
-        return
+        return np.zeros(0, dtype=bool)
     width_px = np.percentile(durs, 75) * px_per_s
     fontsize = min(row_px * bar_h * pt_per_px * 0.62,
                    (width_px - 2) / (0.62 * max(int(digits.max()), 1)) * pt_per_px)
@@ -170,15 +199,18 @@ def _label_boxes(fig: "Figure", ax: "Axes", starts, durs, ranks, mbs, dark, bar_
     for x, d, r, mb, is_dark in zip(starts[fits], durs[fits], ranks[fits], mbs[fits], dark[fits]):
         ax.text(x + d / 2, r + bar_top + bar_h / 2, str(mb), ha="center", va="center",
                 fontsize=fontsize, color="white" if is_dark else "black", clip_on=True)
+    return fits
 
 
-def _memory_plot(result: "SimResult", ax: "Axes", t0: float) -> None:
+def _memory_plot(result: "SimResult", ax: "Axes", t0: float, *, unitless: bool = False,
+                 time_label: str = "time (s)") -> None:
     from matplotlib import colormaps
 
     timeline = result.memory_timeline
     peak = float(timeline["bytes"].max()) if len(timeline) else 0.0
-    scale, unit = next(((s, u) for s, u in ((2**30, "GiB"), (2**20, "MiB"), (2**10, "KiB"))
-                        if peak >= s), (1.0, "bytes"))
+    from .result import byte_unit
+
+    scale, unit = (1.0, "units") if unitless else byte_unit(peak)
     cmap = colormaps["viridis"]
     ranks = result.num_ranks
     end = result.makespan
@@ -192,7 +224,7 @@ def _memory_plot(result: "SimResult", ax: "Axes", t0: float) -> None:
         ax.step(x, y / scale, where="post", color=cmap(r / max(ranks - 1, 1)), linewidth=1.0,
                 label=f"rank {r}" if ranks <= 8 else None)
     ax.set_ylabel(f"memory ({unit})", fontsize=8)
-    ax.set_xlabel("time (s)")
+    ax.set_xlabel(time_label)
     ax.tick_params(labelsize=8)
     if ranks <= 8:
         ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False)

@@ -156,17 +156,30 @@ class SimResult:
                            bubble_rate=self.bubble_rate)
         return frame
 
-    def summary_text(self) -> str:
-        """The summary table with a header naming the schedule and both bubble metrics."""
+    def summary_text(self, unitless: bool = False) -> str:
+        """The summary table with a header naming the schedule and both bubble metrics.
+
+        Times are seconds and memory is shown in GiB or MiB; ``unitless``: the costs are unit
+        counts (``CostModel.uniform``), so both are plain numbers of "units"."""
         head = []
         if self.schedule is not None:
             s = self.schedule
             head.append(f"{s.name}: pp={s.pp} vpp={s.vpp} microbatches={s.num_microbatches} "
                         f"({self.source})")
-        head.append(f"makespan {self.makespan:.6g} s   bubble_fraction (Megatron, idle/ideal) "
+        unit = "units" if unitless else "s"
+        head.append(f"makespan {self.makespan:.6g} {unit}   bubble_fraction (Megatron, idle/ideal) "
                     f"{self.bubble_fraction:.4f}   bubble_rate (ZB, 1-busy/span of rank "
                     f"{self.slowest_rank}) {self.bubble_rate:.4f}")
-        table = self.summary().to_string(float_format=lambda x: f"{x:.6g}")
+        frame = self.summary()
+        if unitless:
+            head.append("(unitless costs: times and memory in units of the cost model)")
+        else:
+            if "peak_memory" in frame.columns:
+                scale, name = byte_unit(float(frame["peak_memory"].max()))
+                frame = frame.rename(columns={"peak_memory": f"peak_memory_{name}"})
+                frame[f"peak_memory_{name}"] = frame[f"peak_memory_{name}"] / scale
+            head.append("(times in seconds)")
+        table = frame.to_string(float_format=lambda x: f"{x:.6g}")
         return "\n".join(head) + "\n" + table
 
     def gantt(self, **kwargs: Any) -> "Figure":
@@ -188,3 +201,9 @@ class SimResult:
         name = self.schedule.name if self.schedule is not None else "trace"
         return (f"SimResult({name!r}, {self.source}, makespan={self.makespan:.6g}, "
                 f"bubble_fraction={self.bubble_fraction:.4f}, bubble_rate={self.bubble_rate:.4f})")
+
+
+def byte_unit(peak: float) -> tuple[float, str]:
+    """(scale, name) to show byte counts up to ``peak``: GiB, MiB, KiB or bytes."""
+    return next(((size, name) for size, name in ((2**30, "GiB"), (2**20, "MiB"), (2**10, "KiB"))
+                 if peak >= size), (1.0, "bytes"))

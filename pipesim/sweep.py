@@ -53,6 +53,13 @@ def sweep(schedules: Sequence[str], pp: Iterable[int], vpp: Iterable[int],
     from .engine import simulate
     from .schedule.registry import build_schedule
 
+    from .errors import ScheduleError
+    from .schedule.registry import schedule_names
+
+    unknown = [n for n in schedules if n not in schedule_names()]
+    if unknown:
+        raise ScheduleError(f"unknown schedule name(s) {', '.join(map(repr, unknown))}; known: "
+                            f"{', '.join(schedule_names())}")
     if costs is None:
         costs = CostModel.uniform(1.0, 2.0)
     factory: CostFactory = costs if callable(costs) else (lambda n, b: costs)

@@ -4,7 +4,9 @@
 # 1. pipesim predicts 1F1B on uniform stages (the textbook picture);
 # 2. pipeexec trains the built-in GPT with 1F1B on 4 ranks, profiled; pipesim re-simulates it
 #    with costs calibrated from that run: predicted vs measured, table and Gantt;
-# 3. ZB-V is predicted from the 1F1B run before it runs, then run and compared.
+# 3. ZB-V and 1F1B train in one job, alternating steps (the method of
+#    benchmarks/bench_prediction.py): ZB-V is predicted from the 1F1B steps alone and compared
+#    with its own measured steps, both seconds apart on the same machine.
 # On a machine with fewer than 4 CPUs, each rank is confined to its share of them
 # (--cpus-per-rank, a cgroup quota) where the machine allows it, so that every rank computes at
 # its own steady speed as with a device per rank; CONFINE=off shares the cores freely instead.
@@ -14,7 +16,7 @@ out=${1:-out}
 mkdir -p "$out"
 export OMP_NUM_THREADS=1
 model=(--pp 4 --microbatches 8 --layers 6 --hidden 256 --heads 4 --seq-len 128
-       --micro-batch-size 4 --steps 4 --no-progress)
+       --micro-batch-size 4 --steps 6 --no-progress)
 if [ "${CONFINE:-auto}" != off ]; then
     confine=$(python3 -c "from pipeexec.cpu_quota import cpu_limit, quotas_available
 c = cpu_limit()
@@ -26,14 +28,14 @@ print(f'--cpus-per-rank {c / 4:g}' if c < 4 and quotas_available() else '')")
 fi
 
 echo "== 1. simulate: 1f1b, pp=4, m=8, uniform stages"
-pipesim simulate 1f1b --pp 4 --microbatches 8 --gantt "$out/simulated_1f1b.png"
+python3 -m pipesim simulate 1f1b --pp 4 --microbatches 8 --gantt "$out/simulated_1f1b.png"
 
 echo "== 2. run 1f1b for real on 4 CPU ranks and compare with its simulation"
-pipeexec compare --schedule 1f1b "${model[@]}" --trace-out "$out/run_1f1b.json" \
+python3 -m pipeexec compare --schedule 1f1b "${model[@]}" --trace-out "$out/run_1f1b.json" \
     --report-out "$out/compare_1f1b.json" --table-out "$out/compare_1f1b.md" --plot-out "$out/compare_1f1b.png"
 
-echo "== 3. predict zbv from the 1f1b run, then run it"
-pipeexec compare --schedule zbv --vpp 2 "${model[@]}" --calibrate-from "$out/run_1f1b.json" \
+echo "== 3. zbv and 1f1b in one job, alternating steps; zbv predicted from the 1f1b steps alone"
+python3 -m pipeexec compare --schedule zbv --vpp 2 "${model[@]}" --alongside 1f1b \
     --report-out "$out/compare_zbv.json" --table-out "$out/compare_zbv.md" --plot-out "$out/compare_zbv.png"
 
 python3 - "$out" <<'PY'
@@ -41,7 +43,7 @@ import json, sys
 out = sys.argv[1]
 print("\n| schedule | measured step | predicted step | error | measured bubble_fraction | predicted |")
 print("|---|---:|---:|---:|---:|---:|")
-for name, how in (("1f1b", "own trace"), ("zbv", "from the 1f1b run")):
+for name, how in (("1f1b", "own trace"), ("zbv", "from 1f1b steps in the same job")):
     r = json.load(open(f"{out}/compare_{name}.json"))
     print(f"| {name} ({how}) | {r['measured_step_time']*1e3:.1f} ms | {r['predicted_step_time']*1e3:.1f} ms "
           f"| {r['step_time_error']:+.1%} | {r['measured_bubble_fraction']:.3f} | {r['predicted_bubble_fraction']:.3f} |")

@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
         v = r.schedule.vpp
         title = (f"{name}: pp={pp}" + (f" vpp={v}" if v > 1 else "") + f" m={m}, uniform stages "
                  f"(simulated): bubble_fraction {r.bubble_fraction:.3f}, bubble_rate {r.bubble_rate:.3f}")
-        fig = r.gantt(memory=True, title=title, figsize=(11, 3.6))
+        fig = r.gantt(memory=True, title=title, figsize=(11, 3.6), unitless=True)
         fig.axes[0].set_xlabel("")
         fig.axes[1].set_ylabel("activations held\n(microbatches)", fontsize=8)
         fig.axes[1].set_xlabel("time (units of one forward)")
@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     axes = fig.subplots(len(results), 1, sharex=True)
     for ax, (name, r) in zip(axes, results.items()):
         v = r.schedule.vpp
-        r.gantt(ax=ax, xlim=(0, span), labels=True,
+        r.gantt(ax=ax, xlim=(0, span), labels=True, unitless=True,
                 title=f"{name}" + (f" (vpp={v})" if v > 1 else "") +
                       f": makespan {r.makespan:.4g}, bubble_fraction {r.bubble_fraction:.3f}, "
                       f"peak {max(r.peak_memory):.3g} microbatches held")
@@ -94,29 +94,22 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def predicted_vs_measured(path: Path, dpi: int) -> None:
-    """Profile 1f1b (pp=2), predict interleaved (pp=2, vpp=2) from it, run it, draw both."""
-    import os
-    import subprocess
-    import tempfile
-
-    from pipeexec.profile import MeasuredRun
+    """Train 1f1b and interleaved (pp=2, vpp=2) in one job, alternating steps (the prediction
+    benchmark's method), predict interleaved from the 1f1b steps alone, draw both."""
+    from pipeexec.config import TrainConfig
     from pipeexec.profile.compare import compare_runs
+    from pipeexec.profile.paired import paired_runs
 
-    job = ["--pp", "2", "--microbatches", "8", "--layers", "6", "--hidden", "128", "--heads", "4",
-           "--seq-len", "64", "--steps", "6", "--no-progress"]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    with tempfile.TemporaryDirectory() as tmp:
-        for name, extra in (("1f1b", []), ("interleaved", ["--vpp", "2", "--calibrate-from", "1f1b.json"])):
-            cmd = [sys.executable, "-m", "pipeexec", "compare", "--schedule", name, *job, *extra,
-                   "--trace-out", f"{name}.json"]
-            out = subprocess.run(cmd, cwd=tmp, env=env, capture_output=True, text=True, check=True)
-            print(next((l for l in out.stdout.splitlines() if " vs measured " in l), ""))
-        comparison = compare_runs(MeasuredRun.load(Path(tmp) / "interleaved.json"),
-                                  MeasuredRun.load(Path(tmp) / "1f1b.json"))
+    model = TrainConfig(pp=2, microbatches=8, layers=6, hidden=128, heads=4, seq_len=64,
+                        steps=6, backend="gloo", device="cpu")
+    calib, run = paired_runs([model.replace(schedule="1f1b"),
+                              model.replace(schedule="interleaved", vpp=2)], 1, model.steps)
+    comparison = compare_runs(run, calib)
+    print(comparison.headline())
     fig = comparison.figure()
     head, _, _ = comparison.headline().partition("; calibrated")
-    fig.suptitle(f"{head}\npredicted from a profiled 1f1b run (pp=2 vpp=1); measured on 2 CPU "
-                 f"ranks (gloo)", fontsize=10)
+    fig.suptitle(f"{head}\npredicted from the 1f1b steps of the same job (pp=2 vpp=1, "
+                 "alternating steps); measured on 2 CPU ranks (gloo)", fontsize=10)
     fig.savefig(path, dpi=dpi)
     print(f"wrote {path.relative_to(ROOT) if path.is_relative_to(ROOT) else path}")
 

@@ -104,7 +104,7 @@ def test_sigkill_mid_save_then_resume(tmp_path, capsys):
     killed = _cli(common + ["--save", str(d), "--save-interval", "2"], fault="kill:1:4:before-rename")
     assert killed.returncode != 0
     assert "rank 1 was killed by signal SIGKILL" in killed.stderr, killed.stderr
-    assert "step 4/4" in killed.stdout                  # it died in the save after step 4
+    assert "step 3 (4 of 4)" in killed.stdout           # it died in the save after step 3
     assert read_tracker(d) == 2
     rank1_dir = state_file(d, 4, 1).parent
     assert not state_file(d, 4, 1).exists()

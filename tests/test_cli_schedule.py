@@ -8,6 +8,13 @@ def test_list_names_every_schedule(capsys):
     out = capsys.readouterr().out
     for name in pipesim.schedule_names():
         assert any(line.startswith(name + " ") for line in out.splitlines())
+    assert max(len(line) for line in out.splitlines()) <= 100
+    # every word of every constraint is there, wrapped or not
+    words = " ".join(out.split())
+    for name in pipesim.schedule_names():
+        assert " ".join(pipesim.schedule_info(name).constraints.split()) in words
+    assert main(["list", "--width", "60"]) == 0
+    assert max(len(line) for line in capsys.readouterr().out.splitlines()) <= 60
 
 
 def test_show_grid_places_actions_at_unit_steps(capsys):

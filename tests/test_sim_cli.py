@@ -30,7 +30,7 @@ def test_simulate_forward_only(capsys):
     assert main(["simulate", "gpipe", "--pp", "3", "-m", "5", "--forward-only"]) == 0
     # Forwards only, F = 1: makespan m + p - 1, bubble_fraction (p-1)/m.
     out = capsys.readouterr().out
-    assert "makespan 7 s" in out and "0.4000" in out
+    assert "makespan 7 units" in out and "0.4000" in out
 
 
 def test_simulate_transformer_and_step_tail(capsys):
@@ -50,7 +50,7 @@ def test_simulate_rendezvous_lookahead_and_shared_cores(tmp_path, capsys):
     assert main(base + ["--recv-lookahead", "1"]) == 0 and "makespan 10 s" in capsys.readouterr().out
     # one shared core: the step is all the work, 2 ranks x 2 microbatches x 3 s
     assert main(["simulate", "1f1b", "--pp", "2", "-m", "2", "--cores", "1"]) == 0
-    assert "makespan 12 s" in capsys.readouterr().out
+    assert "makespan 12 units" in capsys.readouterr().out
     out = tmp_path / "sweep.csv"
     assert main(["sweep", "--schedules", "1f1b", "--pp", "2", "-m", "2", "--cores", "1",
                  "--out", str(out), "--no-progress"]) == 0
@@ -61,6 +61,10 @@ def test_simulate_rendezvous_lookahead_and_shared_cores(tmp_path, capsys):
     (["simulate", "gpipe", "--vpp", "2"], "gpipe needs vpp == 1"),
     (["simulate", "1f1b", "--costs", "/nonexistent/c.json"], "No such file"),
     (["simulate", "1f1b", "--hardware", "A100"], "--hardware needs --model"),
+    # a misspelled preset is named first, with the known ones
+    (["simulate", "1f1b", "--hardware", "H800"], "unknown hardware preset 'H800'; known: A100"),
+    (["sweep", "--schedules", "1f1b", "zzz", "--out", "x.csv"],
+     "unknown schedule name(s) 'zzz'; known: gpipe, 1f1b"),
     (["simulate", "1f1b", "--model", "gpt-9"], "unknown model preset 'gpt-9'"),
 ])
 def test_simulate_errors(argv, match, capsys):
@@ -103,6 +107,18 @@ def test_sweep_invalid_and_model(tmp_path, capsys):
     one = ok[ok["micro_batch_size"] == 1].set_index(["schedule", "vpp"])["makespan"]
     two = ok[ok["micro_batch_size"] == 2].set_index(["schedule", "vpp"])["makespan"]
     assert ((two / one) > 1.9).all() and ((two / one) < 2.1).all()
+
+
+def test_sweep_exits_non_zero_when_nothing_is_feasible(tmp_path, capsys):
+    out = tmp_path / "s.csv"
+    argv = ["sweep", "--schedules", "1f1b", "--pp", "2", "--model", "tiny", "--out", str(out),
+            "--no-progress", "--memory-limit"]
+    assert main([*argv, "80"]) == 1                 # 80 bytes: nothing fits
+    err = capsys.readouterr().err
+    assert "the memory limit is 80 bytes" in err and "80GB or 80GiB" in err
+    assert main([*argv, "80GiB"]) == 0
+    assert main([*argv, "80GB"]) == 0
+    assert "0 of" not in capsys.readouterr().out
 
 
 def test_parse_bytes():

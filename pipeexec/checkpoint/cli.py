@@ -49,23 +49,34 @@ def _tag(value: str | None):
 
 def add_commands(subparsers) -> None:
     """``checkpoint inspect DIR`` and ``checkpoint convert SRC DST --pp ...``."""
-    c = subparsers.add_parser("checkpoint", help="inspect or convert checkpoints")
+    from pipesim.cli.help import DefaultsHelpFormatter
+
+    fmt = DefaultsHelpFormatter
+    c = subparsers.add_parser("checkpoint", help="inspect or convert checkpoints",
+                              formatter_class=fmt)
     sub = c.add_subparsers(dest="checkpoint_command", required=True)
-    i = sub.add_parser("inspect", help="print what a checkpoint directory holds")
-    i.add_argument("dir")
-    i.add_argument("--iteration", type=_tag, default=None, help="default: the tracker's")
+    i = sub.add_parser("inspect", help="print what a checkpoint directory holds",
+                       formatter_class=fmt)
+    i.add_argument("dir", help="a --save directory (with latest_checkpointed_iteration.txt)")
+    i.add_argument("--iteration", type=_tag, default=None,
+                   help=f"an iteration number or {RELEASE!r} (default: the tracker's)")
     i.add_argument("--no-verify", action="store_true", help="skip the CRC-32 check of every file")
-    v = sub.add_parser("convert", help="rewrite a checkpoint for another pp/vpp/dp/schedule")
-    v.add_argument("src")
-    v.add_argument("dst")
-    v.add_argument("--iteration", type=_tag, default=None, help="default: the tracker's")
-    v.add_argument("--pp", type=int, default=None)
-    v.add_argument("--vpp", type=int, default=None)
-    v.add_argument("--dp", type=int, default=None)
-    v.add_argument("--schedule", default=None)
-    v.add_argument("--microbatches", type=int, default=None)
-    v.add_argument("--partition", choices=("layers", "params"), default=None)
-    v.add_argument("--boundaries", default=None, help="first layer of stages 1..S-1, comma separated")
+    v = sub.add_parser("convert", help="rewrite a checkpoint for another pp/vpp/dp/schedule",
+                       formatter_class=fmt)
+    v.add_argument("src", help="the checkpoint directory to read")
+    v.add_argument("dst", help="the directory to write (a new Megatron-layout checkpoint)")
+    v.add_argument("--iteration", type=_tag, default=None,
+                   help=f"an iteration number or {RELEASE!r} (default: the tracker's)")
+    keep = " (default: the source's)"
+    v.add_argument("--pp", type=int, default=None, help="pipeline ranks" + keep)
+    v.add_argument("--vpp", type=int, default=None, help="stages per pipeline rank" + keep)
+    v.add_argument("--dp", type=int, default=None, help="data-parallel replicas" + keep)
+    v.add_argument("--schedule", default=None, help="schedule name" + keep)
+    v.add_argument("--microbatches", type=int, default=None, help="microbatches per step" + keep)
+    v.add_argument("--partition", choices=("layers", "params"), default=None,
+                   help="how layers are cut into stages" + keep)
+    v.add_argument("--boundaries", default=None,
+                   help="first layer of stages 1..S-1, comma separated" + keep)
 
 
 def run_command(ns: argparse.Namespace) -> int:
@@ -89,6 +100,11 @@ def run_command(ns: argparse.Namespace) -> int:
     except (CheckpointError, ConfigError, pipesim.ScheduleError, ValueError) as exc:
         print(f"pipeexec checkpoint: error: {exc}", file=sys.stderr)
         return 1
+    except BrokenPipeError:
+        # The reader went away (`pipeexec checkpoint inspect DIR | head`): not an error of ours.
+        import os
+
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     return 0
 
 

@@ -21,7 +21,8 @@ import torch
 
 from .contents import layer_of, model_chunks
 from .errors import CheckpointError
-from .layout import CHECKPOINT_VERSION, RELEASE, Tag, rank_files, state_file, tag_dir
+from .layout import (CHECKPOINT_VERSION, RELEASE, Tag, rank_files, saved_iterations, state_file,
+                     tag_dir, tag_dir_name)
 from .tracker import read_tracker
 
 REQUIRED_KEYS = ("checkpoint_version", "iteration", "release", "config", "layout")
@@ -85,6 +86,19 @@ def read_state_file(path: str | Path, *, verify: bool = True, mmap: bool = True)
     return contents
 
 
+def missing_checkpoint(root: Path, tag: Tag, *, asked: bool) -> str:
+    """Why checkpoint ``tag`` cannot be read, with the iterations ``root`` does hold."""
+    have = saved_iterations(root)
+    listed = ", ".join(map(str, have)) if have else "none"
+    if (root / tag_dir_name(RELEASE)).is_dir():
+        listed += f" and {RELEASE!r}"
+    if asked:
+        return (f"no checkpoint of iteration {tag!r} in {root} (iterations saved there: "
+                f"{listed}; --ckpt-step picks one of them, without it the latest is loaded)")
+    return (f"the tracker names checkpoint {tag!r} but its directory is missing (iterations "
+            f"saved there: {listed})")
+
+
 class CheckpointReader:
     """All rank files of one checkpoint (``tag``: an iteration, ``"release"``, or None for the
     tracker's), opened on demand; ``home`` is the pipeline rank whose file to read first."""
@@ -96,8 +110,8 @@ class CheckpointReader:
         self.verify = verify
         self.dir = tag_dir(self.root, self.tag)
         if not self.dir.is_dir():
-            raise CheckpointError(f"the tracker names checkpoint {self.tag!r} but its directory is "
-                                  "missing", path=self.dir)
+            raise CheckpointError(missing_checkpoint(self.root, self.tag, asked=tag is not None),
+                                  path=self.dir)
         self.paths = rank_files(self.root, self.tag)
         if not self.paths:
             raise CheckpointError("checkpoint directory holds no rank files "

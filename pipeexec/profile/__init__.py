@@ -6,6 +6,8 @@ One module per idea: `recorder` (the runtime's action timer and the receive-wait
 gathered trace and `MeasuredRun`), `session` (wiring a profiled training run), `calibrate`
 (costs from a measured run, re-partitioned if needed), `contention` (ranks sharing cores:
 processor sharing around the simulator), `predict` (simulating a layout with calibrated costs),
+`run_description` (what a calibration run was, and matching a new run against it), `paired`
+(a calibration schedule and its target in one job, alternating steps),
 `compare` (prediction vs measurement: the table and report), `compare_cli` (``pipeexec
 compare``: a profiled run, its comparison and output files), `overlay` (predicted and measured
 Gantt charts on one time axis).

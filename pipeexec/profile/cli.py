@@ -25,7 +25,8 @@ def profile_from_args(ns: argparse.Namespace) -> Any:
         return None
     from .session import ProfileOptions
 
-    options = ProfileOptions.parse(ns.profile, ns.trace_out)
+    options = ProfileOptions.parse(ns.profile, ns.trace_out,
+                                   cpus_per_rank=getattr(ns, "cpus_per_rank", None))
     options.check(ns.steps)
     return options
 

@@ -241,7 +241,16 @@ class Comparison:
     def figure(self) -> "Figure":
         from .overlay import overlay_figure
 
-        return overlay_figure(self.predicted, self.measured, title=self.headline())
+        pred, meas = self.predicted, self.measured
+        what = (f"measured step {self.step} (the median of the compared steps)"
+                if len(self.steps) > 1 else f"measured step {self.step}")
+        return overlay_figure(
+            pred, meas, title=self.headline(),
+            predicted_title=(f"predicted (the compared steps' mean costs): "
+                             f"{pred.makespan * 1e3:.1f} ms, bubble_fraction "
+                             f"{pred.bubble_fraction:.3f}"),
+            measured_title=(f"{what}: {meas.makespan * 1e3:.1f} ms, bubble_fraction "
+                            f"{meas.bubble_fraction:.3f}"))
 
 
 def _num(x: Any) -> Any:

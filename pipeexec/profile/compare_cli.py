@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +13,12 @@ import pipesim
 from .compare import Comparison, compare_runs
 from .measured import MeasuredRun
 from .predict import layout_of, predict
+
+
+# compare's own default where train's would make a toy (one step).
+DEFAULT_STEPS = 6          # steps 1..5 profiled: the central 3 are compared
+# The model compare runs when neither a flag nor a calibration run sets it: the benchmark's.
+DEFAULT_MODEL = {"layers": 6, "hidden": 256, "heads": 4, "seq_len": 128, "micro_batch_size": 4}
 
 
 def profiled_run(config: Any, first: int, stop: int, *, trace_out: str | None = None,
@@ -27,7 +32,7 @@ def profiled_run(config: Any, first: int, stop: int, *, trace_out: str | None = 
     from ..worker import run_training
     from .session import ProfileOptions
 
-    options = ProfileOptions(first, stop, trace_out)
+    options = ProfileOptions(first, stop, trace_out, cpus_per_rank=cpus_per_rank)
     options.check(config.steps)
     results = launch(run_training, config.world_size, (config, None, False, None, options),
                      timeout=timeout, cpus_per_rank=cpus_per_rank,
@@ -39,19 +44,32 @@ def profiled_run(config: Any, first: int, stop: int, *, trace_out: str | None = 
 
 
 def compare_parser() -> argparse.ArgumentParser:
+    from pipesim.cli.help import DefaultsHelpFormatter
+
     p = argparse.ArgumentParser(
-        prog="pipeexec compare", add_help=False,
+        prog="pipeexec compare", add_help=False, formatter_class=DefaultsHelpFormatter,
         description="Run a schedule for real with profiling, simulate it with costs calibrated "
-                    "from that run (or from --calibrate-from), and compare. Every model and "
-                    "layout flag of `pipeexec train` applies (--schedule, --pp, --vpp, "
-                    "--microbatches, --layers, --hidden, ...).")
+                    "from that run (or from --alongside steps, or a --calibrate-from run), and "
+                    "compare. Every model and layout flag of `pipeexec train` applies "
+                    "(--schedule, --pp, --vpp, --microbatches, --layers, --hidden, ...), with "
+                    f"compare's own defaults where a flag is not given: --steps {DEFAULT_STEPS} "
+                    "(steps 1.. profiled), --microbatches 2*pp (at least the calibration run's), "
+                    "and, without --calibrate-from, the model of benchmarks/bench_prediction.py "
+                    "(--layers 6, more for more stages, --hidden 256 --heads 4 --seq-len 128 "
+                    "--micro-batch-size 4). With --calibrate-from, the model, precision and "
+                    "CPU share (--cpus-per-rank) are the calibration run's.")
     a = p.add_argument
     a("-h", "--help", action="store_true", help="show this help and the train flags")
     a("--profile", default=None, metavar="A:B",
       help="steps to profile (default: 1:STEPS, skipping the warm-up step)")
     a("--calibrate-from", default=None, metavar="RUN_TRACE",
       help="calibrate from this measured run (its .json, .csv or .meta.json) instead of the "
-           "run itself: a prediction made without this run's timings")
+           "run itself: a prediction made without this run's timings. Its model and CPU share "
+           "are taken; a flag setting another value is refused, naming each field")
+    a("--alongside", default=None, metavar="NAME[:VPP]",
+      help="train this schedule (e.g. 1f1b) in the same job, alternating steps with the "
+           "compared one, and predict the compared schedule from its steps alone: calibration "
+           "and measurement meet the same machine seconds apart (not with --calibrate-from)")
     a("--trace-out", default=None, metavar="FILE.json",
       help="keep the measured trace: Chrome/Perfetto JSON, with .csv and .meta.json beside it")
     a("--report-out", default=None, metavar="FILE.json", help="write the report as JSON")
@@ -63,48 +81,165 @@ def compare_parser() -> argparse.ArgumentParser:
     return p
 
 
-def compare_main(argv: list[str], train_parser: Callable[[], argparse.ArgumentParser],
-                 config_from_args: Callable[[argparse.Namespace], Any]) -> int:
+def compare_defaults(config: Any, given: set[str], calibration: MeasuredRun | None = None
+                     ) -> tuple[Any, list[str]]:
+    """``config`` with compare's defaults for what the user did not set: m = 2 pp (at least
+    the calibration run's m), `DEFAULT_STEPS` steps, and without a calibration run the model of
+    ``benchmarks/bench_prediction.py`` (`DEFAULT_MODEL`, with a block per stage at least: train's
+    tiny default model runs actions of a millisecond, where per-action overheads and CPU-quota
+    periods dominate). Returns the config and what was defaulted, in words."""
+    changes: dict[str, Any] = {}
+    if "microbatches" not in given:
+        m = max(2 * config.pp, int(calibration.meta["microbatches"]) if calibration else 0)
+        changes["microbatches"] = m
+    if calibration is None:
+        for name, value in DEFAULT_MODEL.items():
+            if name not in given:
+                changes[name] = value
+        if "layers" not in given:
+            changes["layers"] = max(DEFAULT_MODEL["layers"], config.num_stages - 2)
+    if "steps" not in given:
+        changes["steps"] = DEFAULT_STEPS
+    changes = {k: v for k, v in changes.items() if getattr(config, k) != v}
+    said = [f"{k.replace('_', '-')} {v}" for k, v in changes.items()]
+    return config.replace(**changes), said
+
+
+def calibration_spread_note(source: MeasuredRun, threshold: float = 0.10) -> list[str]:
+    """A note when the calibration run's profiled steps moved more than ``threshold`` (of
+    their median): a separate job on a busy machine, whose drift the prediction carries."""
+    spans = sorted(source.makespans().values())
+    if len(spans) < 2:
+        return []
+    median = spans[(len(spans) - 1) // 2]
+    spread = (spans[-1] - spans[0]) / median if median > 0 else 0.0
+    if spread <= threshold:
+        return []
+    return [f"the calibration run's profiled steps took {spans[0] * 1e3:.0f}-"
+            f"{spans[-1] * 1e3:.0f} ms ({spread:.0%} of their median): the machine was busy "
+            "then, and a prediction from another job carries that drift; --alongside 1f1b "
+            "calibrates in the same job"]
+
+
+def alongside_config(config: Any, text: str) -> Any:
+    """The calibration config of ``--alongside NAME[:VPP]``: ``config`` with that schedule."""
+    name, _, vpp = text.partition(":")
+    try:
+        v = int(vpp) if vpp else 1
+    except ValueError:
+        raise ValueError(f"--alongside {text!r}: expected NAME or NAME:VPP (e.g. 1f1b, "
+                         "interleaved:2)") from None
+    partner = config.replace(schedule=name, vpp=v)
+    partner.validate(world_size=partner.world_size)
+    return partner
+
+
+def compare_main(argv: list[str]) -> int:
     """``pipeexec compare ...``; returns the exit status (2: bad arguments, 1: run failed)."""
+    from ..cli import config_from_args, explicit_dests, train_parser
+    from ..config import ConfigError
     from ..cpu_quota import QuotaUnavailable
     from ..launcher import WorkerFailed
+    from ..preflight import check_cpus_per_rank
+    from .run_description import inherit
     from .session import parse_step_range
 
     ns, rest = compare_parser().parse_known_args(argv)
-    parser = train_parser()
+    parser = train_parser(prog="pipeexec compare")
     if ns.help:
         compare_parser().print_help()
         print("\ntrain flags (pipeexec train --help):")
-        parser.parse_args(["train", "--help"])
+        parser.print_help()
         return 0
     try:
-        tns = parser.parse_args(["train", *rest])
+        tns = parser.parse_args(rest)
     except SystemExit as exc:
         return int(exc.code or 0)
     try:
+        given = explicit_dests(parser, rest)
         config = config_from_args(tns)
-        if config.steps < 2 and ns.profile is None:
-            config = config.replace(steps=2)
-        first, stop = parse_step_range(ns.profile) if ns.profile else (1, config.steps)
-        config.validate(world_size=config.world_size)
+        cpus_per_rank = tns.cpus_per_rank
         source = MeasuredRun.load(ns.calibrate_from) if ns.calibrate_from else None
+        notes: list[str] = []
+        share_taken = False
+        if source is not None:
+            inherited = inherit(config, given, source.meta, cpus_per_rank=cpus_per_rank,
+                                source=ns.calibrate_from)
+            config, cpus_per_rank = inherited.config, inherited.cpus_per_rank
+            share_taken = "cpus_per_rank" in inherited.taken
+            notes += inherited.notes
+            notes += calibration_spread_note(source)
+            if inherited.taken:
+                print(f"from the calibration run {ns.calibrate_from}: {inherited.describe()}",
+                      flush=True)
+        config, defaulted = compare_defaults(config, given, source)
+        if ns.profile is not None and "steps" not in given:
+            config = config.replace(steps=parse_step_range(ns.profile)[1])
+            defaulted = [d for d in defaulted if not d.startswith("steps")]
+        if defaulted:
+            print(f"compare defaults: {', '.join(defaulted)} (set them to change)", flush=True)
+        if config.microbatches < 2 * config.pp:
+            notes.append(f"m = {config.microbatches} < 2 pp = {2 * config.pp}: a step is "
+                         "mostly ramp-up and ramp-down")
+        first, stop = parse_step_range(ns.profile) if ns.profile else (1, config.steps)
+        if stop - first < 3:
+            notes.append(f"{stop - first} profiled step(s): single steps move by 10% and more on "
+                         f"a shared machine; --steps {DEFAULT_STEPS} (the default) profiles "
+                         f"{DEFAULT_STEPS - 1} and compares the central 3")
+        check_cpus_per_rank(cpus_per_rank, config.world_size)
+        try:
+            config.validate(world_size=config.world_size)
+        except ConfigError as exc:
+            if source is not None and "layers" not in given and "stages" in str(exc):
+                raise ConfigError(f"{exc} (the calibration run's model has --layers "
+                                  f"{config.layers}; calibrate from a run with more layers)"
+                                  ) from None
+            raise
+        partner = None
+        if ns.alongside:
+            if source is not None:
+                raise ValueError("give --calibrate-from (a run made before) or --alongside (a "
+                                 "calibration run in the same job), not both")
+            partner = alongside_config(config, ns.alongside)
         if source is not None:
             layout = layout_of(config)
             predicted, cal = predict(config.build_schedule(), layout, source)
             print(f"prediction before running, calibrated from {ns.calibrate_from}: "
                   f"{predicted.makespan * 1e3:.1f} ms, bubble_fraction "
                   f"{predicted.bubble_fraction:.3f}", flush=True)
-        run = profiled_run(config, first, stop, trace_out=ns.trace_out,
-                           timeout=getattr(tns, "timeout", None),
-                           cpus_per_rank=getattr(tns, "cpus_per_rank", None))
+        if partner is not None:
+            from .paired import paired_runs
+
+            source, run = paired_runs([partner, config], first, stop,
+                                      trace_outs=[None, ns.trace_out],
+                                      timeout=getattr(tns, "timeout", None),
+                                      cpus_per_rank=cpus_per_rank)
+            print(f"predicted from the {partner.schedule} steps of the same job (alternating "
+                  f"with the {config.schedule} steps)", flush=True)
+        else:
+            run = profiled_run(config, first, stop, trace_out=ns.trace_out,
+                               timeout=getattr(tns, "timeout", None),
+                               cpus_per_rank=cpus_per_rank)
         comparison = compare_runs(run, source)
+    except KeyboardInterrupt:
+        print(f"\npipeexec compare: interrupted: stopped {tns.pp * tns.dp} workers",
+              file=sys.stderr, flush=True)
+        return 130
     except WorkerFailed as exc:
         print(f"pipeexec compare: error: {exc}", file=sys.stderr)
         return 1
-    except (ValueError, FileNotFoundError, pipesim.ScheduleError, QuotaUnavailable) as exc:
+    except QuotaUnavailable as exc:
+        why = (f"the calibration run's ranks were confined to --cpus-per-rank {cpus_per_rank:g}, "
+               f"which this machine cannot do ({exc}); calibrate from a run made without "
+               "--cpus-per-rank" if share_taken else str(exc))
+        print(f"pipeexec compare: error: {why}", file=sys.stderr)
+        return 2
+    except (ValueError, FileNotFoundError, pipesim.ScheduleError) as exc:
         print(f"pipeexec compare: error: {exc}", file=sys.stderr)
         return 2
     print(comparison.text())
+    for note in notes:
+        print(f"note: {note}")
     write_outputs(comparison, report_out=ns.report_out, table_out=ns.table_out,
                   plot_out=ns.plot_out, trace_out=ns.trace_out)
     return 0

@@ -284,11 +284,16 @@ class MeasuredRun:
         """Read a run written by `save` (any of its three paths)."""
         import pandas as pd
 
-        _, csv, meta = cls.paths(path)
+        chrome, csv, meta = cls.paths(path)
+        if not Path(path).exists() and not csv.exists() and not meta.exists():
+            raise FileNotFoundError(f"measured run {path}: no such file (a profiled run "
+                                    "(--profile A:B --trace-out NAME.json) is saved as "
+                                    "NAME.json, NAME.csv and NAME.meta.json)")
         for p in (csv, meta):
             if not p.exists():
-                raise FileNotFoundError(f"measured run {path}: {p} is missing (a run is saved as "
-                                        f"<name>.json, <name>.csv and <name>.meta.json)")
+                raise FileNotFoundError(f"measured run {path}: {p} is missing beside it (a run "
+                                        f"is saved as <name>.json, <name>.csv and "
+                                        f"<name>.meta.json)")
         trace = pd.read_csv(csv)
         missing = [c for c in COLUMNS if c not in trace.columns]
         if missing:

@@ -15,8 +15,13 @@ if TYPE_CHECKING:
 
 
 def overlay_figure(predicted: "SimResult", measured: "SimResult", *, title: str | None = None,
-                   comm: bool = True) -> "Figure":
-    """A two-panel figure: predicted (top) and measured (bottom), shared time axis."""
+                   comm: bool = True, predicted_title: str | None = None,
+                   measured_title: str | None = None) -> "Figure":
+    """A two-panel figure: predicted (top) and measured (bottom), shared time axis. ``title``
+    is wrapped to the figure's width; the panel titles default to each panel's step time and
+    bubble_fraction."""
+    import textwrap
+
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -26,18 +31,18 @@ def overlay_figure(predicted: "SimResult", measured: "SimResult", *, title: str 
     span = max(predicted.makespan, measured.makespan)
     per_rank = int((measured.trace["kind"] == "compute").sum()) / max(ranks, 1)
     width = min(max(10.0, 8.0 + 0.08 * per_rank), 22.0)
-    height = 2 * (0.9 + 0.4 * ranks) + (0.5 if title else 0.0)
+    lines = textwrap.wrap(title, int(width * 9.5)) if title else []
+    height = 2 * (0.9 + 0.4 * ranks) + 0.25 * len(lines) + 0.3 * bool(lines)
     fig = Figure(figsize=(width, height), layout="constrained")
     FigureCanvasAgg(fig)
     top, bottom = fig.subplots(2, 1, sharex=True)
-    err = (predicted.makespan - measured.makespan) / measured.makespan if measured.makespan else 0.0
     gantt(predicted, ax=top, comm=comm, xlim=(0.0, span),
-          title=(f"predicted: step {predicted.makespan * 1e3:.1f} ms ({err:+.1%}), "
-                 f"bubble_fraction {predicted.bubble_fraction:.3f}"))
+          title=predicted_title or (f"predicted: step {predicted.makespan * 1e3:.1f} ms, "
+                                    f"bubble_fraction {predicted.bubble_fraction:.3f}"))
     gantt(measured, ax=bottom, comm=comm, xlim=(0.0, span),
-          title=(f"measured: step {measured.makespan * 1e3:.1f} ms, "
-                 f"bubble_fraction {measured.bubble_fraction:.3f}"))
+          title=measured_title or (f"measured: step {measured.makespan * 1e3:.1f} ms, "
+                                   f"bubble_fraction {measured.bubble_fraction:.3f}"))
     top.set_xlabel("")
-    if title:
-        fig.suptitle(title, fontsize=11)
+    if lines:
+        fig.suptitle("\n".join(lines), fontsize=11)
     return fig

@@ -49,19 +49,23 @@ def parse_step_range(text: str) -> tuple[int, int]:
 
 @dataclass(frozen=True)
 class ProfileOptions:
-    """Which steps to profile (``first <= step < stop``) and where to write the trace."""
+    """Which steps to profile (``first <= step < stop``) and where to write the trace.
+    ``cpus_per_rank``: the CPU quota the launcher gave each rank (None: not confined), recorded
+    in the run description."""
 
     first: int
     stop: int
     trace_out: str | None = None
+    cpus_per_rank: float | None = None
     align_rounds: int = 16
     timeout: float = 120.0
     probe_split: bool = True          # time F, B, I, W of each stage after the range (probe.py)
 
     @classmethod
-    def parse(cls, text: str, trace_out: str | None = None) -> "ProfileOptions":
+    def parse(cls, text: str, trace_out: str | None = None, *,
+              cpus_per_rank: float | None = None) -> "ProfileOptions":
         first, stop = parse_step_range(text)
-        return cls(first, stop, trace_out)
+        return cls(first, stop, trace_out, cpus_per_rank=cpus_per_rank)
 
     def check(self, steps: int) -> None:
         """Raise ValueError when the range is not inside a run of ``steps`` steps."""
@@ -139,6 +143,7 @@ class ProfileSession:
             "profiled_steps": [self.options.first, self.options.stop],
             "memory": "held_tensors",
             "rank_cpus": [p["cpus"] for p in pipeline], "host_cpus": os.cpu_count(),
+            "cpus_per_rank": self.options.cpus_per_rank,
             "hosts": host_loads(gathered),
             "config": cfg.to_dict(),
         }

@@ -10,16 +10,29 @@ import sys
 from collections.abc import Sequence
 
 from ..errors import ScheduleError
+from .help import DefaultsHelpFormatter, VersionAction, package_version
 
 # Modules that add sub-commands; each has add_commands(subparsers) and sets args.func.
 _COMMAND_MODULES = ("pipesim.cli.schedule_cmds", "pipesim.cli.simulate_cmds",
                     "pipesim.cli.plan_cmds")
 
 
+class _Parser(argparse.ArgumentParser):
+    """Sub-command parsers show every flag's default in their help."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        kwargs.setdefault("formatter_class", DefaultsHelpFormatter)
+        super().__init__(*args, **kwargs)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="pipesim", description="Pipeline-parallel schedules as data, and their simulation.")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+        prog="pipesim", description="Pipeline-parallel schedules as data, and their simulation.",
+        formatter_class=DefaultsHelpFormatter)
+    parser.add_argument("--version", action=VersionAction,
+                        version_text=lambda: f"pipesim {package_version()}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND",
+                                parser_class=_Parser)
     for name in _COMMAND_MODULES:
         try:
             module = importlib.import_module(name)

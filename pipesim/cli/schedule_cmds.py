@@ -13,12 +13,14 @@ def add_schedule_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("name", help="schedule name (see `pipesim list`)")
     p.add_argument("--pp", type=int, default=4, help="pipeline ranks")
     p.add_argument("--vpp", type=int, default=1, help="chunks (virtual stages) per rank")
-    p.add_argument("--microbatches", "-m", type=int, default=8)
+    p.add_argument("--microbatches", "-m", type=int, default=8, help="microbatches per step")
     p.add_argument("--forward-only", action="store_true", help="inference: forwards only")
 
 
 def add_commands(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("list", help="list schedules with their constraints")
+    p.add_argument("--width", type=int, default=0,
+                   help="wrap to this many columns (default: the terminal's, at most 100)")
     p.set_defaults(func=cmd_list)
 
     p = sub.add_parser("show", help="print a schedule's per-rank order as a time-step grid")
@@ -32,14 +34,29 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_list(args: argparse.Namespace) -> int:
+    print(render_list(args.width or min(shutil.get_terminal_size((100, 24)).columns, 100)))
+    return 0
+
+
+def render_list(width: int = 100) -> str:
+    """Every schedule: name, placement and constraints on its first lines, the description
+    indented under them, all wrapped to ``width`` columns."""
+    import textwrap
+
     infos = [schedule_info(n) for n in schedule_names()]
     w = max(len("name"), *(len(i.name) for i in infos))
     wp = max(len("placement"), *(len(i.placement) for i in infos))
-    wc = max(len("constraints"), *(len(i.constraints) for i in infos))
-    print(f"{'name':<{w}}  {'placement':<{wp}}  {'constraints':<{wc}}  description")
+    indent = " " * (w + 2)
+    rest = max(20, width - w - wp - 4)
+    out = [f"{'name':<{w}}  {'placement':<{wp}}  constraints", f"{indent}description", ""]
     for i in infos:
-        print(f"{i.name:<{w}}  {i.placement:<{wp}}  {i.constraints:<{wc}}  {i.description}")
-    return 0
+        cons = textwrap.wrap(i.constraints, rest) or [""]
+        out.append(f"{i.name:<{w}}  {i.placement:<{wp}}  {cons[0]}")
+        out += [f"{indent}{' ' * (wp + 2)}{c}" for c in cons[1:]]
+        out += textwrap.wrap(i.description, max(20, width), initial_indent=indent,
+                             subsequent_indent=indent)
+        out.append("")
+    return "\n".join(out).rstrip()
 
 
 def render_grid(schedule, width: int) -> str:

@@ -47,8 +47,12 @@ def _cost_source(args: argparse.Namespace):
     """A CostModel, or a (num_stages, micro_batch_size) -> CostModel factory for --model."""
     if args.costs and args.model:
         raise ValueError("give either --costs or --model, not both")
-    if args.hardware and not args.model:
-        raise ValueError("--hardware needs --model")
+    if args.hardware:
+        from ..hardware import get_hardware
+
+        get_hardware(args.hardware)         # a misspelled preset is named before anything else
+        if not args.model:
+            raise ValueError("--hardware needs --model")
     if args.costs:
         return CostModel.load(args.costs)
     if args.model:
@@ -68,12 +72,12 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("name", nargs="?", help="schedule name (see `pipesim list`)")
     p.add_argument("--pp", type=int, default=4, help="pipeline ranks")
     p.add_argument("--vpp", type=int, default=1, help="chunks (virtual stages) per rank")
-    p.add_argument("--microbatches", "-m", type=int, default=8)
+    p.add_argument("--microbatches", "-m", type=int, default=8, help="microbatches per step")
     p.add_argument("--micro-batch-size", type=int, default=1, help="sequences per microbatch (--model)")
     p.add_argument("--forward-only", action="store_true", help="inference: forwards only")
     _add_cost_args(p)
     p.add_argument("--jitter", type=float, default=0.0, help="relative compute-time noise, seeded")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of --jitter")
     p.add_argument("--gantt", metavar="OUT.png", help="write a Gantt chart")
     p.add_argument("--gantt-comm", action="store_true", help="with a communication lane")
     p.add_argument("--chrome", metavar="OUT.json", help="write a Chrome/Perfetto trace")
@@ -83,19 +87,22 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_simulate)
 
     p = sub.add_parser("sweep", help="simulate schedules x pp x vpp x microbatches, write CSV")
-    p.add_argument("--schedules", nargs="+", required=True, metavar="NAME")
-    p.add_argument("--pp", type=int, nargs="+", default=[4])
-    p.add_argument("--vpp", type=int, nargs="+", default=[1])
-    p.add_argument("--microbatches", "-m", type=int, nargs="+", default=[8])
-    p.add_argument("--micro-batch-size", type=int, nargs="+", default=[1])
+    p.add_argument("--schedules", nargs="+", required=True, metavar="NAME",
+                   help="schedule names (see `pipesim list`)")
+    p.add_argument("--pp", type=int, nargs="+", default=[4], help="pipeline rank counts")
+    p.add_argument("--vpp", type=int, nargs="+", default=[1], help="chunks per rank")
+    p.add_argument("--microbatches", "-m", type=int, nargs="+", default=[8],
+                   help="microbatches per step")
+    p.add_argument("--micro-batch-size", type=int, nargs="+", default=[1],
+                   help="sequences per microbatch (--model)")
     _add_cost_args(p)
     p.add_argument("--memory-limit", type=parse_bytes, default=None,
-                   help="per-rank peak memory limit, e.g. 80GB (default with --model: the "
-                        "hardware's memory)")
+                   help="per-rank peak memory limit, e.g. 80GB, 72GiB (a bare number is "
+                        "bytes; default with --model: the hardware's memory)")
     p.add_argument("--inflight-limit", type=int, default=None,
                    help="per-rank limit on microbatches in flight")
     p.add_argument("--out", metavar="OUT.csv", required=True, help="CSV of every configuration")
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_sweep)
 
 
@@ -114,9 +121,15 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     costs = source(schedule.num_stages, args.micro_batch_size) if callable(source) else source
     result = simulate(schedule, costs, comm=args.comm, step_tail=args.step_tail, dp=args.dp,
                       jitter=args.jitter, seed=args.seed, cores=args.cores)
-    print(result.summary_text())
+    unitless = not (args.costs or args.model)
+    print(result.summary_text(unitless=unitless))
+    if unitless and schedule.vpp > 1:
+        print(f"note: the default costs are per stage (F=1, B=2 each): with vpp = "
+              f"{schedule.vpp} a rank holds {schedule.vpp} stages and does {schedule.vpp}x the "
+              f"work of vpp = 1 (the README's schedule table divides them by vpp)")
     if args.gantt:
-        result.gantt(comm=args.gantt_comm, memory=True).savefig(args.gantt, dpi=100)
+        result.gantt(comm=args.gantt_comm, memory=True,
+                     unitless=unitless).savefig(args.gantt, dpi=100)
         print(f"wrote {args.gantt}")
     if args.chrome:
         result.to_chrome_trace(args.chrome)
@@ -148,7 +161,14 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     shown = ["schedule", "pp", "vpp", "microbatches", "micro_batch_size", "makespan",
              "bubble_fraction", "bubble_rate", "peak_memory", "peak_inflight"]
     if len(ok):
-        print(ok[shown].to_string(index=False, float_format=lambda x: f"{x:.5g}"))
+        view = ok[shown]
+        if args.costs or args.model:
+            from ..result import byte_unit
+
+            scale, name = byte_unit(float(view["peak_memory"].max()))
+            view = view.assign(peak_memory=view["peak_memory"] / scale).rename(
+                columns={"peak_memory": f"peak_memory_{name}", "makespan": "makespan_s"})
+        print(view.to_string(index=False, float_format=lambda x: f"{x:.5g}"))
     for row in table[table["status"] == "infeasible"].itertuples(index=False):
         print(f"infeasible: {row.schedule} pp={row.pp} vpp={row.vpp} m={row.microbatches} "
               f"mbs={row.micro_batch_size}: {row.reason}", file=sys.stderr)
@@ -157,4 +177,9 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         print(f"invalid ({len(group)} configuration{'s' if len(group) > 1 else ''}): {name}: "
               f"{reason}", file=sys.stderr)
     print(f"{len(ok)} of {len(table)} configurations feasible; wrote {args.out}")
+    if len(ok) == 0:
+        if limit is not None and limit < 2**20:
+            print(f"note: the memory limit is {limit:g} bytes (a number without a unit is "
+                  "bytes: say 80GB or 80GiB)", file=sys.stderr)
+        return 1
     return 0

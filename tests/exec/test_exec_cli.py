@@ -40,8 +40,8 @@ def test_local_launcher_matches_single_process(tmp_path, reference):
     assert all(t > 0 for t in metrics["step_times"])
     assert metrics["losses"] == pytest.approx(reference["losses"], rel=1e-5)
     assert reference["losses"][-1] < reference["losses"][0]   # it learns
-    for k in (1, 2, 3):
-        assert f"step {k}/3 loss" in stdout
+    for k in (0, 1, 2):                     # numbered from 0, as in traces and reports
+        assert f"step {k} ({k + 1} of 3) loss" in stdout
     assert "tokens/s" in stdout
     import torch
     assert metrics["versions"]["torch"] == torch.__version__ and metrics["versions"]["nccl"] is None

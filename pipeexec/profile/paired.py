@@ -1,0 +1,66 @@
+"""Two schedules in one job, alternating steps: a calibration and its target measured on the
+same machine seconds apart.
+
+On a shared machine two jobs a minute apart can differ by 10-20% in step time (other processes,
+page cache, frequency): a prediction calibrated on one job and checked against another measures
+that drift as much as the simulator. `paired_runs` trains every config in the same worker
+processes, one step of each in turn, each profiled by its own session, so the calibration
+steps and the measured steps meet the same machine. Every config must have the same pp and dp
+(they share the processes and the process groups).
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from .measured import MeasuredRun
+
+
+def paired_worker(board: Any, configs: Sequence[Any], first: int, stop: int,
+                  trace_outs: Sequence[str | None], cpus_per_rank: float | None) -> list:
+    """One rank of a paired job; returns (on rank 0) one `MeasuredRun` per config."""
+    from ..topology import destroy_topology, init_topology
+    from ..train import Trainer
+    from .session import ProfileOptions, ProfileSession
+
+    cfg0 = configs[0]
+    topo = init_topology(cfg0.pp, cfg0.dp, backend=cfg0.backend, device=cfg0.device,
+                         timeout=cfg0.collective_timeout)
+    try:
+        pairs = []
+        for cfg, out in zip(configs, trace_outs):
+            session = ProfileSession(ProfileOptions(first, stop, out, cpus_per_rank=cpus_per_rank),
+                                     topo)
+            trainer = Trainer(cfg, topo, board=board, recorder=session.profiler)
+            session.attach(trainer)
+            pairs.append((session, trainer))
+        for _ in range(cfg0.steps):
+            for _, trainer in pairs:
+                trainer.step()
+        return [session.finish(trainer) for session, trainer in pairs]
+    finally:
+        destroy_topology(topo)
+
+
+def paired_runs(configs: Sequence[Any], first: int, stop: int, *,
+                trace_outs: Sequence[str | None] | None = None, timeout: float | None = None,
+                cpus_per_rank: float | None = None) -> list[MeasuredRun]:
+    """Train ``configs`` side by side in one job of local workers, alternating steps, each
+    profiling steps ``first..stop-1``; return their measured runs (written to ``trace_outs``
+    where given). Raises ValueError when the configs cannot share processes."""
+    from ..launcher import launch
+
+    configs = list(configs)
+    base = configs[0]
+    for c in configs[1:]:
+        for name in ("pp", "dp", "steps", "backend", "device"):
+            if getattr(c, name) != getattr(base, name):
+                raise ValueError(f"paired runs share their processes: {name} must be equal, got "
+                                 f"{getattr(base, name)!r} ({base.schedule}) and "
+                                 f"{getattr(c, name)!r} ({c.schedule})")
+    outs = list(trace_outs) if trace_outs is not None else [None] * len(configs)
+    runs = launch(paired_worker, base.world_size, (configs, first, stop, outs, cpus_per_rank),
+                  timeout=timeout, cpus_per_rank=cpus_per_rank)[0]
+    if runs is None or any(r is None for r in runs):
+        raise RuntimeError("rank 0 returned no measured runs (was the profiled range empty?)")
+    return runs
