@@ -3,6 +3,7 @@
 commands have (running them is the main job's and the multi-process tests' business)."""
 from __future__ import annotations
 
+import json
 import re
 import shlex
 from pathlib import Path
@@ -22,37 +23,54 @@ def commands(prefix: str) -> list[list[str]]:
     """The tour's command lines starting with ``prefix``, comments dropped, as argv lists."""
     out = []
     for block in blocks("bash"):
-        for line in block.splitlines():
+        for line in block.replace("\\\n", " ").splitlines():   # continuation lines joined
             line = line.split("#", 1)[0].strip()
             if line.startswith(prefix + " ") and "..." not in line:
                 out.append(shlex.split(line)[1:])
     return out
 
 
+# The Hugging Face config.json the tour's lines read (a small Llama-family model).
+HF_CONFIG = {"model_type": "llama", "hidden_size": 1024, "intermediate_size": 2816,
+             "num_attention_heads": 16, "num_key_value_heads": 4, "num_hidden_layers": 8,
+             "vocab_size": 32000, "max_position_embeddings": 2048}
+
+
+@pytest.fixture
+def scratch(tmp_path, monkeypatch):
+    """A working directory holding the files the tour names."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps(HF_CONFIG))
+    return tmp_path
+
+
 def test_the_tour_has_lines_to_check():
     assert len(commands("pipesim")) >= 5 and len(commands("pipeexec")) >= 5
-    assert len(blocks("python")) == 1
+    assert len(blocks("python")) == 2
 
 
-def test_python_tour_runs(tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)
-    exec(compile(blocks("python")[0], "README quick tour", "exec"), {})
-    assert (tmp_path / "interleaved.png").stat().st_size > 10_000
-    assert (tmp_path / "interleaved.json").exists() and (tmp_path / "s.csv").exists()
+def test_python_tour_runs(scratch):
+    for n, block in enumerate(blocks("python")):
+        exec(compile(block, f"README quick tour, Python block {n + 1}", "exec"), {})
+    assert (scratch / "interleaved.png").stat().st_size > 10_000
+    assert (scratch / "interleaved.json").exists() and (scratch / "s.csv").exists()
+    assert json.loads((scratch / "plan.json").read_text())["model"]["name"] == "llama3-70b"
 
 
-@pytest.mark.parametrize("argv", commands("pipesim"), ids=" ".join)
-def test_pipesim_lines_run(argv, tmp_path, monkeypatch, capsys):
+def test_pipesim_lines_run_in_order(scratch, capsys):
+    """In one directory, in the README's order, as a user types them (a later line may read a
+    file an earlier one wrote, e.g. plan.json)."""
     from pipesim.cli import main
 
-    monkeypatch.chdir(tmp_path)
-    if "--help" in argv:
-        with pytest.raises(SystemExit) as info:
-            main(argv)
-        assert info.value.code == 0
-    else:
-        assert main(argv) == 0, capsys.readouterr().err
-    assert capsys.readouterr().out
+    for argv in commands("pipesim"):
+        line = "pipesim " + " ".join(argv)
+        if "--help" in argv:
+            with pytest.raises(SystemExit) as info:
+                main(argv)
+            assert info.value.code == 0, line
+        else:
+            assert main(argv) == 0, f"{line}: {capsys.readouterr().err}"
+        assert capsys.readouterr().out, line
 
 
 @pytest.mark.parametrize("argv", commands("pipeexec"), ids=" ".join)
