@@ -23,24 +23,29 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
                              "`pipesim hardware`)")
     g.add_argument("--plan", metavar="PLAN.json", help="simulate this plan (other plan flags "
                    "override its fields)")
-    g.add_argument("--tp", type=int, help="tensor-parallel size")
-    g.add_argument("--cp", type=int, help="context-parallel size")
-    g.add_argument("--ep", type=int, help="expert-parallel size (MoE models)")
+    g.add_argument("--tp", type=int, help="tensor-parallel size (default: 1, or the plan file's)")
+    g.add_argument("--cp", type=int, help="context-parallel size (default: 1, or the plan file's)")
+    g.add_argument("--ep", type=int, help="expert-parallel size, MoE models (default: 1, or the plan file's)")
     g.add_argument("--global-batch-size", type=int, metavar="B",
-                   help="sequences per step (microbatches = B / (micro-batch-size * dp))")
-    g.add_argument("--seq-len", type=int, metavar="S", help="training sequence length")
-    g.add_argument("--recompute", choices=("none", "selective", "full"))
+                   help="sequences per step (microbatches = B / (micro-batch-size * dp); default: from -m)")
+    g.add_argument("--seq-len", type=int, metavar="S", help="training sequence length (default: the model's)")
+    g.add_argument("--recompute", choices=("none", "selective", "full"),
+                   help="activation recomputation (default: none, or the plan file's)")
     g.add_argument("--recompute-layers", type=int, metavar="N",
-                   help="with --recompute full: recompute N layers of each stage")
-    g.add_argument("--sequence-parallel", action="store_true", default=None)
+                   help="with --recompute full: recompute N layers of each stage (default: all)")
+    g.add_argument("--sequence-parallel", action="store_true", default=None,
+                   help="Megatron's sequence parallelism inside the tp group")
     g.add_argument("--distributed-optimizer", action="store_true", default=None,
                    help="Megatron's distributed optimizer (ZeRO-1)")
-    g.add_argument("--zero", type=int, choices=(0, 1, 2, 3), help="optimizer sharding stage")
-    g.add_argument("--precision", choices=("bf16", "fp16", "fp8", "fp32"))
-    g.add_argument("--gpus-per-node", type=int, metavar="N")
+    g.add_argument("--zero", type=int, choices=(0, 1, 2, 3), help="optimizer sharding stage (default: 0, or the plan file's)")
+    g.add_argument("--precision", choices=("bf16", "fp16", "fp8", "fp32"),
+                   help="GEMM precision (default: bf16, or the plan file's)")
+    g.add_argument("--gpus-per-node", type=int, metavar="N",
+                   help="GPUs per node / NVLink domain (default: 8, or the plan file's)")
     g.add_argument("--no-flash-attention", action="store_true", default=None,
                    help="unfused attention (keeps the s x s scores)")
-    g.add_argument("--overlap-tp-comm", action="store_true", default=None)
+    g.add_argument("--overlap-tp-comm", action="store_true", default=None,
+                   help="overlap tensor-parallel communication with the GEMMs")
     g.add_argument("--no-overlap", action="store_true", default=None,
                    help="expose the data-parallel gradient reduce and parameter gather")
     g.add_argument("--pipeline-layout", metavar="LAYOUT",
