@@ -116,8 +116,11 @@ def test_ctrl_c_stops_the_workers_with_one_line():
                           "--steps", "1000000", *TINY], stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE, text=True, start_new_session=True, env=env)
     try:
-        assert p.stdout.readline().startswith("pipeexec:")      # the banner
-        assert p.stdout.readline().startswith("step 0 (1 of")   # the workers run
+        line = p.stdout.readline()
+        assert line.startswith("pipeexec:"), line                # the banner
+        while line.startswith("pipeexec:"):                     # ... and its version lines
+            line = p.stdout.readline()
+        assert line.startswith("step 0 (1 of"), line            # the workers run
         os.killpg(p.pid, signal.SIGINT)                         # what a terminal's Ctrl-C does
         _, err = p.communicate(timeout=120)
     finally:
