@@ -4,7 +4,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 
 from ..errors import ScheduleError
-from .action import ALL_OPS, COMM_OPS, COMPUTE_OPS, Action
+from .action import ALL_OPS, COMM_OPS, COMPUTE_OPS, OVERLAP_F_B, Action, flat_parts
 from .comms import insert_comms
 from .placement import make_placement, placement_kind
 
@@ -116,8 +116,17 @@ class Schedule:
 
     # -- actions ----------------------------------------------------------------------------
     def compute_order(self, rank: int) -> list[Action]:
-        """F / B / I / W actions of ``rank`` in execution order."""
+        """F / B / I / W (and OVERLAP_F_B) actions of ``rank`` in execution order."""
         return list(self._orders[rank])
+
+    def compute_parts(self, rank: int) -> list[Action]:
+        """F / B / I / W of ``rank`` in execution order, each overlap split into its parts."""
+        return flat_parts(self._orders[rank])
+
+    @property
+    def has_overlaps(self) -> bool:
+        """True when some rank runs an overlapped forward-and-backward (``OVERLAP_F_B``)."""
+        return any(a.op == OVERLAP_F_B for order in self._orders for a in order)
 
     def actions(self, rank: int) -> list[Action]:
         """All actions of ``rank`` in execution order, SEND/RECV included."""
