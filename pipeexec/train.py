@@ -229,7 +229,7 @@ class Trainer:
             if self._custom_schedule:
                 s = self.schedule   # the forwards of the schedule, in its order
                 sched = pipesim.Schedule(s.pp, s.vpp, s.num_microbatches, s.placement,
-                                         [[a for a in s.compute_order(r) if a.op == "F"]
+                                         [[a for a in s.compute_parts(r) if a.op == "F"]
                                           for r in range(s.pp)],
                                          name=f"{s.name} (forward only)", forward_only=True,
                                          recv_lookahead=s.recv_lookahead).validate()
