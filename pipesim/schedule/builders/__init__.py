@@ -5,3 +5,4 @@ from . import zero_bubble  # noqa: F401  zb-h1, zb-h2
 from . import zbv  # noqa: F401  ZB-V
 from . import dualpipe  # noqa: F401  DualPipeV
 from . import controllable  # noqa: F401  v-half, v-min
+from . import zb_auto  # noqa: F401  zb-auto
