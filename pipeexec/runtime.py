@@ -48,7 +48,9 @@ class PipelineError(RuntimeError):
 class ActionRecorder(Protocol):
     """Hooks around every action. A recorder may also define ``wait_start(recv_action, step)``
     and ``wait_end(recv_action, step)``: called around the wait for a received tensor, which
-    happens inside the compute action that uses it, so waiting can be told apart from compute."""
+    happens inside the compute action that uses it, so waiting can be told apart from compute.
+    An ``OVERLAP_F_B`` comes as ``start(overlap)``, then start/end of each of its parts, then
+    ``end(overlap)``."""
 
     def start(self, action: Action, step: int) -> None: ...
     def end(self, action: Action, step: int) -> None: ...
@@ -330,8 +332,14 @@ class PipelineRuntime:
         if table is None:
             table = self._overlap_parts = {(a.stage, a.microbatch): a.parts
                                            for a in self.actions if a.op == OVERLAP_F_B}
-        for op, stage, microbatch in table[(s, mb)]:
-            self._ops[op](stage, microbatch)
+        rec = self.recorder   # it saw start(overlap); each part is reported inside it
+        for part in table[(s, mb)]:
+            if rec is None:
+                self._ops[part.op](part.stage, part.microbatch)
+            else:
+                rec.start(part, self._step)
+                self._ops[part.op](part.stage, part.microbatch)
+                rec.end(part, self._step)
 
 
 def _check_bound_grads(params: dict[int, list[torch.nn.Parameter]], rank: int) -> None:

@@ -56,19 +56,21 @@ def test_memory_is_a_half_and_a_third_of_1f1b(pp, m):
     assert third <= half <= max(one, 1)
 
 
-@pytest.mark.parametrize("pp", [3, 4, 6, 8, 12])
-def test_bubble_between_zbv_and_1f1b(pp):
-    """F = I = W: ZB-V (1F1B's memory) has the least bubble, 1F1B the most; V-Half and V-Min
-    trade memory for bubble in between, at 0.58-0.75x of 1F1B's (figures of this builder, which
-    keeps the block order without the reference's greedy squeeze)."""
-    m = 4 * pp
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(pp=st.integers(2, 12), extra=st.integers(0, 24))
+def test_bubble_between_zbv_and_1f1b(pp, extra):
+    """F = I = W, m >= 2 pp: ZB-V (1F1B's memory) has the least bubble, 1F1B the most; V-Half
+    and V-Min trade memory for bubble in between: 0.58-0.83x and 0.50-0.75x of 1F1B's idle time
+    over pp = 2..12 (figures of this builder, which keeps the block order without the
+    reference's greedy squeeze)."""
+    m = 2 * pp + extra
     _, zbv = peak_and_bubble("zbv", pp, m)
     _, one = peak_and_bubble("1f1b", pp, m, vpp=1)
     assert one == pytest.approx(3 * (pp - 1) * 2)       # (p-1)(F+B) of a 1F1B stage
-    for name in ("v-half", "v-min"):
+    for name, top in (("v-half", 0.84), ("v-min", 0.76)):
         _, bubble = peak_and_bubble(name, pp, m)
         assert zbv < bubble < one
-        assert 0.55 * one <= bubble <= 0.76 * one, (name, bubble / one)
+        assert 0.5 * one <= bubble <= top * one, (name, bubble / one)
 
 
 def test_constraints_in_words():
