@@ -194,3 +194,26 @@ def test_dualpipev_bubble_and_memory_as_the_dualpipe_readme(pp, extra, fwd, w_sh
     f_and_b = factor * (fwd + b)
     assert max(r.makespan - busy) == pytest.approx((pp - 1) * (f_and_b + b - 3 * w), abs=1e-9)
     assert r.peak_memory == [min(2 * pp + 1, 2 * m)] * pp
+
+
+# -- the CLI: schedules from files, zb-auto's memory limit ------------------------------------
+def test_simulate_schedule_files_and_zb_auto_limit(tmp_path, capsys):
+    from pipesim.cli import main
+
+    s = pipesim.build_schedule("dualpipev", pp=2, vpp=2, microbatches=4)
+    expected = simulate(s, CostModel.uniform(1.0, 2.0)).makespan
+    schedule_to_json(s, tmp_path / "d.json")
+    schedule_to_csv(s, tmp_path / "d.csv", with_comms=True)         # torch's compute_comms CSV
+    for path in (tmp_path / "d.json", tmp_path / "d.csv"):
+        capsys.readouterr()
+        assert main(["simulate", str(path)]) == 0
+        text = capsys.readouterr().out
+        assert f"{expected:g}" in text.replace(",", ""), text
+    assert main(["simulate", str(tmp_path / "d.csv"), "--recv-lookahead", "1"]) == 2
+    assert "places its SEND/RECV actions itself" in capsys.readouterr().err
+    # zb-auto searches with the costs it is simulated with (uniform: 1 byte a microbatch)
+    assert main(["simulate", "zb-auto", "--pp", "2", "-m", "4", "--memory-limit", "2"]) == 0
+    assert main(["simulate", "zb-auto", "--pp", "2", "-m", "4", "--memory-limit", "0.5"]) == 2
+    assert "memory_limit 0.5 bytes on rank 0 is below" in capsys.readouterr().err
+    assert main(["simulate", "1f1b", "--pp", "2", "--memory-limit", "1GB"]) == 2
+    assert "--memory-limit applies to zb-auto only" in capsys.readouterr().err

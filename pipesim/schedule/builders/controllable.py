@@ -89,13 +89,13 @@ def _build(kind: str, pp: int, vpp: int, microbatches: int, forward_only: bool) 
 
 @register("v-min", placement=VSHAPE, constraints="vpp == 2",
           description="V-Min (Qi et al. 2024, controllable memory): V placement, about 1/3 of "
-                      "1F1B's activation memory, for more bubble")
+                      "1F1B's activation memory, bubble between ZB-V's and 1F1B's")
 def v_min(pp: int, vpp: int, microbatches: int, *, forward_only: bool = False) -> Schedule:
     return _build("v-min", pp, vpp, microbatches, forward_only)
 
 
 @register("v-half", placement=VSHAPE, constraints="vpp == 2",
           description="V-Half (Qi et al. 2024, controllable memory): V placement, about 1/2 of "
-                      "1F1B's activation memory, less bubble than 1F1B")
+                      "1F1B's activation memory, bubble between ZB-V's and 1F1B's")
 def v_half(pp: int, vpp: int, microbatches: int, *, forward_only: bool = False) -> Schedule:
     return _build("v-half", pp, vpp, microbatches, forward_only)
