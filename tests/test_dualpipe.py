@@ -80,7 +80,8 @@ def test_csv_and_json_round_trip_through_torchs_parser(tmp_path, pp, m):
         assert [torch_schedules._Action.from_str(c) for c in row] == theirs[r]
     # with communication: the overlap's receives before it, its parts' sends after it
     full = schedule_from_csv(schedule_to_csv(s, with_comms=True))
-    assert full.has_explicit_comms and full.validate() == s
+    assert full.has_explicit_comms and full.validate(single_channel=True)
+    assert [full.compute_order(r) for r in range(pp)] == [s.compute_order(r) for r in range(pp)]
 
 
 def test_comms_around_an_overlap():

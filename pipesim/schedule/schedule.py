@@ -152,9 +152,12 @@ class Schedule:
     def num_compute_actions(self) -> int:
         return sum(len(o) for o in self._orders)
 
-    def validate(self) -> "Schedule":
+    def validate(self, *, single_channel: bool = False) -> "Schedule":
         """Check ordering, send/receive matching and deadlock freedom; raise ScheduleError.
 
+        ``single_channel``: also check that between every two ranks the receives are posted in
+        the order of the sends, activations and gradients together, as
+        torch.distributed.pipelining's runtime needs (see :mod:`pipesim.schedule.torch_order`).
         Returns the schedule itself, so ``build(...).validate()`` chains.
         """
         if not self._validated:
@@ -162,6 +165,10 @@ class Schedule:
 
             validate_schedule(self)
             self._validated = True
+        if single_channel:
+            from .torch_order import check_single_channel
+
+            check_single_channel(self)
         return self
 
     # -- value semantics --------------------------------------------------------------------
