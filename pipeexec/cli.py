@@ -22,7 +22,8 @@ def _parser() -> argparse.ArgumentParser:
     t = sub.add_parser("train", help="train the built-in GPT with a pipeline schedule")
     d = TrainConfig()
     a = t.add_argument
-    a("--schedule", default=d.schedule, help="a pipesim schedule name (pipesim list)")
+    a("--schedule", default=d.schedule, help="a pipesim schedule name (pipesim list), or a "
+      "schedule file: FILE.json (pipesim) or FILE.csv (torch's, compute-only or with comms)")
     a("--pp", type=int, default=d.pp, help="pipeline ranks")
     a("--vpp", type=int, default=d.vpp, help="stages (chunks) per pipeline rank")
     a("--dp", type=int, default=d.dp, help="data-parallel replicas")

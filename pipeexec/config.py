@@ -138,7 +138,29 @@ class TrainConfig:
         """The pipesim Schedule of this run (raises pipesim.ScheduleError with the reason)."""
         import pipesim
 
+        if self.schedule.endswith((".json", ".csv")):
+            return self._schedule_from_file()
         schedule = pipesim.build_schedule(self.schedule, pp=self.pp, microbatches=self.microbatches,
                                           vpp=self.vpp, forward_only=self.forward_only,
                                           recv_lookahead=self.recv_lookahead)
         return schedule.validate()
+
+    def _schedule_from_file(self):
+        """``schedule`` names a file (our JSON, torch's CSV): it must fit this run's layout."""
+        import pipesim
+        from pipesim.schedule.io import schedule_from_csv, schedule_from_json
+
+        path = self.schedule
+        s = (schedule_from_json if path.endswith(".json") else schedule_from_csv)(path).validate()
+        for name, want, got in (("pp", self.pp, s.pp), ("vpp", self.vpp, s.vpp),
+                                ("microbatches", self.microbatches, s.num_microbatches)):
+            if want != got:
+                raise pipesim.ScheduleError(f"{path}: the schedule has {name} = {got}, the run "
+                                            f"{name} = {want}; pass --{name} {got}")
+        if self.forward_only:
+            s = pipesim.Schedule(s.pp, s.vpp, s.num_microbatches, s.placement,
+                                 [[a for a in s.compute_parts(r) if a.op == "F"] for r in range(s.pp)],
+                                 name=f"{s.name} (forward only)", forward_only=True)
+        if self.recv_lookahead and not s.has_explicit_comms:
+            s = s.with_recv_lookahead(self.recv_lookahead)
+        return s.validate()

@@ -25,6 +25,8 @@ from typing import Any
 
 import torch.distributed as dist
 
+from pipesim.schedule.io import schedule_to_dict
+
 from .clock import ClockOffset, align_clocks
 from .measured import MeasuredRun, build_trace
 from .memory import CudaMemoryMeter, HeldTensorMeter
@@ -140,6 +142,8 @@ class ProfileSession:
             "rank_cpus": [p["cpus"] for p in pipeline], "host_cpus": os.cpu_count(),
             "hosts": host_loads(gathered),
             "config": cfg.to_dict(),
+            # the schedule itself (a file's, or one searched from costs, is not its name)
+            "schedule_data": schedule_to_dict(schedule),
         }
         probes = {str(s): v for p in pipeline for s, v in (p["split_probe"] or {}).items()}
         if probes:
