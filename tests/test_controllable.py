@@ -60,17 +60,35 @@ def test_memory_is_a_half_and_a_third_of_1f1b(pp, m):
 @given(pp=st.integers(2, 12), extra=st.integers(0, 24))
 def test_bubble_between_zbv_and_1f1b(pp, extra):
     """F = I = W, m >= 2 pp: ZB-V (1F1B's memory) has the least bubble, 1F1B the most; V-Half
-    and V-Min trade memory for bubble in between: 0.58-0.83x and 0.50-0.75x of 1F1B's idle time
-    over pp = 2..12 (figures of this builder, which keeps the block order without the
-    reference's greedy squeeze)."""
+    and V-Min trade memory for bubble in between, V-Half's (more memory) no larger than
+    V-Min's. The paper's claims, about 1/2 and 2/3 of 1F1B's bubble: this builder measures
+    0.28-0.48x and 0.42-0.65x for pp = 3..12 (0.17x, ZB-V's, at pp = 2)."""
     m = 2 * pp + extra
     _, zbv = peak_and_bubble("zbv", pp, m)
     _, one = peak_and_bubble("1f1b", pp, m, vpp=1)
     assert one == pytest.approx(3 * (pp - 1) * 2)       # (p-1)(F+B) of a 1F1B stage
-    for name, top in (("v-half", 0.84), ("v-min", 0.76)):
-        _, bubble = peak_and_bubble(name, pp, m)
-        assert zbv < bubble < one
-        assert 0.5 * one <= bubble <= top * one, (name, bubble / one)
+    _, half = peak_and_bubble("v-half", pp, m)
+    _, third = peak_and_bubble("v-min", pp, m)
+    assert zbv <= half <= third < one
+    assert half <= 0.5 * one and third <= 0.66 * one, (half / one, third / one)
+    if pp >= 3:
+        assert half >= 0.25 * one and third >= 0.4 * one, (half / one, third / one)
+
+
+def test_the_squeeze_keeps_the_memory_and_shortens_the_step():
+    """Without the squeeze, the plain repetition of the block holds the same peak but idles
+    through warm-up and cool-down: 0.6-0.7x of 1F1B's bubble instead of 0.3-0.6x."""
+    from pipesim.schedule.builders.controllable import block_order
+
+    pp, m = 8, 24
+    _, one = peak_and_bubble("1f1b", pp, m, vpp=1)
+    for kind in ("v-half", "v-min"):
+        plain = pipesim.Schedule(pp, 2, m, "v", [block_order(kind, r, pp, m, squeeze=False)
+                                                 for r in range(pp)], name=kind).validate()
+        r = simulate(plain, CHUNK)
+        peak, bubble = peak_and_bubble(kind, pp, m)
+        assert max(r.peak_memory) / 2 == peak
+        assert r.makespan - 6 * m > bubble and (r.makespan - 6 * m) / one > 0.6
 
 
 def test_constraints_in_words():
