@@ -27,6 +27,10 @@ class TrainConfig:
     dp: int = 1
     microbatches: int = 1
     micro_batch_size: int = 1
+    # zb-auto: profile `reschedule_after` steps of ZB-H1 (after a warm-up step), search a
+    # schedule from the measured costs under `memory_limit` bytes per rank, switch to it
+    memory_limit: float | None = None
+    reschedule_after: int = 2
     # built-in GPT
     layers: int = 2            # transformer blocks; the layer list adds embedding and head
     hidden: int = 64
@@ -130,6 +134,21 @@ class TrainConfig:
             raise ConfigError(f"recv_lookahead must be a non-negative integer, got {self.recv_lookahead!r}")
         if self.p2p_timeout <= 0 or self.collective_timeout <= 0:
             raise ConfigError("timeouts must be positive")
+        if self.memory_limit is not None:
+            if self.schedule != "zb-auto":
+                raise ConfigError(f"memory_limit applies to the zb-auto schedule (a search under "
+                                  f"it), got schedule {self.schedule!r}")
+            if not self.memory_limit > 0:
+                raise ConfigError(f"memory_limit must be > 0 bytes, got {self.memory_limit!r}")
+            if self.vpp != 1 or self.forward_only:
+                raise ConfigError("zb-auto with a memory_limit trains with vpp = 1")
+            if not isinstance(self.reschedule_after, int) or self.reschedule_after < 1:
+                raise ConfigError(f"reschedule_after must be a positive integer, got "
+                                  f"{self.reschedule_after!r}")
+            if self.steps < self.reschedule_after + 2:
+                raise ConfigError(f"steps = {self.steps}: zb-auto profiles steps 1.."
+                                  f"{self.reschedule_after} (after a warm-up step) before it "
+                                  f"searches, so it needs steps >= {self.reschedule_after + 2}")
         if check_schedule:
             self.build_schedule()
         return self

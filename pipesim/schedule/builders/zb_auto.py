@@ -20,8 +20,9 @@ Memory is counted as the simulator counts it (:mod:`pipesim.memory`): static byt
 stage's ``activation_bytes`` from the start of each F, minus (1 - weight_grad_fraction) of it at
 the end of I and the rest at the end of W, plus the received gradient's buffer while its I runs.
 ``memory_limit = pp * activation_bytes`` is ZB-1p's budget, twice that ZB-2p's. The candidates
-are simulated with the same cost model and only those whose peak fits are kept, so the returned
-schedule's simulated peak never exceeds the limit (with the default comm model, ``async``).
+are simulated with the same cost model (and the ``comm`` mode and receive ``lookahead`` the
+schedule will run with: options) and only those whose peak fits are kept, so the returned
+schedule's simulated peak never exceeds the limit.
 
 One chunk per rank (vpp == 1, looped placement), as in the paper.
 """
@@ -159,8 +160,11 @@ def greedy_order(pp: int, m: int, costs, limits: Sequence[float], prefer_i: bool
 
 
 def zb_auto_schedule(pp: int, microbatches: int, costs=None, memory_limit=None, *,
-                     forward_only: bool = False) -> Schedule:
-    """The best of the heuristic's variants (see the module docstring)."""
+                     forward_only: bool = False, comm: str = "async",
+                     lookahead: int = 0) -> Schedule:
+    """The best of the heuristic's variants (see the module docstring), each simulated with
+    ``comm`` (a `pipesim.simulate` mode) and its receives posted ``lookahead`` computations
+    early, as the schedule will run."""
     from ...costs import CostModel
     from ...engine import simulate
     from ..registry import build_schedule
@@ -188,7 +192,7 @@ def zb_auto_schedule(pp: int, microbatches: int, costs=None, memory_limit=None, 
         if key in seen:                  # variants often agree: simulate each order once
             continue
         seen.add(key)
-        r = simulate(s, costs)
+        r = simulate(s.with_recv_lookahead(lookahead), costs, comm=comm)
         if any(p > lim * (1 + 1e-12) for p, lim in zip(r.peak_memory, limits)):
             continue
         key = (round(r.makespan, 12), max(r.peak_memory))
@@ -210,6 +214,7 @@ def zb_auto_schedule(pp: int, microbatches: int, costs=None, memory_limit=None, 
           description="Zero Bubble's automatic schedule: greedy variants over F / I / W from a "
                       "cost model under a per-rank memory limit, best simulated step kept")
 def zb_auto(pp: int, vpp: int, microbatches: int, *, forward_only: bool = False, costs=None,
-            memory_limit=None) -> Schedule:
+            memory_limit=None, comm: str = "async", lookahead: int = 0) -> Schedule:
     require_vpp("zb-auto", vpp, 1, " (one stage per rank, as ZB-1p / ZB-2p)")
-    return zb_auto_schedule(pp, microbatches, costs, memory_limit, forward_only=forward_only)
+    return zb_auto_schedule(pp, microbatches, costs, memory_limit, forward_only=forward_only,
+                            comm=comm, lookahead=lookahead)
