@@ -321,7 +321,6 @@ class PipelineRuntime:
         self._recvs[(RECV_B, s, mb)] = self.p2p.recv_gradient(
             self.placement[s + 1], s, mb, shape, dtype, Action(RECV_B, s, mb))
 
-
     # -- overlapped forward and backward -----------------------------------------------------
     def _overlapped(self, s: int, mb: int) -> None:
         """OVERLAP_F_B (named by its forward part, ``s``, ``mb``): run its parts one after the
