@@ -49,9 +49,11 @@ class CostModel:
 
     Overlapped forward and backward (an ``OVERLAP_F_B`` action, DualPipe's F&B): it takes
     ``overlap_factor`` times the sum of its parts' times (1.0, the default: no gain, the parts
-    run one after the other; 0.5: perfect overlap of two equal parts), or, when
-    ``overlap_factor`` is a function ``(parts, seconds) -> seconds`` of the two actions and
-    their own times, what it returns (such a model cannot be saved as JSON).
+    run one after the other, each once its own input is there, as pipeexec and torch's runtime
+    run them; below 1.0 they run together, so the pair starts once both inputs are there; 0.5:
+    perfect overlap of two equal parts), or, when ``overlap_factor`` is a function
+    ``(parts, seconds) -> seconds`` of the two actions and their own times, what it returns
+    (parts run together; such a model cannot be saved as JSON).
 
     Step tail (only with ``simulate(..., step_tail=True)``): data-parallel all-reduce of the
     rank's ``grad_bytes`` (per stage) over ``dp`` replicas, ring model
@@ -153,6 +155,13 @@ class CostModel:
         elif w is None:
             w = [max(x - y, 0.0) for x, y in zip(b, i)]
         return {"F": fwd, "B": b, "I": i, "W": w}
+
+    @property
+    def overlaps_parts(self) -> bool:
+        """Whether an OVERLAP_F_B's parts run at the same time (``overlap_factor`` other than
+        1.0, or a function): the pair then starts once the inputs of both are there. At 1.0
+        they run one after the other, each when its own input is there."""
+        return callable(self.overlap_factor) or self.overlap_factor != 1.0
 
     def overlap_time(self, parts: Sequence[Any], seconds: Sequence[float]) -> float:
         """Seconds of an overlapped action whose ``parts`` take ``seconds`` each on their own."""

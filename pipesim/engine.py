@@ -168,9 +168,10 @@ def _expand_overlaps(schedule: Schedule, actions: list[list], costs: CostModel
                      ) -> tuple[list[list], dict[int, tuple], dict[int, float]]:
     """Split each ``OVERLAP_F_B`` into its parts, one trace row each (so busy time, memory and
     plots read them as usual), and say how to run them: ``gate[row]`` is the backward part
-    whose input the forward part's row also waits for (the overlap starts once both inputs are
-    there), ``scale[row]`` stretches both parts so that together they take
-    :meth:`CostModel.overlap_time`."""
+    whose input the forward part's row also waits for (when the parts run together, the overlap
+    starts once both inputs are there; with ``overlap_factor`` 1.0 they run in turn, as
+    pipeexec and torch run them, and each waits for its own), ``scale[row]`` stretches both
+    parts so that together they take :meth:`CostModel.overlap_time`."""
     times = costs.compute_times(schedule.num_stages)
     flat: list[list] = []
     gate: dict[int, tuple] = {}
@@ -187,7 +188,8 @@ def _expand_overlaps(schedule: Schedule, actions: list[list], costs: CostModel
             alone = [times[p.op][p.stage] for p in parts]
             total = sum(alone)
             ratio = costs.overlap_time(parts, alone) / total if total > 0 else 1.0
-            gate[row] = tuple(parts[1])
+            if costs.overlaps_parts:        # run together: both inputs first
+                gate[row] = tuple(parts[1])
             for p in parts:
                 out.append(p)
                 scale[row] = ratio

@@ -36,8 +36,9 @@ def list_schedule(schedule, costs, blocking=False):
         progress = False
         for r in range(pp):
             while pos[r] < len(order[r]):
-                # An OVERLAP_F_B starts when the inputs of both its parts are there, runs them
-                # back to back in overlap_factor x their time, and sends their outputs at its end.
+                # An OVERLAP_F_B runs its parts back to back in overlap_factor x their time and
+                # sends their outputs at its end; it starts when the inputs of both are there
+                # (factor != 1: they run together), or each part when its own is (factor 1).
                 parts = order[r][pos[r]].parts
                 readies = []
                 for op, s, mb in parts:
@@ -60,10 +61,13 @@ def list_schedule(schedule, costs, blocking=False):
                     readies.append(ready)
                 if None in readies:
                     break
-                begin = max([free[r]] + readies)
                 scale = costs.overlap_factor if len(parts) > 1 else 1.0
-                finish = begin
-                for op, s, mb in parts:
+                # run together (overlap_factor != 1): both inputs first; in turn: each its own
+                together = len(parts) > 1 and costs.overlaps_parts
+                finish = max([free[r]] + readies) if together else free[r]
+                for (op, s, mb), ready in zip(parts, readies):
+                    if not together:
+                        finish = max(finish, ready)
                     start[(r, op, s, mb)] = finish
                     finish += t[op][s] * scale
                 free[r] = finish
@@ -268,6 +272,7 @@ def rendezvous_reference(schedule, costs):
     nbytes = costs.stage_values("p2p_bytes", n)
     acts = [schedule.actions(r) for r in range(pp)]
     idx = [0] * pp
+    sub = [0] * pp                    # the part of an overlap run in turn that comes next
     blocked = {}                      # msg -> rank waiting on it
     send_post, recv_post, arrival, link_free = {}, {}, {}, {}
     info = {}                         # msg -> (link, seconds)
@@ -282,17 +287,26 @@ def rendezvous_reference(schedule, costs):
         while idx[r] < len(acts[r]):
             action = acts[r][idx[r]]
             op, s, mb = action
-            if action.is_compute:             # an OVERLAP_F_B waits for both inputs
-                for op, s, mb in action.parts:
+            if action.is_compute:
+                # An OVERLAP_F_B whose parts run together waits for both inputs first; one
+                # that runs them in turn (factor 1) is one part per event, each waiting its own.
+                parts = action.parts
+                together = len(parts) > 1 and costs.overlaps_parts
+                todo = parts if together else parts[sub[r]:sub[r] + 1]
+                for op, s, mb in todo:
                     need = ("F", s, mb) if op == "F" else ("G", s, mb)
                     if op != "W" and need in recv_post and need not in arrival:
                         blocked[need] = r     # waits here; runs again on arrival
                         return
-                scale = costs.overlap_factor if len(action.parts) > 1 else 1.0
-                for op, s, mb in action.parts:
+                scale = costs.overlap_factor if len(parts) > 1 else 1.0
+                for op, s, mb in todo:
                     start[(r, op, s, mb)] = now
                     now += t[op][s] * scale
-                idx[r] += 1
+                if not together and sub[r] + 1 < len(parts):
+                    sub[r] += 1
+                else:
+                    sub[r] = 0
+                    idx[r] += 1
                 push(now, "run", r)
                 return
             if op in ("SEND_F", "SEND_B"):
@@ -447,13 +461,18 @@ def sharing_reference(schedule, costs, cores):
     def scale(action):
         return costs.overlap_factor if len(action.parts) > 1 else 1.0
 
+    sub = [0] * pp                     # the next part of the rank's current action
     while True:
         for r in range(pp):
             if r not in running and idx[r] < len(orders[r]):
-                action = orders[r][idx[r]]     # an OVERLAP_F_B: both inputs, then its parts
-                if all(ready(*p) for p in action.parts):
-                    op, s, mb = action.parts[0]
-                    running[r] = [t[op][s] * scale(action), action, 0]
+                # an OVERLAP_F_B runs its parts back to back: once both inputs are there when
+                # they run together (factor != 1), else each part once its own is
+                action = orders[r][idx[r]]
+                parts, k = action.parts, sub[r]
+                together = len(parts) > 1 and costs.overlaps_parts
+                if all(ready(*p) for p in parts) if together and k == 0 else ready(*parts[k]):
+                    op, s, mb = parts[k]
+                    running[r] = [t[op][s] * scale(action), action, k]
                     start[(r, op, s, mb)] = now
         if not running:
             break
@@ -465,12 +484,15 @@ def sharing_reference(schedule, costs, cores):
             if running[r][0] <= 1e-12:
                 _, action, k = running.pop(r)
                 if k + 1 < len(action.parts):
-                    op, s, mb = action.parts[k + 1]
-                    running[r] = [t[op][s] * scale(action), action, k + 1]
-                    start[(r, op, s, mb)] = now
+                    sub[r] = k + 1
+                    if costs.overlaps_parts:   # together: the next part goes on at once
+                        op, s, mb = action.parts[k + 1]
+                        running[r] = [t[op][s] * scale(action), action, k + 1]
+                        start[(r, op, s, mb)] = now
                     continue
                 for op, s, mb in action.parts:  # its outputs leave at its end
                     made.add(("F" if op == "F" else "G", s, mb))
+                sub[r] = 0
                 idx[r] += 1
     assert all(idx[r] == len(orders[r]) for r in range(pp)), "reference got stuck"
     return start
