@@ -22,6 +22,10 @@ CONSTRAINTS = {  # in short; `pipesim list` has the full text
     "zb-h1": "vpp = 1",
     "zb-h2": "vpp = 1",
     "zbv": "vpp = 2",
+    "dualpipev": "vpp = 2, m ≥ 2p",
+    "v-half": "vpp = 2",
+    "v-min": "vpp = 2",
+    "zb-auto": "vpp = 1; costs, memory_limit (here p: ZB-1p)",
 }
 FORMULAS = {  # bubble_fraction (Megatron: idle / ideal compute) on uniform stages, m large enough
     "gpipe": "(p-1)/m",
@@ -31,6 +35,10 @@ FORMULAS = {  # bubble_fraction (Megatron: idle / ideal compute) on uniform stag
     "zb-h1": "(p-1)(F+I-W) idle per rank",
     "zb-h2": "(p-1)(F+I-2W) idle on rank 0 (m ≥ 2p-1)",
     "zbv": "0 idle inside each rank's span when F=I=W (m ≥ 2p-1)",
+    "dualpipev": "(p-1)(F&B+B-3W) idle, worst rank (F = I, W ≤ I, F&B = F+B here)",
+    "v-half": "between ZB-V and 1F1B; floor(p/2)+1 activations",
+    "v-min": "between ZB-V and 1F1B; floor((p+1)/3)+1 activations",
+    "zb-auto": "searched: the best order found under the limit",
 }
 
 
@@ -48,14 +56,17 @@ def main() -> None:
     for name in pipesim.schedule_names():
         info = pipesim.schedule_info(name)
         for vpp in (2, 1):
+            c = 1.0 / vpp
+            costs = pipesim.CostModel.uniform(forward=c, backward_input=c, backward_weight=c,
+                                              activation_bytes=c, weight_grad_fraction=0.5)
+            # zb-auto searches with these costs under ZB-1p's budget: p microbatches of a rank
+            options = {"costs": costs, "memory_limit": float(p)} if name == "zb-auto" else {}
             try:
-                s = pipesim.build_schedule(name, pp=p, microbatches=m, vpp=vpp)
+                s = pipesim.build_schedule(name, pp=p, microbatches=m, vpp=vpp, **options)
                 break
             except ScheduleError:
                 continue
-        c = 1.0 / vpp
-        costs = pipesim.CostModel.uniform(forward=c, backward_input=c, backward_weight=c)
-        r = pipesim.simulate(s, costs.with_(activation_bytes=c, weight_grad_fraction=0.5))
+        r = pipesim.simulate(s, costs)
         print(f"| {name} | {info.placement} | {CONSTRAINTS.get(name, info.constraints)} | {FORMULAS.get(name, '')} | {vpp} "
               f"| {r.makespan:g} | {r.bubble_fraction:.4f} | {r.bubble_rate:.4f} "
               f"| {r.peak_inflight[0]} | {max(r.peak_memory):g} |")

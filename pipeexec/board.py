@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import multiprocessing
 
-OPS = ("F", "B", "I", "W", "SEND_F", "RECV_F", "SEND_B", "RECV_B", "OPTIM", "ALLREDUCE")
+OPS = ("F", "B", "I", "W", "SEND_F", "RECV_F", "SEND_B", "RECV_B", "OPTIM", "ALLREDUCE",
+       "OVERLAP_F_B")
 _OP_CODE = {op: i for i, op in enumerate(OPS)}
 _FIELDS = 4   # step, op code, stage, microbatch
 
@@ -35,4 +36,6 @@ class ActionBoard:
             return "its start-up, before any action"
         if OPS[op] in ("OPTIM", "ALLREDUCE"):
             return f"the {'optimizer step' if OPS[op] == 'OPTIM' else 'gradient all-reduce'} of step {step}"
+        if OPS[op] == "OVERLAP_F_B":   # named by its forward part
+            return f"the overlapped action with forward {stage}F{mb} (OVERLAP_F_B) of step {step}"
         return f"action {stage}{OPS[op]}{mb} of step {step}"

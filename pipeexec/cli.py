@@ -26,7 +26,12 @@ def add_train_arguments(t: argparse.ArgumentParser) -> None:
     """Every flag of ``pipeexec train`` (``compare`` reuses them all)."""
     d = TrainConfig()
     a = t.add_argument
-    a("--schedule", default=d.schedule, help="a pipesim schedule name (pipesim list)")
+    a("--schedule", default=d.schedule, help="a pipesim schedule name (pipesim list), or a "
+      "schedule file: FILE.json (pipesim) or FILE.csv (torch's, compute-only or with comms)")
+    a("--memory-limit", type=_bytes, default=None, metavar="BYTES",
+      help="with --schedule zb-auto: profile --reschedule-after steps of ZB-H1, search zb-auto "
+           "from the measured costs under this per-rank limit (e.g. 2GB), switch to it")
+    a("--reschedule-after", type=int, default=d.reschedule_after, metavar="K")
     a("--pp", type=int, default=d.pp, help="pipeline ranks")
     a("--vpp", type=int, default=d.vpp, help="stages (chunks) per pipeline rank")
     a("--dp", type=int, default=d.dp, help="data-parallel replicas")
@@ -125,6 +130,12 @@ def _version() -> str:
     return f"pipeexec {package_version()} (torch {torch.__version__})"
 
 
+def _bytes(text: str) -> float:
+    from pipesim.cli.simulate_cmds import parse_bytes
+
+    return parse_bytes(text)
+
+
 def config_from_args(ns: argparse.Namespace) -> TrainConfig:
     boundaries = None
     if ns.boundaries:
@@ -133,7 +144,8 @@ def config_from_args(ns: argparse.Namespace) -> TrainConfig:
         except ValueError:
             raise ConfigError(f"--boundaries must be comma-separated integers, got {ns.boundaries!r}") from None
     return TrainConfig(
-        schedule=ns.schedule, pp=ns.pp, vpp=ns.vpp, dp=ns.dp, microbatches=ns.microbatches,
+        schedule=ns.schedule, memory_limit=ns.memory_limit, reschedule_after=ns.reschedule_after,
+        pp=ns.pp, vpp=ns.vpp, dp=ns.dp, microbatches=ns.microbatches,
         micro_batch_size=ns.micro_batch_size, layers=ns.layers, hidden=ns.hidden, heads=ns.heads,
         seq_len=ns.seq_len, vocab=ns.vocab, partition=ns.partition, boundaries=boundaries,
         data=ns.data, steps=ns.steps, lr=ns.lr, min_lr=ns.min_lr, warmup_steps=ns.warmup_steps,

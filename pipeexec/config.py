@@ -27,6 +27,10 @@ class TrainConfig:
     dp: int = 1
     microbatches: int = 1
     micro_batch_size: int = 1
+    # zb-auto: profile `reschedule_after` steps of ZB-H1 (after a warm-up step), search a
+    # schedule from the measured costs under `memory_limit` bytes per rank, switch to it
+    memory_limit: float | None = None
+    reschedule_after: int = 2
     # built-in GPT
     layers: int = 2            # transformer blocks; the layer list adds embedding and head
     hidden: int = 64
@@ -150,6 +154,21 @@ class TrainConfig:
                               "drop --nccl-matching, or run with --device cpu")
         if self.p2p_timeout <= 0 or self.collective_timeout <= 0:
             raise ConfigError("timeouts must be positive")
+        if self.memory_limit is not None:
+            if self.schedule != "zb-auto":
+                raise ConfigError(f"memory_limit applies to the zb-auto schedule (a search under "
+                                  f"it), got schedule {self.schedule!r}")
+            if not self.memory_limit > 0:
+                raise ConfigError(f"memory_limit must be > 0 bytes, got {self.memory_limit!r}")
+            if self.vpp != 1 or self.forward_only:
+                raise ConfigError("zb-auto with a memory_limit trains with vpp = 1")
+            if not isinstance(self.reschedule_after, int) or self.reschedule_after < 1:
+                raise ConfigError(f"reschedule_after must be a positive integer, got "
+                                  f"{self.reschedule_after!r}")
+            if self.steps < self.reschedule_after + 2:
+                raise ConfigError(f"steps = {self.steps}: zb-auto profiles steps 1.."
+                                  f"{self.reschedule_after} (after a warm-up step) before it "
+                                  f"searches, so it needs steps >= {self.reschedule_after + 2}")
         if check_schedule:
             self.build_schedule()
         return self
@@ -191,7 +210,29 @@ class TrainConfig:
         """The pipesim Schedule of this run (raises pipesim.ScheduleError with the reason)."""
         import pipesim
 
+        if self.schedule.endswith((".json", ".csv")):
+            return self._schedule_from_file()
         schedule = pipesim.build_schedule(self.schedule, pp=self.pp, microbatches=self.microbatches,
                                           vpp=self.vpp, forward_only=self.forward_only,
                                           recv_lookahead=self.recv_lookahead)
         return schedule.validate()
+
+    def _schedule_from_file(self):
+        """``schedule`` names a file (our JSON, torch's CSV): it must fit this run's layout."""
+        import pipesim
+        from pipesim.schedule.io import schedule_from_csv, schedule_from_json
+
+        path = self.schedule
+        s = (schedule_from_json if path.endswith(".json") else schedule_from_csv)(path).validate()
+        for name, want, got in (("pp", self.pp, s.pp), ("vpp", self.vpp, s.vpp),
+                                ("microbatches", self.microbatches, s.num_microbatches)):
+            if want != got:
+                raise pipesim.ScheduleError(f"{path}: the schedule has {name} = {got}, the run "
+                                            f"{name} = {want}; pass --{name} {got}")
+        if self.forward_only:
+            s = pipesim.Schedule(s.pp, s.vpp, s.num_microbatches, s.placement,
+                                 [[a for a in s.compute_parts(r) if a.op == "F"] for r in range(s.pp)],
+                                 name=f"{s.name} (forward only)", forward_only=True)
+        if self.recv_lookahead and not s.has_explicit_comms:
+            s = s.with_recv_lookahead(self.recv_lookahead)
+        return s.validate()

@@ -29,7 +29,8 @@ from typing import Any, Protocol
 import torch
 from torch.autograd.graph import get_gradient_edge
 
-from pipesim.schedule.action import B, F, I, RECV_B, RECV_F, SEND_B, SEND_F, W, Action
+from pipesim.schedule.action import (B, F, I, OVERLAP_F_B, RECV_B, RECV_F, SEND_B, SEND_F, W,
+                                     Action)
 
 from .backward import backward_input, full_backward
 from .p2p import BWD, FWD, P2P, P2PError
@@ -47,7 +48,9 @@ class PipelineError(RuntimeError):
 class ActionRecorder(Protocol):
     """Hooks around every action. A recorder may also define ``wait_start(recv_action, step)``
     and ``wait_end(recv_action, step)``: called around the wait for a received tensor, which
-    happens inside the compute action that uses it, so waiting can be told apart from compute."""
+    happens inside the compute action that uses it, so waiting can be told apart from compute.
+    An ``OVERLAP_F_B`` comes as ``start(overlap)``, then start/end of each of its parts, then
+    ``end(overlap)``."""
 
     def start(self, action: Action, step: int) -> None: ...
     def end(self, action: Action, step: int) -> None: ...
@@ -113,7 +116,7 @@ class PipelineRuntime:
         self._ops = {F: self._forward, B: self._backward, I: self._backward_input,
                      W: self._backward_weight, SEND_F: self._send_forward,
                      RECV_F: self._recv_forward, SEND_B: self._send_backward,
-                     RECV_B: self._recv_backward}
+                     RECV_B: self._recv_backward, OVERLAP_F_B: self._overlapped}
 
     # -- one step ---------------------------------------------------------------------------
     def run(self, microbatches: Sequence[tuple[torch.Tensor, torch.Tensor]], *, step: int = 0,
@@ -319,6 +322,25 @@ class PipelineRuntime:
         shape, dtype = self._meta[(s, mb)]
         self._recvs[(RECV_B, s, mb)] = self.p2p.recv_gradient(
             self.placement[s + 1], s, mb, shape, dtype, Action(RECV_B, s, mb))
+
+    # -- overlapped forward and backward -----------------------------------------------------
+    def _overlapped(self, s: int, mb: int) -> None:
+        """OVERLAP_F_B (named by its forward part, ``s``, ``mb``): run its parts one after the
+        other. Both parts' receives were posted before it and their sends follow it, so on CUDA
+        the backward could run on a second stream under the forward (DualPipe hides one part's
+        all-to-all under the other's compute); here, as in torch's runtime, they run in turn."""
+        table = self.__dict__.get("_overlap_parts")
+        if table is None:
+            table = self._overlap_parts = {(a.stage, a.microbatch): a.parts
+                                           for a in self.actions if a.op == OVERLAP_F_B}
+        rec = self.recorder   # it saw start(overlap); each part is reported inside it
+        for part in table[(s, mb)]:
+            if rec is None:
+                self._ops[part.op](part.stage, part.microbatch)
+            else:
+                rec.start(part, self._step)
+                self._ops[part.op](part.stage, part.microbatch)
+                rec.end(part, self._step)
 
 
 def _check_bound_grads(params: dict[int, list[torch.nn.Parameter]], rank: int) -> None:

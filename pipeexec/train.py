@@ -159,19 +159,47 @@ class Trainer:
                            num_stages=config.num_stages, num_microbatches=config.microbatches,
                            device=dev, timeout=config.p2p_timeout,
                            nccl_matching=config.nccl_matching)
-        self.runtime = PipelineRuntime(self.schedule, topology.pp_rank, self.stages, spec.loss_fn,
-                                       self.grads.accumulate, self.p2p, global_rank=topology.rank,
-                                       device=dev, compute_dtype=self.dtype, recorder=recorder,
-                                       board=board, faults=faults,
-                                       deallocate_outputs=config.deallocate_outputs,
-                                       # fp32: the masters are the parameters, .grad bound above
-                                       grads_in_place=self.dtype == torch.float32)
+        self._faults = faults
+        self.runtime = self._make_runtime(self.schedule, recorder)
         self._fwd_runtime: PipelineRuntime | None = None
         self.data = data or BatchSource(seed=config.seed, seq_len=config.seq_len, vocab=config.vocab,
                                         global_batch=config.global_batch, data=config.data)
         self.iteration = 0
         self.updates = 0
         self.holds_last_stage = config.num_stages - 1 in self.stages
+
+    def _make_runtime(self, schedule: Schedule, recorder: ActionRecorder | None) -> PipelineRuntime:
+        topology, config = self.topology, self.config
+        return PipelineRuntime(schedule, topology.pp_rank, self.stages, self.spec.loss_fn,
+                               self.grads.accumulate, self.p2p, global_rank=topology.rank,
+                               device=topology.device, compute_dtype=self.dtype,
+                               recorder=recorder, board=self.board, faults=self._faults,
+                               deallocate_outputs=config.deallocate_outputs,
+                               # fp32: the masters are the parameters, .grad bound above
+                               grads_in_place=self.dtype == torch.float32)
+
+    def set_schedule(self, schedule: Schedule) -> None:
+        """Run ``schedule`` from the next step on. Every rank must switch at the same step
+        (the caller's collective decision); the stages stay, so the schedule must put the same
+        stages on this rank. The new runtime has no recorder."""
+        got = (schedule.pp, schedule.vpp, schedule.num_microbatches)
+        cfg = self.config
+        if got != (cfg.pp, cfg.vpp, cfg.microbatches):
+            raise ValueError(f"schedule {schedule.name!r} has pp, vpp, microbatches = {got}, the "
+                             f"run {(cfg.pp, cfg.vpp, cfg.microbatches)}")
+        schedule.validate()
+        mine = set(schedule.rank_stages(self.topology.pp_rank))
+        if mine != set(self.stages):
+            raise ValueError(f"schedule {schedule.name!r} puts stages {sorted(mine)} on pp rank "
+                             f"{self.topology.pp_rank}, which holds {sorted(self.stages)}")
+        if self.p2p is not None:
+            check_channels_exist(schedule, self.topology.pp_rank, self.topology.p2p_groups)
+            if self.topology.backend == "nccl" or cfg.nccl_matching:
+                check_p2p_order(schedule)
+        self.schedule = schedule
+        self._custom_schedule = True
+        self.runtime = self._make_runtime(schedule, None)
+        self._fwd_runtime = None
 
     # -- one optimizer step -----------------------------------------------------------------
     def step(self) -> StepStats:
@@ -245,7 +273,7 @@ class Trainer:
             if self._custom_schedule:
                 s = self.schedule   # the forwards of the schedule, in its order
                 sched = pipesim.Schedule(s.pp, s.vpp, s.num_microbatches, s.placement,
-                                         [[a for a in s.compute_order(r) if a.op == "F"]
+                                         [[a for a in s.compute_parts(r) if a.op == "F"]
                                           for r in range(s.pp)],
                                          name=f"{s.name} (forward only)", forward_only=True,
                                          recv_lookahead=s.recv_lookahead).validate()

@@ -40,10 +40,22 @@ def run_training(board: ActionBoard | None, config: TrainConfig, metrics_out: st
                              timeout=config.collective_timeout, p2p_timeout=config.p2p_timeout)
     try:
         session = None
-        if profile is not None:
-            from .profile import ProfileSession
-            session = ProfileSession(profile, topology)
-        trainer = Trainer(config, topology, board=board,
+        auto = config.memory_limit is not None        # zb-auto searched from this run's costs
+        if auto and profile is not None:
+            raise ValueError("--profile and zb-auto's --memory-limit both profile the run; "
+                             "give one of them")
+        if profile is not None or auto:
+            from .profile import ProfileOptions, ProfileSession
+            session = ProfileSession(profile or ProfileOptions(1, config.reschedule_after + 1),
+                                     topology)
+        first = None
+        if auto:
+            from .profile.reschedule import PROFILED_SCHEDULE
+            import pipesim
+            first = pipesim.build_schedule(PROFILED_SCHEDULE, pp=config.pp,
+                                           microbatches=config.microbatches,
+                                           recv_lookahead=config.recv_lookahead)
+        trainer = Trainer(config, topology, board=board, schedule=first,
                           recorder=None if session is None else session.profiler)
         if session is not None:
             session.attach(trainer)
@@ -59,8 +71,17 @@ def run_training(board: ActionBoard | None, config: TrainConfig, metrics_out: st
         manager = CheckpointManager(checkpoint, log=_log) if checkpoint and checkpoint.active else None
         if manager is not None:
             manager.load(trainer)
-        result = train(trainer, log=_log, progress=progress,
-                       on_step=None if manager is None else manager.on_step)
+        on_step = None if manager is None else manager.on_step
+        if auto:
+            from .profile.reschedule import reschedule
+            saved, switched = on_step, {}
+
+            def on_step(trainer, stats):
+                if saved is not None:
+                    saved(trainer, stats)
+                if trainer.iteration == config.reschedule_after + 1:
+                    switched.update(reschedule(trainer, session, config.memory_limit, _log))
+        result = train(trainer, log=_log, progress=progress, on_step=on_step)
         if manager is not None:
             manager.finish(trainer)
         metrics = result.to_dict()
@@ -69,7 +90,14 @@ def run_training(board: ActionBoard | None, config: TrainConfig, metrics_out: st
         metrics.update(config=config.to_dict(), world_size=topology.world_size,
                        backend=topology.backend, device=str(topology.device),
                        versions=run_versions(topology.backend))
-        measured = session.finish(trainer) if session is not None else None
+        if auto:
+            after = result.step_times[config.reschedule_after + 1:]
+            metrics["reschedule"] = dict(switched, measured_after_s=after)
+            if topology.rank == 0 and after:
+                _log(f"zb-auto: measured {sorted(after)[len(after) // 2] * 1e3:.1f} ms a step "
+                     f"after the switch (median of {len(after)}; predicted "
+                     f"{switched['predicted_s'] * 1e3:.1f} ms)")
+        measured = session.finish(trainer) if session is not None and not auto else None
         if measured is not None:
             metrics["profile"] = {"steps": measured.steps, "makespans": measured.makespans(),
                                   "trace_out": profile.trace_out}

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Union
@@ -47,6 +47,14 @@ class CostModel:
     rank); ``stage_static_bytes`` (per stage: weights, gradients, optimizer state) is added to the
     rank that holds the stage.
 
+    Overlapped forward and backward (an ``OVERLAP_F_B`` action, DualPipe's F&B): it takes
+    ``overlap_factor`` times the sum of its parts' times (1.0, the default: no gain, the parts
+    run one after the other, each once its own input is there, as pipeexec and torch's runtime
+    run them; below 1.0 they run together, so the pair starts once both inputs are there; 0.5:
+    perfect overlap of two equal parts), or, when ``overlap_factor`` is a function
+    ``(parts, seconds) -> seconds`` of the two actions and their own times, what it returns
+    (parts run together; such a model cannot be saved as JSON).
+
     Step tail (only with ``simulate(..., step_tail=True)``): data-parallel all-reduce of the
     rank's ``grad_bytes`` (per stage) over ``dp`` replicas, ring model
     ``2 (dp-1) dp_latency + 2 (dp-1)/dp * bytes / dp_bandwidth``, then ``optimizer`` seconds
@@ -68,11 +76,19 @@ class CostModel:
     optimizer: PerStage = 0.0
     dp_latency: float = 0.0
     dp_bandwidth: float = math.inf
+    overlap_factor: float | Callable[..., float] = 1.0
 
     def __post_init__(self) -> None:
         for f in fields(self):
             value = getattr(self, f.name)
             if value is None:
+                continue
+            if f.name == "overlap_factor":
+                if not callable(value):
+                    value = _number(f.name, value)
+                    if value <= 0:
+                        raise ValueError(f"CostModel.overlap_factor must be > 0, got {value}")
+                    object.__setattr__(self, f.name, value)
                 continue
             if isinstance(value, (list, tuple)):
                 if f.name not in _PER_STAGE and f.name != "static_bytes":
@@ -139,6 +155,24 @@ class CostModel:
         elif w is None:
             w = [max(x - y, 0.0) for x, y in zip(b, i)]
         return {"F": fwd, "B": b, "I": i, "W": w}
+
+    @property
+    def overlaps_parts(self) -> bool:
+        """Whether an OVERLAP_F_B's parts run at the same time (``overlap_factor`` other than
+        1.0, or a function): the pair then starts once the inputs of both are there. At 1.0
+        they run one after the other, each when its own input is there."""
+        return callable(self.overlap_factor) or self.overlap_factor != 1.0
+
+    def overlap_time(self, parts: Sequence[Any], seconds: Sequence[float]) -> float:
+        """Seconds of an overlapped action whose ``parts`` take ``seconds`` each on their own."""
+        factor = self.overlap_factor
+        if callable(factor):
+            value = factor(tuple(parts), tuple(seconds))
+            if not isinstance(value, (int, float)) or math.isnan(value) or value < 0:
+                raise ValueError(f"CostModel.overlap_factor({', '.join(map(str, parts))}) returned "
+                                 f"{value!r}; expected seconds >= 0")
+            return float(value)
+        return factor * float(sum(seconds))
 
     def transfer_time(self, nbytes: float) -> float:
         """Seconds for one point-to-point message of ``nbytes``."""
@@ -224,6 +258,9 @@ class CostModel:
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-ready values; infinity is written as the string "inf"."""
         out: dict[str, Any] = {}
+        if callable(self.overlap_factor):
+            raise ValueError("CostModel.overlap_factor is a function, which JSON cannot hold; "
+                             "use a number to save the model")
         for f in fields(self):
             value = getattr(self, f.name)
             if isinstance(value, tuple):

@@ -41,7 +41,7 @@ import simpy
 from simpy.events import NORMAL
 
 from .costs import CostModel
-from .schedule.action import B, F, I, RECV_B, RECV_F, SEND_B, SEND_F, W
+from .schedule.action import B, F, I, OVERLAP_F_B, RECV_B, RECV_F, SEND_B, SEND_F, W
 from .schedule.schedule import Schedule
 
 if TYPE_CHECKING:
@@ -78,11 +78,14 @@ def simulate(schedule: Schedule, costs: CostModel | None = None, *, comm: str = 
     schedule.validate()
     costs.check_shape(schedule.num_stages, schedule.pp)
     actions = [schedule.actions(r) for r in range(schedule.pp)]
+    overlaps = _expand_overlaps(schedule, actions, costs) if schedule.has_overlaps else None
+    if overlaps is not None:
+        actions = overlaps[0]
     columns = _columns(schedule, actions, costs)
     factors = _jitter(len(columns["op"]), jitter, seed)
     shared = cores if cores is not None and cores < schedule.pp else None
     starts, ends = _run(schedule, actions, costs, factors, comm == "blocking",
-                        comm == "rendezvous", shared)
+                        comm == "rendezvous", shared, overlaps)
     if step_tail:
         _append_tail(schedule, costs, dp, columns, starts, ends)
     trace = _frame(columns, starts, ends)
@@ -161,6 +164,40 @@ class _SharedCores:
         self._next()
 
 
+def _expand_overlaps(schedule: Schedule, actions: list[list], costs: CostModel
+                     ) -> tuple[list[list], dict[int, tuple], dict[int, float]]:
+    """Split each ``OVERLAP_F_B`` into its parts, one trace row each (so busy time, memory and
+    plots read them as usual), and say how to run them: ``gate[row]`` is the backward part
+    whose input the forward part's row also waits for (when the parts run together, the overlap
+    starts once both inputs are there; with ``overlap_factor`` 1.0 they run in turn, as
+    pipeexec and torch run them, and each waits for its own), ``scale[row]`` stretches both
+    parts so that together they take :meth:`CostModel.overlap_time`."""
+    times = costs.compute_times(schedule.num_stages)
+    flat: list[list] = []
+    gate: dict[int, tuple] = {}
+    scale: dict[int, float] = {}
+    row = 0
+    for acts in actions:
+        out = []
+        for a in acts:
+            if a.op != OVERLAP_F_B:
+                out.append(a)
+                row += 1
+                continue
+            parts = a.parts
+            alone = [times[p.op][p.stage] for p in parts]
+            total = sum(alone)
+            ratio = costs.overlap_time(parts, alone) / total if total > 0 else 1.0
+            if costs.overlaps_parts:        # run together: both inputs first
+                gate[row] = tuple(parts[1])
+            for p in parts:
+                out.append(p)
+                scale[row] = ratio
+                row += 1
+        flat.append(out)
+    return flat, gate, scale
+
+
 def _jitter(rows: int, jitter: float, seed: int) -> list[float] | None:
     """One factor per trace row (rank, then action order), uniform in [1 - jitter, 1 + jitter]."""
     if not jitter:
@@ -200,8 +237,8 @@ def _columns(schedule: Schedule, actions: list[list], costs: CostModel) -> dict:
 
 
 def _run(schedule: Schedule, actions: list[list], costs: CostModel, factors: list[float] | None,
-         blocking: bool, rendezvous: bool = False, cores: float | None = None
-         ) -> tuple[list[float], list[float]]:
+         blocking: bool, rendezvous: bool = False, cores: float | None = None,
+         overlaps: tuple | None = None) -> tuple[list[float], list[float]]:
     """Run the SimPy model; return the start and end time of every row (rank, action order).
 
     Messages are numbered ``(direction * n + receiving stage) * m + microbatch``; the directed
@@ -215,6 +252,8 @@ def _run(schedule: Schedule, actions: list[list], costs: CostModel, factors: lis
 
     ``cores``: computations go through `_SharedCores`; a rank's clock then cannot run ahead of
     ``env.now`` into a computation (its speed depends on the others), so it first catches up.
+
+    ``overlaps``: from `_expand_overlaps` (the actions are then already split into parts).
     """
     pp, n, m = schedule.pp, schedule.num_stages, schedule.num_microbatches
     placement = schedule.placement
@@ -236,6 +275,7 @@ def _run(schedule: Schedule, actions: list[list], costs: CostModel, factors: lis
     send_post = [-1.0] * (2 * n * m) if rendezvous else None
     recv_post = [-1.0] * (2 * n * m) if rendezvous else None
     send_of: list = [None] * (2 * n * m) if rendezvous else None   # msg -> (row, link, seconds)
+    gate, scale = (overlaps[1], overlaps[2]) if overlaps is not None else (None, None)
 
     def ready(msg: int, at: float) -> None:
         """Both sides have posted ``msg`` at time ``at``: start its transfer then (or when the
@@ -265,6 +305,21 @@ def _run(schedule: Schedule, actions: list[list], costs: CostModel, factors: lis
         for op, stage, mb in acts:
             d = durations.get(op)
             if d is not None:                       # F, B, I, W
+                if gate is not None and row in gate:
+                    # The forward part of an overlap: its backward part's input must be here too.
+                    _, bs, bmb = gate[row]
+                    msg = (n + bs) * m + bmb
+                    r = recv_row[msg]
+                    if r >= 0:
+                        e = arrival[msg]
+                        if e < 0.0:
+                            ev = waiters[msg] = _Arrival(env)
+                            e = yield ev
+                        starts[r] = t
+                        if e > t:
+                            t = e
+                        ends[r] = t
+                        recv_row[msg] = -1          # waited for: the backward part goes on
                 # The wait for a posted receive happens here, in the compute that needs it.
                 if op != W:
                     msg = stage * m + mb if op == F else (n + stage) * m + mb
@@ -279,6 +334,8 @@ def _run(schedule: Schedule, actions: list[list], costs: CostModel, factors: lis
                             t = e
                         ends[r] = t
                 work = d[stage] if factors is None else d[stage] * factors[row]
+                if scale is not None and row in scale:
+                    work *= scale[row]
                 if shared is not None:
                     if t > env.now:
                         yield env.timeout(t - env.now)

@@ -26,6 +26,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from .schedule.action import flat_parts
+
 if TYPE_CHECKING:
     import pandas as pd
 
@@ -98,7 +100,7 @@ def _receive_buffers(rows: "pd.DataFrame", schedule: "Schedule", nbytes: Sequenc
         rows["rank"], rows["op"], rows["stage"], rows["microbatch"], rows["start"], rows["end"])}
     out: list[tuple[int, float, float, int]] = []
     for rank in range(schedule.pp):
-        actions = schedule.actions(rank)
+        actions = flat_parts(schedule.actions(rank))   # an overlap holds what its parts do
         posted: list = []                    # RECVs waiting for the next computation to start
         for op, stage, mb in actions:
             if op == "RECV_F" or op == "RECV_B":

@@ -38,7 +38,7 @@ def test_every_builder_validates_and_counts(name, pp, vpp, m, forward_only):
         return
     s.validate()
     assert (s.pp, s.vpp, s.num_stages, s.num_microbatches) == (pp, vpp, pp * vpp, m)
-    counts = Counter(a.op for r in range(pp) for a in s.compute_order(r))
+    counts = Counter(a.op for r in range(pp) for a in s.compute_parts(r))   # overlaps split
     assert counts["F"] == pp * vpp * m
     if forward_only:
         assert set(counts) == {"F"}
@@ -46,7 +46,7 @@ def test_every_builder_validates_and_counts(name, pp, vpp, m, forward_only):
         assert counts["B"] + counts["I"] == pp * vpp * m
         assert counts["I"] == counts["W"]
     for r in range(pp):
-        assert set(s.rank_stages(r)) == {a.stage for a in s.compute_order(r)}
+        assert set(s.rank_stages(r)) == {a.stage for a in s.compute_parts(r)}
         assert all(s.stage_rank(st_) == r for st_ in s.rank_stages(r))
         assert all(not a.is_comm for a in s.compute_order(r))
 
@@ -122,16 +122,17 @@ def test_receives_posted_ahead(name, pp, vpp, m, lookahead):
             [a for a in late if a.op not in ("RECV_F", "RECV_B")]
         recvs = [a for a in late if a.op in ("RECV_F", "RECV_B")]
         assert sorted(a for a in early if a.op in ("RECV_F", "RECV_B")) == sorted(recvs)
-        compute = [i for i, a in enumerate(early) if a.op in ("F", "B", "I", "W")]
+        compute = [i for i, a in enumerate(early) if a.is_compute]
+        at = {p: i for i, a in enumerate(early) if a.is_compute for p in a.parts}  # overlaps
         channel_order = {}
         for i, a in enumerate(early):
             if a.op not in ("RECV_F", "RECV_B"):
                 continue
-            consumer = early.index(Action("F" if a.op == "RECV_F" else next(
-                op for op in ("B", "I") if Action(op, a.stage, a.microbatch) in early),
-                a.stage, a.microbatch))
+            consumer = at[Action("F" if a.op == "RECV_F" else next(
+                op for op in ("B", "I") if Action(op, a.stage, a.microbatch) in at),
+                a.stage, a.microbatch)]
             between = sum(1 for c in compute if i < c < consumer)
-            made = early.index(Action("F", a.stage, a.microbatch)) if a.op == "RECV_B" else -1
+            made = at[Action("F", a.stage, a.microbatch)] if a.op == "RECV_B" else -1
             # at most `lookahead` computations ahead of the consumer, never above the forward
             # whose output shape the gradient buffer takes; as many as allowed otherwise
             assert i > made and between <= lookahead, (rank, a)

@@ -26,13 +26,22 @@ pd.set_option("display.width", 160)
 pd.set_option("display.precision", 4)
 
 PP, M, MODEL, HW = 4, 8, "gpt3-6.7b", "H100"
-VPP = {"gpipe": 1, "1f1b": 1, "looped-bfs": 2, "interleaved": 2, "zb-h1": 1, "zb-h2": 1, "zbv": 2}
+VPP = {"gpipe": 1, "1f1b": 1, "looped-bfs": 2, "interleaved": 2, "zb-h1": 1, "zb-h2": 1, "zbv": 2,
+       "dualpipev": 2, "v-half": 2, "v-min": 2, "zb-auto": 1}
 assert set(VPP) == set(pipesim.schedule_names()), "a new schedule? add it to VPP"
+
+
+def options(name, costs):
+    """zb-auto searches with the job's own costs, under 1F1B's peak memory (ZB-1p's budget)."""
+    if name != "zb-auto":
+        return {}
+    return {"costs": costs, "memory_limit": max(results["1f1b"].peak_memory)}
+
 
 results = {}
 for name, v in VPP.items():
-    schedule = pipesim.build_schedule(name, pp=PP, microbatches=M, vpp=v)
-    costs = CostModel.transformer(MODEL, HW, num_stages=schedule.num_stages)
+    costs = CostModel.transformer(MODEL, HW, num_stages=PP * v)
+    schedule = pipesim.build_schedule(name, pp=PP, microbatches=M, vpp=v, **options(name, costs))
     results[name] = pipesim.simulate(schedule, costs)
 
 GB = 1e9
@@ -69,6 +78,9 @@ fig.tight_layout()
 # the activations of the microbatches in flight). GPipe and the breadth-first loop hold all
 # `m` microbatches at the peak; 1F1B only `pp - r` on rank `r`; ZB-H2 buys its empty
 # cool-down with a longer warm-up, and so more memory; ZB-V's V placement evens out the ranks.
+# DualPipeV runs most forwards and backwards as overlapped pairs (`OVERLAP_F_B`, drawn as
+# their F and B back to back); V-Half and V-Min hold about a half and a third of 1F1B's
+# activations; zb-auto is the Zero Bubble search under 1F1B's peak.
 
 # %%
 for name, r in results.items():
@@ -108,7 +120,7 @@ r.summary()
 # %%
 posting = {}
 for name, v in VPP.items():
-    schedule = pipesim.build_schedule(name, pp=PP, microbatches=M, vpp=v)
+    schedule = results[name].schedule
     costs = CostModel.transformer(MODEL, HW, num_stages=schedule.num_stages)
     posting[name] = {
         "receives pre-posted (async), ms": results[name].makespan * 1e3,
@@ -119,6 +131,45 @@ for name, v in VPP.items():
 posting = pd.DataFrame(posting).T
 posting["cost of posting late"] = (posting.iloc[:, 1] / posting.iloc[:, 0] - 1).map("{:+.1%}".format)
 posting
+
+# %% [markdown]
+# ## Overlapping a forward with a backward, trading memory for bubble
+#
+# DualPipeV's steady state is pairs of a forward and a backward of two microbatches run as one
+# action; what the pair gains depends on what the device can hide (DeepSeek overlaps one
+# part's all-to-all with the other's compute). `CostModel.overlap_factor` says how long a pair
+# takes relative to its parts run in turn (1.0: no gain). V-Half and V-Min trade bubble for
+# memory on purpose; zb-auto searches for the fastest order that fits a memory budget.
+
+# %%
+base = CostModel.transformer(MODEL, HW, num_stages=2 * PP)
+trade = {}
+for factor in (1.0, 0.8, 0.6):
+    r = pipesim.simulate(results["dualpipev"].schedule, base.with_(overlap_factor=factor))
+    trade[f"dualpipev, overlap_factor {factor}"] = r
+for name in ("1f1b", "zbv", "v-half", "v-min", "zb-h1", "zb-h2", "zb-auto"):
+    trade[name] = results[name]
+
+
+def activation_peak(r):
+    """Worst rank's peak bytes less what it holds all step (weights, gradients, optimizer)."""
+    s, c = r.schedule, r.costs
+    held = c.stage_values("stage_static_bytes", s.num_stages)
+    static = [c.rank_static_bytes(PP)[k] + sum(held[st] for st in s.rank_stages(k)) for k in range(PP)]
+    return max(p - q for p, q in zip(r.peak_memory, static))
+
+
+trade = pd.DataFrame({
+    name: {"makespan (ms)": r.makespan * 1e3, "bubble_rate": r.bubble_rate,
+           "activation peak / 1F1B's": activation_peak(r) / activation_peak(results["1f1b"])}
+    for name, r in trade.items()}).T
+trade
+
+# %%
+r = pipesim.simulate(results["dualpipev"].schedule, base.with_(overlap_factor=0.6))
+fig = r.gantt(memory=True, title="dualpipev, F&B pairs at 0.6x their parts' time (simulated)")
+display(fig)
+plt.close(fig)
 
 # %% [markdown]
 # ## A Chrome trace for Perfetto
@@ -154,7 +205,15 @@ assert math.isclose(ms["gpipe"], ms["1f1b"])       # same bubble...
 assert mem["gpipe"] > mem["1f1b"]                   # ...for far more memory
 assert ms["interleaved"] < ms["1f1b"]               # interleaving shortens the bubble
 assert ms["zb-h1"] < ms["1f1b"] and mem["zb-h1"] <= mem["1f1b"] * 1.1
-assert ms["zbv"] == min(ms.values())                # ZB-V is the fastest here
+hand = {n: ms[n] for n in ms if n not in ("dualpipev", "zb-auto")}
+assert ms["zbv"] == min(hand.values())              # ZB-V is the fastest hand-drawn one here
+assert ms["zb-auto"] <= min(ms[n] for n in ms if mem[n] <= mem["1f1b"])  # the search: no
+                                                    # schedule within its budget beats it
+act = trade["activation peak / 1F1B's"]
+assert act["v-min"] < act["v-half"] < act["1f1b"]   # memory traded on purpose...
+assert ms["v-min"] < ms["1f1b"] and ms["v-half"] < ms["1f1b"]   # ...and still less bubble
+dual = trade.filter(like="dualpipev", axis=0)["makespan (ms)"]
+assert dual.is_monotonic_decreasing                 # the better the overlap, the shorter
 late, early = posting.iloc[:, 1], posting.iloc[:, 2]
 assert (late >= posting.iloc[:, 0] * (1 - 1e-12)).all()   # waiting for the receiver costs time
 assert (early <= late * (1 + 1e-12)).all()          # which posting a computation early gives back

@@ -179,7 +179,13 @@ class MeasuredRun:
 
     @property
     def schedule(self) -> "pipesim.Schedule":
+        """The schedule the run ran: recorded as data (``schedule_data``), or rebuilt from its
+        name by runs recorded before that."""
         m = self.meta
+        if "schedule_data" in m:
+            from pipesim.schedule.io import schedule_from_dict
+
+            return schedule_from_dict(m["schedule_data"], source="measured run")
         return pipesim.build_schedule(m["schedule"], pp=m["pp"], microbatches=m["microbatches"],
                                       vpp=m["vpp"], recv_lookahead=m.get("recv_lookahead", 0))
 

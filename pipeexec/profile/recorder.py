@@ -34,7 +34,7 @@ from typing import Any, Protocol
 
 import torch
 
-from pipesim.schedule.action import Action
+from pipesim.schedule.action import OVERLAP_F_B, Action
 
 
 class MemoryMeter(Protocol):
@@ -98,6 +98,9 @@ class ActionProfiler:
 
     # -- the recorder protocol ----------------------------------------------------------------
     def start(self, action: Action, step: int) -> None:
+        if action.op == OVERLAP_F_B:
+            return             # its parts are recorded one by one, inside it (the runtime's
+                               # OVERLAP_F_B runs them in turn)
         if not self.first <= step < self.stop:
             self._cur = None
             return
@@ -115,7 +118,7 @@ class ActionProfiler:
         self._c0 = self._cpu()
 
     def end(self, action: Action, step: int) -> None:
-        if self._cur is None:
+        if self._cur is None or action.op == OVERLAP_F_B:
             return
         t1 = self._mark()
         c1 = self._cpu()

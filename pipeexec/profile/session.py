@@ -25,6 +25,8 @@ from typing import Any
 
 import torch.distributed as dist
 
+from pipesim.schedule.io import schedule_to_dict
+
 from .clock import ClockOffset, align_clocks
 from .measured import MeasuredRun, build_trace
 from .memory import HeldTensorMeter
@@ -146,6 +148,8 @@ class ProfileSession:
             "cpus_per_rank": self.options.cpus_per_rank,
             "hosts": host_loads(gathered),
             "config": cfg.to_dict(),
+            # the schedule itself (a file's, or one searched from costs, is not its name)
+            "schedule_data": schedule_to_dict(schedule),
         }
         probes = {str(s): v for p in pipeline for s, v in (p["split_probe"] or {}).items()}
         if probes:

@@ -69,12 +69,15 @@ def _cost_source(args: argparse.Namespace):
 
 def add_commands(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("simulate", help="simulate one step of a schedule and print its summary")
-    p.add_argument("name", nargs="?", help="schedule name (see `pipesim list`)")
+    p.add_argument("name", nargs="?", help="schedule name (see `pipesim list`), or a schedule "
+                   "file: our FILE.json or torch's FILE.csv (its pp, vpp, m are the file's)")
     p.add_argument("--pp", type=int, default=4, help="pipeline ranks")
     p.add_argument("--vpp", type=int, default=1, help="chunks (virtual stages) per rank")
     p.add_argument("--microbatches", "-m", type=int, default=8, help="microbatches per step")
     p.add_argument("--micro-batch-size", type=int, default=1, help="sequences per microbatch (--model)")
     p.add_argument("--forward-only", action="store_true", help="inference: forwards only")
+    p.add_argument("--memory-limit", type=parse_bytes, default=None, metavar="BYTES",
+                   help="zb-auto: per-rank memory limit its search keeps under (e.g. 40GB)")
     _add_cost_args(p)
     p.add_argument("--jitter", type=float, default=0.0, help="relative compute-time noise, seeded")
     p.add_argument("--seed", type=int, default=0, help="seed of --jitter")
@@ -113,11 +116,31 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     if wants_plan(args):
         return cmd_simulate_plan(args, explicit_flags(sys.argv[1:] if args.argv is None else args.argv))
     if args.name is None:
-        raise ValueError("give a SCHEDULE name (see `pipesim list`), or --plan FILE")
-
-    schedule = build_schedule(args.name, pp=args.pp, microbatches=args.microbatches, vpp=args.vpp,
-                              forward_only=args.forward_only, recv_lookahead=args.recv_lookahead)
+        raise ValueError("give a SCHEDULE name (see `pipesim list`) or file, or --plan FILE")
     source = _cost_source(args)
+    if args.name.endswith((".json", ".csv")):
+        from ..schedule.io import schedule_from_csv, schedule_from_json
+
+        load = schedule_from_json if args.name.endswith(".json") else schedule_from_csv
+        schedule = load(args.name).validate()
+        if args.recv_lookahead and schedule.has_explicit_comms:
+            raise ValueError(f"{args.name}: --recv-lookahead moves inserted receives; this file "
+                             "places its SEND/RECV actions itself")
+        schedule = schedule.with_recv_lookahead(args.recv_lookahead)
+        if args.forward_only:
+            raise ValueError(f"{args.name}: --forward-only applies to a named schedule; a file "
+                             "holds its own actions")
+    else:
+        options = {}
+        if args.name == "zb-auto":      # its search needs the costs it will be simulated with
+            options = {"memory_limit": args.memory_limit,
+                       "costs": source(args.pp * args.vpp, args.micro_batch_size)
+                       if callable(source) else source}
+        elif args.memory_limit is not None:
+            raise ValueError("--memory-limit applies to zb-auto only")
+        schedule = build_schedule(args.name, pp=args.pp, microbatches=args.microbatches,
+                                  vpp=args.vpp, forward_only=args.forward_only,
+                                  recv_lookahead=args.recv_lookahead, **options)
     costs = source(schedule.num_stages, args.micro_batch_size) if callable(source) else source
     result = simulate(schedule, costs, comm=args.comm, step_tail=args.step_tail, dp=args.dp,
                       jitter=args.jitter, seed=args.seed, cores=args.cores)

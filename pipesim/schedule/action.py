@@ -13,14 +13,17 @@ from ..errors import ScheduleError
 
 F, B, I, W = "F", "B", "I", "W"
 SEND_F, RECV_F, SEND_B, RECV_B = "SEND_F", "RECV_F", "SEND_B", "RECV_B"
+OVERLAP_F_B = "OVERLAP_F_B"
 
-COMPUTE_OPS = frozenset((F, B, I, W))
+BASIC_COMPUTE_OPS = frozenset((F, B, I, W))
+COMPUTE_OPS = BASIC_COMPUTE_OPS | {OVERLAP_F_B}
 COMM_OPS = frozenset((SEND_F, RECV_F, SEND_B, RECV_B))
 ALL_OPS = COMPUTE_OPS | COMM_OPS
 BACKWARD_OPS = frozenset((B, I, W))
 
 # Longest alternatives first so "SEND_F" is not read as "S" + junk.
 _ACTION_RE = re.compile(r"^\s*(\d+)(SEND_F|RECV_F|SEND_B|RECV_B|F|B|I|W)(\d+)\s*$")
+_OVERLAP_RE = re.compile(r"^\s*\(([^()]*)\)OVERLAP_F_B\s*$")
 
 
 class Action(NamedTuple):
@@ -46,12 +49,21 @@ class Action(NamedTuple):
         return self.op in COMPUTE_OPS
 
     @property
+    def parts(self) -> tuple["Action", ...]:
+        """The basic actions this action runs: itself, or an overlap's sub-actions."""
+        return (self,)
+
+    @property
     def is_comm(self) -> bool:
         return self.op in COMM_OPS
 
     @classmethod
     def parse(cls, text: str) -> "Action":
-        """Parse the compact text form, e.g. ``"2F5"`` or ``"1SEND_F0"``."""
+        """Parse the compact text form, e.g. ``"2F5"``, ``"1SEND_F0"`` or torch's
+        ``"(0F3;2B1)OVERLAP_F_B"``."""
+        overlap = _OVERLAP_RE.match(text)
+        if overlap is not None:
+            return Overlap(*(cls.parse(part) for part in overlap.group(1).split(";")))
         match = _ACTION_RE.match(text)
         if match is None:
             raise ScheduleError(
@@ -59,3 +71,75 @@ class Action(NamedTuple):
                 f"{', '.join(sorted(ALL_OPS))}, e.g. '2F5'"
             )
         return cls(match.group(2), int(match.group(1)), int(match.group(3)))
+
+
+class Overlap(Action):
+    """A forward and a backward run as one action (DeepSeek's DualPipe "overlapped F&B";
+    torch.distributed.pipelining's ``OVERLAP_F_B``), text ``"(0F3;2B1)OVERLAP_F_B"``.
+
+    ``parts`` is ``(forward, backward)``: one F, then one B or I, of any stages of this rank.
+    The action starts once the inputs of both parts are there (its receives are posted before
+    it, its sends follow it), and its parts must not depend on each other, so that a device
+    may run them at the same time (the compute of one hiding the communication of the other).
+    As a tuple it reads ``(OVERLAP_F_B, stage, microbatch)`` of its forward, so code that only
+    unpacks actions keeps working; code that runs actions reads ``parts``.
+    """
+
+    def __new__(cls, forward: Action, backward: Action) -> "Overlap":
+        for part in (forward, backward):
+            if not isinstance(part, Action) or isinstance(part, Overlap):
+                raise ScheduleError(f"OVERLAP_F_B: part {part!r} is not a basic action")
+        if forward.op != F or backward.op not in (B, I):
+            raise ScheduleError(
+                f"OVERLAP_F_B ({forward};{backward}): expected a forward F then a backward B or I, "
+                f"got {forward.op} then {backward.op}")
+        self = tuple.__new__(cls, (OVERLAP_F_B, forward.stage, forward.microbatch))
+        self.__dict__["_parts"] = (forward, backward)
+        return self
+
+    def __getnewargs__(self):  # pickling and copying rebuild it from its parts
+        return self._parts
+
+    @property
+    def parts(self) -> tuple[Action, Action]:
+        return self._parts
+
+    @property
+    def forward(self) -> Action:
+        return self._parts[0]
+
+    @property
+    def backward(self) -> Action:
+        return self._parts[1]
+
+    def __setattr__(self, name, value):
+        raise AttributeError(f"Overlap is immutable (cannot set {name!r})")
+
+    def __str__(self) -> str:
+        return f"({self._parts[0]};{self._parts[1]}){OVERLAP_F_B}"
+
+    def __repr__(self) -> str:
+        return f"Overlap({self._parts[0]!r}, {self._parts[1]!r})"
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, Overlap):
+            return self._parts == other._parts
+        return False if isinstance(other, tuple) else NotImplemented
+
+    def __ne__(self, other: object) -> bool:
+        result = self.__eq__(other)
+        return result if result is NotImplemented else not result
+
+    def __hash__(self) -> int:
+        return hash((OVERLAP_F_B,) + self._parts)
+
+
+def flat_parts(actions) -> list[Action]:
+    """``actions`` with every overlap replaced by its parts, in order."""
+    out: list[Action] = []
+    for a in actions:
+        if a.op == OVERLAP_F_B:
+            out.extend(a.parts)
+        else:
+            out.append(a)
+    return out

@@ -46,7 +46,7 @@ from collections.abc import Callable, Hashable
 from typing import TYPE_CHECKING, NamedTuple
 
 from ..errors import ScheduleError
-from .action import B, F, I, RECV_B, RECV_F, SEND_B, SEND_F, Action
+from .action import B, F, I, RECV_B, RECV_F, SEND_B, SEND_F, Action, flat_parts
 from .comms import peer_stage
 
 if TYPE_CHECKING:
@@ -131,7 +131,8 @@ def check_channels(schedule: "Schedule", channel_of: ChannelFn = one_way_pairs, 
     blocks until the other rank of the pair arrives at its own first transfer there (what
     pipeexec's start-up warm-up, done in one global order, takes out of the steps)."""
     pp = schedule.pp
-    programs = [schedule.actions(r) for r in range(pp)]
+    # an OVERLAP_F_B runs its parts in turn, each waiting for its own input (pipeexec, torch)
+    programs = [flat_parts(schedule.actions(r)) for r in range(pp)]
     ops: list[list[list[_Op | None]]] = []       # [step][rank][index in the action list]
     for step in range(steps):
         per_rank = []

@@ -14,6 +14,9 @@ rank blocks:
   peer) receives keep the order of the computations that need them, so the posting order that
   NCCL matches transfers by is unchanged.
 
+An overlapped action (``OVERLAP_F_B``) consumes and produces what its parts do: the receives of
+both parts are posted before it and the sends of both follow it (torch's ``_add_send_recv``).
+
 Receiving *and waiting* as early as possible (torch.distributed.pipelining's lock-step
 waits) makes a rank wait on a peer before it could do useful local work and cascades into
 bubbles; posting early and waiting late does not. Two stages on the same rank (the turn of a V)
@@ -23,7 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from .action import B, F, I, RECV_B, RECV_F, SEND_B, SEND_F, Action
+from .action import B, F, I, OVERLAP_F_B, RECV_B, RECV_F, SEND_B, SEND_F, Action
 
 
 def insert_comms(order: Sequence[Action], rank: int, placement: Sequence[int],
@@ -31,7 +34,8 @@ def insert_comms(order: Sequence[Action], rank: int, placement: Sequence[int],
     """Return ``order`` (compute only, one rank) with communication actions inserted."""
     last = len(placement) - 1
     new = tuple.__new__  # Action(...) without NamedTuple's keyword handling: 4x cheaper
-    if lookahead == 0:
+    overlaps = any(a.op == OVERLAP_F_B for a in order)
+    if lookahead == 0 and not overlaps:
         # The general loop below gives the same list for lookahead 0; this one is 1.8x faster
         # (one pass, no per-channel floors) and builds every schedule by default.
         out: list[Action] = []
@@ -60,27 +64,29 @@ def insert_comms(order: Sequence[Action], rank: int, placement: Sequence[int],
     posts: list[list[Action]] = [[] for _ in order]
     forward_at: dict[tuple[int, int], int] = {}
     floor: dict[tuple[str, int], int] = {}
-    for k, (op, stage, mb) in enumerate(order):
-        if op == F:
-            forward_at[(stage, mb)] = k
-            if stage > 0 and placement[stage - 1] != rank:
-                channel = (RECV_F, placement[stage - 1])
-                j = floor[channel] = max(floor.get(channel, 0), k - lookahead)
-                posts[j].append(new(Action, (RECV_F, stage, mb)))
-        elif (op == B or op == I) and stage < last and placement[stage + 1] != rank:
-            channel = (RECV_B, placement[stage + 1])
-            made = forward_at.get((stage, mb), -1)
-            j = floor[channel] = max(floor.get(channel, 0), k - lookahead, made + 1)
-            posts[j].append(new(Action, (RECV_B, stage, mb)))
+    for k, action in enumerate(order):
+        for op, stage, mb in (action.parts if overlaps else (action,)):
+            if op == F:
+                forward_at[(stage, mb)] = k
+                if stage > 0 and placement[stage - 1] != rank:
+                    channel = (RECV_F, placement[stage - 1])
+                    j = floor[channel] = max(floor.get(channel, 0), k - lookahead)
+                    posts[j].append(new(Action, (RECV_F, stage, mb)))
+            elif (op == B or op == I) and stage < last and placement[stage + 1] != rank:
+                channel = (RECV_B, placement[stage + 1])
+                made = forward_at.get((stage, mb), -1)
+                # (an overlap whose backward needs its own forward is refused by validate())
+                j = floor[channel] = min(k, max(floor.get(channel, 0), k - lookahead, made + 1))
+                posts[j].append(new(Action, (RECV_B, stage, mb)))
     out = []
     for k, action in enumerate(order):
         out.extend(posts[k])
         out.append(action)
-        op, stage, mb = action
-        if op == F and stage < last and placement[stage + 1] != rank:
-            out.append(new(Action, (SEND_F, stage, mb)))
-        elif (op == B or op == I) and stage > 0 and placement[stage - 1] != rank:
-            out.append(new(Action, (SEND_B, stage, mb)))
+        for op, stage, mb in (action.parts if overlaps else (action,)):
+            if op == F and stage < last and placement[stage + 1] != rank:
+                out.append(new(Action, (SEND_F, stage, mb)))
+            elif (op == B or op == I) and stage > 0 and placement[stage - 1] != rank:
+                out.append(new(Action, (SEND_B, stage, mb)))
     return out
 
 

@@ -80,11 +80,22 @@ def schedule_from_json(source: str | os.PathLike) -> Schedule:
 
 def schedule_to_csv(schedule: Schedule, path: str | os.PathLike | None = None,
                     *, with_comms: bool = False) -> str:
-    """torch.distributed.pipelining's CSV: one row per rank. Returns the text."""
+    """torch.distributed.pipelining's CSV: one row per rank. Returns the text.
+
+    ``with_comms``: torch's "compute_comms" format, the SEND/RECV actions included, with the
+    receives ordered as torch's runtime needs them (one untagged channel per pair of ranks:
+    :func:`pipesim.schedule.torch_order.single_channel_actions`); hand-placed communication
+    that breaks that order is refused with the transfer that breaks it.
+    """
+    rows = None
+    if with_comms:
+        from .torch_order import single_channel_actions
+
+        rows = single_channel_actions(schedule)
     buf = io.StringIO()
     writer = csv.writer(buf, lineterminator="\n")
     for rank in range(schedule.pp):
-        row = schedule.actions(rank) if with_comms else schedule.compute_order(rank)
+        row = rows[rank] if rows is not None else schedule.compute_order(rank)
         writer.writerow([str(a) for a in row])
     text = buf.getvalue()
     if path is not None:

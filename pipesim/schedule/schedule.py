@@ -4,7 +4,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 
 from ..errors import ScheduleError
-from .action import ALL_OPS, COMM_OPS, COMPUTE_OPS, Action
+from .action import ALL_OPS, COMM_OPS, COMPUTE_OPS, OVERLAP_F_B, Action, flat_parts
 from .comms import insert_comms
 from .placement import make_placement, placement_kind
 
@@ -116,8 +116,17 @@ class Schedule:
 
     # -- actions ----------------------------------------------------------------------------
     def compute_order(self, rank: int) -> list[Action]:
-        """F / B / I / W actions of ``rank`` in execution order."""
+        """F / B / I / W (and OVERLAP_F_B) actions of ``rank`` in execution order."""
         return list(self._orders[rank])
+
+    def compute_parts(self, rank: int) -> list[Action]:
+        """F / B / I / W of ``rank`` in execution order, each overlap split into its parts."""
+        return flat_parts(self._orders[rank])
+
+    @property
+    def has_overlaps(self) -> bool:
+        """True when some rank runs an overlapped forward-and-backward (``OVERLAP_F_B``)."""
+        return any(a.op == OVERLAP_F_B for order in self._orders for a in order)
 
     def actions(self, rank: int) -> list[Action]:
         """All actions of ``rank`` in execution order, SEND/RECV included."""
@@ -143,9 +152,12 @@ class Schedule:
     def num_compute_actions(self) -> int:
         return sum(len(o) for o in self._orders)
 
-    def validate(self) -> "Schedule":
+    def validate(self, *, single_channel: bool = False) -> "Schedule":
         """Check ordering, send/receive matching and deadlock freedom; raise ScheduleError.
 
+        ``single_channel``: also check that between every two ranks the receives are posted in
+        the order of the sends, activations and gradients together, as
+        torch.distributed.pipelining's runtime needs (see :mod:`pipesim.schedule.torch_order`).
         Returns the schedule itself, so ``build(...).validate()`` chains.
         """
         if not self._validated:
@@ -153,6 +165,10 @@ class Schedule:
 
             validate_schedule(self)
             self._validated = True
+        if single_channel:
+            from .torch_order import check_single_channel
+
+            check_single_channel(self)
         return self
 
     # -- value semantics --------------------------------------------------------------------

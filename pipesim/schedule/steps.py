@@ -14,7 +14,8 @@ if TYPE_CHECKING:
 
 
 def unit_steps(schedule: "Schedule") -> list[list[tuple[int, Action]]]:
-    """Per rank, ``(step, action)`` for each compute action. The schedule must be valid."""
+    """Per rank, ``(step, action)`` for each compute action (an overlap's parts take one step
+    each, back to back). The schedule must be valid."""
     schedule.validate()
     last = schedule.num_stages - 1
     finish: dict[tuple[str, int, int], int] = {}   # ("F"|"G"|"I", stage, mb) -> end step
@@ -27,25 +28,29 @@ def unit_steps(schedule: "Schedule") -> list[list[tuple[int, Action]]]:
         progress = False
         for rank, order in enumerate(orders):
             while pos[rank] < len(order):
-                a = order[pos[rank]]
-                op, s, mb = a
-                if op == F:
-                    deps = [("F", s - 1, mb)] if s > 0 else []
-                elif op == W:
-                    deps = [("I", s, mb)]
-                else:
-                    deps = [("F", s, mb)] + ([("G", s + 1, mb)] if s < last else [])
+                parts = order[pos[rank]].parts      # an overlap: its parts, one step each
+                deps = []
+                for op, s, mb in parts:
+                    if op == F:
+                        deps += [("F", s - 1, mb)] if s > 0 else []
+                    elif op == W:
+                        deps += [("I", s, mb)]
+                    else:
+                        deps += [("F", s, mb)] + ([("G", s + 1, mb)] if s < last else [])
                 if any(d not in finish for d in deps):
                     break
                 start = max([free[rank]] + [finish[d] for d in deps])
-                free[rank] = start + 1
-                out[rank].append((start, a))
-                if op == F:
-                    finish[("F", s, mb)] = start + 1
-                elif op in (B, I):
-                    finish[("G", s, mb)] = start + 1
-                    if op == I:
-                        finish[("I", s, mb)] = start + 1
+                for a in parts:
+                    op, s, mb = a
+                    free[rank] = start + 1
+                    out[rank].append((start, a))
+                    if op == F:
+                        finish[("F", s, mb)] = start + 1
+                    elif op in (B, I):
+                        finish[("G", s, mb)] = start + 1
+                        if op == I:
+                            finish[("I", s, mb)] = start + 1
+                    start += 1
                 pos[rank] += 1
                 progress = True
     return out

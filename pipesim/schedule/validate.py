@@ -1,13 +1,14 @@
 """Prove a schedule sound without running it.
 
-Three passes, cheapest first, each raising :class:`ScheduleError` with the rank, action and
+Three passes, cheapest first (an overlapped ``OVERLAP_F_B`` counts as its parts), each raising :class:`ScheduleError` with the rank, action and
 reason:
 
 1. *well-formed*: every action's stage is on the rank whose list holds it, and its microbatch is
    in range;
 2. *complete*: per (stage, microbatch) exactly one F and either one B or one I and one W (only F
    when forward-only); on each rank F before B/I and I before W; every send matched by exactly one
-   receive of the same tensor on the peer rank;
+   receive of the same tensor on the peer rank; the backward part of an overlap does not need
+   its forward part (so a device may run them at once);
 3. *deadlock-free*: symbolic execution with asynchronous sends and blocking receives. A compute
    action waits for its inputs (the previous stage's F, the next stage's B/I, locally or through a
    receive). If no rank can move, every stuck rank is named with the action it waits on.
@@ -22,7 +23,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from ..errors import ScheduleError
-from .action import B, F, I, RECV_B, RECV_F, SEND_B, SEND_F, W, Action
+from .action import B, F, I, OVERLAP_F_B, RECV_B, RECV_F, SEND_B, SEND_F, W, Action, flat_parts
 from .comms import peer_stage
 
 if TYPE_CHECKING:
@@ -30,13 +31,20 @@ if TYPE_CHECKING:
 
 
 def validate_schedule(schedule: "Schedule") -> None:
+    overlaps = schedule.has_overlaps
     computes = [schedule.compute_order(r) for r in range(schedule.pp)]
+    if overlaps:
+        computes = [_gated(order) for order in computes]
     _check_well_formed(schedule, computes)
     _check_complete(schedule)
+    if overlaps:
+        _check_overlaps(schedule)
     if schedule.has_explicit_comms:
         # Hand-written communication is checked; inserted communication matches by construction
         # (insert_comms emits a send and its receive under the same condition).
         lists = [schedule.actions(r) for r in range(schedule.pp)]
+        if overlaps:
+            lists = [_gated(order) for order in lists]
         _check_well_formed(schedule, lists)
         _check_comm_matching(schedule, lists)
         _check_no_deadlock(schedule, lists)
@@ -47,8 +55,40 @@ def validate_schedule(schedule: "Schedule") -> None:
     try:
         _check_no_deadlock(schedule, computes, direct=True)
     except ScheduleError:
-        _check_no_deadlock(schedule, [schedule.actions(r) for r in range(schedule.pp)])
+        lists = [schedule.actions(r) for r in range(schedule.pp)]
+        _check_no_deadlock(schedule, [_gated(order) for order in lists] if overlaps else lists)
         raise
+
+
+def _gated(actions: list[Action]) -> list[Action]:
+    """Each overlap followed by its parts: the passes below check the parts, and the deadlock
+    pass reads the overlap itself as a gate that waits for its backward part's inputs, so the
+    parts start together once both have their inputs."""
+    out: list[Action] = []
+    for a in actions:
+        out.append(a)
+        if a.op == OVERLAP_F_B:
+            out.extend(a.parts)
+    return out
+
+
+def _check_overlaps(schedule: "Schedule") -> None:
+    """The backward part of an overlap must not need its forward part.
+
+    B or I of (stage s, microbatch k) needs the output gradient of stage s, which comes back
+    from the loss through every later stage's forward of k: so a forward of k on a stage >= s
+    in the same overlap would have to finish before its own backward could start.
+    """
+    for rank in range(schedule.pp):
+        for a in schedule.compute_order(rank):
+            if a.op != OVERLAP_F_B:
+                continue
+            fwd, bwd = a.parts
+            if fwd.microbatch == bwd.microbatch and fwd.stage >= bwd.stage:
+                raise ScheduleError(
+                    f"rank {rank}: action {a}: its backward {bwd} needs its forward {fwd} to have "
+                    "run (the gradient comes back through that forward's output); overlapped "
+                    "parts must be independent")
 
 
 def _check_well_formed(schedule: "Schedule", lists: list[list[Action]]) -> None:
@@ -56,6 +96,11 @@ def _check_well_formed(schedule: "Schedule", lists: list[list[Action]]) -> None:
     placement = schedule.placement
     for rank, actions in enumerate(lists):
         for a in actions:
+            if a.op == OVERLAP_F_B:
+                if schedule.forward_only:
+                    raise ScheduleError(f"rank {rank}: action {a} overlaps a backward in a "
+                                        "forward-only schedule")
+                continue                       # its parts follow it (see _gated)
             if not 0 <= a.stage < n:
                 raise ScheduleError(f"rank {rank}: action {a} names stage {a.stage}, outside 0..{n - 1}")
             if not 0 <= a.microbatch < m:
@@ -82,7 +127,7 @@ def _check_complete(schedule: "Schedule") -> None:
     seen = {op: bytearray(size) for op in (F, B, I, W)}
     f_seen, b_seen, i_seen, w_seen = seen[F], seen[B], seen[I], seen[W]
     for rank in range(schedule.pp):
-        for a in schedule.compute_order(rank):
+        for a in schedule.compute_parts(rank):
             op, s, mb = a
             k = s * m + mb
             flags = seen[op]
@@ -221,6 +266,20 @@ def _check_no_deadlock(schedule: "Schedule", lists: list[list[Action]], direct: 
             elif op == W:
                 if not i_done[k]:
                     wait, widx = K_I, k
+                key = -1
+            elif op == OVERLAP_F_B:
+                # The gate before an overlap's parts: its backward part's inputs must be there
+                # too before the forward part starts.
+                s, mb = a.parts[1].stage, a.parts[1].microbatch
+                k = s * m + mb
+                if not f_done[k]:
+                    wait, widx = K_F, k
+                elif s < last:
+                    if next_local[s]:
+                        if not g_done[k + m]:
+                            wait, widx = K_G, k + m
+                    elif not recv_b[k]:
+                        wait, widx = K_RB, k
                 key = -1
             elif op == SEND_F:
                 if not f_done[k]:

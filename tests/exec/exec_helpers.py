@@ -25,11 +25,31 @@ TINY = TrainConfig(layers=6, hidden=16, heads=2, seq_len=8, vocab=32, steps=3, l
 
 
 def layout_config(schedule: str, pp: int, dp: int, **changes) -> TrainConfig:
-    """TINY with the schedule's largest workable vpp (2, else 1) and the fixed global batch."""
-    b = GLOBAL_BATCH // (dp * MICROBATCHES)
-    vpp = choose_vpp(schedule, pp, MICROBATCHES)
-    return TINY.replace(schedule=schedule, pp=pp, dp=dp, vpp=vpp, microbatches=MICROBATCHES,
+    """TINY with the schedule's largest workable vpp (2, else 1) and the fixed global batch,
+    cut into MICROBATCHES microbatches or, for a schedule that needs more, the next count that
+    divides it (see `choose_microbatches`)."""
+    m = changes.pop("microbatches", None) or choose_microbatches(schedule, pp, dp)
+    if m is None:
+        raise pipesim.ScheduleError(f"{schedule} builds with no microbatch count that divides "
+                                    f"the global batch {GLOBAL_BATCH} over dp={dp} at pp={pp}")
+    b = GLOBAL_BATCH // (dp * m)
+    vpp = choose_vpp(schedule, pp, m)
+    return TINY.replace(schedule=schedule, pp=pp, dp=dp, vpp=vpp, microbatches=m,
                         micro_batch_size=b, **changes)
+
+
+def choose_microbatches(schedule: str, pp: int, dp: int) -> int | None:
+    """MICROBATCHES, or 2x that for schedules that need more (dualpipev: m >= 2 pp), when the
+    global batch still splits evenly; None when no count fits."""
+    for m in (MICROBATCHES, 2 * MICROBATCHES):
+        if GLOBAL_BATCH % (dp * m):
+            continue
+        try:
+            choose_vpp(schedule, pp, m)
+            return m
+        except pipesim.ScheduleError:
+            continue
+    return None
 
 
 def choose_vpp(schedule: str, pp: int, m: int) -> int:

@@ -3,3 +3,6 @@ from . import simple  # noqa: F401  gpipe, 1f1b, looped-bfs
 from . import interleaved  # noqa: F401  Megatron interleaved 1F1B
 from . import zero_bubble  # noqa: F401  zb-h1, zb-h2
 from . import zbv  # noqa: F401  ZB-V
+from . import dualpipe  # noqa: F401  DualPipeV
+from . import controllable  # noqa: F401  v-half, v-min
+from . import zb_auto  # noqa: F401  zb-auto

@@ -1,0 +1,78 @@
+"""Profile, re-schedule, run: zb-auto from the run's own measured costs.
+
+``pipeexec train --schedule zb-auto --memory-limit X`` trains its first steps with ZB-H1 (its
+split backward measures F, I and W of every stage), profiling steps ``1 .. reschedule_after``
+(step 0 warms up). Then, on every rank at the same step: rank 0 fits a cost model to the
+profiled steps (:func:`pipeexec.profile.calibrate.calibrate`), searches zb-auto under the limit
+and predicts its step time (the simulator, the executor's rendezvous communication); the
+schedule is broadcast as data, validated, and every rank switches to it
+(`Trainer.set_schedule`). The log shows the measured step time before, the predicted one, and
+the measured steps after. Memory is counted as the calibrated model counts it (on CPU: the
+tensors the runtime holds, parameters excluded; on CUDA: allocated bytes).
+"""
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable
+from typing import Any
+
+import torch.distributed as dist
+
+import pipesim
+from pipesim.schedule.io import schedule_from_dict, schedule_to_dict
+
+from .calibrate import calibrate
+from .measured import MeasuredRun
+from .predict import EXECUTOR_COMM
+
+PROFILED_SCHEDULE = "zb-h1"
+
+
+def search_from_run(run: MeasuredRun, memory_limit: float, recv_lookahead: int = 1
+                    ) -> tuple[pipesim.Schedule, dict]:
+    """zb-auto for ``run``'s layout from its measured costs, searched and predicted as the
+    executor runs it (rendezvous transfers, receives posted ``recv_lookahead`` early);
+    (schedule, what was decided)."""
+    steps = run.central_steps()
+    cal = calibrate(run, steps=steps)
+    m = run.meta
+    schedule = pipesim.build_schedule("zb-auto", pp=m["pp"], microbatches=m["microbatches"],
+                                      costs=cal.costs, memory_limit=memory_limit,
+                                      comm=EXECUTOR_COMM, lookahead=recv_lookahead,
+                                      recv_lookahead=recv_lookahead)
+    predicted = pipesim.simulate(schedule, cal.costs, comm=EXECUTOR_COMM)
+    before = pipesim.simulate(run.schedule, cal.costs, comm=EXECUTOR_COMM)
+    makespans = run.makespans()
+    info = {"profiled": run.schedule.name, "steps": list(steps),
+            "measured_before_s": statistics.mean(makespans[s] for s in steps),
+            "predicted_before_s": before.makespan, "predicted_s": predicted.makespan,
+            "predicted_peak_bytes": list(predicted.peak_memory), "memory_limit": memory_limit}
+    return schedule, info
+
+
+def reschedule(trainer: Any, session: Any, memory_limit: float,
+               log: Callable[[str], None] | None = None) -> dict:
+    """Collective: gather the profiled steps, search on rank 0, switch every rank."""
+    run = session.finish(trainer)            # the MeasuredRun on global rank 0, else None
+    topo = trainer.topology
+    payload: list = [None]
+    if topo.rank == 0:
+        try:
+            schedule, info = search_from_run(run, memory_limit, trainer.config.recv_lookahead)
+            payload = [{"schedule": schedule_to_dict(schedule), "info": info}]
+        except pipesim.ScheduleError as exc:     # every rank must hear it, or they would hang
+            payload = [{"error": str(exc)}]
+    if topo.world_size > 1:
+        dist.broadcast_object_list(payload, src=0)
+    if "error" in payload[0]:
+        raise pipesim.ScheduleError(f"zb-auto after profiling: {payload[0]['error']}")
+    schedule = schedule_from_dict(payload[0]["schedule"], source="zb-auto search")
+    trainer.set_schedule(schedule.validate())
+    info = payload[0]["info"]
+    if log is not None and topo.rank == 0:
+        log(f"zb-auto: profiled {info['profiled']} steps {info['steps']}: measured "
+            f"{info['measured_before_s'] * 1e3:.1f} ms a step (predicted "
+            f"{info['predicted_before_s'] * 1e3:.1f} ms); searched under "
+            f"{memory_limit:g} bytes a rank: predicted {info['predicted_s'] * 1e3:.1f} ms, "
+            f"peak {max(info['predicted_peak_bytes']):g} bytes; switching now")
+    return info

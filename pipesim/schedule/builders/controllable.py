@@ -1,0 +1,182 @@
+"""V-Half and V-Min: the controllable-memory V schedules (Qi et al., "Pipeline Parallelism with
+Controllable Memory", NeurIPS 2024, arXiv 2405.15362).
+
+Two chunks per rank in V placement, as ZB-V: rank r holds stage r (chunk 0) and 2p-1-r (chunk
+1), p = pp. The paper builds a schedule from a *building block*: the slots, in a period of 6
+(one F, one I and one W per chunk), at which each rank runs the four passes of one microbatch,
+repeated every 6 slots for the next microbatch. The block's lifespan (first F to last I of a
+microbatch on a rank) sets the activation memory; its interval sets the bubble. Slots of rank
+r for microbatch k (``+ 6k``), the block of the reference generator (sail-sg/zero-bubble-
+pipeline-parallelism, ``zbv_greedy.py``, ``stable_pattern_v_min`` / ``_v_half``):
+
+=========  ===========  ===============  =====================  =====================
+schedule   F chunk 0    F chunk 1        I chunk 1              I chunk 0
+=========  ===========  ===============  =====================  =====================
+v-min      r            2p - 1 - r       2p + d + r             4p + d - 1 - r          d = 2 if p % 3 == 0 else 0
+v-half     2r           3p - 2 - r       3p + d + 2r - 1        6p + d - 2 - r          d = 3 if p % 2 == 0 else 0
+=========  ===========  ===============  =====================  =====================
+
+Then the squeeze (the paper's name for it): in slot order, every pass moves to the earliest
+free slot after its inputs that keeps its rank's peak memory within the block's, which removes
+most of the gaps of warm-up and cool-down. W passes fill the free slots, oldest first (chunk 1's
+before chunk 0's at the same time), and whatever is left runs at the end. The rank's order is
+its passes sorted by slot: every pass sits at least one slot after what it needs, so the order
+is deadlock-free.
+
+Memory (chunk activations held from F to W): floor(p/2)+1 (V-Half) and floor((p+1)/3)+1
+(V-Min) microbatches of a 1F1B stage (two chunks) at the peak, against 1F1B's p: about 1/2 and
+1/3. Bubble (F = I = W): about 0.3-0.45 and 0.55-0.65 of 1F1B's (tests/test_controllable.py).
+"""
+from __future__ import annotations
+
+from ...errors import ScheduleError
+from ..action import F, I, W, Action
+from ..placement import VSHAPE
+from ..registry import register
+from ..schedule import Schedule
+from .simple import require_vpp
+
+PERIOD = 6
+
+
+def block(kind: str, pp: int, rank: int) -> tuple[int, int, int, int]:
+    """Slots of (F chunk 0, F chunk 1, I chunk 1, I chunk 0) of microbatch 0 on ``rank``."""
+    if kind == "v-min":
+        d = 2 if pp % 3 == 0 else 0
+        return rank, 2 * pp - 1 - rank, 2 * pp + d + rank, 4 * pp + d - 1 - rank
+    if kind == "v-half":
+        d = 3 if pp % 2 == 0 else 0
+        return 2 * rank, 3 * pp - 2 - rank, 3 * pp + d + 2 * rank - 1, 6 * pp + d - 2 - rank
+    raise ScheduleError(f"unknown controllable-memory block {kind!r}")
+
+
+def _slots(kind: str, pp: int, microbatches: int) -> dict[tuple[int, int, int], int]:
+    """(rank, pass, microbatch) -> slot of the repeated block; passes 0..3 are F chunk 0,
+    F chunk 1, I chunk 1, I chunk 0."""
+    out = {}
+    for r in range(pp):
+        b = block(kind, pp, r)
+        for t in range(4):
+            for k in range(microbatches):
+                out[(r, t, k)] = b[t] + PERIOD * k
+    return out
+
+
+def _inputs(pp: int, r: int, t: int, k: int) -> list[tuple[int, int, int]]:
+    """The passes that (rank r, pass t, microbatch k) needs first: its predecessor in
+    microbatch order, and its input (down the V for chunk 0's F and chunk 1's I, back up for
+    the others; the turn at the bottom and at the loss on the same rank)."""
+    need = [(r, t, k - 1)] if k else []
+    if t == 0:
+        need += [(r - 1, 0, k)] if r else []
+    elif t == 1:
+        need.append((r + 1, 1, k) if r < pp - 1 else (r, 0, k))
+    elif t == 2:
+        need.append((r - 1, 2, k) if r else (r, 1, k))
+    else:
+        need.append((r + 1, 3, k) if r < pp - 1 else (r, 2, k))
+    return need
+
+
+def _peak(at: dict[int, int]) -> int:
+    """Chunk activations held at the peak of one rank whose slots hold passes ``at`` (slot ->
+    pass): an F adds one, a W, run in the first free slot after its I, frees it."""
+    cur = best = pending = 0
+    for slot in range(max(at) + 1):
+        t = at.get(slot)
+        if t is None:
+            if pending:
+                cur -= 1
+                pending -= 1
+        elif t < 2:
+            cur += 1
+            best = max(best, cur)
+        else:
+            pending += 1
+    return best
+
+
+def squeezed_slots(kind: str, pp: int, microbatches: int) -> dict[tuple[int, int, int], int]:
+    """The block's slots with every pass moved to the earliest free slot after its inputs that
+    keeps the rank's peak within the block's (worst rank) peak: in slot order, so that inputs
+    have moved first. This removes most of the warm-up and cool-down gaps of the plain
+    repetition (the paper's and the reference generator's "squeeze")."""
+    slots = _slots(kind, pp, microbatches)
+    at: list[dict[int, int]] = [{} for _ in range(pp)]
+    for (r, t, k), slot in slots.items():
+        at[r][slot] = t
+    limit = max(_peak(a) for a in at)
+    for key in sorted(slots, key=lambda x: (slots[x], x)):
+        r, t, k = key
+        now = slots[key]
+        earliest = max([slots[d] + 1 for d in _inputs(pp, r, t, k)], default=0)
+        for slot in range(earliest, now):
+            if slot in at[r]:
+                continue
+            del at[r][now]
+            at[r][slot] = t
+            if _peak(at[r]) <= limit:
+                slots[key] = slot
+                break
+            del at[r][slot]
+            at[r][now] = t
+    return slots
+
+
+def block_order(kind: str, rank: int, pp: int, microbatches: int, *,
+                squeeze: bool = True) -> list[Action]:
+    """The compute order of ``rank``: the (squeezed) block's passes in slot order, each W in
+    the first free slot after its I (the oldest first, chunk 1's before chunk 0's)."""
+    slots = squeezed_slots(kind, pp, microbatches) if squeeze else _slots(kind, pp, microbatches)
+    return _rank_order(slots, rank, pp)
+
+
+def _rank_order(slots: dict[tuple[int, int, int], int], rank: int, pp: int) -> list[Action]:
+    down, up = rank, 2 * pp - 1 - rank
+    names = ((F, down), (F, up), (I, up), (I, down))
+    at: dict[int, Action] = {}
+    for (r, t, k), slot in slots.items():
+        if r != rank:
+            continue
+        if slot in at:
+            raise ScheduleError(f"block slots collide at {slot} on rank {rank}")
+        at[slot] = Action(names[t][0], names[t][1], k)
+    order: list[Action] = []
+    pending = {up: [], down: []}      # microbatches whose I ran and whose W has not
+    for slot in range(max(at) + 1):
+        action = at.get(slot)
+        if action is not None:
+            order.append(action)
+            if action.op == I:
+                pending[action.stage].append(action.microbatch)
+            continue
+        for stage in (up, down):       # a free slot: the oldest W, chunk 1 first
+            if pending[stage]:
+                order.append(Action(W, stage, pending[stage].pop(0)))
+                break
+    for stage in (up, down):
+        order += [Action(W, stage, k) for k in pending[stage]]
+    return order
+
+
+def _build(kind: str, pp: int, vpp: int, microbatches: int, forward_only: bool) -> Schedule:
+    require_vpp(kind, vpp, 2, " (rank r holds stages r and 2*pp-1-r)")
+    slots = squeezed_slots(kind, pp, microbatches)
+    orders = [_rank_order(slots, r, pp) for r in range(pp)]
+    if forward_only:
+        orders = [[a for a in order if a.op == F] for order in orders]
+    return Schedule(pp, 2, microbatches, VSHAPE, orders, name=kind, forward_only=forward_only)
+
+
+@register("v-min", placement=VSHAPE, constraints="vpp == 2",
+          description="V-Min (Qi et al. 2024, controllable memory): V placement, about 1/3 of "
+                      "1F1B's activation memory, bubble between ZB-V's and 1F1B's")
+def v_min(pp: int, vpp: int, microbatches: int, *, forward_only: bool = False) -> Schedule:
+    return _build("v-min", pp, vpp, microbatches, forward_only)
+
+
+@register("v-half", placement=VSHAPE, constraints="vpp == 2",
+          description="V-Half (Qi et al. 2024, controllable memory): V placement, about 1/2 of "
+                      "1F1B's activation memory, bubble between ZB-V's and 1F1B's")
+def v_half(pp: int, vpp: int, microbatches: int, *, forward_only: bool = False) -> Schedule:
+    return _build("v-half", pp, vpp, microbatches, forward_only)

@@ -1,0 +1,92 @@
+"""zb-auto: the Zero Bubble heuristic under a memory limit, against the handcrafted schedules and
+against the exact optimum of small instances (a MILP solved by HiGHS, tests/zb_ilp.py)."""
+import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+import pipesim
+from pipesim import CostModel, ScheduleError, simulate
+
+from zb_ilp import optimal_schedule
+
+
+def random_costs(draw, pp, comm=True):
+    pos = st.floats(0.3, 2.0, allow_nan=False)
+    f = draw(st.lists(pos, min_size=pp, max_size=pp))
+    i = draw(st.lists(pos, min_size=pp, max_size=pp))
+    w = draw(st.lists(st.floats(0.1, 1.5), min_size=pp, max_size=pp))
+    extra = {}
+    if comm and draw(st.booleans()):
+        extra = dict(p2p_latency=draw(st.floats(0.0, 0.5)))
+    return CostModel(forward=f, backward_input=i, backward_weight=w, activation_bytes=1.0,
+                     weight_grad_fraction=draw(st.floats(0.0, 1.0)), **extra)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data(), pp=st.integers(1, 6), m=st.integers(1, 16), budget=st.floats(1.0, 2.5))
+def test_peak_never_exceeds_the_limit_and_no_handcrafted_schedule_that_fits_is_faster(
+        data, pp, m, budget):
+    costs = random_costs(data.draw, pp)
+    limit = budget * pp                      # between ~ZB-1p (pp microbatches) and beyond ZB-2p
+    s = pipesim.build_schedule("zb-auto", pp=pp, microbatches=m, costs=costs, memory_limit=limit)
+    s.validate()
+    r = simulate(s, costs)
+    assert max(r.peak_memory) <= limit + 1e-9
+    for name in ("1f1b", "zb-h1", "zb-h2"):
+        hand = simulate(pipesim.build_schedule(name, pp=pp, microbatches=m), costs)
+        if max(hand.peak_memory) <= limit:
+            assert r.makespan <= hand.makespan + 1e-9, name
+
+
+def test_zb_1p_and_2p_limits_on_uniform_costs():
+    # F = I = W = 1, zero comm: the last rank starts at (p-1)F and then works 3m, so no schedule
+    # ends before 3m + p - 1. ZB-H1 (1F1B's memory) reaches it, and so does zb-auto at ZB-1p.
+    costs = CostModel(forward=1.0, backward_input=1.0, backward_weight=1.0, activation_bytes=1.0)
+    pp, m = 4, 12
+    one_p = pipesim.build_schedule("zb-auto", pp=pp, microbatches=m, costs=costs, memory_limit=pp)
+    two_p = pipesim.build_schedule("zb-auto", pp=pp, microbatches=m, costs=costs, memory_limit=2 * pp)
+    for s, limit in ((one_p, pp), (two_p, 2 * pp)):
+        r = simulate(s, costs)
+        assert r.makespan == pytest.approx(3 * m + pp - 1) and max(r.peak_memory) <= limit
+
+
+def test_constraints_and_bad_options_in_words():
+    with pytest.raises(ScheduleError, match="zb-auto needs vpp == 1"):
+        pipesim.build_schedule("zb-auto", pp=2, vpp=2, microbatches=4)
+    costs = CostModel(activation_bytes=10.0, static_bytes=5.0)
+    with pytest.raises(ScheduleError, match=r"memory_limit 12 bytes on rank 0 is below what one "
+                                            r"microbatch needs there \(5 static \+ 10 activations"):
+        pipesim.build_schedule("zb-auto", pp=2, microbatches=4, costs=costs, memory_limit=12)
+    with pytest.raises(ScheduleError, match="memory_limit must be a number of bytes or one per rank"):
+        pipesim.build_schedule("zb-auto", pp=2, microbatches=4, costs=costs, memory_limit=[100])
+    with pytest.raises(ScheduleError, match="CostModel.forward has 3 per-stage values"):
+        pipesim.build_schedule("zb-auto", pp=2, microbatches=4, costs=CostModel(forward=[1, 1, 1]))
+    s = pipesim.build_schedule("zb-auto", pp=3, microbatches=4, forward_only=True)
+    assert s.forward_only and all(a.op == "F" for r in range(3) for a in s.compute_order(r))
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_heuristic_against_the_exact_optimum(seed):
+    """Small instances, zero communication (where the MILP is exact): the MILP's order simulates
+    to the MILP's makespan (the two models agree), the heuristic is never better than the
+    optimum, and its gap is reported; on these instances it is within 3%."""
+    import random
+
+    pytest.importorskip("scipy.optimize")
+    rng = random.Random(seed)
+    pp, m = [(2, 3), (2, 4), (3, 3), (3, 2), (2, 4), (3, 3), (4, 4), (4, 4)][seed]
+    costs = CostModel(forward=[rng.uniform(0.5, 1.5) for _ in range(pp)],
+                      backward_input=[rng.uniform(0.5, 2.0) for _ in range(pp)],
+                      backward_weight=[rng.uniform(0.2, 1.2) for _ in range(pp)],
+                      activation_bytes=1.0, weight_grad_fraction=rng.choice([0.3, 0.5, 1.0]))
+    limit = [pp, 1.5 * pp, 2 * pp, pp + 0.5, 1.0 * pp + 1, 2.0, 1.5 * pp, pp][seed]
+    optimum, exact = optimal_schedule(pp, m, costs, limit)
+    r_exact = simulate(exact.validate(), costs)
+    assert r_exact.makespan == pytest.approx(optimum, rel=1e-6)
+    assert max(r_exact.peak_memory) <= limit + 1e-6
+    found = simulate(pipesim.build_schedule("zb-auto", pp=pp, microbatches=m, costs=costs,
+                                            memory_limit=limit), costs)
+    gap = found.makespan / optimum - 1
+    print(f"zb-auto pp={pp} m={m} limit={limit}: {found.makespan:.4f} vs optimum {optimum:.4f} "
+          f"(gap {100 * gap:.2f}%)")
+    assert gap >= -1e-6
+    assert gap <= 0.05
