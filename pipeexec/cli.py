@@ -31,7 +31,8 @@ def add_train_arguments(t: argparse.ArgumentParser) -> None:
     a("--memory-limit", type=_bytes, default=None, metavar="BYTES",
       help="with --schedule zb-auto: profile --reschedule-after steps of ZB-H1, search zb-auto "
            "from the measured costs under this per-rank limit (e.g. 2GB), switch to it")
-    a("--reschedule-after", type=int, default=d.reschedule_after, metavar="K")
+    a("--reschedule-after", type=int, default=d.reschedule_after, metavar="K",
+      help="with --memory-limit: profiled steps of ZB-H1 before zb-auto takes over")
     a("--pp", type=int, default=d.pp, help="pipeline ranks")
     a("--vpp", type=int, default=d.vpp, help="stages (chunks) per pipeline rank")
     a("--dp", type=int, default=d.dp, help="data-parallel replicas")

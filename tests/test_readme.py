@@ -41,6 +41,9 @@ def scratch(tmp_path, monkeypatch):
     """A working directory holding the files the tour names."""
     monkeypatch.chdir(tmp_path)
     (tmp_path / "config.json").write_text(json.dumps(HF_CONFIG))
+    import pipesim      # the s.csv the Python tour writes
+    pipesim.schedule_to_csv(pipesim.build_schedule("interleaved", pp=4, vpp=2, microbatches=8),
+                            tmp_path / "s.csv")
     return tmp_path
 
 
