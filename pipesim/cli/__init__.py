@@ -13,7 +13,7 @@ from ..errors import ScheduleError
 
 # Modules that add sub-commands; each has add_commands(subparsers) and sets args.func.
 _COMMAND_MODULES = ("pipesim.cli.schedule_cmds", "pipesim.cli.simulate_cmds",
-                    "pipesim.cli.plan_cmds")
+                    "pipesim.cli.plan_cmds", "pipesim.cli.planner_cmds")
 
 
 def build_parser() -> argparse.ArgumentParser:
