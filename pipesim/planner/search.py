@@ -50,8 +50,10 @@ def config_of(plan: Plan) -> dict[str, Any]:
 
 
 # -- worker tasks (module level: a process pool or a Dask worker imports them) -----------------
-def bound_plans(plans: list[Plan], memory_limit: float) -> list[dict[str, Any]]:
-    """Bounds of each plan: status pruned-memory / candidate / invalid, and CPU seconds spent."""
+def bound_plans(plans: list[Plan], memory_limit: float, prune: bool = True
+                ) -> list[dict[str, Any]]:
+    """Bounds of each plan: status pruned-memory (when ``prune``) / candidate ("") / invalid,
+    and the CPU seconds spent."""
     from .bounds import plan_bounds
 
     out = []
@@ -64,10 +66,11 @@ def bound_plans(plans: list[Plan], memory_limit: float) -> list[dict[str, Any]]:
             b = plan_bounds(plan, derived, exact_order=False)
             if b.memory <= memory_limit:
                 b = plan_bounds(plan, derived, exact_order=True)
+            over = prune and b.memory > memory_limit
             row.update(step_time_bound=b.step_time, memory_bound=b.memory,
-                       status=PRUNED_MEMORY if b.memory > memory_limit else "",
+                       status=PRUNED_MEMORY if over else "",
                        reason=_overflow_text(b.memory_parts, b.memory_rank, memory_limit,
-                                             "at least") if b.memory > memory_limit else "")
+                                             "at least") if over else "")
             row["memory_parts"] = b.memory_parts
         except (PlanError, ScheduleError, ValueError) as exc:
             t1 = time.process_time()
@@ -191,15 +194,16 @@ def search(space: SearchSpace, *, memory_limit: float | None = None, top: int = 
 
         own_pool = executor = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context())
     try:
-        def run(fn, chunks: list[list[Plan]]) -> list[list[dict]]:
+        def run(fn, chunks: list[list[Plan]], *more) -> list[list[dict]]:
             if executor is None:
-                return [fn(c, limit) for c in chunks]
-            return list(executor.map(fn, chunks, [limit] * len(chunks), timeout=timeout))
+                return [fn(c, limit, *more) for c in chunks]
+            extra = [[x] * len(chunks) for x in more]
+            return list(executor.map(fn, chunks, [limit] * len(chunks), *extra, timeout=timeout))
 
         # bounds, in chunks spread over the workers
         size = max(1, min(64, math.ceil(len(plans) / (4 * max(1, workers)))))
         chunks = [plans[i:i + size] for i in range(0, len(plans), size)]
-        for start, out in zip(range(0, len(plans), size), run(bound_plans, chunks)):
+        for start, out in zip(range(0, len(plans), size), run(bound_plans, chunks, prune)):
             for j, b in enumerate(out):
                 timing["derive"] += b.pop("_derive_s")
                 timing["bounds"] += b.pop("_bound_s")
