@@ -140,9 +140,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
           f"refused), {result.simulated} simulated, "
           + ", ".join(f"{v} {k}" for k, v in counts.items() if k != "simulated")
           + f"; {time.perf_counter() - t0:.1f} s")
-    _write_rows(result, out)
     ranked = result.ranked
     if not len(ranked):
+        _write_rows(result, out)
         print("\nnothing fits: the closest plans", file=sys.stderr)
         for _, row in result.closest(3).iterrows():
             reason = row["reason"] or "(not simulated)"
@@ -157,6 +157,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     print()
     print(explain_text(explain(result), best_row["key"], best_row["step_time"],
                        best_row["peak_memory"]))
+    _write_rows(result, out)      # after explain: the neighbours it simulated are in it too
     if args.jitter:
         from ..planner.stability import jitter_check
 

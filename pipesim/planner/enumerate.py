@@ -17,7 +17,9 @@ by reason. Rules, as Megatron-LM applies them:
   vpp > 1 (vpp = 1 is 1f1b / gpipe), interleaved with ``m % pp == 0`` (its default
   microbatch group of pp); with pp = 1 there is no pipeline, and the first vpp = 1 schedule
   asked for stands for all of them;
-* sequence parallelism is on whenever tp > 1 (it only saves memory and sends less).
+* sequence parallelism is on whenever tp > 1 (it only saves memory and sends less);
+* selective recomputation is searched only without ``none``: with flash attention (the plans'
+  default) it recomputes nothing and keeps what ``none`` keeps, the same plan twice.
 """
 from __future__ import annotations
 
@@ -236,6 +238,11 @@ def _per_layout(space: SearchSpace, cluster: Cluster, tp: int, cp: int, pp: int,
                     refused["zbv needs pp >= 2"] += 1
                     continue
                 for recompute in space.recompute:
+                    if recompute == "selective" and "none" in space.recompute:
+                        # flash attention keeps no s x s scores: nothing left to recompute
+                        refused["selective recomputation with flash attention is the same plan "
+                                "as none"] += 1
+                        continue
                     for zero in space.zero:
                         if zero and dp * cp == 1:
                             refused["optimizer sharding needs dp * cp > 1"] += 1
