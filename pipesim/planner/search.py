@@ -2,7 +2,8 @@
 
 1. :func:`pipesim.planner.enumerate_plans` lists the valid plans of the space;
 2. each plan's costs are derived and bounded (:mod:`pipesim.planner.bounds`); a plan whose
-   memory bound exceeds the limit cannot fit and is pruned;
+   memory bound exceeds the limit cannot fit and is pruned (first the cheap bound, here; the
+   exact-order one, which builds the schedule, only for a plan about to be simulated);
 3. the rest, in order of their step-time bound, are simulated with the full discrete-event
    model (:func:`pipesim.plan.report.simulate_plan`) in batches; a plan is pruned when its bound
    exceeds both the ``top``-th best step time found so far and the best of its own schedule
@@ -64,8 +65,6 @@ def bound_plans(plans: list[Plan], memory_limit: float, prune: bool = True
             derived = plan.derive()
             t1 = time.process_time()
             b = plan_bounds(plan, derived, exact_order=False)
-            if b.memory <= memory_limit:
-                b = plan_bounds(plan, derived, exact_order=True)
             over = prune and b.memory > memory_limit
             row.update(step_time_bound=b.step_time, memory_bound=b.memory,
                        status=PRUNED_MEMORY if over else "",
@@ -81,9 +80,33 @@ def bound_plans(plans: list[Plan], memory_limit: float, prune: bool = True
     return out
 
 
-def simulate_plans(plans: list[Plan], memory_limit: float) -> list[dict[str, Any]]:
-    """Simulate each plan (validated); its figures as a row, and the CPU seconds spent."""
-    return [evaluate_plan(p, memory_limit) for p in plans]
+def simulate_plans(plans: list[Plan], memory_limit: float, prune: bool = True
+                   ) -> list[dict[str, Any]]:
+    """Each plan: pruned by its exact-order memory bound (when ``prune``), else simulated
+    (validated); its figures as a row, and the CPU seconds spent."""
+    from .bounds import plan_bounds
+
+    out = []
+    for plan in plans:
+        if prune:
+            t0 = time.process_time()
+            try:
+                b = plan_bounds(plan, exact_order=True)
+            except (PlanError, ScheduleError, ValueError) as exc:
+                out.append({"status": INVALID, "reason": str(exc),
+                            "_bound_s": time.process_time() - t0, "_sim_s": 0.0})
+                continue
+            if b.memory > memory_limit:
+                out.append({"status": PRUNED_MEMORY, "memory_bound": b.memory,
+                            "reason": _overflow_text(b.memory_parts, b.memory_rank,
+                                                     memory_limit, "at least"),
+                            "_bound_s": time.process_time() - t0, "_sim_s": 0.0})
+                continue
+            bound_s = time.process_time() - t0
+        else:
+            bound_s = 0.0
+        out.append({**evaluate_plan(plan, memory_limit), "_bound_s": bound_s})
+    return out
 
 
 def evaluate_plan(plan: Plan, memory_limit: float) -> dict[str, Any]:
@@ -232,10 +255,11 @@ def search(space: SearchSpace, *, memory_limit: float | None = None, top: int = 
                 continue
             per = max(1, math.ceil(len(take) / max(1, workers))) if executor is not None else 1
             groups = [take[k:k + per] for k in range(0, len(take), per)]
-            outs = run(simulate_plans, [[plans[i] for i in g] for g in groups])
+            outs = run(simulate_plans, [[plans[i] for i in g] for g in groups], prune)
             for g, out in zip(groups, outs):
                 for i, res in zip(g, out):
                     timing["simulate"] += res.pop("_sim_s")
+                    timing["bounds"] += res.pop("_bound_s")
                     rows[i].update(res)
                     if res.get("status") == SIMULATED and res["fits"]:
                         item = (res["step_time"], keys[i])
