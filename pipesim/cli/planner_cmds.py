@@ -121,12 +121,14 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if out.suffix == ".parquet" and not _has_pyarrow():
         raise ValueError(f"--out {args.out}: Parquet needs pyarrow (pip install pyarrow), or "
                          "name a .csv file")
-    executor, client = None, None
+    executor, client, workers = None, None, args.workers
     if args.dask:
         executor, client = _dask_executor(args.dask)
+        if workers is None:                   # batches sized to the cluster's threads
+            workers = max(1, sum(client.nthreads().values()))
     t0 = time.perf_counter()
     try:
-        result = search(space, memory_limit=limit, top=args.top, workers=args.workers,
+        result = search(space, memory_limit=limit, top=args.top, workers=workers,
                         executor=executor, prune=not args.no_prune,
                         progress=not args.no_progress)
     finally:

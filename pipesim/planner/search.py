@@ -217,16 +217,22 @@ def search(space: SearchSpace, *, memory_limit: float | None = None, top: int = 
 
         own_pool = executor = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context())
     try:
-        def run(fn, chunks: list[list[Plan]], *more) -> list[list[dict]]:
+        def stream(fn, chunks: list[list[Plan]], *more):
             if executor is None:
-                return [fn(c, limit, *more) for c in chunks]
+                return (fn(c, limit, *more) for c in chunks)
             extra = [[x] * len(chunks) for x in more]
-            return list(executor.map(fn, chunks, [limit] * len(chunks), *extra, timeout=timeout))
+            return executor.map(fn, chunks, [limit] * len(chunks), *extra, timeout=timeout)
+
+        def run(fn, chunks: list[list[Plan]], *more) -> list[list[dict]]:
+            return list(stream(fn, chunks, *more))
 
         # bounds, in chunks spread over the workers
         size = max(1, min(64, math.ceil(len(plans) / (4 * max(1, workers)))))
         chunks = [plans[i:i + size] for i in range(0, len(plans), size)]
-        for start, out in zip(range(0, len(plans), size), run(bound_plans, chunks, prune)):
+        bar = progress_bar(total=len(plans), desc="pipesim plan: bounds", unit="plan",
+                           disable=not progress)
+        for start, out in zip(range(0, len(plans), size), stream(bound_plans, chunks, prune)):
+            bar.update(len(out))
             for j, b in enumerate(out):
                 timing["derive"] += b.pop("_derive_s")
                 timing["bounds"] += b.pop("_bound_s")
@@ -237,7 +243,8 @@ def search(space: SearchSpace, *, memory_limit: float | None = None, top: int = 
         batch = 1 if executor is None else 2 * max(1, workers)
         found: list[tuple[float, str]] = []           # fitting plans' (step, key), sorted
         best_of: dict[str, tuple[float, str]] = {}    # schedule -> best fitting (step, key)
-        bar = progress_bar(total=len(candidates), desc="pipesim plan", unit="plan",
+        bar.close()
+        bar = progress_bar(total=len(candidates), desc="pipesim plan: simulate", unit="plan",
                            disable=not progress)
         pos = 0
         while pos < len(candidates):
