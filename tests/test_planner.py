@@ -68,13 +68,17 @@ def test_enumeration_against_an_independent_product_filtered_by_validate():
 
 
 def test_refusals_are_counted_by_reason():
-    enum = enumerate_plans(small_space(gpus=16, tp=(1, 2, 4, 8, 16), vpp=(2, 3)))
+    space = dict(model="gpt3-1.3b", gpus=32, tp=(8, 16), pp=(1, 2), vpp=(2, 5), mbs=(1,),
+                 recompute=("full",), zero=(1,), cp=(1, 3))
+    enum = enumerate_plans(small_space(**space))
     reasons = " | ".join(enum.refused)
     assert "NVLink domain" in reasons                  # tp 16 > 8 GPUs per node
-    assert "layers not divisible by pp * vpp" in reasons
+    assert "layers not divisible by pp * vpp" in reasons    # 24 layers, pp 2 x vpp 5
+    assert "cp does not divide" in reasons             # cp 3
     assert all(n > 0 for n in enum.refused.values())
-    assert "NVLink" not in " ".join(
-        enumerate_plans(small_space(gpus=16, tp=(16,), tp_across_nodes=True)).refused)
+    across = enumerate_plans(small_space(**{**space, "tp_across_nodes": True}))
+    assert "NVLink" not in " ".join(across.refused)
+    assert {p.parallelism.tp for p in across.plans} == {8, 16}
 
 
 def test_moe_enumerates_expert_parallelism():
@@ -205,3 +209,26 @@ def test_space_refuses_bad_input():
         small_space(recompute=("some",))
     with pytest.raises(ValueError, match="gpus"):
         small_space(gpus=0)
+
+
+def test_pruning_agrees_with_brute_force_on_a_small_moe_model():
+    """Expert parallelism in the search: the pruned search and brute force pick the same top
+    plans, and every bound is below its simulation."""
+    from pipesim.plan.model import ModelSpec
+
+    moe = ModelSpec("tiny-moe", layers=4, hidden=256, heads=4, seq_length=256, vocab=1000,
+                    experts=4, top_k=2, moe_ffn_hidden=512, mlp="swiglu", norm="rmsnorm",
+                    position="rotary", tied_embeddings=False, bias=False, dropout=False)
+    space = SearchSpace(moe, gpus=4, gbs=8, hardware="A100", mbs=(1, 2),
+                        recompute=("none", "full"), cp=(1,), schedules=("1f1b", "zbv"))
+    enum = enumerate_plans(space)
+    assert {p.parallelism.ep for p in enum.plans} == {1, 2, 4}
+    brute = search(space, workers=1, prune=False, enumeration=enum)
+    limit = float(brute.ranked["peak_memory"].median())       # about half the plans fit
+    brute = search(space, memory_limit=limit, top=3, workers=1, prune=False, enumeration=enum)
+    pruned = search(space, memory_limit=limit, top=3, workers=1, enumeration=enum)
+    assert pruned.simulated < brute.simulated
+    assert list(pruned.ranked["key"][:3]) == list(brute.ranked["key"][:3])
+    sim = brute.rows[brute.rows["status"] == "simulated"]
+    assert (sim["step_time_bound"] <= sim["step_time"] * (1 + 1e-9)).all()
+    assert (sim["memory_bound"] <= sim["peak_memory"] * (1 + 1e-9)).all()

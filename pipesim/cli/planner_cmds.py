@@ -55,7 +55,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                    help="none, selective, full (default: all three)")
     g.add_argument("--precision", default="bf16", choices=("bf16", "fp16", "fp8", "fp32"))
     g.add_argument("--tp-across-nodes", action="store_true",
-                   help="let tp * cp leave the NVLink domain")
+                   help="let tp leave the NVLink domain")
     g.add_argument("--uneven", action="store_true",
                    help="allow layers that do not divide evenly over pp * vpp stages")
     g.add_argument("--efficiency", type=float, help="constant achieved/peak FLOP/s (default: "

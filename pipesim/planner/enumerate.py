@@ -8,7 +8,9 @@ checked with cheap arithmetic (no schedule is built here), and counts the refuse
 by reason. Rules, as Megatron-LM applies them:
 
 * tp divides the attention and key/value heads and, unless ``tp_across_nodes``, stays inside
-  one NVLink domain (``tp * cp`` too: both run collectives inside every layer);
+  one NVLink domain (its collectives sit on the critical path of every layer; cp's ring
+  attention overlaps its transfers with the attention and may cross the network, as the cost
+  model prices it);
 * layers divide evenly over ``pp * vpp`` stages (Megatron's default partition; ``uneven``
   lets the planner use pipesim's near-even split instead);
 * ``m = gbs / (mbs * dp)`` is a whole number; ep (MoE only) divides the experts and ``dp * cp``;
@@ -185,8 +187,8 @@ def _walk(space: SearchSpace, refused: Counter) -> Iterator[Plan]:
             if (n // tp) % cp:
                 refused["cp does not divide the GPU count / tp"] += 1
                 continue
-            if not space.tp_across_nodes and tp * cp > domain and n > domain:
-                refused[f"tp * cp exceeds the {domain}-GPU NVLink domain (--tp-across-nodes "
+            if not space.tp_across_nodes and tp > domain and n > domain:
+                refused[f"tp exceeds the {domain}-GPU NVLink domain (--tp-across-nodes "
                         "allows it)"] += 1
                 continue
             if cp > 1 and model.seq_length % (2 * cp):
