@@ -61,6 +61,13 @@ def test_nothing_fits_says_why_and_exits_non_zero(tmp_path, capsys):
     assert (tmp_path / "plans.csv").exists()          # what was tried is still written
 
 
+def test_no_valid_plan_lists_the_refusals(tmp_path, capsys):
+    # 12 GPUs are not a whole number of 8-GPU nodes
+    assert main([a if a != "4" else "12" for a in BASE] + ["--out", str(tmp_path / "p.csv")]) == 1
+    err = capsys.readouterr().err
+    assert "no valid plan" in err and "not a whole number of 8-GPU nodes" in err
+
+
 def test_bad_memory_limit_and_out_suffix_are_refused(tmp_path, capsys):
     assert run_plan(tmp_path, "--memory-limit", "80 parsecs") == 2
     assert "memory size '80 parsecs'" in capsys.readouterr().err

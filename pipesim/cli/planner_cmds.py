@@ -143,6 +143,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
           + ", ".join(f"{v} {k}" for k, v in counts.items() if k != "simulated")
           + f"; {time.perf_counter() - t0:.1f} s")
     ranked = result.ranked
+    if not len(result.rows):
+        print("\nno valid plan: every combination was refused", file=sys.stderr)
+        for reason, n in result.refused.most_common():
+            print(f"  {n:>6}  {reason}", file=sys.stderr)
+        return 1
     if not len(ranked):
         _write_rows(result, out)
         print("\nnothing fits: the closest plans", file=sys.stderr)
