@@ -40,16 +40,21 @@ def check_trace(trace: "pd.DataFrame") -> "pd.DataFrame":
                          f"{', '.join(TRACE_COLUMNS)}")
     if len(trace) == 0:
         raise ValueError("trace has no rows")
-    kinds = set(trace["kind"].unique())
-    bad = kinds - set(KINDS)
-    if bad:
-        raise ValueError(f"trace column 'kind' has value(s) {sorted(bad)}, expected {list(KINDS)}")
-    backwards = trace["end"] < trace["start"]
+    kind = trace["kind"]
+    # a categorical column whose categories are all known cannot hold another value
+    categories = getattr(getattr(kind, "cat", None), "categories", None) \
+        if str(kind.dtype) == "category" else None
+    if categories is None or not set(categories) <= set(KINDS):
+        bad = set(kind.unique()) - set(KINDS)
+        if bad:
+            raise ValueError(f"trace column 'kind' has value(s) {sorted(bad)}, expected "
+                             f"{list(KINDS)}")
+    backwards = trace["end"].to_numpy() < trace["start"].to_numpy()
     if backwards.any():
         row = trace[backwards].iloc[0]
         raise ValueError(f"trace row for rank {row['rank']} action {row['stage']}{row['op']}"
                          f"{row['microbatch']} ends ({row['end']}) before it starts ({row['start']})")
-    if (trace["rank"] < 0).any():
+    if (trace["rank"].to_numpy() < 0).any():
         raise ValueError("trace column 'rank' has negative values")
     return trace
 

@@ -14,7 +14,7 @@ from .help import DefaultsHelpFormatter, VersionAction, package_version
 
 # Modules that add sub-commands; each has add_commands(subparsers) and sets args.func.
 _COMMAND_MODULES = ("pipesim.cli.schedule_cmds", "pipesim.cli.simulate_cmds",
-                    "pipesim.cli.plan_cmds")
+                    "pipesim.cli.plan_cmds", "pipesim.cli.planner_cmds")
 
 
 class _Parser(argparse.ArgumentParser):

@@ -163,15 +163,17 @@ class PlanResult:
                 f"hfu={self.hfu:.3f}, fits={self.fits})")
 
 
-def simulate_plan(plan: "Plan", *, comm: str = "async", validate: bool = True) -> PlanResult:
-    """Simulate one step of ``plan``; see the module docstring."""
+def simulate_plan(plan: "Plan", *, comm: str = "async", validate: bool = True,
+                  jitter: float = 0.0, seed: int = 0) -> PlanResult:
+    """Simulate one step of ``plan``; see the module docstring. ``jitter`` and ``seed`` go to
+    :func:`pipesim.simulate` (compute times scaled by noise, for ranking-stability checks)."""
     from ..engine import simulate
 
     if validate:
         plan.validate()
     derived = plan.derive()
     schedule = plan.build_schedule()
-    sim = simulate(schedule, derived.costs, comm=comm)
+    sim = simulate(schedule, derived.costs, comm=comm, jitter=jitter, seed=seed)
     ends = sim.trace.groupby("rank", observed=True)["end"].max()
     pipeline = float(ends.max())
     rank_step = [float(ends.get(r, 0.0)) + t["dp_exposed"] + t["optimizer"]

@@ -1,0 +1,76 @@
+"""How fast is `pipesim plan`? Plans per second with 1 worker and with every core, same search.
+
+For one search (default: Llama-3 8B on 64 H100s, gbs 256, every schedule), in one run:
+
+* wall seconds and plans evaluated (enumerated) per second with ``workers=1`` (in this
+  process) and with ``workers=K`` (a process pool over every core), the scaling ratio, and a
+  check that both rank the same plans;
+* where the CPU time goes (summed over the workers): enumeration, cost derivation
+  (``plan.derive()``), the bounds (pruning) and the discrete-event simulations.
+
+``--big`` then runs the headline search, Llama-3 70B on 1024 H100s at gbs 1024 over every
+schedule, with every core, and prints how long it took and how many plans it simulated.
+
+    python benchmarks/bench_planner.py            # the 1-vs-K comparison (about a minute)
+    python benchmarks/bench_planner.py --big      # and the 1024-GPU search (a few minutes)
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+from pipesim.planner import SearchSpace, search
+from pipesim.planner.search import default_workers
+
+
+def run(space: SearchSpace, workers: int):
+    t0 = time.perf_counter()
+    result = search(space, workers=workers)
+    return time.perf_counter() - t0, result
+
+
+def shares(result) -> str:
+    t = result.timing
+    parts = {"enumerate": t["enumerate"], "derive": t["derive"], "bounds (pruning)": t["bounds"],
+             "simulate": t["simulate"]}
+    total = sum(parts.values())
+    return ", ".join(f"{k} {v / total:.0%}" for k, v in parts.items()) + f" of {total:.1f} CPU s"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="llama3-8b")
+    parser.add_argument("--gpus", type=int, default=64)
+    parser.add_argument("--gbs", type=int, default=256)
+    parser.add_argument("--workers", type=int, default=default_workers())
+    parser.add_argument("--big", action="store_true", help="also the 70B / 1024-GPU search")
+    args = parser.parse_args()
+    space = SearchSpace(args.model, gpus=args.gpus, gbs=args.gbs)
+    print(f"search: {args.model} on {args.gpus} x H100, gbs {args.gbs}, every schedule")
+    print(f"{'workers':>7} {'wall s':>8} {'plans':>6} {'simulated':>9} {'plans/s':>8} "
+          f"{'simulated/s':>11}  CPU time")
+    walls = {}
+    results = {}
+    for k in sorted({1, args.workers}):
+        wall, res = run(space, k)
+        walls[k], results[k] = wall, res
+        print(f"{k:>7} {wall:>8.2f} {len(res.rows):>6} {res.simulated:>9} "
+              f"{len(res.rows) / wall:>8.0f} {res.simulated / wall:>11.1f}  {shares(res)}")
+    if args.workers > 1:
+        a, b = results[1].ranked, results[args.workers].ranked
+        same = list(a["key"][:10]) == list(b["key"][:10])
+        print(f"scaling 1 -> {args.workers} workers: {walls[1] / walls[args.workers]:.2f}x "
+              f"(same top 10: {same})")
+    if args.big:
+        big = SearchSpace("llama3-70b", gpus=1024, gbs=1024)
+        wall, res = run(big, args.workers)
+        best = res.ranked.iloc[0]
+        print(f"\nllama3-70b on 1024 x H100, gbs 1024, every schedule, {args.workers} workers: "
+              f"{wall:.0f} s, {len(res.rows)} plans enumerated, {res.simulated} simulated, "
+              f"{res.counts()}; best {best['key']} {best['step_time']:.3f} s "
+              f"({best['tokens_per_s_per_gpu']:,.0f} tokens/s/GPU, MFU {best['mfu']:.1%})")
+        print(f"CPU time: {shares(res)}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,235 @@
+"""`pipesim plan`: search a cluster's configurations and pick the fastest plan that fits.
+
+Prints the ranked table and why the winner won, writes every evaluated plan (``--out``, CSV or
+Parquet), the best plan (``--plan-out``, the file ``pipesim simulate --plan`` reads), the
+frontier picture and the best plan's Gantt chart with memory. Exits 1 when nothing fits, after
+saying why for the closest plans.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+GiB = 2 ** 30
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
+def _words(text: str) -> tuple[str, ...]:
+    return tuple(x.strip() for x in text.split(",") if x.strip())
+
+
+def add_commands(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("plan", help="search the configurations of a cluster; write the fastest "
+                       "plan that fits", description=__doc__.splitlines()[0])
+    p.add_argument("--model", required=True, metavar="PRESET|config.json",
+                   help="model preset (`pipesim models`) or a Hugging Face config.json")
+    p.add_argument("--gpus", type=int, required=True, metavar="N", help="GPUs in the cluster")
+    p.add_argument("--hardware", default="H100", metavar="PRESET", help="`pipesim hardware`")
+    p.add_argument("--gbs", type=int, required=True, metavar="B", help="global batch (sequences)")
+    p.add_argument("--seq", type=int, metavar="S", help="sequence length (default: the model's)")
+    p.add_argument("--gpus-per-node", type=int, default=8, metavar="N")
+    p.add_argument("--memory-limit", metavar="SIZE",
+                   help="per-GPU memory limit with units, e.g. 80GiB, 75GB (default: the "
+                        "hardware's memory)")
+    p.add_argument("--schedules", type=_words, metavar="A,B,...",
+                   help="schedules to search (default: all)")
+    g = p.add_argument_group("knobs (comma-separated values; defaults in `pipesim.planner."
+                             "SearchSpace`)")
+    for knob, help_ in (("tp", "tensor parallel (default: powers of two in the NVLink domain)"),
+                        ("cp", "context parallel (default 1,2,4)"),
+                        ("pp", "pipeline parallel (default: every divisor)"),
+                        ("vpp", "chunks per rank for interleaved / looped-bfs (default 2..8)"),
+                        ("ep", "expert parallel (MoE; default: divisors of the experts)"),
+                        ("mbs", "micro-batch sizes (default 1,2,4)"),
+                        ("zero", "optimizer sharding stages (default 0,1)")):
+        g.add_argument(f"--{knob}", type=_ints, metavar="A,B", help=help_)
+    g.add_argument("--recompute", type=_words, metavar="A,B",
+                   help="none, selective, full (default: all three)")
+    g.add_argument("--precision", default="bf16", choices=("bf16", "fp16", "fp8", "fp32"))
+    g.add_argument("--tp-across-nodes", action="store_true",
+                   help="let tp leave the NVLink domain")
+    g.add_argument("--uneven", action="store_true",
+                   help="allow layers that do not divide evenly over pp * vpp stages")
+    g.add_argument("--efficiency", type=float, help="constant achieved/peak FLOP/s (default: "
+                   "the fitted curve)")
+    o = p.add_argument_group("output")
+    o.add_argument("--top", type=int, default=10, help="rows of the ranked table (default 10)")
+    o.add_argument("--out", default="plans.csv", metavar="FILE",
+                   help="every evaluated plan: .csv, or .parquet (needs pyarrow) (default "
+                        "plans.csv; with pyarrow a .parquet copy is written beside it)")
+    o.add_argument("--plan-out", default="plan.json", metavar="FILE",
+                   help="the best plan, for `pipesim simulate --plan` (default plan.json)")
+    o.add_argument("--frontier", default="frontier.png", metavar="PNG",
+                   help="peak memory vs throughput picture (default frontier.png; '' for none)")
+    o.add_argument("--gantt", default="plan_gantt.png", metavar="PNG",
+                   help="the best plan's Gantt chart with memory (default plan_gantt.png; '' "
+                        "for none)")
+    o.add_argument("--jitter", type=float, metavar="J",
+                   help="re-simulate the top plans with compute times x U[1-J, 1+J] and report "
+                        "whether the order holds")
+    o.add_argument("--jitter-seeds", type=int, default=5, metavar="K")
+    o.add_argument("--no-progress", action="store_true", help="no progress bar")
+    x = p.add_argument_group("execution")
+    x.add_argument("--workers", type=int, metavar="K",
+                   help="processes (default: every core; 1: in this process)")
+    x.add_argument("--dask", metavar="ADDRESS",
+                   help="run on a Dask cluster (scheduler address; pip install "
+                        "'dask[distributed]')")
+    x.add_argument("--no-prune", action="store_true",
+                   help="simulate every plan (brute force; for checking)")
+    p.set_defaults(func=cmd_plan)
+
+
+def space_from_args(args: argparse.Namespace):
+    from ..hardware import get_hardware
+    from ..plan.model import get_model
+    from ..planner.enumerate import ALL_SCHEDULES, SearchSpace
+
+    model = get_model(args.model)
+    return SearchSpace(
+        model, gpus=args.gpus, gbs=args.gbs, hardware=get_hardware(args.hardware),
+        gpus_per_node=args.gpus_per_node, seq_length=args.seq,
+        schedules=args.schedules or ALL_SCHEDULES, tp=args.tp, cp=args.cp, pp=args.pp,
+        vpp=args.vpp, ep=args.ep, mbs=args.mbs or (1, 2, 4),
+        recompute=args.recompute or ("none", "selective", "full"), zero=args.zero or (0, 1),
+        precision=args.precision, tp_across_nodes=args.tp_across_nodes, uneven=args.uneven,
+        efficiency=args.efficiency)
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from ..planner.explain import explain, explain_text
+    from ..planner.search import search
+    from ..planner.units import parse_bytes
+
+    space = space_from_args(args)
+    limit = parse_bytes(args.memory_limit) if args.memory_limit else None
+    if args.top < 1:
+        raise ValueError(f"--top must be >= 1, got {args.top}")
+    if args.jitter is not None and not 0 < args.jitter < 1:
+        raise ValueError(f"--jitter must be in (0, 1), got {args.jitter}")
+    out = Path(args.out)
+    if out.suffix not in (".csv", ".parquet"):
+        raise ValueError(f"--out {args.out}: name a .csv or .parquet file")
+    if out.suffix == ".parquet" and not _has_pyarrow():
+        raise ValueError(f"--out {args.out}: Parquet needs pyarrow (pip install pyarrow), or "
+                         "name a .csv file")
+    executor, client, workers = None, None, args.workers
+    if args.dask:
+        executor, client = _dask_executor(args.dask)
+        if workers is None:                   # batches sized to the cluster's threads
+            workers = max(1, sum(client.nthreads().values()))
+    t0 = time.perf_counter()
+    try:
+        result = search(space, memory_limit=limit, top=args.top, workers=workers,
+                        executor=executor, prune=not args.no_prune,
+                        progress=not args.no_progress)
+    finally:
+        if client is not None:
+            client.close()
+    sp = space
+    print(f"{sp.model.name} (seq {sp.model.seq_length}) on {sp.gpus} x {sp.hardware.name}, gbs "
+          f"{sp.gbs}, memory limit {result.memory_limit / GiB:.1f} GiB")
+    counts = result.counts()
+    print(f"{len(result.rows)} plans enumerated ({sum(result.refused.values())} combinations "
+          f"refused), {result.simulated} simulated, "
+          + ", ".join(f"{v} {k}" for k, v in counts.items() if k != "simulated")
+          + f"; {time.perf_counter() - t0:.1f} s")
+    ranked = result.ranked
+    if not len(result.rows):
+        print("\nno valid plan: every combination was refused", file=sys.stderr)
+        for reason, n in result.refused.most_common():
+            print(f"  {n:>6}  {reason}", file=sys.stderr)
+        return 1
+    if not len(ranked):
+        _write_rows(result, out)
+        print("\nnothing fits: the closest plans", file=sys.stderr)
+        for _, row in result.closest(3).iterrows():
+            reason = row["reason"] or "(not simulated)"
+            print(f"  {row['key']}: {reason}", file=sys.stderr)
+        print("try more GPUs, a smaller --mbs, --recompute full, --zero 1,2,3, or a larger "
+              "--memory-limit", file=sys.stderr)
+        return 1
+    print()
+    print(ranking_text(ranked.head(args.top)))
+    best = result.best
+    best_row = ranked.iloc[0]
+    print()
+    print(explain_text(explain(result), best_row["key"], best_row["step_time"],
+                       best_row["peak_memory"]))
+    _write_rows(result, out)      # after explain: the neighbours it simulated are in it too
+    if args.jitter:
+        from ..planner.stability import jitter_check
+
+        top = ranked.head(args.top)
+        report = jitter_check([result.plans[k] for k in top["key"]], list(top["key"]),
+                              args.jitter, args.jitter_seeds)
+        print()
+        print(report.text())
+    print()
+    best.save(args.plan_out)
+    print(f"wrote {args.plan_out}  (pipesim simulate --plan {args.plan_out})")
+    if args.frontier:
+        from ..planner.frontier import frontier_figure
+
+        frontier_figure(result).savefig(args.frontier, dpi=100)
+        print(f"wrote {args.frontier}")
+    if args.gantt:
+        from ..plan.report import simulate_plan
+
+        r = simulate_plan(best)
+        r.gantt(memory=True, labels=best.microbatches <= 32,
+                title=f"{best_row['key']}: {r.step_time:.3g} s").savefig(args.gantt, dpi=100)
+        print(f"wrote {args.gantt}")
+    return 0
+
+
+def ranking_text(ranked) -> str:
+    lines = [f"{'#':>3} {'tokens/s/GPU':>12} {'MFU':>6} {'step s':>8} {'bubble':>7} "
+             f"{'peak GiB':>8} {'headroom':>8}  config"]
+    for i, r in ranked.iterrows():
+        lines.append(f"{i + 1:>3} {r['tokens_per_s_per_gpu']:>12,.0f} {r['mfu']:>6.1%} "
+                     f"{r['step_time']:>8.4g} {r['bubble_fraction']:>7.3f} "
+                     f"{r['peak_memory'] / GiB:>8.1f} {r['headroom'] / GiB:>8.1f}  {r['key']}")
+    return "\n".join(lines)
+
+
+def _has_pyarrow() -> bool:
+    try:
+        import pyarrow  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _write_rows(result, out: Path) -> None:
+    rows = result.rows
+    if out.suffix == ".parquet":
+        rows.to_parquet(out, index=False)
+        print(f"wrote {out} ({len(rows)} plans)")
+        return
+    rows.to_csv(out, index=False)
+    print(f"wrote {out} ({len(rows)} plans)")
+    if _has_pyarrow():
+        rows.to_parquet(out.with_suffix(".parquet"), index=False)
+        print(f"wrote {out.with_suffix('.parquet')}")
+
+
+def _dask_executor(address: str):
+    try:
+        from distributed import Client
+    except ImportError:
+        raise ValueError("--dask needs Dask: pip install 'dask[distributed]' (or the pipesim "
+                         "extra: pip install 'pipesim[plan]')") from None
+    try:
+        client = Client(address, timeout=30)
+    except (OSError, TimeoutError) as exc:
+        raise ValueError(f"--dask {address}: cannot reach the scheduler: {exc}") from None
+    return client.get_executor(), client

@@ -1,0 +1,102 @@
+"""Sound lower bounds on a plan's peak memory and step time, without simulating it.
+
+Both are never above what :func:`pipesim.plan.report.simulate_plan` reports, so a plan whose
+memory bound exceeds the limit cannot fit, and one whose time bound exceeds a simulated plan's
+step time cannot beat it: pruning on them never drops the best plan (the property test
+compares the search with brute force).
+
+Memory, per pipeline rank: its static bytes (weights, gradients, optimizer state of its stages,
+its transient buffers) plus the activation peak of its compute order replayed with the
+simulator's memory rules (F adds the stage's activations, I frees all but W's share, W that
+share, B all). The replay needs no timing: a rank's own operations are sequential, and the one
+thing timing adds, receive buffers, only adds. (``exact_order=False``: one microbatch of the
+rank's largest stage, without building the schedule.)
+
+Step time, per rank ``r``: it cannot start before microbatch 0's forward has crossed every
+stage before its first one (their F times and the point-to-point transfers between ranks), it
+then computes ``m * (F + I + W)`` of each of its stages one after another, and after its last
+action comes its step tail (exposed data-parallel communication, optimizer step). The step is
+the latest rank: ``max_r head_r + busy_r + tail_r`` (the closed-form bubble ``(p - 1) F`` of
+1F1B on the last rank is this head).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..plan.derive import PlanCosts, _rank_stages
+from ..plan.plan import Plan
+
+
+@dataclass(frozen=True)
+class Bounds:
+    step_time: float            # seconds, <= the simulated step time
+    memory: float               # bytes, <= the simulated peak of the worst rank
+    memory_rank: int            # the rank the memory bound comes from
+    memory_parts: dict          # that rank: weights, gradients, optimizer, buffers, activations
+    compute_time: float         # the busiest rank's compute, seconds (no bubble, no tail)
+
+
+def plan_bounds(plan: Plan, derived: PlanCosts | None = None, *, exact_order: bool = True
+                ) -> Bounds:
+    derived = plan.derive() if derived is None else derived
+    costs = derived.costs
+    par = plan.parallelism
+    n, m, pp = par.num_stages, par.microbatches, par.pp
+    times = costs.compute_times(n)
+    f, i, w = times["F"], times["I"], times["W"]
+    stages = _rank_stages(plan, n)
+    owner = [0] * n
+    for r, sts in enumerate(stages):
+        for st in sts:
+            owner[st] = r
+    nbytes = costs.stage_values("p2p_bytes", n)
+    # prefix[st]: the earliest time stage st can start microbatch 0's forward
+    prefix = [0.0] * n
+    for st in range(1, n):
+        hop = costs.transfer_time(nbytes[st - 1]) if owner[st] != owner[st - 1] else 0.0
+        prefix[st] = prefix[st - 1] + f[st - 1] + hop
+    step = compute = 0.0
+    for r, sts in enumerate(stages):
+        busy = m * sum(f[st] + i[st] + w[st] for st in sts)
+        tail = derived.tail[r]["dp_exposed"] + derived.tail[r]["optimizer"]
+        head = min(prefix[st] for st in sts)
+        step = max(step, head + busy + tail)
+        compute = max(compute, busy)
+
+    act = costs.stage_values("activation_bytes", n)
+    share = costs.stage_values("weight_grad_fraction", n)
+    peaks = _activation_peaks(plan, act, share, stages) if exact_order else \
+        [max(act[st] for st in sts) for sts in stages]
+    best, best_rank, parts = -1.0, 0, {}
+    for r, sts in enumerate(stages):
+        row = {k: sum(derived.stage_memory[st][k] for st in sts)
+               for k in ("weights", "gradients", "optimizer")}
+        row["buffers"] = derived.rank_buffers[r]
+        row["activations"] = peaks[r]
+        total = sum(row.values())
+        if total > best:
+            best, best_rank, parts = total, r, row
+    return Bounds(step, best, best_rank, parts, compute)
+
+
+def _activation_peaks(plan: Plan, act: list[float], share: list[float],
+                      stages: list[list[int]]) -> list[float]:
+    """Per rank, the peak of activations held along its compute order (the memory model's rules,
+    receive buffers left out)."""
+    schedule = plan.build_schedule()
+    peaks = []
+    for r in range(schedule.pp):
+        held = peak = 0.0
+        for op, st, _mb in schedule.compute_order(r):
+            if op == "F":
+                held += act[st]
+                if held > peak:
+                    peak = held
+            elif op == "B":
+                held -= act[st]
+            elif op == "I":
+                held -= act[st] * (1.0 - share[st])
+            else:
+                held -= act[st] * share[st]
+        peaks.append(peak)
+    return peaks

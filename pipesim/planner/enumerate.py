@@ -1,0 +1,276 @@
+"""Every valid plan of a cluster: divisors of the world size, the model's and schedules' rules.
+
+A :class:`SearchSpace` names the model, the GPUs, the global batch and the knobs to try; each
+knob is a tuple of values (defaults below). :func:`enumerate_plans` walks the product
+``tp x cp x pp x dp x ep x vpp/schedule x mbs x recompute x zero`` with ``tp * cp * pp * dp``
+equal to the GPU count and returns the plans that :meth:`pipesim.Plan.validate` would accept,
+checked with cheap arithmetic (no schedule is built here), and counts the refused combinations
+by reason. Rules, as Megatron-LM applies them:
+
+* tp divides the attention and key/value heads and, unless ``tp_across_nodes``, stays inside
+  one NVLink domain (its collectives sit on the critical path of every layer; cp's ring
+  attention overlaps its transfers with the attention and may cross the network, as the cost
+  model prices it);
+* layers divide evenly over ``pp * vpp`` stages (Megatron's default partition; ``uneven``
+  lets the planner use pipesim's near-even split instead);
+* ``m = gbs / (mbs * dp)`` is a whole number; ep (MoE only) divides the experts and ``dp * cp``;
+* cp splits the sequence into ``2 * cp`` load-balanced chunks;
+* schedules: gpipe, 1f1b, zb-h1, zb-h2 run vpp = 1; zbv vpp = 2; interleaved and looped-bfs
+  vpp > 1 (vpp = 1 is 1f1b / gpipe), interleaved with ``m % pp == 0`` (its default
+  microbatch group of pp); with pp = 1 there is no pipeline, and the first vpp = 1 schedule
+  asked for stands for all of them;
+* sequence parallelism is on whenever tp > 1 (it only saves memory and sends less);
+* selective recomputation is searched only without ``none``: with flash attention (the plans'
+  default) it recomputes nothing and keeps what ``none`` keeps, the same plan twice.
+"""
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Iterator
+
+from ..hardware import Hardware, get_hardware
+from ..plan.cluster import Cluster
+from ..plan.model import ModelSpec, get_model
+from ..plan.parallelism import Parallelism
+from ..plan.plan import Plan
+
+ALL_SCHEDULES = ("gpipe", "1f1b", "interleaved", "looped-bfs", "zb-h1", "zb-h2", "zbv")
+_VPP_ONE = ("gpipe", "1f1b", "zb-h1", "zb-h2")
+_VPP_MANY = ("interleaved", "looped-bfs")
+_VPP_TWO = ("zbv",)
+
+
+def _powers_of_two(limit: int) -> tuple[int, ...]:
+    out, x = [], 1
+    while x <= limit:
+        out.append(x)
+        x *= 2
+    return tuple(out)
+
+
+@dataclass(frozen=True)
+class SearchSpace:
+    """What to search: a model on ``gpus`` GPUs at global batch ``gbs``, and the knobs' values.
+
+    ``None`` for a knob means its default: tp powers of two up to the NVLink domain; cp 1, 2, 4;
+    pp every divisor of the GPU count; vpp 2..8 for the interleaved schedules; mbs 1, 2, 4;
+    recompute none / selective / full; zero 0 and 1 (Megatron's distributed optimizer); ep
+    every divisor of the experts (MoE models).
+    """
+
+    model: ModelSpec
+    gpus: int
+    gbs: int
+    hardware: Hardware = field(default_factory=lambda: get_hardware("H100"))
+    gpus_per_node: int = 8
+    seq_length: int | None = None
+    schedules: tuple[str, ...] = ALL_SCHEDULES
+    tp: tuple[int, ...] | None = None
+    cp: tuple[int, ...] | None = None
+    pp: tuple[int, ...] | None = None
+    vpp: tuple[int, ...] | None = None
+    ep: tuple[int, ...] | None = None
+    mbs: tuple[int, ...] = (1, 2, 4)
+    recompute: tuple[str, ...] = ("none", "selective", "full")
+    zero: tuple[int, ...] = (0, 1)
+    precision: str = "bf16"
+    tp_across_nodes: bool = False
+    uneven: bool = False
+    efficiency: float | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.model, str):
+            object.__setattr__(self, "model", get_model(self.model))
+        if isinstance(self.hardware, str):
+            object.__setattr__(self, "hardware", get_hardware(self.hardware))
+        if self.seq_length is not None and self.seq_length != self.model.seq_length:
+            object.__setattr__(self, "model", self.model.with_(seq_length=self.seq_length))
+        for name in ("gpus", "gbs", "gpus_per_node"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"search space: {name} must be a positive integer, got {v!r}")
+        from ..schedule.registry import schedule_names
+
+        known = schedule_names()
+        for s in self.schedules:
+            if s not in known:
+                raise ValueError(f"search space: unknown schedule {s!r}; known: {', '.join(known)}")
+        if not self.schedules:
+            raise ValueError("search space: no schedule to search")
+        for name in ("tp", "cp", "pp", "vpp", "ep", "mbs", "zero"):
+            values = getattr(self, name)
+            if values is not None:
+                values = tuple(sorted(set(values)))
+                object.__setattr__(self, name, values)
+                if not values or any(isinstance(v, bool) or not isinstance(v, int) or v < (0 if name == "zero" else 1)
+                                     for v in values):
+                    raise ValueError(f"search space: {name} values must be positive integers, "
+                                     f"got {values!r}")
+        bad = [r for r in self.recompute if r not in ("none", "selective", "full")]
+        if bad or not self.recompute:
+            raise ValueError(f"search space: recompute values must be none, selective or full, "
+                             f"got {self.recompute!r}")
+        if any(z not in (0, 1, 2, 3) for z in self.zero):
+            raise ValueError(f"search space: zero values must be 0..3, got {self.zero!r}")
+
+    @property
+    def cluster(self) -> Cluster:
+        return Cluster(self.hardware, gpus_per_node=self.gpus_per_node)
+
+    def values(self, knob: str) -> tuple:
+        """The values tried for ``knob`` (defaults filled in)."""
+        given = getattr(self, knob)
+        if given is not None:
+            return given
+        domain = self.cluster.domain
+        if knob == "tp":
+            return _powers_of_two(self.gpus if self.tp_across_nodes else min(domain, self.gpus))
+        if knob == "cp":
+            return (1, 2, 4)
+        if knob == "pp":
+            return tuple(d for d in range(1, self.gpus + 1) if self.gpus % d == 0)
+        if knob == "vpp":
+            return tuple(range(2, 9))
+        if knob == "ep":
+            e = self.model.experts
+            return tuple(d for d in range(1, e + 1) if e % d == 0) if e else (1,)
+        raise KeyError(knob)
+
+
+@dataclass(frozen=True)
+class Enumeration:
+    """The valid plans (in a deterministic order) and the refused combinations by reason."""
+
+    plans: list[Plan]
+    refused: Counter
+
+    def __len__(self) -> int:
+        return len(self.plans)
+
+    def refused_text(self) -> str:
+        return "\n".join(f"{n:>8}  {reason}" for reason, n in self.refused.most_common())
+
+
+def plan_key(plan: Plan) -> str:
+    """A short unique name of a searched plan (its knobs), used to order ties and to look up."""
+    p = plan.parallelism
+    return (f"{plan.schedule_name} tp{p.tp} cp{p.cp} pp{p.pp} vpp{p.vpp} dp{p.dp} ep{p.ep} "
+            f"mbs{p.micro_batch_size} {p.recompute} z{p.zero}")
+
+
+def enumerate_plans(space: SearchSpace) -> Enumeration:
+    refused: Counter = Counter()
+    plans = list(_walk(space, refused))
+    return Enumeration(plans, refused)
+
+
+def _walk(space: SearchSpace, refused: Counter) -> Iterator[Plan]:
+    model, n, gbs = space.model, space.gpus, space.gbs
+    domain = space.cluster.domain
+    gpn = space.gpus_per_node
+    if n > gpn and n % gpn:
+        refused[f"{n} GPUs are not a whole number of {gpn}-GPU nodes"] += 1
+        return
+    cluster = space.cluster
+    schedules = list(space.schedules)
+    first_flat = next((s for s in schedules if s in _VPP_ONE), None)
+    for tp in space.values("tp"):
+        if n % tp:
+            refused["tp does not divide the GPU count"] += 1
+            continue
+        if model.heads % tp or model.num_kv_heads % tp:
+            refused[f"tp does not divide the attention heads ({model.heads}) and key/value heads "
+                    f"({model.num_kv_heads})"] += 1
+            continue
+        for cp in space.values("cp"):
+            if (n // tp) % cp:
+                refused["cp does not divide the GPU count / tp"] += 1
+                continue
+            if not space.tp_across_nodes and tp > domain and n > domain:
+                refused[f"tp exceeds the {domain}-GPU NVLink domain (--tp-across-nodes "
+                        "allows it)"] += 1
+                continue
+            if cp > 1 and model.seq_length % (2 * cp):
+                refused[f"sequence length {model.seq_length} not divisible by 2 * cp"] += 1
+                continue
+            for pp in space.values("pp"):
+                if (n // (tp * cp)) % pp:
+                    refused["pp does not divide the GPU count / (tp * cp)"] += 1
+                    continue
+                dp = n // (tp * cp * pp)
+                if pp > model.layers:
+                    refused["pp exceeds the layers"] += 1
+                    continue
+                yield from _per_layout(space, cluster, tp, cp, pp, dp, gbs, schedules,
+                                       first_flat, refused)
+
+
+def _per_layout(space: SearchSpace, cluster: Cluster, tp: int, cp: int, pp: int, dp: int,
+                gbs: int, schedules: list[str], first_flat: str | None,
+                refused: Counter) -> Iterator[Plan]:
+    model = space.model
+    eps = space.values("ep") if model.is_moe else (1,)
+    for ep in eps:
+        if model.is_moe and (model.experts % ep or (dp * cp) % ep):
+            refused["ep does not divide the experts and dp * cp"] += 1
+            continue
+        for mbs in space.values("mbs"):
+            if gbs % (mbs * dp):
+                refused["gbs not divisible by mbs * dp"] += 1
+                continue
+            m = gbs // (mbs * dp)
+            for schedule, vpp in _schedule_vpps(space, schedules, pp, refused):
+                if pp == 1 and schedule != first_flat:
+                    refused[f"pp = 1 has no pipeline: {first_flat} stands for every vpp = 1 "
+                            "schedule"] += 1
+                    continue
+                stages = pp * vpp
+                if stages > model.layers:
+                    refused["pp * vpp exceeds the layers"] += 1
+                    continue
+                if not space.uneven and model.layers % stages:
+                    refused["layers not divisible by pp * vpp (Megatron's even split; "
+                            "--uneven allows a near-even one)"] += 1
+                    continue
+                if schedule == "interleaved" and (pp < 2 or m < pp or m % pp):
+                    refused["interleaved needs pp >= 2 and microbatches a multiple of pp"] += 1
+                    continue
+                if schedule == "zbv" and pp < 2:
+                    refused["zbv needs pp >= 2"] += 1
+                    continue
+                for recompute in space.recompute:
+                    if recompute == "selective" and "none" in space.recompute:
+                        # flash attention keeps no s x s scores: nothing left to recompute
+                        refused["selective recomputation with flash attention is the same plan "
+                                "as none"] += 1
+                        continue
+                    for zero in space.zero:
+                        if zero and dp * cp == 1:
+                            refused["optimizer sharding needs dp * cp > 1"] += 1
+                            continue
+                        par = Parallelism(tp=tp, pp=pp, dp=dp, vpp=vpp, cp=cp, ep=ep,
+                                          sequence_parallel=tp > 1, zero=zero,
+                                          recompute=recompute, micro_batch_size=mbs,
+                                          global_batch_size=gbs, precision=space.precision)
+                        yield Plan(model, par, cluster, schedule, efficiency=space.efficiency)
+
+
+def _schedule_vpps(space: SearchSpace, schedules: list[str], pp: int,
+                   refused: Counter) -> Iterator[tuple[str, int]]:
+    for schedule in schedules:
+        if schedule in _VPP_ONE:
+            yield schedule, 1
+        elif schedule in _VPP_TWO:
+            yield schedule, 2
+        elif schedule in _VPP_MANY:
+            for vpp in space.values("vpp"):
+                if vpp < 2:
+                    refused[f"{schedule} with vpp = 1 is 1f1b / gpipe"] += 1
+                    continue
+                if pp < 2:
+                    refused[f"{schedule} needs pp >= 2 for vpp > 1"] += 1
+                    continue
+                yield schedule, vpp
+        else:
+            yield schedule, 1

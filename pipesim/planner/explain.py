@@ -1,0 +1,103 @@
+"""Why the winner: the best plan of each other schedule, and each neighbour one knob away.
+
+A neighbour changes one knob of the winner to the next value searched, below or above (tp, cp,
+pp, vpp, mbs, recompute, zero, ep; dp absorbs the GPU count, so tp 8 -> 4 with pp fixed doubles
+dp), the schedule staying the same. A neighbour the search pruned is simulated here, so every
+row has its step time and peak memory. Differences are the other plan minus the winner.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from .search import SIMULATED, evaluate_plan
+
+if TYPE_CHECKING:
+    import pandas as pd
+
+    from .search import SearchResult
+
+GiB = 2 ** 30
+KNOBS = ("tp", "cp", "pp", "vpp", "mbs", "recompute", "zero", "ep")
+_RECOMPUTE = ("none", "selective", "full")
+
+
+def explain(result: "SearchResult") -> "pd.DataFrame":
+    """Rows: kind (``schedule`` or ``neighbour``), change, key, step_time, d_step (fraction of
+    the winner's), peak_memory, d_memory (bytes), fits, reason. Empty when nothing fits."""
+    import pandas as pd
+
+    ranked = result.ranked
+    cols = ["kind", "change", "key", "step_time", "d_step", "peak_memory", "d_memory", "fits",
+            "reason"]
+    if not len(ranked):
+        return pd.DataFrame(columns=cols)
+    win = ranked.iloc[0]
+    rows = result.rows
+    out: list[dict[str, Any]] = []
+
+    def add(kind: str, change: str, row) -> None:
+        row = _simulated(result, row)
+        out.append({"kind": kind, "change": change, "key": row["key"],
+                    "step_time": row["step_time"],
+                    "d_step": row["step_time"] / win["step_time"] - 1.0,
+                    "peak_memory": row["peak_memory"],
+                    "d_memory": row["peak_memory"] - win["peak_memory"],
+                    "fits": bool(row["fits"]), "reason": row["reason"] or ""})
+
+    for schedule in result.space.schedules:
+        if schedule == win["schedule"]:
+            continue
+        mine = ranked[ranked["schedule"] == schedule]
+        if len(mine):
+            add("schedule", f"{win['schedule']} -> {schedule}", mine.iloc[0])
+    same = rows[(rows["schedule"] == win["schedule"]) & (rows["status"] != "invalid")]
+    for knob in KNOBS:
+        values = sorted(set(same[knob]), key=_order(knob))
+        if len(values) < 2:
+            continue
+        at = values.index(win[knob])
+        for step in (-1, 1):
+            j = at + step
+            if not 0 <= j < len(values):
+                continue
+            mask = same[knob] == values[j]
+            for other in KNOBS:
+                if other != knob:
+                    mask &= same[other] == win[other]
+            hit = same[mask]
+            if len(hit):
+                add("neighbour", f"{knob} {win[knob]} -> {values[j]}", hit.iloc[0])
+    return pd.DataFrame(out, columns=cols)
+
+
+def _order(knob: str):
+    return _RECOMPUTE.index if knob == "recompute" else (lambda v: v)
+
+
+def _simulated(result: "SearchResult", row):
+    """The row with its simulation (run here if the search pruned it)."""
+    if row["status"] == SIMULATED:
+        return row
+    res = evaluate_plan(result.plans[row["key"]], result.memory_limit)
+    res.pop("_sim_s", None)
+    row = row.copy()
+    for k, v in res.items():
+        row[k] = v
+    idx = result.rows.index[result.rows["key"] == row["key"]]
+    for k, v in res.items():
+        if k in result.rows.columns:
+            result.rows.loc[idx, k] = v
+    result.rows.loc[idx, "reason"] = (row["reason"] or "") + " (simulated to explain)"
+    return row
+
+
+def explain_text(table: "pd.DataFrame", winner_key: str, winner_step: float,
+                 winner_peak: float) -> str:
+    lines = [f"why {winner_key} ({winner_step:.4g} s, peak {winner_peak / GiB:.1f} GiB):",
+             f"  {'vs':<10} {'change':<28} {'step s':>9} {'d step':>8} {'peak GiB':>9} "
+             f"{'d GiB':>7}  fits"]
+    for _, r in table.iterrows():
+        lines.append(f"  {r['kind']:<10} {r['change']:<28} {r['step_time']:>9.4g} "
+                     f"{r['d_step']:>+8.1%} {r['peak_memory'] / GiB:>9.1f} "
+                     f"{r['d_memory'] / GiB:>+7.1f}  {'yes' if r['fits'] else 'no'}")
+    return "\n".join(lines)

@@ -1,0 +1,294 @@
+"""The search: bound every plan, simulate the ones that can still fit and win, rank them.
+
+1. :func:`pipesim.planner.enumerate_plans` lists the valid plans of the space;
+2. each plan's costs are derived and bounded (:mod:`pipesim.planner.bounds`); a plan whose
+   memory bound exceeds the limit cannot fit and is pruned (first the cheap bound, here; the
+   exact-order one, which builds the schedule, only for a plan about to be simulated);
+3. the rest, in order of their step-time bound, are simulated with the full discrete-event
+   model (:func:`pipesim.plan.report.simulate_plan`) in batches; a plan is pruned when its bound
+   exceeds both the ``top``-th best step time found so far and the best of its own schedule
+   (so that the top plans and every schedule's best, which :func:`explain` compares, are exact).
+   Ties are broken by the plan's key, so the ranking is deterministic.
+
+Work runs on an executor: none (in this process), a process pool over ``workers`` processes
+(the default: every core), or any ``concurrent.futures.Executor``-like object with ``map``
+(``distributed.Client(address).get_executor()`` for a Dask cluster). Each batch waits at most
+``timeout`` seconds.
+"""
+from __future__ import annotations
+
+import math
+import os
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from ..errors import PlanError, ScheduleError
+from ..plan.plan import Plan
+from .enumerate import Enumeration, SearchSpace, enumerate_plans, plan_key
+
+if TYPE_CHECKING:
+    import pandas as pd
+
+GiB = 2 ** 30
+CONFIG_COLUMNS = ("schedule", "tp", "cp", "pp", "vpp", "dp", "ep", "mbs", "microbatches",
+                  "recompute", "zero")
+COLUMNS = ("key",) + CONFIG_COLUMNS + (
+    "status", "reason", "step_time_bound", "memory_bound", "step_time", "tokens_per_s_per_gpu",
+    "mfu", "hfu", "bubble_fraction", "bubble_rate", "peak_memory", "peak_rank", "headroom",
+    "fits", "weights", "gradients", "optimizer", "activations", "buffers")
+# status values
+SIMULATED, PRUNED_MEMORY, PRUNED_TIME, INVALID = ("simulated", "pruned: memory bound",
+                                                  "pruned: step-time bound", "invalid")
+
+
+def config_of(plan: Plan) -> dict[str, Any]:
+    p = plan.parallelism
+    return {"key": plan_key(plan), "schedule": plan.schedule_name, "tp": p.tp, "cp": p.cp,
+            "pp": p.pp, "vpp": p.vpp, "dp": p.dp, "ep": p.ep, "mbs": p.micro_batch_size,
+            "microbatches": p.microbatches, "recompute": p.recompute, "zero": p.zero}
+
+
+# -- worker tasks (module level: a process pool or a Dask worker imports them) -----------------
+def bound_plans(plans: list[Plan], memory_limit: float, prune: bool = True
+                ) -> list[dict[str, Any]]:
+    """Bounds of each plan: status pruned-memory (when ``prune``) / candidate ("") / invalid,
+    and the CPU seconds spent."""
+    from .bounds import plan_bounds
+
+    out = []
+    for plan in plans:
+        t0 = time.process_time()
+        row: dict[str, Any] = {}
+        try:
+            derived = plan.derive()
+            t1 = time.process_time()
+            b = plan_bounds(plan, derived, exact_order=False)
+            over = prune and b.memory > memory_limit
+            row.update(step_time_bound=b.step_time, memory_bound=b.memory,
+                       status=PRUNED_MEMORY if over else "",
+                       reason=_overflow_text(b.memory_parts, b.memory_rank, memory_limit,
+                                             "at least") if over else "")
+            row["memory_parts"] = b.memory_parts
+        except (PlanError, ScheduleError, ValueError) as exc:
+            t1 = time.process_time()
+            row.update(status=INVALID, reason=str(exc))
+        t2 = time.process_time()
+        row["_derive_s"], row["_bound_s"] = t1 - t0, t2 - t1
+        out.append(row)
+    return out
+
+
+def simulate_plans(plans: list[Plan], memory_limit: float, prune: bool = True
+                   ) -> list[dict[str, Any]]:
+    """Each plan: pruned by its exact-order memory bound (when ``prune``), else simulated
+    (validated); its figures as a row, and the CPU seconds spent."""
+    from .bounds import plan_bounds
+
+    out = []
+    for plan in plans:
+        if prune:
+            t0 = time.process_time()
+            try:
+                b = plan_bounds(plan, exact_order=True)
+            except (PlanError, ScheduleError, ValueError) as exc:
+                out.append({"status": INVALID, "reason": str(exc),
+                            "_bound_s": time.process_time() - t0, "_sim_s": 0.0})
+                continue
+            if b.memory > memory_limit:
+                out.append({"status": PRUNED_MEMORY, "memory_bound": b.memory,
+                            "reason": _overflow_text(b.memory_parts, b.memory_rank,
+                                                     memory_limit, "at least"),
+                            "_bound_s": time.process_time() - t0, "_sim_s": 0.0})
+                continue
+            bound_s = time.process_time() - t0
+        else:
+            bound_s = 0.0
+        out.append({**evaluate_plan(plan, memory_limit), "_bound_s": bound_s})
+    return out
+
+
+def evaluate_plan(plan: Plan, memory_limit: float) -> dict[str, Any]:
+    from ..plan.report import simulate_plan
+
+    t0 = time.process_time()
+    try:
+        r = simulate_plan(plan)
+    except (PlanError, ScheduleError, ValueError) as exc:
+        return {"status": INVALID, "reason": str(exc), "_sim_s": time.process_time() - t0}
+    return {**result_row(r, memory_limit), "_sim_s": time.process_time() - t0}
+
+
+def result_row(r, memory_limit: float) -> dict[str, Any]:
+    peaks = r.peak_memory
+    worst = max(range(len(peaks)), key=peaks.__getitem__)
+    parts = r.memory_breakdown[worst]
+    fits = peaks[worst] <= memory_limit
+    return {"status": SIMULATED,
+            "reason": "" if fits else _overflow_text(parts, worst, memory_limit, ""),
+            "step_time": r.step_time, "tokens_per_s_per_gpu": r.tokens_per_s_per_gpu,
+            "mfu": r.mfu, "hfu": r.hfu, "bubble_fraction": r.sim.bubble_fraction,
+            "bubble_rate": r.sim.bubble_rate, "peak_memory": peaks[worst], "peak_rank": worst,
+            "headroom": memory_limit - peaks[worst], "fits": fits,
+            **{k: parts[k] for k in ("weights", "gradients", "optimizer", "activations", "buffers")}}
+
+
+def _overflow_text(parts: dict, rank: int, limit: float, qualifier: str) -> str:
+    total = sum(v for k, v in parts.items() if k != "total")
+    comps = sorted(((v, k) for k, v in parts.items() if k != "total"), reverse=True)
+    shown = " + ".join(f"{k} {v / GiB:.1f}" for v, k in comps if v > 0)
+    q = f"{qualifier} " if qualifier else ""
+    return (f"rank {rank} needs {q}{total / GiB:.1f} GiB ({shown}), {(total - limit) / GiB:.1f} "
+            f"GiB over the {limit / GiB:.1f} GiB limit; largest: {comps[0][1]}")
+
+
+# -- the search --------------------------------------------------------------------------------
+@dataclass
+class SearchResult:
+    space: SearchSpace
+    memory_limit: float
+    rows: "pd.DataFrame"                    # every enumerated plan, COLUMNS
+    plans: dict[str, Plan]                  # key -> plan
+    refused: Counter
+    timing: dict[str, float]                # CPU seconds by phase, and wall seconds
+    top: int = 10
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def ranked(self) -> "pd.DataFrame":
+        """The simulated plans that fit, fastest first (ties: by key)."""
+        ok = self.rows[(self.rows["status"] == SIMULATED) & (self.rows["fits"] == True)]  # noqa: E712
+        return ok.sort_values(["step_time", "key"], kind="mergesort").reset_index(drop=True)
+
+    @property
+    def best(self) -> Plan | None:
+        ranked = self.ranked
+        return self.plans[ranked["key"].iloc[0]] if len(ranked) else None
+
+    @property
+    def simulated(self) -> int:
+        return int((self.rows["status"] == SIMULATED).sum())
+
+    def counts(self) -> dict[str, int]:
+        return {str(k): int(v) for k, v in self.rows["status"].value_counts().items()}
+
+    def closest(self, k: int = 3) -> "pd.DataFrame":
+        """When nothing fits: the plans nearest the limit (simulated peak, else memory bound)."""
+        rows = self.rows[self.rows["status"] != INVALID].copy()
+        rows["_need"] = rows["peak_memory"].fillna(rows["memory_bound"])
+        return rows.sort_values(["_need", "key"]).head(k).drop(columns="_need")
+
+
+def default_workers() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:                   # not on Linux
+        return os.cpu_count() or 1
+
+
+def search(space: SearchSpace, *, memory_limit: float | None = None, top: int = 10,
+           workers: int | None = None, executor: Any = None, prune: bool = True,
+           progress: bool = False, timeout: float = 3600.0,
+           enumeration: Enumeration | None = None) -> SearchResult:
+    """Search ``space``; see the module docstring. ``memory_limit`` in bytes (default: the
+    hardware's memory); ``prune=False`` simulates every plan (the brute force the tests compare
+    with). ``workers`` 1 runs in this process; an ``executor`` given is used as it is."""
+    import pandas as pd
+
+    from ..progress import progress_bar
+
+    wall0 = time.perf_counter()
+    limit = float(space.hardware.memory_bytes if memory_limit is None else memory_limit)
+    if top < 1:
+        raise ValueError(f"top must be >= 1, got {top}")
+    t0 = time.process_time()
+    enum = enumerate_plans(space) if enumeration is None else enumeration
+    timing = {"enumerate": time.process_time() - t0, "derive": 0.0, "bounds": 0.0,
+              "simulate": 0.0}
+    plans = enum.plans
+    keys = [plan_key(p) for p in plans]
+    rows = [dict(config_of(p)) for p in plans]
+    own_pool = None
+    workers = default_workers() if workers is None else workers
+    if executor is None and workers > 1 and len(plans) > 1:
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor
+
+        own_pool = executor = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context())
+    try:
+        def stream(fn, chunks: list[list[Plan]], *more):
+            if executor is None:
+                return (fn(c, limit, *more) for c in chunks)
+            extra = [[x] * len(chunks) for x in more]
+            return executor.map(fn, chunks, [limit] * len(chunks), *extra, timeout=timeout)
+
+        def run(fn, chunks: list[list[Plan]], *more) -> list[list[dict]]:
+            return list(stream(fn, chunks, *more))
+
+        # bounds, in chunks spread over the workers
+        size = max(1, min(64, math.ceil(len(plans) / (4 * max(1, workers)))))
+        chunks = [plans[i:i + size] for i in range(0, len(plans), size)]
+        bar = progress_bar(total=len(plans), desc="pipesim plan: bounds", unit="plan",
+                           disable=not progress)
+        for start, out in zip(range(0, len(plans), size), stream(bound_plans, chunks, prune)):
+            bar.update(len(out))
+            for j, b in enumerate(out):
+                timing["derive"] += b.pop("_derive_s")
+                timing["bounds"] += b.pop("_bound_s")
+                b.pop("memory_parts", None)
+                rows[start + j].update(b)
+        candidates = sorted((i for i, r in enumerate(rows) if r.get("status") == ""),
+                            key=lambda i: (rows[i]["step_time_bound"], keys[i]))
+        batch = 1 if executor is None else 2 * max(1, workers)
+        found: list[tuple[float, str]] = []           # fitting plans' (step, key), sorted
+        best_of: dict[str, tuple[float, str]] = {}    # schedule -> best fitting (step, key)
+        bar.close()
+        bar = progress_bar(total=len(candidates), desc="pipesim plan: simulate", unit="plan",
+                           disable=not progress)
+        pos = 0
+        while pos < len(candidates):
+            take = []
+            while pos < len(candidates) and len(take) < batch:
+                i = candidates[pos]
+                pos += 1
+                if prune and _cannot_win(rows[i], found, best_of, top):
+                    rows[i].update(status=PRUNED_TIME, reason="step-time bound "
+                                   f"{rows[i]['step_time_bound']:.4g} s exceeds the plans found")
+                    bar.update(1)
+                    continue
+                take.append(i)
+            if not take:
+                continue
+            per = max(1, math.ceil(len(take) / max(1, workers))) if executor is not None else 1
+            groups = [take[k:k + per] for k in range(0, len(take), per)]
+            outs = run(simulate_plans, [[plans[i] for i in g] for g in groups], prune)
+            for g, out in zip(groups, outs):
+                for i, res in zip(g, out):
+                    timing["simulate"] += res.pop("_sim_s")
+                    timing["bounds"] += res.pop("_bound_s")
+                    rows[i].update(res)
+                    if res.get("status") == SIMULATED and res["fits"]:
+                        item = (res["step_time"], keys[i])
+                        found.append(item)
+                        s = rows[i]["schedule"]
+                        if s not in best_of or item < best_of[s]:
+                            best_of[s] = item
+            found.sort()
+            del found[top:]
+            bar.update(len(take))
+        bar.close()
+    finally:
+        if own_pool is not None:
+            own_pool.shutdown()
+    frame = pd.DataFrame(rows, columns=list(COLUMNS))
+    frame["fits"] = frame["fits"].astype("boolean")
+    timing["wall"] = time.perf_counter() - wall0
+    return SearchResult(space, limit, frame, dict(zip(keys, plans)), enum.refused, timing, top)
+
+
+def _cannot_win(row: dict, found: list, best_of: dict, top: int) -> bool:
+    bound = (row["step_time_bound"], row["key"])
+    kth = found[top - 1] if len(found) >= top else None
+    own = best_of.get(row["schedule"])
+    return kth is not None and bound > kth and own is not None and bound > own

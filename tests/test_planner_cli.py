@@ -1,0 +1,136 @@
+"""`pipesim plan`: the ranked table, the files it writes, and its failure cases."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pandas as pd
+import pytest
+
+from pipesim.cli import main
+from pipesim.plan.plan import Plan
+from pipesim.plan.report import simulate_plan
+
+BASE = ["plan", "--model", "tiny", "--gpus", "4", "--gbs", "16", "--hardware", "A100",
+        "--mbs", "1,2", "--recompute", "none,full", "--cp", "1", "--no-progress", "--workers", "1"]
+
+
+def run_plan(tmp_path, *extra: str) -> int:
+    return main(BASE + ["--out", str(tmp_path / "plans.csv"), "--plan-out",
+                        str(tmp_path / "plan.json"), "--frontier", str(tmp_path / "frontier.png"),
+                        "--gantt", str(tmp_path / "gantt.png"), *extra])
+
+
+def test_plan_writes_table_files_and_a_plan_that_resimulates_identically(tmp_path, capsys):
+    assert run_plan(tmp_path, "--top", "5", "--memory-limit", "0.5GiB") == 0
+    out = capsys.readouterr().out
+    assert "tokens/s/GPU" in out and "why " in out and "memory limit 0.5 GiB" in out
+    table = [line for line in out.splitlines() if line[:3].strip().isdigit() and "  " in line[:4]]
+    assert len(table) == 5
+    rows = pd.read_csv(tmp_path / "plans.csv")
+    assert {"key", "status", "step_time", "peak_memory", "memory_bound", "step_time_bound",
+            "tokens_per_s_per_gpu", "mfu"} <= set(rows.columns)
+    ok = rows[(rows["status"] == "simulated") & (rows["fits"] == True)]  # noqa: E712
+    best = ok.sort_values(["step_time", "key"]).iloc[0]
+    assert best["key"] in table[0]
+    for png in ("frontier.png", "gantt.png"):
+        assert (tmp_path / png).read_bytes()[:4] == b"\x89PNG"
+    # the plan file: `pipesim simulate --plan` reads it and finds the same step
+    plan = Plan.load(tmp_path / "plan.json")
+    assert simulate_plan(plan).step_time == pytest.approx(best["step_time"], rel=1e-12)
+    report = tmp_path / "report.json"
+    assert main(["simulate", "--plan", str(tmp_path / "plan.json"), "--report-out",
+                 str(report)]) == 0
+    assert json.loads(report.read_text())["step_time"] == pytest.approx(best["step_time"],
+                                                                       rel=1e-12)
+    assert max(json.loads(report.read_text())["peak_memory"]) <= 0.5 * 2 ** 30
+
+
+def test_plan_jitter_reports_whether_the_order_holds(tmp_path, capsys):
+    assert run_plan(tmp_path, "--top", "3", "--jitter", "0.02", "--jitter-seeds", "2") == 0
+    assert "jitter +-2% on the top 3 plans, 2 seeds: order" in capsys.readouterr().out
+
+
+def test_nothing_fits_says_why_and_exits_non_zero(tmp_path, capsys):
+    assert run_plan(tmp_path, "--memory-limit", "100MiB") == 1
+    err = capsys.readouterr().err
+    assert "nothing fits" in err
+    assert "over the 0.1 GiB limit; largest:" in err
+    assert not (tmp_path / "plan.json").exists()
+    assert (tmp_path / "plans.csv").exists()          # what was tried is still written
+
+
+def test_no_valid_plan_lists_the_refusals(tmp_path, capsys):
+    # 12 GPUs are not a whole number of 8-GPU nodes
+    assert main([a if a != "4" else "12" for a in BASE] + ["--out", str(tmp_path / "p.csv")]) == 1
+    err = capsys.readouterr().err
+    assert "no valid plan" in err and "not a whole number of 8-GPU nodes" in err
+
+
+def test_bad_memory_limit_and_out_suffix_are_refused(tmp_path, capsys):
+    assert run_plan(tmp_path, "--memory-limit", "80 parsecs") == 2
+    assert "memory size '80 parsecs'" in capsys.readouterr().err
+    assert main(BASE + ["--out", str(tmp_path / "plans.txt")]) == 2
+    assert ".csv or .parquet" in capsys.readouterr().err
+
+
+def test_parquet_out(tmp_path):
+    pytest.importorskip("pyarrow")
+    assert main(BASE + ["--out", str(tmp_path / "plans.parquet"), "--plan-out",
+                        str(tmp_path / "plan.json"), "--frontier", "", "--gantt", ""]) == 0
+    rows = pd.read_parquet(tmp_path / "plans.parquet")
+    assert len(rows) > 10 and "step_time" in rows.columns
+
+
+_DASK_RUN = """
+import json, sys
+import distributed
+from pipesim.cli import main
+from pipesim.planner import SearchSpace, search
+
+space = SearchSpace("tiny", gpus=4, gbs=16, hardware="A100", mbs=(1, 2),
+                    recompute=("none", "full"), cp=(1,))
+out = sys.argv[1]
+with distributed.LocalCluster(n_workers=2, threads_per_worker=1, processes=True,
+                              dashboard_address=None) as cluster:
+    with distributed.Client(cluster.scheduler_address) as client:
+        workers = len(client.scheduler_info()["workers"])
+        remote = search(space, executor=client.get_executor(), workers=2)
+    code = main(["plan", "--model", "tiny", "--gpus", "4", "--gbs", "16", "--hardware", "A100",
+                 "--mbs", "1,2", "--recompute", "none,full", "--cp", "1", "--no-progress",
+                 "--dask", cluster.scheduler_address, "--out", out + "/p.csv",
+                 "--plan-out", out + "/plan.json", "--frontier", "", "--gantt", ""])
+top = remote.ranked.head(5)
+print(json.dumps({"workers": workers, "code": code, "keys": list(top["key"]),
+                  "steps": [float(x) for x in top["step_time"]]}))
+"""
+
+
+@pytest.mark.slow
+def test_dask_local_cluster_of_two_workers_gives_the_same_plan(tmp_path):
+    """In a subprocess: Dask leaves threads behind, and pipeexec's launcher refuses to fork a
+    process that has threads."""
+    pytest.importorskip("distributed")
+    from pipesim.planner import SearchSpace, search
+
+    space = SearchSpace("tiny", gpus=4, gbs=16, hardware="A100", mbs=(1, 2),
+                        recompute=("none", "full"), cp=(1,))
+    local = search(space, workers=1)
+    done = subprocess.run([sys.executable, "-c", _DASK_RUN, str(tmp_path)], capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    assert got["workers"] == 2 and got["code"] == 0
+    assert got["keys"] == list(local.ranked["key"][:5])
+    assert got["steps"] == list(local.ranked["step_time"][:5])
+    assert Plan.load(tmp_path / "plan.json") == local.best
+
+
+def test_plan_help_lists_the_flags():
+    out = subprocess.run([sys.executable, "-m", "pipesim", "plan", "--help"], capture_output=True,
+                         text=True, check=True).stdout
+    for flag in ("--model", "--gpus", "--hardware", "--gbs", "--seq", "--memory-limit",
+                 "--schedules", "--top", "--out", "--plan-out", "--no-progress", "--workers",
+                 "--dask", "--jitter"):
+        assert flag in out
