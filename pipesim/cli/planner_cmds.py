@@ -35,7 +35,8 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--hardware", default="H100", metavar="PRESET", help="`pipesim hardware`")
     p.add_argument("--gbs", type=int, required=True, metavar="B", help="global batch (sequences)")
     p.add_argument("--seq", type=int, metavar="S", help="sequence length (default: the model's)")
-    p.add_argument("--gpus-per-node", type=int, default=8, metavar="N")
+    p.add_argument("--gpus-per-node", type=int, default=8, metavar="N",
+                   help="GPUs per node (the NVLink domain tp stays inside)")
     p.add_argument("--memory-limit", metavar="SIZE",
                    help="per-GPU memory limit with units, e.g. 80GiB, 75GB (default: the "
                         "hardware's memory)")
@@ -53,7 +54,8 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
         g.add_argument(f"--{knob}", type=_ints, metavar="A,B", help=help_)
     g.add_argument("--recompute", type=_words, metavar="A,B",
                    help="none, selective, full (default: all three)")
-    g.add_argument("--precision", default="bf16", choices=("bf16", "fp16", "fp8", "fp32"))
+    g.add_argument("--precision", default="bf16", choices=("bf16", "fp16", "fp8", "fp32"),
+                   help="GEMM precision of every plan (one value, not searched)")
     g.add_argument("--tp-across-nodes", action="store_true",
                    help="let tp leave the NVLink domain")
     g.add_argument("--uneven", action="store_true",
@@ -75,7 +77,8 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     o.add_argument("--jitter", type=float, metavar="J",
                    help="re-simulate the top plans with compute times x U[1-J, 1+J] and report "
                         "whether the order holds")
-    o.add_argument("--jitter-seeds", type=int, default=5, metavar="K")
+    o.add_argument("--jitter-seeds", type=int, default=5, metavar="K",
+                   help="with --jitter: how many seeded re-simulations of the top plans")
     o.add_argument("--no-progress", action="store_true", help="no progress bar")
     x = p.add_argument_group("execution")
     x.add_argument("--workers", type=int, metavar="K",
