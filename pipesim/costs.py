@@ -14,6 +14,8 @@ from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Union
 
+from .fields import known_fields
+
 if TYPE_CHECKING:
     import pandas as pd
 
@@ -272,14 +274,7 @@ class CostModel:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], source: str = "dict") -> "CostModel":
-        if not isinstance(data, dict):
-            raise ValueError(f"{source}: a cost model is a JSON object, got {type(data).__name__}")
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ValueError(f"{source}: unknown CostModel field(s) {', '.join(unknown)}; "
-                             f"known: {', '.join(sorted(known))}")
-        return cls(**data)
+        return cls(**known_fields(cls, data, "CostModel", source))
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")

@@ -13,6 +13,7 @@ from dataclasses import dataclass, fields, replace
 from typing import Any
 
 from ..errors import PlanError
+from ..fields import known_fields
 from ..hardware import Hardware, get_hardware
 from .parallelism import Parallelism
 
@@ -103,13 +104,7 @@ class Cluster:
 
     @classmethod
     def from_dict(cls, data: dict, source: str = "cluster") -> "Cluster":
-        if not isinstance(data, dict):
-            raise PlanError(f"{source}: cluster is a JSON object, got {type(data).__name__}")
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise PlanError(f"{source}: unknown cluster field(s) {', '.join(unknown)}; "
-                            f"known: {', '.join(sorted(known))}")
+        known_fields(cls, data, "cluster", source, PlanError)
         if "hardware" not in data:
             raise PlanError(f"{source}: cluster has no 'hardware'")
         hw = data["hardware"]

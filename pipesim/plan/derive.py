@@ -42,8 +42,13 @@ from . import collectives as coll
 from .cluster import Link
 from .efficiency import default_efficiency
 from .flops import head_flops, layer_flops
-from .footprint import (BYTES_PER_PARAM, embedding_activations, head_activations,
-                        layer_activations, param_bytes)
+from .footprint import (
+    BYTES_PER_PARAM,
+    embedding_activations,
+    head_activations,
+    layer_activations,
+    param_bytes,
+)
 
 BUCKET_PARAMS = 40e6          # Megatron DDP bucket (ddp_bucket_size default: max(40M, 1M * dp))
 OPTIMIZER_BYTES = 28          # Adam: bytes read + written per parameter updated

@@ -12,11 +12,12 @@ The first six fields keep the order of the original ``pipesim.transformer.ModelS
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from ..errors import PlanError
+from ..fields import known_fields
 
 MLP_KINDS = ("gelu", "swiglu")
 NORMS = ("layernorm", "rmsnorm")
@@ -181,13 +182,7 @@ class ModelSpec:
 
     @classmethod
     def from_dict(cls, data: dict, source: str = "model") -> "ModelSpec":
-        if not isinstance(data, dict):
-            raise PlanError(f"{source}: a model is a JSON object, got {type(data).__name__}")
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise PlanError(f"{source}: unknown model field(s) {', '.join(unknown)}; "
-                            f"known: {', '.join(sorted(known))}")
+        known_fields(cls, data, "model", source, PlanError)
         try:
             return cls(**data)
         except TypeError as exc:

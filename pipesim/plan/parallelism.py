@@ -9,10 +9,11 @@ switches. A frozen value; :meth:`pipesim.Plan.validate` checks it against the mo
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from ..errors import PlanError
+from ..fields import known_fields
 
 RECOMPUTE = ("none", "selective", "full")
 PRECISIONS = ("bf16", "fp16", "fp8", "fp32")
@@ -94,14 +95,7 @@ class Parallelism:
 
     @classmethod
     def from_dict(cls, data: dict, source: str = "parallelism") -> "Parallelism":
-        if not isinstance(data, dict):
-            raise PlanError(f"{source}: parallelism is a JSON object, got {type(data).__name__}")
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise PlanError(f"{source}: unknown parallelism field(s) {', '.join(unknown)}; "
-                            f"known: {', '.join(sorted(known))}")
-        return cls(**data)
+        return cls(**known_fields(cls, data, "parallelism", source, PlanError))
 
     def short(self) -> str:
         parts = [f"tp={self.tp}" + ("+sp" if self.sequence_parallel and self.tp > 1 else ""),

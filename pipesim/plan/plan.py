@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..errors import PlanError, ScheduleError
+from ..fields import known_fields
 from ..hardware import Hardware, get_hardware
 from ..schedule.schedule import Schedule
 from .cluster import Cluster
@@ -215,11 +216,7 @@ class Plan:
         fmt = data.pop("format", PLAN_FORMAT)
         if fmt != PLAN_FORMAT:
             raise PlanError(f"{source}: format {fmt!r} is not {PLAN_FORMAT!r}")
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise PlanError(f"{source}: unknown plan field(s) {', '.join(unknown)}; "
-                            f"known: {', '.join(sorted(known))}")
+        known_fields(cls, data, "plan", source, PlanError)
         if "model" not in data:
             raise PlanError(f"{source}: a plan needs a 'model'")
         model = data.pop("model")
