@@ -42,6 +42,7 @@ import simpy
 from simpy.events import NORMAL
 
 from .costs import CostModel
+from .dataflow import run_dataflow
 from .schedule.action import B, F, I, OVERLAP_F_B, RECV_B, RECV_F, SEND_B, SEND_F, W
 from .schedule.schedule import Schedule
 
@@ -85,8 +86,12 @@ def simulate(schedule: Schedule, costs: CostModel | None = None, *, comm: str = 
     columns = _columns(schedule, actions, costs)
     factors = _jitter(len(columns["op"]), jitter, seed)
     shared = cores if cores is not None and cores < schedule.pp else None
-    starts, ends = _run(schedule, actions, costs, factors, comm == "blocking",
-                        comm == "rendezvous", shared, overlaps)
+    if comm == "rendezvous" or shared is not None:      # depend on event order in time
+        starts, ends = _run(schedule, actions, costs, factors, comm == "blocking",
+                            comm == "rendezvous", shared, overlaps)
+    else:                                               # a dataflow: no event heap needed
+        starts, ends = run_dataflow(schedule, actions, costs, factors, comm == "blocking",
+                                    overlaps)
     if step_tail:
         _append_tail(schedule, costs, dp, columns, starts, ends)
     trace = _frame(columns, starts, ends)
