@@ -23,8 +23,10 @@ from .schedule.schedule import Schedule
 
 def run_dataflow(schedule: Schedule, actions: list[list], costs: CostModel,
                  factors: list[float] | None, blocking: bool,
-                 overlaps: tuple | None = None) -> tuple[list[float], list[float]]:
-    """Start and end time of every row (rank, action order); arguments as ``engine._run``.
+                 overlaps: tuple | None = None
+                 ) -> tuple[list[float], list[float], list[list[int]]]:
+    """Start and end time of every row (rank, action order), and each rank's compute rows
+    (ascending); arguments as ``engine._run``.
 
     Messages are numbered ``(direction * n + receiving stage) * m + microbatch``; the directed
     link ``a -> b`` is ``a * pp + b``. Raises RuntimeError if ranks are left waiting (a deadlock
@@ -46,12 +48,14 @@ def run_dataflow(schedule: Schedule, actions: list[list], costs: CostModel,
     recv_row = [-1] * msgs                          # msg -> row of its posted RECV
     link_free = [0.0] * (pp * pp)
     ready: list[int] = []                           # ranks to resume
+    compute: list[list[int]] = [[] for _ in range(pp)]
     gate, scale = (overlaps[1], overlaps[2]) if overlaps is not None else (None, None)
 
     def rank_process(rank: int, acts: list, row: int) -> Iterator[int]:
         """Yields the message it waits for; resumed once that message has been sent."""
         t = 0.0
         base = rank * pp
+        computed = compute[rank].append
         for op, stage, mb in acts:
             d = durations.get(op)
             if d is not None:                       # F, B, I, W
@@ -85,6 +89,7 @@ def run_dataflow(schedule: Schedule, actions: list[list], costs: CostModel,
                 starts[row] = t
                 t += work
                 ends[row] = t
+                computed(row)
             elif op == RECV_F or op == RECV_B:      # post only
                 msg = stage * m + mb if op == RECV_F else (n + stage) * m + mb
                 recv_row[msg] = row
@@ -128,4 +133,4 @@ def run_dataflow(schedule: Schedule, actions: list[list], costs: CostModel,
         stuck = [r for r in range(pp) if not done[r]]
         raise RuntimeError(f"simulation stopped with rank(s) {stuck} waiting on a receive; "
                            "validate() should have caught this deadlock")
-    return starts, ends
+    return starts, ends, compute

@@ -33,16 +33,17 @@ a generator seeded by ``seed``, in rank then action order.
 from __future__ import annotations
 
 import random
-from functools import lru_cache
 from itertools import chain
 from operator import itemgetter
 from typing import TYPE_CHECKING
 
+import numpy as np
 import simpy
 from simpy.events import NORMAL
 
 from .costs import CostModel
 from .dataflow import run_dataflow
+from .spans import OPS, Spans
 from .schedule.action import B, F, I, OVERLAP_F_B, RECV_B, RECV_F, SEND_B, SEND_F, W
 from .schedule.schedule import Schedule
 
@@ -83,26 +84,36 @@ def simulate(schedule: Schedule, costs: CostModel | None = None, *, comm: str = 
     overlaps = _expand_overlaps(schedule, actions, costs) if schedule.has_overlaps else None
     if overlaps is not None:
         actions = overlaps[0]
-    columns = _columns(schedule, actions, costs)
-    factors = _jitter(len(columns["op"]), jitter, seed)
+    factors = _jitter(sum(map(len, actions)), jitter, seed)
     shared = cores if cores is not None and cores < schedule.pp else None
+    options = {"comm": comm, "step_tail": step_tail, "dp": dp, "jitter": jitter, "seed": seed,
+               "cores": cores}
+    if comm != "rendezvous" and shared is None and not step_tail:
+        # A dataflow (no event heap); the timing-free columns wait until the trace is asked for.
+        starts, ends, compute = run_dataflow(schedule, actions, costs, factors,
+                                             comm == "blocking", overlaps)
+        rank = np.repeat(np.arange(schedule.pp, dtype=np.int64), [len(c) for c in compute])
+        spans = Spans(np.asarray(starts, dtype=float), np.asarray(ends, dtype=float),
+                      np.fromiter(chain.from_iterable(compute), dtype=np.int64, count=len(rank)),
+                      rank, lambda: _columns(schedule, actions, costs))
+        return SimResult.from_spans(spans, schedule=schedule, costs=costs, options=options)
+    columns = _columns(schedule, actions, costs)
     if comm == "rendezvous" or shared is not None:      # depend on event order in time
         starts, ends = _run(schedule, actions, costs, factors, comm == "blocking",
                             comm == "rendezvous", shared, overlaps)
-    else:                                               # a dataflow: no event heap needed
-        starts, ends = run_dataflow(schedule, actions, costs, factors, comm == "blocking",
-                                    overlaps)
+    else:
+        starts, ends, _ = run_dataflow(schedule, actions, costs, factors, comm == "blocking",
+                                       overlaps)
     if step_tail:
         _append_tail(schedule, costs, dp, columns, starts, ends)
-    trace = _frame(columns, starts, ends)
-    options = {"comm": comm, "step_tail": step_tail, "dp": dp, "jitter": jitter, "seed": seed,
-               "cores": cores}
-    return SimResult(trace, schedule=schedule, costs=costs, options=options)
+    compute_rows = np.flatnonzero(columns["kind"] == 0)
+    spans = Spans(np.asarray(starts, dtype=float), np.asarray(ends, dtype=float), compute_rows,
+                  columns["rank"][compute_rows], lambda: columns)
+    return SimResult.from_spans(spans, schedule=schedule, costs=costs, options=options)
 
 
 # Op codes of the trace's categorical ``op`` column (step-tail ops last).
-_OPS = (F, B, I, W, SEND_F, RECV_F, SEND_B, RECV_B)
-_TAIL_OPS = ("ALLREDUCE", "OPTIMIZER")
+_OPS = OPS
 _OP_CODE = {op: code for code, op in enumerate(_OPS)}
 
 
@@ -425,29 +436,3 @@ def _append_tail(schedule: Schedule, costs: CostModel, dp: int, columns: dict,
             ends.append(t)
     for name, values in extra.items():
         columns[name] = np.concatenate((columns[name], np.asarray(values, dtype=columns[name].dtype)))
-
-
-
-def _frame(columns, starts, ends):
-    """The trace DataFrame over the engine's own arrays (no copies: nothing else holds them)."""
-    import numpy as np
-    import pandas as pd
-
-    op_dtype, kind_dtype = _dtypes()
-    data = dict(columns)
-    data["op"] = pd.Categorical.from_codes(columns["op"], dtype=op_dtype)
-    data["kind"] = pd.Categorical.from_codes(columns["kind"], dtype=kind_dtype)
-    data["start"] = np.asarray(starts, dtype=float)
-    data["end"] = np.asarray(ends, dtype=float)
-    return pd.DataFrame({name: data[name] for name in
-                         ("rank", "op", "stage", "chunk", "microbatch", "start", "end", "kind",
-                          "bytes", "peer")}, copy=False)
-
-
-@lru_cache(maxsize=1)
-def _dtypes():
-    """The trace's two categorical dtypes (immutable; built once: pandas' per-call inference of
-    the categories was a third of the trace's cost on small schedules)."""
-    import pandas as pd
-
-    return (pd.CategoricalDtype(list(_OPS + _TAIL_OPS)), pd.CategoricalDtype(["compute", "comm"]))

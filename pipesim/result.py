@@ -2,7 +2,9 @@
 
 Everything here is computed from the trace (and, for memory, either a measured memory timeline
 or a :class:`CostModel` replayed over the trace), so ``SimResult.from_trace(measured)`` gives
-the same metrics, Gantt chart and Chrome trace as a simulation. Metric definitions are in
+the same metrics, Gantt chart and Chrome trace as a simulation. A simulated result holds the
+engine's :class:`pipesim.spans.Spans` and builds its trace DataFrame only when first read;
+``makespan``, ``busy``, ``span`` and the bubble metrics read the same arrays without it. Metric definitions are in
 :mod:`pipesim.metrics`; the memory model in :mod:`pipesim.memory`.
 """
 from __future__ import annotations
@@ -20,6 +22,7 @@ if TYPE_CHECKING:
 
     from .costs import CostModel
     from .schedule.schedule import Schedule
+    from .spans import Spans
 
 
 class SimResult:
@@ -34,12 +37,37 @@ class SimResult:
                  costs: "CostModel | None" = None, memory_timeline: "pd.DataFrame | None" = None,
                  options: dict[str, Any] | None = None, source: str = "simulated") -> None:
         self.trace = check_trace(trace)
+        self._setup(None, schedule, costs, memory_timeline, options, source,
+                    schedule.pp if schedule is not None else num_ranks(trace))
+
+    def _setup(self, spans, schedule, costs, memory_timeline, options, source, ranks) -> None:
+        self._spans: "Spans | None" = spans
         self.schedule = schedule
         self.costs = costs
         self.options = dict(options or {})
         self.source = source
         self._memory_timeline = memory_timeline
-        self.num_ranks = schedule.pp if schedule is not None else num_ranks(trace)
+        self.num_ranks = ranks
+
+    @classmethod
+    def from_spans(cls, spans: "Spans", *, schedule: "Schedule", costs: "CostModel | None" = None,
+                   options: dict[str, Any] | None = None) -> "SimResult":
+        """A simulated result over the engine's arrays; ``trace`` is built on first access."""
+        result = cls.__new__(cls)
+        result._setup(spans, schedule, costs, None, options, "simulated", schedule.pp)
+        return result
+
+    @cached_property
+    def trace(self) -> "pd.DataFrame":
+        """One row per span (columns in :mod:`pipesim.trace`); built from the spans once."""
+        return check_trace(self._spans.frame())
+
+    @cached_property
+    def _compute_spans(self):
+        """(rank, start, end) arrays of the compute rows (see :func:`metrics.compute_spans`)."""
+        if self._spans is not None:
+            return self._spans.compute_spans()
+        return metrics.compute_spans(self.trace)
 
     @classmethod
     def from_trace(cls, trace: "pd.DataFrame", schedule: "Schedule | None" = None,
@@ -56,11 +84,13 @@ class SimResult:
     # -- time --------------------------------------------------------------------------------
     @cached_property
     def makespan(self) -> float:
+        if self._spans is not None:
+            return self._spans.makespan()
         return metrics.makespan(self.trace)
 
     @cached_property
     def busy(self) -> list[float]:
-        return metrics.busy_per_rank(self.trace, self.num_ranks)
+        return metrics.busy_of(*self._compute_spans, self.num_ranks)
 
     @property
     def idle(self) -> list[float]:
@@ -68,7 +98,7 @@ class SimResult:
 
     @cached_property
     def span(self) -> list[float]:
-        return metrics.span_per_rank(self.trace, self.num_ranks)
+        return metrics.span_of(*self._compute_spans, self.num_ranks)
 
     @property
     def bubble(self) -> list[float]:
@@ -88,7 +118,7 @@ class SimResult:
 
     @property
     def slowest_rank(self) -> int:
-        return metrics.slowest_rank(self.trace, self.num_ranks)
+        return metrics.slowest_of(self.busy, self.span)
 
     @property
     def bubble_rate(self) -> float:

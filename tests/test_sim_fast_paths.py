@@ -2,7 +2,11 @@
 
 * `pipesim.dataflow.run_dataflow` (async and blocking modes, no SimPy) against the SimPy
   engine `pipesim.engine._run`, span for span, on every builder.
+* A simulated `SimResult` scores from the engine's arrays and builds its trace only when asked:
+  its metrics equal those of `SimResult.from_trace` over that trace, and the trace equals one
+  built row by row here from the schedule and the SimPy engine's spans.
 """
+import pandas as pd
 import pytest
 
 import pipesim
@@ -43,7 +47,9 @@ def costs_for(n, comm, overlap):
     return CostModel(forward=[1.0 + 0.13 * (s % 5) for s in range(n)],
                      backward_input=[1.1 + 0.07 * (s % 3) for s in range(n)],
                      backward_weight=[0.9 + 0.11 * (s % 2) for s in range(n)],
-                     overlap_factor=overlap, **extra)
+                     overlap_factor=overlap, activation_bytes=[100.0 + 10 * s for s in range(n)],
+                     weight_grad_fraction=0.3, static_bytes=5.0, stage_static_bytes=7.0,
+                     grad_bytes=[50.0] * n, optimizer=0.25, dp_latency=0.01, **extra)
 
 
 def engine_inputs(schedule, costs, jitter):
@@ -66,7 +72,8 @@ def test_dataflow_spans_equal_simpy_engine(schedule, comm):
                 actions, factors, overlaps = engine_inputs(schedule, costs, jitter)
                 simpy_spans = engine._run(schedule, actions, costs, factors, blocking,
                                           overlaps=overlaps)
-                fast_spans = run_dataflow(schedule, actions, costs, factors, blocking, overlaps)
+                *fast_spans, _ = run_dataflow(schedule, actions, costs, factors, blocking, overlaps)
+                fast_spans = tuple(fast_spans)
                 assert fast_spans == simpy_spans, (overlap, blocking, jitter)
 
 
@@ -79,3 +86,66 @@ def test_dataflow_names_the_stuck_ranks():
     costs = CostModel()
     with pytest.raises(RuntimeError, match=r"rank\(s\) \[0, 1\]"):
         run_dataflow(schedule, actions, costs, None, False)
+
+
+def reference_trace(schedule, costs, comm, jitter):
+    """The trace built row by row: columns from the (split) actions, spans from SimPy."""
+    actions, factors, overlaps = engine_inputs(schedule, costs, jitter)
+    starts, ends = engine._run(schedule, actions, costs, factors, comm == "blocking",
+                               comm == "rendezvous", overlaps=overlaps)
+    n, place = schedule.num_stages, schedule.placement
+    nbytes = costs.stage_values("p2p_bytes", n)
+    rows, i = [], 0
+    for rank, acts in enumerate(actions):
+        for op, stage, mb in acts:
+            comm_row = op.startswith(("SEND", "RECV"))
+            peer_stage = stage + (1 if op in ("SEND_F", "RECV_B") else -1) if comm_row else stage
+            rows.append({"rank": rank, "op": op, "stage": stage,
+                         "chunk": schedule.stage_chunk(stage), "microbatch": mb,
+                         "start": starts[i], "end": ends[i],
+                         "kind": "comm" if comm_row else "compute",
+                         "bytes": float(nbytes[min(stage, peer_stage)]) if comm_row else 0.0,
+                         "peer": place[peer_stage] if comm_row else -1})
+            i += 1
+    frame = pd.DataFrame(rows)
+    frame["op"] = pd.Categorical(frame["op"], categories=["F", "B", "I", "W", "SEND_F", "RECV_F",
+                                                          "SEND_B", "RECV_B", "ALLREDUCE",
+                                                          "OPTIMIZER"])
+    frame["kind"] = pd.Categorical(frame["kind"], categories=["compute", "comm"])
+    return frame
+
+
+METRICS = ("makespan", "busy", "idle", "span", "bubble", "comm_wait", "bubble_fraction",
+           "slowest_rank", "bubble_rate", "bubble_time", "peak_inflight", "peak_memory")
+
+
+@pytest.mark.parametrize("schedule", list(schedules()))
+@pytest.mark.parametrize("comm", ["async", "blocking", "rendezvous"])
+def test_lazy_result_equals_its_trace(schedule, comm):
+    costs = costs_for(schedule.num_stages, "bandwidth", 0.7 if schedule.has_overlaps else 1.0)
+    for jitter in (0.0, 0.3):
+        options = dict(comm=comm, jitter=jitter, seed=7)
+        lazy = pipesim.simulate(schedule, costs, **options)
+        assert "trace" not in vars(lazy)                    # nothing built yet
+        got = {name: getattr(lazy, name) for name in METRICS}
+        assert "trace" in vars(lazy)                        # memory and comm_wait read it
+        full = pipesim.SimResult.from_trace(lazy.trace, schedule, costs=costs)
+        assert got == {name: getattr(full, name) for name in METRICS}
+        pd.testing.assert_frame_equal(lazy.trace, reference_trace(schedule, costs, comm, jitter),
+                                      check_exact=True)
+        pd.testing.assert_frame_equal(lazy.memory_timeline, full.memory_timeline, check_exact=True)
+        # the other engine paths (step tail, shared cores) score alike too
+        for extra in (dict(step_tail=True, dp=4), dict(cores=1.5)):
+            other = pipesim.simulate(schedule, costs, **options, **extra)
+            again = pipesim.SimResult.from_trace(other.trace, schedule, costs=costs)
+            assert {name: getattr(other, name) for name in METRICS} == \
+                {name: getattr(again, name) for name in METRICS}, extra
+
+
+def test_time_metrics_need_no_trace():
+    """What the planner reads for time costs no DataFrame; the trace is built once, cached."""
+    schedule = pipesim.build_schedule("interleaved", pp=4, microbatches=8, vpp=2)
+    r = pipesim.simulate(schedule, costs_for(schedule.num_stages, "latency", 1.0))
+    assert r.makespan > 0 and r.bubble_fraction > 0 and r.bubble_rate > 0 and max(r.busy) > 0
+    assert "trace" not in vars(r)
+    assert r.trace is r.trace
