@@ -51,12 +51,12 @@ def run_dataflow(schedule: Schedule, actions: list[list], costs: CostModel,
     compute: list[list[int]] = [[] for _ in range(pp)]
     gate, scale = (overlaps[1], overlaps[2]) if overlaps is not None else (None, None)
 
-    def rank_process(rank: int, acts: list, row: int) -> Iterator[int]:
+    def rank_process(rank: int, acts: list, first: int) -> Iterator[int]:
         """Yields the message it waits for; resumed once that message has been sent."""
         t = 0.0
         base = rank * pp
         computed = compute[rank].append
-        for op, stage, mb in acts:
+        for row, (op, stage, mb) in enumerate(acts, first):
             d = durations.get(op)
             if d is not None:                       # F, B, I, W
                 if gate is not None and row in gate:
@@ -96,9 +96,13 @@ def run_dataflow(schedule: Schedule, actions: list[list], costs: CostModel,
                 starts[row] = ends[row] = t         # until the consumer waits
             else:                                   # SEND_F, SEND_B
                 if op == SEND_F:
-                    msg, link, c = (stage + 1) * m + mb, base + placement[stage + 1], fwd_time[stage]
+                    msg = (stage + 1) * m + mb
+                    link = base + placement[stage + 1]
+                    c = fwd_time[stage]
                 else:
-                    msg, link, c = (n + stage - 1) * m + mb, base + placement[stage - 1], bwd_time[stage]
+                    msg = (n + stage - 1) * m + mb
+                    link = base + placement[stage - 1]
+                    c = bwd_time[stage]
                 s = link_free[link]
                 if s < t:
                     s = t
@@ -113,7 +117,6 @@ def run_dataflow(schedule: Schedule, actions: list[list], costs: CostModel,
                 if w >= 0:
                     ready.append(w)
                     waiter[msg] = -1
-            row += 1
 
     processes = []
     row = 0
