@@ -93,7 +93,8 @@ def simulate(schedule: Schedule, costs: CostModel | None = None, *, comm: str = 
         starts, ends, compute = run_dataflow(schedule, actions, costs, factors,
                                              comm == "blocking", overlaps)
         rank = np.repeat(np.arange(schedule.pp, dtype=np.int64), [len(c) for c in compute])
-        spans = Spans(np.asarray(starts, dtype=float), np.asarray(ends, dtype=float),
+        row_rank = np.repeat(np.arange(schedule.pp, dtype=np.int64), [len(a) for a in actions])
+        spans = Spans(np.asarray(starts, dtype=float), np.asarray(ends, dtype=float), row_rank,
                       np.fromiter(chain.from_iterable(compute), dtype=np.int64, count=len(rank)),
                       rank, lambda: _columns(schedule, actions, costs))
         return SimResult.from_spans(spans, schedule=schedule, costs=costs, options=options)
@@ -107,8 +108,8 @@ def simulate(schedule: Schedule, costs: CostModel | None = None, *, comm: str = 
     if step_tail:
         _append_tail(schedule, costs, dp, columns, starts, ends)
     compute_rows = np.flatnonzero(columns["kind"] == 0)
-    spans = Spans(np.asarray(starts, dtype=float), np.asarray(ends, dtype=float), compute_rows,
-                  columns["rank"][compute_rows], lambda: columns)
+    spans = Spans(np.asarray(starts, dtype=float), np.asarray(ends, dtype=float), columns["rank"],
+                  compute_rows, columns["rank"][compute_rows], lambda: columns)
     return SimResult.from_spans(spans, schedule=schedule, costs=costs, options=options)
 
 

@@ -4,7 +4,8 @@ Everything here is computed from the trace (and, for memory, either a measured m
 or a :class:`CostModel` replayed over the trace), so ``SimResult.from_trace(measured)`` gives
 the same metrics, Gantt chart and Chrome trace as a simulation. A simulated result holds the
 engine's :class:`pipesim.spans.Spans` and builds its trace DataFrame only when first read;
-``makespan``, ``busy``, ``span`` and the bubble metrics read the same arrays without it. Metric definitions are in
+``makespan``, ``busy``, ``span``, the bubble metrics and peak memory read the same arrays
+without it. Metric definitions are in
 :mod:`pipesim.metrics`; the memory model in :mod:`pipesim.memory`.
 """
 from __future__ import annotations
@@ -89,6 +90,14 @@ class SimResult:
         return metrics.makespan(self.trace)
 
     @cached_property
+    def rank_end(self) -> list[float]:
+        """When each rank's last row ends (0 for a rank without rows)."""
+        if self._spans is not None:
+            return self._spans.rank_end(self.num_ranks)
+        ends = self.trace.groupby("rank", observed=True)["end"].max()
+        return [float(ends.get(r, 0.0)) for r in range(self.num_ranks)]
+
+    @cached_property
     def busy(self) -> list[float]:
         return metrics.busy_of(*self._compute_spans, self.num_ranks)
 
@@ -137,21 +146,32 @@ class SimResult:
         """Columns rank, time, bytes (held after each event)."""
         if self._memory_timeline is not None:
             return self._memory_timeline
+        return self._memory_events.frame()
+
+    @cached_property
+    def _memory_events(self):
+        """The memory model replayed over the compute rows (the engine's arrays when there)."""
         if self.costs is None:
             raise ValueError("memory needs a memory_timeline or a CostModel: pass costs= or "
                              "memory_timeline= to SimResult.from_trace")
-        from .memory import memory_timeline
+        from .memory import compute_rows, memory_events
 
         n = self.schedule.num_stages if self.schedule is not None else int(self.trace["stage"].max()) + 1
         stages = ([self.schedule.rank_stages(r) for r in range(self.num_ranks)]
                   if self.schedule is not None else None)
-        return memory_timeline(self.trace, self.costs, n, self.num_ranks, stages, self.schedule)
+        if self._spans is not None:
+            rows, t0 = self._spans.memory_rows(), float(self._spans.starts.min())
+        else:
+            rows, t0 = compute_rows(self.trace), float(self.trace["start"].min())
+        return memory_events(rows, t0, self.costs, n, self.num_ranks, stages, self.schedule)
 
     @cached_property
     def peak_memory(self) -> list[float]:
-        from .memory import peak_per_rank
+        if self._memory_timeline is not None:
+            from .memory import peak_per_rank
 
-        return peak_per_rank(self.memory_timeline, self.num_ranks)
+            return peak_per_rank(self._memory_timeline, self.num_ranks)
+        return self._memory_events.peaks(self.num_ranks)
 
     @cached_property
     def peak_inflight(self) -> list[int]:

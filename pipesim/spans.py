@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from .memory import ComputeRows
 from .schedule.action import B, F, I, RECV_B, RECV_F, SEND_B, SEND_F, W
 from .trace import TRACE_COLUMNS
 
@@ -24,18 +25,22 @@ if TYPE_CHECKING:
 # Op codes of the trace's categorical ``op`` column (step-tail ops last).
 OPS = (F, B, I, W, SEND_F, RECV_F, SEND_B, RECV_B)
 TAIL_OPS = ("ALLREDUCE", "OPTIMIZER")
+_OP_NAMES = np.asarray(OPS + TAIL_OPS, dtype=object)
 
 
 class Spans:
-    """Rows in (rank, action) order: ``starts``/``ends`` (float arrays), ``compute_rows`` (the
+    """Rows in (rank, action) order: ``starts``/``ends`` (float arrays), ``row_rank`` (each
+    row's rank), ``compute_rows`` (the
     compute rows' indices, ascending) with their ``compute_rank``, and ``columns``, a function
-    returning the other trace columns (``engine._columns``' dict), called at most once."""
+    returning the other trace columns (``engine._columns``' dict), called at most once (for
+    the trace or the memory model)."""
 
-    __slots__ = ("starts", "ends", "compute_rows", "compute_rank", "_columns", "_made")
+    __slots__ = ("starts", "ends", "row_rank", "compute_rows", "compute_rank", "_columns", "_made")
 
-    def __init__(self, starts: np.ndarray, ends: np.ndarray, compute_rows: np.ndarray,
-                 compute_rank: np.ndarray, columns: Callable[[], dict]) -> None:
-        self.starts, self.ends = starts, ends
+    def __init__(self, starts: np.ndarray, ends: np.ndarray, row_rank: np.ndarray,
+                 compute_rows: np.ndarray, compute_rank: np.ndarray,
+                 columns: Callable[[], dict]) -> None:
+        self.starts, self.ends, self.row_rank = starts, ends, row_rank
         self.compute_rows, self.compute_rank = compute_rows, compute_rank
         self._columns, self._made = columns, None
 
@@ -47,6 +52,21 @@ class Spans:
     def compute_spans(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(rank, start, end) of the compute rows, as :func:`pipesim.metrics.compute_spans`."""
         return self.compute_rank, self.starts[self.compute_rows], self.ends[self.compute_rows]
+
+    def memory_rows(self) -> ComputeRows:
+        """The compute rows of real stages, as :func:`pipesim.memory.compute_rows` reads them
+        from a trace."""
+        columns = self.columns()
+        rows = self.compute_rows[columns["stage"][self.compute_rows] >= 0]
+        return ComputeRows(columns["rank"][rows], _OP_NAMES[columns["op"][rows]],
+                           columns["stage"][rows], columns["microbatch"][rows],
+                           self.starts[rows], self.ends[rows])
+
+    def rank_end(self, pp: int) -> list[float]:
+        """Last end of each rank's rows (0 for a rank without rows)."""
+        last = np.full(pp, -np.inf)
+        np.maximum.at(last, self.row_rank, self.ends)
+        return np.where(np.isfinite(last), last, 0.0).tolist()
 
     def makespan(self) -> float:
         return float(self.ends.max() - self.starts.min())

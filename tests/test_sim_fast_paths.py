@@ -13,6 +13,7 @@ import pipesim
 from pipesim import CostModel, ScheduleError
 from pipesim import engine
 from pipesim.dataflow import run_dataflow
+from pipesim.memory import peak_per_rank
 
 NAMES = pipesim.schedule_names()
 
@@ -115,7 +116,7 @@ def reference_trace(schedule, costs, comm, jitter):
     return frame
 
 
-METRICS = ("makespan", "busy", "idle", "span", "bubble", "comm_wait", "bubble_fraction",
+METRICS = ("makespan", "rank_end", "busy", "idle", "span", "bubble", "comm_wait", "bubble_fraction",
            "slowest_rank", "bubble_rate", "bubble_time", "peak_inflight", "peak_memory")
 
 
@@ -128,12 +129,13 @@ def test_lazy_result_equals_its_trace(schedule, comm):
         lazy = pipesim.simulate(schedule, costs, **options)
         assert "trace" not in vars(lazy)                    # nothing built yet
         got = {name: getattr(lazy, name) for name in METRICS}
-        assert "trace" in vars(lazy)                        # memory and comm_wait read it
+        assert "trace" in vars(lazy)                        # comm_wait and peak_inflight read it
         full = pipesim.SimResult.from_trace(lazy.trace, schedule, costs=costs)
         assert got == {name: getattr(full, name) for name in METRICS}
         pd.testing.assert_frame_equal(lazy.trace, reference_trace(schedule, costs, comm, jitter),
                                       check_exact=True)
         pd.testing.assert_frame_equal(lazy.memory_timeline, full.memory_timeline, check_exact=True)
+        assert peak_per_rank(lazy.memory_timeline, schedule.pp) == lazy.peak_memory
         # the other engine paths (step tail, shared cores) score alike too
         for extra in (dict(step_tail=True, dp=4), dict(cores=1.5)):
             other = pipesim.simulate(schedule, costs, **options, **extra)
@@ -143,9 +145,11 @@ def test_lazy_result_equals_its_trace(schedule, comm):
 
 
 def test_time_metrics_need_no_trace():
-    """What the planner reads for time costs no DataFrame; the trace is built once, cached."""
+    """What the planner reads (time, bubbles, peak memory) costs no DataFrame; the trace is
+    built once, on first access, and cached."""
     schedule = pipesim.build_schedule("interleaved", pp=4, microbatches=8, vpp=2)
-    r = pipesim.simulate(schedule, costs_for(schedule.num_stages, "latency", 1.0))
+    r = pipesim.simulate(schedule, costs_for(schedule.num_stages, "bandwidth", 1.0))
     assert r.makespan > 0 and r.bubble_fraction > 0 and r.bubble_rate > 0 and max(r.busy) > 0
-    assert "trace" not in vars(r)
+    assert min(r.peak_memory) > 0 and max(r.rank_end) == r.makespan
+    assert "trace" not in vars(r) and "memory_timeline" not in vars(r)
     assert r.trace is r.trace
