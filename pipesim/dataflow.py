@@ -50,14 +50,16 @@ def run_dataflow(schedule: Schedule, actions: list[list], costs: CostModel,
     ready: list[int] = []                           # ranks to resume
     compute: list[list[int]] = [[] for _ in range(pp)]
     gate, scale = (overlaps[1], overlaps[2]) if overlaps is not None else (None, None)
+    scaled = factors is not None or scale is not None
 
     def rank_process(rank: int, acts: list, first: int) -> Iterator[int]:
         """Yields the message it waits for; resumed once that message has been sent."""
         t = 0.0
         base = rank * pp
         computed = compute[rank].append
+        duration = durations.get
         for row, (op, stage, mb) in enumerate(acts, first):
-            d = durations.get(op)
+            d = duration(op)
             if d is not None:                       # F, B, I, W
                 if gate is not None and row in gate:
                     _, bs, bmb = gate[row]
@@ -83,9 +85,12 @@ def run_dataflow(schedule: Schedule, actions: list[list], costs: CostModel,
                         if e > t:
                             t = e
                         ends[r] = t
-                work = d[stage] if factors is None else d[stage] * factors[row]
-                if scale is not None and row in scale:
-                    work *= scale[row]
+                work = d[stage]
+                if scaled:
+                    if factors is not None:
+                        work *= factors[row]
+                    if scale is not None and row in scale:
+                        work *= scale[row]
                 starts[row] = t
                 t += work
                 ends[row] = t
