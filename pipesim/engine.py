@@ -16,7 +16,11 @@ a message (an activation or a gradient) crossing a link, so the model makes even
   arrival (zero-length at the consumer's start if the data was there).
 
 The result is the same as stepping every action as a SimPy timeout (the tests check it against
-an independent list scheduler), at a fraction of the events. Modes: ``comm="async"`` (the
+an independent list scheduler), at a fraction of the events. In the ``async`` and ``blocking``
+modes no result depends on the order of events in time, so `simulate` runs them without SimPy,
+as a dataflow over a ready list (:mod:`pipesim.dataflow`, checked span for span against
+`_run`); the result keeps the engine's arrays (:class:`pipesim.spans.Spans`) and builds the
+trace DataFrame only when it is read. Modes: ``comm="async"`` (the
 default; a send is posted and the rank goes on, as with ``isend``, and the data moves at once:
 receives count as pre-posted), ``"blocking"`` (the sender waits until its transfer has arrived;
 receives are pre-posted, so there is no rendezvous and no deadlock that the asynchronous

@@ -10,7 +10,7 @@ read from the arrays equal those read from that trace (``tests/test_sim_fast_pat
 from __future__ import annotations
 
 from collections.abc import Callable
-from functools import lru_cache
+from functools import lru_cache, partial
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -43,6 +43,11 @@ class Spans:
         self.starts, self.ends, self.row_rank = starts, ends, row_rank
         self.compute_rows, self.compute_rank = compute_rows, compute_rank
         self._columns, self._made = columns, None
+
+    def __reduce__(self):
+        """Pickled with its columns made (a closure does not pickle), e.g. to cross processes."""
+        return (Spans, (self.starts, self.ends, self.row_rank, self.compute_rows,
+                        self.compute_rank, partial(dict, self.columns())))
 
     def columns(self) -> dict:
         if self._made is None:

@@ -6,6 +6,8 @@
   its metrics equal those of `SimResult.from_trace` over that trace, and the trace equals one
   built row by row here from the schedule and the SimPy engine's spans.
 """
+import pickle
+
 import pandas as pd
 import pytest
 
@@ -152,4 +154,8 @@ def test_time_metrics_need_no_trace():
     assert r.makespan > 0 and r.bubble_fraction > 0 and r.bubble_rate > 0 and max(r.busy) > 0
     assert min(r.peak_memory) > 0 and max(r.rank_end) == r.makespan
     assert "trace" not in vars(r) and "memory_timeline" not in vars(r)
+    again = pickle.loads(pickle.dumps(r))                  # e.g. back from a process pool
     assert r.trace is r.trace
+    pd.testing.assert_frame_equal(again.trace, r.trace, check_exact=True)
+    assert {name: getattr(again, name) for name in METRICS} == \
+        {name: getattr(r, name) for name in METRICS}
