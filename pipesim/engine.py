@@ -100,7 +100,8 @@ def simulate(schedule: Schedule, costs: CostModel | None = None, *, comm: str = 
         row_rank = np.repeat(np.arange(schedule.pp, dtype=np.int64), [len(a) for a in actions])
         spans = Spans(np.asarray(starts, dtype=float), np.asarray(ends, dtype=float), row_rank,
                       np.fromiter(chain.from_iterable(compute), dtype=np.int64, count=len(rank)),
-                      rank, lambda: _columns(schedule, actions, costs))
+                      rank, lambda: _columns(schedule, actions, costs),
+                      lambda: _compute_ops(schedule))
         return SimResult.from_spans(spans, schedule=schedule, costs=costs, options=options)
     columns = _columns(schedule, actions, costs)
     if comm == "rendezvous" or shared is not None:      # depend on event order in time
@@ -256,6 +257,18 @@ def _columns(schedule: Schedule, actions: list[list], costs: CostModel) -> dict:
         "bytes": np.where(is_comm, np.asarray(nbytes, dtype=float)[lower], 0.0),
         "peer": np.where(is_comm, place[peer_stage], -1),
     }
+
+
+def _compute_ops(schedule: Schedule) -> tuple:
+    """(op names, stage, microbatch) of the compute rows, in row order: each rank's compute
+    parts (an overlap's parts in turn), as the split actions hold them between the comms."""
+    import numpy as np
+
+    flat = list(chain.from_iterable(schedule.compute_parts(r) for r in range(schedule.pp)))
+    rows = len(flat)
+    return (np.fromiter(map(itemgetter(0), flat), dtype=object, count=rows),
+            np.fromiter(map(itemgetter(1), flat), dtype=np.int64, count=rows),
+            np.fromiter(map(itemgetter(2), flat), dtype=np.int64, count=rows))
 
 
 def _run(schedule: Schedule, actions: list[list], costs: CostModel, factors: list[float] | None,

@@ -32,17 +32,21 @@ class Spans:
     """Rows in (rank, action) order: ``starts``/``ends`` (float arrays), ``row_rank`` (each
     row's rank), ``compute_rows`` (the
     compute rows' indices, ascending) with their ``compute_rank``, and ``columns``, a function
-    returning the other trace columns (``engine._columns``' dict), called at most once (for
-    the trace or the memory model)."""
+    returning the other trace columns (``engine._columns``' dict), called at most once.
+    ``compute_ops``, when given (no step-tail rows): a function returning (op names, stage,
+    microbatch) of the compute rows alone, which is all the memory model needs of the columns."""
 
-    __slots__ = ("starts", "ends", "row_rank", "compute_rows", "compute_rank", "_columns", "_made")
+    __slots__ = ("starts", "ends", "row_rank", "compute_rows", "compute_rank", "_columns", "_made",
+                 "_compute_ops")
 
     def __init__(self, starts: np.ndarray, ends: np.ndarray, row_rank: np.ndarray,
                  compute_rows: np.ndarray, compute_rank: np.ndarray,
-                 columns: Callable[[], dict]) -> None:
+                 columns: Callable[[], dict],
+                 compute_ops: Callable[[], tuple] | None = None) -> None:
         self.starts, self.ends, self.row_rank = starts, ends, row_rank
         self.compute_rows, self.compute_rank = compute_rows, compute_rank
         self._columns, self._made = columns, None
+        self._compute_ops = compute_ops
 
     def __reduce__(self):
         """Pickled with its columns made (a closure does not pickle), e.g. to cross processes."""
@@ -61,6 +65,10 @@ class Spans:
     def memory_rows(self) -> ComputeRows:
         """The compute rows of real stages, as :func:`pipesim.memory.compute_rows` reads them
         from a trace."""
+        if self._compute_ops is not None and self._made is None:
+            op, stage, mb = self._compute_ops()
+            return ComputeRows(self.compute_rank, op, stage, mb, self.starts[self.compute_rows],
+                               self.ends[self.compute_rows])
         columns = self.columns()
         rows = self.compute_rows[columns["stage"][self.compute_rows] >= 0]
         return ComputeRows(columns["rank"][rows], _OP_NAMES[columns["op"][rows]],
