@@ -3,12 +3,20 @@
 For each configuration, in one run: build + validate the schedule (timed apart, it is not the
 simulator), then the best of ``--repeat`` runs of
 
-* ``pipesim.simulate`` (SimPy engine, trace DataFrame built, no metrics asked for), and
+* ``pipesim.simulate`` then its time metrics (makespan, bubble_fraction, bubble_rate): what the
+  planner and sweeps pay per call before memory ("simulate s", "sim/list");
+* the same and peak memory per rank (as the planner reads them; the memory model runs on the
+  engine's arrays; "+memory s", "mem/list");
+* ``pipesim.simulate`` then its trace DataFrame (built on first access, as every table,
+  picture and the memory model read it; "+trace s", "trace/list");
 * a minimal plain-Python list scheduler that computes the same start times from the compute
   orders (checked equal), the floor any simulator of this model has to beat.
 
-Times are CPU seconds of this process (``time.process_time``), best of ``--repeat``: on a
-shared machine that is what one core gives, whatever else runs beside it.
+The default (async) mode runs as a dataflow without SimPy (:mod:`pipesim.dataflow`).
+
+Times are CPU seconds of this process (``time.process_time``), best of ``--repeat`` rounds (50 times
+that for schedules under 4,096 microbatch-stages), each round timing every variant once in
+turn: on a shared machine that is what one core gives, whatever else runs beside it.
 
 ``--naive`` also times the textbook SimPy structure (one process per rank, one timeout per
 compute action, one event per message) on the headline configuration, to show why the engine
@@ -120,6 +128,25 @@ def naive_simpy(schedule, times) -> float:
     return env.now
 
 
+def metrics_only(schedule, costs):
+    """Simulate and read the time metrics (no trace DataFrame is built for these)."""
+    r = simulate(schedule, costs)
+    return r, r.makespan, r.bubble_fraction, r.bubble_rate
+
+
+def with_memory(schedule, costs):
+    """Simulate, read the time metrics and the peak memory of every rank."""
+    r = simulate(schedule, costs)
+    return r, r.makespan, r.bubble_fraction, r.bubble_rate, r.peak_memory
+
+
+def with_trace(schedule, costs):
+    """Simulate and build the trace DataFrame."""
+    r = simulate(schedule, costs)
+    r.trace
+    return r
+
+
 def best_of(repeat: int, fn):
     """Least CPU time of this process over ``repeat`` calls (robust to other jobs on the box)."""
     best, value = float("inf"), None
@@ -130,6 +157,18 @@ def best_of(repeat: int, fn):
     return best, value
 
 
+def best_of_rounds(repeat: int, *fns):
+    """`best_of` for several functions timed in turn, one call each per round: a slow phase of
+    the machine then slows them all alike, and the ratios stay fair."""
+    best, values = [float("inf")] * len(fns), [None] * len(fns)
+    for _ in range(repeat):
+        for i, fn in enumerate(fns):
+            t0 = time.process_time()
+            values[i] = fn()
+            best[i] = min(best[i], time.process_time() - t0)
+    return list(zip(best, values))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
@@ -138,23 +177,28 @@ def main() -> None:
     args = parser.parse_args()
     configs = QUICK if args.quick else FULL
     print(f"{'schedule':<12}{'pp':>4}{'vpp':>4}{'m':>6}{'compute':>9}{'build+val s':>12}"
-          f"{'simulate s':>11}{'actions/s':>11}{'list s':>8}{'sim/list':>9}")
+          f"{'simulate s':>11}{'actions/s':>11}{'+memory s':>10}{'+trace s':>9}{'list s':>8}"
+          f"{'sim/list':>9}{'mem/list':>9}{'trace/list':>11}")
     for name, pp, vpp, m in configs:
         t0 = time.process_time()
         schedule = pipesim.build_schedule(name, pp=pp, microbatches=m, vpp=vpp).validate()
         build = time.process_time() - t0
         costs = costs_for(schedule.num_stages)
         times = costs.compute_times(schedule.num_stages)
-        sim_s, result = best_of(args.repeat, lambda: simulate(schedule, costs))
-        list_s, starts = best_of(args.repeat, lambda: list_scheduler(schedule, times))
+        # a small schedule takes milliseconds: more repeats, for a minimum clear of the noise
+        repeat = args.repeat if schedule.num_microbatches * schedule.pp > 4096 else 50 * args.repeat
+        (sim_s, _), (memory_s, _), (trace_s, result), (list_s, starts) = best_of_rounds(
+            repeat, lambda: metrics_only(schedule, costs), lambda: with_memory(schedule, costs),
+            lambda: with_trace(schedule, costs), lambda: list_scheduler(schedule, times))
         comp = result.trace[result.trace["kind"] == "compute"]
         got = dict(zip(zip(comp["op"].astype(str), comp["stage"], comp["microbatch"]), comp["start"]))
         bad = sum(1 for a, t in starts.items() if abs(got[tuple(a)] - t) > 1e-6 * max(1.0, t))
         if bad or len(got) != len(starts):
             raise SystemExit(f"{name}: simulate and the list scheduler disagree on {bad} start times")
         actions = len(starts)
-        print(f"{name:<12}{pp:>4}{vpp:>4}{m:>6}{actions:>9}{build:>12.2f}{sim_s:>11.3f}"
-              f"{actions / sim_s:>11,.0f}{list_s:>8.3f}{sim_s / list_s:>9.2f}")
+        print(f"{name:<12}{pp:>4}{vpp:>4}{m:>6}{actions:>9}{build:>12.2f}{sim_s:>11.4f}"
+              f"{actions / sim_s:>11,.0f}{memory_s:>10.4f}{trace_s:>9.4f}{list_s:>8.4f}"
+              f"{sim_s / list_s:>9.2f}{memory_s / list_s:>9.2f}{trace_s / list_s:>11.2f}")
     if args.naive:
         name, pp, vpp, m = ("interleaved", 64, 2, 512) if not args.quick else configs[-1]
         schedule = pipesim.build_schedule(name, pp=pp, microbatches=m, vpp=vpp).validate()

@@ -16,7 +16,11 @@ a message (an activation or a gradient) crossing a link, so the model makes even
   arrival (zero-length at the consumer's start if the data was there).
 
 The result is the same as stepping every action as a SimPy timeout (the tests check it against
-an independent list scheduler), at a fraction of the events. Modes: ``comm="async"`` (the
+an independent list scheduler), at a fraction of the events. In the ``async`` and ``blocking``
+modes no result depends on the order of events in time, so `simulate` runs them without SimPy,
+as a dataflow over a ready list (:mod:`pipesim.dataflow`, checked span for span against
+`_run`); the result keeps the engine's arrays (:class:`pipesim.spans.Spans`) and builds the
+trace DataFrame only when it is read. Modes: ``comm="async"`` (the
 default; a send is posted and the rank goes on, as with ``isend``, and the data moves at once:
 receives count as pre-posted), ``"blocking"`` (the sender waits until its transfer has arrived;
 receives are pre-posted, so there is no rendezvous and no deadlock that the asynchronous
@@ -33,15 +37,17 @@ a generator seeded by ``seed``, in rank then action order.
 from __future__ import annotations
 
 import random
-from functools import lru_cache
 from itertools import chain
 from operator import itemgetter
 from typing import TYPE_CHECKING
 
+import numpy as np
 import simpy
 from simpy.events import NORMAL
 
 from .costs import CostModel
+from .dataflow import run_dataflow
+from .spans import OPS, Spans
 from .schedule.action import B, F, I, OVERLAP_F_B, RECV_B, RECV_F, SEND_B, SEND_F, W
 from .schedule.schedule import Schedule
 
@@ -82,22 +88,38 @@ def simulate(schedule: Schedule, costs: CostModel | None = None, *, comm: str = 
     overlaps = _expand_overlaps(schedule, actions, costs) if schedule.has_overlaps else None
     if overlaps is not None:
         actions = overlaps[0]
-    columns = _columns(schedule, actions, costs)
-    factors = _jitter(len(columns["op"]), jitter, seed)
+    factors = _jitter(sum(map(len, actions)), jitter, seed)
     shared = cores if cores is not None and cores < schedule.pp else None
-    starts, ends = _run(schedule, actions, costs, factors, comm == "blocking",
-                        comm == "rendezvous", shared, overlaps)
-    if step_tail:
-        _append_tail(schedule, costs, dp, columns, starts, ends)
-    trace = _frame(columns, starts, ends)
     options = {"comm": comm, "step_tail": step_tail, "dp": dp, "jitter": jitter, "seed": seed,
                "cores": cores}
-    return SimResult(trace, schedule=schedule, costs=costs, options=options)
+    if comm != "rendezvous" and shared is None and not step_tail:
+        # A dataflow (no event heap); the timing-free columns wait until the trace is asked for.
+        starts, ends, compute = run_dataflow(schedule, actions, costs, factors,
+                                             comm == "blocking", overlaps)
+        rank = np.repeat(np.arange(schedule.pp, dtype=np.int64), [len(c) for c in compute])
+        row_rank = np.repeat(np.arange(schedule.pp, dtype=np.int64), [len(a) for a in actions])
+        spans = Spans(np.asarray(starts, dtype=float), np.asarray(ends, dtype=float), row_rank,
+                      np.fromiter(chain.from_iterable(compute), dtype=np.int64, count=len(rank)),
+                      rank, lambda: _columns(schedule, actions, costs),
+                      lambda: _compute_ops(schedule))
+        return SimResult.from_spans(spans, schedule=schedule, costs=costs, options=options)
+    columns = _columns(schedule, actions, costs)
+    if comm == "rendezvous" or shared is not None:      # depend on event order in time
+        starts, ends = _run(schedule, actions, costs, factors, comm == "blocking",
+                            comm == "rendezvous", shared, overlaps)
+    else:
+        starts, ends, _ = run_dataflow(schedule, actions, costs, factors, comm == "blocking",
+                                       overlaps)
+    if step_tail:
+        _append_tail(schedule, costs, dp, columns, starts, ends)
+    compute_rows = np.flatnonzero(columns["kind"] == 0)
+    spans = Spans(np.asarray(starts, dtype=float), np.asarray(ends, dtype=float), columns["rank"],
+                  compute_rows, columns["rank"][compute_rows], lambda: columns)
+    return SimResult.from_spans(spans, schedule=schedule, costs=costs, options=options)
 
 
 # Op codes of the trace's categorical ``op`` column (step-tail ops last).
-_OPS = (F, B, I, W, SEND_F, RECV_F, SEND_B, RECV_B)
-_TAIL_OPS = ("ALLREDUCE", "OPTIMIZER")
+_OPS = OPS
 _OP_CODE = {op: code for code, op in enumerate(_OPS)}
 
 
@@ -235,6 +257,18 @@ def _columns(schedule: Schedule, actions: list[list], costs: CostModel) -> dict:
         "bytes": np.where(is_comm, np.asarray(nbytes, dtype=float)[lower], 0.0),
         "peer": np.where(is_comm, place[peer_stage], -1),
     }
+
+
+def _compute_ops(schedule: Schedule) -> tuple:
+    """(op names, stage, microbatch) of the compute rows, in row order: each rank's compute
+    parts (an overlap's parts in turn), as the split actions hold them between the comms."""
+    import numpy as np
+
+    flat = list(chain.from_iterable(schedule.compute_parts(r) for r in range(schedule.pp)))
+    rows = len(flat)
+    return (np.fromiter(map(itemgetter(0), flat), dtype=object, count=rows),
+            np.fromiter(map(itemgetter(1), flat), dtype=np.int64, count=rows),
+            np.fromiter(map(itemgetter(2), flat), dtype=np.int64, count=rows))
 
 
 def _run(schedule: Schedule, actions: list[list], costs: CostModel, factors: list[float] | None,
@@ -420,29 +454,3 @@ def _append_tail(schedule: Schedule, costs: CostModel, dp: int, columns: dict,
             ends.append(t)
     for name, values in extra.items():
         columns[name] = np.concatenate((columns[name], np.asarray(values, dtype=columns[name].dtype)))
-
-
-
-def _frame(columns, starts, ends):
-    """The trace DataFrame over the engine's own arrays (no copies: nothing else holds them)."""
-    import numpy as np
-    import pandas as pd
-
-    op_dtype, kind_dtype = _dtypes()
-    data = dict(columns)
-    data["op"] = pd.Categorical.from_codes(columns["op"], dtype=op_dtype)
-    data["kind"] = pd.Categorical.from_codes(columns["kind"], dtype=kind_dtype)
-    data["start"] = np.asarray(starts, dtype=float)
-    data["end"] = np.asarray(ends, dtype=float)
-    return pd.DataFrame({name: data[name] for name in
-                         ("rank", "op", "stage", "chunk", "microbatch", "start", "end", "kind",
-                          "bytes", "peer")}, copy=False)
-
-
-@lru_cache(maxsize=1)
-def _dtypes():
-    """The trace's two categorical dtypes (immutable; built once: pandas' per-call inference of
-    the categories was a third of the trace's cost on small schedules)."""
-    import pandas as pd
-
-    return (pd.CategoricalDtype(list(_OPS + _TAIL_OPS)), pd.CategoricalDtype(["compute", "comm"]))

@@ -22,7 +22,7 @@ is held from its posting to the end of the B or I that uses it.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
@@ -35,6 +35,49 @@ if TYPE_CHECKING:
     from .schedule.schedule import Schedule
 
 
+class ComputeRows(NamedTuple):
+    """The arrays of a trace's compute rows of real stages (step-tail rows left out), in trace
+    order: what the memory model reads, whether or not a DataFrame was built."""
+
+    rank: np.ndarray
+    op: np.ndarray          # op names (str objects)
+    stage: np.ndarray
+    microbatch: np.ndarray
+    start: np.ndarray
+    end: np.ndarray
+
+
+class MemoryEvents(NamedTuple):
+    """Every allocation and free, sorted by (rank, time, frees first), and the bytes held on
+    the rank after each (a running sum per rank, in that order)."""
+
+    rank: np.ndarray
+    time: np.ndarray
+    held: np.ndarray
+
+    def frame(self) -> "pd.DataFrame":
+        import pandas as pd
+
+        return pd.DataFrame({"rank": self.rank, "time": self.time, "bytes": self.held})
+
+    def peaks(self, pp: int) -> list[float]:
+        """Largest ``held`` of each rank (0 for a rank without events)."""
+        out = [0.0] * pp
+        bounds = np.searchsorted(self.rank, np.arange(pp + 1))
+        for r in range(pp):
+            if bounds[r + 1] > bounds[r]:
+                out[r] = float(self.held[bounds[r]:bounds[r + 1]].max())
+        return out
+
+
+def compute_rows(trace: "pd.DataFrame") -> ComputeRows:
+    rows = trace[trace["kind"] == "compute"]
+    rows = rows[rows["stage"] >= 0]
+    return ComputeRows(rows["rank"].to_numpy(int), rows["op"].to_numpy(object),
+                       rows["stage"].to_numpy(int), rows["microbatch"].to_numpy(int),
+                       rows["start"].to_numpy(float), rows["end"].to_numpy(float))
+
+
 def memory_timeline(trace: "pd.DataFrame", costs: "CostModel", num_stages: int, pp: int,
                     rank_stages: Sequence[Sequence[int]] | None = None,
                     schedule: "Schedule | None" = None) -> "pd.DataFrame":
@@ -43,19 +86,21 @@ def memory_timeline(trace: "pd.DataFrame", costs: "CostModel", num_stages: int, 
     Each rank's timeline starts with its static bytes at the trace's first start. With
     ``schedule``, receive buffers are counted too (see the module docstring).
     """
-    import pandas as pd
+    return memory_events(compute_rows(trace), float(trace["start"].min()), costs, num_stages,
+                         pp, rank_stages, schedule).frame()
 
+
+def memory_events(rows: ComputeRows, t0: float, costs: "CostModel", num_stages: int, pp: int,
+                  rank_stages: Sequence[Sequence[int]] | None = None,
+                  schedule: "Schedule | None" = None) -> MemoryEvents:
+    """The memory model over the compute rows' arrays; ``t0``: the trace's first start."""
     act = np.asarray(costs.stage_values("activation_bytes", num_stages), float)
     wshare = np.asarray(costs.stage_values("weight_grad_fraction", num_stages), float)
     static_stage = costs.stage_values("stage_static_bytes", num_stages)
     static_rank = costs.rank_static_bytes(pp)
-    rows = trace[trace["kind"] == "compute"]
-    rows = rows[rows["stage"] >= 0]
-    ops = rows["op"].to_numpy()
-    stage = rows["stage"].to_numpy(int)
+    ops, stage, start, end, rank = rows.op, rows.stage, rows.start, rows.end, rows.rank
     if len(stage) and stage.max() >= num_stages:
         raise ValueError(f"trace names stage {stage.max()}, outside 0..{num_stages - 1}")
-    start, end, rank = rows["start"].to_numpy(float), rows["end"].to_numpy(float), rows["rank"].to_numpy(int)
     has_backward = bool(np.isin(ops, ("B", "I", "W")).any())
     parts = []  # (mask, time, delta, prio)
     is_f = ops == "F"
@@ -79,25 +124,26 @@ def memory_timeline(trace: "pd.DataFrame", costs: "CostModel", num_stages: int, 
             prio, ranks = np.concatenate((prio, p)), np.concatenate((ranks, r))
 
     if rank_stages is None:
-        held = rows.groupby("rank")["stage"].unique()
-        rank_stages = [list(held.get(r, [])) for r in range(pp)]
+        rank_stages = [list(dict.fromkeys(stage[rank == r].tolist())) for r in range(pp)]
     static = np.array([static_rank[r] + sum(static_stage[s] for s in rank_stages[r]) for r in range(pp)])
-    t0 = float(trace["start"].min())
     times = np.concatenate((np.full(pp, t0), times))
     deltas = np.concatenate((static, deltas))
     prio = np.concatenate((np.full(pp, -1), prio))
     ranks = np.concatenate((np.arange(pp), ranks))
     order = np.lexsort((prio, times, ranks))
-    frame = pd.DataFrame({"rank": ranks[order], "time": times[order], "bytes": deltas[order]})
-    frame["bytes"] = frame.groupby("rank")["bytes"].cumsum()
-    return frame.reset_index(drop=True)
+    ranks, deltas = ranks[order], deltas[order]
+    held = np.empty_like(deltas)
+    bounds = np.searchsorted(ranks, np.arange(pp + 1))
+    for r in range(pp):                     # a running sum per rank (events sorted by rank)
+        np.cumsum(deltas[bounds[r]:bounds[r + 1]], out=held[bounds[r]:bounds[r + 1]])
+    return MemoryEvents(ranks, times[order], held)
 
 
-def _receive_buffers(rows: "pd.DataFrame", schedule: "Schedule", nbytes: Sequence[float]
+def _receive_buffers(rows: ComputeRows, schedule: "Schedule", nbytes: Sequence[float]
                      ) -> list[tuple[int, float, float, int]]:
     """(rank, time, +/- bytes, priority) of the receive buffers a schedule's RECVs hold."""
-    span = {(int(r), str(o), int(s), int(b)): (t0, t1) for r, o, s, b, t0, t1 in zip(
-        rows["rank"], rows["op"], rows["stage"], rows["microbatch"], rows["start"], rows["end"])}
+    span = dict(zip(zip(rows.rank.tolist(), rows.op.tolist(), rows.stage.tolist(),
+                        rows.microbatch.tolist()), zip(rows.start.tolist(), rows.end.tolist())))
     out: list[tuple[int, float, float, int]] = []
     for rank in range(schedule.pp):
         actions = flat_parts(schedule.actions(rank))   # an overlap holds what its parts do

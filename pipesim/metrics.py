@@ -35,17 +35,43 @@ def _compute_rows(trace: "pd.DataFrame") -> "pd.DataFrame":
     return trace[trace["kind"] == "compute"]
 
 
-def busy_per_rank(trace: "pd.DataFrame", ranks: int) -> list[float]:
+def compute_spans(trace: "pd.DataFrame") -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(rank, start, end) of the compute rows, in trace order: what `busy_of` and `span_of`
+    read, so a result that has these arrays without a DataFrame scores the same."""
     rows = _compute_rows(trace)
-    sums = (rows["end"] - rows["start"]).groupby(rows["rank"]).sum()
-    return [float(sums.get(r, 0.0)) for r in range(ranks)]
+    return (rows["rank"].to_numpy(np.int64), rows["start"].to_numpy(float),
+            rows["end"].to_numpy(float))
+
+
+def busy_of(rank: np.ndarray, start: np.ndarray, end: np.ndarray, ranks: int) -> list[float]:
+    """``busy`` from the compute rows' arrays: per rank, the durations summed in row order."""
+    return np.bincount(rank, weights=end - start, minlength=ranks)[:ranks].tolist()
+
+
+def span_of(rank: np.ndarray, start: np.ndarray, end: np.ndarray, ranks: int) -> list[float]:
+    """``span`` from the compute rows' arrays (0 for a rank without compute rows)."""
+    if len(rank) and rank.max() >= ranks:
+        keep = rank < ranks
+        rank, start, end = rank[keep], start[keep], end[keep]
+    first = np.full(ranks, np.inf)
+    last = np.full(ranks, -np.inf)
+    np.minimum.at(first, rank, start)
+    np.maximum.at(last, rank, end)
+    return np.where(np.isfinite(first), last - first, 0.0).tolist()
+
+
+def busy_per_rank(trace: "pd.DataFrame", ranks: int) -> list[float]:
+    return busy_of(*compute_spans(trace), ranks)
 
 
 def span_per_rank(trace: "pd.DataFrame", ranks: int) -> list[float]:
-    rows = _compute_rows(trace)
-    grouped = rows.groupby("rank")
-    first, last = grouped["start"].min(), grouped["end"].max()
-    return [float(last.get(r, 0.0) - first.get(r, 0.0)) for r in range(ranks)]
+    return span_of(*compute_spans(trace), ranks)
+
+
+def slowest_of(busy: list[float], span: list[float]) -> int:
+    """The rank with the largest idle share of its own span (lowest rank on ties)."""
+    shares = [(s - b) / s if s > 0 else 0.0 for b, s in zip(busy, span)]
+    return int(np.argmax(shares))
 
 
 def bubble_fraction(trace: "pd.DataFrame", ranks: int) -> float:
@@ -57,9 +83,7 @@ def bubble_fraction(trace: "pd.DataFrame", ranks: int) -> float:
 
 def slowest_rank(trace: "pd.DataFrame", ranks: int) -> int:
     """The rank with the largest idle share of its own span (lowest rank on ties)."""
-    busy, span = busy_per_rank(trace, ranks), span_per_rank(trace, ranks)
-    shares = [(s - b) / s if s > 0 else 0.0 for b, s in zip(busy, span)]
-    return int(np.argmax(shares))
+    return slowest_of(busy_per_rank(trace, ranks), span_per_rank(trace, ranks))
 
 
 def bubble_rate(trace: "pd.DataFrame", ranks: int) -> float:

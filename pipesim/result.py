@@ -2,7 +2,10 @@
 
 Everything here is computed from the trace (and, for memory, either a measured memory timeline
 or a :class:`CostModel` replayed over the trace), so ``SimResult.from_trace(measured)`` gives
-the same metrics, Gantt chart and Chrome trace as a simulation. Metric definitions are in
+the same metrics, Gantt chart and Chrome trace as a simulation. A simulated result holds the
+engine's :class:`pipesim.spans.Spans` and builds its trace DataFrame only when first read;
+``makespan``, ``busy``, ``span``, the bubble metrics and peak memory read the same arrays
+without it. Metric definitions are in
 :mod:`pipesim.metrics`; the memory model in :mod:`pipesim.memory`.
 """
 from __future__ import annotations
@@ -20,6 +23,7 @@ if TYPE_CHECKING:
 
     from .costs import CostModel
     from .schedule.schedule import Schedule
+    from .spans import Spans
 
 
 class SimResult:
@@ -34,12 +38,37 @@ class SimResult:
                  costs: "CostModel | None" = None, memory_timeline: "pd.DataFrame | None" = None,
                  options: dict[str, Any] | None = None, source: str = "simulated") -> None:
         self.trace = check_trace(trace)
+        self._setup(None, schedule, costs, memory_timeline, options, source,
+                    schedule.pp if schedule is not None else num_ranks(trace))
+
+    def _setup(self, spans, schedule, costs, memory_timeline, options, source, ranks) -> None:
+        self._spans: "Spans | None" = spans
         self.schedule = schedule
         self.costs = costs
         self.options = dict(options or {})
         self.source = source
         self._memory_timeline = memory_timeline
-        self.num_ranks = schedule.pp if schedule is not None else num_ranks(trace)
+        self.num_ranks = ranks
+
+    @classmethod
+    def from_spans(cls, spans: "Spans", *, schedule: "Schedule", costs: "CostModel | None" = None,
+                   options: dict[str, Any] | None = None) -> "SimResult":
+        """A simulated result over the engine's arrays; ``trace`` is built on first access."""
+        result = cls.__new__(cls)
+        result._setup(spans, schedule, costs, None, options, "simulated", schedule.pp)
+        return result
+
+    @cached_property
+    def trace(self) -> "pd.DataFrame":
+        """One row per span (columns in :mod:`pipesim.trace`); built from the spans once."""
+        return check_trace(self._spans.frame())
+
+    @cached_property
+    def _compute_spans(self):
+        """(rank, start, end) arrays of the compute rows (see :func:`metrics.compute_spans`)."""
+        if self._spans is not None:
+            return self._spans.compute_spans()
+        return metrics.compute_spans(self.trace)
 
     @classmethod
     def from_trace(cls, trace: "pd.DataFrame", schedule: "Schedule | None" = None,
@@ -56,11 +85,21 @@ class SimResult:
     # -- time --------------------------------------------------------------------------------
     @cached_property
     def makespan(self) -> float:
+        if self._spans is not None:
+            return self._spans.makespan()
         return metrics.makespan(self.trace)
 
     @cached_property
+    def rank_end(self) -> list[float]:
+        """When each rank's last row ends (0 for a rank without rows)."""
+        if self._spans is not None:
+            return self._spans.rank_end(self.num_ranks)
+        ends = self.trace.groupby("rank", observed=True)["end"].max()
+        return [float(ends.get(r, 0.0)) for r in range(self.num_ranks)]
+
+    @cached_property
     def busy(self) -> list[float]:
-        return metrics.busy_per_rank(self.trace, self.num_ranks)
+        return metrics.busy_of(*self._compute_spans, self.num_ranks)
 
     @property
     def idle(self) -> list[float]:
@@ -68,7 +107,7 @@ class SimResult:
 
     @cached_property
     def span(self) -> list[float]:
-        return metrics.span_per_rank(self.trace, self.num_ranks)
+        return metrics.span_of(*self._compute_spans, self.num_ranks)
 
     @property
     def bubble(self) -> list[float]:
@@ -88,7 +127,7 @@ class SimResult:
 
     @property
     def slowest_rank(self) -> int:
-        return metrics.slowest_rank(self.trace, self.num_ranks)
+        return metrics.slowest_of(self.busy, self.span)
 
     @property
     def bubble_rate(self) -> float:
@@ -107,21 +146,32 @@ class SimResult:
         """Columns rank, time, bytes (held after each event)."""
         if self._memory_timeline is not None:
             return self._memory_timeline
+        return self._memory_events.frame()
+
+    @cached_property
+    def _memory_events(self):
+        """The memory model replayed over the compute rows (the engine's arrays when there)."""
         if self.costs is None:
             raise ValueError("memory needs a memory_timeline or a CostModel: pass costs= or "
                              "memory_timeline= to SimResult.from_trace")
-        from .memory import memory_timeline
+        from .memory import compute_rows, memory_events
 
         n = self.schedule.num_stages if self.schedule is not None else int(self.trace["stage"].max()) + 1
         stages = ([self.schedule.rank_stages(r) for r in range(self.num_ranks)]
                   if self.schedule is not None else None)
-        return memory_timeline(self.trace, self.costs, n, self.num_ranks, stages, self.schedule)
+        if self._spans is not None:
+            rows, t0 = self._spans.memory_rows(), float(self._spans.starts.min())
+        else:
+            rows, t0 = compute_rows(self.trace), float(self.trace["start"].min())
+        return memory_events(rows, t0, self.costs, n, self.num_ranks, stages, self.schedule)
 
     @cached_property
     def peak_memory(self) -> list[float]:
-        from .memory import peak_per_rank
+        if self._memory_timeline is not None:
+            from .memory import peak_per_rank
 
-        return peak_per_rank(self.memory_timeline, self.num_ranks)
+            return peak_per_rank(self._memory_timeline, self.num_ranks)
+        return self._memory_events.peaks(self.num_ranks)
 
     @cached_property
     def peak_inflight(self) -> list[int]:

@@ -174,8 +174,8 @@ def simulate_plan(plan: "Plan", *, comm: str = "async", validate: bool = True,
     derived = plan.derive()
     schedule = plan.build_schedule()
     sim = simulate(schedule, derived.costs, comm=comm, jitter=jitter, seed=seed)
-    ends = sim.trace.groupby("rank", observed=True)["end"].max()
-    pipeline = float(ends.max())
-    rank_step = [float(ends.get(r, 0.0)) + t["dp_exposed"] + t["optimizer"]
+    ends = sim.rank_end
+    pipeline = max(ends)
+    rank_step = [(ends[r] if r < len(ends) else 0.0) + t["dp_exposed"] + t["optimizer"]
                  for r, t in enumerate(derived.tail)]
     return PlanResult(plan, derived, sim, pipeline, max(rank_step), rank_step)
