@@ -35,6 +35,15 @@ class ModelSpec:
     factory: LayerFactory                   # (global index, generator) -> initialised layer
     loss_fn: LossFn
     param_counts: tuple[int, ...] | None = None   # per layer; measured on demand when None
+    # per layer: what it is ("embedding", "block", "head"...); layers of one kind are assumed to
+    # cost the same when calibrated costs are re-partitioned. None: every layer its own
+    # factory's class name (`kinds`).
+    layer_kinds: tuple[str, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if self.layer_kinds is not None and len(self.layer_kinds) != self.num_layers:
+            raise ValueError(f"ModelSpec: {len(self.layer_kinds)} layer kinds for "
+                             f"{self.num_layers} layers")
 
     def build_layer(self, index: int, seed: int, device: torch.device | str = "cpu",
                     dtype: torch.dtype | None = None) -> nn.Module:
@@ -53,6 +62,14 @@ class ModelSpec:
             counts.append(sum(p.numel() for p in layer.parameters()))
         return tuple(counts)
 
+    def kinds(self) -> tuple[str, ...]:
+        """Each layer's kind: ``layer_kinds``, or the class name of the layer the factory
+        builds (the kind a measured run records for re-partitioning its costs)."""
+        if self.layer_kinds is not None:
+            return self.layer_kinds
+        return tuple(type(self.factory(i, torch.Generator().manual_seed(0))).__name__
+                     for i in range(self.num_layers))
+
 
 def model_from_layers(layers: list[nn.Module], loss_fn: LossFn) -> ModelSpec:
     """A spec over an existing layer list (every rank holds the list; each uses its stages).
@@ -62,7 +79,8 @@ def model_from_layers(layers: list[nn.Module], loss_fn: LossFn) -> ModelSpec:
     def factory(index: int, generator: torch.Generator) -> nn.Module:
         return layers[index]
     counts = tuple(sum(p.numel() for p in layer.parameters()) for layer in layers)
-    return ModelSpec(len(layers), factory, loss_fn, counts)
+    return ModelSpec(len(layers), factory, loss_fn, counts,
+                     tuple(type(layer).__name__ for layer in layers))
 
 
 # -- built-in GPT ---------------------------------------------------------------------------------
@@ -142,7 +160,8 @@ def gpt_spec(*, layers: int, hidden: int, heads: int, seq_len: int, vocab: int,
     block = 2 * 2 * hidden + (hidden * 3 * hidden + 3 * hidden) + (hidden * hidden + hidden) \
         + (hidden * ffn_mult * hidden + ffn_mult * hidden) + (ffn_mult * hidden * hidden + hidden)
     counts = (vocab * hidden + seq_len * hidden,) + (block,) * layers + (2 * hidden + hidden * vocab,)
-    return ModelSpec(layers + 2, factory, lm_loss, counts)
+    return ModelSpec(layers + 2, factory, lm_loss, counts,
+                     ("embedding",) + ("block",) * layers + ("head",))
 
 
 def gpt_spec_from_config(config) -> ModelSpec:

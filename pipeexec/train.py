@@ -34,7 +34,7 @@ from .malloc import keep_freed_memory
 from .model import ModelSpec, gpt_spec_from_config
 from .optim import adamw_state_for, build_adamw, clip_coefficient, lr_at, set_lr
 from .p2p import P2P, check_channels_exist, check_p2p_order
-from .partition import make_partition
+from .partition import stage_bounds
 from .precision import LossScaler, MasterWeights, compute_dtype
 from .runtime import ActionRecorder, PipelineRuntime
 from .stage import build_stage
@@ -108,8 +108,9 @@ class Trainer:
         """``schedule``: run this Schedule (any pipesim Schedule, e.g. hand-made) instead of the
         one ``config.schedule`` names; its pp, vpp and microbatches must match the config."""
         spec = spec or gpt_spec_from_config(config)
+        # The schedule is built once per rank, below (validate would build it once more).
         config.validate(world_size=topology.world_size, num_layers=spec.num_layers,
-                        check_schedule=schedule is None)
+                        check_schedule=False)
         if (config.pp, config.dp) != (topology.pp, topology.dp):
             raise ValueError(f"config pp={config.pp} dp={config.dp} but topology pp={topology.pp} "
                              f"dp={topology.dp}")
@@ -122,9 +123,7 @@ class Trainer:
         self.config, self.topology, self.spec = config, topology, spec
         self._custom_schedule = schedule is not None
         self.schedule = schedule if schedule is not None else config.build_schedule()
-        self.bounds = make_partition(spec.num_layers, config.num_stages, config.partition,
-                                     config.boundaries,
-                                     spec.layer_param_counts() if config.partition == "params" else None)
+        self.bounds = stage_bounds(spec, config)
         dev = topology.device
         if dev.type == "cpu" and config.cpu_keep_freed_memory:
             keep_freed_memory()         # no fresh pages, hence no page faults, every step
@@ -277,10 +276,8 @@ class Trainer:
                                           for r in range(s.pp)],
                                          name=f"{s.name} (forward only)", forward_only=True,
                                          recv_lookahead=s.recv_lookahead).validate()
-            else:
-                sched = pipesim.build_schedule(cfg.schedule, pp=cfg.pp, microbatches=cfg.microbatches,
-                                               vpp=cfg.vpp, forward_only=True,
-                                               recv_lookahead=cfg.recv_lookahead).validate()
+            else:               # the builder's (or the file's) forward-only schedule
+                sched = cfg.replace(forward_only=True).build_schedule()
             self._fwd_runtime = PipelineRuntime(sched, self.topology.pp_rank, self.stages,
                                                 self.spec.loss_fn, self.grads.accumulate, self.p2p,
                                                 global_rank=self.topology.rank,

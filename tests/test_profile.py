@@ -548,11 +548,12 @@ def test_probed_split_gives_i_and_w_to_a_run_without_them():
 
 
 def test_probed_split_takes_what_i_frees_from_the_probe():
-    import types
 
     from pipeexec.profile.calibrate import probed_split
 
-    run = types.SimpleNamespace(meta={"pp": 2, "vpp": 1, "split_probe": {
+    run = MeasuredRun(pd.DataFrame(), {"schedule": "1f1b", "pp": 2, "vpp": 1,
+                                       "microbatches": 2, "bounds": [0, 1, 2],
+                                       "layer_kinds": ["block", "block"], "split_probe": {
         "0": {"ratio_wall": {"I": 0.0, "W": 1.0}, "freed_at_I": 0.0},
         "1": {"ratio_wall": {"I": 0.6, "W": 0.5}, "freed_at_I": 300.0}}})
     costs = pipesim.CostModel(forward=1.0, backward=2.0, activation_bytes=[500.0, 1000.0],

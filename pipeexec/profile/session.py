@@ -25,12 +25,11 @@ from typing import Any
 
 import torch.distributed as dist
 
-from pipesim.schedule.io import schedule_to_dict
-
 from .clock import ClockOffset, align_clocks
 from .measured import MeasuredRun, build_trace
 from .memory import HeldTensorMeter
 from .recorder import ActionProfiler, ProfiledP2P
+from .run_plan import RunPlan
 
 
 def parse_step_range(text: str) -> tuple[int, int]:
@@ -134,23 +133,16 @@ class ProfileSession:
         schedule = trainer.schedule
         trace = build_trace([p["records"] for p in pipeline], [p["offset"] for p in pipeline],
                             schedule)
-        meta = {
-            "schedule": cfg.schedule, "pp": cfg.pp, "vpp": cfg.vpp, "dp": cfg.dp,
-            "microbatches": cfg.microbatches, "recv_lookahead": schedule.recv_lookahead,
-            "bounds": list(trainer.bounds),
-            "layer_kinds": layer_kinds(trainer.spec.num_layers, cfg),
-            "device": str(topo.device), "backend": topo.backend,
-            "clock_offsets": [p["offset"] for p in pipeline],
-            "clock_rtts": [p["rtt"] for p in pipeline],
-            "profiled_steps": [self.options.first, self.options.stop],
-            "memory": "held_tensors",
-            "rank_cpus": [p["cpus"] for p in pipeline], "host_cpus": os.cpu_count(),
-            "cpus_per_rank": self.options.cpus_per_rank,
-            "hosts": host_loads(gathered),
-            "config": cfg.to_dict(),
-            # the schedule itself (a file's, or one searched from costs, is not its name)
-            "schedule_data": schedule_to_dict(schedule),
-        }
+        plan = RunPlan(schedule, trainer.bounds, trainer.spec.kinds(), dp=cfg.dp,
+                       device=str(topo.device), backend=topo.backend, hosts=host_loads(gathered),
+                       rank_cpus=tuple(p["cpus"] for p in pipeline), host_cpus=os.cpu_count(),
+                       cpus_per_rank=self.options.cpus_per_rank, config=cfg.to_dict(),
+                       schedule_name=cfg.schedule)
+        meta = {**plan.to_meta(),
+                "clock_offsets": [p["offset"] for p in pipeline],
+                "clock_rtts": [p["rtt"] for p in pipeline],
+                "profiled_steps": [self.options.first, self.options.stop],
+                "memory": "held_tensors"}
         probes = {str(s): v for p in pipeline for s, v in (p["split_probe"] or {}).items()}
         if probes:
             meta["split_probe"] = probes
@@ -181,11 +173,3 @@ def rank_cpus() -> float:
     from ..cpu_quota import cpu_limit
 
     return float(min(cpu_limit(), torch.get_num_threads()))
-
-
-def layer_kinds(num_layers: int, config: Any) -> list[str]:
-    """Kind of each layer of the built-in GPT: embedding, blocks, head (for re-partitioning
-    calibrated costs; layers of one kind are assumed to cost the same)."""
-    return ["embedding"] + ["block"] * (num_layers - 2) + ["head"] if num_layers >= 2 \
-        else ["layer"] * num_layers
-
