@@ -24,32 +24,28 @@ preflight (checks of a command before any worker starts), worker and cli (entry 
 """
 from __future__ import annotations
 
-from importlib import import_module
-from typing import TYPE_CHECKING, Any
+from .config import ConfigError, TrainConfig
 
-# Names resolve on first use (PEP 562), so the torch-free rooms (config, partition, the
-# measuring room pipeexec.profile's calibrate / predict / compare / run_plan) import on a machine
-# without torch; the rest imports torch when first touched.
-_EXPORTS = {"ConfigError": "config", "TrainConfig": "config", "WorkerFailed": "launcher",
-            "launch": "launcher", "ModelSpec": "model", "gpt_spec": "model",
-            "model_from_layers": "model", "PipelineError": "runtime",
-            "PipelineRuntime": "runtime", "Topology": "topology", "init_topology": "topology",
-            "StepStats": "train", "Trainer": "train", "TrainResult": "train", "train": "train"}
+__all__ = ["ConfigError", "TrainConfig", "WorkerFailed", "launch", "ModelSpec", "gpt_spec",
+           "model_from_layers", "PipelineError", "PipelineRuntime", "Topology", "init_topology",
+           "StepStats", "Trainer", "TrainResult", "train"]
 
-__all__ = list(_EXPORTS)
 
-if TYPE_CHECKING:
-    from .config import ConfigError, TrainConfig
+def _torch_available() -> bool:
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+# On a machine without torch the package still imports: config and the measuring room
+# (pipeexec.profile: run_plan, measured, calibrate, contention, predict, compare) need no torch.
+if _torch_available():
     from .launcher import WorkerFailed, launch
     from .model import ModelSpec, gpt_spec, model_from_layers
     from .runtime import PipelineError, PipelineRuntime
     from .topology import Topology, init_topology
     from .train import StepStats, Trainer, TrainResult, train
-
-
-def __getattr__(name: str) -> Any:
-    if name in _EXPORTS:
-        value = getattr(import_module(f".{_EXPORTS[name]}", __name__), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module 'pipeexec' has no attribute {name!r}")
+else:
+    __all__ = ["ConfigError", "TrainConfig"]

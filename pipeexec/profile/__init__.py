@@ -18,32 +18,32 @@ from __future__ import annotations
 from importlib import import_module
 from typing import TYPE_CHECKING, Any
 
-# Resolved on first use (PEP 562): the measuring modules (run_plan, measured, calibrate,
-# contention, predict, compare, run_description) import without torch; recorder and session,
-# which run inside the workers, import it.
-_EXPORTS = {"fit_run": "calibrate", "ClockAlignmentError": "clock", "ClockOffset": "clock",
-            "align_clocks": "clock", "compare_runs": "compare", "layout_of": "predict",
-            "predict": "predict", "MeasuredRun": "measured", "build_trace": "measured",
-            "RunPlan": "run_plan", "ActionProfiler": "recorder", "ActionRecord": "recorder",
-            "ProfiledP2P": "recorder", "ProfileOptions": "session",
-            "ProfileSession": "session", "parse_step_range": "session"}
+# The measuring room is torch-free and imported here (``predict`` the function shadows the
+# submodule of that name, as it always did); recorder, clock and session, which run inside the
+# workers and need torch, resolve on first use (PEP 562).
+from .calibrate import fit_run
+from .compare import compare_runs
+from .measured import MeasuredRun, build_trace
+from .predict import layout_of, predict
+from .run_plan import Layout, RunPlan
 
-__all__ = sorted(_EXPORTS)
+_LAZY = {"ClockAlignmentError": "clock", "ClockOffset": "clock", "align_clocks": "clock",
+         "ActionProfiler": "recorder", "ActionRecord": "recorder", "ProfiledP2P": "recorder",
+         "ProfileOptions": "session", "ProfileSession": "session",
+         "parse_step_range": "session"}
+
+__all__ = sorted(["Layout", "MeasuredRun", "RunPlan", "build_trace", "compare_runs", "fit_run",
+                  "layout_of", "predict", *_LAZY])
 
 if TYPE_CHECKING:
-    from .calibrate import fit_run
     from .clock import ClockAlignmentError, ClockOffset, align_clocks
-    from .compare import compare_runs
-    from .measured import MeasuredRun, build_trace
-    from .predict import layout_of, predict
     from .recorder import ActionProfiler, ActionRecord, ProfiledP2P
-    from .run_plan import RunPlan
     from .session import ProfileOptions, ProfileSession, parse_step_range
 
 
 def __getattr__(name: str) -> Any:
-    if name in _EXPORTS:
-        value = getattr(import_module(f".{_EXPORTS[name]}", __name__), name)
+    if name in _LAZY:
+        value = getattr(import_module(f".{_LAZY[name]}", __name__), name)
         globals()[name] = value
         return value
     raise AttributeError(f"module 'pipeexec.profile' has no attribute {name!r}")
