@@ -33,6 +33,11 @@ def add_train_arguments(t: argparse.ArgumentParser) -> None:
            "from the measured costs under this per-rank limit (e.g. 2GB), switch to it")
     a("--reschedule-after", type=int, default=d.reschedule_after, metavar="K",
       help="with --memory-limit: profiled steps of ZB-H1 before zb-auto takes over")
+    a("--plan", default=None, metavar="PLAN.json",
+      help="run this pipesim plan (Plan.to_json, pipesim simulate --save-plan): its schedule, "
+           "layout, batch, model and precision (the flags below that set those are then "
+           "refused); what pipeexec cannot run (tp, cp, ep > 1, ZeRO, recomputation...) is "
+           "refused with the reason before any worker starts")
     a("--pp", type=int, default=d.pp, help="pipeline ranks")
     a("--vpp", type=int, default=d.vpp, help="stages (chunks) per pipeline rank")
     a("--dp", type=int, default=d.dp, help="data-parallel replicas")
@@ -160,6 +165,35 @@ def config_from_args(ns: argparse.Namespace) -> TrainConfig:
         inject=tuple(ns.inject), forward_only=ns.forward_only)
 
 
+# train flags a plan file sets (pipeexec.plan_config)
+PLAN_DESTS = ("schedule", "pp", "vpp", "dp", "microbatches", "micro_batch_size", "layers",
+              "hidden", "heads", "seq_len", "vocab", "precision", "partition", "boundaries")
+
+
+def apply_plan(ns: argparse.Namespace, config: TrainConfig, given: set[str]) -> TrainConfig:
+    """``config`` with ``--plan``'s fields (unchanged without ``--plan``). Raises ConfigError
+    naming a flag the plan also sets, or what of the plan pipeexec cannot run."""
+    if not getattr(ns, "plan", None):
+        return config
+    import pipesim
+
+    from .plan_config import config_from_plan
+
+    clash = [d for d in PLAN_DESTS if d in given]
+    if clash:
+        raise ConfigError(f"--plan {ns.plan} sets the layout, batch, model and precision; "
+                          f"drop {', '.join('--' + d.replace('_', '-') for d in clash)} (or edit "
+                          "the plan)")
+    try:
+        plan = pipesim.Plan.from_json(ns.plan)
+    except pipesim.PlanError as exc:
+        raise ConfigError(f"--plan: {exc}") from None
+    try:
+        return config_from_plan(plan, config)
+    except ConfigError as exc:
+        raise ConfigError(f"--plan {ns.plan}: {exc}") from None
+
+
 def main(argv: list[str] | None = None) -> None:
     args = sys.argv[1:] if argv is None else list(argv)
     if args[:1] == ["compare"]:
@@ -184,6 +218,10 @@ def main(argv: list[str] | None = None) -> None:
     world = int(os.environ["WORLD_SIZE"]) if under_torchrun else (ns.nproc or ns.pp * ns.dp)
     try:
         config = config_from_args(ns)
+        if ns.plan:
+            config = apply_plan(ns, config, explicit_dests(train_parser(), args[1:]))
+            if not under_torchrun:
+                world = ns.nproc or config.world_size
         config.validate(world_size=world)    # before any process group exists
         checkpoint = options_from_args(ns)
         if checkpoint.load is not None:

@@ -136,7 +136,7 @@ def alongside_config(config: Any, text: str) -> Any:
 
 def compare_main(argv: list[str]) -> int:
     """``pipeexec compare ...``; returns the exit status (2: bad arguments, 1: run failed)."""
-    from ..cli import config_from_args, explicit_dests, train_parser
+    from ..cli import apply_plan, config_from_args, explicit_dests, train_parser
     from ..config import ConfigError
     from ..cpu_quota import QuotaUnavailable
     from ..launcher import WorkerFailed
@@ -157,7 +157,7 @@ def compare_main(argv: list[str]) -> int:
         return int(exc.code or 0)
     try:
         given = explicit_dests(parser, rest)
-        config = config_from_args(tns)
+        config = apply_plan(tns, config_from_args(tns), given)
         cpus_per_rank = tns.cpus_per_rank
         source = MeasuredRun.load(ns.calibrate_from) if ns.calibrate_from else None
         notes: list[str] = []
