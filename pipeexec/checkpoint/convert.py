@@ -45,7 +45,7 @@ class ConvertReport:
 
 def config_from_dict(saved: dict[str, Any], *, path: str | None = None) -> tuple[TrainConfig, list[str]]:
     """A `TrainConfig` from a checkpoint's config dict; unknown fields are dropped (noted)."""
-    known = {f.name for f in dataclasses.fields(TrainConfig)}
+    known = set(TrainConfig.field_names())
     values = {k: v for k, v in saved.items() if k in known}
     for k in ("boundaries", "inject"):
         if isinstance(values.get(k), list):

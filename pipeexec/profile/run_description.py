@@ -27,11 +27,8 @@ CPU_SHARE = "cpus_per_rank"
 
 
 def flag(name: str) -> str:
-    """The command-line flag that sets a config field."""
-    return {"cpu_keep_freed_memory": "--cpu-return-freed-memory",
-            "ffn_mult": "ffn_mult (no flag)",
-            "deallocate_outputs": "deallocate_outputs (no flag)"}.get(
-                name, "--" + name.replace("_", "-"))
+    """The command-line flag that sets a config field (the config's own metadata)."""
+    return TrainConfig.flag(name)
 
 
 def _shown(name: str, value: Any) -> str:
