@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING, Any
 import pipesim
 from pipesim.schedule.action import B, F, I, RECV_B, RECV_F, SEND_B, SEND_F, W
 
-from .run_plan import RunPlan
+from .run_plan import RunPlan, schedule_from_meta
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -202,8 +202,10 @@ class MeasuredRun:
     @property
     def schedule(self) -> "pipesim.Schedule":
         """The schedule the run ran: recorded as data (``schedule_data``), or rebuilt from its
-        name by runs recorded before that."""
-        return self.plan.schedule
+        name by runs recorded before that (the plan's, when the meta holds a whole plan)."""
+        if "bounds" in self.meta:
+            return self.plan.schedule
+        return schedule_from_meta(self.meta)
 
     @property
     def steps(self) -> list[int]:

@@ -124,21 +124,31 @@ class RunPlan:
         for key in ("schedule", "pp", "vpp", "microbatches", "bounds", "layer_kinds"):
             if key not in meta:
                 raise ValueError(f"{source}: lacks {key!r}")
-        if meta.get("schedule_data") is not None:
-            schedule = schedule_from_dict(meta["schedule_data"], source=source)
-        else:
-            schedule = pipesim.build_schedule(meta["schedule"], pp=int(meta["pp"]),
-                                              microbatches=int(meta["microbatches"]),
-                                              vpp=int(meta["vpp"]),
-                                              recv_lookahead=int(meta.get("recv_lookahead", 0)))
-        got = (schedule.pp, schedule.vpp, schedule.num_microbatches)
-        want = (int(meta["pp"]), int(meta["vpp"]), int(meta["microbatches"]))
-        if got != want:
-            raise ValueError(f"{source}: schedule_data has pp, vpp, microbatches = {got}, the "
-                             f"meta says {want}")
+        schedule = schedule_from_meta(meta, source)
         return cls(schedule, tuple(meta["bounds"]), tuple(meta["layer_kinds"]),
                    dp=int(meta.get("dp", 1)), device=str(meta.get("device") or "cpu"),
                    backend=meta.get("backend"), hosts=dict(meta.get("hosts") or {}),
                    rank_cpus=tuple(meta.get("rank_cpus") or ()), host_cpus=meta.get("host_cpus"),
                    cpus_per_rank=meta.get("cpus_per_rank"), config=meta.get("config"),
                    schedule_name=str(meta["schedule"]))
+
+
+def schedule_from_meta(meta: Mapping[str, Any], source: str = "measured run") -> pipesim.Schedule:
+    """The schedule a run's meta records: as data (``schedule_data``), or, in files written
+    before that, rebuilt from its name, pp, vpp, microbatches and receive lookahead."""
+    for key in ("schedule", "pp", "vpp", "microbatches"):
+        if key not in meta:
+            raise ValueError(f"{source}: lacks {key!r}")
+    if meta.get("schedule_data") is not None:
+        schedule = schedule_from_dict(meta["schedule_data"], source=source)
+    else:
+        schedule = pipesim.build_schedule(meta["schedule"], pp=int(meta["pp"]),
+                                          microbatches=int(meta["microbatches"]),
+                                          vpp=int(meta["vpp"]),
+                                          recv_lookahead=int(meta.get("recv_lookahead", 0)))
+    got = (schedule.pp, schedule.vpp, schedule.num_microbatches)
+    want = (int(meta["pp"]), int(meta["vpp"]), int(meta["microbatches"]))
+    if got != want:
+        raise ValueError(f"{source}: schedule_data has pp, vpp, microbatches = {got}, the "
+                         f"meta says {want}")
+    return schedule
