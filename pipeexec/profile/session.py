@@ -3,9 +3,9 @@
 `ProfileSession` is what a worker creates when ``--profile A:B`` is given:
 
 1. at start-up, clocks are aligned to global rank 0 (:mod:`pipeexec.profile.clock`);
-2. its `ActionProfiler` is passed to the `Trainer` as the runtime's recorder, and ``attach``
-   instruments the trainer's runtime: the p2p object (message sizes) and a
-   memory meter (exact held tensors, on CPU and GPU alike);
+2. ``attach`` adds its `ActionProfiler` to the trainer's runtime observers (action times,
+   receive waits, message sizes) with a memory meter (exact held tensors, on CPU and GPU
+   alike);
 3. after training, ``finish`` times each stage's F, B, I and W outside the schedule
    (:mod:`pipeexec.profile.probe`, what a run without I/W cannot show), gathers every rank's
    records to rank 0 (one ``gather_object``) and builds a `MeasuredRun` there; with
@@ -28,7 +28,7 @@ import torch.distributed as dist
 from .clock import ClockOffset, align_clocks
 from .measured import MeasuredRun, build_trace
 from .memory import HeldTensorMeter
-from .recorder import ActionProfiler, ProfiledP2P
+from .recorder import ActionProfiler
 from .run_plan import RunPlan
 
 
@@ -92,17 +92,14 @@ class ProfileSession:
                                        clock=clock)
 
     def attach(self, trainer: Any) -> None:
-        """Instrument ``trainer.runtime`` (built with ``recorder=self.profiler``)."""
-        runtime = trainer.runtime
-        if runtime.recorder is not self.profiler:
-            raise ValueError("ProfileSession.attach: build the Trainer with "
-                             "recorder=session.profiler")
-        if runtime.p2p is not None and not isinstance(runtime.p2p, ProfiledP2P):
-            runtime.p2p = ProfiledP2P(runtime.p2p, self.profiler)
+        """Hook the profiler into ``trainer``'s runtime (an observer: action times, receive
+        waits, message sizes) with a held-tensor memory meter over the runtime's held state."""
+        trainer.add_observer(self.profiler)
         # The held-tensor meter on every device: it counts what the runtime holds, which is
         # device-independent. On a GPU, memory_allocated read at host time runs ahead of the
         # device and counts tensors still being sent as freed (CudaMemoryMeter stays available
         # to compare against; per-step allocator peaks are in the metrics).
+        runtime = trainer.runtime
         params = [p for st in runtime.stages.values() for p in st.parameters()]
         self.profiler.memory = HeldTensorMeter(runtime, exclude=params)
 
