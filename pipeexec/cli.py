@@ -167,11 +167,11 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(run_command(ns))
     import pipesim
     from .checkpoint import CheckpointError, read_tracker
-    from .cpu_quota import QuotaUnavailable
-    from .devices import cuda_device_count, may_use_cuda, start_method_for
-    from .launcher import WorkerFailed, launch
-    from .preflight import check_train
-    from .worker import run_training
+    from .launching.cpu_quota import QuotaUnavailable
+    from .launching.devices import cuda_device_count, may_use_cuda, start_method_for
+    from .launching.launcher import WorkerFailed, launch
+    from .launching.preflight import check_train
+    from .launching.worker import run_training
 
     under_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     world = int(os.environ["WORLD_SIZE"]) if under_torchrun else (ns.nproc or ns.pp * ns.dp)

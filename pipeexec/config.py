@@ -137,7 +137,7 @@ class RuntimeConfig:
         flag="--cpu-return-freed-memory", action="store_true", invert=True)
     p2p_timeout: float = _opt(300.0, "seconds per send/receive", type=float)
     # gloo emulating NCCL's point-to-point matching: tags ignored, a group's transfers between
-    # two ranks matched in posting order (finds posting-order bugs on CPU; pipeexec/p2p.py)
+    # two ranks matched in posting order (finds posting-order bugs on CPU; pipeexec/pipeline/p2p.py)
     nccl_matching: bool = _opt(
         False, "gloo on CPU matching point-to-point transfers as NCCL does (tags ignored, in "
         "posting order per group and pair of ranks): shows on CPU what a NCCL run would get",
@@ -146,7 +146,7 @@ class RuntimeConfig:
                                      "may take", type=float)
     backend: str | None = _opt(None, "nccl or gloo (default: nccl with CUDA, else gloo)")
     device: str | None = _opt(None, "cpu or cuda (default: cuda when available); cuda means "
-                              "cuda:<local rank %% visible GPUs> (pipeexec/devices.py)")
+                              "cuda:<local rank %% visible GPUs> (pipeexec/launching/devices.py)")
     # fault injection, for tests of the failure paths (never set in normal runs):
     # "raise:RANK:STEP:ACTION" raises in that action, "exit:RANK:STEP:ACTION" kills the process
     # there (SIGKILL), "hang:RANK:STEP:ACTION" blocks there forever, "overflow:STEP" puts an inf

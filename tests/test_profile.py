@@ -298,7 +298,7 @@ def profiled_worker(board, cases):
     from pipeexec.config import TrainConfig
     from pipeexec.profile import ProfileOptions, ProfileSession
     from pipeexec.topology import destroy_topology, init_topology
-    from pipeexec.train import Trainer, train
+    from pipeexec.training.train import Trainer, train
 
     topo = init_topology(len(SKEWS), 1, timeout=120)
     skew = SKEWS[topo.rank]
@@ -500,7 +500,7 @@ def probe_worker(board):
     from pipeexec.config import TrainConfig
     from pipeexec.profile.probe import probe_split
     from pipeexec.topology import destroy_topology, init_topology
-    from pipeexec.train import Trainer, train
+    from pipeexec.training.train import Trainer, train
 
     topo = init_topology(1, 1, timeout=60)
     try:

@@ -115,7 +115,7 @@ def hand_made_worker(board, cfg, options, profile_first):
     from pipeexec.checkpoint import CheckpointManager
     from pipeexec.profile import ProfileOptions, ProfileSession
     from pipeexec.topology import destroy_topology, init_topology
-    from pipeexec.train import Trainer, train
+    from pipeexec.training.train import Trainer, train
 
     topo = init_topology(cfg.pp, cfg.dp, timeout=120)
     try:

@@ -1,6 +1,6 @@
 """`ActionProfiler`: the runtime's recorder that times every action of the profiled steps.
 
-An observer of the runtime (`pipeexec.runtime.ActionObserver`): the runtime calls
+An observer of the runtime (`pipeexec.pipeline.runtime.ActionObserver`): the runtime calls
 ``start(action, step)`` and ``end(action, step)`` around each action and ``message`` with the
 bytes of each send or receive posted. Outside
 the profiled step range both return at once, and with no profiler at all the runtime adds
@@ -16,7 +16,7 @@ that needs the tensor, calling the recorder's ``wait_start`` / ``wait_end`` arou
 profiler marks both, so the computation proper starts when the data is there and the wait
 becomes the RECV row (the simulator's meaning of a RECV row: time the rank spent waiting for
 the message).
-On a GPU the wait is a stream wait (`pipeexec.p2p`): ``wait_start``'s event is recorded on
+On a GPU the wait is a stream wait (`pipeexec.pipeline.p2p`): ``wait_start``'s event is recorded on
 the compute stream before the stream wait and ``wait_end``'s after it, so the RECV row is the
 time the device's compute stream stood still for the data (with a host-blocking wait both
 events would sit back to back on the stream: zero long). A SEND row runs from its posting
@@ -197,7 +197,7 @@ class ActionProfiler:
 
 
 class ProfiledP2P:
-    """A `pipeexec.p2p.P2P` that tells the profiler the size of every message it sends or
+    """A `pipeexec.pipeline.p2p.P2P` that tells the profiler the size of every message it sends or
     receives (for a P2P used outside `PipelineRuntime`; the runtime reports sizes to its
     observers itself). Everything else is delegated unchanged."""
 

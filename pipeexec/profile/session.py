@@ -167,6 +167,6 @@ def rank_cpus() -> float:
     """CPUs this rank can keep busy: its intra-op threads, capped by the CPUs it may use."""
     import torch
 
-    from ..cpu_quota import cpu_limit
+    from ..launching.cpu_quota import cpu_limit
 
     return float(min(cpu_limit(), torch.get_num_threads()))

@@ -13,15 +13,15 @@ from torch.autograd.graph import get_gradient_edge
 
 import pipesim
 from pipesim.schedule.action import I, W, Action
-from pipeexec.backward import backward_input, full_backward
+from pipeexec.pipeline.backward import backward_input, full_backward
 from pipeexec.data import BatchSource
-from pipeexec.ddp import GradBuffer
+from pipeexec.training.ddp import GradBuffer
 from pipeexec.model import gpt_spec, lm_loss
-from pipeexec.optim import clip_coefficient, lr_at
+from pipeexec.training.optim import clip_coefficient, lr_at
 from pipeexec.partition import PartitionError, by_layers, by_params, explicit
-from pipeexec.precision import LossScaler
-from pipeexec.runtime import PipelineError, PipelineRuntime
-from pipeexec.stage import build_stage
+from pipeexec.training.precision import LossScaler
+from pipeexec.pipeline.runtime import PipelineError, PipelineRuntime
+from pipeexec.pipeline.stage import build_stage
 
 SPEC = gpt_spec(layers=4, hidden=16, heads=2, seq_len=8, vocab=32)
 
@@ -298,7 +298,7 @@ def test_loss_scaler_backs_off_and_grows():
 
 # -- p2p channel order (what NCCL needs) ---------------------------------------------------------
 def test_registered_schedules_keep_channel_order():
-    from pipeexec.p2p import check_p2p_order
+    from pipeexec.pipeline.p2p import check_p2p_order
     for name in pipesim.schedule_names():
         for pp, m in ((2, 4), (4, 8)):
             for vpp in (2, 1):
@@ -312,7 +312,7 @@ def test_registered_schedules_keep_channel_order():
 
 
 def test_channel_order_violation_is_reported():
-    from pipeexec.p2p import P2PError, check_p2p_order
+    from pipeexec.pipeline.p2p import P2PError, check_p2p_order
     A = Action
     rank0 = [A("F", 0, 0), A("SEND_F", 0, 0), A("F", 0, 1), A("SEND_F", 0, 1)]
     rank1 = [A("RECV_F", 1, 1), A("F", 1, 1), A("RECV_F", 1, 0), A("F", 1, 0)]
@@ -377,8 +377,8 @@ def test_user_layer_list_and_loss():
 def test_observers_are_called_in_order_and_can_be_added_and_removed():
     """The per-action seams are observers: starts in order, ends in reverse (nesting), and a
     fault injector is one of them (it fails the action it names, before the action runs)."""
-    from pipeexec.faults import FaultInjector
-    from pipeexec.runtime import InjectedFault, PipelineError
+    from pipeexec.pipeline.faults import FaultInjector
+    from pipeexec.pipeline.runtime import InjectedFault, PipelineError
 
     log = []
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .model import ModelSpec
+from ..model import ModelSpec
 
 
 class Stage(nn.Module):

@@ -26,20 +26,20 @@ import torch
 import torch.distributed as dist
 from pipesim import Schedule
 
-from .board import ActionBoard, BoardObserver
-from .config import TrainConfig
-from .data import BatchSource
-from .faults import FaultInjector, parse_faults
+from ..launching.board import ActionBoard, BoardObserver
+from ..config import TrainConfig
+from ..data import BatchSource
+from ..pipeline.faults import FaultInjector, parse_faults
 from .ddp import GradBuffer
-from .malloc import keep_freed_memory
-from .model import ModelSpec, gpt_spec_from_config
+from ..malloc import keep_freed_memory
+from ..model import ModelSpec, gpt_spec_from_config
 from .optim import adamw_state_for, build_adamw, clip_coefficient, lr_at, set_lr
-from .p2p import P2P, check_channels_exist, check_p2p_order
-from .partition import stage_bounds
+from ..pipeline.p2p import P2P, check_channels_exist, check_p2p_order
+from ..partition import stage_bounds
 from .precision import LossScaler, MasterWeights, compute_dtype
-from .runtime import ActionObserver, PipelineRuntime
-from .stage import build_stage
-from .topology import Topology
+from ..pipeline.runtime import ActionObserver, PipelineRuntime
+from ..pipeline.stage import build_stage
+from ..topology import Topology
 
 
 @dataclass
@@ -91,7 +91,7 @@ class Trainer:
                  data: BatchSource | None = None, schedule: Schedule | None = None) -> None:
         """``schedule``: run this Schedule (any pipesim Schedule, e.g. hand-made) instead of the
         one ``config.schedule`` names; its pp, vpp and microbatches must match the config.
-        The runtime's observers (`pipeexec.runtime`): the ``board``'s, fault injection's
+        The runtime's observers (`pipeexec.pipeline.runtime`): the ``board``'s, fault injection's
         (``config.inject``), then ``recorder`` (shorthand for `add_observer`)."""
         spec = spec or gpt_spec_from_config(config)
         # The schedule is built once per rank, below (validate would build it once more).
