@@ -104,3 +104,13 @@ def test_train_runs_a_plan_file_as_its_flags(tmp_path):
         assert done.returncode == 0, done.stderr[-3000:]
         losses.append(json.loads(out.read_text())["losses"])
     assert losses[0] == losses[1] and len(losses[0]) == 2
+
+
+def test_compare_takes_the_plan_and_refuses_what_train_refuses(tmp_path, capsys):
+    from pipeexec.profile.compare_cli import compare_main
+
+    path = tmp_path / "tp.json"
+    pipesim.Plan.create("gpt3-1.3b", "H100", tp=2, pp=2, global_batch_size=8).to_json(path)
+    assert compare_main(["--plan", str(path)]) == 2        # before any worker starts
+    err = capsys.readouterr().err
+    assert "parallelism.tp = 2" in err and "pipeexec compare: error" in err
