@@ -51,7 +51,7 @@ def add_train_arguments(t: argparse.ArgumentParser) -> None:
     a("--plan", default=None, metavar="PLAN.json",
       help="run this pipesim plan (Plan.to_json, pipesim simulate --save-plan): its schedule, "
            "layout, batch, model and precision (the flags below that set those are then "
-           "refused); what pipeexec cannot run (tp, cp, ep > 1, ZeRO, recomputation...) is "
+           "refused); what pipeexec cannot run (tp, cp, ep > 1, ZeRO...) is "
            "refused with the reason before any worker starts")
     add_config_arguments(t)
     a("--nproc", type=int, default=None, help="local workers to start (default pp * dp)")
@@ -126,7 +126,7 @@ def config_from_args(ns: argparse.Namespace) -> TrainConfig:
 # train flags a plan file sets (pipeexec.plan_config)
 PLAN_DESTS = ("schedule", "pp", "vpp", "dp", "microbatches", "micro_batch_size", "layers",
               "hidden", "heads", "seq_len", "vocab", "ffn_mult", "precision", "partition",
-              "boundaries")
+              "boundaries", "recompute", "recompute_layers")
 
 
 def apply_plan(ns: argparse.Namespace, config: TrainConfig, given: set[str]) -> TrainConfig:

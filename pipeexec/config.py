@@ -15,6 +15,7 @@ from typing import Any
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 PARTITIONS = ("layers", "params")
+RECOMPUTE = ("none", "selective", "full")
 
 
 class ConfigError(ValueError):
@@ -71,6 +72,14 @@ class LayoutConfig:
     boundaries: tuple[int, ...] | None = _opt(
         None, "explicit stage boundaries: first layer index of stages 1..S-1, comma separated",
         parse=_ints)
+    # activation recomputation (torch.utils.checkpoint), as Megatron-LM's --recompute-granularity
+    recompute: str = _opt("none", "activation recomputation: none, selective (core attention: "
+                          "recomputed in the backward) or full (each transformer block keeps "
+                          "only its input)", choices=RECOMPUTE)
+    recompute_layers: int | None = _opt(
+        None, "with --recompute full: recompute the first N transformer blocks of each stage "
+        "(Megatron's --recompute-num-layers, block method; default: all)", type=int,
+        metavar="N")
 
 
 @dataclass(frozen=True)
@@ -287,6 +296,17 @@ class TrainConfig:
                 explicit(self.boundaries, n_layers, self.num_stages)
             except PartitionError as exc:
                 raise ConfigError(str(exc)) from None
+        if self.recompute not in RECOMPUTE:
+            raise ConfigError(f"recompute must be one of {', '.join(RECOMPUTE)}, got "
+                              f"{self.recompute!r}")
+        if self.recompute_layers is not None:
+            if self.recompute != "full":
+                raise ConfigError("--recompute-layers applies to --recompute full, got "
+                                  f"--recompute {self.recompute}")
+            if (not isinstance(self.recompute_layers, int) or isinstance(self.recompute_layers, bool)
+                    or self.recompute_layers < 0):
+                raise ConfigError(f"recompute_layers must be an integer >= 0, got "
+                                  f"{self.recompute_layers!r}")
         if self.data != "synthetic" and self.vocab < 256:
             raise ConfigError(f"a text file needs vocab >= 256 (byte-level tokens), got {self.vocab}")
         self._validate_optimisation()

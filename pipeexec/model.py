@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 LayerFactory = Callable[[int, torch.Generator], nn.Module]
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -110,6 +111,7 @@ class Block(nn.Module):
                  gen: torch.Generator) -> None:
         super().__init__()
         self.heads = heads
+        self.recompute_core_attention = False    # selective recomputation (Stage.set_recompute)
         self.ln1 = nn.LayerNorm(hidden)
         self.qkv = nn.Linear(hidden, 3 * hidden)
         self.proj = nn.Linear(hidden, hidden)
@@ -124,9 +126,17 @@ class Block(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, h = x.shape
         q, k, v = self.qkv(self.ln1(x)).view(b, s, 3, self.heads, h // self.heads).permute(2, 0, 3, 1, 4)
-        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        if self.recompute_core_attention and torch.is_grad_enabled():
+            a = checkpoint(_core_attention, q, k, v, use_reentrant=False)
+        else:
+            a = _core_attention(q, k, v)
         x = x + self.proj(a.transpose(1, 2).reshape(b, s, h))
         return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
+
+
+def _core_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Causal softmax(q k^T / sqrt(d)) v: what selective recomputation recomputes."""
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
 
 class Head(nn.Module):

@@ -3,8 +3,7 @@
 ``pipeexec train --plan plan.json`` runs the file `pipesim.Plan.to_json` (or ``pipesim simulate
 --save-plan``) writes; the flags build the same Plan (`plan_from_config`), so a run from flags
 and the run from its plan file have the same config (`config_from_plan`). What the executor
-cannot run yet (tensor, context or expert parallelism, ZeRO, sequence parallelism, activation
-recomputation, a model the built-in GPT cannot express, a plan's schedule options) is refused
+cannot run yet (tensor, context or expert parallelism, ZeRO, sequence parallelism, a model the built-in GPT cannot express, a plan's schedule options) is refused
 with every reason at once, before any process starts. Torch-free.
 
 The built-in GPT's layer list is [embedding, block x layers, head]; a Plan counts transformer
@@ -39,9 +38,6 @@ def config_from_plan(plan: Any, base: TrainConfig = TrainConfig()) -> TrainConfi
                        "on every data-parallel rank (zero = 0)")
     if par.sequence_parallel:
         refused.append("parallelism.sequence_parallel: needs tp > 1, which pipeexec lacks")
-    if par.recompute != "none":
-        refused.append(f"parallelism.recompute = {par.recompute!r}: pipeexec keeps every "
-                       "activation (recompute = 'none')")
     if model.experts:
         refused.append(f"model.experts = {model.experts}: the built-in GPT is dense")
     for name, want in (("mlp", "gelu"), ("norm", "layernorm"), ("position", "learned"),
@@ -92,7 +88,8 @@ def config_from_plan(plan: Any, base: TrainConfig = TrainConfig()) -> TrainConfi
         microbatches=par.gbs // (mbs * dp), micro_batch_size=mbs, layers=model.layers,
         hidden=model.hidden, heads=model.heads, seq_len=model.seq_length, vocab=model.vocab,
         ffn_mult=ffn // model.hidden, precision=_PRECISION[par.precision],
-        partition="layers", boundaries=boundaries)
+        partition="layers", boundaries=boundaries, recompute=par.recompute,
+        recompute_layers=par.recompute_layers)
 
 
 def plan_from_config(config: TrainConfig, *, cluster: Any = None) -> Any:
@@ -117,6 +114,7 @@ def plan_from_config(config: TrainConfig, *, cluster: Any = None) -> Any:
                       dropout=False)
     par = Parallelism(pp=config.pp, vpp=config.vpp, dp=config.dp,
                       micro_batch_size=config.micro_batch_size,
-                      global_batch_size=config.global_batch, precision=config.precision)
+                      global_batch_size=config.global_batch, precision=config.precision,
+                      recompute=config.recompute, recompute_layers=config.recompute_layers)
     extra = {} if cluster is None else {"cluster": cluster}
     return pipesim.Plan(model, par, schedule=config.schedule, partition=tuple(blocks), **extra)

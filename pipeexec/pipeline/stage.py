@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from ..model import ModelSpec
 
@@ -20,10 +21,29 @@ class Stage(nn.Module):
         self.layers = nn.ModuleDict({str(i): layer for i, layer in zip(layer_ids, layers)})
         self.is_first, self.is_last = is_first, is_last
         self._seq = list(layers)
+        self._recomputed: frozenset[int] = frozenset()     # positions in _seq
+
+    def set_recompute(self, mode: str, kinds: tuple[str, ...], num_layers: int | None = None
+                      ) -> None:
+        """Activation recomputation (``kinds``: this stage's layer kinds). ``full``: the first
+        ``num_layers`` (default all) layers that are not the embedding or the head run under
+        ``torch.utils.checkpoint`` (each keeps only its input; its forward is redone in the
+        backward). ``selective``: layers with a ``recompute_core_attention`` switch (the
+        built-in GPT's blocks) recompute their core attention. ``none``: keep everything."""
+        body = [k for k, kind in enumerate(kinds) if kind not in ("embedding", "head")]
+        full = body if num_layers is None else body[:num_layers]
+        self._recomputed = frozenset(full) if mode == "full" else frozenset()
+        for layer in self._seq:
+            if hasattr(layer, "recompute_core_attention"):
+                layer.recompute_core_attention = mode == "selective"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for layer in self._seq:
-            x = layer(x)
+        recompute = self._recomputed and torch.is_grad_enabled()
+        for k, layer in enumerate(self._seq):
+            if recompute and k in self._recomputed:
+                x = checkpoint(layer, x, use_reentrant=False)
+            else:
+                x = layer(x)
         return x
 
 

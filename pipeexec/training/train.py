@@ -117,6 +117,10 @@ class Trainer:
         self.stages = {s: build_stage(spec, s, self.bounds, seed=config.seed, device=dev,
                                       dtype=torch.float32)
                        for s in self.schedule.rank_stages(topology.pp_rank)}
+        kinds = spec.kinds()
+        for s, stage in self.stages.items():
+            stage.set_recompute(config.recompute, kinds[self.bounds[s]:self.bounds[s + 1]],
+                                config.recompute_layers)
         # Stage parameters are already named by global layer index: layers.<i>.<name>.
         named = [(name, p) for s in sorted(self.stages) for name, p in self.stages[s].named_parameters()]
         self.param_names = [n for n, _ in named]
