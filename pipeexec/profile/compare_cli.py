@@ -136,7 +136,7 @@ def alongside_config(config: Any, text: str) -> Any:
 
 def compare_main(argv: list[str]) -> int:
     """``pipeexec compare ...``; returns the exit status (2: bad arguments, 1: run failed)."""
-    from ..cli import apply_plan, config_from_args, explicit_dests, train_parser
+    from ..cli import PLAN_DESTS, apply_plan, config_from_args, explicit_dests, train_parser
     from ..config import ConfigError
     from ..launching.cpu_quota import QuotaUnavailable
     from ..launching.launcher import WorkerFailed
@@ -158,6 +158,8 @@ def compare_main(argv: list[str]) -> int:
     try:
         given = explicit_dests(parser, rest)
         config = apply_plan(tns, config_from_args(tns), given)
+        if tns.plan:                 # the plan's fields are set, as flags are
+            given |= set(PLAN_DESTS)
         cpus_per_rank = tns.cpus_per_rank
         source = MeasuredRun.load(ns.calibrate_from) if ns.calibrate_from else None
         notes: list[str] = []
