@@ -14,7 +14,8 @@ import sys
 from pipesim.cli.help import DefaultsHelpFormatter, VersionAction, package_version
 
 from .checkpoint.cli import add_commands, add_train_flags, options_from_args, run_command
-from .config import ConfigError, TrainConfig
+from .config import SECTIONS, ConfigError, TrainConfig
+from .options import add_arguments, values_from_args
 from .profile.cli import add_compare_command, add_profile_flags, profile_from_args
 
 
@@ -24,25 +25,10 @@ DESCRIPTION = ("Run pipesim schedules for real over torch.distributed (gloo on C
 
 def add_config_arguments(t: argparse.ArgumentParser) -> None:
     """One flag per `TrainConfig` field that has one, generated from the field's metadata
-    (help, type, choices...), its default the field's."""
+    (help, type, choices...), its default the field's (`pipeexec.options`)."""
     d = TrainConfig()
-    for f in TrainConfig.cli_fields():
-        cli = dict(f.metadata["cli"])
-        cli.pop("parse", None)
-        invert = cli.pop("invert", False)
-        flag = TrainConfig.flag(f.name)
-        kw: dict = {"help": f.metadata["help"], **cli}
-        if kw.get("action") == "append":
-            kw["default"] = []
-        elif kw.get("action") == "store_true":
-            kw["default"] = False
-        else:
-            kw["default"] = getattr(d, f.name)
-        if invert:
-            kw["dest"] = flag.lstrip("-").replace("-", "_")
-        else:
-            kw["dest"] = f.name
-        t.add_argument(flag, **kw)
+    for name, cls in SECTIONS.items():
+        add_arguments(t, cls, getattr(d, name))
 
 
 def add_train_arguments(t: argparse.ArgumentParser) -> None:
@@ -108,19 +94,8 @@ def _version() -> str:
 
 def config_from_args(ns: argparse.Namespace) -> TrainConfig:
     """The `TrainConfig` the generated flags (`add_config_arguments`) spell."""
-    values = {}
-    for f in TrainConfig.cli_fields():
-        cli = f.metadata["cli"]
-        if cli.get("invert"):
-            values[f.name] = not getattr(ns, TrainConfig.flag(f.name).lstrip("-").replace("-", "_"))
-            continue
-        value = getattr(ns, f.name)
-        if "parse" in cli:
-            value = cli["parse"](value)
-        if cli.get("action") == "append":
-            value = tuple(value)
-        values[f.name] = value
-    return TrainConfig(**values)
+    return TrainConfig(**{k: v for cls in SECTIONS.values()
+                          for k, v in values_from_args(cls, ns).items()})
 
 
 # train flags a plan file sets (pipeexec.plan_config)

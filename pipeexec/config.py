@@ -13,6 +13,9 @@ from argparse import SUPPRESS, BooleanOptionalAction
 from dataclasses import dataclass, field
 from typing import Any
 
+from .options import flag_of, flagged
+from .options import option as _opt
+
 PRECISIONS = ("fp32", "bf16", "fp16")
 PARTITIONS = ("layers", "params")
 RECOMPUTE = ("none", "selective", "full")
@@ -20,15 +23,6 @@ RECOMPUTE = ("none", "selective", "full")
 
 class ConfigError(ValueError):
     """A configuration that cannot run, with the field and the reason."""
-
-
-def _opt(default: Any, help: str, *, flag: str | None = "", **cli: Any) -> Any:
-    """A config field with its command-line flag: ``help`` (shown with the default),
-    ``flag`` (default ``--field-name``; None: no flag), and argparse options in ``cli``
-    (``type``, ``choices``, ``metavar``, ``action``); ``parse``: text -> value after argparse;
-    ``invert``: a store_true flag that sets the field to False."""
-    factory = {"default_factory": tuple} if default == () else {"default": default}
-    return field(metadata={"help": help, "flag": flag, "cli": cli}, **factory)
 
 
 def _ints(text: Any) -> tuple[int, ...] | None:
@@ -215,8 +209,7 @@ class TrainConfig:
     @staticmethod
     def cli_fields() -> list[dataclasses.Field]:
         """The fields that have a command-line flag, in section order."""
-        return [f for cls in SECTIONS.values() for f in dataclasses.fields(cls)
-                if f.metadata.get("flag") is not None]
+        return [f for cls in SECTIONS.values() for f in flagged(cls)]
 
     @staticmethod
     def flag(name: str) -> str:
@@ -225,10 +218,9 @@ class TrainConfig:
                   if f.name == name), None)
         if f is None:                   # a launcher option (--cpus-per-rank, --nproc...)
             return "--" + name.replace("_", "-")
-        flag = f.metadata.get("flag")
-        if flag is None:
+        if f.metadata.get("flag") is None:
             return f"{name} (no flag)"
-        return flag or "--" + name.replace("_", "-")
+        return flag_of(f)
 
     @property
     def world_size(self) -> int:

@@ -45,3 +45,18 @@ def test_every_field_has_a_flag_whose_default_is_the_fields():
     c = config_from_args(parser.parse_args(argv))
     assert (c.ffn_mult, c.beta2, c.deallocate_outputs, c.cpu_keep_freed_memory, c.boundaries,
             c.memory_limit, c.collective_timeout) == (2, 0.9, False, False, (2, 3), 2e9, 30.0)
+
+
+def test_checkpoint_flags_are_generated_from_checkpoint_options(monkeypatch):
+    from pipeexec.checkpoint import FAULT_ENV, CheckpointOptions
+    from pipeexec.checkpoint.cli import options_from_args
+
+    monkeypatch.delenv(FAULT_ENV, raising=False)
+    parser = train_parser()
+    assert options_from_args(parser.parse_args([])) == CheckpointOptions()
+    ns = parser.parse_args(["--save", "d", "--save-interval", "2", "--keep-last", "3",
+                            "--load", "e", "--ckpt-step", "4", "--no-load-rng",
+                            "--checkpoint-timeout", "9"])
+    assert options_from_args(ns) == CheckpointOptions(save="d", save_interval=2, keep_last=3,
+                                                      load="e", ckpt_step=4, no_load_rng=True,
+                                                      timeout=9.0)
