@@ -123,7 +123,7 @@ def apply_plan(ns: argparse.Namespace, config: TrainConfig, given: set[str]) -> 
     except pipesim.PlanError as exc:
         raise ConfigError(f"--plan: {exc}") from None
     try:
-        return config_from_plan(plan, config)
+        return config_from_plan(plan, config, source=str(ns.plan))
     except ConfigError as exc:
         raise ConfigError(f"--plan {ns.plan}: {exc}") from None
 

@@ -387,10 +387,10 @@ class TrainConfig:
     def _schedule_from_file(self):
         """``schedule`` names a file (our JSON, torch's CSV): it must fit this run's layout."""
         import pipesim
-        from pipesim.schedule.io import schedule_from_csv, schedule_from_json
+        from pipesim.schedule.io import schedule_from_csv
 
         path = self.schedule
-        s = (schedule_from_json if path.endswith(".json") else schedule_from_csv)(path).validate()
+        s = (_schedule_json if path.endswith(".json") else schedule_from_csv)(path).validate()
         for name, want, got in (("pp", self.pp, s.pp), ("vpp", self.vpp, s.vpp),
                                 ("microbatches", self.microbatches, s.num_microbatches)):
             if want != got:
@@ -403,3 +403,23 @@ class TrainConfig:
         if self.recv_lookahead and not s.has_explicit_comms:
             s = s.with_recv_lookahead(self.recv_lookahead)
         return s.validate()
+
+
+def _schedule_json(path: str):
+    """A schedule JSON file (pipesim.schedule.io), or a plan file (pipesim.Plan.to_json)
+    holding its schedule as data."""
+    import json
+
+    import pipesim
+    from pipesim.schedule.io import schedule_from_dict, schedule_from_json
+
+    try:
+        data = json.loads(open(path).read())
+    except (OSError, json.JSONDecodeError):
+        return schedule_from_json(path)          # its own error, naming the file
+    if isinstance(data, dict) and str(data.get("format", "")).startswith("pipesim.plan"):
+        if not isinstance(data.get("schedule"), dict):
+            raise pipesim.ScheduleError(f"{path}: the plan names its schedule "
+                                        f"({data.get('schedule')!r}) instead of holding it")
+        return schedule_from_dict(data["schedule"], source=f"{path}: schedule")
+    return schedule_from_dict(data, path)

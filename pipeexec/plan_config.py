@@ -21,10 +21,13 @@ from .partition import by_layers
 _PRECISION = {"fp32": "fp32", "bf16": "bf16", "fp16": "fp16"}
 
 
-def config_from_plan(plan: Any, base: TrainConfig = TrainConfig()) -> TrainConfig:
+def config_from_plan(plan: Any, base: TrainConfig = TrainConfig(), *,
+                     source: str | None = None) -> TrainConfig:
     """The TrainConfig that runs ``plan`` (a `pipesim.Plan`); fields a plan does not hold
-    (steps, learning rate, seed, timeouts...) come from ``base``. Raises ConfigError listing
-    every part of the plan the executor does not support."""
+    (steps, learning rate, seed, timeouts...) come from ``base``. ``source``: the plan's file;
+    a plan holding its schedule as data then runs it from there (``schedule`` = the file,
+    which `TrainConfig.build_schedule` reads). Raises ConfigError listing every part of the
+    plan the executor does not support."""
     import pipesim
 
     par, model = plan.parallelism, plan.model
@@ -57,10 +60,10 @@ def config_from_plan(plan: Any, base: TrainConfig = TrainConfig()) -> TrainConfi
     if plan.schedule_options:
         refused.append(f"schedule_options {dict(plan.schedule_options)}: give the schedule as "
                        "data (its JSON) or by name alone")
-    if isinstance(plan.schedule, pipesim.Schedule):
+    if isinstance(plan.schedule, pipesim.Schedule) and source is None:
         refused.append(f"schedule: the plan holds a schedule as data ({plan.schedule.name!r}); "
-                       "save it with pipesim.schedule.io.schedule_to_json and pass --schedule "
-                       "FILE.json")
+                       "run it from the plan's file (--plan FILE.json), which every rank reads "
+                       "it from")
     mbs, dp = par.micro_batch_size, par.dp
     if par.gbs % (mbs * dp):
         refused.append(f"parallelism.global_batch_size = {par.gbs} is not a multiple of "
@@ -83,8 +86,9 @@ def config_from_plan(plan: Any, base: TrainConfig = TrainConfig()) -> TrainConfi
     # the same cut keeps base's spelling of it (explicit, or the default equal counts)
     boundaries = None if (tuple(bounds) == by_layers(num_layers, len(blocks))
                           and base.boundaries != explicit) else explicit
+    schedule = source if isinstance(plan.schedule, pipesim.Schedule) else plan.schedule_name
     return base.replace(
-        schedule=plan.schedule_name, pp=par.pp, vpp=par.vpp, dp=dp,
+        schedule=schedule, pp=par.pp, vpp=par.vpp, dp=dp,
         microbatches=par.gbs // (mbs * dp), micro_batch_size=mbs, layers=model.layers,
         hidden=model.hidden, heads=model.heads, seq_len=model.seq_length, vocab=model.vocab,
         ffn_mult=ffn // model.hidden, precision=_PRECISION[par.precision],

@@ -116,3 +116,23 @@ def test_compare_takes_the_plan_and_refuses_what_train_refuses(tmp_path, capsys)
     assert compare_main(["--plan", str(path)]) == 2        # before any worker starts
     err = capsys.readouterr().err
     assert "parallelism.tp = 2" in err and "pipeexec compare: error" in err
+
+
+def test_a_plan_holding_its_schedule_as_data_runs_that_schedule(tmp_path):
+    """A hand-made schedule inside the plan (ZB-V's, named "interleaved") is what every rank
+    builds from the plan file, not what its name would build."""
+    from pipesim.schedule.io import schedule_from_dict, schedule_to_dict
+
+    data = schedule_to_dict(pipesim.build_schedule("zbv", pp=2, vpp=2, microbatches=4,
+                                                   recv_lookahead=1))
+    data["name"] = "interleaved"
+    hand = schedule_from_dict(data)
+    plan = plan_from_config(TrainConfig(pp=2, vpp=2, microbatches=4, layers=4))
+    plan = pipesim.Plan(plan.model, plan.parallelism, plan.cluster, hand, partition=plan.partition)
+    path = tmp_path / "hand.json"
+    plan.to_json(path)
+    with pytest.raises(ConfigError, match="schedule as data"):
+        config_from_plan(pipesim.Plan.from_json(path))       # without its file
+    cfg = from_argv(["--plan", str(path)])
+    assert cfg.schedule == str(path)
+    assert schedule_to_dict(cfg.validate().build_schedule()) == schedule_to_dict(hand)
