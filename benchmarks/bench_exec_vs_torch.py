@@ -30,12 +30,12 @@ import torch.distributed as dist
 
 from pipeexec import launch
 from pipeexec.data import BatchSource
-from pipeexec.ddp import GradBuffer
+from pipeexec.training.ddp import GradBuffer
 from pipeexec.model import gpt_spec
-from pipeexec.p2p import P2P
+from pipeexec.pipeline.p2p import P2P
 from pipeexec.partition import by_layers
-from pipeexec.runtime import PipelineRuntime
-from pipeexec.stage import build_stage
+from pipeexec.pipeline.runtime import PipelineRuntime
+from pipeexec.pipeline.stage import build_stage
 from pipeexec.topology import destroy_topology, init_topology
 
 # pipeexec schedule name, vpp, torch schedule class name

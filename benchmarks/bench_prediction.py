@@ -31,7 +31,7 @@ they came from, which differs between schedules (a schedule with more ranks comp
 slows each computation more), and an action's duration depends on which other ranks compute
 at that moment. A pipeline gives each rank its own device; for each pp above the core count
 the benchmark therefore also runs with every rank confined to cores/pp CPUs by a cgroup quota
-(``--confine``, `pipeexec.cpu_quota`): a device per rank, emulated (slower ones). Other
+(``--confine``, `pipeexec.launching.cpu_quota`): a device per rank, emulated (slower ones). Other
 processes on the machine add noise of their own.
 
     python benchmarks/bench_prediction.py                 # pp 2, 4, 4 confined: ~5 minutes
@@ -47,7 +47,7 @@ from pathlib import Path
 
 import pipesim
 from pipeexec.config import TrainConfig
-from pipeexec.cpu_quota import quotas_available
+from pipeexec.launching.cpu_quota import quotas_available
 from pipeexec.profile import compare_runs, layout_of, predict
 from pipeexec.profile.compare_cli import profiled_run, write_outputs
 from pipeexec.profile.paired import paired_runs

@@ -15,20 +15,36 @@ From Python (each process, e.g. under torchrun or `launch`)::
     trainer = Trainer(TrainConfig(...), topo, spec)    # spec: gpt_spec(...) or your own ModelSpec
     result = train(trainer, on_step=...)               # losses, step_times, ...
 
-Modules: config (TrainConfig), topology (ranks and groups), model (layer lists, GPT),
-partition (layers -> stages), stage, data, p2p (tagged async send/recv with timeouts),
-backward (B, and the I/W split), runtime (the interpreter), ddp (fp32 gradient buffer,
-all-reduce), precision (master weights, loss scaling), optim (AdamW, LR, clipping),
-train (step and loop), launcher (forked local workers), board (which action each rank is in),
-preflight (checks of a command before any worker starts), worker and cli (entry points).
+Rooms: config (TrainConfig, in sections), plan_config (a pipesim Plan <-> TrainConfig),
+topology, model, partition, data; ``pipeline/`` (runtime, the action interpreter with its
+observers; p2p; backward; stage; faults), ``launching/`` (launcher, worker, board, cpu_quota,
+devices, preflight), ``training/`` (train, ddp, precision, optim), ``checkpoint/``, ``profile/``
+(measuring; torch-free: run_plan, measured, calibrate, contention, predict, compare); cli.
 """
+from __future__ import annotations
+
 from .config import ConfigError, TrainConfig
-from .launcher import WorkerFailed, launch
-from .model import ModelSpec, gpt_spec, model_from_layers
-from .runtime import PipelineError, PipelineRuntime
-from .topology import Topology, init_topology
-from .train import StepStats, Trainer, TrainResult, train
 
 __all__ = ["ConfigError", "TrainConfig", "WorkerFailed", "launch", "ModelSpec", "gpt_spec",
            "model_from_layers", "PipelineError", "PipelineRuntime", "Topology", "init_topology",
            "StepStats", "Trainer", "TrainResult", "train"]
+
+
+def _torch_available() -> bool:
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+# On a machine without torch the package still imports: config and the measuring room
+# (pipeexec.profile: run_plan, measured, calibrate, contention, predict, compare) need no torch.
+if _torch_available():
+    from .launching.launcher import WorkerFailed, launch
+    from .model import ModelSpec, gpt_spec, model_from_layers
+    from .pipeline.runtime import PipelineError, PipelineRuntime
+    from .topology import Topology, init_topology
+    from .training.train import StepStats, Trainer, TrainResult, train
+else:
+    __all__ = ["ConfigError", "TrainConfig"]

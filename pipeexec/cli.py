@@ -14,7 +14,8 @@ import sys
 from pipesim.cli.help import DefaultsHelpFormatter, VersionAction, package_version
 
 from .checkpoint.cli import add_commands, add_train_flags, options_from_args, run_command
-from .config import ConfigError, TrainConfig
+from .config import SECTIONS, ConfigError, TrainConfig
+from .options import add_arguments, values_from_args
 from .profile.cli import add_compare_command, add_profile_flags, profile_from_args
 
 
@@ -22,60 +23,23 @@ DESCRIPTION = ("Run pipesim schedules for real over torch.distributed (gloo on C
                "GPUs): train, checkpoint, and compare predicted with measured.")
 
 
+def add_config_arguments(t: argparse.ArgumentParser) -> None:
+    """One flag per `TrainConfig` field that has one, generated from the field's metadata
+    (help, type, choices...), its default the field's (`pipeexec.options`)."""
+    d = TrainConfig()
+    for name, cls in SECTIONS.items():
+        add_arguments(t, cls, getattr(d, name))
+
+
 def add_train_arguments(t: argparse.ArgumentParser) -> None:
     """Every flag of ``pipeexec train`` (``compare`` reuses them all)."""
-    d = TrainConfig()
     a = t.add_argument
-    a("--schedule", default=d.schedule, help="a pipesim schedule name (pipesim list), or a "
-      "schedule file: FILE.json (pipesim) or FILE.csv (torch's, compute-only or with comms)")
-    a("--memory-limit", type=_bytes, default=None, metavar="BYTES",
-      help="with --schedule zb-auto: profile --reschedule-after steps of ZB-H1, search zb-auto "
-           "from the measured costs under this per-rank limit (e.g. 2GB), switch to it")
-    a("--reschedule-after", type=int, default=d.reschedule_after, metavar="K",
-      help="with --memory-limit: profiled steps of ZB-H1 before zb-auto takes over")
-    a("--pp", type=int, default=d.pp, help="pipeline ranks")
-    a("--vpp", type=int, default=d.vpp, help="stages (chunks) per pipeline rank")
-    a("--dp", type=int, default=d.dp, help="data-parallel replicas")
-    a("--microbatches", type=int, default=d.microbatches, help="microbatches per replica per step")
-    a("--micro-batch-size", type=int, default=d.micro_batch_size,
-      help="sequences per microbatch")
-    a("--layers", type=int, default=d.layers, help="transformer blocks (plus embedding and head)")
-    a("--hidden", type=int, default=d.hidden, help="model width (divisible by --heads)")
-    a("--heads", type=int, default=d.heads, help="attention heads")
-    a("--seq-len", type=int, default=d.seq_len, help="tokens per sequence")
-    a("--vocab", type=int, default=d.vocab, help="vocabulary size (>= 256 for a text file)")
-    a("--partition", choices=("layers", "params"), default=d.partition,
-      help="cut the layers into stages of equal layer counts or of balanced parameter counts")
-    a("--boundaries", default=None,
-      help="explicit stage boundaries: first layer index of stages 1..S-1, comma separated")
-    a("--data", default=d.data, help="'synthetic' or a text file (byte-level tokens)")
-    a("--steps", type=int, default=d.steps, help="optimizer iterations in total")
-    a("--lr", type=float, default=d.lr, help="peak learning rate (AdamW)")
-    a("--min-lr", type=float, default=d.min_lr, help="learning rate at the end of the decay")
-    a("--warmup-steps", type=int, default=d.warmup_steps, help="linear LR warm-up iterations")
-    a("--decay-steps", type=int, default=d.decay_steps,
-      help="cosine decay length in iterations (default: --steps); fix it to stop a run early "
-           "and resume it on the same LR curve")
-    a("--weight-decay", type=float, default=d.weight_decay, help="AdamW weight decay")
-    a("--clip-grad", type=float, default=d.clip_grad, help="global-norm clip (0: off)")
-    a("--precision", choices=("fp32", "bf16", "fp16"), default=d.precision,
-      help="compute precision (bf16 / fp16 keep fp32 master weights)")
-    a("--loss-scale", type=float, default=d.loss_scale, help="initial dynamic loss scale (fp16)")
-    a("--loss-scale-growth-interval", type=int, default=d.loss_scale_growth_interval,
-      help="fp16: double the loss scale after this many steps without overflow")
-    a("--seed", type=int, default=d.seed, help="seed of the weights, data and dropout")
-    a("--p2p-timeout", type=float, default=d.p2p_timeout, help="seconds per send/receive")
-    a("--recv-lookahead", type=int, default=d.recv_lookahead,
-      help="post each receive this many computations before the one that needs it (0: right "
-           "before it); the simulator models the same schedule")
-    a("--nccl-matching", action="store_true",
-      help="gloo on CPU matching point-to-point transfers as NCCL does (tags ignored, in "
-           "posting order per group and pair of ranks): shows on CPU what a NCCL run would get")
-    a("--cpu-return-freed-memory", action="store_true",
-      help="CPU: let malloc give freed memory back to the kernel (by default it is kept for "
-           "the next step, which saves a page fault per fresh page; pipeexec/malloc.py)")
-    a("--backend", default=None, help="nccl or gloo (default: nccl with CUDA, else gloo)")
-    a("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    a("--plan", default=None, metavar="PLAN.json",
+      help="run this pipesim plan (Plan.to_json, pipesim simulate --save-plan): its schedule, "
+           "layout, batch, model and precision (the flags below that set those are then "
+           "refused); what pipeexec cannot run (tp, cp, ep > 1, ZeRO...) is "
+           "refused with the reason before any worker starts")
+    add_config_arguments(t)
     a("--nproc", type=int, default=None, help="local workers to start (default pp * dp)")
     a("--timeout", type=float, default=None,
       help="overall limit for a local run, seconds (default: none)")
@@ -83,11 +47,8 @@ def add_train_arguments(t: argparse.ArgumentParser) -> None:
       help="local run on CPU: confine each rank to X CPUs with a cgroup quota (e.g. 0.5 for 4 "
            "ranks on 2 cores), so ranks do not slow each other down as they would sharing "
            "cores; needs write access to the cgroup CPU controller (default: not confined)")
-    a("--inject", action="append", default=[], help=argparse.SUPPRESS)
     a("--metrics-out", default=None, help="write losses and step times as JSON here")
     a("--no-progress", action="store_true", help="no progress bar")
-    a("--forward-only", action="store_true",
-      help="evaluate: run the schedule's forward-only variant, no backward, no optimizer step")
     add_train_flags(t)
     add_profile_flags(t)
 
@@ -131,33 +92,40 @@ def _version() -> str:
     return f"pipeexec {package_version()} (torch {torch.__version__})"
 
 
-def _bytes(text: str) -> float:
-    from pipesim.cli.simulate_cmds import parse_bytes
-
-    return parse_bytes(text)
-
-
 def config_from_args(ns: argparse.Namespace) -> TrainConfig:
-    boundaries = None
-    if ns.boundaries:
-        try:
-            boundaries = tuple(int(x) for x in ns.boundaries.split(","))
-        except ValueError:
-            raise ConfigError(f"--boundaries must be comma-separated integers, got {ns.boundaries!r}") from None
-    return TrainConfig(
-        schedule=ns.schedule, memory_limit=ns.memory_limit, reschedule_after=ns.reschedule_after,
-        pp=ns.pp, vpp=ns.vpp, dp=ns.dp, microbatches=ns.microbatches,
-        micro_batch_size=ns.micro_batch_size, layers=ns.layers, hidden=ns.hidden, heads=ns.heads,
-        seq_len=ns.seq_len, vocab=ns.vocab, partition=ns.partition, boundaries=boundaries,
-        data=ns.data, steps=ns.steps, lr=ns.lr, min_lr=ns.min_lr, warmup_steps=ns.warmup_steps,
-        decay_steps=ns.decay_steps,
-        weight_decay=ns.weight_decay, clip_grad=ns.clip_grad, precision=ns.precision,
-        loss_scale=ns.loss_scale, loss_scale_growth_interval=ns.loss_scale_growth_interval,
-        seed=ns.seed, p2p_timeout=ns.p2p_timeout, recv_lookahead=ns.recv_lookahead,
-        nccl_matching=ns.nccl_matching,
-        cpu_keep_freed_memory=not ns.cpu_return_freed_memory,
-        backend=ns.backend, device=ns.device,
-        inject=tuple(ns.inject), forward_only=ns.forward_only)
+    """The `TrainConfig` the generated flags (`add_config_arguments`) spell."""
+    return TrainConfig(**{k: v for cls in SECTIONS.values()
+                          for k, v in values_from_args(cls, ns).items()})
+
+
+# train flags a plan file sets (pipeexec.plan_config)
+PLAN_DESTS = ("schedule", "pp", "vpp", "dp", "microbatches", "micro_batch_size", "layers",
+              "hidden", "heads", "seq_len", "vocab", "ffn_mult", "precision", "partition",
+              "boundaries", "recompute", "recompute_layers")
+
+
+def apply_plan(ns: argparse.Namespace, config: TrainConfig, given: set[str]) -> TrainConfig:
+    """``config`` with ``--plan``'s fields (unchanged without ``--plan``). Raises ConfigError
+    naming a flag the plan also sets, or what of the plan pipeexec cannot run."""
+    if not getattr(ns, "plan", None):
+        return config
+    import pipesim
+
+    from .plan_config import config_from_plan
+
+    clash = [d for d in PLAN_DESTS if d in given]
+    if clash:
+        raise ConfigError(f"--plan {ns.plan} sets the layout, batch, model and precision; "
+                          f"drop {', '.join('--' + d.replace('_', '-') for d in clash)} (or edit "
+                          "the plan)")
+    try:
+        plan = pipesim.Plan.from_json(ns.plan)
+    except pipesim.PlanError as exc:
+        raise ConfigError(f"--plan: {exc}") from None
+    try:
+        return config_from_plan(plan, config, source=str(ns.plan))
+    except ConfigError as exc:
+        raise ConfigError(f"--plan {ns.plan}: {exc}") from None
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -174,16 +142,20 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(run_command(ns))
     import pipesim
     from .checkpoint import CheckpointError, read_tracker
-    from .cpu_quota import QuotaUnavailable
-    from .devices import cuda_device_count, may_use_cuda, start_method_for
-    from .launcher import WorkerFailed, launch
-    from .preflight import check_train
-    from .worker import run_training
+    from .launching.cpu_quota import QuotaUnavailable
+    from .launching.devices import cuda_device_count, may_use_cuda, start_method_for
+    from .launching.launcher import WorkerFailed, launch
+    from .launching.preflight import check_train
+    from .launching.worker import run_training
 
     under_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     world = int(os.environ["WORLD_SIZE"]) if under_torchrun else (ns.nproc or ns.pp * ns.dp)
     try:
         config = config_from_args(ns)
+        if ns.plan:
+            config = apply_plan(ns, config, explicit_dests(train_parser(), args[1:]))
+            if not under_torchrun:
+                world = ns.nproc or config.world_size
         config.validate(world_size=world)    # before any process group exists
         checkpoint = options_from_args(ns)
         if checkpoint.load is not None:

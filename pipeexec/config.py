@@ -1,6 +1,7 @@
-"""`TrainConfig`: every knob of a run, as one plain value.
+"""`TrainConfig`: every knob of a run, as one plain value, in sections by concern.
 
-The CLI builds it, the launcher pickles it to the workers, a checkpoint stores it (``asdict``)
+The CLI is generated from its fields (help and default on each: `TrainConfig.cli_fields`) and
+builds it, the launcher pickles it to the workers, a checkpoint stores it (``asdict``)
 and compares it on load. Nothing reads configuration from module globals. ``validate`` checks
 everything that can be checked without a process group, so a bad layout fails before any
 collective with the reason.
@@ -8,78 +9,218 @@ collective with the reason.
 from __future__ import annotations
 
 import dataclasses
+from argparse import SUPPRESS, BooleanOptionalAction
 from dataclasses import dataclass, field
+from typing import Any
+
+from .options import flag_of, flagged
+from .options import option as _opt
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 PARTITIONS = ("layers", "params")
+RECOMPUTE = ("none", "selective", "full")
 
 
 class ConfigError(ValueError):
     """A configuration that cannot run, with the field and the reason."""
 
 
+def _ints(text: Any) -> tuple[int, ...] | None:
+    if text is None or isinstance(text, tuple):
+        return text
+    try:
+        return tuple(int(x) for x in str(text).split(","))
+    except ValueError:
+        raise ConfigError(f"--boundaries must be comma-separated integers, got {text!r}") from None
+
+
+def _bytes(text: str) -> float:
+    from pipesim.cli.simulate_cmds import parse_bytes
+
+    return parse_bytes(text)
+
+
 @dataclass(frozen=True)
-class TrainConfig:
-    # pipeline layout
-    schedule: str = "1f1b"
-    pp: int = 1
-    vpp: int = 1
-    dp: int = 1
-    microbatches: int = 1
-    micro_batch_size: int = 1
+class LayoutConfig:
+    """How the run is laid out: schedule, pipeline and data parallelism, batch, stage cut."""
+
+    schedule: str = _opt("1f1b", "a pipesim schedule name (pipesim list), or a schedule file: "
+                         "FILE.json (pipesim) or FILE.csv (torch's, compute-only or with comms)")
     # zb-auto: profile `reschedule_after` steps of ZB-H1 (after a warm-up step), search a
     # schedule from the measured costs under `memory_limit` bytes per rank, switch to it
-    memory_limit: float | None = None
-    reschedule_after: int = 2
-    # built-in GPT
-    layers: int = 2            # transformer blocks; the layer list adds embedding and head
-    hidden: int = 64
-    heads: int = 4
-    seq_len: int = 32
-    vocab: int = 256
-    ffn_mult: int = 4
+    memory_limit: float | None = _opt(
+        None, "with --schedule zb-auto: profile --reschedule-after steps of ZB-H1, search "
+        "zb-auto from the measured costs under this per-rank limit (e.g. 2GB), switch to it",
+        type=_bytes, metavar="BYTES")
+    reschedule_after: int = _opt(2, "with --memory-limit: profiled steps of ZB-H1 before "
+                                 "zb-auto takes over", type=int, metavar="K")
+    pp: int = _opt(1, "pipeline ranks", type=int)
+    vpp: int = _opt(1, "stages (chunks) per pipeline rank", type=int)
+    dp: int = _opt(1, "data-parallel replicas", type=int)
+    microbatches: int = _opt(1, "microbatches per replica per step", type=int)
+    micro_batch_size: int = _opt(1, "sequences per microbatch", type=int)
     # partitioning: "layers" (equal layer counts), "params" (balanced parameter counts) or
     # explicit boundaries: the first global layer index of every stage after the first.
-    partition: str = "layers"
-    boundaries: tuple[int, ...] | None = None
-    # data
-    data: str = "synthetic"    # "synthetic" or a path to a text file (byte-level tokens)
-    # optimisation
-    steps: int = 1
-    lr: float = 1e-3
-    min_lr: float = 0.0
-    warmup_steps: int = 0
-    decay_steps: int | None = None   # cosine decay length; default: steps
-    weight_decay: float = 0.01
-    beta1: float = 0.9
-    beta2: float = 0.95
-    eps: float = 1e-8
-    clip_grad: float = 1.0           # 0 disables clipping
-    # precision
-    precision: str = "fp32"
-    loss_scale: float = 2.0 ** 16    # initial dynamic scale (fp16 only)
-    loss_scale_growth_interval: int = 1000
-    loss_scale_backoff: float = 0.5
-    loss_scale_growth: float = 2.0
-    min_loss_scale: float = 1.0
-    # runtime
-    seed: int = 0
-    forward_only: bool = False
-    deallocate_outputs: bool = True
-    recv_lookahead: int = 1          # post receives this many computations before their consumer
-    cpu_keep_freed_memory: bool = True   # CPU: malloc keeps freed memory (pipeexec/malloc.py)
-    p2p_timeout: float = 300.0       # seconds for one send/receive to complete
+    partition: str = _opt("layers", "cut the layers into stages of equal layer counts or of "
+                          "balanced parameter counts", choices=("layers", "params"))
+    boundaries: tuple[int, ...] | None = _opt(
+        None, "explicit stage boundaries: first layer index of stages 1..S-1, comma separated",
+        parse=_ints)
+    # activation recomputation (torch.utils.checkpoint), as Megatron-LM's --recompute-granularity
+    recompute: str = _opt("none", "activation recomputation: none, selective (core attention: "
+                          "recomputed in the backward) or full (each transformer block keeps "
+                          "only its input)", choices=RECOMPUTE)
+    recompute_layers: int | None = _opt(
+        None, "with --recompute full: recompute the first N transformer blocks of each stage "
+        "(Megatron's --recompute-num-layers, block method; default: all)", type=int,
+        metavar="N")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The built-in GPT's shape, and the data it trains on."""
+
+    layers: int = _opt(2, "transformer blocks (plus embedding and head)", type=int)
+    hidden: int = _opt(64, "model width (divisible by --heads)", type=int)
+    heads: int = _opt(4, "attention heads", type=int)
+    seq_len: int = _opt(32, "tokens per sequence", type=int)
+    vocab: int = _opt(256, "vocabulary size (>= 256 for a text file)", type=int)
+    ffn_mult: int = _opt(4, "MLP width as a multiple of --hidden", type=int)
+    data: str = _opt("synthetic", "'synthetic' or a text file (byte-level tokens)")
+
+
+@dataclass(frozen=True)
+class OptimizerConfig:
+    """AdamW, its learning-rate schedule and gradient clipping."""
+
+    steps: int = _opt(1, "optimizer iterations in total", type=int)
+    lr: float = _opt(1e-3, "peak learning rate (AdamW)", type=float)
+    min_lr: float = _opt(0.0, "learning rate at the end of the decay", type=float)
+    warmup_steps: int = _opt(0, "linear LR warm-up iterations", type=int)
+    decay_steps: int | None = _opt(None, "cosine decay length in iterations (default: --steps); "
+                                   "fix it to stop a run early and resume it on the same LR "
+                                   "curve", type=int)
+    weight_decay: float = _opt(0.01, "AdamW weight decay", type=float)
+    beta1: float = _opt(0.9, "AdamW beta1", type=float)
+    beta2: float = _opt(0.95, "AdamW beta2", type=float)
+    eps: float = _opt(1e-8, "AdamW epsilon", type=float)
+    clip_grad: float = _opt(1.0, "global-norm clip (0: off)", type=float)
+
+
+@dataclass(frozen=True)
+class PrecisionConfig:
+    """Compute precision and fp16's dynamic loss scaling."""
+
+    precision: str = _opt("fp32", "compute precision (bf16 / fp16 keep fp32 master weights)",
+                          choices=PRECISIONS)
+    loss_scale: float = _opt(2.0 ** 16, "initial dynamic loss scale (fp16)", type=float)
+    loss_scale_growth_interval: int = _opt(
+        1000, "fp16: double the loss scale after this many steps without overflow", type=int)
+    loss_scale_backoff: float = _opt(0.5, "fp16: factor the loss scale shrinks by on overflow",
+                                     type=float)
+    loss_scale_growth: float = _opt(2.0, "fp16: factor the loss scale grows by", type=float)
+    min_loss_scale: float = _opt(1.0, "fp16: the loss scale never goes below this", type=float)
+
+
+@dataclass(frozen=True)
+class RuntimeConfig:
+    """How the executor runs: seed, transports, devices, timeouts, fault injection."""
+
+    seed: int = _opt(0, "seed of the weights, data and dropout", type=int)
+    forward_only: bool = _opt(False, "evaluate: run the schedule's forward-only variant, no "
+                              "backward, no optimizer step", action="store_true")
+    deallocate_outputs: bool = _opt(True, "free a stage's output once sent (Megatron's "
+                                    "deallocate_output_tensor)", action=BooleanOptionalAction)
+    recv_lookahead: int = _opt(1, "post each receive this many computations before the one "
+                               "that needs it (0: right before it); the simulator models the "
+                               "same schedule", type=int)
+    cpu_keep_freed_memory: bool = _opt(
+        True, "CPU: let malloc give freed memory back to the kernel (by default it is kept for "
+        "the next step, which saves a page fault per fresh page; pipeexec/malloc.py)",
+        flag="--cpu-return-freed-memory", action="store_true", invert=True)
+    p2p_timeout: float = _opt(300.0, "seconds per send/receive", type=float)
     # gloo emulating NCCL's point-to-point matching: tags ignored, a group's transfers between
-    # two ranks matched in posting order (finds posting-order bugs on CPU; pipeexec/p2p.py)
-    nccl_matching: bool = False
-    collective_timeout: float = 600.0
-    backend: str | None = None       # None: nccl when CUDA is available, else gloo
-    device: str | None = None        # None: cuda when a GPU is visible, else cpu; cuda means
-                                     # cuda:<local rank % visible GPUs> (pipeexec/devices.py)
+    # two ranks matched in posting order (finds posting-order bugs on CPU; pipeexec/pipeline/p2p.py)
+    nccl_matching: bool = _opt(
+        False, "gloo on CPU matching point-to-point transfers as NCCL does (tags ignored, in "
+        "posting order per group and pair of ranks): shows on CPU what a NCCL run would get",
+        action="store_true")
+    collective_timeout: float = _opt(600.0, "seconds a collective (and process-group set-up) "
+                                     "may take", type=float)
+    backend: str | None = _opt(None, "nccl or gloo (default: nccl with CUDA, else gloo)")
+    device: str | None = _opt(None, "cpu or cuda (default: cuda when available); cuda means "
+                              "cuda:<local rank %% visible GPUs> (pipeexec/launching/devices.py)")
     # fault injection, for tests of the failure paths (never set in normal runs):
     # "raise:RANK:STEP:ACTION" raises in that action, "exit:RANK:STEP:ACTION" kills the process
-    # there (SIGKILL), "hang:RANK:STEP:ACTION" blocks there forever, "overflow:STEP" puts an inf into one gradient of the last stage at that step.
-    inject: tuple[str, ...] = field(default_factory=tuple)
+    # there (SIGKILL), "hang:RANK:STEP:ACTION" blocks there forever, "overflow:STEP" puts an inf
+    # into one gradient of the last stage at that step.
+    inject: tuple[str, ...] = _opt((), SUPPRESS, action="append")
+
+
+SECTIONS: dict[str, type] = {"layout": LayoutConfig, "model": ModelConfig,
+                             "optimizer": OptimizerConfig, "mixed_precision": PrecisionConfig,
+                             "runtime": RuntimeConfig}
+# field name -> the section holding it
+_SECTION_OF = {f.name: name for name, cls in SECTIONS.items() for f in dataclasses.fields(cls)}
+
+
+@dataclass(frozen=True, init=False)
+class TrainConfig:
+    """Every knob of a run, by concern: ``layout``, ``model``, ``optimizer``,
+    ``mixed_precision``, ``runtime`` (checkpointing and profiling are `CheckpointOptions` and
+    `ProfileOptions`). Fields read flat (``config.pp``) and are given flat
+    (``TrainConfig(pp=2, lr=3e-4)``) or as sections; the CLI is generated from the fields
+    (`cli_fields`), so the two cannot drift."""
+
+    layout: LayoutConfig
+    model: ModelConfig
+    optimizer: OptimizerConfig
+    mixed_precision: PrecisionConfig
+    runtime: RuntimeConfig
+
+    def __init__(self, layout: LayoutConfig | None = None, model: ModelConfig | None = None,
+                 optimizer: OptimizerConfig | None = None,
+                 mixed_precision: PrecisionConfig | None = None,
+                 runtime: RuntimeConfig | None = None, **flat: Any) -> None:
+        given = {"layout": layout, "model": model, "optimizer": optimizer,
+                 "mixed_precision": mixed_precision, "runtime": runtime}
+        routed: dict[str, dict[str, Any]] = {name: {} for name in SECTIONS}
+        for key, value in flat.items():
+            if key not in _SECTION_OF:
+                raise TypeError(f"TrainConfig: unknown field {key!r}")
+            routed[_SECTION_OF[key]][key] = value
+        for name, cls in SECTIONS.items():
+            section = given[name] if given[name] is not None else cls()
+            if routed[name]:
+                section = dataclasses.replace(section, **routed[name])
+            object.__setattr__(self, name, section)
+
+    def __getattr__(self, name: str) -> Any:
+        section = _SECTION_OF.get(name)
+        if section is None or section not in self.__dict__:
+            raise AttributeError(f"TrainConfig has no field {name!r}")
+        return getattr(self.__dict__[section], name)
+
+    @staticmethod
+    def field_names() -> tuple[str, ...]:
+        """Every flat field, in section order."""
+        return tuple(_SECTION_OF)
+
+    @staticmethod
+    def cli_fields() -> list[dataclasses.Field]:
+        """The fields that have a command-line flag, in section order."""
+        return [f for cls in SECTIONS.values() for f in flagged(cls)]
+
+    @staticmethod
+    def flag(name: str) -> str:
+        """The command-line flag that sets field ``name`` (``name (no flag)`` when none)."""
+        f = next((f for cls in SECTIONS.values() for f in dataclasses.fields(cls)
+                  if f.name == name), None)
+        if f is None:                   # a launcher option (--cpus-per-rank, --nproc...)
+            return "--" + name.replace("_", "-")
+        if f.metadata.get("flag") is None:
+            return f"{name} (no flag)"
+        return flag_of(f)
 
     @property
     def world_size(self) -> int:
@@ -98,11 +239,26 @@ class TrainConfig:
         """Length of the built-in GPT's layer list: embedding, blocks, head."""
         return self.layers + 2
 
-    def replace(self, **changes) -> "TrainConfig":
-        return dataclasses.replace(self, **changes)
+    def replace(self, **changes: Any) -> "TrainConfig":
+        """A copy with flat fields or whole sections changed."""
+        sections = {name: changes.pop(name, getattr(self, name)) for name in SECTIONS}
+        return TrainConfig(**sections, **changes)
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        """Flat: field -> value (what checkpoints and measured runs store)."""
+        out: dict[str, Any] = {}
+        for name in SECTIONS:
+            out.update(dataclasses.asdict(getattr(self, name)))
+        return out
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "TrainConfig":
+        """From `to_dict`'s flat form (lists back to tuples)."""
+        values = dict(data)
+        for k in ("boundaries", "inject"):
+            if isinstance(values.get(k), list):
+                values[k] = tuple(values[k])
+        return cls(**values)
 
     def validate(self, world_size: int | None = None, num_layers: int | None = None, *,
                  check_schedule: bool = True) -> "TrainConfig":
@@ -132,6 +288,17 @@ class TrainConfig:
                 explicit(self.boundaries, n_layers, self.num_stages)
             except PartitionError as exc:
                 raise ConfigError(str(exc)) from None
+        if self.recompute not in RECOMPUTE:
+            raise ConfigError(f"recompute must be one of {', '.join(RECOMPUTE)}, got "
+                              f"{self.recompute!r}")
+        if self.recompute_layers is not None:
+            if self.recompute != "full":
+                raise ConfigError("--recompute-layers applies to --recompute full, got "
+                                  f"--recompute {self.recompute}")
+            if (not isinstance(self.recompute_layers, int) or isinstance(self.recompute_layers, bool)
+                    or self.recompute_layers < 0):
+                raise ConfigError(f"recompute_layers must be an integer >= 0, got "
+                                  f"{self.recompute_layers!r}")
         if self.data != "synthetic" and self.vocab < 256:
             raise ConfigError(f"a text file needs vocab >= 256 (byte-level tokens), got {self.vocab}")
         self._validate_optimisation()
@@ -220,10 +387,10 @@ class TrainConfig:
     def _schedule_from_file(self):
         """``schedule`` names a file (our JSON, torch's CSV): it must fit this run's layout."""
         import pipesim
-        from pipesim.schedule.io import schedule_from_csv, schedule_from_json
+        from pipesim.schedule.io import schedule_from_csv
 
         path = self.schedule
-        s = (schedule_from_json if path.endswith(".json") else schedule_from_csv)(path).validate()
+        s = (_schedule_json if path.endswith(".json") else schedule_from_csv)(path).validate()
         for name, want, got in (("pp", self.pp, s.pp), ("vpp", self.vpp, s.vpp),
                                 ("microbatches", self.microbatches, s.num_microbatches)):
             if want != got:
@@ -236,3 +403,23 @@ class TrainConfig:
         if self.recv_lookahead and not s.has_explicit_comms:
             s = s.with_recv_lookahead(self.recv_lookahead)
         return s.validate()
+
+
+def _schedule_json(path: str):
+    """A schedule JSON file (pipesim.schedule.io), or a plan file (pipesim.Plan.to_json)
+    holding its schedule as data."""
+    import json
+
+    import pipesim
+    from pipesim.schedule.io import schedule_from_dict, schedule_from_json
+
+    try:
+        data = json.loads(open(path).read())
+    except (OSError, json.JSONDecodeError):
+        return schedule_from_json(path)          # its own error, naming the file
+    if isinstance(data, dict) and str(data.get("format", "")).startswith("pipesim.plan"):
+        if not isinstance(data.get("schedule"), dict):
+            raise pipesim.ScheduleError(f"{path}: the plan names its schedule "
+                                        f"({data.get('schedule')!r}) instead of holding it")
+        return schedule_from_dict(data["schedule"], source=f"{path}: schedule")
+    return schedule_from_dict(data, path)

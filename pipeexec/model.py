@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 LayerFactory = Callable[[int, torch.Generator], nn.Module]
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -35,6 +36,15 @@ class ModelSpec:
     factory: LayerFactory                   # (global index, generator) -> initialised layer
     loss_fn: LossFn
     param_counts: tuple[int, ...] | None = None   # per layer; measured on demand when None
+    # per layer: what it is ("embedding", "block", "head"...); layers of one kind are assumed to
+    # cost the same when calibrated costs are re-partitioned. None: every layer its own
+    # factory's class name (`kinds`).
+    layer_kinds: tuple[str, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if self.layer_kinds is not None and len(self.layer_kinds) != self.num_layers:
+            raise ValueError(f"ModelSpec: {len(self.layer_kinds)} layer kinds for "
+                             f"{self.num_layers} layers")
 
     def build_layer(self, index: int, seed: int, device: torch.device | str = "cpu",
                     dtype: torch.dtype | None = None) -> nn.Module:
@@ -53,6 +63,14 @@ class ModelSpec:
             counts.append(sum(p.numel() for p in layer.parameters()))
         return tuple(counts)
 
+    def kinds(self) -> tuple[str, ...]:
+        """Each layer's kind: ``layer_kinds``, or the class name of the layer the factory
+        builds (the kind a measured run records for re-partitioning its costs)."""
+        if self.layer_kinds is not None:
+            return self.layer_kinds
+        return tuple(type(self.factory(i, torch.Generator().manual_seed(0))).__name__
+                     for i in range(self.num_layers))
+
 
 def model_from_layers(layers: list[nn.Module], loss_fn: LossFn) -> ModelSpec:
     """A spec over an existing layer list (every rank holds the list; each uses its stages).
@@ -62,7 +80,8 @@ def model_from_layers(layers: list[nn.Module], loss_fn: LossFn) -> ModelSpec:
     def factory(index: int, generator: torch.Generator) -> nn.Module:
         return layers[index]
     counts = tuple(sum(p.numel() for p in layer.parameters()) for layer in layers)
-    return ModelSpec(len(layers), factory, loss_fn, counts)
+    return ModelSpec(len(layers), factory, loss_fn, counts,
+                     tuple(type(layer).__name__ for layer in layers))
 
 
 # -- built-in GPT ---------------------------------------------------------------------------------
@@ -92,6 +111,7 @@ class Block(nn.Module):
                  gen: torch.Generator) -> None:
         super().__init__()
         self.heads = heads
+        self.recompute_core_attention = False    # selective recomputation (Stage.set_recompute)
         self.ln1 = nn.LayerNorm(hidden)
         self.qkv = nn.Linear(hidden, 3 * hidden)
         self.proj = nn.Linear(hidden, hidden)
@@ -106,9 +126,17 @@ class Block(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, h = x.shape
         q, k, v = self.qkv(self.ln1(x)).view(b, s, 3, self.heads, h // self.heads).permute(2, 0, 3, 1, 4)
-        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        if self.recompute_core_attention and torch.is_grad_enabled():
+            a = checkpoint(_core_attention, q, k, v, use_reentrant=False)
+        else:
+            a = _core_attention(q, k, v)
         x = x + self.proj(a.transpose(1, 2).reshape(b, s, h))
         return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
+
+
+def _core_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Causal softmax(q k^T / sqrt(d)) v: what selective recomputation recomputes."""
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
 
 class Head(nn.Module):
@@ -142,7 +170,8 @@ def gpt_spec(*, layers: int, hidden: int, heads: int, seq_len: int, vocab: int,
     block = 2 * 2 * hidden + (hidden * 3 * hidden + 3 * hidden) + (hidden * hidden + hidden) \
         + (hidden * ffn_mult * hidden + ffn_mult * hidden) + (ffn_mult * hidden * hidden + hidden)
     counts = (vocab * hidden + seq_len * hidden,) + (block,) * layers + (2 * hidden + hidden * vocab,)
-    return ModelSpec(layers + 2, factory, lm_loss, counts)
+    return ModelSpec(layers + 2, factory, lm_loss, counts,
+                     ("embedding",) + ("block",) * layers + ("head",))
 
 
 def gpt_spec_from_config(config) -> ModelSpec:

@@ -8,6 +8,7 @@ or explicit boundaries.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 
 class PartitionError(ValueError):
@@ -76,6 +77,15 @@ def make_partition(num_layers: int, num_stages: int, method: str = "layers",
             raise PartitionError("partition by params needs the layers' parameter counts")
         return by_params(param_counts, num_stages)
     raise PartitionError(f"unknown partition method {method!r}: expected 'layers' or 'params'")
+
+
+def stage_bounds(spec: Any, config: Any) -> tuple[int, ...]:
+    """The bounds ``config`` (partition, boundaries, num_stages) cuts ``spec`` (a `ModelSpec`:
+    num_layers, layer_param_counts) into: the one place a run's partition is computed (the
+    Trainer, and prediction before running)."""
+    counts = spec.layer_param_counts() if config.partition == "params" else None
+    return make_partition(spec.num_layers, config.num_stages, config.partition,
+                          config.boundaries, counts)
 
 
 def stage_layers(bounds: Sequence[int], stage: int) -> range:

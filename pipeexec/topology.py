@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .devices import check_unique_gpus, gpu_uuid, pick_device
+from .launching.devices import check_unique_gpus, gpu_uuid, pick_device
 
 
 class TopologyError(RuntimeError):
@@ -89,7 +89,7 @@ def init_topology(pp: int, dp: int, *, backend: str | None = None, device: str |
 
     ``p2p_timeout``: on NCCL, the p2p channel groups' timeout is this plus a minute, so that the
     watchdog aborts a stuck transfer even when the host is stuck too (the runtime's own check at
-    the end of each step names the action first; `pipeexec.p2p`).
+    the end of each step names the action first; `pipeexec.pipeline.p2p`).
 
     ``world_size`` must equal ``pp * dp``: checked before any collective, with the reason.
     """

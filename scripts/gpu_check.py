@@ -107,7 +107,7 @@ def compare_meters(device: str) -> None:
     from pipeexec.config import TrainConfig
     from pipeexec.profile.memory import CudaMemoryMeter, HeldTensorMeter
     from pipeexec.topology import destroy_topology, init_topology
-    from pipeexec.train import Trainer
+    from pipeexec.training.train import Trainer
 
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

@@ -13,12 +13,12 @@ echo "== devices and versions"
 nvidia-smi --query-gpu=name,uuid,memory.total,driver_version --format=csv 2>/dev/null || echo "nvidia-smi unavailable"
 python - <<'PY'
 import torch
-from pipeexec.devices import cuda_device_count
+from pipeexec.launching.devices import cuda_device_count
 from pipeexec.versions import SUPPORTED_TORCH, run_versions, torch_supported
 print("versions", run_versions("nccl" if torch.cuda.is_available() else "gloo"),
       "NVML devices", cuda_device_count(), "supported range", SUPPORTED_TORCH, torch_supported())
 PY
-NGPU=$(python -c "from pipeexec.devices import cuda_device_count; print(cuda_device_count())")
+NGPU=$(python -c "from pipeexec.launching.devices import cuda_device_count; print(cuda_device_count())")
 echo "== pp=1 profiles (zb-h1 vpp 1, zbv vpp 2): spans, memory meters, split probe"
 timeout 150 python scripts/gpu_check.py profile --device cuda || status=1
 echo "== fp16 with an injected overflow"

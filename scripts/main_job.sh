@@ -18,7 +18,7 @@ export OMP_NUM_THREADS=1
 model=(--pp 4 --microbatches 8 --layers 6 --hidden 256 --heads 4 --seq-len 128
        --micro-batch-size 4 --steps 6 --no-progress)
 if [ "${CONFINE:-auto}" != off ]; then
-    confine=$(python3 -c "from pipeexec.cpu_quota import cpu_limit, quotas_available
+    confine=$(python3 -c "from pipeexec.launching.cpu_quota import cpu_limit, quotas_available
 c = cpu_limit()
 print(f'--cpus-per-rank {c / 4:g}' if c < 4 and quotas_available() else '')")
     if [ -n "$confine" ]; then

@@ -11,7 +11,7 @@ import torch
 
 from pipeexec.config import TrainConfig
 from pipeexec.topology import Topology, channel_keys, destroy_topology, init_topology
-from pipeexec.train import Trainer, train
+from pipeexec.training.train import Trainer, train
 
 # decay_steps is fixed so that a run stopped early (smaller --steps) follows the same LR curve.
 TINY = TrainConfig(layers=6, hidden=16, heads=2, seq_len=8, vocab=32, steps=4, decay_steps=8,

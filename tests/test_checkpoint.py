@@ -22,7 +22,7 @@ from pipeexec.checkpoint import (RELEASE, CheckpointError, CheckpointReader, con
 from pipeexec.checkpoint.atomic import atomic_write
 from pipeexec.checkpoint.cli import main as checkpoint_main
 from pipeexec.checkpoint.rng import capture_rng_state, restore_rng_state
-from pipeexec.train import train
+from pipeexec.training.train import train
 
 
 @pytest.fixture(scope="module")

@@ -204,7 +204,7 @@ def test_without_profile_nothing_is_timed_or_synchronised(monkeypatch):
     import pipeexec.profile.session as session_mod
     from pipeexec import launch
     from pipeexec.cli import _parser, config_from_args
-    from pipeexec.worker import run_training
+    from pipeexec.launching.worker import run_training
 
     def forbidden(*args, **kwargs):
         raise AssertionError("clock alignment ran")

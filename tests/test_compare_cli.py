@@ -166,7 +166,7 @@ def test_compare_checks_the_cpu_share_before_running(capsys):
 
 def test_an_inherited_cpu_share_the_machine_cannot_give_says_where_it_came_from(
         tmp_path, capsys, monkeypatch):
-    import pipeexec.cpu_quota as cpu_quota
+    import pipeexec.launching.cpu_quota as cpu_quota
 
     monkeypatch.setattr(cpu_quota, "_cpu_dir", lambda: None)      # no cgroup CPU controller
     assert run_cli(["compare", "--schedule", "zb-h1", "--pp", "2",

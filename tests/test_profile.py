@@ -260,15 +260,10 @@ def test_calibrate_uses_the_target_layout():
 
 # -- the memory meter ------------------------------------------------------------------------------
 class _Runtime:
-    """The attributes HeldTensorMeter reads from a PipelineRuntime, all empty."""
-    _inputs: dict = {}
-    _outputs: dict = {}
-    _kept: dict = {}
-    _grads: dict = {}
-    _fwd: dict = {}
-    _dx: dict = {}
-    _wgrad: dict = {}
-    _recvs: dict = {}
+    """What HeldTensorMeter reads from a PipelineRuntime (its public held state), all empty."""
+
+    def held_state(self):
+        return ({},) * 8
 
 
 def test_held_tensor_meter_counts_exactly_what_autograd_saves():
@@ -303,7 +298,7 @@ def profiled_worker(board, cases):
     from pipeexec.config import TrainConfig
     from pipeexec.profile import ProfileOptions, ProfileSession
     from pipeexec.topology import destroy_topology, init_topology
-    from pipeexec.train import Trainer, train
+    from pipeexec.training.train import Trainer, train
 
     topo = init_topology(len(SKEWS), 1, timeout=120)
     skew = SKEWS[topo.rank]
@@ -505,7 +500,7 @@ def probe_worker(board):
     from pipeexec.config import TrainConfig
     from pipeexec.profile.probe import probe_split
     from pipeexec.topology import destroy_topology, init_topology
-    from pipeexec.train import Trainer, train
+    from pipeexec.training.train import Trainer, train
 
     topo = init_topology(1, 1, timeout=60)
     try:
@@ -548,11 +543,12 @@ def test_probed_split_gives_i_and_w_to_a_run_without_them():
 
 
 def test_probed_split_takes_what_i_frees_from_the_probe():
-    import types
 
     from pipeexec.profile.calibrate import probed_split
 
-    run = types.SimpleNamespace(meta={"pp": 2, "vpp": 1, "split_probe": {
+    run = MeasuredRun(pd.DataFrame(), {"schedule": "1f1b", "pp": 2, "vpp": 1,
+                                       "microbatches": 2, "bounds": [0, 1, 2],
+                                       "layer_kinds": ["block", "block"], "split_probe": {
         "0": {"ratio_wall": {"I": 0.0, "W": 1.0}, "freed_at_I": 0.0},
         "1": {"ratio_wall": {"I": 0.6, "W": 0.5}, "freed_at_I": 300.0}}})
     costs = pipesim.CostModel(forward=1.0, backward=2.0, activation_bytes=[500.0, 1000.0],

@@ -5,38 +5,20 @@ from __future__ import annotations
 import argparse
 import sys
 
+from ..options import add_arguments, values_from_args
 from .errors import CheckpointError
 from .layout import RELEASE
 from .manager import CheckpointOptions
 
 
 def add_train_flags(parser: argparse.ArgumentParser) -> None:
-    g = parser.add_argument_group("checkpointing (Megatron-LM layout)")
-    a = g.add_argument
-    a("--save", default=None, metavar="DIR", help="directory to save checkpoints to")
-    a("--save-interval", type=int, default=None, metavar="N",
-      help="save after every N iterations (and at the end of the run)")
-    a("--keep-last", type=int, default=None, metavar="K", help="keep only the newest K checkpoints")
-    a("--load", default=None, metavar="DIR",
-      help="resume from the latest checkpoint in DIR (any pp/vpp/dp layout)")
-    a("--ckpt-step", type=int, default=None, metavar="N",
-      help="load iteration N of --load instead of the latest (the tracker's)")
-    a("--finetune", action="store_true", help="load weights only and start at iteration 0")
-    a("--no-load-optim", action="store_true",
-      help="do not load optimizer moments and loss scale (iteration and LR position are kept)")
-    a("--no-load-rng", action="store_true", help="do not restore the RNG states")
-    a("--release", action="store_true",
-      help="make the end-of-run save a weights-only 'release' checkpoint")
-    a("--checkpoint-timeout", type=float, default=600.0, metavar="S",
-      help="seconds a rank waits for the others to finish writing a checkpoint")
+    """The checkpointing flags, generated from `CheckpointOptions`' fields."""
+    add_arguments(parser.add_argument_group("checkpointing (Megatron-LM layout)"),
+                  CheckpointOptions)
 
 
 def options_from_args(ns: argparse.Namespace) -> CheckpointOptions:
-    return CheckpointOptions(save=ns.save, save_interval=ns.save_interval, keep_last=ns.keep_last,
-                             load=ns.load, ckpt_step=ns.ckpt_step, finetune=ns.finetune,
-                             no_load_optim=ns.no_load_optim, no_load_rng=ns.no_load_rng,
-                             release=ns.release,
-                             timeout=ns.checkpoint_timeout).validate()
+    return CheckpointOptions(**values_from_args(CheckpointOptions, ns)).validate()
 
 
 def _tag(value: str | None):

@@ -8,8 +8,10 @@ One file per pipeline rank (Megatron's key names where Megatron has one):
 ``release``                 True for a weights-only release checkpoint
 ``save_id``                 random id shared by all files of one save (mixed saves are refused)
 ``config``                  the run's `TrainConfig` as a dict (``asdict``)
-``layout``                  pp, vpp, dp, schedule, this file's pp rank, stage bounds, and per chunk
-                            its global stage and global layer indices
+``layout``                  the run's plan: pp, vpp, dp, schedule (its name and, as
+                            ``schedule_data``, the schedule itself: pipesim.schedule.io's dict),
+                            this file's pp rank, stage bounds, layer kinds, and per chunk its
+                            global stage and global layer indices
 ``model`` / ``model0``...   per chunk: ``layers.<global layer>.<name>`` -> fp32 tensor (the fp32
                             master weights; for bf16/fp16 runs the 16-bit weights are their cast)
 ``optimizer``               ``state``: parameter name -> AdamW state (step, exp_avg, exp_avg_sq);
@@ -54,12 +56,21 @@ def chunk_stages(trainer) -> list[int]:
     return list(trainer.schedule.rank_stages(trainer.topology.pp_rank))
 
 
-def layout_record(config, bounds: Sequence[int], stages: Sequence[int], pp_rank: int) -> dict:
-    return {"pp": config.pp, "vpp": config.vpp, "dp": config.dp, "schedule": config.schedule,
-            "pp_rank": pp_rank, "bounds": [int(b) for b in bounds],
-            "stages": [int(s) for s in stages],
-            "layers": [list(range(bounds[s], bounds[s + 1])) for s in stages],
-            "num_layers": int(bounds[-1])}
+def layout_record(config, bounds: Sequence[int], stages: Sequence[int], pp_rank: int, *,
+                  schedule: Any = None, layer_kinds: Sequence[str] | None = None) -> dict:
+    """The ``layout`` entry. ``schedule``: the `pipesim.Schedule` that ran (stored as data, so
+    a hand-made one is read back as itself, not rebuilt from ``config.schedule``)."""
+    out = {"pp": config.pp, "vpp": config.vpp, "dp": config.dp, "schedule": config.schedule,
+           "pp_rank": pp_rank, "bounds": [int(b) for b in bounds],
+           "stages": [int(s) for s in stages],
+           "layers": [list(range(bounds[s], bounds[s + 1])) for s in stages],
+           "num_layers": int(bounds[-1])}
+    if schedule is not None:
+        from pipesim.schedule.io import schedule_to_dict
+        out["schedule_data"] = schedule_to_dict(schedule)
+    if layer_kinds is not None:
+        out["layer_kinds"] = [str(k) for k in layer_kinds]
+    return out
 
 
 def chunk_state(stage_module: torch.nn.Module, masters: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -102,7 +113,8 @@ def rank_contents(trainer, *, release: bool = False) -> dict:
         "iteration": 0 if release else int(trainer.iteration),
         "release": release,
         "config": cfg.to_dict(),
-        "layout": layout_record(cfg, trainer.bounds, stages, trainer.topology.pp_rank),
+        "layout": layout_record(cfg, trainer.bounds, stages, trainer.topology.pp_rank,
+                                schedule=trainer.schedule, layer_kinds=trainer.spec.kinds()),
     }
     for c, s in enumerate(stages):
         out[chunk_key(c, cfg.vpp)] = chunk_state(trainer.stages[s], masters)

@@ -45,7 +45,7 @@ class ConvertReport:
 
 def config_from_dict(saved: dict[str, Any], *, path: str | None = None) -> tuple[TrainConfig, list[str]]:
     """A `TrainConfig` from a checkpoint's config dict; unknown fields are dropped (noted)."""
-    known = {f.name for f in dataclasses.fields(TrainConfig)}
+    known = set(TrainConfig.field_names())
     values = {k: v for k, v in saved.items() if k in known}
     for k in ("boundaries", "inject"):
         if isinstance(values.get(k), list):
@@ -114,7 +114,8 @@ def convert_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, *, tag: T
         out: dict[str, Any] = {k: first[k] for k in ("checkpoint_version", "iteration", "release")}
         out["save_id"] = save_id
         out["config"] = new_cfg.to_dict()
-        out["layout"] = layout_record(new_cfg, bounds, stages, r)
+        out["layout"] = layout_record(new_cfg, bounds, stages, r, schedule=sched,
+                                      layer_kinds=reader.layout.get("layer_kinds"))
         names_here: list[str] = []
         for c, s in enumerate(stages):
             layers = range(bounds[s], bounds[s + 1])

@@ -16,27 +16,45 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..options import option
 from .load import LoadReport, load_checkpoint
 from .save import SaveReport, parse_fault, save_checkpoint
 
 FAULT_ENV = "PIPEEXEC_CHECKPOINT_FAULT"
 
 
+def _env_fault() -> str | None:
+    return os.environ.get(FAULT_ENV) or None
+
+
 @dataclass(frozen=True)
 class CheckpointOptions:
-    save: str | None = None
-    save_interval: int | None = None
-    keep_last: int | None = None
-    load: str | None = None
-    ckpt_step: int | None = None    # load this iteration instead of the tracker's
-    finetune: bool = False
-    no_load_optim: bool = False
-    no_load_rng: bool = False
-    release: bool = False
-    timeout: float = 600.0          # seconds a rank waits for the others at the save barrier
-    verify: bool = True             # CRC-check every file before loading it
+    """The checkpointing concern of a run; its flags are generated from these fields
+    (`pipeexec.options`)."""
+
+    save: str | None = option(None, "directory to save checkpoints to", metavar="DIR")
+    save_interval: int | None = option(
+        None, "save after every N iterations (and at the end of the run)", type=int,
+        metavar="N")
+    keep_last: int | None = option(None, "keep only the newest K checkpoints", type=int,
+                                   metavar="K")
+    load: str | None = option(None, "resume from the latest checkpoint in DIR (any pp/vpp/dp "
+                              "layout)", metavar="DIR")
+    ckpt_step: int | None = option(None, "load iteration N of --load instead of the latest "
+                                   "(the tracker's)", type=int, metavar="N")
+    finetune: bool = option(False, "load weights only and start at iteration 0",
+                            action="store_true")
+    no_load_optim: bool = option(False, "do not load optimizer moments and loss scale "
+                                 "(iteration and LR position are kept)", action="store_true")
+    no_load_rng: bool = option(False, "do not restore the RNG states", action="store_true")
+    release: bool = option(False, "make the end-of-run save a weights-only 'release' "
+                           "checkpoint", action="store_true")
+    timeout: float = option(600.0, "seconds a rank waits for the others to finish writing a "
+                            "checkpoint", flag="--checkpoint-timeout", type=float, metavar="S")
+    verify: bool = option(True, "CRC-check every file before loading it", flag=None)
     # test hook (see save.py): "kill|raise:RANK:ITERATION:before-rename|before-tracker"
-    fault: str | None = field(default_factory=lambda: os.environ.get(FAULT_ENV) or None)
+    fault: str | None = option(_env_fault, "fault injection of the save (tests)", flag=None,
+                               factory=True)
 
     def validate(self) -> "CheckpointOptions":
         """Raise ValueError naming the flag; checked before any process starts."""

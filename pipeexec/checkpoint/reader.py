@@ -192,6 +192,18 @@ class CheckpointReader:
                                       "save over this iteration?)", path=self.paths[r],
                                       field="save_id")
 
+    def schedule(self):
+        """The schedule the checkpoint was written with: recorded as data (``schedule_data``),
+        or, for checkpoints written before that, rebuilt from its name."""
+        import pipesim
+
+        lay = self.layout
+        if lay.get("schedule_data") is not None:
+            from pipesim.schedule.io import schedule_from_dict
+            return schedule_from_dict(lay["schedule_data"], source=f"checkpoint {self.dir}")
+        return pipesim.build_schedule(lay["schedule"], pp=int(lay["pp"]), vpp=int(lay["vpp"]),
+                                      microbatches=int(self.config["microbatches"]))
+
     def rank_layers(self, pp_rank: int) -> set[int]:
         """Global layers held by the checkpoint's pipeline rank ``pp_rank``.
 
@@ -199,11 +211,7 @@ class CheckpointReader:
         file); the file's own record is checked when it is opened.
         """
         if self._placement is None:
-            import pipesim
-
-            lay = self.layout
-            sched = pipesim.build_schedule(lay["schedule"], pp=int(lay["pp"]), vpp=int(lay["vpp"]),
-                                           microbatches=int(self.config["microbatches"]))
+            sched = self.schedule()
             self._placement = [list(sched.rank_stages(r)) for r in range(self.pp)]
         bounds = self.layout["bounds"]
         return {i for s in self._placement[pp_rank] for i in range(bounds[s], bounds[s + 1])}

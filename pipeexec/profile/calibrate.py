@@ -54,38 +54,13 @@ import numpy as np
 from pipesim import CostModel
 
 from .measured import MeasuredRun
+from .run_plan import Layout
 
 if TYPE_CHECKING:
     import pandas as pd
 
 _TIME_FIELDS = (("F", "forward"), ("B", "backward"), ("I", "backward_input"),
                 ("W", "backward_weight"))
-
-
-@dataclass(frozen=True)
-class Layout:
-    """How a run's layers are cut: ``bounds`` (num_stages + 1 layer indices) and the kind of
-    every layer."""
-
-    bounds: tuple[int, ...]
-    layer_kinds: tuple[str, ...]
-
-    @property
-    def num_stages(self) -> int:
-        return len(self.bounds) - 1
-
-    def counts(self, kinds: Sequence[str]) -> np.ndarray:
-        """Matrix [stage, kind] of layer counts."""
-        a = np.zeros((self.num_stages, len(kinds)))
-        col = {k: i for i, k in enumerate(kinds)}
-        for s in range(self.num_stages):
-            for layer in range(self.bounds[s], self.bounds[s + 1]):
-                a[s, col[self.layer_kinds[layer]]] += 1
-        return a
-
-    @classmethod
-    def of_run(cls, run: MeasuredRun) -> "Layout":
-        return cls(tuple(run.meta["bounds"]), tuple(run.meta["layer_kinds"]))
 
 
 @dataclass
@@ -126,7 +101,7 @@ def stage_memory(run: MeasuredRun, steps: Sequence[int] | None = None
     if not run.has_memory():
         return None
     t = _steps(run, steps)
-    n = run.meta["pp"] * run.meta["vpp"]
+    n = run.plan.num_stages
     delta = (t["mem_end"] - t["mem_start"]).fillna(0.0)
     ops = t["op"]
     fwd_part = ops.isin(("RECV_F", "F", "SEND_F"))
@@ -151,7 +126,7 @@ def stage_memory(run: MeasuredRun, steps: Sequence[int] | None = None
 def fit_run(run: MeasuredRun, steps: Sequence[int] | None = None) -> CostModel:
     """Per-stage costs of the run's own layout (time and memory), from ``steps`` (default:
     every profiled step)."""
-    n = run.meta["pp"] * run.meta["vpp"]
+    n = run.plan.num_stages
     memory = stage_memory(run, steps) or {}
     return CostModel.from_trace(calibration_trace(run, steps), num_stages=n, **memory)
 
@@ -169,7 +144,7 @@ def fit_work(run: MeasuredRun, steps: Sequence[int] | None = None) -> CostModel:
     t = calibration_trace(run, steps).copy()
     compute = t["kind"] == "compute"
     t.loc[compute, "end"] = t.loc[compute, "start"] + t.loc[compute, "cpu"].clip(lower=0.0)
-    n = run.meta["pp"] * run.meta["vpp"]
+    n = run.plan.num_stages
     memory = stage_memory(run, steps) or {}
     return CostModel.from_trace(t, num_stages=n, **memory)
 
@@ -183,7 +158,7 @@ def probed_split(costs: CostModel, run: MeasuredRun, clock: str = "wall") -> Cos
     probe = run.meta.get("split_probe")
     if not probe or costs.backward_input is not None or costs.backward is None:
         return costs
-    n = run.meta["pp"] * run.meta["vpp"]
+    n = run.plan.num_stages
     b = costs.stage_values("backward", n)
     i, w = [x / 2 for x in b], [x / 2 for x in b]
     for s in range(n):
@@ -209,7 +184,7 @@ def action_overhead(run: MeasuredRun, steps: Sequence[int] | None = None, *,
     A per-action cost that re-partitioning must not divide by layers. Zero when the trace has
     no ``compute_start`` (older or synthetic traces)."""
     t = _steps(run, steps)
-    n = run.meta["pp"] * run.meta["vpp"]
+    n = run.plan.num_stages
     out: dict[str, list[float]] = {}
     if "compute_start" not in t.columns:
         return out
@@ -323,9 +298,10 @@ def calibrate(run: MeasuredRun, target: Layout | None = None,
     `fit_work`; the caller turns it into wall time for a schedule)."""
     costs = fit_work(run, steps) if work else fit_run(run, steps)
     costs = probed_split(costs, run, clock="cpu" if work else "wall")
-    source = Layout.of_run(run)
-    info = {"schedule": run.meta["schedule"], "pp": run.meta["pp"], "vpp": run.meta["vpp"],
-            "microbatches": run.meta["microbatches"], "bounds": list(source.bounds),
+    plan = run.plan
+    source = plan.layout
+    info = {"schedule": plan.schedule_name, "pp": plan.pp, "vpp": plan.vpp,
+            "microbatches": plan.microbatches, "bounds": list(source.bounds),
             "steps": list(steps) if steps is not None else run.steps}
     if target is None or target.bounds == source.bounds:
         return Calibration(costs, info)

@@ -26,10 +26,10 @@ def profiled_run(config: Any, first: int, stop: int, *, trace_out: str | None = 
                  ) -> MeasuredRun:
     """Train ``config`` in local forked workers, profiling steps ``first..stop-1``; return the
     gathered run (written to ``trace_out`` too, when given). ``cpus_per_rank``: as for
-    `pipeexec.launcher.launch`."""
-    from ..devices import start_method_for
-    from ..launcher import launch
-    from ..worker import run_training
+    `pipeexec.launching.launcher.launch`."""
+    from ..launching.devices import start_method_for
+    from ..launching.launcher import launch
+    from ..launching.worker import run_training
     from .session import ProfileOptions
 
     options = ProfileOptions(first, stop, trace_out, cpus_per_rank=cpus_per_rank)
@@ -136,11 +136,11 @@ def alongside_config(config: Any, text: str) -> Any:
 
 def compare_main(argv: list[str]) -> int:
     """``pipeexec compare ...``; returns the exit status (2: bad arguments, 1: run failed)."""
-    from ..cli import config_from_args, explicit_dests, train_parser
+    from ..cli import PLAN_DESTS, apply_plan, config_from_args, explicit_dests, train_parser
     from ..config import ConfigError
-    from ..cpu_quota import QuotaUnavailable
-    from ..launcher import WorkerFailed
-    from ..preflight import check_cpus_per_rank
+    from ..launching.cpu_quota import QuotaUnavailable
+    from ..launching.launcher import WorkerFailed
+    from ..launching.preflight import check_cpus_per_rank
     from .run_description import inherit
     from .session import parse_step_range
 
@@ -157,7 +157,9 @@ def compare_main(argv: list[str]) -> int:
         return int(exc.code or 0)
     try:
         given = explicit_dests(parser, rest)
-        config = config_from_args(tns)
+        config = apply_plan(tns, config_from_args(tns), given)
+        if tns.plan:                 # the plan's fields are set, as flags are
+            given |= set(PLAN_DESTS)
         cpus_per_rank = tns.cpus_per_rank
         source = MeasuredRun.load(ns.calibrate_from) if ns.calibrate_from else None
         notes: list[str] = []

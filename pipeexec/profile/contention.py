@@ -16,7 +16,7 @@ the ranks computing at each moment of the target schedule.
   on the machine lower it below the core count.
 * `shares_cores` says whether a run's ranks competed for cores at all: on each host, what its
   ranks could keep busy (``rank_cpus``: threads, capped by affinity and CPU quota,
-  :mod:`pipeexec.cpu_quota`) against that host's CPUs (the profile's ``hosts``). Ranks confined to a share each (``--cpus-per-rank``), or fewer
+  :mod:`pipeexec.launching.cpu_quota`) against that host's CPUs (the profile's ``hosts``). Ranks confined to a share each (``--cpus-per-rank``), or fewer
   than the cores, run at their own speed whatever the others do, and wall-time costs then
   carry over as they are.
 """

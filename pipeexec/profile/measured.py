@@ -43,10 +43,12 @@ from typing import TYPE_CHECKING, Any
 import pipesim
 from pipesim.schedule.action import B, F, I, RECV_B, RECV_F, SEND_B, SEND_F, W
 
-from .recorder import ActionRecord
+from .run_plan import RunPlan, schedule_from_meta
 
 if TYPE_CHECKING:
     import pandas as pd
+
+    from .recorder import ActionRecord
 
     from pipesim import SimResult
 
@@ -55,6 +57,9 @@ COLUMNS = ("rank", "op", "stage", "chunk", "microbatch", "start", "end", "kind",
 # A receive wait shorter than this found the data already there (the call itself takes µs).
 WAIT_EPS = 1e-4
 _COMPUTE = (F, B, I, W)
+_PLAN_KEYS = ("schedule", "pp", "vpp", "dp", "microbatches", "recv_lookahead", "bounds",
+              "layer_kinds", "device", "backend", "rank_cpus", "host_cpus", "cpus_per_rank",
+              "hosts", "config")
 
 
 def build_trace(records: Sequence[Sequence[ActionRecord]], offsets: Sequence[float],
@@ -170,24 +175,37 @@ def _shift(frame: "pd.DataFrame") -> "pd.DataFrame":
 
 @dataclass
 class MeasuredRun:
-    """All profiled steps of one run. ``meta`` holds the layout: schedule, pp, vpp,
-    microbatches, bounds (first layer of each stage, and the layer count), layer_kinds, device,
-    clock offsets and round trips per pipeline rank, and the run's config."""
+    """All profiled steps of one run. ``meta`` holds the run's `RunPlan` (``plan``: schedule
+    as data, bounds, layer kinds, hosts and CPU shares, config; stored flat) and what the
+    measurement adds: clock offsets and round trips per pipeline rank, profiled steps, probes.
+    Torch-free: a run saved on a training machine is calibrated and compared anywhere."""
 
     trace: "pd.DataFrame"
     meta: dict[str, Any] = field(default_factory=dict)
 
+    @classmethod
+    def of_plan(cls, trace: "pd.DataFrame", plan: RunPlan, **measurement: Any) -> "MeasuredRun":
+        """A run of ``plan``; ``measurement``: the meta keys the measurement adds."""
+        return cls(trace, {**plan.to_meta(), **measurement})
+
+    @property
+    def plan(self) -> RunPlan:
+        """What ran, read from ``meta`` (re-read when ``meta``'s plan keys change)."""
+        key = (id(self.meta.get("schedule_data")),) + tuple(
+            repr(self.meta.get(k)) for k in _PLAN_KEYS)
+        cached = self.__dict__.get("_plan_cache")
+        if cached is None or cached[0] != key:
+            cached = (key, RunPlan.from_meta(self.meta))
+            self.__dict__["_plan_cache"] = cached
+        return cached[1]
+
     @property
     def schedule(self) -> "pipesim.Schedule":
         """The schedule the run ran: recorded as data (``schedule_data``), or rebuilt from its
-        name by runs recorded before that."""
-        m = self.meta
-        if "schedule_data" in m:
-            from pipesim.schedule.io import schedule_from_dict
-
-            return schedule_from_dict(m["schedule_data"], source="measured run")
-        return pipesim.build_schedule(m["schedule"], pp=m["pp"], microbatches=m["microbatches"],
-                                      vpp=m["vpp"], recv_lookahead=m.get("recv_lookahead", 0))
+        name by runs recorded before that (the plan's, when the meta holds a whole plan)."""
+        if "bounds" in self.meta:
+            return self.plan.schedule
+        return schedule_from_meta(self.meta)
 
     @property
     def steps(self) -> list[int]:
@@ -313,6 +331,7 @@ class MeasuredRun:
         for key in ("schedule", "pp", "vpp", "microbatches"):
             if key not in info:
                 raise ValueError(f"{meta}: lacks {key!r}")
+        RunPlan.from_meta(info, source=str(meta))      # a bad plan fails here, naming the file
         return cls(_shift(trace), info)
 
     def chrome_trace(self) -> dict:

@@ -26,8 +26,6 @@ from torch.autograd.graph import saved_tensors_hooks
 from pipesim.schedule.action import B, F, I, W, Action
 
 _COMPUTE = (F, B, I, W)
-# Runtime dictionaries whose tensors are activation memory (see pipeexec.runtime's docstring).
-_RUNTIME_STATE = ("_inputs", "_outputs", "_kept", "_grads", "_fwd", "_dx", "_wgrad", "_recvs")
 
 
 def _identity(x: Any) -> Any:
@@ -150,9 +148,7 @@ class HeldTensorMeter:
     def total(self) -> int:
         """Saved-tensor bytes plus runtime-held tensors not already counted."""
         extra: dict[int, int] = {}
-        rt = self.runtime
-        for name in _RUNTIME_STATE:
-            state = getattr(rt, name, None)
+        for state in self.runtime.held_state():
             if not state:
                 continue
             for t in tensors_in(state):

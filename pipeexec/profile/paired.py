@@ -20,7 +20,7 @@ def paired_worker(board: Any, configs: Sequence[Any], first: int, stop: int,
                   trace_outs: Sequence[str | None], cpus_per_rank: float | None) -> list:
     """One rank of a paired job; returns (on rank 0) one `MeasuredRun` per config."""
     from ..topology import destroy_topology, init_topology
-    from ..train import Trainer
+    from ..training.train import Trainer
     from .session import ProfileOptions, ProfileSession
 
     cfg0 = configs[0]
@@ -48,7 +48,7 @@ def paired_runs(configs: Sequence[Any], first: int, stop: int, *,
     """Train ``configs`` side by side in one job of local workers, alternating steps, each
     profiling steps ``first..stop-1``; return their measured runs (written to ``trace_outs``
     where given). Raises ValueError when the configs cannot share processes."""
-    from ..launcher import launch
+    from ..launching.launcher import launch
 
     configs = list(configs)
     base = configs[0]

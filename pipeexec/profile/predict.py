@@ -64,14 +64,12 @@ def predict(schedule: "pipesim.Schedule", layout: Layout, calibration_run: Measu
     return pipesim.simulate(schedule, cal.costs, comm=comm, cores=cores), cal
 
 
-def layout_of(config: Any) -> Layout:
-    """The layout ``config`` will run with, computed without running (same code as Trainer)."""
-    from ..model import gpt_spec_from_config
-    from ..partition import make_partition
-    from .session import layer_kinds
+def layout_of(config: Any, spec: Any = None) -> Layout:
+    """The layout ``config`` will cut ``spec`` (default: the built-in GPT of ``config``) into,
+    computed without running, by the Trainer's own `partition.stage_bounds`."""
+    from ..partition import stage_bounds
 
-    spec = gpt_spec_from_config(config)
-    bounds = make_partition(spec.num_layers, config.num_stages, config.partition,
-                            config.boundaries,
-                            spec.layer_param_counts() if config.partition == "params" else None)
-    return Layout(tuple(bounds), tuple(layer_kinds(spec.num_layers, config)))
+    if spec is None:
+        from ..model import gpt_spec_from_config
+        spec = gpt_spec_from_config(config)
+    return Layout(stage_bounds(spec, config), tuple(spec.kinds()))

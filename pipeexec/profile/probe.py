@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch.autograd.graph import get_gradient_edge, saved_tensors_hooks
 
-from ..backward import backward_input, full_backward
+from ..pipeline.backward import backward_input, full_backward
 from .memory import _identity
 
 OPS = ("F", "B", "I", "W")

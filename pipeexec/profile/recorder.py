@@ -1,6 +1,8 @@
 """`ActionProfiler`: the runtime's recorder that times every action of the profiled steps.
 
-The runtime calls ``start(action, step)`` and ``end(action, step)`` around each action. Outside
+An observer of the runtime (`pipeexec.pipeline.runtime.ActionObserver`): the runtime calls
+``start(action, step)`` and ``end(action, step)`` around each action and ``message`` with the
+bytes of each send or receive posted. Outside
 the profiled step range both return at once, and with no profiler at all the runtime adds
 nothing (no synchronisation, no clock reads): profiling costs only what it measures.
 
@@ -13,8 +15,8 @@ Receive waits: the runtime posts a receive at RECV_* and waits for it inside the
 that needs the tensor, calling the recorder's ``wait_start`` / ``wait_end`` around the wait. The
 profiler marks both, so the computation proper starts when the data is there and the wait
 becomes the RECV row (the simulator's meaning of a RECV row: time the rank spent waiting for
-the message). `ProfiledP2P` wraps the pipeline's `P2P` to note the bytes of every message.
-On a GPU the wait is a stream wait (`pipeexec.p2p`): ``wait_start``'s event is recorded on
+the message).
+On a GPU the wait is a stream wait (`pipeexec.pipeline.p2p`): ``wait_start``'s event is recorded on
 the compute stream before the stream wait and ``wait_end``'s after it, so the RECV row is the
 time the device's compute stream stood still for the data (with a host-blocking wait both
 events would sit back to back on the stream: zero long). A SEND row runs from its posting
@@ -139,8 +141,13 @@ class ActionProfiler:
         if self._cur is not None:
             self._w1 = self._mark()
 
-    # -- called by ProfiledP2P inside an action -----------------------------------------------
+    # -- called by the runtime for a send or receive posted inside an action -------------------
+    def message(self, action: Action, nbytes: int) -> None:
+        if self._cur is not None:
+            self._bytes += nbytes
+
     def add_bytes(self, nbytes: int) -> None:
+        """Bytes of a message of the current action (ProfiledP2P's way in)."""
         if self._cur is not None:
             self._bytes += nbytes
 
@@ -190,9 +197,9 @@ class ActionProfiler:
 
 
 class ProfiledP2P:
-    """A `pipeexec.p2p.P2P` that tells the profiler the size of every message it sends or
-    receives. Everything else is delegated unchanged, so the runtime cannot tell the
-    difference."""
+    """A `pipeexec.pipeline.p2p.P2P` that tells the profiler the size of every message it sends or
+    receives (for a P2P used outside `PipelineRuntime`; the runtime reports sizes to its
+    observers itself). Everything else is delegated unchanged."""
 
     def __init__(self, inner: Any, profiler: ActionProfiler) -> None:
         self._inner = inner

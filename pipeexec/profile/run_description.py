@@ -21,17 +21,15 @@ from ..config import ConfigError, TrainConfig
 
 # Config fields the per-action costs (time and activation bytes) depend on.
 COST_FIELDS = ("layers", "hidden", "heads", "seq_len", "vocab", "ffn_mult", "micro_batch_size",
-               "precision", "cpu_keep_freed_memory", "deallocate_outputs")
+               "precision", "cpu_keep_freed_memory", "deallocate_outputs", "recompute",
+               "recompute_layers")
 # The one that is not a config field: each rank's CPU quota of a local run.
 CPU_SHARE = "cpus_per_rank"
 
 
 def flag(name: str) -> str:
-    """The command-line flag that sets a config field."""
-    return {"cpu_keep_freed_memory": "--cpu-return-freed-memory",
-            "ffn_mult": "ffn_mult (no flag)",
-            "deallocate_outputs": "deallocate_outputs (no flag)"}.get(
-                name, "--" + name.replace("_", "-"))
+    """The command-line flag that sets a config field (the config's own metadata)."""
+    return TrainConfig.flag(name)
 
 
 def _shown(name: str, value: Any) -> str:

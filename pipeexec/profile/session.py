@@ -3,9 +3,9 @@
 `ProfileSession` is what a worker creates when ``--profile A:B`` is given:
 
 1. at start-up, clocks are aligned to global rank 0 (:mod:`pipeexec.profile.clock`);
-2. its `ActionProfiler` is passed to the `Trainer` as the runtime's recorder, and ``attach``
-   instruments the trainer's runtime: the p2p object (message sizes) and a
-   memory meter (exact held tensors, on CPU and GPU alike);
+2. ``attach`` adds its `ActionProfiler` to the trainer's runtime observers (action times,
+   receive waits, message sizes) with a memory meter (exact held tensors, on CPU and GPU
+   alike);
 3. after training, ``finish`` times each stage's F, B, I and W outside the schedule
    (:mod:`pipeexec.profile.probe`, what a run without I/W cannot show), gathers every rank's
    records to rank 0 (one ``gather_object``) and builds a `MeasuredRun` there; with
@@ -25,12 +25,11 @@ from typing import Any
 
 import torch.distributed as dist
 
-from pipesim.schedule.io import schedule_to_dict
-
 from .clock import ClockOffset, align_clocks
 from .measured import MeasuredRun, build_trace
 from .memory import HeldTensorMeter
-from .recorder import ActionProfiler, ProfiledP2P
+from .recorder import ActionProfiler
+from .run_plan import RunPlan
 
 
 def parse_step_range(text: str) -> tuple[int, int]:
@@ -93,17 +92,14 @@ class ProfileSession:
                                        clock=clock)
 
     def attach(self, trainer: Any) -> None:
-        """Instrument ``trainer.runtime`` (built with ``recorder=self.profiler``)."""
-        runtime = trainer.runtime
-        if runtime.recorder is not self.profiler:
-            raise ValueError("ProfileSession.attach: build the Trainer with "
-                             "recorder=session.profiler")
-        if runtime.p2p is not None and not isinstance(runtime.p2p, ProfiledP2P):
-            runtime.p2p = ProfiledP2P(runtime.p2p, self.profiler)
+        """Hook the profiler into ``trainer``'s runtime (an observer: action times, receive
+        waits, message sizes) with a held-tensor memory meter over the runtime's held state."""
+        trainer.add_observer(self.profiler)
         # The held-tensor meter on every device: it counts what the runtime holds, which is
         # device-independent. On a GPU, memory_allocated read at host time runs ahead of the
         # device and counts tensors still being sent as freed (CudaMemoryMeter stays available
         # to compare against; per-step allocator peaks are in the metrics).
+        runtime = trainer.runtime
         params = [p for st in runtime.stages.values() for p in st.parameters()]
         self.profiler.memory = HeldTensorMeter(runtime, exclude=params)
 
@@ -134,23 +130,16 @@ class ProfileSession:
         schedule = trainer.schedule
         trace = build_trace([p["records"] for p in pipeline], [p["offset"] for p in pipeline],
                             schedule)
-        meta = {
-            "schedule": cfg.schedule, "pp": cfg.pp, "vpp": cfg.vpp, "dp": cfg.dp,
-            "microbatches": cfg.microbatches, "recv_lookahead": schedule.recv_lookahead,
-            "bounds": list(trainer.bounds),
-            "layer_kinds": layer_kinds(trainer.spec.num_layers, cfg),
-            "device": str(topo.device), "backend": topo.backend,
-            "clock_offsets": [p["offset"] for p in pipeline],
-            "clock_rtts": [p["rtt"] for p in pipeline],
-            "profiled_steps": [self.options.first, self.options.stop],
-            "memory": "held_tensors",
-            "rank_cpus": [p["cpus"] for p in pipeline], "host_cpus": os.cpu_count(),
-            "cpus_per_rank": self.options.cpus_per_rank,
-            "hosts": host_loads(gathered),
-            "config": cfg.to_dict(),
-            # the schedule itself (a file's, or one searched from costs, is not its name)
-            "schedule_data": schedule_to_dict(schedule),
-        }
+        plan = RunPlan(schedule, trainer.bounds, trainer.spec.kinds(), dp=cfg.dp,
+                       device=str(topo.device), backend=topo.backend, hosts=host_loads(gathered),
+                       rank_cpus=tuple(p["cpus"] for p in pipeline), host_cpus=os.cpu_count(),
+                       cpus_per_rank=self.options.cpus_per_rank, config=cfg.to_dict(),
+                       schedule_name=cfg.schedule)
+        meta = {**plan.to_meta(),
+                "clock_offsets": [p["offset"] for p in pipeline],
+                "clock_rtts": [p["rtt"] for p in pipeline],
+                "profiled_steps": [self.options.first, self.options.stop],
+                "memory": "held_tensors"}
         probes = {str(s): v for p in pipeline for s, v in (p["split_probe"] or {}).items()}
         if probes:
             meta["split_probe"] = probes
@@ -178,14 +167,6 @@ def rank_cpus() -> float:
     """CPUs this rank can keep busy: its intra-op threads, capped by the CPUs it may use."""
     import torch
 
-    from ..cpu_quota import cpu_limit
+    from ..launching.cpu_quota import cpu_limit
 
     return float(min(cpu_limit(), torch.get_num_threads()))
-
-
-def layer_kinds(num_layers: int, config: Any) -> list[str]:
-    """Kind of each layer of the built-in GPT: embedding, blocks, head (for re-partitioning
-    calibrated costs; layers of one kind are assumed to cost the same)."""
-    return ["embedding"] + ["block"] * (num_layers - 2) + ["head"] if num_layers >= 2 \
-        else ["layer"] * num_layers
-

@@ -11,7 +11,7 @@ actions over those FIFOs and raises `ChannelError` naming rank, action and peer 
 transfer that would receive another one's data (a mismatch: same shape, silently wrong numbers)
 or when no rank can move (a deadlock).
 
-The host model is the executor's (`pipeexec.runtime`): a rank walks its action list; SEND / RECV
+The host model is the executor's (`pipeexec.pipeline.runtime`): a rank walks its action list; SEND / RECV
 only post (never block); a compute waits for the receive of its input; the end of a step waits
 for every transfer of the step. ``defer_first_activation`` adds pipeexec's rule for a stage
 boundary's first activation, whose shape is not known before its header arrives: in the first

@@ -15,7 +15,7 @@ from pipeexec.config import TrainConfig
 from pipeexec.data import BatchSource
 from pipeexec.model import gpt_spec
 from pipeexec.topology import destroy_topology, init_topology
-from pipeexec.train import Trainer, train
+from pipeexec.training.train import Trainer, train
 
 GLOBAL_BATCH = 8
 MICROBATCHES = 4

@@ -1,4 +1,4 @@
-"""CPU limits and per-rank CPU quotas (pipeexec.cpu_quota): the limit read back through a fake
+"""CPU limits and per-rank CPU quotas (pipeexec.launching.cpu_quota): the limit read back through a fake
 cgroup tree (v1 and v2), and, where this machine lets us write cgroups, real workers confined to
 a share of a CPU: their limit reads back, a busy loop gets no more CPU than the quota, and the
 cgroups are gone afterwards."""
@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from pipeexec import cpu_quota
-from pipeexec.cpu_quota import QuotaUnavailable, RankQuotas, cpu_limit, quotas_available
-from pipeexec.launcher import launch
+from pipeexec.launching import cpu_quota
+from pipeexec.launching.cpu_quota import QuotaUnavailable, RankQuotas, cpu_limit, quotas_available
+from pipeexec.launching.launcher import launch
 
 
 def affinity() -> float:

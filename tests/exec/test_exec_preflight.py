@@ -13,7 +13,7 @@ import pytest
 
 from pipeexec.cli import main
 from pipeexec.config import ConfigError, TrainConfig
-from pipeexec.preflight import check_cpus_per_rank, data_warning
+from pipeexec.launching.preflight import check_cpus_per_rank, data_warning
 
 TINY = ["--layers", "1", "--hidden", "16", "--heads", "2", "--seq-len", "8", "--vocab", "256",
         "--no-progress"]
@@ -41,7 +41,7 @@ def test_config_refuses_bad_optimisation_values(field, value, match):
 
 
 def test_bad_lr_fails_before_any_worker(capsys, monkeypatch):
-    import pipeexec.launcher as launcher
+    import pipeexec.launching.launcher as launcher
 
     monkeypatch.setattr(launcher, "launch", lambda *a, **k: pytest.fail("a worker started"))
     assert run_cli(["train", *TINY, "--lr", "-1"]) == 2
@@ -88,7 +88,7 @@ def checkpoint_at_4(tmp_path_factory):
 
 
 def test_resume_with_nothing_to_train_says_so(checkpoint_at_4, capsys, monkeypatch):
-    import pipeexec.launcher as launcher
+    import pipeexec.launching.launcher as launcher
 
     capsys.readouterr()
     monkeypatch.setattr(launcher, "launch", lambda *a, **k: pytest.fail("a worker started"))

@@ -13,15 +13,15 @@ from torch.autograd.graph import get_gradient_edge
 
 import pipesim
 from pipesim.schedule.action import I, W, Action
-from pipeexec.backward import backward_input, full_backward
+from pipeexec.pipeline.backward import backward_input, full_backward
 from pipeexec.data import BatchSource
-from pipeexec.ddp import GradBuffer
+from pipeexec.training.ddp import GradBuffer
 from pipeexec.model import gpt_spec, lm_loss
-from pipeexec.optim import clip_coefficient, lr_at
+from pipeexec.training.optim import clip_coefficient, lr_at
 from pipeexec.partition import PartitionError, by_layers, by_params, explicit
-from pipeexec.precision import LossScaler
-from pipeexec.runtime import PipelineError, PipelineRuntime
-from pipeexec.stage import build_stage
+from pipeexec.training.precision import LossScaler
+from pipeexec.pipeline.runtime import PipelineError, PipelineRuntime
+from pipeexec.pipeline.stage import build_stage
 
 SPEC = gpt_spec(layers=4, hidden=16, heads=2, seq_len=8, vocab=32)
 
@@ -298,7 +298,7 @@ def test_loss_scaler_backs_off_and_grows():
 
 # -- p2p channel order (what NCCL needs) ---------------------------------------------------------
 def test_registered_schedules_keep_channel_order():
-    from pipeexec.p2p import check_p2p_order
+    from pipeexec.pipeline.p2p import check_p2p_order
     for name in pipesim.schedule_names():
         for pp, m in ((2, 4), (4, 8)):
             for vpp in (2, 1):
@@ -312,7 +312,7 @@ def test_registered_schedules_keep_channel_order():
 
 
 def test_channel_order_violation_is_reported():
-    from pipeexec.p2p import P2PError, check_p2p_order
+    from pipeexec.pipeline.p2p import P2PError, check_p2p_order
     A = Action
     rank0 = [A("F", 0, 0), A("SEND_F", 0, 0), A("F", 0, 1), A("SEND_F", 0, 1)]
     rank1 = [A("RECV_F", 1, 1), A("F", 1, 1), A("RECV_F", 1, 0), A("F", 1, 0)]
@@ -339,7 +339,7 @@ def test_recorder_sees_every_action_once_in_order():
               for s in (0, 1)}
     rec = Recorder()
     rt = PipelineRuntime(sched, 0, stages, SPEC.loss_fn, lambda s, g: None, None, global_rank=0,
-                         device=torch.device("cpu"), recorder=rec)
+                         device=torch.device("cpu"), observers=[rec])
     rt.run(BatchSource(seed=1, seq_len=8, vocab=32, global_batch=3).microbatches(4, 0, 1, 3), step=4)
     expected = [(kind, a, 4) for a in sched.actions(0) for kind in ("start", "end")]
     assert rec.events == expected
@@ -372,3 +372,62 @@ def test_user_layer_list_and_loss():
     got = [v for s in (0, 1) for v in buf.views[s]]
     for a, b in zip(got, ref):
         torch.testing.assert_close(a, b)
+
+
+def test_observers_are_called_in_order_and_can_be_added_and_removed():
+    """The per-action seams are observers: starts in order, ends in reverse (nesting), and a
+    fault injector is one of them (it fails the action it names, before the action runs)."""
+    from pipeexec.pipeline.faults import FaultInjector
+    from pipeexec.pipeline.runtime import InjectedFault, PipelineError
+
+    log = []
+
+    class Obs:
+        def __init__(self, name):
+            self.name = name
+
+        def start(self, action, step):
+            log.append((self.name, "start", str(action)))
+
+        def end(self, action, step):
+            log.append((self.name, "end", str(action)))
+
+    sched = pipesim.build_schedule("1f1b", pp=1, microbatches=2).validate()
+    bounds = by_layers(SPEC.num_layers, 1)
+    stages = {0: build_stage(SPEC, 0, bounds, seed=0, device=torch.device("cpu"),
+                             dtype=torch.float32)}
+    a, b = Obs("a"), Obs("b")
+    rt = PipelineRuntime(sched, 0, stages, SPEC.loss_fn, lambda s, g: None, None, global_rank=0,
+                         device=torch.device("cpu"), observers=[a, b])
+    mbs = BatchSource(seed=1, seq_len=8, vocab=32, global_batch=2).microbatches(0, 0, 1, 2)
+    rt.run(mbs, step=0)
+    first = str(sched.actions(0)[0])
+    assert log[:4] == [("a", "start", first), ("b", "start", first), ("b", "end", first),
+                       ("a", "end", first)]
+    assert len(log) == 4 * len(sched.actions(0))
+    log.clear()
+    rt.remove_observer(a)
+    rt.add_observer(b)                          # already there: once
+    rt.add_observer(FaultInjector({1: {str(sched.actions(0)[1]): "raise"}}))
+    rt.run(mbs, step=0)
+    assert {name for name, _, _ in log} == {"b"} and len(log) == 2 * len(sched.actions(0))
+    log.clear()
+    with pytest.raises(PipelineError, match=f"action {sched.actions(0)[1]} of step 1") as info:
+        rt.run(mbs, step=1)
+    assert isinstance(info.value.__cause__, InjectedFault)
+    assert log[-1] == ("b", "start", str(sched.actions(0)[1]))   # failed before running it
+
+
+def test_no_module_reads_another_objects_private_state():
+    """``obj._name`` only on ``self`` / ``cls`` across pipeexec (torch's own privates aside)."""
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2] / "pipeexec"
+    pattern = re.compile(r"\b([A-Za-z_][A-Za-z0-9_]*)\._[a-z][a-z0-9_]*")
+    found = [f"{p.relative_to(root)}:{n}: {m.group(0)}"
+             for p in root.rglob("*.py")
+             for n, line in enumerate(p.read_text().splitlines(), 1)
+             for m in pattern.finditer(line)
+             if m.group(1) not in ("self", "cls", "torch", "cuda", "dist", "os", "sys")]
+    assert not found, found

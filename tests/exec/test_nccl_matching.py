@@ -25,7 +25,7 @@ from pipesim.schedule.channels import transfer_of
 from pipeexec import launch
 from pipeexec.config import ConfigError
 from pipeexec.topology import channel_keys, destroy_topology, init_topology
-from pipeexec.train import Trainer, train
+from pipeexec.training.train import Trainer, train
 
 from exec_helpers import (GLOBAL_BATCH, MICROBATCHES, TINY, choose_microbatches, layout_config,
                           reference_train)

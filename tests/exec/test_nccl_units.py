@@ -14,10 +14,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from pipeexec import devices
-from pipeexec.devices import DeviceError, check_unique_gpus, pick_device, start_method_for
-from pipeexec.optim import adamw_state_for, build_adamw
-from pipeexec.p2p import BWD, FWD, P2P, P2PError
+from pipeexec.launching import devices
+from pipeexec.launching.devices import DeviceError, check_unique_gpus, pick_device, start_method_for
+from pipeexec.training.optim import adamw_state_for, build_adamw
+from pipeexec.pipeline.p2p import BWD, FWD, P2P, P2PError
 from pipeexec.versions import SUPPORTED_TORCH, run_versions, torch_supported
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -219,7 +219,7 @@ def test_channel_keys_are_the_ring_neighbours_both_ways():
 def test_a_placement_beyond_ring_neighbours_is_refused_before_start():
     import pipesim
     from pipesim.schedule.action import Action as A
-    from pipeexec.p2p import check_channels_exist
+    from pipeexec.pipeline.p2p import check_channels_exist
     from pipeexec.topology import channel_keys
     # pp 4, stage 0 on rank 0 and stage 1 on rank 2: not neighbours
     compute = [[A("F", 0, 0), A("B", 0, 0)], [A("F", 2, 0), A("B", 2, 0)],
@@ -313,7 +313,7 @@ def test_probe_times_with_cuda_events(monkeypatch):
 def test_step_peaks_on_cuda_and_nan_on_cpu(monkeypatch):
     import math
 
-    from pipeexec.train import StepStats, with_peaks
+    from pipeexec.training.train import StepStats, with_peaks
     s = StepStats(0, 1.0, 0.1, 1.0, 1e-3, 1.0, False, 10.0)
     assert math.isnan(with_peaks(s, torch.device("cpu")).max_memory_allocated)
     monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda d: 1000)

@@ -6,7 +6,7 @@ import torch
 
 from pipeexec import launch
 from pipeexec.config import ConfigError
-from pipeexec.worker import run_training
+from pipeexec.launching.worker import run_training
 
 from exec_helpers import TINY, reference_train
 

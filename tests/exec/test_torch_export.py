@@ -36,7 +36,7 @@ def batch(m: int):
 
 def stage_modules(num_stages: int, stages):
     from pipeexec.partition import by_layers
-    from pipeexec.stage import build_stage
+    from pipeexec.pipeline.stage import build_stage
 
     sp = spec()
     bounds = by_layers(sp.num_layers, num_stages)

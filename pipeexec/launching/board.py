@@ -39,3 +39,13 @@ class ActionBoard:
         if OPS[op] == "OVERLAP_F_B":   # named by its forward part
             return f"the overlapped action with forward {stage}F{mb} (OVERLAP_F_B) of step {step}"
         return f"action {stage}{OPS[op]}{mb} of step {step}"
+
+
+class BoardObserver:
+    """Runtime observer: writes the action each rank starts onto the board."""
+
+    def __init__(self, board: ActionBoard, rank: int) -> None:
+        self.board, self.rank = board, rank
+
+    def start(self, action, step: int) -> None:
+        self.board.set(self.rank, step, action.op, action.stage, action.microbatch)

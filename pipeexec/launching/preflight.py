@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .config import ConfigError, TrainConfig
+from ..config import ConfigError, TrainConfig
 
 _SNIFF = 64 * 1024
 
@@ -75,11 +75,11 @@ def check_train(config: TrainConfig, checkpoint: Any, *, nproc: int,
         warnings.append(w + "; training on its bytes anyway")
     nothing = None
     if checkpoint is not None and checkpoint.load is not None and not checkpoint.finetune:
-        from .checkpoint import CheckpointError, read_tracker
-        from .checkpoint.layout import RELEASE
+        from ..checkpoint import CheckpointError, read_tracker
+        from ..checkpoint.layout import RELEASE
 
-        from .checkpoint.layout import tag_dir
-        from .checkpoint.reader import missing_checkpoint
+        from ..checkpoint.layout import tag_dir
+        from ..checkpoint.reader import missing_checkpoint
 
         tag = checkpoint.ckpt_step if checkpoint.ckpt_step is not None else read_tracker(checkpoint.load)
         if not tag_dir(checkpoint.load, tag).is_dir():

@@ -26,19 +26,20 @@ import torch
 import torch.distributed as dist
 from pipesim import Schedule
 
-from .board import ActionBoard
-from .config import TrainConfig
-from .data import BatchSource
+from ..launching.board import ActionBoard, BoardObserver
+from ..config import TrainConfig
+from ..data import BatchSource
+from ..pipeline.faults import FaultInjector, parse_faults
 from .ddp import GradBuffer
-from .malloc import keep_freed_memory
-from .model import ModelSpec, gpt_spec_from_config
+from ..malloc import keep_freed_memory
+from ..model import ModelSpec, gpt_spec_from_config
 from .optim import adamw_state_for, build_adamw, clip_coefficient, lr_at, set_lr
-from .p2p import P2P, check_channels_exist, check_p2p_order
-from .partition import make_partition
+from ..pipeline.p2p import P2P, check_channels_exist, check_p2p_order
+from ..partition import stage_bounds
 from .precision import LossScaler, MasterWeights, compute_dtype
-from .runtime import ActionRecorder, PipelineRuntime
-from .stage import build_stage
-from .topology import Topology
+from ..pipeline.runtime import ActionObserver, PipelineRuntime
+from ..pipeline.stage import build_stage
+from ..topology import Topology
 
 
 @dataclass
@@ -84,32 +85,18 @@ class TrainResult:
         return dict(self.__dict__)
 
 
-def parse_faults(inject: tuple[str, ...], global_rank: int) -> tuple[dict, set[int]]:
-    """``raise|exit|hang:RANK:STEP:ACTION`` -> {step: {action: kind}} for this rank; overflow steps."""
-    faults: dict[int, dict[str, str]] = {}
-    overflow: set[int] = set()
-    for spec in inject:
-        parts = spec.split(":")
-        if parts[0] == "overflow" and len(parts) == 2:
-            overflow.add(int(parts[1]))
-        elif parts[0] in ("raise", "exit", "hang") and len(parts) == 4:
-            if int(parts[1]) == global_rank:
-                faults.setdefault(int(parts[2]), {})[parts[3]] = parts[0]
-        else:
-            raise ValueError(f"bad fault injection {spec!r}: expected raise|exit|hang:RANK:STEP:ACTION "
-                             "or overflow:STEP")
-    return faults, overflow
-
-
 class Trainer:
     def __init__(self, config: TrainConfig, topology: Topology, spec: ModelSpec | None = None, *,
-                 recorder: ActionRecorder | None = None, board: ActionBoard | None = None,
+                 recorder: ActionObserver | None = None, board: ActionBoard | None = None,
                  data: BatchSource | None = None, schedule: Schedule | None = None) -> None:
         """``schedule``: run this Schedule (any pipesim Schedule, e.g. hand-made) instead of the
-        one ``config.schedule`` names; its pp, vpp and microbatches must match the config."""
+        one ``config.schedule`` names; its pp, vpp and microbatches must match the config.
+        The runtime's observers (`pipeexec.pipeline.runtime`): the ``board``'s, fault injection's
+        (``config.inject``), then ``recorder`` (shorthand for `add_observer`)."""
         spec = spec or gpt_spec_from_config(config)
+        # The schedule is built once per rank, below (validate would build it once more).
         config.validate(world_size=topology.world_size, num_layers=spec.num_layers,
-                        check_schedule=schedule is None)
+                        check_schedule=False)
         if (config.pp, config.dp) != (topology.pp, topology.dp):
             raise ValueError(f"config pp={config.pp} dp={config.dp} but topology pp={topology.pp} "
                              f"dp={topology.dp}")
@@ -122,9 +109,7 @@ class Trainer:
         self.config, self.topology, self.spec = config, topology, spec
         self._custom_schedule = schedule is not None
         self.schedule = schedule if schedule is not None else config.build_schedule()
-        self.bounds = make_partition(spec.num_layers, config.num_stages, config.partition,
-                                     config.boundaries,
-                                     spec.layer_param_counts() if config.partition == "params" else None)
+        self.bounds = stage_bounds(spec, config)
         dev = topology.device
         if dev.type == "cpu" and config.cpu_keep_freed_memory:
             keep_freed_memory()         # no fresh pages, hence no page faults, every step
@@ -132,6 +117,10 @@ class Trainer:
         self.stages = {s: build_stage(spec, s, self.bounds, seed=config.seed, device=dev,
                                       dtype=torch.float32)
                        for s in self.schedule.rank_stages(topology.pp_rank)}
+        kinds = spec.kinds()
+        for s, stage in self.stages.items():
+            stage.set_recompute(config.recompute, kinds[self.bounds[s]:self.bounds[s + 1]],
+                                config.recompute_layers)
         # Stage parameters are already named by global layer index: layers.<i>.<name>.
         named = [(name, p) for s in sorted(self.stages) for name, p in self.stages[s].named_parameters()]
         self.param_names = [n for n, _ in named]
@@ -149,6 +138,10 @@ class Trainer:
                                  min_scale=config.min_loss_scale)
         faults, self._overflow = parse_faults(config.inject, topology.rank)
         self.board = board
+        self._board_observer = None if board is None else BoardObserver(board, topology.rank)
+        self.observers: list[ActionObserver] = [o for o in (
+            self._board_observer, FaultInjector(faults) if faults else None, recorder)
+            if o is not None]
         self.p2p = None
         if config.pp > 1:
             check_channels_exist(self.schedule, topology.pp_rank, topology.p2p_groups)
@@ -159,8 +152,7 @@ class Trainer:
                            num_stages=config.num_stages, num_microbatches=config.microbatches,
                            device=dev, timeout=config.p2p_timeout,
                            nccl_matching=config.nccl_matching)
-        self._faults = faults
-        self.runtime = self._make_runtime(self.schedule, recorder)
+        self.runtime = self._make_runtime(self.schedule)
         self._fwd_runtime: PipelineRuntime | None = None
         self.data = data or BatchSource(seed=config.seed, seq_len=config.seq_len, vocab=config.vocab,
                                         global_batch=config.global_batch, data=config.data)
@@ -168,12 +160,18 @@ class Trainer:
         self.updates = 0
         self.holds_last_stage = config.num_stages - 1 in self.stages
 
-    def _make_runtime(self, schedule: Schedule, recorder: ActionRecorder | None) -> PipelineRuntime:
+    def add_observer(self, observer: ActionObserver) -> None:
+        """Hook ``observer`` into the runtime (and into any runtime `set_schedule` builds)."""
+        if observer not in self.observers:
+            self.observers.append(observer)
+        self.runtime.add_observer(observer)
+
+    def _make_runtime(self, schedule: Schedule) -> PipelineRuntime:
         topology, config = self.topology, self.config
         return PipelineRuntime(schedule, topology.pp_rank, self.stages, self.spec.loss_fn,
                                self.grads.accumulate, self.p2p, global_rank=topology.rank,
                                device=topology.device, compute_dtype=self.dtype,
-                               recorder=recorder, board=self.board, faults=self._faults,
+                               observers=self.observers,
                                deallocate_outputs=config.deallocate_outputs,
                                # fp32: the masters are the parameters, .grad bound above
                                grads_in_place=self.dtype == torch.float32)
@@ -181,7 +179,7 @@ class Trainer:
     def set_schedule(self, schedule: Schedule) -> None:
         """Run ``schedule`` from the next step on. Every rank must switch at the same step
         (the caller's collective decision); the stages stay, so the schedule must put the same
-        stages on this rank. The new runtime has no recorder."""
+        stages on this rank. The new runtime has the same observers."""
         got = (schedule.pp, schedule.vpp, schedule.num_microbatches)
         cfg = self.config
         if got != (cfg.pp, cfg.vpp, cfg.microbatches):
@@ -198,7 +196,7 @@ class Trainer:
                 check_p2p_order(schedule)
         self.schedule = schedule
         self._custom_schedule = True
-        self.runtime = self._make_runtime(schedule, None)
+        self.runtime = self._make_runtime(schedule)
         self._fwd_runtime = None
 
     # -- one optimizer step -----------------------------------------------------------------
@@ -277,15 +275,14 @@ class Trainer:
                                           for r in range(s.pp)],
                                          name=f"{s.name} (forward only)", forward_only=True,
                                          recv_lookahead=s.recv_lookahead).validate()
-            else:
-                sched = pipesim.build_schedule(cfg.schedule, pp=cfg.pp, microbatches=cfg.microbatches,
-                                               vpp=cfg.vpp, forward_only=True,
-                                               recv_lookahead=cfg.recv_lookahead).validate()
+            else:               # the builder's (or the file's) forward-only schedule
+                sched = cfg.replace(forward_only=True).build_schedule()
             self._fwd_runtime = PipelineRuntime(sched, self.topology.pp_rank, self.stages,
                                                 self.spec.loss_fn, self.grads.accumulate, self.p2p,
                                                 global_rank=self.topology.rank,
                                                 device=self.topology.device, compute_dtype=self.dtype,
-                                                board=self.board)
+                                                observers=[o for o in (self._board_observer,)
+                                                           if o is not None])
         mbs = pinned(self.data.microbatches(step, self.topology.dp_rank, self.config.dp,
                                             self.config.microbatches), self.topology.device)
         return self._fwd_runtime.run(mbs, step=step, forward_only=True, keep_outputs=keep_outputs)

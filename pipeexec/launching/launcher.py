@@ -4,7 +4,7 @@ Forking is the fast path (8 gloo ranks start in a fraction of a second, where sp
 re-import torch in every worker for seconds each). It is only safe while the parent has no
 threads, so the launcher refuses to fork a multi-threaded parent unless told to use "spawn".
 A run that may use CUDA must spawn (a forked child cannot initialise CUDA once the parent has):
-the CLI picks the method with `pipeexec.devices.start_method_for`.
+the CLI picks the method with `pipeexec.launching.devices.start_method_for`.
 Each worker gets torchrun's variables (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT)
 and one intra-op thread (OMP_NUM_THREADS=1 semantics), so code written for torchrun runs as is.
 
@@ -107,7 +107,7 @@ def launch(fn: Callable[..., Any], nproc: int, args: tuple = (), *, timeout: flo
 
     Raises `WorkerFailed` (naming the first failed rank, its action and its error) as soon as a
     worker fails, after stopping the others; or when ``timeout`` seconds pass.
-    ``cpus_per_rank``: confine each worker to that many CPUs (`pipeexec.cpu_quota.RankQuotas`;
+    ``cpus_per_rank``: confine each worker to that many CPUs (`pipeexec.launching.cpu_quota.RankQuotas`;
     raises `QuotaUnavailable` before starting any worker when the machine does not allow it).
     """
     if start_method == "fork" and threading.active_count() > 1:

@@ -14,14 +14,14 @@ from typing import TYPE_CHECKING
 import torch.distributed as dist
 
 from .board import ActionBoard
-from .checkpoint import CheckpointManager, CheckpointOptions
-from .config import TrainConfig
-from .topology import destroy_topology, init_topology
-from .train import Trainer, train
-from .versions import run_versions
+from ..checkpoint import CheckpointManager, CheckpointOptions
+from ..config import TrainConfig
+from ..topology import destroy_topology, init_topology
+from ..training.train import Trainer, train
+from ..versions import run_versions
 
 if TYPE_CHECKING:
-    from .profile import ProfileOptions
+    from ..profile import ProfileOptions
 
 
 def _log(msg: str) -> None:
@@ -45,12 +45,12 @@ def run_training(board: ActionBoard | None, config: TrainConfig, metrics_out: st
             raise ValueError("--profile and zb-auto's --memory-limit both profile the run; "
                              "give one of them")
         if profile is not None or auto:
-            from .profile import ProfileOptions, ProfileSession
+            from ..profile import ProfileOptions, ProfileSession
             session = ProfileSession(profile or ProfileOptions(1, config.reschedule_after + 1),
                                      topology)
         first = None
         if auto:
-            from .profile.reschedule import PROFILED_SCHEDULE
+            from ..profile.reschedule import PROFILED_SCHEDULE
             import pipesim
             first = pipesim.build_schedule(PROFILED_SCHEDULE, pp=config.pp,
                                            microbatches=config.microbatches,
@@ -73,7 +73,7 @@ def run_training(board: ActionBoard | None, config: TrainConfig, metrics_out: st
             manager.load(trainer)
         on_step = None if manager is None else manager.on_step
         if auto:
-            from .profile.reschedule import reschedule
+            from ..profile.reschedule import reschedule
             saved, switched = on_step, {}
 
             def on_step(trainer, stats):

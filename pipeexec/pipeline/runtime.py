@@ -16,9 +16,13 @@ a few dictionaries keyed by ``(stage, microbatch)``:
 * ``_dx``       input gradient waiting for SEND_B
 * ``_wgrad``    what W needs after I
 
-A recorder (optional) gets ``start(action, step)`` and ``end(action, step)`` around every action:
-the seam for measured traces. Any exception is re-raised as `PipelineError` naming the rank and
-the action.
+Observers are the per-action seams (the profiler's timer and memory meter, the launcher's
+progress board, fault injection): objects with any of ``start(action, step)``,
+``end(action, step)``, ``wait_start(recv_action, step)`` / ``wait_end(recv_action, step)``
+(around the wait for a received tensor, inside the compute action that uses it) and
+``message(action, nbytes)`` (a send or a receive buffer posted inside ``action``). The runtime
+calls them; none reaches into the runtime (the held tensors are public: `held_state`). Any
+exception is re-raised as `PipelineError` naming the rank and the action.
 """
 from __future__ import annotations
 
@@ -45,15 +49,17 @@ class PipelineError(RuntimeError):
         self.rank, self.action, self.step = rank, action, step
 
 
-class ActionRecorder(Protocol):
-    """Hooks around every action. A recorder may also define ``wait_start(recv_action, step)``
-    and ``wait_end(recv_action, step)``: called around the wait for a received tensor, which
-    happens inside the compute action that uses it, so waiting can be told apart from compute.
-    An ``OVERLAP_F_B`` comes as ``start(overlap)``, then start/end of each of its parts, then
-    ``end(overlap)``."""
+class ActionObserver(Protocol):
+    """Hooks the runtime calls (each optional): ``start`` / ``end`` around every action,
+    ``wait_start`` / ``wait_end`` around a receive wait, ``message`` with the bytes of a send or
+    receive posted. An ``OVERLAP_F_B`` comes as ``start(overlap)``, then start/end of each of
+    its parts, then ``end(overlap)``."""
 
     def start(self, action: Action, step: int) -> None: ...
     def end(self, action: Action, step: int) -> None: ...
+
+
+ActionRecorder = ActionObserver        # the name the profiler's protocol had
 
 
 class InjectedFault(RuntimeError):
@@ -80,8 +86,8 @@ class PipelineRuntime:
                  loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
                  accumulate: Callable[[int, Sequence[torch.Tensor | None]], None],
                  p2p: P2P | None, *, global_rank: int, device: torch.device,
-                 compute_dtype: torch.dtype = torch.float32, recorder: ActionRecorder | None = None,
-                 board: Any = None, faults: dict | None = None,
+                 compute_dtype: torch.dtype = torch.float32,
+                 observers: Sequence[ActionObserver] = (),
                  deallocate_outputs: bool = True, grads_in_place: bool = False) -> None:
         self.schedule = schedule
         self.pp_rank = pp_rank
@@ -93,9 +99,10 @@ class PipelineRuntime:
         self.p2p = p2p
         self.device = device
         self.compute_dtype = compute_dtype
-        self.recorder = recorder
-        self.board = board
-        self.faults = faults or {}
+        self.observers: list[ActionObserver] = []
+        self._hooks()
+        for obs in observers:
+            self.add_observer(obs)
         self.deallocate_outputs = deallocate_outputs
         self.grads_in_place = grads_in_place
         self._bound: list = []
@@ -103,7 +110,6 @@ class PipelineRuntime:
             _check_bound_grads(self.params, global_rank)
             self._bound = [(s, k, p, p.grad) for s, ps in self.params.items()
                            for k, p in enumerate(ps)]
-        self._wait_hooks = recorder is not None and hasattr(recorder, "wait_start")
         self.actions = schedule.actions(pp_rank)
         self.placement = schedule.placement
         self.num_stages = schedule.num_stages
@@ -117,6 +123,32 @@ class PipelineRuntime:
                      W: self._backward_weight, SEND_F: self._send_forward,
                      RECV_F: self._recv_forward, SEND_B: self._send_backward,
                      RECV_B: self._recv_backward, OVERLAP_F_B: self._overlapped}
+
+    # -- observers ---------------------------------------------------------------------------
+    def add_observer(self, observer: ActionObserver) -> None:
+        """Call ``observer``'s hooks from the next action on (once, however often added)."""
+        if observer not in self.observers:
+            self.observers.append(observer)
+            self._hooks()
+
+    def remove_observer(self, observer: ActionObserver) -> None:
+        self.observers.remove(observer)
+        self._hooks()
+
+    def _hooks(self) -> None:
+        """Bound hook methods per kind, in the observers' order (ends in reverse: nesting)."""
+        def bound(name: str) -> tuple:
+            return tuple(getattr(o, name) for o in self.observers if hasattr(o, name))
+        self._on_start, self._on_wait_start, self._on_wait_end, self._on_message = (
+            bound("start"), bound("wait_start"), bound("wait_end"), bound("message"))
+        self._on_end = bound("end")[::-1]
+
+    def held_state(self) -> tuple[dict, ...]:
+        """The dictionaries of tensors this rank holds between actions (stage inputs, outputs
+        waiting to be sent or kept, posted receives, gradients waiting, W's state): what a
+        memory meter counts besides autograd's saved tensors. Empty outside a step."""
+        return tuple(self.__dict__.get(name) or {} for name in
+                     ("_inputs", "_outputs", "_kept", "_grads", "_fwd", "_dx", "_wgrad", "_recvs"))
 
     # -- one step ---------------------------------------------------------------------------
     def run(self, microbatches: Sequence[tuple[torch.Tensor, torch.Tensor]], *, step: int = 0,
@@ -148,22 +180,17 @@ class PipelineRuntime:
                                     "was replaced since the runtime was built with "
                                     "grads_in_place (it must stay bound to the gradient buffer)",
                                     self.global_rank, "start", step)
-        faults = self.faults.get(step)
-        ops, rec, board, rank = self._ops, self.recorder, self.board, self.global_rank
+        ops, rank = self._ops, self.global_rank
+        starts, ends = self._on_start, self._on_end
         action = None
         try:
             for action in self.actions:
                 op, stage, mb = action
-                if board is not None:
-                    board.set(rank, step, op, stage, mb)
-                if faults is not None and str(action) in faults:
-                    self._inject(faults[str(action)], action, step)
-                if rec is None:
-                    ops[op](stage, mb)
-                else:
-                    rec.start(action, step)
-                    ops[op](stage, mb)
-                    rec.end(action, step)
+                for hook in starts:
+                    hook(action, step)
+                ops[op](stage, mb)
+                for hook in ends:
+                    hook(action, step)
             action = None
             if self.p2p is not None:
                 self.p2p.wait_sends()
@@ -179,18 +206,6 @@ class PipelineRuntime:
             self._mbs = None
         return self._out
 
-    def _inject(self, kind: str, action: Action, step: int) -> None:
-        if kind == "raise":
-            raise InjectedFault(f"injected failure in {action} of step {step}")
-        if kind == "exit":
-            import os
-            import signal
-            os.kill(os.getpid(), signal.SIGKILL)
-        if kind == "hang":
-            import time
-            while True:
-                time.sleep(3600)
-
     def _check_drained(self) -> None:
         left = {name: d for name, d in (("inputs", self._inputs), ("gradients", self._grads),
                                          ("weight gradients", self._wgrad), ("receives", self._recvs))
@@ -201,12 +216,22 @@ class PipelineRuntime:
 
     # -- helpers ----------------------------------------------------------------------------
     def _wait(self, pending) -> torch.Tensor:
-        if not self._wait_hooks:
+        if not self._on_wait_start and not self._on_wait_end:
             return self.p2p.wait(pending)
-        self.recorder.wait_start(pending.action, self._step)
+        for hook in self._on_wait_start:
+            hook(pending.action, self._step)
         tensor = self.p2p.wait(pending)
-        self.recorder.wait_end(pending.action, self._step)
+        for hook in self._on_wait_end:
+            hook(pending.action, self._step)
         return tensor
+
+    def _posted(self, action: Action, tensor: torch.Tensor | None) -> None:
+        """Tell the observers the bytes of a send or receive buffer posted in ``action`` (a
+        boundary's first activation is posted only when waited for, its shape arriving with
+        it: no bytes then)."""
+        if tensor is not None:
+            for hook in self._on_message:
+                hook(action, tensor.nelement() * tensor.element_size())
 
     def _local(self, stage: int) -> bool:
         return self.placement[stage] == self.pp_rank
@@ -254,13 +279,17 @@ class PipelineRuntime:
 
     def _send_forward(self, s: int, mb: int) -> None:
         y = self._outputs.pop((s, mb))
-        self.p2p.send(y.detach(), self.placement[s + 1], FWD, s, mb, Action(SEND_F, s, mb))
+        action = Action(SEND_F, s, mb)
+        self._posted(action, y)
+        self.p2p.send(y.detach(), self.placement[s + 1], FWD, s, mb, action)
         if not self.deallocate_outputs and not self._forward_only:
             self._kept[(s, mb)] = y     # held until the backward, as without the trick
 
     def _recv_forward(self, s: int, mb: int) -> None:
-        self._recvs[(RECV_F, s, mb)] = self.p2p.recv_activation(
-            self.placement[s - 1], s - 1, mb, Action(RECV_F, s, mb))
+        action = Action(RECV_F, s, mb)
+        pending = self.p2p.recv_activation(self.placement[s - 1], s - 1, mb, action)
+        self._posted(action, pending.tensor)
+        self._recvs[(RECV_F, s, mb)] = pending
 
     # -- backward ---------------------------------------------------------------------------
     def _output_grad(self, s: int, mb: int) -> torch.Tensor | None:
@@ -316,12 +345,16 @@ class PipelineRuntime:
 
     def _send_backward(self, s: int, mb: int) -> None:
         dx = self._dx.pop((s, mb))
-        self.p2p.send(dx, self.placement[s - 1], BWD, s - 1, mb, Action(SEND_B, s, mb))
+        action = Action(SEND_B, s, mb)
+        self._posted(action, dx)
+        self.p2p.send(dx, self.placement[s - 1], BWD, s - 1, mb, action)
 
     def _recv_backward(self, s: int, mb: int) -> None:
         shape, dtype = self._meta[(s, mb)]
-        self._recvs[(RECV_B, s, mb)] = self.p2p.recv_gradient(
-            self.placement[s + 1], s, mb, shape, dtype, Action(RECV_B, s, mb))
+        action = Action(RECV_B, s, mb)
+        pending = self.p2p.recv_gradient(self.placement[s + 1], s, mb, shape, dtype, action)
+        self._posted(action, pending.tensor)
+        self._recvs[(RECV_B, s, mb)] = pending
 
     # -- overlapped forward and backward -----------------------------------------------------
     def _overlapped(self, s: int, mb: int) -> None:
@@ -333,14 +366,13 @@ class PipelineRuntime:
         if table is None:
             table = self._overlap_parts = {(a.stage, a.microbatch): a.parts
                                            for a in self.actions if a.op == OVERLAP_F_B}
-        rec = self.recorder   # it saw start(overlap); each part is reported inside it
+        step = self._step     # the observers saw start(overlap); each part comes inside it
         for part in table[(s, mb)]:
-            if rec is None:
-                self._ops[part.op](part.stage, part.microbatch)
-            else:
-                rec.start(part, self._step)
-                self._ops[part.op](part.stage, part.microbatch)
-                rec.end(part, self._step)
+            for hook in self._on_start:
+                hook(part, step)
+            self._ops[part.op](part.stage, part.microbatch)
+            for hook in self._on_end:
+                hook(part, step)
 
 
 def _check_bound_grads(params: dict[int, list[torch.nn.Parameter]], rank: int) -> None:
@@ -354,4 +386,5 @@ def _check_bound_grads(params: dict[int, list[torch.nn.Parameter]], rank: int) -
                                  f"{'no .grad' if g is None else f'a {g.dtype} {tuple(g.shape)} .grad'}")
 
 
-__all__ = ["PipelineRuntime", "PipelineError", "ActionRecorder", "StepOutput", "P2PError"]
+__all__ = ["PipelineRuntime", "PipelineError", "ActionObserver", "ActionRecorder", "StepOutput",
+           "InjectedFault", "P2PError"]

@@ -1,0 +1,138 @@
+"""``pipeexec train --plan``: a pipesim Plan file and the train flags are two spellings of one
+run (the same TrainConfig), and what the executor cannot run is refused, with every reason,
+before any process starts."""
+from __future__ import annotations
+
+import pytest
+
+import pipesim
+from pipesim.plan.model import ModelSpec
+from pipesim.plan.parallelism import Parallelism
+
+from pipeexec.cli import apply_plan, config_from_args, explicit_dests, main, train_parser
+from pipeexec.config import ConfigError, TrainConfig
+from pipeexec.plan_config import config_from_plan, plan_from_config
+
+FLAG_RUNS = [
+    ["--schedule", "zbv", "--pp", "2", "--vpp", "2", "--microbatches", "4", "--layers", "4"],
+    ["--schedule", "interleaved", "--pp", "2", "--vpp", "2", "--dp", "2", "--microbatches", "4",
+     "--micro-batch-size", "2", "--layers", "6", "--boundaries", "2,3,6", "--hidden", "32",
+     "--heads", "2", "--precision", "bf16"],
+    ["--schedule", "1f1b", "--pp", "4", "--microbatches", "8", "--layers", "2",
+     "--recompute", "full", "--recompute-layers", "1"],
+    ["--schedule", "1f1b", "--pp", "2", "--microbatches", "2", "--recompute", "selective"],
+]
+REST = ["--steps", "3", "--lr", "0.002", "--seed", "7"]
+
+
+def from_argv(argv):
+    parser = train_parser()
+    ns = parser.parse_args(argv)
+    return apply_plan(ns, config_from_args(ns), explicit_dests(parser, argv))
+
+
+@pytest.mark.parametrize("flags", FLAG_RUNS, ids=lambda f: " ".join(f[1:4]))
+def test_flags_and_their_plan_file_give_the_same_config(tmp_path, flags):
+    by_flags = from_argv(flags + REST)
+    path = tmp_path / "plan.json"
+    plan_from_config(by_flags).to_json(path)
+    by_file = from_argv(["--plan", str(path)] + REST)
+    assert by_file == by_flags
+    # the plan simulates the layout the executor runs: same schedule, same cut
+    plan = pipesim.Plan.from_json(path)
+    assert plan.build_schedule().name == by_flags.build_schedule().name
+    assert sum(plan.stage_layers()) == by_flags.layers
+
+
+def test_a_plan_from_pipesim_runs_its_supported_parts(tmp_path):
+    model = ModelSpec(name="tiny", layers=4, hidden=32, heads=4, seq_length=16,
+                              vocab=64, tied_embeddings=False, dropout=False)
+    plan = pipesim.Plan(model, Parallelism(pp=2, dp=1, micro_batch_size=2,
+                                                   global_batch_size=8, precision="fp32"),
+                        schedule="1f1b", partition=(1, 3))
+    cfg = config_from_plan(plan)
+    assert (cfg.pp, cfg.microbatches, cfg.micro_batch_size, cfg.layers, cfg.seq_len) == \
+        (2, 4, 2, 4, 16)
+    assert cfg.boundaries == (2,)         # stage 0: embedding + 1 block; stage 1: 3 blocks + head
+    cfg.validate()
+
+
+def test_unsupported_parts_are_refused_with_every_reason(tmp_path, capsys):
+    plan = pipesim.Plan.create("gpt3-1.3b", "H100", tp=2, pp=2, cp=2, zero=3,
+                               recompute="full", global_batch_size=16)
+    with pytest.raises(ConfigError) as info:
+        config_from_plan(plan)
+    text = str(info.value)
+    for reason in ("parallelism.tp = 2", "parallelism.cp = 2", "parallelism.zero = 3",
+                   "model.tied_embeddings"):
+        assert reason in text
+    path = tmp_path / "big.json"
+    plan.to_json(path)
+    with pytest.raises(SystemExit) as exit_:
+        main(["train", "--plan", str(path)])        # refused before any worker starts
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert f"--plan {path}" in err and "parallelism.tp = 2" in err
+
+
+def test_a_flag_the_plan_also_sets_is_refused(tmp_path):
+    path = tmp_path / "plan.json"
+    plan_from_config(TrainConfig(pp=2, microbatches=2)).to_json(path)
+    with pytest.raises(ConfigError, match="drop --pp, --layers"):
+        from_argv(["--plan", str(path), "--pp", "4", "--layers", "6"])
+
+
+@pytest.mark.slow
+def test_train_runs_a_plan_file_as_its_flags(tmp_path):
+    """The same run from flags and from the plan file: the same losses, bitwise."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    flags = ["--schedule", "zbv", "--pp", "2", "--vpp", "2", "--microbatches", "4",
+             "--layers", "2", "--hidden", "16", "--heads", "2", "--seq-len", "8", "--vocab", "32"]
+    path = tmp_path / "plan.json"
+    plan_from_config(from_argv(flags)).to_json(path)
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2]),
+           "OMP_NUM_THREADS": "1"}
+    losses = []
+    for argv, name in ((flags, "flags"), (["--plan", str(path)], "file")):
+        out = tmp_path / f"{name}.json"
+        done = subprocess.run([sys.executable, "-m", "pipeexec", "train", *argv, "--steps", "2",
+                               "--no-progress", "--metrics-out", str(out)],
+                              capture_output=True, text=True, timeout=240, env=env)
+        assert done.returncode == 0, done.stderr[-3000:]
+        losses.append(json.loads(out.read_text())["losses"])
+    assert losses[0] == losses[1] and len(losses[0]) == 2
+
+
+def test_compare_takes_the_plan_and_refuses_what_train_refuses(tmp_path, capsys):
+    from pipeexec.profile.compare_cli import compare_main
+
+    path = tmp_path / "tp.json"
+    pipesim.Plan.create("gpt3-1.3b", "H100", tp=2, pp=2, global_batch_size=8).to_json(path)
+    assert compare_main(["--plan", str(path)]) == 2        # before any worker starts
+    err = capsys.readouterr().err
+    assert "parallelism.tp = 2" in err and "pipeexec compare: error" in err
+
+
+def test_a_plan_holding_its_schedule_as_data_runs_that_schedule(tmp_path):
+    """A hand-made schedule inside the plan (ZB-V's, named "interleaved") is what every rank
+    builds from the plan file, not what its name would build."""
+    from pipesim.schedule.io import schedule_from_dict, schedule_to_dict
+
+    data = schedule_to_dict(pipesim.build_schedule("zbv", pp=2, vpp=2, microbatches=4,
+                                                   recv_lookahead=1))
+    data["name"] = "interleaved"
+    hand = schedule_from_dict(data)
+    plan = plan_from_config(TrainConfig(pp=2, vpp=2, microbatches=4, layers=4))
+    plan = pipesim.Plan(plan.model, plan.parallelism, plan.cluster, hand, partition=plan.partition)
+    path = tmp_path / "hand.json"
+    plan.to_json(path)
+    with pytest.raises(ConfigError, match="schedule as data"):
+        config_from_plan(pipesim.Plan.from_json(path))       # without its file
+    cfg = from_argv(["--plan", str(path)])
+    assert cfg.schedule == str(path)
+    assert schedule_to_dict(cfg.validate().build_schedule()) == schedule_to_dict(hand)

@@ -1,0 +1,62 @@
+"""`TrainConfig` in sections by concern, and the CLI generated from its fields."""
+from __future__ import annotations
+
+import dataclasses
+import pickle
+
+import pytest
+
+from pipeexec.cli import config_from_args, train_parser
+from pipeexec.config import (SECTIONS, LayoutConfig, ModelConfig, OptimizerConfig,
+                             PrecisionConfig, RuntimeConfig, TrainConfig)
+
+
+def test_sections_hold_every_field_once_and_read_flat():
+    names = [f.name for cls in SECTIONS.values() for f in dataclasses.fields(cls)]
+    assert len(names) == len(set(names)) == len(TrainConfig.field_names())
+    c = TrainConfig(pp=2, layers=4, lr=3e-4, precision="bf16", seed=5)
+    assert (c.layout.pp, c.model.layers, c.optimizer.lr, c.mixed_precision.precision,
+            c.runtime.seed) == (2, 4, 3e-4, "bf16", 5)
+    assert (c.pp, c.layers, c.lr, c.precision, c.seed) == (2, 4, 3e-4, "bf16", 5)
+    same = TrainConfig(layout=LayoutConfig(pp=2), model=ModelConfig(layers=4),
+                       optimizer=OptimizerConfig(lr=3e-4),
+                       mixed_precision=PrecisionConfig(precision="bf16"),
+                       runtime=RuntimeConfig(seed=5))
+    assert same == c and hash(same) == hash(c)
+    assert c.replace(pp=4).layout == LayoutConfig(pp=4)
+    assert c.replace(model=ModelConfig()).layers == ModelConfig().layers
+    assert TrainConfig.from_dict(c.to_dict()) == c == pickle.loads(pickle.dumps(c))
+    with pytest.raises(TypeError, match="unknown field 'pipeline'"):
+        TrainConfig(pipeline=2)
+    with pytest.raises(AttributeError, match="no field 'pipeline'"):
+        c.pipeline
+
+
+def test_every_field_has_a_flag_whose_default_is_the_fields():
+    parser = train_parser()
+    assert config_from_args(parser.parse_args([])) == TrainConfig()
+    flags = {o for a in parser._actions for o in a.option_strings}
+    for name in TrainConfig.field_names():
+        assert TrainConfig.flag(name) in flags, name
+    # each flag reaches its field
+    argv = ["--ffn-mult", "2", "--beta2", "0.9", "--no-deallocate-outputs",
+            "--cpu-return-freed-memory", "--boundaries", "2,3", "--memory-limit", "2GB",
+            "--schedule", "zb-auto", "--collective-timeout", "30"]
+    c = config_from_args(parser.parse_args(argv))
+    assert (c.ffn_mult, c.beta2, c.deallocate_outputs, c.cpu_keep_freed_memory, c.boundaries,
+            c.memory_limit, c.collective_timeout) == (2, 0.9, False, False, (2, 3), 2e9, 30.0)
+
+
+def test_checkpoint_flags_are_generated_from_checkpoint_options(monkeypatch):
+    from pipeexec.checkpoint import FAULT_ENV, CheckpointOptions
+    from pipeexec.checkpoint.cli import options_from_args
+
+    monkeypatch.delenv(FAULT_ENV, raising=False)
+    parser = train_parser()
+    assert options_from_args(parser.parse_args([])) == CheckpointOptions()
+    ns = parser.parse_args(["--save", "d", "--save-interval", "2", "--keep-last", "3",
+                            "--load", "e", "--ckpt-step", "4", "--no-load-rng",
+                            "--checkpoint-timeout", "9"])
+    assert options_from_args(ns) == CheckpointOptions(save="d", save_interval=2, keep_last=3,
+                                                      load="e", ckpt_step=4, no_load_rng=True,
+                                                      timeout=9.0)
