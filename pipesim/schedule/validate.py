@@ -224,6 +224,19 @@ def _check_no_deadlock(schedule: "Schedule", lists: list[list[Action]], direct: 
     pointer = [0] * schedule.pp
     work = list(range(schedule.pp))
 
+    def backward_wait(s: int, k: int) -> tuple[int, int] | None:
+        """The event a backward of stage ``s`` (index ``k``) still waits for: its forward, then
+        the gradient of its output (from the local next stage, or received); None if neither."""
+        if not f_done[k]:
+            return K_F, k
+        if s < last:
+            if next_local[s]:
+                if not g_done[k + m]:
+                    return K_G, k + m
+            elif not recv_b[k]:
+                return K_RB, k
+        return None
+
     while work:
         rank = work.pop()
         blocked.pop(rank, None)
@@ -246,15 +259,10 @@ def _check_no_deadlock(schedule: "Schedule", lists: list[list[Action]], direct: 
                     f_done[k] = 1
                     key = K_F * size + k
             elif op == B or op == I:
-                if not f_done[k]:
-                    wait, widx = K_F, k
-                elif s < last:
-                    if next_local[s]:
-                        if not g_done[k + m]:
-                            wait, widx = K_G, k + m
-                    elif not recv_b[k]:
-                        wait, widx = K_RB, k
-                if wait < 0:
+                need = backward_wait(s, k)
+                if need is not None:
+                    wait, widx = need
+                else:
                     g_done[k] = 1
                     key = K_G * size + k
                     if op == I:
@@ -271,15 +279,9 @@ def _check_no_deadlock(schedule: "Schedule", lists: list[list[Action]], direct: 
                 # The gate before an overlap's parts: its backward part's inputs must be there
                 # too before the forward part starts.
                 s, mb = a.parts[1].stage, a.parts[1].microbatch
-                k = s * m + mb
-                if not f_done[k]:
-                    wait, widx = K_F, k
-                elif s < last:
-                    if next_local[s]:
-                        if not g_done[k + m]:
-                            wait, widx = K_G, k + m
-                    elif not recv_b[k]:
-                        wait, widx = K_RB, k
+                need = backward_wait(s, s * m + mb)
+                if need is not None:
+                    wait, widx = need
                 key = -1
             elif op == SEND_F:
                 if not f_done[k]:
