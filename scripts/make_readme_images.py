@@ -29,7 +29,7 @@ SINGLE = ("1f1b", "interleaved", "zb-h1", "zbv")
 
 
 def simulate(name: str, pp: int, m: int):
-    v = VPP.get(name, 1)
+    v = 2 if pipesim.schedule_info(name).placement == "v" else VPP.get(name, 1)
     schedule = pipesim.build_schedule(name, pp=pp, microbatches=m, vpp=v)
     # One "microbatch of activations" per rank per microbatch: each chunk holds 1/v of it.
     costs = CostModel.uniform(1.0 / v, 2.0 / v, activation_bytes=1.0 / v)
@@ -100,8 +100,10 @@ def predicted_vs_measured(path: Path, dpi: int) -> None:
     from pipeexec.profile.compare import compare_runs
     from pipeexec.profile.paired import paired_runs
 
-    model = TrainConfig(pp=2, microbatches=8, layers=6, hidden=128, heads=4, seq_len=64,
-                        steps=6, backend="gloo", device="cpu")
+    # The prediction benchmark's model (benchmarks/bench_prediction.py): at a smaller width the
+    # actions last a millisecond or two and per-action overheads the costs do not carry dominate.
+    model = TrainConfig(pp=2, microbatches=8, layers=6, hidden=256, heads=4, seq_len=128,
+                        vocab=256, micro_batch_size=4, steps=6, backend="gloo", device="cpu")
     calib, run = paired_runs([model.replace(schedule="1f1b"),
                               model.replace(schedule="interleaved", vpp=2)], 1, model.steps)
     comparison = compare_runs(run, calib)
