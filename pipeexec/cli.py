@@ -53,7 +53,7 @@ def add_train_arguments(t: argparse.ArgumentParser) -> None:
     add_profile_flags(t)
 
 
-TRAIN_HELP = "train the built-in GPT with a pipeline schedule"
+TRAIN_HELP = "train the built-in GPT (or a Hugging Face model) with a pipeline schedule"
 
 
 def train_parser(prog: str = "pipeexec train") -> argparse.ArgumentParser:
@@ -128,6 +128,21 @@ def apply_plan(ns: argparse.Namespace, config: TrainConfig, given: set[str]) -> 
         raise ConfigError(f"--plan {ns.plan}: {exc}") from None
 
 
+def apply_hf_model(config: TrainConfig, given: set[str]) -> TrainConfig:
+    """``config`` with its ``--hf-model`` directory's shape (unchanged without one). Raises
+    ConfigError naming a model flag given next to it, or what is wrong with the directory."""
+    if not config.hf_model:
+        return config
+    from .models.hf_config import HF_FIELDS
+
+    clash = [d for d in HF_FIELDS if d in given]
+    if clash:
+        raise ConfigError(f"--hf-model {config.hf_model} takes the model's shape from its "
+                          f"config.json; drop {', '.join('--' + d.replace('_', '-') for d in clash)}"
+                          " (or edit config.json)")
+    return config.with_hf_model(config.hf_model)
+
+
 def main(argv: list[str] | None = None) -> None:
     args = sys.argv[1:] if argv is None else list(argv)
     if args[:1] == ["compare"]:
@@ -152,6 +167,8 @@ def main(argv: list[str] | None = None) -> None:
     world = int(os.environ["WORLD_SIZE"]) if under_torchrun else (ns.nproc or ns.pp * ns.dp)
     try:
         config = config_from_args(ns)
+        if config.hf_model:
+            config = apply_hf_model(config, explicit_dests(train_parser(), args[1:]))
         if ns.plan:
             config = apply_plan(ns, config, explicit_dests(train_parser(), args[1:]))
             if not under_torchrun:

@@ -87,6 +87,12 @@ class ModelConfig:
     vocab: int = _opt(256, "vocabulary size (>= 256 for a text file)", type=int)
     ffn_mult: int = _opt(4, "MLP width as a multiple of --hidden", type=int)
     data: str = _opt("synthetic", "'synthetic' or a text file (byte-level tokens)")
+    # a Hugging Face model directory instead of the built-in GPT (pipeexec/models/hf.py)
+    hf_model: str | None = _opt(
+        None, "train a Hugging Face model instead of the built-in GPT: a directory holding "
+        "config.json (llama, mistral, mixtral, qwen2 or gpt2; random init) and optionally "
+        "*.safetensors (loaded); --layers, --hidden, --heads and --vocab come from config.json",
+        metavar="DIR")
 
 
 @dataclass(frozen=True)
@@ -239,6 +245,17 @@ class TrainConfig:
         """Length of the built-in GPT's layer list: embedding, blocks, head."""
         return self.layers + 2
 
+    def with_hf_model(self, path: str) -> "TrainConfig":
+        """A copy training the Hugging Face model directory ``path``, its shape (layers,
+        hidden, heads, vocab) read from its config.json (raises ConfigError with the reason)."""
+        from .models.hf_config import HFModelError, read_hf_config
+
+        try:
+            info = read_hf_config(path)
+        except HFModelError as exc:
+            raise ConfigError(str(exc)) from None
+        return self.replace(hf_model=str(path), **info.train_fields())
+
     def replace(self, **changes: Any) -> "TrainConfig":
         """A copy with flat fields or whole sections changed."""
         sections = {name: changes.pop(name, getattr(self, name)) for name in SECTIONS}
@@ -299,6 +316,8 @@ class TrainConfig:
                     or self.recompute_layers < 0):
                 raise ConfigError(f"recompute_layers must be an integer >= 0, got "
                                   f"{self.recompute_layers!r}")
+        if self.hf_model is not None:
+            self._validate_hf_model()
         if self.data != "synthetic" and self.vocab < 256:
             raise ConfigError(f"a text file needs vocab >= 256 (byte-level tokens), got {self.vocab}")
         self._validate_optimisation()
@@ -339,6 +358,26 @@ class TrainConfig:
         if check_schedule:
             self.build_schedule()
         return self
+
+    def _validate_hf_model(self) -> None:
+        from .models.hf_config import HFModelError, check_hf_run, read_hf_config
+
+        try:
+            info = read_hf_config(self.hf_model)
+            check_hf_run(info, seq_len=self.seq_len, layers=self.layers, hidden=self.hidden,
+                         heads=self.heads, vocab=self.vocab)
+        except HFModelError as exc:
+            raise ConfigError(str(exc)) from None
+        if self.recompute == "selective":
+            raise ConfigError(f"--hf-model {self.hf_model}: selective recomputation (core "
+                              "attention) is built into the built-in GPT's blocks only; use "
+                              "--recompute full (whole decoder layers) or none")
+        if info.tied_embeddings:
+            raise ConfigError(f"--hf-model {self.hf_model}: tie_word_embeddings = true makes "
+                              "the head's weight the embedding's, and the layer list holds "
+                              "them as two parameters (on two stages, at pp > 1 on two ranks) "
+                              "whose gradients pipeexec does not yet sum; set "
+                              "tie_word_embeddings to false in config.json")
 
     def _validate_optimisation(self) -> None:
         import math

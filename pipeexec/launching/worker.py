@@ -62,7 +62,9 @@ def run_training(board: ActionBoard | None, config: TrainConfig, metrics_out: st
         if topology.rank == 0:
             _log(f"pipeexec: {config.schedule} pp={config.pp} vpp={config.vpp} dp={config.dp} "
                  f"m={config.microbatches} b={config.micro_batch_size} precision={config.precision} "
-                 f"layers={config.layers}+2 hidden={config.hidden} on {topology.backend}/"
+                 f"layers={config.layers}+2 hidden={config.hidden}"
+                 + (f" hf-model={config.hf_model}" if config.hf_model else "")
+                 + f" on {topology.backend}/"
                  f"{topology.device.type}; stage bounds {list(trainer.bounds)}")
             v = run_versions(topology.backend)
             _log(f"pipeexec: torch {v['torch']}" + (f", NCCL {v['nccl']}" if v["nccl"] else "")

@@ -65,11 +65,11 @@ def predict(schedule: "pipesim.Schedule", layout: Layout, calibration_run: Measu
 
 
 def layout_of(config: Any, spec: Any = None) -> Layout:
-    """The layout ``config`` will cut ``spec`` (default: the built-in GPT of ``config``) into,
+    """The layout ``config`` will cut ``spec`` (default: the model ``config`` trains, `pipeexec.models.spec_from_config`) into,
     computed without running, by the Trainer's own `partition.stage_bounds`."""
     from ..partition import stage_bounds
 
     if spec is None:
-        from ..model import gpt_spec_from_config
-        spec = gpt_spec_from_config(config)
+        from ..models import spec_from_config
+        spec = spec_from_config(config)
     return Layout(stage_bounds(spec, config), tuple(spec.kinds()))

@@ -32,7 +32,8 @@ from ..data import BatchSource
 from ..pipeline.faults import FaultInjector, parse_faults
 from .ddp import GradBuffer
 from ..malloc import keep_freed_memory
-from ..model import ModelSpec, gpt_spec_from_config
+from ..model import ModelSpec
+from ..models import spec_from_config
 from .optim import adamw_state_for, build_adamw, clip_coefficient, lr_at, set_lr
 from ..pipeline.p2p import P2P, check_channels_exist, check_p2p_order
 from ..partition import stage_bounds
@@ -93,7 +94,7 @@ class Trainer:
         one ``config.schedule`` names; its pp, vpp and microbatches must match the config.
         The runtime's observers (`pipeexec.pipeline.runtime`): the ``board``'s, fault injection's
         (``config.inject``), then ``recorder`` (shorthand for `add_observer`)."""
-        spec = spec or gpt_spec_from_config(config)
+        spec = spec or spec_from_config(config)
         # The schedule is built once per rank, below (validate would build it once more).
         config.validate(world_size=topology.world_size, num_layers=spec.num_layers,
                         check_schedule=False)

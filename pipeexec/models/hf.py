@@ -1,0 +1,321 @@
+"""Hugging Face causal LMs as pipeline layer lists (needs ``transformers``: the ``hf`` extra).
+
+`hf_model_spec(path)` turns a model directory (``config.json``, optionally ``*.safetensors``)
+into a `ModelSpec` of ``num_hidden_layers + 2`` layers, built from the family's own
+transformers modules so the arithmetic is Hugging Face's:
+
+* layer 0, `HFEmbedding`: token embedding (GPT-2: plus learned positions and dropout);
+* layers 1..L, `HFDecoderLayer`: one decoder layer (``LlamaDecoderLayer``, ``GPT2Block``...).
+  Each computes its own position ids, rotary embedding and causal (or sliding-window) mask
+  from the hidden state's shape, the way the family's ``*Model.forward`` does, so a stage
+  receives and sends the hidden state alone;
+* layer L+1, `HFHead`: final norm and LM head.
+
+Weights: loaded from the directory's safetensors when it has any (Hugging Face names, read
+tensor by tensor, so a rank reads only its layers), else initialised as the family's
+``_init_weights`` does (normal(0, ``initializer_range``) matrices, GPT-2's residual
+projections scaled by 1/sqrt(2 n_layer), zero biases, unit norms) from the generator seeded by
+(seed, layer): the same weights whatever the layout. `hf_reference_model` gives the unsplit
+``AutoModelForCausalLM`` the very same weights; `hf_name` maps a pipeexec parameter name
+(``layers.<i>.<name>``) to the Hugging Face one.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..model import ModelSpec, lm_loss
+from .hf_config import HFModelError, HFModelInfo, read_hf_config
+
+
+def _transformers():
+    try:
+        import transformers
+    except ImportError:
+        raise HFModelError("--hf-model needs the transformers package: pip install "
+                           "'pipesim[hf]' (or pip install transformers)") from None
+    return transformers
+
+
+@dataclass(frozen=True)
+class _Family:
+    base: str              # the base model's attribute in *ForCausalLM ("model", "transformer")
+    layers: str            # its decoder-layer list ("layers", "h")
+    norm: str              # its final norm ("norm", "ln_f")
+    decoder: str           # the decoder layer's class in the modeling module
+    rotary: str | None     # the rotary embedding's class (None: learned positions)
+
+
+_LLAMA_LIKE = dict(base="model", layers="layers", norm="norm")
+FAMILIES = {
+    "llama": _Family(**_LLAMA_LIKE, decoder="LlamaDecoderLayer", rotary="LlamaRotaryEmbedding"),
+    "mistral": _Family(**_LLAMA_LIKE, decoder="MistralDecoderLayer",
+                       rotary="MistralRotaryEmbedding"),
+    "mixtral": _Family(**_LLAMA_LIKE, decoder="MixtralDecoderLayer",
+                       rotary="MixtralRotaryEmbedding"),
+    "qwen2": _Family(**_LLAMA_LIKE, decoder="Qwen2DecoderLayer", rotary="Qwen2RotaryEmbedding"),
+    "gpt2": _Family(base="transformer", layers="h", norm="ln_f", decoder="GPT2Block",
+                    rotary=None),
+}
+
+
+def _modeling(model_type: str):
+    import importlib
+    _transformers()
+    return importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
+
+
+def hf_config_object(info: HFModelInfo):
+    """The transformers configuration of ``info``, its implementations (attention, experts)
+    those ``AutoModelForCausalLM.from_config`` picks."""
+    transformers = _transformers()
+    values = {k: v for k, v in info.config.items() if k not in ("model_type", "transformers_version",
+                                                                 "architectures")}
+    config = transformers.AutoConfig.for_model(info.model_type, **values)
+    # Building the model (on the meta device: no memory, no init) settles the attention and
+    # experts implementations on the config as the unsplit model has them.
+    with torch.device("meta"):
+        transformers.AutoModelForCausalLM.from_config(config)
+    return config
+
+
+def _mask_kind(config, j: int) -> str:
+    """Decoder layer ``j``'s attention: "full_attention" or "sliding_attention", as the
+    family's model picks its mask (``layer_types`` when the config has them, else Mistral's
+    rule: sliding when ``sliding_window`` is set)."""
+    types = getattr(config, "layer_types", None)
+    if types:
+        return types[j]
+    return "sliding_attention" if getattr(config, "sliding_window", None) else "full_attention"
+
+
+# -- the layers -----------------------------------------------------------------------------
+class HFEmbedding(nn.Module):
+    """Token ids (batch, seq) -> hidden (batch, seq, hidden). GPT-2: + learned positions,
+    then embedding dropout."""
+
+    def __init__(self, config, model_type: str) -> None:
+        super().__init__()
+        self.gpt2 = model_type == "gpt2"
+        hidden = config.hidden_size
+        if self.gpt2:
+            self.wte = nn.Embedding(config.vocab_size, hidden)
+            self.wpe = nn.Embedding(config.max_position_embeddings, hidden)
+            self.drop = nn.Dropout(config.embd_pdrop)
+        else:
+            self.embed_tokens = nn.Embedding(config.vocab_size, hidden, config.pad_token_id)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        if not self.gpt2:
+            return self.embed_tokens(tokens)
+        positions = torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0)
+        return self.drop(self.wte(tokens) + self.wpe(positions))
+
+
+class HFDecoderLayer(nn.Module):
+    """One Hugging Face decoder layer (``block``) that makes its own position ids, rotary
+    embedding and causal mask from its input: hidden -> hidden."""
+
+    def __init__(self, config, model_type: str, j: int) -> None:
+        super().__init__()
+        family, modeling = FAMILIES[model_type], _modeling(model_type)
+        self.config, self.j = config, j
+        self.block = getattr(modeling, family.decoder)(config, layer_idx=j)
+        self.rotary = None if family.rotary is None else getattr(modeling, family.rotary)(config=config)
+        self.sliding = _mask_kind(config, j) == "sliding_attention"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+
+        positions = torch.arange(x.shape[1], device=x.device).unsqueeze(0)
+        make_mask = create_sliding_window_causal_mask if self.sliding else create_causal_mask
+        mask = make_mask(config=self.config, inputs_embeds=x, attention_mask=None, cache=None,
+                         position_ids=positions)
+        if self.rotary is None:
+            out = self.block(x, attention_mask=mask, position_ids=positions)
+        else:
+            out = self.block(x, attention_mask=mask, position_ids=positions,
+                             position_embeddings=self.rotary(x, position_ids=positions))
+        return out[0] if isinstance(out, tuple) else out
+
+
+class HFHead(nn.Module):
+    """Final norm and LM head: hidden -> logits (batch, seq, vocab)."""
+
+    def __init__(self, config, model_type: str) -> None:
+        super().__init__()
+        norm_name = FAMILIES[model_type].norm
+        if model_type == "gpt2":
+            norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_epsilon)
+        else:
+            norm = getattr(_modeling(model_type), FAMILIES[model_type].decoder.replace(
+                "DecoderLayer", "RMSNorm"))(config.hidden_size, eps=config.rms_norm_eps)
+        self.norm_name = norm_name
+        setattr(self, norm_name, norm)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(getattr(self, self.norm_name)(x))
+
+
+# -- names and weights ----------------------------------------------------------------------
+def hf_name(model_type: str, num_blocks: int, name: str) -> str:
+    """The Hugging Face parameter name of pipeexec's ``layers.<i>.<name>``."""
+    family = FAMILIES[model_type]
+    _, index, local = name.split(".", 2)
+    i = int(index)
+    if i == 0:
+        return f"{family.base}.{local}"
+    if i == num_blocks + 1:
+        return local if local.startswith("lm_head.") else f"{family.base}.{local}"
+    return f"{family.base}.{family.layers}.{i - 1}.{local.removeprefix('block.')}"
+
+
+def _init(layer: nn.Module, config, model_type: str, gen: torch.Generator) -> None:
+    """The family's ``_init_weights``, drawn from ``gen`` in parameter order."""
+    std = config.initializer_range
+    residual_std = std / math.sqrt(2 * config.num_hidden_layers)
+    with torch.no_grad():
+        for name, p in layer.named_parameters():
+            if name.endswith("bias"):
+                p.zero_()
+            elif p.dim() == 1:
+                p.fill_(1.0)                     # norm weights
+            else:
+                scale = residual_std if (model_type == "gpt2" and name.endswith("c_proj.weight")) else std
+                p.copy_(torch.randn(p.shape, generator=gen) * scale)
+        for m in layer.modules():
+            if isinstance(m, nn.Embedding) and m.padding_idx is not None:
+                m.weight[m.padding_idx].zero_()
+
+
+class _Checkpoint:
+    """Tensors of a directory's safetensors files by Hugging Face name, read one at a time."""
+
+    def __init__(self, files: tuple[str, ...]) -> None:
+        from safetensors import safe_open
+
+        self.where: dict[str, str] = {}
+        for f in files:
+            with safe_open(f, "pt") as handle:
+                for key in handle.keys():
+                    self.where[key] = f
+
+    def has(self, key: str) -> bool:
+        return key in self.where
+
+    def get(self, key: str) -> torch.Tensor:
+        from safetensors import safe_open
+
+        with safe_open(self.where[key], "pt") as handle:
+            return handle.get_tensor(key)
+
+
+def _find(ckpt: _Checkpoint, key: str, model_type: str) -> torch.Tensor | None:
+    if ckpt.has(key):
+        return ckpt.get(key)
+    base = FAMILIES[model_type].base + "."
+    if key.startswith(base) and ckpt.has(key[len(base):]):     # GPT-2 files without the prefix
+        return ckpt.get(key[len(base):])
+    if model_type == "mixtral" and ".mlp." in key:             # per-expert layout on disk
+        prefix, rest = key.split(".mlp.", 1)
+        moe = f"{prefix}.block_sparse_moe"
+        if rest == "gate.weight" and ckpt.has(f"{moe}.gate.weight"):
+            return ckpt.get(f"{moe}.gate.weight")
+        if rest in ("experts.gate_up_proj", "experts.down_proj"):
+            experts, e = [], 0
+            while ckpt.has(f"{moe}.experts.{e}.w1.weight"):
+                w = f"{moe}.experts.{e}"
+                experts.append(torch.cat([ckpt.get(f"{w}.w1.weight"), ckpt.get(f"{w}.w3.weight")])
+                               if rest == "experts.gate_up_proj" else ckpt.get(f"{w}.w2.weight"))
+                e += 1
+            if experts:
+                return torch.stack(experts)
+    return None
+
+
+def _load(layer: nn.Module, index: int, info: HFModelInfo, ckpt: _Checkpoint) -> None:
+    with torch.no_grad():
+        for name, p in layer.named_parameters():
+            key = hf_name(info.model_type, info.layers, f"layers.{index}.{name}")
+            t = _find(ckpt, key, info.model_type)
+            if t is None and key == "lm_head.weight" and info.tied_embeddings:
+                t = _find(ckpt, hf_name(info.model_type, info.layers, "layers.0." + (
+                    "wte.weight" if info.model_type == "gpt2" else "embed_tokens.weight")),
+                    info.model_type)
+            if t is None:
+                raise HFModelError(f"{info.path}: the safetensors files hold no {key!r} "
+                                   f"(pipeexec's layers.{index}.{name}); save the checkpoint "
+                                   "with this transformers version's save_pretrained")
+            if tuple(t.shape) != tuple(p.shape):
+                raise HFModelError(f"{info.path}: {key} has shape {tuple(t.shape)}, the model "
+                                   f"built from config.json {tuple(p.shape)}")
+            p.copy_(t.to(p.dtype))
+
+
+# -- the spec -------------------------------------------------------------------------------
+def hf_model_spec(path: str | Path | HFModelInfo, *, load_weights: bool = True) -> ModelSpec:
+    """The `ModelSpec` of the Hugging Face model directory ``path``: [embedding, decoder
+    layer x L, norm + head], next-token cross-entropy. Weights from its safetensors files when
+    it has any (``load_weights``), else the deterministic initialisation."""
+    info = path if isinstance(path, HFModelInfo) else read_hf_config(path)
+    if info.model_type not in FAMILIES:
+        raise HFModelError(f"{info.path}: model_type {info.model_type!r} is not supported")
+    config = hf_config_object(info)
+    n, kind = info.layers, info.model_type
+    ckpt = _Checkpoint(info.checkpoint_files) if load_weights and info.checkpoint_files else None
+
+    def factory(index: int, gen: torch.Generator) -> nn.Module:
+        if index == 0:
+            layer = HFEmbedding(config, kind)
+        elif index == n + 1:
+            layer = HFHead(config, kind)
+        else:
+            layer = HFDecoderLayer(config, kind, index - 1)
+        if ckpt is not None:
+            _load(layer, index, info, ckpt)
+        else:
+            _init(layer, config, kind, gen)
+        return layer
+
+    kinds = ("embedding",) + tuple(
+        "block" if _mask_kind(config, j) == "full_attention" else "sliding-block"
+        for j in range(n)) + ("head",)
+    counts = _param_counts(config, kind, n)
+    return ModelSpec(n + 2, factory, lm_loss, counts, kinds)
+
+
+def _param_counts(config, kind: str, n: int) -> tuple[int, ...]:
+    """Per layer, from modules built on the meta device (no memory, no init)."""
+    with torch.device("meta"):
+        first = sum(p.numel() for p in HFEmbedding(config, kind).parameters())
+        blocks = tuple(sum(p.numel() for p in HFDecoderLayer(config, kind, j).parameters())
+                       for j in range(n))
+        last = sum(p.numel() for p in HFHead(config, kind).parameters())
+    return (first,) + blocks + (last,)
+
+
+def hf_reference_model(path: str | Path, seed: int) -> Any:
+    """The unsplit ``AutoModelForCausalLM`` of ``path`` holding exactly the weights
+    `hf_model_spec(path)` gives its layers for ``seed`` (for checks against Hugging Face)."""
+    transformers = _transformers()
+    info = read_hf_config(path)
+    spec = hf_model_spec(info)
+    model = transformers.AutoModelForCausalLM.from_config(hf_config_object(info))
+    state = {}
+    for i in range(spec.num_layers):
+        layer = spec.build_layer(i, seed)
+        for name, p in layer.named_parameters():
+            state[hf_name(info.model_type, info.layers, f"layers.{i}.{name}")] = p.detach()
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    left = [k for k in missing if not (info.tied_embeddings and k == "lm_head.weight")]
+    if left or unexpected:
+        raise HFModelError(f"{path}: the layer list and {type(model).__name__} disagree on "
+                           f"parameters: missing {left}, unexpected {list(unexpected)}")
+    return model
+
