@@ -94,7 +94,8 @@ class ModelConfig:
     hf_model: str | None = _opt(
         None, "train a Hugging Face model instead of the built-in GPT: a directory holding "
         "config.json (llama, mistral, mixtral, qwen2 or gpt2; random init) and optionally "
-        "*.safetensors (loaded); --layers, --hidden, --heads and --vocab come from config.json",
+        "*.safetensors (loaded); --layers, --hidden, --heads, --vocab and --tie-embeddings come "
+        "from config.json",
         metavar="DIR")
 
 
@@ -250,7 +251,7 @@ class TrainConfig:
 
     def with_hf_model(self, path: str) -> "TrainConfig":
         """A copy training the Hugging Face model directory ``path``, its shape (layers,
-        hidden, heads, vocab) read from its config.json (raises ConfigError with the reason)."""
+        hidden, heads, vocab, tied embeddings) read from its config.json (raises ConfigError with the reason)."""
         from .models.hf_config import HFModelError, read_hf_config
 
         try:
@@ -367,20 +368,14 @@ class TrainConfig:
 
         try:
             info = read_hf_config(self.hf_model)
-            check_hf_run(info, seq_len=self.seq_len, layers=self.layers, hidden=self.hidden,
-                         heads=self.heads, vocab=self.vocab)
+            check_hf_run(info, seq_len=self.seq_len, **{
+                name: getattr(self, name) for name in info.train_fields()})
         except HFModelError as exc:
             raise ConfigError(str(exc)) from None
         if self.recompute == "selective":
             raise ConfigError(f"--hf-model {self.hf_model}: selective recomputation (core "
                               "attention) is built into the built-in GPT's blocks only; use "
                               "--recompute full (whole decoder layers) or none")
-        if info.tied_embeddings:
-            raise ConfigError(f"--hf-model {self.hf_model}: tie_word_embeddings = true makes "
-                              "the head's weight the embedding's, and the layer list holds "
-                              "them as two parameters (on two stages, at pp > 1 on two ranks) "
-                              "whose gradients pipeexec does not yet sum; set "
-                              "tie_word_embeddings to false in config.json")
 
     def _validate_optimisation(self) -> None:
         import math

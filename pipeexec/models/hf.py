@@ -15,7 +15,9 @@ Weights: loaded from the directory's safetensors when it has any (Hugging Face n
 tensor by tensor, so a rank reads only its layers), else initialised as the family's
 ``_init_weights`` does (normal(0, ``initializer_range``) matrices, GPT-2's residual
 projections scaled by 1/sqrt(2 n_layer), zero biases, unit norms) from the generator seeded by
-(seed, layer): the same weights whatever the layout. `hf_reference_model` gives the unsplit
+(seed, layer): the same weights whatever the layout. Tied embeddings (GPT-2's default,
+``tie_word_embeddings``) are declared in `ModelSpec.tied`: the head's weight starts as the
+embedding's and stays one parameter with it. `hf_reference_model` gives the unsplit
 ``AutoModelForCausalLM`` the very same weights; `hf_name` maps a pipeexec parameter name
 (``layers.<i>.<name>``) to the Hugging Face one.
 """
@@ -283,11 +285,16 @@ def hf_model_spec(path: str | Path | HFModelInfo, *, load_weights: bool = True) 
             _init(layer, config, kind, gen)
         return layer
 
+    # a tied head is the embedding: one parameter across the first and last stage
+    # (pipeexec.training.tied keeps the instances equal and sums their gradients)
+    embedding = "wte.weight" if kind == "gpt2" else "embed_tokens.weight"
+    tied = (((f"layers.{n + 1}.lm_head.weight", f"layers.0.{embedding}"),)
+            if info.tied_embeddings else ())
     kinds = ("embedding",) + tuple(
         "block" if _mask_kind(config, j) == "full_attention" else "sliding-block"
         for j in range(n)) + ("head",)
     counts = _param_counts(config, kind, n)
-    return ModelSpec(n + 2, factory, lm_loss, counts, kinds)
+    return ModelSpec(n + 2, factory, lm_loss, counts, kinds, tied=tied)
 
 
 def _param_counts(config, kind: str, n: int) -> tuple[int, ...]:
@@ -311,7 +318,9 @@ def hf_reference_model(path: str | Path, seed: int) -> Any:
     for i in range(spec.num_layers):
         layer = spec.build_layer(i, seed)
         for name, p in layer.named_parameters():
-            state[hf_name(info.model_type, info.layers, f"layers.{i}.{name}")] = p.detach()
+            full = f"layers.{i}.{name}"
+            if spec.canonical(full) == full:       # a tied head's weight is the embedding's
+                state[hf_name(info.model_type, info.layers, full)] = p.detach()
     missing, unexpected = model.load_state_dict(state, strict=False)
     left = [k for k in missing if not (info.tied_embeddings and k == "lm_head.weight")]
     if left or unexpected:

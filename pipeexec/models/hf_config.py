@@ -4,7 +4,7 @@
 ``config.json`` exists and parses, names a supported architecture (`SUPPORTED`), and fits the
 run (GPT-2's learned positions bound the sequence length; a Mixtral whose router loss is on
 cannot be cut into a layer list). `HFModelInfo` is the shape the run's `TrainConfig` takes from
-the file (layers, hidden, heads, vocab), so the CLI's log, the layer count the layout is
+the file (layers, hidden, heads, vocab, tied embeddings), so the CLI's log, the layer count the layout is
 checked against and the synthetic data's vocabulary are the model's.
 """
 from __future__ import annotations
@@ -44,11 +44,11 @@ class HFModelInfo:
     def train_fields(self) -> dict[str, Any]:
         """The `TrainConfig` model fields this model sets."""
         return {"layers": self.layers, "hidden": self.hidden, "heads": self.heads,
-                "vocab": self.vocab}
+                "vocab": self.vocab, "tie_embeddings": self.tied_embeddings}
 
 
 # TrainConfig fields `HFModelInfo.train_fields` sets (flags refused next to --hf-model)
-HF_FIELDS = ("layers", "hidden", "heads", "vocab", "ffn_mult")
+HF_FIELDS = ("layers", "hidden", "heads", "vocab", "ffn_mult", "tie_embeddings")
 
 
 def read_hf_config(path: str | Path) -> HFModelInfo:
@@ -103,12 +103,12 @@ def _need(cfg: dict, key: str, file: Path) -> Any:
     return cfg[key]
 
 
-def check_hf_run(info: HFModelInfo, *, seq_len: int, layers: int, hidden: int, heads: int,
-                 vocab: int) -> None:
-    """Raise HFModelError when a run's model fields disagree with the directory's model, or
-    its sequences are longer than the model's learned positions."""
+def check_hf_run(info: HFModelInfo, *, seq_len: int, **fields: Any) -> None:
+    """Raise HFModelError when a run's model ``fields`` (`HFModelInfo.train_fields`' names)
+    disagree with the directory's model, or its sequences are longer than the model's learned
+    positions."""
     for name, want in info.train_fields().items():
-        got = {"layers": layers, "hidden": hidden, "heads": heads, "vocab": vocab}[name]
+        got = fields[name]
         if got != want:
             raise HFModelError(f"--hf-model {info.path}: the run has {name} = {got}, its "
                                f"config.json {want} (with a Hugging Face model the shape comes "

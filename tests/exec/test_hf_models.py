@@ -1,5 +1,6 @@
 """Hugging Face models (``--hf-model``): Llama, Qwen2, Mistral, Mixtral and GPT-2 from tiny
-config.json files written here.
+config.json files written here; GPT-2 and a Llama with ``tie_word_embeddings`` have their head
+tied to the embedding (one parameter across the first and last stage's ranks).
 
 * Single process: the layer list computes exactly the logits of the unsplit
   ``AutoModelForCausalLM`` given the same weights (`hf_reference_model`), and weights saved by
@@ -47,9 +48,12 @@ FAMILIES = {
     "mistral": dict(model_type="mistral", **_DECODER, sliding_window=4),   # < seq_len 8
     "mixtral": dict(model_type="mixtral", **_DECODER, num_local_experts=4,
                     num_experts_per_tok=2),
+    # GPT-2 ties its head to the token embedding (its default), across the first and last
+    # stage's ranks; dropout off so that the split and unsplit runs draw nothing
     "gpt2": dict(model_type="gpt2", n_embd=32, n_layer=6, n_head=4, vocab_size=32,
-                 n_positions=16, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False,
+                 n_positions=16, bos_token_id=1, eos_token_id=2,
                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0),
+    "llama-tied": dict(model_type="llama", **_DECODER, tie_word_embeddings=True),
 }
 FAST = {(2, "1f1b"), (2, "zbv")}
 # AdamW's epsilon in the pipelined runs and the reference. With the default 1e-8, an element
@@ -80,6 +84,11 @@ def tokens(vocab: int, shape=(3, 8)) -> torch.Tensor:
 def test_layer_list_computes_the_unsplit_models_logits(model_dirs, family):
     spec = hf_model_spec(model_dirs[family])
     layers = [spec.build_layer(i, seed=5) for i in range(spec.num_layers)]
+    if spec.tied:                 # what the trainer does: the head starts as the embedding
+        (alias, canonical), = spec.tied
+        assert alias.startswith(f"layers.{spec.num_layers - 1}.lm_head")
+        with torch.no_grad():
+            layers[-1].lm_head.weight.copy_(layers[0].get_parameter(canonical.split(".", 2)[2]))
     reference = hf_reference_model(model_dirs[family], seed=5)
     x = tokens(32)
     h = x
@@ -89,7 +98,8 @@ def test_layer_list_computes_the_unsplit_models_logits(model_dirs, family):
         want = reference(input_ids=x).logits
     torch.testing.assert_close(h, want, rtol=1e-6, atol=1e-6)
     assert spec.kinds()[0] == "embedding" and spec.kinds()[-1] == "head"
-    assert sum(spec.layer_param_counts()) == sum(p.numel() for p in reference.parameters())
+    tied = sum(layers[0].get_parameter(c.split(".", 2)[2]).numel() for _, c in spec.tied)
+    assert sum(spec.layer_param_counts()) - tied == sum(p.numel() for p in reference.parameters())
     # same seed, same weights; another seed, others
     again = spec.build_layer(1, seed=5)
     other = spec.build_layer(1, seed=6)
@@ -115,7 +125,7 @@ def test_mistral_sliding_window_masks_inside_the_layer(model_dirs):
     assert not torch.allclose(a, b)
 
 
-@pytest.mark.parametrize("family", ["llama", "mixtral", "gpt2"])
+@pytest.mark.parametrize("family", ["llama", "mixtral", "gpt2", "llama-tied"])
 def test_safetensors_checkpoint_loads_into_the_layers(tmp_path, family):
     """save_pretrained's files (Mixtral: one tensor per expert, block_sparse_moe names) load
     into the layer list, which then computes the saved model's logits."""
@@ -155,9 +165,10 @@ def test_bad_directories_are_refused_with_the_reason(tmp_path, model_dirs):
     gpt2 = TrainConfig().with_hf_model(model_dirs["gpt2"])
     with pytest.raises(ConfigError, match="longer than the model's 16 learned positions"):
         gpt2.replace(seq_len=32).validate()
-    tied = write_model(tmp_path / "tied", dict(FAMILIES["llama"], tie_word_embeddings=True))
-    with pytest.raises(ConfigError, match="tie_word_embeddings"):
-        TrainConfig(pp=2).with_hf_model(str(tied)).validate()
+    assert gpt2.tie_embeddings and not cfg.tie_embeddings
+    with pytest.raises(ConfigError, match="the run has tie_embeddings = False, its config.json "
+                                          "True"):
+        gpt2.replace(tie_embeddings=False).validate()
     moe_loss = write_model(tmp_path / "aux", dict(FAMILIES["mixtral"], output_router_logits=True))
     with pytest.raises(ConfigError, match="output_router_logits"):
         TrainConfig().with_hf_model(str(moe_loss))
@@ -228,10 +239,11 @@ def check_against_reference(results: list[dict], run_cases: list[tuple[str, dict
         what = f"{info.model_type} {name} pp={cfg.pp} vpp={cfg.vpp}"
         losses = next(r[key]["losses"] for r in results if r[key]["pp_rank"] == cfg.pp - 1)
         assert losses == pytest.approx(ref_losses, rel=1e-5), what
+        spec = hf_model_spec(cfg.hf_model)
         seen = set()
         for r in results:
             for n, p in r[key]["params"].items():
-                hf = hf_name(info.model_type, info.layers, n)
+                hf = hf_name(info.model_type, info.layers, spec.canonical(n))
                 seen.add(hf)
                 torch.testing.assert_close(p, ref_params[hf], rtol=1e-5, atol=1e-6,
                                            msg=lambda m, n=n, hf=hf: f"{what}: {n} ({hf}): {m}")
