@@ -167,7 +167,7 @@ def main(argv: list[str] | None = None) -> None:
     world = int(os.environ["WORLD_SIZE"]) if under_torchrun else (ns.nproc or ns.pp * ns.dp)
     try:
         config = config_from_args(ns)
-        if config.hf_model:
+        if config.hf_model:          # before the plan, which is checked against the model
             config = apply_hf_model(config, explicit_dests(train_parser(), args[1:]))
         if ns.plan:
             config = apply_plan(ns, config, explicit_dests(train_parser(), args[1:]))

@@ -136,7 +136,9 @@ def alongside_config(config: Any, text: str) -> Any:
 
 def compare_main(argv: list[str]) -> int:
     """``pipeexec compare ...``; returns the exit status (2: bad arguments, 1: run failed)."""
-    from ..cli import PLAN_DESTS, apply_plan, config_from_args, explicit_dests, train_parser
+    from ..cli import (PLAN_DESTS, apply_hf_model, apply_plan, config_from_args, explicit_dests,
+                       train_parser)
+    from ..models.hf_config import HF_FIELDS
     from ..config import ConfigError
     from ..launching.cpu_quota import QuotaUnavailable
     from ..launching.launcher import WorkerFailed
@@ -157,9 +159,12 @@ def compare_main(argv: list[str]) -> int:
         return int(exc.code or 0)
     try:
         given = explicit_dests(parser, rest)
-        config = apply_plan(tns, config_from_args(tns), given)
+        config = apply_hf_model(config_from_args(tns), given)
+        config = apply_plan(tns, config, given)
         if tns.plan:                 # the plan's fields are set, as flags are
             given |= set(PLAN_DESTS)
+        if config.hf_model:          # and so are the model directory's
+            given |= set(HF_FIELDS)
         cpus_per_rank = tns.cpus_per_rank
         source = MeasuredRun.load(ns.calibrate_from) if ns.calibrate_from else None
         notes: list[str] = []

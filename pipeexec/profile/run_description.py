@@ -20,9 +20,9 @@ from typing import Any
 from ..config import ConfigError, TrainConfig
 
 # Config fields the per-action costs (time and activation bytes) depend on.
-COST_FIELDS = ("layers", "hidden", "heads", "seq_len", "vocab", "ffn_mult", "micro_batch_size",
-               "precision", "cpu_keep_freed_memory", "deallocate_outputs", "recompute",
-               "recompute_layers")
+COST_FIELDS = ("hf_model", "layers", "hidden", "heads", "seq_len", "vocab", "ffn_mult",
+               "micro_batch_size", "precision", "cpu_keep_freed_memory", "deallocate_outputs",
+               "recompute", "recompute_layers")
 # The one that is not a config field: each rank's CPU quota of a local run.
 CPU_SHARE = "cpus_per_rank"
 

@@ -82,6 +82,8 @@ def _gpt2(cls: type, cfg: dict, source: str, name: str | None, seq_length: int |
         heads=_need(cfg, "n_head", source), seq_length=int(seq_length or positions),
         vocab=_need(cfg, "vocab_size", source), ffn_hidden=cfg.get("n_inner") or 4 * hidden,
         mlp="gelu", norm="layernorm", position="learned",
-        tied_embeddings=bool(cfg.get("tie_word_embeddings", True)), bias=True, dropout=True,
+        tied_embeddings=bool(cfg.get("tie_word_embeddings", True)), bias=True,
+        # GPT2Config's dropout probabilities (each 0.1 by default)
+        dropout=any(float(cfg.get(k, 0.1)) > 0 for k in ("resid_pdrop", "embd_pdrop", "attn_pdrop")),
         max_position=positions,
     )

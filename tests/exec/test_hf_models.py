@@ -10,7 +10,11 @@ tied to the embedding (one parameter across the first and last stage's ranks).
   accumulated) with torch.optim.AdamW and clip_grad_norm_ (fp32, rtol 1e-5; parameters atol
   1e-6, as test_exec_equivalence; AdamW eps 1e-6: `ADAM_EPS`). On the whole global batch at
   once the reference's sums run in another order, and Adam's normalised step turned that
-  into up to 4.5e-6 (6e-4 of the 3-step update) on these models. 1F1B and ZB-V at pp 2 run in the fast suite; the rest is ``slow``.
+  into up to 4.5e-6 (6e-4 of the 3-step update) on these models. 1F1B and ZB-V at pp 2
+  (Mixtral and GPT-2 also under --recompute full) run in the fast suite; the rest is
+  ``slow``.
+* Plans: a run's plan carries pipesim's reading of the same config.json
+  (`ModelSpec.from_hf_config`), whose per-layer parameter counts are the executor's.
 * Bad directories fail before any process starts, naming the file and what to do.
 """
 from __future__ import annotations
@@ -253,6 +257,10 @@ def check_against_reference(results: list[dict], run_cases: list[tuple[str, dict
 def test_hf_models_1f1b_and_zbv_pp2_match_the_unsplit_model(model_dirs):
     run_cases = cases(model_dirs, 2, fast=True)
     assert len(run_cases) == 2 * len(FAMILIES)
+    # full recomputation: each decoder layer (its mask and rotary embedding too) redone in
+    # the backward, ZB-V's I/W split running autograd over the recomputed graph twice
+    run_cases += [(name, dict(changes, recompute="full")) for name, changes in run_cases
+                  if read_hf_config(changes["hf_model"]).model_type in ("mixtral", "gpt2")]
     results = launch(layouts_worker, 2, (2, 1, run_cases), timeout=300)
     check_against_reference(results, run_cases)
 
@@ -265,3 +273,64 @@ def test_hf_models_every_schedule_matches_the_unsplit_model(model_dirs, pp):
     assert ran == set(pipesim.schedule_names())          # every schedule, at pp 2 and 4
     results = launch(layouts_worker, pp, (pp, 1, run_cases), timeout=600)
     check_against_reference(results, run_cases)
+
+
+# -- plans and prediction: pipesim's cost model reads the same config.json ---------------------
+def test_plan_of_an_hf_run_holds_the_config_json_model(model_dirs, tmp_path):
+    """`plan_from_config` of an --hf-model run carries `ModelSpec.from_hf_config`'s model, and
+    the plan file runs as that run again (`config_from_plan`); a plan of another model is
+    refused naming the field."""
+    from pipesim.plan.model import ModelSpec as PlanModel
+
+    from pipeexec.plan_config import config_from_plan, plan_from_config
+
+    for family, directory in model_dirs.items():
+        cfg = TrainConfig(schedule="interleaved", pp=2, vpp=2, microbatches=4,
+                          seq_len=8).with_hf_model(directory)
+        plan = plan_from_config(cfg)
+        assert plan.model == PlanModel.from_hf_config(directory, seq_length=8), family
+        # 8 layers in 4 equal stages: the embedding and the head each take a block's place
+        assert plan.partition == (1, 2, 2, 1)
+        path = tmp_path / f"{family}.json"
+        plan.to_json(path)
+        again = config_from_plan(pipesim.Plan.from_json(path),
+                                 TrainConfig().with_hf_model(directory))
+        assert again.to_dict() == cfg.to_dict(), family
+        assert pipesim.simulate(plan).step_time > 0
+    other = write_model(tmp_path / "wider", dict(FAMILIES["llama"], hidden_size=64))
+    with pytest.raises(ConfigError, match=r"model.hidden = 32: --hf-model .*wider has 64"):
+        config_from_plan(plan_from_config(TrainConfig(pp=2, microbatches=4, seq_len=8)
+                                          .with_hf_model(model_dirs["llama"])),
+                         TrainConfig().with_hf_model(str(other)))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_cost_model_counts_the_executors_parameters(model_dirs, family):
+    """Per decoder layer, pipesim's parameter count (what its FLOPs, memory and optimizer
+    costs scale with) is the executor's layer's. Qwen2's q/k/v biases are the exception:
+    pipesim's `bias` is all (attention and MLP) or nothing, and from_hf_config reads
+    mlp_bias (false), so it counts q_size + 2 kv_size fewer per layer."""
+    from pipesim.plan.model import ModelSpec as PlanModel
+
+    model = PlanModel.from_hf_config(model_dirs[family], seq_length=8)
+    counts = hf_model_spec(model_dirs[family]).layer_param_counts()
+    for j, moe in enumerate(model.moe_pattern()):
+        predicted = sum(model.layer_params(moe).values())
+        missing = model.q_size + 2 * model.kv_size if family == "qwen2" else 0
+        assert predicted + missing == counts[1 + j], (family, j)
+    assert model.tied_embeddings == bool(hf_model_spec(model_dirs[family]).tied)
+
+
+def test_compare_takes_the_calibration_runs_hf_model(model_dirs):
+    """``compare --calibrate-from`` inherits the calibration run's --hf-model with its shape,
+    and refuses another one naming both."""
+    from pipeexec.profile.run_description import inherit
+
+    recorded = TrainConfig(micro_batch_size=2).with_hf_model(model_dirs["mixtral"])
+    meta = {"config": recorded.to_dict()}
+    got = inherit(TrainConfig(), set(), meta, cpus_per_rank=None, source="run.json")
+    assert got.config.hf_model == model_dirs["mixtral"]
+    assert got.config.to_dict() == recorded.to_dict()
+    mine = TrainConfig().with_hf_model(model_dirs["llama"])
+    with pytest.raises(ConfigError, match=r"--hf-model .*llama \(calibration run: .*mixtral\)"):
+        inherit(mine, {"hf_model"}, meta, cpus_per_rank=None, source="run.json")
