@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -334,3 +335,30 @@ def test_compare_takes_the_calibration_runs_hf_model(model_dirs):
     mine = TrainConfig().with_hf_model(model_dirs["llama"])
     with pytest.raises(ConfigError, match=r"--hf-model .*llama \(calibration run: .*mixtral\)"):
         inherit(mine, {"hf_model"}, meta, cpus_per_rank=None, source="run.json")
+
+
+TORCH_FREE = """
+import sys
+sys.modules["torch"] = None            # any "import torch" now raises ImportError
+sys.modules["transformers"] = None
+from pipeexec.config import ConfigError, TrainConfig
+from pipeexec.plan_config import config_from_plan, plan_from_config
+cfg = TrainConfig(pp=2, microbatches=4, seq_len=8).with_hf_model(sys.argv[1]).validate()
+assert config_from_plan(plan_from_config(cfg), TrainConfig().with_hf_model(sys.argv[1])) == cfg
+try:
+    TrainConfig().with_hf_model(sys.argv[1] + "-absent")
+except ConfigError as exc:
+    assert "no such directory" in str(exc)
+assert "torch" not in {m.split(".")[0] for m in sys.modules if sys.modules[m] is not None}
+print("ok")
+"""
+
+
+def test_hf_model_checks_and_plans_need_no_torch(model_dirs):
+    """What runs before any worker starts (reading and checking config.json, the plan of the
+    run) imports neither torch nor transformers."""
+    out = subprocess.run([sys.executable, "-c", TORCH_FREE, model_dirs["mixtral"]],
+                         capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip() == "ok"
