@@ -148,7 +148,7 @@ def check_config(saved: Mapping[str, Any], current: Mapping[str, Any], *, path: 
                 f"config mismatch in {name!r}: the checkpoint was written with {name}="
                 f"{saved[name]!r}, this run has {name}={current[name]!r}", path=path, field=name)
     notes = []
-    for name in TRAINING_FIELDS + LAYOUT_FIELDS:
-        if saved.get(name) != current.get(name):
+    for name in TRAINING_FIELDS + LAYOUT_FIELDS + ("hf_model",):   # its tensors' names and
+        if saved.get(name) != current.get(name):                  # shapes are checked on load
             notes.append(f"{name} {saved.get(name)!r} -> {current.get(name)!r}")
     return notes

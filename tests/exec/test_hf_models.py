@@ -362,3 +362,22 @@ def test_hf_model_checks_and_plans_need_no_torch(model_dirs):
                          env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.strip() == "ok"
+
+
+@pytest.mark.slow
+def test_checkpoint_of_an_hf_model_resumes_in_another_layout(model_dirs, tmp_path):
+    """Saved at pp 2 after 2 steps, resumed at pp 1: steps 2 and 3 are the uninterrupted
+    run's (the CLI's log, 4 decimals)."""
+    common = ["--hf-model", model_dirs["gpt2"], "--microbatches", "4", "--seq-len", "8",
+              "--decay-steps", "4", "--no-progress"]
+
+    def losses(*args):
+        out = subprocess.run([sys.executable, "-m", "pipeexec", "train", *common, *args],
+                             capture_output=True, text=True, cwd=ROOT, timeout=300)
+        assert out.returncode == 0, out.stderr[-2000:]
+        return [line.split(" loss ")[1].split()[0] for line in out.stdout.splitlines()
+                if line.startswith("step ")]
+    ckpt = str(tmp_path / "ckpt")
+    assert len(losses("--pp", "2", "--steps", "2", "--save", ckpt)) == 2
+    resumed = losses("--pp", "1", "--steps", "4", "--load", ckpt)
+    assert resumed == losses("--pp", "1", "--steps", "4")[2:]
