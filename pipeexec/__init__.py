@@ -12,11 +12,13 @@ Command line::
 From Python (each process, e.g. under torchrun or `launch`)::
 
     topo = init_topology(pp, dp)                       # explicit pp / dp groups
-    trainer = Trainer(TrainConfig(...), topo, spec)    # spec: gpt_spec(...) or your own ModelSpec
+    trainer = Trainer(TrainConfig(...), topo, spec)    # spec: gpt_spec(...), hf_model_spec(DIR)
+                                                       # (pipeexec.models.hf) or your own ModelSpec
     result = train(trainer, on_step=...)               # losses, step_times, ...
 
 Rooms: config (TrainConfig, in sections), plan_config (a pipesim Plan <-> TrainConfig),
-topology, model, partition, data; ``pipeline/`` (runtime, the action interpreter with its
+topology, model, partition, data; ``models/`` (the model a config names: the built-in GPT or
+a Hugging Face directory, ``--hf-model``); ``pipeline/`` (runtime, the action interpreter with its
 observers; p2p; backward; stage; faults), ``launching/`` (launcher, worker, board, cpu_quota,
 devices, preflight), ``training/`` (train, ddp, precision, optim), ``checkpoint/``, ``profile/``
 (measuring; torch-free: run_plan, measured, calibrate, contention, predict, compare); cli.
