@@ -126,7 +126,7 @@ class HFDecoderLayer(nn.Module):
     def __init__(self, config, model_type: str, j: int) -> None:
         super().__init__()
         family, modeling = FAMILIES[model_type], _modeling(model_type)
-        self.config, self.j = config, j
+        self.config = config
         self.block = getattr(modeling, family.decoder)(config, layer_idx=j)
         self.rotary = None if family.rotary is None else getattr(modeling, family.rotary)(config=config)
         self.sliding = _mask_kind(config, j) == "sliding_attention"
