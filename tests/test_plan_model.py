@@ -120,6 +120,12 @@ def test_from_hf_config_gpt2(tmp_path):
     assert (m.layers, m.hidden, m.heads, m.seq_length, m.tied_embeddings) == (12, 768, 12, 1024, True)
     # GPT-2 small has 124,439,808 parameters with the unpadded 50257-token vocabulary
     assert m.num_params() - (m.padded_vocab() - m.vocab) * m.hidden == 124_439_808
+    # GPT2Config's resid/embd/attn_pdrop default to 0.1: dropout; all three 0: none
+    assert m.dropout
+    no_dropout = _write(tmp_path, {"model_type": "gpt2", "n_embd": 64, "n_layer": 2, "n_head": 4,
+                                   "vocab_size": 64, "resid_pdrop": 0.0, "embd_pdrop": 0.0,
+                                   "attn_pdrop": 0.0})
+    assert not ModelSpec.from_hf_config(no_dropout).dropout
 
 
 def test_from_hf_config_errors(tmp_path):
