@@ -115,7 +115,7 @@ def plan_from_config(config: TrainConfig, *, cluster: Any = None) -> Any:
     model = ModelSpec(name="pipeexec-gpt", layers=config.layers, hidden=config.hidden,
                       heads=config.heads, seq_length=config.seq_len, vocab=config.vocab,
                       ffn_hidden=config.ffn_mult * config.hidden, tied_embeddings=False,
-                      dropout=False)
+                      dropout=False, vocab_divisible_by=1)
     par = Parallelism(pp=config.pp, vpp=config.vpp, dp=config.dp,
                       micro_batch_size=config.micro_batch_size,
                       global_batch_size=config.global_batch, precision=config.precision,

@@ -1,0 +1,46 @@
+"""Activation memory predicted from the model's shape alone: what pipesim says a run will hold.
+
+The other predictions of this room start from a measured run (calibrated bytes). This one
+needs no run: the config's `pipesim.Plan` (`pipeexec.plan_config.plan_from_config`) gives each
+stage's activation bytes per microbatch from the model shape (Korthikanti et al.'s formulas,
+`pipesim.plan.footprint`, at the precision's element size), the share W needs, and the
+message size; pipesim's memory model replays them over the schedule the executor runs (with
+its ``recv_lookahead``), receive and send buffers included. Torch-free.
+
+The quantity both sides share, per rank: the largest sum, at an action boundary, of
+
+* each in-flight (stage, microbatch)'s saved activations: without recomputation what the
+  layers' backward needs; ``selective``: the same less the core attention's (with fused
+  attention as on CPU, its log-sum-exp); ``full``: each recomputed block's input only, plus the
+  embedding's token ids and the head's norm and logits, which are never recomputed;
+* the output of the F that just ran, until it is sent to the next rank;
+* the posted receive buffers (an activation ahead of its F, a gradient until its backward).
+
+The meter (`pipeexec.profile.memory.HeldTensorMeter`) counts exactly the tensors behind these;
+parameters, gradients and optimizer state are static bytes and left out on both sides. The
+formulas omit the norms' fp32 statistics and the loss's labels (a few per cent at toy widths,
+under ``1/(4h)`` of a layer), and the transient activations of a block recomputed inside its
+backward, which the meter does not see between actions either.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+import pipesim
+
+from .predict import EXECUTOR_COMM
+
+
+def predicted_activation_peaks(config: Any, schedule: "pipesim.Schedule | None" = None
+                               ) -> list[float]:
+    """Per pipeline rank, the peak activation bytes pipesim predicts for ``config`` (a
+    `TrainConfig`) from its plan, on ``schedule`` (default: the one the config runs)."""
+    from ..plan_config import plan_from_config
+
+    plan = plan_from_config(config)
+    costs = plan.derive().costs
+    costs = replace(costs, static_bytes=0.0, stage_static_bytes=0.0)
+    sched = config.build_schedule() if schedule is None else schedule
+    result = pipesim.simulate(sched, costs, comm=EXECUTOR_COMM)
+    return [float(x) for x in result.peak_memory]
