@@ -6,7 +6,8 @@ hosts and CPU shares; torch-free), `recorder` (the runtime's action timer and th
 `clock` (offsets to rank 0), `memory` (held-tensor and allocator meters), `measured` (the
 gathered trace and `MeasuredRun`), `session` (wiring a profiled training run), `calibrate`
 (costs from a measured run, re-partitioned if needed), `contention` (ranks sharing cores:
-processor sharing around the simulator), `predict` (simulating a layout with calibrated costs),
+processor sharing around the simulator), `predict` (simulating a layout with calibrated costs), `plan_memory` (activation peaks
+predicted from the plan alone, no run),
 `run_description` (what a calibration run was, and matching a new run against it), `paired`
 (a calibration schedule and its target in one job, alternating steps),
 `compare` (prediction vs measurement: the table and report), `compare_cli` (``pipeexec
