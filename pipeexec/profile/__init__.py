@@ -30,8 +30,8 @@ from .run_plan import Layout, RunPlan
 
 _LAZY = {"ClockAlignmentError": "clock", "ClockOffset": "clock", "align_clocks": "clock",
          "ActionProfiler": "recorder", "ActionRecord": "recorder", "ProfiledP2P": "recorder",
-         "ProfileOptions": "session", "ProfileSession": "session",
-         "parse_step_range": "session"}
+         "ProfileOptions": "options", "ProfileSession": "session",
+         "parse_step_range": "options"}
 
 __all__ = sorted(["Layout", "MeasuredRun", "RunPlan", "build_trace", "compare_runs", "fit_run",
                   "layout_of", "predict", *_LAZY])
@@ -39,7 +39,8 @@ __all__ = sorted(["Layout", "MeasuredRun", "RunPlan", "build_trace", "compare_ru
 if TYPE_CHECKING:
     from .clock import ClockAlignmentError, ClockOffset, align_clocks
     from .recorder import ActionProfiler, ActionRecord, ProfiledP2P
-    from .session import ProfileOptions, ProfileSession, parse_step_range
+    from .options import ProfileOptions, parse_step_range
+    from .session import ProfileSession
 
 
 def __getattr__(name: str) -> Any:

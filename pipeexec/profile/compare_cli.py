@@ -12,6 +12,7 @@ import pipesim
 
 from .compare import Comparison, compare_runs
 from .measured import MeasuredRun
+from .options import ProfileOptions
 from .predict import layout_of, predict
 
 
@@ -22,17 +23,18 @@ DEFAULT_MODEL = {"layers": 6, "hidden": 256, "heads": 4, "seq_len": 128, "micro_
 
 
 def profiled_run(config: Any, first: int, stop: int, *, trace_out: str | None = None,
-                 timeout: float | None = None, cpus_per_rank: float | None = None
-                 ) -> MeasuredRun:
+                 timeout: float | None = None, cpus_per_rank: float | None = None,
+                 profile: ProfileOptions | None = None) -> MeasuredRun:
     """Train ``config`` in local forked workers, profiling steps ``first..stop-1``; return the
     gathered run (written to ``trace_out`` too, when given). ``cpus_per_rank``: as for
-    `pipeexec.launching.launcher.launch`."""
+    `pipeexec.launching.launcher.launch`; ``profile``: the other profiling options (clock
+    alignment, split probe), default `ProfileOptions`' defaults."""
     from ..launching.devices import start_method_for
     from ..launching.launcher import launch
     from ..launching.worker import run_training
-    from .session import ProfileOptions
 
-    options = ProfileOptions(first, stop, trace_out, cpus_per_rank=cpus_per_rank)
+    options = (profile or ProfileOptions()).replace(first=first, stop=stop, trace_out=trace_out,
+                                                    cpus_per_rank=cpus_per_rank).validate()
     options.check(config.steps)
     results = launch(run_training, config.world_size, (config, None, False, None, options),
                      timeout=timeout, cpus_per_rank=cpus_per_rank,
@@ -141,6 +143,7 @@ def compare_main(argv: list[str]) -> int:
     from ..launching.cpu_quota import QuotaUnavailable
     from ..launching.launcher import WorkerFailed
     from ..launching.preflight import check_cpus_per_rank
+    from ..options import values_from_args
     from .run_description import inherit
     from .session import parse_step_range
 
@@ -189,6 +192,10 @@ def compare_main(argv: list[str]) -> int:
                          f"a shared machine; --steps {DEFAULT_STEPS} (the default) profiles "
                          f"{DEFAULT_STEPS - 1} and compares the central 3")
         check_cpus_per_rank(cpus_per_rank, config.world_size)
+        # train's generated profiling flags (clock alignment, split probe); the steps and the
+        # trace file are compare's own --profile and --trace-out
+        profile = ProfileOptions(**{k: v for k, v in values_from_args(ProfileOptions, tns).items()
+                                    if k not in ("first", "stop", "trace_out")})
         try:
             config.validate(world_size=config.world_size)
         except ConfigError as exc:
@@ -215,13 +222,13 @@ def compare_main(argv: list[str]) -> int:
             source, run = paired_runs([partner, config], first, stop,
                                       trace_outs=[None, ns.trace_out],
                                       timeout=getattr(tns, "timeout", None),
-                                      cpus_per_rank=cpus_per_rank)
+                                      cpus_per_rank=cpus_per_rank, profile=profile)
             print(f"predicted from the {partner.schedule} steps of the same job (alternating "
                   f"with the {config.schedule} steps)", flush=True)
         else:
             run = profiled_run(config, first, stop, trace_out=ns.trace_out,
                                timeout=getattr(tns, "timeout", None),
-                               cpus_per_rank=cpus_per_rank)
+                               cpus_per_rank=cpus_per_rank, profile=profile)
         comparison = compare_runs(run, source)
     except KeyboardInterrupt:
         print(f"\npipeexec compare: interrupted: stopped {tns.pp * tns.dp} workers",
