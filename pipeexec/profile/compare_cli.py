@@ -247,17 +247,45 @@ def compare_main(argv: list[str]) -> int:
         print(f"pipeexec compare: error: {exc}", file=sys.stderr)
         return 2
     print(comparison.text())
+    extra, line = plan_memory(config, comparison.report()["measured_peak_memory"])
+    print(line)
     for note in notes:
         print(f"note: {note}")
     write_outputs(comparison, report_out=ns.report_out, table_out=ns.table_out,
-                  plot_out=ns.plot_out, trace_out=ns.trace_out)
+                  plot_out=ns.plot_out, trace_out=ns.trace_out, extra=extra)
     return 0
+
+
+def plan_memory(config: Any, measured: list[float]) -> tuple[dict[str, Any], str]:
+    """The activation peaks pipesim predicts for ``config``'s plan from the model's shape alone
+    (`pipeexec.profile.plan_memory`), against the ``measured`` peaks per rank: report fields
+    and a line to print (saying why, when the config has no plan)."""
+    from ..config import ConfigError
+    from .plan_memory import predicted_activation_peaks
+
+    try:
+        predicted = predicted_activation_peaks(config)
+    except (ConfigError, pipesim.PlanError, ValueError) as exc:
+        return {}, f"no activation memory predicted from the plan: {exc}"
+    from pipesim.result import byte_unit
+
+    errors = [(p - m) / m if m else None for p, m in zip(predicted, measured)]
+    scale, unit = byte_unit(max(predicted + list(measured)))
+    per_rank = ", ".join(
+        f"rank {r} {p / scale:.2f} {unit} (measured {m / scale:.2f}"
+        + (f", {e:+.1%})" if e is not None else ")")
+        for r, (p, m, e) in enumerate(zip(predicted, measured, errors)))
+    return ({"plan_predicted_peak_memory": predicted, "plan_peak_memory_error": errors},
+            f"peak activation memory predicted from the plan alone (model shape, recompute "
+            f"{config.recompute}; no calibration): {per_rank}")
 
 
 def write_outputs(comparison: Comparison, *, report_out: str | None = None,
                   table_out: str | None = None, plot_out: str | None = None,
-                  trace_out: str | None = None) -> dict[str, str]:
-    """Write the report JSON, table CSV and picture; return their paths."""
+                  trace_out: str | None = None, extra: dict[str, Any] | None = None
+                  ) -> dict[str, str]:
+    """Write the report JSON (with ``extra``'s fields), table CSV and picture; return their
+    paths."""
     files: dict[str, str] = {}
     if plot_out is None and report_out is not None:
         plot_out = str(Path(report_out).with_suffix(".png"))
@@ -277,6 +305,7 @@ def write_outputs(comparison: Comparison, *, report_out: str | None = None,
         files.update(trace=str(chrome), trace_csv=str(csv), trace_meta=str(meta))
     if report_out:
         report = comparison.report()
+        report.update(extra or {})
         report["files"] = dict(files)
         path = Path(report_out)
         path.parent.mkdir(parents=True, exist_ok=True)
