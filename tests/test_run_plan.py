@@ -98,6 +98,8 @@ TORCH_FREE = textwrap.dedent('''
     assert abs(cmp.predicted.makespan - cmp.measured.makespan) < 1e-6 * cmp.measured.makespan
     from pipeexec.config import TrainConfig
     from pipeexec.profile.plan_memory import predicted_activation_peaks
+    from pipeexec.profile.options import ProfileOptions
+    assert ProfileOptions(1, 3).stop == 3
     peaks = predicted_activation_peaks(TrainConfig(pp=2, microbatches=4, layers=4, recompute="full"))
     assert len(peaks) == 2 and min(peaks) > 0, peaks
     assert "torch" not in {m.split(".")[0] for m in sys.modules if sys.modules[m] is not None}
