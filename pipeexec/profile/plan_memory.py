@@ -13,7 +13,9 @@ The quantity both sides share, per rank: the largest sum, at an action boundary,
   layers' backward needs; ``selective``: the same less the core attention's (with fused
   attention as on CPU, its log-sum-exp); ``full``: each recomputed block's input only, plus the
   embedding's token ids and the head's norm and logits, which are never recomputed;
-* the output of the F that just ran, until it is sent to the next rank;
+* the output of the F that just ran, until it is sent to the next rank (with
+  ``--no-deallocate-outputs``, until its backward starts: then part of the stage's
+  activations);
 * the posted receive buffers (an activation ahead of its F, a gradient until its backward).
 
 The meter (`pipeexec.profile.memory.HeldTensorMeter`) counts exactly the tensors behind these;
@@ -42,5 +44,23 @@ def predicted_activation_peaks(config: Any, schedule: "pipesim.Schedule | None" 
     costs = plan.derive().costs
     costs = replace(costs, static_bytes=0.0, stage_static_bytes=0.0)
     sched = config.build_schedule() if schedule is None else schedule
+    if not config.deallocate_outputs:
+        costs = _outputs_kept(costs, sched)
     result = pipesim.simulate(sched, costs, comm=EXECUTOR_COMM)
     return [float(x) for x in result.peak_memory]
+
+
+def _outputs_kept(costs: "pipesim.CostModel", schedule: "pipesim.Schedule") -> "pipesim.CostModel":
+    """Without Megatron's deallocation an output sent to another rank stays until the stage's
+    backward (B or I) starts: one more message of activations per (stage, microbatch) on those
+    stages, none of it left for W."""
+    n = schedule.num_stages
+    act = costs.stage_values("activation_bytes", n)
+    frac = costs.stage_values("weight_grad_fraction", n)
+    out = costs.stage_values("p2p_bytes", n)
+    for s in range(n - 1):
+        if schedule.stage_rank(s + 1) != schedule.stage_rank(s) and out[s] > 0:
+            kept = act[s] * frac[s]
+            act[s] += out[s]
+            frac[s] = kept / act[s]
+    return replace(costs, activation_bytes=tuple(act), weight_grad_fraction=tuple(frac))

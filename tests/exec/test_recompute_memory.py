@@ -12,7 +12,8 @@ of the F that just ran (until sent) and the posted receive buffers; parameters l
   executor recomputes and pipesim keeps).
 * Forked gloo workers, pp 2: measured peak per rank within 10% of `predicted_activation_peaks`
   for none / selective / full x 1F1B, interleaved, ZB-V (the issue's tolerance), in fp32, and
-  1F1B in bf16 (2-byte activations, fp32 logits).
+  1F1B in bf16 (2-byte activations, fp32 logits), and interleaved with the outputs kept until
+  their backward (``--no-deallocate-outputs``).
 """
 from __future__ import annotations
 
@@ -87,12 +88,14 @@ def test_stage_forward_keeps_what_the_formulas_say(mode):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name,vpp,precision", [(n, v, "fp32") for n, v in SCHEDULES]
-                         + [("1f1b", 1, "bf16")])
+                         + [("1f1b", 1, "bf16"), ("interleaved", 2, "kept outputs")])
 def test_measured_peak_activation_memory_matches_pipesim(name, vpp, precision):
     from pipeexec.profile.compare_cli import profiled_run
 
+    kept = precision == "kept outputs"              # --no-deallocate-outputs
     base = TINY.replace(layers=4, steps=2, pp=2, microbatches=4, micro_batch_size=2,
-                        backend="gloo", schedule=name, vpp=vpp, precision=precision)
+                        backend="gloo", schedule=name, vpp=vpp,
+                        precision="fp32" if kept else precision, deallocate_outputs=not kept)
     for mode in MODES:
         cfg = base.replace(recompute=mode)
         run = profiled_run(cfg, 1, 2, timeout=120)
