@@ -20,8 +20,8 @@ The quantity both sides share, per rank: the largest sum, at an action boundary,
 
 The meter (`pipeexec.profile.memory.HeldTensorMeter`) counts exactly the tensors behind these;
 parameters, gradients and optimizer state are static bytes and left out on both sides. The
-formulas omit the norms' fp32 statistics and the loss's labels (a few per cent at toy widths,
-under ``1/(4h)`` of a layer), and the transient activations of a block recomputed inside its
+formulas omit the norms' per-token statistics and the loss's labels (a few per cent at toy
+widths, about ``1/(4h)`` of a layer), and the transient activations of a block recomputed inside its
 backward, which the meter does not see between actions either.
 """
 from __future__ import annotations

@@ -20,8 +20,9 @@ as in the paper; 4 for fp32). With ``e = 2`` every term below is the paper's:
   input already counted); dropped by selective recomputation;
 * full recomputation keeps only the layer's input ``e sbh`` (``/sp``).
 
-Left out, as in the paper: the norms' per-token statistics (fp32 mean and 1/std, ``8sb`` per
-LayerNorm, under ``1/(4h)`` of a layer) and the loss's labels on the last stage (``8sb``).
+Left out, as in the paper: the norms' per-token statistics (mean and 1/std, ``2sb`` values per
+LayerNorm: fp32 on CUDA, the activations' type on CPU; about ``1/(4h)`` of a layer) and the
+loss's labels on the last stage (``8sb``).
 
 With context parallelism ``s`` is the local ``s / cp`` (scores: local queries x all keys). For
 GPT shapes in 16-bit this is Table 2 exactly: ``sbh(34 + 5as/h)``; TP ``sbh(10 + 24/t +

@@ -7,9 +7,9 @@ of the F that just ran (until sent) and the posted receive buffers; parameters l
 
 * One stage in one process: the bytes the held-tensor meter counts after each mode's forward
   equal Korthikanti et al.'s per-layer formulas (`pipesim.plan.footprint`) at fp32's element
-  size, plus the two terms the formulas leave out and name (the LayerNorms' fp32 mean and
-  1/std, and under selective recomputation the fused attention's log-sum-exp, which the
-  executor recomputes and pipesim keeps).
+  size, plus the two terms the formulas leave out and name (the LayerNorms' mean and 1/std,
+  and under selective recomputation the fused attention's log-sum-exp, which the executor
+  recomputes and pipesim keeps); for any block shape in fp32 and bf16 (hypothesis).
 * Forked gloo workers, pp 2: measured peak per rank within 10% of `predicted_activation_peaks`
   for none / selective / full x 1F1B, interleaved, ZB-V (the issue's tolerance), in fp32, and
   1F1B in bf16 (2-byte activations, fp32 logits), and interleaved with the outputs kept until
@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from exec_helpers import TINY
 from pipeexec.config import TrainConfig
@@ -39,15 +41,18 @@ class _NoRuntime:
         return ({},) * 8
 
 
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
 def saved_by_forward(cfg: TrainConfig, index: int, bounds: tuple[int, ...]) -> float:
     """Bytes the meter counts after stage ``index``'s forward (and the loss, on the last)."""
     spec = gpt_spec_from_config(cfg)
-    stage = build_stage(spec, index, bounds, seed=0, device=torch.device("cpu"),
-                        dtype=torch.float32)
+    dtype = DTYPES[cfg.precision]
+    stage = build_stage(spec, index, bounds, seed=0, device=torch.device("cpu"), dtype=dtype)
     stage.set_recompute(cfg.recompute, spec.kinds()[bounds[index]:bounds[index + 1]])
     meter = HeldTensorMeter(_NoRuntime(), exclude=list(stage.parameters()))
     b, s = cfg.micro_batch_size, cfg.seq_len
-    x = torch.randn(b, s, cfg.hidden, requires_grad=True)
+    x = torch.randn(b, s, cfg.hidden, dtype=dtype, requires_grad=True)
     meter.begin(Action("F", index, 0))
     y = stage(x)
     loss = spec.loss_fn(y, torch.randint(0, cfg.vocab, (b, s))) if stage.is_last else None
@@ -84,6 +89,25 @@ def test_stage_forward_keeps_what_the_formulas_say(mode):
     head = head_activations(model, par)
     assert head == 2 * 4 * s * b * h + 4 * s * b * cfg.vocab
     assert last == block + head + 2 * 4 * s * b + 8 * s * b + 4
+
+
+@settings(max_examples=25, deadline=None)
+@given(b=st.integers(1, 3), s=st.integers(1, 40), heads=st.integers(1, 4),
+       head_dim=st.integers(1, 12), ffn_mult=st.integers(1, 4),
+       mode=st.sampled_from(MODES), precision=st.sampled_from(("fp32", "bf16")))
+def test_any_block_shape_keeps_what_the_formulas_say(b, s, heads, head_dim, ffn_mult, mode,
+                                                     precision):
+    """Two blocks of any shape, fp32 or bf16: the formulas plus the norms' statistics (mean and
+    1/std per token, in the activations' type on CPU) less, under selective recomputation,
+    the fp32 log-sum-exp."""
+    h = heads * head_dim
+    cfg = TINY.replace(layers=2, micro_batch_size=b, seq_len=s, hidden=h, heads=heads,
+                       ffn_mult=ffn_mult, recompute=mode, precision=precision)
+    plan = plan_from_config(cfg)
+    layer = layer_activations(plan.model, plan.parallelism).total
+    e = 4 if precision == "fp32" else 2
+    extra = 0 if mode == "full" else 2 * 2 * e * s * b - (4 * heads * s * b if mode == "selective" else 0)
+    assert saved_by_forward(cfg, 1, (0, 1, 3, 4)) == 2 * (layer + extra)
 
 
 @pytest.mark.slow
