@@ -10,8 +10,9 @@ of the F that just ran (until sent) and the posted receive buffers; parameters l
   size, plus the two terms the formulas leave out and name (the LayerNorms' mean and 1/std,
   and under selective recomputation the fused attention's log-sum-exp, which the executor
   recomputes and pipesim keeps); for any block shape in fp32 and bf16 (hypothesis).
-* Forked gloo workers, pp 2: measured peak per rank within 10% of `predicted_activation_peaks`
-  for none / selective / full x 1F1B, interleaved, ZB-V (the issue's tolerance), in fp32, and
+* Forked gloo workers, pp 2, every case in one job (`paired_runs`): measured peak per rank within 10% of `predicted_activation_peaks`
+  for none / selective / full (all blocks, and the first block of each stage) x 1F1B,
+  interleaved, ZB-V (the issue's tolerance), in fp32, and
   1F1B in bf16 (2-byte activations, fp32 logits), and interleaved with the outputs kept until
   their backward (``--no-deallocate-outputs``).
 """
@@ -110,20 +111,39 @@ def test_any_block_shape_keeps_what_the_formulas_say(b, s, heads, head_dim, ffn_
     assert saved_by_forward(cfg, 1, (0, 1, 3, 4)) == 2 * (layer + extra)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("name,vpp,precision", [(n, v, "fp32") for n, v in SCHEDULES]
-                         + [("1f1b", 1, "bf16"), ("interleaved", 2, "kept outputs")])
-def test_measured_peak_activation_memory_matches_pipesim(name, vpp, precision):
-    from pipeexec.profile.compare_cli import profiled_run
+CASES = [(n, v, p) for n, v in SCHEDULES for p in ("fp32",)] + [("1f1b", 1, "bf16"),
+                                                                 ("interleaved", 2, "kept outputs")]
+RECOMPUTE = ({"recompute": "none"}, {"recompute": "selective"}, {"recompute": "full"},
+             {"recompute": "full", "recompute_layers": 1})
 
+
+def case_config(name: str, vpp: int, precision: str, mode: dict) -> TrainConfig:
     kept = precision == "kept outputs"              # --no-deallocate-outputs
-    base = TINY.replace(layers=4, steps=2, pp=2, microbatches=4, micro_batch_size=2,
+    return TINY.replace(layers=4, steps=2, pp=2, microbatches=4, micro_batch_size=2,
                         backend="gloo", schedule=name, vpp=vpp,
-                        precision="fp32" if kept else precision, deallocate_outputs=not kept)
-    for mode in MODES:
-        cfg = base.replace(recompute=mode)
-        run = profiled_run(cfg, 1, 2, timeout=120)
-        measured = run.result(1).peak_memory
+                        precision="fp32" if kept else precision, deallocate_outputs=not kept,
+                        **mode)
+
+
+@pytest.fixture(scope="module")
+def measured_peaks():
+    """Every case's measured peaks per rank, from one job: the configs train side by side in
+    the same two workers (`paired_runs`), each with its own runtime and meter."""
+    from pipeexec.profile.paired import paired_runs
+
+    configs = [case_config(*case, mode) for case in CASES for mode in RECOMPUTE]
+    runs = paired_runs(configs, 1, 2, timeout=300)
+    return {(c.schedule, c.vpp, c.precision, c.deallocate_outputs, c.recompute,
+             c.recompute_layers): run.result(1).peak_memory for c, run in zip(configs, runs)}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name,vpp,precision", CASES)
+def test_measured_peak_activation_memory_matches_pipesim(measured_peaks, name, vpp, precision):
+    for mode in RECOMPUTE:
+        cfg = case_config(name, vpp, precision, mode)
+        measured = measured_peaks[(cfg.schedule, cfg.vpp, cfg.precision, cfg.deallocate_outputs,
+                                   cfg.recompute, cfg.recompute_layers)]
         predicted = predicted_activation_peaks(cfg)
         for rank, (m, p) in enumerate(zip(measured, predicted)):
             assert p == pytest.approx(m, rel=0.10), (name, mode, rank, measured, predicted)
