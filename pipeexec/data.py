@@ -57,11 +57,13 @@ class BatchSource:
 
     def microbatches(self, step: int, dp_rank: int, dp: int, m: int
                      ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """The m microbatches of replica ``dp_rank`` at ``step``."""
+        """The m microbatches of replica ``dp_rank`` at ``step``, each in storage of its own (as
+        Megatron fetches each microbatch apart): a stage that keeps a microbatch's tokens for its
+        backward then holds that microbatch only, and memory meters count just that."""
         if self.global_batch % (dp * m):
             raise DataError(f"global batch {self.global_batch} is not divisible by dp * m = {dp * m}")
         b = self.global_batch // (dp * m)
         x, y = self.global_batch_at(step)
         base = dp_rank * m * b
-        return [(x[base + k * b: base + (k + 1) * b], y[base + k * b: base + (k + 1) * b])
-                for k in range(m)]
+        return [(x[base + k * b: base + (k + 1) * b].clone(),
+                 y[base + k * b: base + (k + 1) * b].clone()) for k in range(m)]

@@ -2,7 +2,7 @@
 drift: `option` declares a field with its help and argparse settings, `add_arguments` adds one
 flag per such field (its default the field's), `values_from_args` reads them back.
 
-Used by `TrainConfig`'s sections and `CheckpointOptions`. Torch-free.
+Used by `TrainConfig`'s sections, `CheckpointOptions` and `ProfileOptions`. Torch-free.
 """
 from __future__ import annotations
 
@@ -16,8 +16,10 @@ def option(default: Any, help: str, *, flag: str | None = "", **cli: Any) -> Any
     """A dataclass field with its flag: ``help`` (shown with the default), ``flag`` (default
     ``--field-name``; None: no flag), argparse settings in ``cli`` (``type``, ``choices``,
     ``metavar``, ``action``); ``parse``: text -> value after argparse; ``invert``: a
-    store_true flag that sets the field to False. ``default`` may be a zero-argument callable
-    marked ``factory=True`` in ``cli``."""
+    store_true flag that sets the field to False; ``fields``: the names of the fields one flag
+    sets (its parsed value a tuple of as many values, e.g. ``--profile A:B`` -> first, stop;
+    the flag's default is None: not given, the fields are left out of `values_from_args`).
+    ``default`` may be a zero-argument callable marked ``factory=True`` in ``cli``."""
     factory = cli.pop("factory", False)
     meta = {"help": help, "flag": flag, "cli": cli}
     if factory:
@@ -48,8 +50,11 @@ def add_arguments(parser: Any, cls: type, defaults: Any = None) -> None:
         cli = dict(f.metadata["cli"])
         cli.pop("parse", None)
         cli.pop("invert", None)
+        several = cli.pop("fields", None)
         kw: dict[str, Any] = {"help": f.metadata["help"], "dest": dest_of(f), **cli}
-        if kw.get("action") == "append":
+        if several:
+            kw["default"] = None
+        elif kw.get("action") == "append":
             kw["default"] = []
         elif kw.get("action") == "store_true":
             kw["default"] = False
@@ -59,11 +64,17 @@ def add_arguments(parser: Any, cls: type, defaults: Any = None) -> None:
 
 
 def values_from_args(cls: type, ns: argparse.Namespace) -> dict[str, Any]:
-    """Field -> value for every flagged field of ``cls``, read from ``ns``."""
+    """Field -> value for every flagged field of ``cls``, read from ``ns`` (a flag that sets
+    several ``fields``: those fields, when the flag was given)."""
     out: dict[str, Any] = {}
     for f in flagged(cls):
         cli = f.metadata["cli"]
         value = getattr(ns, dest_of(f))
+        if cli.get("fields"):
+            if value is not None:
+                parsed = cli["parse"](value) if "parse" in cli else value
+                out.update(zip(cli["fields"], parsed))
+            continue
         if cli.get("invert"):
             value = not value
         if "parse" in cli:

@@ -15,6 +15,8 @@ them, with the embedding on the first stage and the head on the last.
 """
 from __future__ import annotations
 
+import dataclasses
+
 from typing import Any
 
 from .config import ConfigError, TrainConfig
@@ -146,14 +148,17 @@ def plan_from_config(config: TrainConfig, *, cluster: Any = None) -> Any:
                           "the cut as --boundaries")
     bounds = make_partition(config.num_layers, config.num_stages, "layers", config.boundaries)
     blocks = [min(b1, config.layers + 1) - max(b0, 1) for b0, b1 in zip(bounds, bounds[1:])]
+    # the executor does not pad the vocabulary (pipesim's default pads to 128, Megatron's)
     if config.hf_model:                # the shape pipesim's cost model reads from config.json
-        model = ModelSpec.from_hf_config(config.hf_model, seq_length=config.seq_len)
+        model = dataclasses.replace(
+            ModelSpec.from_hf_config(config.hf_model, seq_length=config.seq_len),
+            vocab_divisible_by=1)
     else:
         model = ModelSpec(name="pipeexec-gpt", layers=config.layers, hidden=config.hidden,
                           heads=config.heads, seq_length=config.seq_len, vocab=config.vocab,
                           ffn_hidden=config.ffn_mult * config.hidden,
                           tied_embeddings=config.tie_embeddings,
-                          dropout=False)
+                          dropout=False, vocab_divisible_by=1)
     par = Parallelism(pp=config.pp, vpp=config.vpp, dp=config.dp,
                       micro_batch_size=config.micro_batch_size,
                       global_batch_size=config.global_batch, precision=config.precision,

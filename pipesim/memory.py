@@ -18,6 +18,12 @@ allocates its buffer when it is posted, i.e. at the start of the first computati
 the rank's list. An activation's buffer is part of the stage's ``activation_bytes`` from its
 F on, so it adds only while posted ahead of that F (``recv_lookahead``); a gradient's buffer
 is held from its posting to the end of the B or I that uses it.
+
+Send buffers (same condition): an F whose output goes to another rank holds that output
+(``p2p_bytes`` of its stage) while it runs, on top of its activations: the output is not an
+activation the backward needs (the next stage keeps its own copy as its input), and it is
+freed once sent (Megatron's ``deallocate_output_tensor``). A B or I's input gradient is not
+added: it is made as the backward frees the stage's activations, which already count more.
 """
 from __future__ import annotations
 
@@ -118,6 +124,13 @@ def memory_events(rows: ComputeRows, t0: float, costs: "CostModel", num_stages: 
     nbytes = costs.stage_values("p2p_bytes", num_stages)
     if schedule is not None and has_backward and any(nbytes):
         extra = _receive_buffers(rows, schedule, nbytes)
+        sent = _send_buffers(rows, schedule, nbytes, num_stages)
+        if sent is not None:
+            m, size = sent
+            times = np.concatenate((times, start[m], end[m]))
+            deltas = np.concatenate((deltas, size, -size))
+            prio = np.concatenate((prio, np.full(m.sum(), 1), np.full(m.sum(), 0)))
+            ranks = np.concatenate((ranks, rank[m], rank[m]))
         if extra:
             r, t, d, p = (np.asarray(x) for x in zip(*extra))
             times, deltas = np.concatenate((times, t)), np.concatenate((deltas, d))
@@ -137,6 +150,21 @@ def memory_events(rows: ComputeRows, t0: float, costs: "CostModel", num_stages: 
     for r in range(pp):                     # a running sum per rank (events sorted by rank)
         np.cumsum(deltas[bounds[r]:bounds[r + 1]], out=held[bounds[r]:bounds[r + 1]])
     return MemoryEvents(ranks, times[order], held)
+
+
+def _send_buffers(rows: ComputeRows, schedule: "Schedule", nbytes: Sequence[float],
+                  num_stages: int) -> tuple[np.ndarray, np.ndarray] | None:
+    """The F rows whose output goes to another rank, and the bytes each holds while it runs."""
+    if schedule.num_stages != num_stages:
+        return None
+    crosses = np.array([s + 1 < num_stages and schedule.stage_rank(s + 1) != schedule.stage_rank(s)
+                        for s in range(num_stages)], bool)
+    size = np.asarray(list(nbytes), float)
+    m = (rows.op == "F") & crosses[rows.stage]
+    m &= size[rows.stage] > 0
+    if not m.any():
+        return None
+    return m, size[rows.stage[m]]
 
 
 def _receive_buffers(rows: ComputeRows, schedule: "Schedule", nbytes: Sequence[float]

@@ -219,3 +219,34 @@ def test_plan_result_reads_through_to_the_sim_result():
     assert list(r.trace.columns) == list(r.sim.trace.columns)
     with pytest.raises(AttributeError):
         r.no_such_figure
+
+
+def test_activation_bytes_follow_the_precision_and_the_vocabulary_padding():
+    """fp32 stores 4-byte activations, 16-bit training 2 (Korthikanti's terms); the fused
+    attention's log-sum-exp, the logits the loss keeps (fp32) and the token ids (int64) do not
+    change size. A model whose tables are not padded (vocab_divisible_by = 1) keeps V."""
+    from pipesim.plan.footprint import embedding_activations, head_activations, layer_activations
+    from pipesim.plan.model import ModelSpec
+    from pipesim.plan.parallelism import Parallelism
+
+    s, b, h, a, V = 128, 4, 256, 4, 256
+    model = ModelSpec("m", 2, h, a, s, V, dropout=False, vocab_divisible_by=1)
+    bf16 = Parallelism(micro_batch_size=b, precision="bf16")
+    fp32 = Parallelism(micro_batch_size=b, precision="fp32")
+    lse = 4 * a * s * b
+    assert layer_activations(model, bf16).total == 32 * s * b * h + lse     # 34 - 2 masks
+    assert layer_activations(model, fp32).total == 64 * s * b * h + lse
+    assert layer_activations(model, fp32, recompute="full").total == 4 * s * b * h
+    assert layer_activations(model, fp32).weight_grad == 2 * layer_activations(model, bf16).weight_grad
+    assert head_activations(model, bf16) == 4 * s * b * h + 4 * s * b * V
+    assert head_activations(model, fp32) == 8 * s * b * h + 4 * s * b * V
+    assert embedding_activations(model, fp32) == embedding_activations(model, bf16) == 8 * s * b
+    assert model.padded_vocab() == V == model.with_(vocab=250).padded_vocab(divisible_by=2) + 6
+    padded = model.with_(vocab_divisible_by=128, vocab=300)
+    assert padded.padded_vocab() == 384 and padded.padded_vocab(tp=2) == 512
+    with pytest.raises(pipesim.PlanError, match="vocab_divisible_by"):
+        model.with_(vocab_divisible_by=0)
+    # the message between stages is one activation at the element size
+    plan = pipesim.Plan.create(model, "H100", pp=2, micro_batch_size=b, global_batch_size=8 * b,
+                               precision="fp32")
+    assert plan.costs().p2p_bytes == 4 * s * b * h

@@ -2,7 +2,7 @@
 CPU shares) inside every measured run and checkpoint.
 
 * The measuring room (run_plan, measured, calibrate, contention, predict, compare,
-  run_description) imports and works in a process where ``import torch`` fails: a saved run is
+  run_description, plan_memory) imports and works in a process where ``import torch`` fails: a saved run is
   loaded, calibrated, predicted and compared there.
 * A hand-made schedule (ZB-V's V placement and order under the name "interleaved", which the
   interleaved builder would place and order differently) survives a plan round trip, a measured
@@ -96,6 +96,12 @@ TORCH_FREE = textwrap.dedent('''
     predicted, _ = predict(pipesim.build_schedule("gpipe", pp=2, microbatches=4), other, back)
     cmp = compare_runs(back)
     assert abs(cmp.predicted.makespan - cmp.measured.makespan) < 1e-6 * cmp.measured.makespan
+    from pipeexec.config import TrainConfig
+    from pipeexec.profile.plan_memory import predicted_activation_peaks
+    from pipeexec.profile.options import ProfileOptions
+    assert ProfileOptions(1, 3).stop == 3
+    peaks = predicted_activation_peaks(TrainConfig(pp=2, microbatches=4, layers=4, recompute="full"))
+    assert len(peaks) == 2 and min(peaks) > 0, peaks
     assert "torch" not in {m.split(".")[0] for m in sys.modules if sys.modules[m] is not None}
     print("ok", predicted.makespan)
 ''')

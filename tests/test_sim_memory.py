@@ -109,3 +109,16 @@ def test_receive_buffers_held_from_posting():
     tl = simulate(early, costs).memory_timeline
     assert list(tl[tl["rank"] == 1]["bytes"]) == [0.0, 10.0, 11.0, 1.0, 0.0, 10.0, 0.0]
     assert simulate(early, costs.with_(p2p_bytes=0.0)).peak_memory == [20.0, 10.0]
+
+
+def test_an_output_is_held_while_its_forward_runs_until_sent():
+    # A = 100 bytes of activations per (stage, microbatch), P = 10-byte messages. 1F1B, pp 2,
+    # m 4: rank 0 holds 2 microbatches and, during its second F, that F's output (2A + P);
+    # rank 1 (the last stage) sends no activation: A. ZB-V, pp 2: at the peak, 4A plus the
+    # output of the F running then (stage 0's on rank 0, stage 2's on rank 1), on both ranks.
+    costs = CostModel(forward=1.0, backward=2.0, activation_bytes=100.0, p2p_bytes=10.0)
+    one = pipesim.build_schedule("1f1b", pp=2, microbatches=4)
+    assert simulate(one, costs).peak_memory == [210.0, 100.0]
+    assert simulate(one, costs.with_(p2p_bytes=0.0)).peak_memory == [200.0, 100.0]
+    zbv = pipesim.build_schedule("zbv", pp=2, microbatches=4, vpp=2)
+    assert simulate(zbv, costs).peak_memory == [410.0, 410.0]

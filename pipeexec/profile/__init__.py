@@ -6,7 +6,8 @@ hosts and CPU shares; torch-free), `recorder` (the runtime's action timer and th
 `clock` (offsets to rank 0), `memory` (held-tensor and allocator meters), `measured` (the
 gathered trace and `MeasuredRun`), `session` (wiring a profiled training run), `calibrate`
 (costs from a measured run, re-partitioned if needed), `contention` (ranks sharing cores:
-processor sharing around the simulator), `predict` (simulating a layout with calibrated costs),
+processor sharing around the simulator), `predict` (simulating a layout with calibrated costs), `plan_memory` (activation peaks
+predicted from the plan alone, no run),
 `run_description` (what a calibration run was, and matching a new run against it), `paired`
 (a calibration schedule and its target in one job, alternating steps),
 `compare` (prediction vs measurement: the table and report), `compare_cli` (``pipeexec
@@ -29,8 +30,8 @@ from .run_plan import Layout, RunPlan
 
 _LAZY = {"ClockAlignmentError": "clock", "ClockOffset": "clock", "align_clocks": "clock",
          "ActionProfiler": "recorder", "ActionRecord": "recorder", "ProfiledP2P": "recorder",
-         "ProfileOptions": "session", "ProfileSession": "session",
-         "parse_step_range": "session"}
+         "ProfileOptions": "options", "ProfileSession": "session",
+         "parse_step_range": "options"}
 
 __all__ = sorted(["Layout", "MeasuredRun", "RunPlan", "build_trace", "compare_runs", "fit_run",
                   "layout_of", "predict", *_LAZY])
@@ -38,7 +39,8 @@ __all__ = sorted(["Layout", "MeasuredRun", "RunPlan", "build_trace", "compare_ru
 if TYPE_CHECKING:
     from .clock import ClockAlignmentError, ClockOffset, align_clocks
     from .recorder import ActionProfiler, ActionRecord, ProfiledP2P
-    from .session import ProfileOptions, ProfileSession, parse_step_range
+    from .options import ProfileOptions, parse_step_range
+    from .session import ProfileSession
 
 
 def __getattr__(name: str) -> Any:

@@ -12,6 +12,7 @@ import pipesim
 
 from .compare import Comparison, compare_runs
 from .measured import MeasuredRun
+from .options import ProfileOptions
 from .predict import layout_of, predict
 
 
@@ -22,17 +23,18 @@ DEFAULT_MODEL = {"layers": 6, "hidden": 256, "heads": 4, "seq_len": 128, "micro_
 
 
 def profiled_run(config: Any, first: int, stop: int, *, trace_out: str | None = None,
-                 timeout: float | None = None, cpus_per_rank: float | None = None
-                 ) -> MeasuredRun:
+                 timeout: float | None = None, cpus_per_rank: float | None = None,
+                 profile: ProfileOptions | None = None) -> MeasuredRun:
     """Train ``config`` in local forked workers, profiling steps ``first..stop-1``; return the
     gathered run (written to ``trace_out`` too, when given). ``cpus_per_rank``: as for
-    `pipeexec.launching.launcher.launch`."""
+    `pipeexec.launching.launcher.launch`; ``profile``: the other profiling options (clock
+    alignment, split probe), default `ProfileOptions`' defaults."""
     from ..launching.devices import start_method_for
     from ..launching.launcher import launch
     from ..launching.worker import run_training
-    from .session import ProfileOptions
 
-    options = ProfileOptions(first, stop, trace_out, cpus_per_rank=cpus_per_rank)
+    options = (profile or ProfileOptions()).replace(first=first, stop=stop, trace_out=trace_out,
+                                                    cpus_per_rank=cpus_per_rank).validate()
     options.check(config.steps)
     results = launch(run_training, config.world_size, (config, None, False, None, options),
                      timeout=timeout, cpus_per_rank=cpus_per_rank,
@@ -143,6 +145,7 @@ def compare_main(argv: list[str]) -> int:
     from ..launching.cpu_quota import QuotaUnavailable
     from ..launching.launcher import WorkerFailed
     from ..launching.preflight import check_cpus_per_rank
+    from ..options import values_from_args
     from .run_description import inherit
     from .session import parse_step_range
 
@@ -194,6 +197,10 @@ def compare_main(argv: list[str]) -> int:
                          f"a shared machine; --steps {DEFAULT_STEPS} (the default) profiles "
                          f"{DEFAULT_STEPS - 1} and compares the central 3")
         check_cpus_per_rank(cpus_per_rank, config.world_size)
+        # train's generated profiling flags (clock alignment, split probe); the steps and the
+        # trace file are compare's own --profile and --trace-out
+        profile = ProfileOptions(**{k: v for k, v in values_from_args(ProfileOptions, tns).items()
+                                    if k not in ("first", "stop", "trace_out")})
         try:
             config.validate(world_size=config.world_size)
         except ConfigError as exc:
@@ -220,13 +227,13 @@ def compare_main(argv: list[str]) -> int:
             source, run = paired_runs([partner, config], first, stop,
                                       trace_outs=[None, ns.trace_out],
                                       timeout=getattr(tns, "timeout", None),
-                                      cpus_per_rank=cpus_per_rank)
+                                      cpus_per_rank=cpus_per_rank, profile=profile)
             print(f"predicted from the {partner.schedule} steps of the same job (alternating "
                   f"with the {config.schedule} steps)", flush=True)
         else:
             run = profiled_run(config, first, stop, trace_out=ns.trace_out,
                                timeout=getattr(tns, "timeout", None),
-                               cpus_per_rank=cpus_per_rank)
+                               cpus_per_rank=cpus_per_rank, profile=profile)
         comparison = compare_runs(run, source)
     except KeyboardInterrupt:
         print(f"\npipeexec compare: interrupted: stopped {tns.pp * tns.dp} workers",
@@ -245,17 +252,45 @@ def compare_main(argv: list[str]) -> int:
         print(f"pipeexec compare: error: {exc}", file=sys.stderr)
         return 2
     print(comparison.text())
+    extra, line = plan_memory(config, comparison.report()["measured_peak_memory"])
+    print(line)
     for note in notes:
         print(f"note: {note}")
     write_outputs(comparison, report_out=ns.report_out, table_out=ns.table_out,
-                  plot_out=ns.plot_out, trace_out=ns.trace_out)
+                  plot_out=ns.plot_out, trace_out=ns.trace_out, extra=extra)
     return 0
+
+
+def plan_memory(config: Any, measured: list[float]) -> tuple[dict[str, Any], str]:
+    """The activation peaks pipesim predicts for ``config``'s plan from the model's shape alone
+    (`pipeexec.profile.plan_memory`), against the ``measured`` peaks per rank: report fields
+    and a line to print (saying why, when the config has no plan)."""
+    from ..config import ConfigError
+    from .plan_memory import predicted_activation_peaks
+
+    try:
+        predicted = predicted_activation_peaks(config)
+    except (ConfigError, pipesim.PlanError, ValueError) as exc:
+        return {}, f"no activation memory predicted from the plan: {exc}"
+    from pipesim.result import byte_unit
+
+    errors = [(p - m) / m if m else None for p, m in zip(predicted, measured)]
+    scale, unit = byte_unit(max(predicted + list(measured)))
+    per_rank = ", ".join(
+        f"rank {r} {p / scale:.2f} {unit} (measured {m / scale:.2f}"
+        + (f", {e:+.1%})" if e is not None else ")")
+        for r, (p, m, e) in enumerate(zip(predicted, measured, errors)))
+    return ({"plan_predicted_peak_memory": predicted, "plan_peak_memory_error": errors},
+            f"peak activation memory predicted from the plan alone (model shape, recompute "
+            f"{config.recompute}; no calibration): {per_rank}")
 
 
 def write_outputs(comparison: Comparison, *, report_out: str | None = None,
                   table_out: str | None = None, plot_out: str | None = None,
-                  trace_out: str | None = None) -> dict[str, str]:
-    """Write the report JSON, table CSV and picture; return their paths."""
+                  trace_out: str | None = None, extra: dict[str, Any] | None = None
+                  ) -> dict[str, str]:
+    """Write the report JSON (with ``extra``'s fields), table CSV and picture; return their
+    paths."""
     files: dict[str, str] = {}
     if plot_out is None and report_out is not None:
         plot_out = str(Path(report_out).with_suffix(".png"))
@@ -275,6 +310,7 @@ def write_outputs(comparison: Comparison, *, report_out: str | None = None,
         files.update(trace=str(chrome), trace_csv=str(csv), trace_meta=str(meta))
     if report_out:
         report = comparison.report()
+        report.update(extra or {})
         report["files"] = dict(files)
         path = Path(report_out)
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -17,11 +17,13 @@ from .measured import MeasuredRun
 
 
 def paired_worker(board: Any, configs: Sequence[Any], first: int, stop: int,
-                  trace_outs: Sequence[str | None], cpus_per_rank: float | None) -> list:
+                  trace_outs: Sequence[str | None], cpus_per_rank: float | None,
+                  profile: Any = None) -> list:
     """One rank of a paired job; returns (on rank 0) one `MeasuredRun` per config."""
     from ..topology import destroy_topology, init_topology
     from ..training.train import Trainer
-    from .session import ProfileOptions, ProfileSession
+    from .options import ProfileOptions
+    from .session import ProfileSession
 
     cfg0 = configs[0]
     topo = init_topology(cfg0.pp, cfg0.dp, backend=cfg0.backend, device=cfg0.device,
@@ -29,8 +31,9 @@ def paired_worker(board: Any, configs: Sequence[Any], first: int, stop: int,
     try:
         pairs = []
         for cfg, out in zip(configs, trace_outs):
-            session = ProfileSession(ProfileOptions(first, stop, out, cpus_per_rank=cpus_per_rank),
-                                     topo)
+            options = (profile or ProfileOptions()).replace(
+                first=first, stop=stop, trace_out=out, cpus_per_rank=cpus_per_rank)
+            session = ProfileSession(options, topo)
             trainer = Trainer(cfg, topo, board=board, recorder=session.profiler)
             session.attach(trainer)
             pairs.append((session, trainer))
@@ -44,10 +47,11 @@ def paired_worker(board: Any, configs: Sequence[Any], first: int, stop: int,
 
 def paired_runs(configs: Sequence[Any], first: int, stop: int, *,
                 trace_outs: Sequence[str | None] | None = None, timeout: float | None = None,
-                cpus_per_rank: float | None = None) -> list[MeasuredRun]:
+                cpus_per_rank: float | None = None, profile: Any = None) -> list[MeasuredRun]:
     """Train ``configs`` side by side in one job of local workers, alternating steps, each
     profiling steps ``first..stop-1``; return their measured runs (written to ``trace_outs``
-    where given). Raises ValueError when the configs cannot share processes."""
+    where given). ``profile``: the other `ProfileOptions` (clock alignment, split probe).
+    Raises ValueError when the configs cannot share processes."""
     from ..launching.launcher import launch
 
     configs = list(configs)
@@ -59,7 +63,8 @@ def paired_runs(configs: Sequence[Any], first: int, stop: int, *,
                                  f"{getattr(base, name)!r} ({base.schedule}) and "
                                  f"{getattr(c, name)!r} ({c.schedule})")
     outs = list(trace_outs) if trace_outs is not None else [None] * len(configs)
-    runs = launch(paired_worker, base.world_size, (configs, first, stop, outs, cpus_per_rank),
+    runs = launch(paired_worker, base.world_size,
+                  (configs, first, stop, outs, cpus_per_rank, profile),
                   timeout=timeout, cpus_per_rank=cpus_per_rank)[0]
     if runs is None or any(r is None for r in runs):
         raise RuntimeError("rank 0 returned no measured runs (was the profiled range empty?)")

@@ -20,7 +20,6 @@ import os
 import socket
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch.distributed as dist
@@ -28,51 +27,9 @@ import torch.distributed as dist
 from .clock import ClockOffset, align_clocks
 from .measured import MeasuredRun, build_trace
 from .memory import HeldTensorMeter
+from .options import ProfileOptions, parse_step_range
 from .recorder import ActionProfiler
 from .run_plan import RunPlan
-
-
-def parse_step_range(text: str) -> tuple[int, int]:
-    """``"A:B"`` -> steps A..B-1 (a Python slice); ``"N"`` -> step N alone."""
-    try:
-        if ":" in text:
-            a, b = text.split(":", 1)
-            first, stop = int(a), int(b)
-        else:
-            first = int(text)
-            stop = first + 1
-    except ValueError:
-        raise ValueError(f"--profile {text!r}: expected A:B (steps A..B-1) or N") from None
-    if not 0 <= first < stop:
-        raise ValueError(f"--profile {text!r}: need 0 <= A < B")
-    return first, stop
-
-
-@dataclass(frozen=True)
-class ProfileOptions:
-    """Which steps to profile (``first <= step < stop``) and where to write the trace.
-    ``cpus_per_rank``: the CPU quota the launcher gave each rank (None: not confined), recorded
-    in the run description."""
-
-    first: int
-    stop: int
-    trace_out: str | None = None
-    cpus_per_rank: float | None = None
-    align_rounds: int = 16
-    timeout: float = 120.0
-    probe_split: bool = True          # time F, B, I, W of each stage after the range (probe.py)
-
-    @classmethod
-    def parse(cls, text: str, trace_out: str | None = None, *,
-              cpus_per_rank: float | None = None) -> "ProfileOptions":
-        first, stop = parse_step_range(text)
-        return cls(first, stop, trace_out, cpus_per_rank=cpus_per_rank)
-
-    def check(self, steps: int) -> None:
-        """Raise ValueError when the range is not inside a run of ``steps`` steps."""
-        if self.stop > steps:
-            raise ValueError(f"--profile {self.first}:{self.stop} reaches past the run's "
-                             f"{steps} step(s) (steps are numbered from 0)")
 
 
 class ProfileSession:

@@ -44,6 +44,7 @@ from .efficiency import default_efficiency
 from .flops import head_flops, layer_flops
 from .footprint import (
     BYTES_PER_PARAM,
+    activation_element_bytes,
     embedding_activations,
     head_activations,
     layer_activations,
@@ -87,7 +88,8 @@ def derive(plan) -> PlanCosts:
     else:
         gemm_rate = bf16_rate
     shard = t * cp
-    act_bytes = 2 * b * (s / cp) * model.hidden          # one activation on one cp rank, bf16
+    e = activation_element_bytes(par)                     # 4 in fp32, else 2
+    act_bytes = e * b * (s / cp) * model.hidden           # one activation on one cp rank
     pattern = model.moe_pattern()
     d, d_exp = par.dp * cp, max(1, par.dp * cp // par.ep)
 
@@ -95,7 +97,7 @@ def derive(plan) -> PlanCosts:
     tp_one = (coll.all_gather(act_bytes, t, links["tp"]) + coll.reduce_scatter(act_bytes, t, links["tp"])
               if par.sequence_parallel else coll.all_reduce(act_bytes, t, links["tp"]))
     tp_pass = 2 * tp_one                                  # two per pass (attention, MLP)
-    kv_bytes = 2 * 2 * b * s * model.kv_size / t          # K and V, whole sequence, per tp rank
+    kv_bytes = 2 * e * b * s * model.kv_size / t          # K and V, whole sequence, per tp rank
     cp_pass = coll.all_gather(kv_bytes, cp, links["cp"])
     ep_pass = 2 * coll.all_to_all(model.top_k * act_bytes / sp, par.ep, links["ep"]) if model.is_moe else 0.0
 
@@ -169,7 +171,7 @@ def derive(plan) -> PlanCosts:
             i += head_s
             w += head_s
             a_bytes += head_activations(model, par)
-            w_bytes += 2 * b * (s / cp) * model.hidden / sp       # the head's input, for W
+            w_bytes += e * b * (s / cp) * model.hidden / sp       # the head's input, for W
         fwd.append(f)
         inp.append(i)
         wgt.append(w)

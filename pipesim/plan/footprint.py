@@ -1,28 +1,35 @@
 """Bytes a plan keeps: activations per layer, and weights, gradients and optimizer state.
 
-Activations of one layer for ``b`` sequences (bf16, 2 bytes), Korthikanti et al. 2022,
-"Reducing Activation Recomputation in Large Transformer Models", §4, generalised to GQA
-(query width ``q``, key/value width ``kv``), SwiGLU (three matrices) and MoE:
+Activations of one layer for ``b`` sequences, Korthikanti et al. 2022, "Reducing Activation
+Recomputation in Large Transformer Models", §4, generalised to GQA (query width ``q``,
+key/value width ``kv``), SwiGLU (three matrices), MoE and the activation element size ``e``
+(`activation_element_bytes`: 2 for bf16 / fp16 / fp8 training, whose activations are 16-bit,
+as in the paper; 4 for fp32). With ``e = 2`` every term below is the paper's:
 
 * kept whole on every tensor-parallel rank unless sequence parallelism splits them (``/sp``):
-  the two norm inputs ``4sbh``, the QKV and MLP inputs ``2sbh`` each, the two dropout masks
-  ``2sbh`` (only with dropout) -- the paper's ``10 sbh``;
-* split over tp (``/t``): Q, K, V ``2sb(q + 2kv)``, the output projection's input ``2sbq``,
-  the MLP's ``4sbf`` (GeLU: fc1 output, GeLU output) or ``6sbf`` (SwiGLU: the ``2f`` fc1
-  output and the gated product); an MoE layer stores each token ``k`` times (``2sbh`` routed
+  the two norm inputs ``2e sbh``, the QKV and MLP inputs ``e sbh`` each, the two dropout masks
+  ``2sbh`` (one byte each; only with dropout) -- the paper's ``10 sbh``;
+* split over tp (``/t``): Q, K, V ``e sb(q + 2kv)``, the output projection's input ``e sbq``,
+  the MLP's ``2e sbf`` (GeLU: fc1 output, GeLU output) or ``3e sbf`` (SwiGLU: the ``2f`` fc1
+  output and the gated product); an MoE layer stores each token ``k`` times (``e sbh`` routed
   input and the expert's MLP activations per copy) plus its shared expert -- the paper's
   ``24 sbh`` for GPT;
-* core attention (``/t``): the softmax output ``2as^2b``, with dropout also its mask
-  ``as^2b`` and output ``2as^2b`` -- the paper's ``5as^2b``; with flash attention only the fp32
-  log-sum-exp ``4asb``; dropped by selective recomputation;
-* full recomputation keeps only the layer's input ``2sbh`` (``/sp``).
+* core attention (``/t``): the softmax output ``e as^2b``, with dropout also its mask
+  ``as^2b`` and output ``e as^2b`` -- the paper's ``5as^2b``; with flash attention only the fp32
+  log-sum-exp ``4asb`` (FlashAttention saves its output, which is the output projection's
+  input already counted); dropped by selective recomputation;
+* full recomputation keeps only the layer's input ``e sbh`` (``/sp``).
+
+Left out, as in the paper: the norms' per-token statistics (mean and 1/std, ``2sb`` values per
+LayerNorm: fp32 on CUDA, the activations' type on CPU; about ``1/(4h)`` of a layer) and the
+loss's labels on the last stage (``8sb``).
 
 With context parallelism ``s`` is the local ``s / cp`` (scores: local queries x all keys). For
-GPT shapes this is Table 2 exactly: ``sbh(34 + 5as/h)``; TP ``sbh(10 + 24/t + 5as/(ht))``;
-TP+SP ``sbh(34/t + 5as/(ht))``; selective ``sbh(10 + 24/t)``; SP+selective ``34 sbh / t``;
-full ``2sbh``. W (Zero Bubble's weight gradient) needs the inputs of the linear layers:
-QKV and fc1 inputs ``2sbh/sp`` each, the output projection's ``2sbq/t`` and fc2's ``2sbf/t``
-(GPT, tp=1: ``14 sbh``).
+GPT shapes in 16-bit this is Table 2 exactly: ``sbh(34 + 5as/h)``; TP ``sbh(10 + 24/t +
+5as/(ht))``; TP+SP ``sbh(34/t + 5as/(ht))``; selective ``sbh(10 + 24/t)``; SP+selective
+``34 sbh / t``; full ``2sbh``. W (Zero Bubble's weight gradient) needs the inputs of the linear
+layers: QKV and fc1 inputs ``e sbh/sp`` each, the output projection's ``e sbq/t`` and fc2's
+``e sbf/t`` (GPT, tp=1, 16-bit: ``14 sbh``).
 
 Bytes per parameter, Megatron-LM's distributed optimizer table (docs/source/api-guide/
 dist_optimizer.md; ``d`` data-parallel ranks): fp16 params and grads 20 or ``4 + 16/d``; bf16
@@ -39,6 +46,13 @@ from .parallelism import Parallelism
 
 # precision -> (weight, gradient, optimizer) bytes per parameter
 BYTES_PER_PARAM = {"fp16": (2, 2, 16), "bf16": (2, 4, 12), "fp8": (2, 4, 12), "fp32": (4, 4, 8)}
+# precision -> bytes of one activation element (fp8 GEMMs keep their activations in bf16)
+ACTIVATION_BYTES = {"fp16": 2, "bf16": 2, "fp8": 2, "fp32": 4}
+
+
+def activation_element_bytes(par: Parallelism) -> int:
+    """Bytes of one stored activation value: 4 when training in fp32, else 2."""
+    return ACTIVATION_BYTES[par.precision]
 
 
 @dataclass(frozen=True)
@@ -57,31 +71,32 @@ def layer_activations(model: ModelSpec, par: Parallelism, moe: bool = False, *,
     s = s_full / par.cp
     h, q, kv, a = model.hidden, model.q_size, model.kv_size, model.heads
     t, sp = par.tp, par.sp
+    e = activation_element_bytes(par)
     drop = 1 if model.dropout else 0
     sbh = s * b * h
     if recompute == "full":
-        return LayerActivations(2 * sbh / sp, 2 * sbh / sp)
-    replicated = 8 * sbh + 2 * drop * sbh
-    mlp_per_f = 6 if model.gated else 4
+        return LayerActivations(e * sbh / sp, e * sbh / sp)
+    replicated = 4 * e * sbh + 2 * drop * sbh
+    mlp_per_f = (3 if model.gated else 2) * e
     if moe:
         k = model.top_k
-        mlp = k * (2 * sbh + mlp_per_f * s * b * model.moe_ffn)
+        mlp = k * (e * sbh + mlp_per_f * s * b * model.moe_ffn)
         mlp += mlp_per_f * s * b * model.shared_expert_ffn_hidden
-        fc2_in = k * 2 * s * b * model.moe_ffn + 2 * s * b * model.shared_expert_ffn_hidden
-        routed_in = k * 2 * sbh
+        fc2_in = k * e * s * b * model.moe_ffn + e * s * b * model.shared_expert_ffn_hidden
+        routed_in = k * e * sbh
     else:
         mlp = mlp_per_f * s * b * model.ffn
-        fc2_in = 2 * s * b * model.ffn
+        fc2_in = e * s * b * model.ffn
         routed_in = 0.0
-    split = 2 * s * b * (q + 2 * kv) + 2 * s * b * q + mlp
+    split = e * s * b * (q + 2 * kv) + e * s * b * q + mlp
     if par.flash_attention:
         core = 4 * a * s * b
     else:
-        core = (2 + 3 * drop) * a * s * s_full * b
+        core = (e + drop * (1 + e)) * a * s * s_full * b
     if recompute == "selective" and not par.flash_attention:
         core = 0.0
     total = replicated / sp + (split + core) / t
-    wgrad = 4 * sbh / sp + (2 * s * b * q + fc2_in + routed_in) / t
+    wgrad = 2 * e * sbh / sp + (e * s * b * q + fc2_in + routed_in) / t
     return LayerActivations(total, wgrad)
 
 
@@ -94,11 +109,14 @@ def embedding_activations(model: ModelSpec, par: Parallelism) -> float:
 
 
 def head_activations(model: ModelSpec, par: Parallelism) -> float:
-    """Last stage, beyond its layers: ``4sbh(1 + V/h)`` (Korthikanti et al. §4.3: the final
-    norm's input and output, fp32 logits for the loss), vocabulary split over tp."""
+    """Last stage, beyond its layers: the final norm's input and output ``2e sbh`` and the fp32
+    logits the loss keeps ``4sbV`` (Korthikanti et al. §4.3: ``4sbh(1 + V/h)`` in 16-bit),
+    vocabulary (padded, `ModelSpec.padded_vocab`) split over tp."""
     s = model.seq_length / par.cp
     b = par.micro_batch_size
-    return 4 * s * b * model.hidden / par.sp + 4 * s * b * model.padded_vocab(par.tp) / par.tp
+    e = activation_element_bytes(par)
+    return (2 * e * s * b * model.hidden / par.sp
+            + 4 * s * b * model.padded_vocab(par.tp) / par.tp)
 
 
 def param_bytes(precision: str, zero: int, dense: float, expert: float, d: int, d_expert: int

@@ -49,9 +49,12 @@ class ModelSpec:
     shared_expert_ffn_hidden: int = 0
     moe_layer_freq: int = 1        # every k-th layer is MoE, from layer 0 (Megatron's moe_layer_freq)
     max_position: int | None = None  # learned position table size (default seq_length)
+    # the vocabulary is padded to a multiple of this (times tp): Megatron's
+    # --make-vocab-size-divisible-by (128); 1 for a model whose tables are not padded
+    vocab_divisible_by: int = 128
 
     def __post_init__(self) -> None:
-        for f in ("layers", "hidden", "heads", "seq_length", "vocab"):
+        for f in ("layers", "hidden", "heads", "seq_length", "vocab", "vocab_divisible_by"):
             _positive(self, f)
         for f in ("kv_heads", "head_dim", "ffn_hidden", "moe_ffn_hidden", "max_position"):
             if getattr(self, f) is not None:
@@ -118,10 +121,11 @@ class ModelSpec:
             return [False] * self.layers
         return [i % self.moe_layer_freq == 0 for i in range(self.layers)]
 
-    def padded_vocab(self, tp: int = 1, divisible_by: int = 128) -> int:
+    def padded_vocab(self, tp: int = 1, divisible_by: int | None = None) -> int:
         """Vocabulary padded as Megatron pads it: up to a multiple of ``divisible_by * tp``
-        (``--make-vocab-size-divisible-by``, megatron/training/tokenizer ``_vocab_size_with_padding``)."""
-        multiple = divisible_by * tp
+        (default `vocab_divisible_by`; ``--make-vocab-size-divisible-by``,
+        megatron/training/tokenizer ``_vocab_size_with_padding``)."""
+        multiple = (self.vocab_divisible_by if divisible_by is None else divisible_by) * tp
         return -(-self.vocab // multiple) * multiple
 
     # -- parameters ----------------------------------------------------------------------------
