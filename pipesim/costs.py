@@ -123,6 +123,22 @@ class CostModel:
             return list(value)
         return [float(value)] * num_stages
 
+    def for_schedule(self, schedule) -> "CostModel":
+        """These costs for ``schedule``'s stages: where stages are copies of model parts
+        (DualPipe), a per-stage list given per part (one value per part) is spread onto every
+        stage that computes the part, so that a copy costs, holds and sends what its part does;
+        otherwise the costs as they are."""
+        parts = schedule.stage_parts
+        if parts is None:
+            return self
+        k = schedule.num_parts
+        spread = {}
+        for name in _PER_STAGE:
+            value = getattr(self, name)
+            if isinstance(value, tuple) and len(value) == k != len(parts):
+                spread[name] = tuple(value[p] for p in parts)
+        return replace(self, **spread) if spread else self
+
     def rank_static_bytes(self, pp: int) -> list[float]:
         """``static_bytes`` per rank (scalar or a list of length ``pp``)."""
         value = self.static_bytes
