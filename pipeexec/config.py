@@ -86,6 +86,9 @@ class ModelConfig:
     seq_len: int = _opt(32, "tokens per sequence", type=int)
     vocab: int = _opt(256, "vocabulary size (>= 256 for a text file)", type=int)
     ffn_mult: int = _opt(4, "MLP width as a multiple of --hidden", type=int)
+    tie_embeddings: bool = _opt(False, "the LM head's weight is the token embedding "
+                                "(Megatron-LM's default, GPT-2's); kept one parameter across "
+                                "the first and last stage's ranks", action="store_true")
     data: str = _opt("synthetic", "'synthetic' or a text file (byte-level tokens)")
 
 

@@ -40,11 +40,27 @@ class ModelSpec:
     # cost the same when calibrated costs are re-partitioned. None: every layer its own
     # factory's class name (`kinds`).
     layer_kinds: tuple[str, ...] | None = None
+    # (alias, canonical) global parameter names: the alias is the same parameter as the
+    # canonical one (e.g. an output layer tied to the input embedding); the trainer starts it
+    # from the canonical instance's value and keeps the two equal (`pipeexec.training.tied`).
+    tied: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
         if self.layer_kinds is not None and len(self.layer_kinds) != self.num_layers:
             raise ValueError(f"ModelSpec: {len(self.layer_kinds)} layer kinds for "
                              f"{self.num_layers} layers")
+        aliases = dict(self.tied)
+        for alias, canonical in self.tied:
+            if canonical in aliases:
+                raise ValueError(f"ModelSpec.tied: {alias!r} is tied to {canonical!r}, itself an "
+                                 "alias; name the canonical parameter")
+
+    def canonical(self, name: str) -> str:
+        """The parameter ``name`` is an instance of (itself unless `tied` maps it)."""
+        for alias, canonical in self.tied:
+            if alias == name:
+                return canonical
+        return name
 
     def build_layer(self, index: int, seed: int, device: torch.device | str = "cpu",
                     dtype: torch.dtype | None = None) -> nn.Module:
@@ -158,8 +174,11 @@ def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 
 def gpt_spec(*, layers: int, hidden: int, heads: int, seq_len: int, vocab: int,
-             ffn_mult: int = 4) -> ModelSpec:
-    """The built-in GPT: [Embedding, Block x layers, Head], cross-entropy loss."""
+             ffn_mult: int = 4, tie_embeddings: bool = False) -> ModelSpec:
+    """The built-in GPT: [Embedding, Block x layers, Head], cross-entropy loss.
+
+    ``tie_embeddings``: the head's weight is the token embedding (Megatron-LM's default,
+    GPT-2's); the trainer starts it from the embedding and keeps the two one parameter."""
     def factory(index: int, gen: torch.Generator) -> nn.Module:
         if index == 0:
             return Embedding(vocab, seq_len, hidden, gen)
@@ -170,10 +189,12 @@ def gpt_spec(*, layers: int, hidden: int, heads: int, seq_len: int, vocab: int,
     block = 2 * 2 * hidden + (hidden * 3 * hidden + 3 * hidden) + (hidden * hidden + hidden) \
         + (hidden * ffn_mult * hidden + ffn_mult * hidden) + (ffn_mult * hidden * hidden + hidden)
     counts = (vocab * hidden + seq_len * hidden,) + (block,) * layers + (2 * hidden + hidden * vocab,)
+    tied = ((f"layers.{layers + 1}.lm_head.weight", "layers.0.tok"),) if tie_embeddings else ()
     return ModelSpec(layers + 2, factory, lm_loss, counts,
-                     ("embedding",) + ("block",) * layers + ("head",))
+                     ("embedding",) + ("block",) * layers + ("head",), tied=tied)
 
 
 def gpt_spec_from_config(config) -> ModelSpec:
     return gpt_spec(layers=config.layers, hidden=config.hidden, heads=config.heads,
-                    seq_len=config.seq_len, vocab=config.vocab, ffn_mult=config.ffn_mult)
+                    seq_len=config.seq_len, vocab=config.vocab, ffn_mult=config.ffn_mult,
+                    tie_embeddings=config.tie_embeddings)

@@ -44,7 +44,7 @@ def config_from_plan(plan: Any, base: TrainConfig = TrainConfig(), *,
     if model.experts:
         refused.append(f"model.experts = {model.experts}: the built-in GPT is dense")
     for name, want in (("mlp", "gelu"), ("norm", "layernorm"), ("position", "learned"),
-                       ("tied_embeddings", False), ("bias", True), ("dropout", False)):
+                       ("bias", True), ("dropout", False)):
         if getattr(model, name) != want:
             refused.append(f"model.{name} = {getattr(model, name)!r}: the built-in GPT has "
                            f"{name} = {want!r}")
@@ -93,7 +93,7 @@ def config_from_plan(plan: Any, base: TrainConfig = TrainConfig(), *,
         hidden=model.hidden, heads=model.heads, seq_len=model.seq_length, vocab=model.vocab,
         ffn_mult=ffn // model.hidden, precision=_PRECISION[par.precision],
         partition="layers", boundaries=boundaries, recompute=par.recompute,
-        recompute_layers=par.recompute_layers)
+        recompute_layers=par.recompute_layers, tie_embeddings=model.tied_embeddings)
 
 
 def plan_from_config(config: TrainConfig, *, cluster: Any = None) -> Any:
@@ -114,7 +114,8 @@ def plan_from_config(config: TrainConfig, *, cluster: Any = None) -> Any:
     blocks = [min(b1, config.layers + 1) - max(b0, 1) for b0, b1 in zip(bounds, bounds[1:])]
     model = ModelSpec(name="pipeexec-gpt", layers=config.layers, hidden=config.hidden,
                       heads=config.heads, seq_length=config.seq_len, vocab=config.vocab,
-                      ffn_hidden=config.ffn_mult * config.hidden, tied_embeddings=False,
+                      ffn_hidden=config.ffn_mult * config.hidden,
+                      tied_embeddings=config.tie_embeddings,
                       dropout=False)
     par = Parallelism(pp=config.pp, vpp=config.vpp, dp=config.dp,
                       micro_batch_size=config.micro_batch_size,

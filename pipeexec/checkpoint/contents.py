@@ -36,7 +36,7 @@ from .errors import CheckpointError
 from .layout import CHECKPOINT_VERSION, chunk_key
 
 # Config fields that define the model's tensors: a checkpoint only loads into the same values.
-MODEL_FIELDS = ("layers", "hidden", "heads", "ffn_mult", "vocab", "seq_len")
+MODEL_FIELDS = ("layers", "hidden", "heads", "ffn_mult", "vocab", "seq_len", "tie_embeddings")
 # Fields whose change makes a resumed run differ from the uninterrupted one (logged, allowed).
 TRAINING_FIELDS = ("seed", "data", "lr", "min_lr", "warmup_steps", "decay_steps", "weight_decay",
                    "beta1", "beta2", "eps", "clip_grad", "precision", "micro_batch_size")

@@ -31,6 +31,7 @@ from ..config import TrainConfig
 from ..data import BatchSource
 from ..pipeline.faults import FaultInjector, parse_faults
 from .ddp import GradBuffer
+from .tied import tied_parameters
 from ..malloc import keep_freed_memory
 from ..model import ModelSpec, gpt_spec_from_config
 from .optim import adamw_state_for, build_adamw, clip_coefficient, lr_at, set_lr
@@ -39,7 +40,7 @@ from ..partition import stage_bounds
 from .precision import LossScaler, MasterWeights, compute_dtype
 from ..pipeline.runtime import ActionObserver, PipelineRuntime
 from ..pipeline.stage import build_stage
-from ..topology import Topology
+from ..topology import Topology, layout_rank
 
 
 @dataclass
@@ -124,8 +125,18 @@ class Trainer:
         # Stage parameters are already named by global layer index: layers.<i>.<name>.
         named = [(name, p) for s in sorted(self.stages) for name, p in self.stages[s].named_parameters()]
         self.param_names = [n for n, _ in named]
-        self.masters = MasterWeights([p for _, p in named], self.dtype)
         self.grads = GradBuffer({s: list(st.parameters()) for s, st in self.stages.items()}, dev)
+        # Parameters held more than once (a tied head, a schedule's second copy of a stage):
+        # one value, summed gradients, counted once in the norm.
+        views = {id(p): v for s, st in self.stages.items()
+                 for p, v in zip(st.parameters(), self.grads.views[s])}
+        self.tied = tied_parameters([(n, spec.canonical(n), p, views[id(p)]) for n, p in named],
+                                    pp_rank=topology.pp_rank, dp_rank=topology.dp_rank,
+                                    dp=topology.dp,
+                                    rank_of=lambda p, d: layout_rank(p, d, topology.dp),
+                                    timeout=config.collective_timeout)
+        self.tied.copy_from_source()
+        self.masters = MasterWeights([p for _, p in named], self.dtype)
         flat_views = [v for s in self.stages for v in self.grads.views[s]]
         for master, view in zip(self.masters.masters, flat_views):
             master.grad = view
@@ -216,10 +227,15 @@ class Trainer:
         if self.board is not None:
             self.board.set(topo.rank, k, "ALLREDUCE", -1, -1)
         self.grads.all_reduce(topo.dp_group, cfg.dp, cfg.collective_timeout)
+        if self.tied:
+            self.tied.reduce()
         if k in self._overflow and self.holds_last_stage:
             self.grads.data[0] = float("inf")
         buf = self.grads.data
         local_sq = torch.dot(buf, buf) if buf.numel() else torch.zeros((), device=buf.device)
+        duplicate_sq = self.tied.duplicate_sq()
+        if duplicate_sq is not None:          # a tied parameter counts once in the norm
+            local_sq = local_sq - duplicate_sq
         loss_sum = (torch.stack(list(out.losses.values())).sum().float() if out.losses
                     else torch.zeros((), device=buf.device))
         vec = torch.stack([local_sq / cfg.dp, loss_sum.to(local_sq.device)])

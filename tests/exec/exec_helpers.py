@@ -84,6 +84,8 @@ def reference_model(cfg: TrainConfig) -> tuple[nn.Sequential, list[str]]:
     spec = gpt_spec(layers=cfg.layers, hidden=cfg.hidden, heads=cfg.heads, seq_len=cfg.seq_len,
                     vocab=cfg.vocab)
     layers = [spec.build_layer(i, cfg.seed) for i in range(spec.num_layers)]
+    if cfg.tie_embeddings:          # one Parameter: the head is the embedding
+        layers[-1].lm_head.weight = layers[0].tok
     model = nn.Sequential(*layers)
     names = [f"layers.{n}" for n, _ in model.named_parameters()]
     return model, names
