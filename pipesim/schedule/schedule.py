@@ -154,6 +154,12 @@ class Schedule:
         """How many pieces the model is cut into (``num_stages`` unless stages are copies)."""
         return self.num_stages if self.stage_parts is None else max(self.stage_parts) + 1
 
+    @property
+    def parts_per_rank(self) -> int:
+        """Model parts per rank: what a run's (or a plan's) ``vpp`` counts. It is ``vpp``
+        unless stages are copies (dualpipe: 1 part per rank, held as 2 stages)."""
+        return self.num_parts // self.pp
+
     def stage_part(self, stage: int) -> int:
         """The piece of the model ``stage`` computes (two stages of one part share weights)."""
         return stage if self.stage_parts is None else self.stage_parts[stage]
