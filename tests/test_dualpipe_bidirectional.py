@@ -285,3 +285,65 @@ def test_json_route_error_names_the_file(tmp_path):
     path.write_text(json.dumps(data))
     with pytest.raises(ScheduleError, match=f"{path}: stage_parts: microbatch 0's route"):
         schedule_from_json(path)
+
+
+# -- plans and the planner -----------------------------------------------------------------
+def test_dualpipe_plan_counts_two_parameter_copies():
+    """A dualpipe plan cuts the model into pp parts (vpp 1) and each rank holds part r and a
+    copy of part pp-1-r: weights, gradients and optimizer state are those of 1F1B's ranks r
+    and pp-1-r added, and the copies' gradients are summed over the pair after the backward."""
+    kw = dict(pp=4, global_batch_size=16, micro_batch_size=1)
+    one = pipesim.Plan.create("gpt3-1.3b", "H100", schedule="1f1b", **kw)
+    two = pipesim.Plan.create("gpt3-1.3b", "H100", schedule="dualpipe", **kw)
+    r1, r2 = simulate(one), simulate(two)
+    assert two.build_schedule().has_copies
+    for r in range(4):
+        for k in ("weights", "gradients", "optimizer"):
+            want = r1.memory_breakdown[r][k] + r1.memory_breakdown[3 - r][k]
+            assert r2.memory_breakdown[r][k] == pytest.approx(want, rel=1e-12), (r, k)
+        assert r2.derived.tail[r]["tied_comm"] > 0
+    assert r2.peak_memory[0] == r2.peak_memory[3] and r2.bubble_fraction < r1.bubble_fraction
+    with pytest.raises(pipesim.PlanError, match="dualpipe needs an even pp"):
+        pipesim.Plan.create("gpt3-1.3b", "H100", schedule="dualpipe", pp=3,
+                            global_batch_size=12).validate()
+    with pytest.raises(pipesim.PlanError, match="dualpipe needs vpp == 1"):
+        pipesim.Plan.create("gpt3-1.3b", "H100", schedule="dualpipe", vpp=2,
+                            **kw).validate()
+    # a plan holding the dualpipe schedule as data: its vpp is the parts per rank (1)
+    as_data = pipesim.Plan.create("gpt3-1.3b", "H100", schedule=two.build_schedule(), **kw)
+    assert simulate(as_data).step_time == pytest.approx(r2.step_time)
+    back = pipesim.Plan.from_json(as_data.to_json())
+    assert back.build_schedule().routes == two.build_schedule().routes
+
+
+def test_planner_searches_dualpipe_and_refuses_it_in_words():
+    from pipesim.planner import SearchSpace, enumerate_plans
+
+    space = SearchSpace(model="tiny", gpus=8, gbs=16, hardware="A100", schedules=("dualpipe",),
+                        mbs=(1, 2, 4), recompute=("none",), zero=(0,), tp=(1,), cp=(1,))
+    enum = enumerate_plans(space)
+    assert enum.plans and all(p.parallelism.pp % 2 == 0 for p in enum.plans)
+    for plan in enum.plans:
+        plan.validate()
+        m = plan.parallelism.microbatches
+        assert m % 2 == 0 and m >= 2 * plan.parallelism.pp
+    assert any("dualpipe needs an even pp" in reason for reason in enum.refused)
+
+
+@pytest.mark.parametrize("schedule,vpp", [("dualpipe", 1), ("dualpipev", 2), ("1f1b", 1)])
+@pytest.mark.parametrize("pp,gbs", [(2, 8), (4, 16), (4, 24)])
+def test_planner_bounds_stay_below_the_simulation(schedule, vpp, pp, gbs):
+    """pipesim.planner.bounds: sound lower bounds (the planner prunes on them), also when
+    stages are copies sharing the microbatches and when actions are overlapped F&B pairs."""
+    from pipesim.planner.bounds import plan_bounds
+
+    plan = pipesim.Plan.create("gpt3-1.3b", "H100", schedule=schedule, pp=pp, vpp=vpp,
+                               global_batch_size=gbs, micro_batch_size=1)
+    result = simulate(plan)
+    bounds = plan_bounds(plan)
+    assert bounds.step_time <= result.step_time * (1 + 1e-9)
+    assert bounds.memory <= max(result.peak_memory) * (1 + 1e-9)
+    # the bound's busy time is the simulated compute of the busiest rank
+    tr = result.sim.trace[result.sim.trace["kind"] == "compute"]
+    busiest = (tr["end"] - tr["start"]).groupby(tr["rank"]).sum().max()
+    assert bounds.compute_time == pytest.approx(busiest, rel=1e-9)
