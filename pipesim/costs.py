@@ -265,12 +265,14 @@ class CostModel:
         )
 
     @classmethod
-    def from_trace(cls, trace: "pd.DataFrame", num_stages: int | None = None,
-                   **overrides: Any) -> "CostModel":
+    def from_trace(cls, trace: "pd.DataFrame", num_stages: int | None = None, *,
+                   stage_parts: "Sequence[int] | None" = None, **overrides: Any) -> "CostModel":
         """Fit costs to a (measured or simulated) trace; see :func:`pipesim.calibrate.fit_costs`."""
         from .calibrate import fit_costs
 
-        return fit_costs(trace, num_stages=num_stages, **overrides)
+        return fit_costs(trace, num_stages=num_stages,
+                         stage_parts=None if stage_parts is None else tuple(stage_parts),
+                         **overrides)
 
     # -- JSON ----------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:

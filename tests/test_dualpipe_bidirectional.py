@@ -347,3 +347,35 @@ def test_planner_bounds_stay_below_the_simulation(schedule, vpp, pp, gbs):
     tr = result.sim.trace[result.sim.trace["kind"] == "compute"]
     busiest = (tr["end"] - tr["start"]).groupby(tr["rank"]).sum().max()
     assert bounds.compute_time == pytest.approx(busiest, rel=1e-9)
+
+
+# -- calibration: a measured dualpipe run fits per-part costs ---------------------------------
+@pytest.mark.parametrize("pp,m", [(2, 4), (4, 8)])
+def test_fit_costs_pools_the_copies_of_a_part(pp, m):
+    """A trace of dualpipe fitted with the schedule's stage_parts gives every copy its part's
+    costs, which it is simulated with: fitting the simulator's own trace returns the costs it
+    ran (per part), also where a part runs only full backwards (pp 2: part 1 never runs I, so
+    its I and W are an even split of B, which is what these costs are)."""
+    s = pipesim.build_schedule("dualpipe", pp=pp, microbatches=m)
+    part_f = [1.0 + p for p in range(pp)]
+    costs = CostModel(forward=part_f, backward_input=part_f, backward_weight=part_f)
+    r = simulate(s, costs)
+    fitted = CostModel.from_trace(r.trace, num_stages=s.num_stages, stage_parts=s.stage_parts)
+    want = [part_f[s.stage_part(x)] for x in range(s.num_stages)]
+    assert list(fitted.forward) == pytest.approx(want)
+    assert list(fitted.backward_input) == pytest.approx(want)
+    assert list(fitted.backward_weight) == pytest.approx(want)
+    if pp == 2:   # without the pooling, a copy stage lacks I: refused with the stage named
+        with pytest.raises(ValueError, match="I is measured on some stages but not on stage"):
+            CostModel.from_trace(r.trace, num_stages=s.num_stages)
+
+
+def test_run_plan_layout_gives_each_copy_its_parts_layers():
+    from pipeexec.profile.run_plan import RunPlan
+
+    s = pipesim.build_schedule("dualpipe", pp=2, microbatches=4)
+    plan = RunPlan(s, (0, 2, 5), ("embedding", "block", "block", "block", "head"))
+    counts = plan.layout.counts(["embedding", "block", "head"])
+    assert counts.tolist() == [[1, 1, 0], [0, 2, 1], [1, 1, 0], [0, 2, 1]]   # stages 0..3
+    with pytest.raises(ValueError, match="give 3 stages, the schedule 'dualpipe' has 2 model parts"):
+        RunPlan(s, (0, 1, 2, 5), ("block",) * 5)
