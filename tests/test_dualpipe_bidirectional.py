@@ -228,15 +228,39 @@ def _two_way(pp, m, orders=None):
 @settings(max_examples=25, deadline=None)
 @given(pp=st.integers(1, 6), m=st.integers(2, 12))
 def test_hand_made_routes_validate_and_simulate(pp, m):
-    """A route-per-microbatch GPipe: each direction alone is a pp-stage GPipe, so with unit
-    costs and no communication cost the step ends when both have run: every rank does m F and
-    m B (3m units), and the last backward of each direction waits for the other's traffic on
-    the shared ranks: between 3m and the GPipe bound 3m + 3(pp-1) x 2."""
+    """A route-per-microbatch GPipe: every microbatch's route is the whole model, so every
+    rank runs each microbatch once (one stage of its route there): m F and m B, 3m units of
+    work with F = 1, B = 2. (The simulated timing of routed schedules is checked against an
+    independent list scheduler in tests/test_sim_engine.py, dualpipe among the builders.)"""
     s = _two_way(pp, m).validate()
     r = simulate(s, CostModel(forward=1.0, backward=2.0))
-    assert all(len(s.compute_order(rank)) == 2 * m for rank in range(pp))
-    assert 3 * m <= r.makespan <= 3 * m + 6 * (pp - 1)
+    tr = r.trace[r.trace["kind"] == "compute"]
+    busy = (tr["end"] - tr["start"]).groupby(tr["rank"]).sum()
+    assert busy.tolist() == [3.0 * m] * pp and r.makespan >= 3 * m
+    if pp == 1:                   # both routes on one rank: no wait at all
+        assert r.makespan == 3 * m
     assert schedule_from_json(schedule_to_json(s)) == s
+
+
+def test_routed_deadlock_names_the_ranks():
+    """Rank 0 starts with microbatch 1's forward on copy stage 3, which needs stage 2 (rank
+    1), while rank 1 starts with microbatch 0's forward on stage 1, which needs stage 0
+    (rank 0): neither can move."""
+    pp, m = 2, 2
+    orders = [[Action("F", 3, 1), Action("F", 0, 0), Action("B", 0, 0), Action("B", 3, 1)],
+              [Action("F", 1, 0), Action("F", 2, 1), Action("B", 2, 1), Action("B", 1, 0)]]
+    with pytest.raises(ScheduleError, match="deadlock: rank 0 is stuck at 3RECV_F1 .*; rank 1 "
+                                            "is stuck at 1RECV_F0"):
+        _two_way(pp, m, orders).validate()
+
+
+def test_show_prints_routes_and_copies(capsys):
+    from pipesim.cli import main
+
+    assert main(["show", "dualpipe", "--pp", "4", "-m", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "routes: microbatches 0-3 through stages 0..3; microbatches 4-7 through stages 4..7" in out
+    assert "copies (tied weights): s4=part 0, s5=part 1, s6=part 2, s7=part 3" in out
 
 
 def test_route_errors_name_the_microbatch():
