@@ -302,15 +302,13 @@ def _check_routes(routes, m: int, n: int) -> tuple[tuple[int, int], ...] | None:
 def _check_parts(parts, routes, n: int, m: int) -> tuple[int, ...] | None:
     """Stage -> model part; every route must compute the parts 0..K-1 in order."""
     if parts is None:
-        parts_t = None
-        if routes is not None:
-            for mb, (first, last) in enumerate(routes):
-                if first != 0 or last != n - 1:
-                    raise ScheduleError(
-                        f"routes: microbatch {mb} goes through stages {first}..{last} only, so it "
-                        "skips model layers; give stage_parts saying which stages are copies of "
-                        "which part, so that every route computes the whole model")
-        return parts_t
+        if routes is not None:          # without copies a shorter route skips model layers
+            mb, (first, last) = next((mb, r) for mb, r in enumerate(routes) if r != (0, n - 1))
+            raise ScheduleError(
+                f"routes: microbatch {mb} goes through stages {first}..{last} only, so it "
+                "skips model layers; give stage_parts saying which stages are copies of "
+                "which part, so that every route computes the whole model")
+        return None
     parts_t = tuple(int(p) for p in parts)
     if len(parts_t) != n:
         raise ScheduleError(f"stage_parts: got {len(parts_t)} values, expected one per stage ({n})")
