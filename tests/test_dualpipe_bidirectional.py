@@ -403,3 +403,7 @@ def test_run_plan_layout_gives_each_copy_its_parts_layers():
     assert counts.tolist() == [[1, 1, 0], [0, 2, 1], [1, 1, 0], [0, 2, 1]]   # stages 0..3
     with pytest.raises(ValueError, match="give 3 stages, the schedule 'dualpipe' has 2 model parts"):
         RunPlan(s, (0, 1, 2, 5), ("block",) * 5)
+    meta = plan.to_meta()                  # the run's vpp (parts per rank), as its config says
+    assert meta["vpp"] == plan.vpp == 1
+    back = RunPlan.from_meta(meta)
+    assert back.schedule == s and back.layout == plan.layout

@@ -93,7 +93,8 @@ class RunPlan:
 
     @property
     def vpp(self) -> int:
-        return self.schedule.vpp
+        """Model parts per rank, the run's vpp (the schedule's, unless stages are copies)."""
+        return self.schedule.parts_per_rank
 
     @property
     def microbatches(self) -> int:
@@ -111,7 +112,7 @@ class RunPlan:
     def to_meta(self) -> dict[str, Any]:
         """The flat ``.meta.json`` keys of this plan (JSON-ready)."""
         s = self.schedule
-        return {"schedule": self.schedule_name, "pp": s.pp, "vpp": s.vpp, "dp": self.dp,
+        return {"schedule": self.schedule_name, "pp": s.pp, "vpp": s.parts_per_rank, "dp": self.dp,
                 "microbatches": s.num_microbatches, "recv_lookahead": s.recv_lookahead,
                 "bounds": list(self.bounds), "layer_kinds": list(self.layer_kinds),
                 "device": self.device, "backend": self.backend,
@@ -150,7 +151,7 @@ def schedule_from_meta(meta: Mapping[str, Any], source: str = "measured run") ->
                                           microbatches=int(meta["microbatches"]),
                                           vpp=int(meta["vpp"]),
                                           recv_lookahead=int(meta.get("recv_lookahead", 0)))
-    got = (schedule.pp, schedule.vpp, schedule.num_microbatches)
+    got = (schedule.pp, schedule.parts_per_rank, schedule.num_microbatches)
     want = (int(meta["pp"]), int(meta["vpp"]), int(meta["microbatches"]))
     if got != want:
         raise ValueError(f"{source}: schedule_data has pp, vpp, microbatches = {got}, the "
