@@ -428,15 +428,14 @@ class TrainConfig:
 
         path = self.schedule
         s = (_schedule_json if path.endswith(".json") else schedule_from_csv)(path).validate()
-        for name, want, got in (("pp", self.pp, s.pp), ("vpp", self.vpp, s.vpp),
+        for name, want, got in (("pp", self.pp, s.pp), ("vpp", self.vpp, s.parts_per_rank),
                                 ("microbatches", self.microbatches, s.num_microbatches)):
             if want != got:
                 raise pipesim.ScheduleError(f"{path}: the schedule has {name} = {got}, the run "
                                             f"{name} = {want}; pass --{name} {got}")
         if self.forward_only:
-            s = pipesim.Schedule(s.pp, s.vpp, s.num_microbatches, s.placement,
-                                 [[a for a in s.compute_parts(r) if a.op == "F"] for r in range(s.pp)],
-                                 name=f"{s.name} (forward only)", forward_only=True)
+            s = s.with_orders([[a for a in s.compute_parts(r) if a.op == "F"] for r in range(s.pp)],
+                              name=f"{s.name} (forward only)", forward_only=True)
         if self.recv_lookahead and not s.has_explicit_comms:
             s = s.with_recv_lookahead(self.recv_lookahead)
         return s.validate()

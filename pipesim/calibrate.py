@@ -18,7 +18,8 @@ if TYPE_CHECKING:
 _SENDS = ("SEND_F", "SEND_B")
 
 
-def fit_costs(trace: "pd.DataFrame", num_stages: int | None = None, **overrides: Any) -> CostModel:
+def fit_costs(trace: "pd.DataFrame", num_stages: int | None = None, *,
+              stage_parts: "tuple[int, ...] | None" = None, **overrides: Any) -> CostModel:
     """Per-stage mean duration of each compute op, and ``p2p_latency`` / ``p2p_bandwidth``.
 
     * F is required on every stage. B, I and W are fitted where the trace has them: a trace
@@ -29,6 +30,11 @@ def fit_costs(trace: "pd.DataFrame", num_stages: int | None = None, **overrides:
       the mean size of the forward messages the stage sends. No SEND rows: zero-cost links.
       A measured trace with an ``arrival_observed`` column (pipeexec's) is fitted on the rows
       where it is True, timed from ``link_start`` when that column exists.
+    * ``stage_parts`` (a schedule's, when stages are copies of model parts: dualpipe): the
+      compute means are pooled over the stages of each part (a copy runs the same layers), so
+      a copy that never runs some op (dualpipe's stages see only half the microbatches) gets
+      its part's; the result is still per stage. A part with only full backwards B gets I
+      and W as an even split of its B.
     * ``overrides`` set any other field (memory is not in a trace's timing: pass
       ``activation_bytes`` etc. here).
 
@@ -41,20 +47,30 @@ def fit_costs(trace: "pd.DataFrame", num_stages: int | None = None, **overrides:
     if num_stages is None:
         num_stages = int(compute["stage"].max()) + 1
     durations = compute["end"] - compute["start"]
-    means = durations.groupby([compute["op"].astype(str), compute["stage"]]).mean()
+    part = (lambda s: s) if stage_parts is None else stage_parts.__getitem__
+    where = compute["stage"] if stage_parts is None else compute["stage"].map(part)
+    means = durations.groupby([compute["op"].astype(str), where]).mean()
     fitted: dict[str, Any] = {}
     for op, field in (("F", "forward"), ("B", "backward"), ("I", "backward_input"),
                       ("W", "backward_weight")):
-        have = [s for s in range(num_stages) if (op, s) in means.index]
+        have = [s for s in range(num_stages) if (op, part(s)) in means.index]
         if not have:
             if op == "F":
                 raise ValueError("fit_costs: the trace has no F rows")
             continue
         if len(have) != num_stages:
             missing = sorted(set(range(num_stages)) - set(have))
-            raise ValueError(f"fit_costs: {op} is measured on some stages but not on stage(s) "
-                             f"{missing}")
-        fitted[field] = [float(means[(op, s)]) for s in range(num_stages)]
+            split = stage_parts is not None and op in ("I", "W") and all(
+                ("B", part(s)) in means.index for s in missing)
+            if not split:
+                raise ValueError(f"fit_costs: {op} is measured on some stages but not on "
+                                 f"stage(s) {missing}")
+            # with copies a part may run only full backwards (dualpipe at pp 2: the last
+            # part): its I and W are an even split of its B, the CostModel's default
+            fitted[field] = [float(means[(op, part(s))]) if s in have
+                             else float(means[("B", part(s))]) / 2 for s in range(num_stages)]
+            continue
+        fitted[field] = [float(means[(op, part(s))]) for s in range(num_stages)]
     if "backward" not in fitted and ("backward_input" in fitted) != ("backward_weight" in fitted):
         raise ValueError("fit_costs: the trace has only one of I and W and no B")
     fitted.update(_fit_p2p(trace, num_stages))

@@ -123,6 +123,22 @@ class CostModel:
             return list(value)
         return [float(value)] * num_stages
 
+    def for_schedule(self, schedule) -> "CostModel":
+        """These costs for ``schedule``'s stages: where stages are copies of model parts
+        (DualPipe), a per-stage list given per part (one value per part) is spread onto every
+        stage that computes the part, so that a copy costs, holds and sends what its part does;
+        otherwise the costs as they are."""
+        parts = schedule.stage_parts
+        if parts is None:
+            return self
+        k = schedule.num_parts
+        spread = {}
+        for name in _PER_STAGE:
+            value = getattr(self, name)
+            if isinstance(value, tuple) and len(value) == k != len(parts):
+                spread[name] = tuple(value[p] for p in parts)
+        return replace(self, **spread) if spread else self
+
     def rank_static_bytes(self, pp: int) -> list[float]:
         """``static_bytes`` per rank (scalar or a list of length ``pp``)."""
         value = self.static_bytes
@@ -249,12 +265,14 @@ class CostModel:
         )
 
     @classmethod
-    def from_trace(cls, trace: "pd.DataFrame", num_stages: int | None = None,
-                   **overrides: Any) -> "CostModel":
+    def from_trace(cls, trace: "pd.DataFrame", num_stages: int | None = None, *,
+                   stage_parts: "Sequence[int] | None" = None, **overrides: Any) -> "CostModel":
         """Fit costs to a (measured or simulated) trace; see :func:`pipesim.calibrate.fit_costs`."""
         from .calibrate import fit_costs
 
-        return fit_costs(trace, num_stages=num_stages, **overrides)
+        return fit_costs(trace, num_stages=num_stages,
+                         stage_parts=None if stage_parts is None else tuple(stage_parts),
+                         **overrides)
 
     # -- JSON ----------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:

@@ -83,6 +83,7 @@ def simulate(schedule: Schedule, costs: CostModel | None = None, *, comm: str = 
     if cores is not None and not (isinstance(cores, (int, float)) and cores > 0):
         raise ValueError(f"cores must be a positive number or None, got {cores!r}")
     schedule.validate()
+    costs = costs.for_schedule(schedule)       # per-part costs onto copies (DualPipe)
     costs.check_shape(schedule.num_stages, schedule.pp)
     actions = [schedule.actions(r) for r in range(schedule.pp)]
     overlaps = _expand_overlaps(schedule, actions, costs) if schedule.has_overlaps else None

@@ -84,6 +84,30 @@ def test_exact_resume_then_reshard(tmp_path):
     close(merge_params(fourth, 8), params[8])
 
 
+def test_dualpipe_saves_each_tied_parameter_once_and_resumes_in_any_layout(tmp_path):
+    """dualpipe holds every model part twice (a part and its tied copy on another rank): its
+    checkpoint holds each parameter once (the part's first stage saves it), so it is the
+    model's checkpoint: it resumes as dualpipe and as 1F1B, both following the uninterrupted
+    run (1F1B, same batch) within fp32 tolerance."""
+    dual = TINY.replace(schedule="dualpipe", pp=2, vpp=1, dp=1, microbatches=4, micro_batch_size=4)
+    one = dual.replace(schedule="1f1b")
+    full = run(one.replace(steps=4), snapshot_at=(2,))
+    losses, params = full[0]["losses"], merge_params(full, 4)
+    a = tmp_path / "a"
+    first = run(dual.replace(steps=2), CheckpointOptions(save=str(a)))
+    torch.testing.assert_close(first[0]["losses"], losses[:2], rtol=1e-5, atol=0)
+    files = [torch.load(state_file(a, 2, r), weights_only=True) for r in range(2)]
+    names = [set(f["model"]) for f in files]
+    assert not names[0] & names[1] and names[0] | names[1] == set(params)
+    assert [set(f["optimizer"]["state"]) for f in files] == names
+    assert [f["layout"]["stages"] for f in files] == [[0], [1]]
+    for cfg in (dual, one):
+        res = run(cfg.replace(steps=4), CheckpointOptions(load=str(a)))
+        assert res[0]["start"] == 2, cfg.schedule
+        torch.testing.assert_close(res[0]["losses"], losses[2:4], rtol=1e-5, atol=0)
+        close(merge_params(res, 4), params)
+
+
 def _cli(args, fault=None, timeout=240):
     env = {k: v for k, v in os.environ.items() if k != FAULT_ENV}
     env.update(OMP_NUM_THREADS="1", **({FAULT_ENV: fault} if fault else {}))

@@ -19,6 +19,7 @@ def list_schedule(schedule, costs, blocking=False):
     its rank is free and its input is there: the previous stage's F (forward) or the next
     stage's B/I (backward), directly on the same rank or after a transfer on the directed link
     between the two ranks, which carries one message at a time in the order they are produced.
+    A microbatch's chain starts and ends at its route's first and last stage (dualpipe).
     """
     n, pp = schedule.num_stages, schedule.pp
     place = schedule.placement
@@ -43,14 +44,14 @@ def list_schedule(schedule, costs, blocking=False):
                 readies = []
                 for op, s, mb in parts:
                     if op == "F":
-                        if s == 0:
+                        if s == schedule.first_stage(mb):
                             ready = 0.0
                         elif place[s - 1] == r:
                             ready = end[("F", s - 1, mb)]
                         else:
                             ready = arrive.get(("F", s, mb))
                     elif op in ("B", "I"):
-                        if s == n - 1:
+                        if s == schedule.last_stage(mb):
                             ready = 0.0
                         elif place[s + 1] == r:
                             ready = end[("G", s + 1, mb)]
@@ -75,7 +76,7 @@ def list_schedule(schedule, costs, blocking=False):
                     key = "F" if op == "F" else "G"
                     end[(key, s, mb)] = finish
                     dest = s + 1 if op == "F" else s - 1
-                    if op != "W" and 0 <= dest < n and place[dest] != r:
+                    if op != "W" and dest in schedule.route(mb) and place[dest] != r:
                         size = nbytes[min(s, dest)]
                         lk = (r, place[dest])
                         go = max(finish, link.get(lk, 0.0))
@@ -93,13 +94,15 @@ def list_schedule(schedule, costs, blocking=False):
 def build_any(name, pp, m, vpp, forward_only=False):
     """The schedule for the first vpp (of vpp, 1, 2, 3) the builder accepts, with m
     microbatches or, for builders that need more (dualpipev: 2 pp), that many."""
-    for mm in dict.fromkeys((m, max(m, 2 * pp))):
+    for mm in dict.fromkeys((m, max(m, 2 * pp), max(m + m % 2, 2 * pp))):
         for v in (vpp, 1, 2, 3):
             try:
                 return pipesim.build_schedule(name, pp=pp, microbatches=mm, vpp=v,
                                               forward_only=forward_only)
             except ScheduleError:
                 continue
+    if name == "dualpipe" and pp % 2:
+        return build_any(name, pp + 1, m, vpp, forward_only)   # its pp must be even
     raise AssertionError(f"{name} accepts no vpp in 1..3 for pp={pp}, m={m} or {2 * pp}")
 
 
@@ -453,9 +456,9 @@ def sharing_reference(schedule, costs, cores):
 
     def ready(op, s, mb):
         if op == "F":
-            return s == 0 or ("F", s - 1, mb) in made
+            return s == schedule.first_stage(mb) or ("F", s - 1, mb) in made
         if op in ("B", "I"):
-            return s == n - 1 or ("G", s + 1, mb) in made
+            return s == schedule.last_stage(mb) or ("G", s + 1, mb) in made
         return True
 
     def scale(action):

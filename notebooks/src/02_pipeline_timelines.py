@@ -27,7 +27,9 @@ pd.set_option("display.precision", 4)
 
 PP, M, MODEL, HW = 4, 8, "gpt3-6.7b", "H100"
 VPP = {"gpipe": 1, "1f1b": 1, "looped-bfs": 2, "interleaved": 2, "zb-h1": 1, "zb-h2": 1, "zbv": 2,
-       "dualpipev": 2, "v-half": 2, "v-min": 2, "zb-auto": 1}
+       "dualpipev": 2, "dualpipe": 1, "v-half": 2, "v-min": 2, "zb-auto": 1}
+# vpp is the model parts per rank: dualpipe cuts the model into PP parts (v = 1) and each rank
+# also holds a copy of another part, so its schedule has two stages per rank
 assert set(VPP) == set(pipesim.schedule_names()), "a new schedule? add it to VPP"
 
 
@@ -40,13 +42,13 @@ def options(name, costs):
 
 results = {}
 for name, v in VPP.items():
-    costs = CostModel.transformer(MODEL, HW, num_stages=PP * v)
+    costs = CostModel.transformer(MODEL, HW, num_stages=PP * v)    # per model part
     schedule = pipesim.build_schedule(name, pp=PP, microbatches=M, vpp=v, **options(name, costs))
     results[name] = pipesim.simulate(schedule, costs)
 
 GB = 1e9
 overview = pd.DataFrame({
-    name: {"vpp": r.schedule.vpp, "makespan (ms)": r.makespan * 1e3,
+    name: {"vpp": r.schedule.parts_per_rank, "makespan (ms)": r.makespan * 1e3,
            "bubble_fraction": r.bubble_fraction, "bubble_rate": r.bubble_rate,
            "peak memory (GB, worst rank)": max(r.peak_memory) / GB,
            "peak in-flight (worst rank)": max(r.peak_inflight)}
@@ -65,7 +67,7 @@ span = max(r.makespan for r in results.values())
 fig, axes = plt.subplots(len(results), 1, figsize=(14, 1.45 * len(results)), sharex=True)
 for ax, (name, r) in zip(axes, results.items()):
     r.gantt(ax=ax, xlim=(0, span), labels=False,
-            title=f"{name} (v={r.schedule.vpp}): {r.makespan * 1e3:.0f} ms, "
+            title=f"{name} (v={r.schedule.parts_per_rank}): {r.makespan * 1e3:.0f} ms, "
                   f"bubble_fraction {r.bubble_fraction:.3f}")
     ax.set_xlabel("")
 axes[-1].set_xlabel("time (s, simulated)")
@@ -79,8 +81,11 @@ fig.tight_layout()
 # `m` microbatches at the peak; 1F1B only `pp - r` on rank `r`; ZB-H2 buys its empty
 # cool-down with a longer warm-up, and so more memory; ZB-V's V placement evens out the ranks.
 # DualPipeV runs most forwards and backwards as overlapped pairs (`OVERLAP_F_B`, drawn as
-# their F and B back to back); V-Half and V-Min hold about a half and a third of 1F1B's
-# activations; zb-auto is the Zero Bubble search under 1F1B's peak.
+# their F and B back to back); DualPipe (DeepSeek's bidirectional original) feeds half the
+# microbatches at rank 0 and half at rank 3, the second half (their own numbers, 4-7) going
+# up through copies of the parts (the lighter boxes: each rank's second stage), for twice the
+# weights per rank; V-Half and V-Min hold about
+# a half and a third of 1F1B's activations; zb-auto is the Zero Bubble search under 1F1B's peak.
 
 # %%
 for name, r in results.items():
@@ -121,7 +126,7 @@ r.summary()
 posting = {}
 for name, v in VPP.items():
     schedule = results[name].schedule
-    costs = CostModel.transformer(MODEL, HW, num_stages=schedule.num_stages)
+    costs = CostModel.transformer(MODEL, HW, num_stages=schedule.num_parts)
     posting[name] = {
         "receives pre-posted (async), ms": results[name].makespan * 1e3,
         "rendezvous, posted right before, ms": pipesim.simulate(schedule, costs, comm="rendezvous").makespan * 1e3,
@@ -147,6 +152,10 @@ trade = {}
 for factor in (1.0, 0.8, 0.6):
     r = pipesim.simulate(results["dualpipev"].schedule, base.with_(overlap_factor=factor))
     trade[f"dualpipev, overlap_factor {factor}"] = r
+parts = CostModel.transformer(MODEL, HW, num_stages=PP)     # dualpipe: PP parts, each held twice
+for factor in (1.0, 0.6):
+    r = pipesim.simulate(results["dualpipe"].schedule, parts.with_(overlap_factor=factor))
+    trade[f"dualpipe, overlap_factor {factor}"] = r
 for name in ("1f1b", "zbv", "v-half", "v-min", "zb-h1", "zb-h2", "zb-auto"):
     trade[name] = results[name]
 
@@ -159,15 +168,26 @@ def activation_peak(r):
     return max(p - q for p, q in zip(r.peak_memory, static))
 
 
+def weights(r):
+    """Worst rank's weights, gradients and optimizer state (a copy of a part counts again)."""
+    held = r.costs.stage_values("stage_static_bytes", r.schedule.num_stages)
+    return max(sum(held[st] for st in r.schedule.rank_stages(k)) for k in range(PP))
+
+
 trade = pd.DataFrame({
     name: {"makespan (ms)": r.makespan * 1e3, "bubble_rate": r.bubble_rate,
-           "activation peak / 1F1B's": activation_peak(r) / activation_peak(results["1f1b"])}
+           "activation peak / 1F1B's": activation_peak(r) / activation_peak(results["1f1b"]),
+           "weights / 1F1B's": weights(r) / weights(results["1f1b"])}
     for name, r in trade.items()}).T
 trade
 
 # %%
 r = pipesim.simulate(results["dualpipev"].schedule, base.with_(overlap_factor=0.6))
 fig = r.gantt(memory=True, title="dualpipev, F&B pairs at 0.6x their parts' time (simulated)")
+display(fig)
+plt.close(fig)
+r = pipesim.simulate(results["dualpipe"].schedule, parts.with_(overlap_factor=0.6))
+fig = r.gantt(memory=True, title="dualpipe (both directions), F&B pairs at 0.6x (simulated)")
 display(fig)
 plt.close(fig)
 
@@ -205,7 +225,7 @@ assert math.isclose(ms["gpipe"], ms["1f1b"])       # same bubble...
 assert mem["gpipe"] > mem["1f1b"]                   # ...for far more memory
 assert ms["interleaved"] < ms["1f1b"]               # interleaving shortens the bubble
 assert ms["zb-h1"] < ms["1f1b"] and mem["zb-h1"] <= mem["1f1b"] * 1.1
-hand = {n: ms[n] for n in ms if n not in ("dualpipev", "zb-auto")}
+hand = {n: ms[n] for n in ms if n not in ("dualpipev", "dualpipe", "zb-auto")}
 assert ms["zbv"] == min(hand.values())              # ZB-V is the fastest hand-drawn one here
 assert ms["zb-auto"] <= min(ms[n] for n in ms if mem[n] <= mem["1f1b"])  # the search: no
                                                     # schedule within its budget beats it
@@ -214,6 +234,11 @@ assert act["v-min"] < act["v-half"] < act["1f1b"]   # memory traded on purpose..
 assert ms["v-min"] < ms["1f1b"] and ms["v-half"] < ms["1f1b"]   # ...and still less bubble
 dual = trade.filter(like="dualpipev", axis=0)["makespan (ms)"]
 assert dual.is_monotonic_decreasing                 # the better the overlap, the shorter
+both = trade.filter(like="dualpipe,", axis=0)
+assert both["makespan (ms)"].is_monotonic_decreasing
+assert math.isclose(both["weights / 1F1B's"].iloc[0], 2.0, rel_tol=0.05)   # two copies (the
+                                                    # first and last parts hold embedding, head)
+assert ms["dualpipe"] < ms["1f1b"]                  # both ends fed: a shorter bubble
 late, early = posting.iloc[:, 1], posting.iloc[:, 2]
 assert (late >= posting.iloc[:, 0] * (1 - 1e-12)).all()   # waiting for the receiver costs time
 assert (early <= late * (1 + 1e-12)).all()          # which posting a computation early gives back

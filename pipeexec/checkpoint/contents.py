@@ -56,6 +56,22 @@ def chunk_stages(trainer) -> list[int]:
     return list(trainer.schedule.rank_stages(trainer.topology.pp_rank))
 
 
+def saved_stages(schedule, pp_rank: int) -> list[int]:
+    """The stages of ``pp_rank`` its file holds: all of them, less copies of a model part
+    (dualpipe's second direction), which the rank holding the part's first stage saves: a
+    tied parameter is saved once, so the checkpoint is the model's, loadable into any layout."""
+    first: dict[int, int] = {}
+    for s in range(schedule.num_stages):
+        first.setdefault(schedule.stage_part(s), s)
+    return [s for s in schedule.rank_stages(pp_rank) if first[schedule.stage_part(s)] == s]
+
+
+def stage_layer_range(schedule, bounds: Sequence[int], stage: int) -> range:
+    """Global layers of ``stage`` (those of the model part it computes)."""
+    part = stage if schedule is None else schedule.stage_part(stage)
+    return range(int(bounds[part]), int(bounds[part + 1]))
+
+
 def layout_record(config, bounds: Sequence[int], stages: Sequence[int], pp_rank: int, *,
                   schedule: Any = None, layer_kinds: Sequence[str] | None = None) -> dict:
     """The ``layout`` entry. ``schedule``: the `pipesim.Schedule` that ran (stored as data, so
@@ -63,7 +79,7 @@ def layout_record(config, bounds: Sequence[int], stages: Sequence[int], pp_rank:
     out = {"pp": config.pp, "vpp": config.vpp, "dp": config.dp, "schedule": config.schedule,
            "pp_rank": pp_rank, "bounds": [int(b) for b in bounds],
            "stages": [int(s) for s in stages],
-           "layers": [list(range(bounds[s], bounds[s + 1])) for s in stages],
+           "layers": [list(stage_layer_range(schedule, bounds, s)) for s in stages],
            "num_layers": int(bounds[-1])}
     if schedule is not None:
         from pipesim.schedule.io import schedule_to_dict
@@ -85,16 +101,20 @@ def chunk_state(stage_module: torch.nn.Module, masters: Mapping[str, torch.Tenso
     return out
 
 
-def optimizer_record(trainer) -> dict:
-    """AdamW state by parameter name (a parameter never stepped has no entry)."""
+def optimizer_record(trainer, names: set[str] | None = None) -> dict:
+    """AdamW state by parameter name (a parameter never stepped has no entry); ``names``:
+    only these (the parameters this rank's file holds)."""
     state: dict[str, dict[str, Any]] = {}
     for name, p in zip(trainer.param_names, trainer.masters.masters):
+        if names is not None and name not in names:
+            continue
         st = trainer.optimizer.state.get(p)
         if st:
             state[name] = {k: (v.detach().to("cpu", copy=True) if torch.is_tensor(v) else v)
                            for k, v in st.items()}
     groups = [{k: v for k, v in g.items() if k != "params"} for g in trainer.optimizer.param_groups]
-    return {"state": state, "param_names": list(trainer.param_names), "param_groups": groups}
+    held = [n for n in trainer.param_names if names is None or n in names]
+    return {"state": state, "param_names": held, "param_groups": groups}
 
 
 def scheduler_record(trainer) -> dict:
@@ -106,7 +126,7 @@ def scheduler_record(trainer) -> dict:
 def rank_contents(trainer, *, release: bool = False) -> dict:
     """The file content of this rank, without ``rng_state`` (gathered over the dp group)."""
     cfg = trainer.config
-    stages = chunk_stages(trainer)
+    stages = saved_stages(trainer.schedule, trainer.topology.pp_rank)
     masters = trainer.named_parameters()
     out: dict[str, Any] = {
         "checkpoint_version": CHECKPOINT_VERSION,
@@ -119,7 +139,8 @@ def rank_contents(trainer, *, release: bool = False) -> dict:
     for c, s in enumerate(stages):
         out[chunk_key(c, cfg.vpp)] = chunk_state(trainer.stages[s], masters)
     if not release:
-        out["optimizer"] = optimizer_record(trainer)
+        saved = {n for s in stages for n, _ in trainer.stages[s].named_parameters()}
+        out["optimizer"] = optimizer_record(trainer, saved)
         out["opt_param_scheduler"] = scheduler_record(trainer)
         out["loss_scaler"] = trainer.scaler.state_dict()
         out["consumed_samples"] = int(trainer.iteration) * cfg.global_batch

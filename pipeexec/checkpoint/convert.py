@@ -26,7 +26,7 @@ import torch
 from ..config import TrainConfig
 from ..partition import make_partition
 from .atomic import atomic_write, remove_stale_temps
-from .contents import layout_record, layer_of, model_chunks
+from .contents import layout_record, layer_of, model_chunks, saved_stages, stage_layer_range
 from .errors import CheckpointError
 from .layout import Tag, chunk_key, state_file, tag_dir_name, tracker_path
 from .reader import CheckpointReader
@@ -110,7 +110,7 @@ def convert_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, *, tag: T
     save_id = uuid.uuid4().hex
     known = set(param_names)
     for r in range(new_cfg.pp):
-        stages = list(sched.rank_stages(r))
+        stages = saved_stages(sched, r)             # copies of a part are saved once
         out: dict[str, Any] = {k: first[k] for k in ("checkpoint_version", "iteration", "release")}
         out["save_id"] = save_id
         out["config"] = new_cfg.to_dict()
@@ -118,7 +118,7 @@ def convert_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, *, tag: T
                                       layer_kinds=reader.layout.get("layer_kinds"))
         names_here: list[str] = []
         for c, s in enumerate(stages):
-            layers = range(bounds[s], bounds[s + 1])
+            layers = stage_layer_range(sched, bounds, s)
             # Keep the source's order within a layer (parameters as the module lists them).
             chunk = {n: t.clone() for n, t in model.items() if layer_of(n) in layers}
             chunk = dict(sorted(chunk.items(), key=lambda kv: layer_of(kv[0])))

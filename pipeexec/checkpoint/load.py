@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from .contents import check_config, chunk_stages
+from .contents import check_config, chunk_stages, saved_stages, stage_layer_range
 from .errors import CheckpointError
 from .layout import Tag, tag_dir_name
 from .reader import CheckpointReader
@@ -54,7 +54,8 @@ def same_layout(reader: CheckpointReader, trainer) -> bool:
     return (int(lay["pp"]) == cfg.pp and int(lay["vpp"]) == cfg.vpp
             and [int(b) for b in lay["bounds"]] == [int(b) for b in trainer.bounds]
             and reader.rank_layers(trainer.topology.pp_rank) ==
-            {i for s in chunk_stages(trainer) for i in range(trainer.bounds[s], trainer.bounds[s + 1])})
+            {i for s in saved_stages(trainer.schedule, trainer.topology.pp_rank)
+             for i in stage_layer_range(trainer.schedule, trainer.bounds, s)})
 
 
 @torch.no_grad()

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from .contents import layer_of, model_chunks
+from .contents import layer_of, model_chunks, saved_stages, stage_layer_range
 from .errors import CheckpointError
 from .layout import (CHECKPOINT_VERSION, RELEASE, Tag, rank_files, saved_iterations, state_file,
                      tag_dir, tag_dir_name)
@@ -212,9 +212,12 @@ class CheckpointReader:
         """
         if self._placement is None:
             sched = self.schedule()
-            self._placement = [list(sched.rank_stages(r)) for r in range(self.pp)]
-        bounds = self.layout["bounds"]
-        return {i for s in self._placement[pp_rank] for i in range(bounds[s], bounds[s + 1])}
+            bounds = self.layout["bounds"]
+            # copies of a model part (dualpipe) are saved once, by the part's first stage
+            self._placement = [{i for s in saved_stages(sched, r)
+                                for i in stage_layer_range(sched, bounds, s)}
+                               for r in range(self.pp)]
+        return set(self._placement[pp_rank])
 
     def ranks_holding(self, layers: Iterable[int]) -> list[int]:
         """Pipeline ranks of the checkpoint whose chunks hold any of ``layers``."""

@@ -114,6 +114,10 @@ class PipelineRuntime:
         self.placement = schedule.placement
         self.num_stages = schedule.num_stages
         self.m = schedule.num_microbatches
+        # Where each microbatch is fed and where its loss is taken (its route's first and last
+        # stage: stage 0 and the last stage unless the schedule routes microbatches, as dualpipe)
+        self._first = [schedule.first_stage(mb) for mb in range(self.m)]
+        self._last = [schedule.last_stage(mb) for mb in range(self.m)]
         for a in self.actions:
             if a.stage not in stages:
                 raise PipelineError(f"rank {global_rank}: schedule gives action {a} for stage "
@@ -240,7 +244,8 @@ class PipelineRuntime:
     def _forward(self, s: int, mb: int) -> None:
         stage = self.stages[s]
         key = (s, mb)
-        if stage.is_first:
+        first = s == self._first[mb]
+        if first:
             x = self._mbs[mb][0]
             x = x.to(self.device, non_blocking=x.is_pinned())   # async only from pinned memory
             if x.is_floating_point():
@@ -254,11 +259,11 @@ class PipelineRuntime:
                                    "previous stage is not on this rank)")
             x = self._wait(pending)
         train = not self._forward_only
-        if train and x.is_floating_point() and not stage.is_first:
+        if train and x.is_floating_point() and not first:
             x.requires_grad_(True)
         with torch.set_grad_enabled(train):
             y = stage(x)
-            if stage.is_last:
+            if s == self._last[mb]:
                 t = self._mbs[mb][1]
                 loss = self.loss_fn(y.float(), t.to(self.device, non_blocking=t.is_pinned()))
                 self._out.losses[mb] = loss.detach()
@@ -293,7 +298,7 @@ class PipelineRuntime:
 
     # -- backward ---------------------------------------------------------------------------
     def _output_grad(self, s: int, mb: int) -> torch.Tensor | None:
-        if self.stages[s].is_last:
+        if s == self._last[mb]:
             return None
         key = (s, mb)
         if key in self._grads:
@@ -305,7 +310,7 @@ class PipelineRuntime:
         return self._wait(pending)
 
     def _hand_back(self, s: int, mb: int, dx: torch.Tensor | None) -> None:
-        if self.stages[s].is_first:
+        if s == self._first[mb]:
             return
         if dx is None:
             raise RuntimeError(f"stage {s} microbatch {mb}: the stage input got no gradient "

@@ -128,7 +128,8 @@ def fit_run(run: MeasuredRun, steps: Sequence[int] | None = None) -> CostModel:
     every profiled step)."""
     n = run.plan.num_stages
     memory = stage_memory(run, steps) or {}
-    return CostModel.from_trace(calibration_trace(run, steps), num_stages=n, **memory)
+    return CostModel.from_trace(calibration_trace(run, steps), num_stages=n,
+                                stage_parts=run.plan.schedule.stage_parts, **memory)
 
 
 def has_cpu_times(run: MeasuredRun) -> bool:
@@ -146,7 +147,8 @@ def fit_work(run: MeasuredRun, steps: Sequence[int] | None = None) -> CostModel:
     t.loc[compute, "end"] = t.loc[compute, "start"] + t.loc[compute, "cpu"].clip(lower=0.0)
     n = run.plan.num_stages
     memory = stage_memory(run, steps) or {}
-    return CostModel.from_trace(t, num_stages=n, **memory)
+    return CostModel.from_trace(t, num_stages=n, stage_parts=run.plan.schedule.stage_parts,
+                                **memory)
 
 
 def probed_split(costs: CostModel, run: MeasuredRun, clock: str = "wall") -> CostModel:

@@ -192,7 +192,7 @@ class Comparison:
         measured = self._overall["makespan"]
         over = (f"step {self.steps[0]}" if len(self.steps) == 1 else
                 "mean of steps " + ", ".join(map(str, self.steps)))
-        return (f"{s.name} pp={s.pp} vpp={s.vpp} m={s.num_microbatches}: predicted "
+        return (f"{s.name} pp={s.pp} vpp={s.parts_per_rank} m={s.num_microbatches}: predicted "
                 f"{self.predicted.makespan * 1e3:.1f} ms vs measured {measured * 1e3:.1f} ms "
                 f"({over}, {_rel(self.predicted.makespan, measured):+.1%}); calibrated "
                 f"from {where}")

@@ -23,24 +23,27 @@ from pipesim.schedule.io import schedule_from_dict, schedule_to_dict
 
 @dataclass(frozen=True)
 class Layout:
-    """How a run's layers are cut: ``bounds`` (num_stages + 1 layer indices) and the kind of
-    every layer."""
+    """How a run's layers are cut: ``bounds`` (one more layer index than model parts) and the
+    kind of every layer. ``stage_parts``: the part each schedule stage computes, when stages
+    are copies of parts (dualpipe); by default stage = part."""
 
     bounds: tuple[int, ...]
     layer_kinds: tuple[str, ...]
+    stage_parts: tuple[int, ...] | None = None
 
     @property
     def num_stages(self) -> int:
-        return len(self.bounds) - 1
+        return len(self.bounds) - 1 if self.stage_parts is None else len(self.stage_parts)
 
     def counts(self, kinds: Sequence[str]):
-        """Matrix [stage, kind] of layer counts."""
+        """Matrix [stage, kind] of layer counts (a copy's row is its part's)."""
         import numpy as np
 
         a = np.zeros((self.num_stages, len(kinds)))
         col = {k: i for i, k in enumerate(kinds)}
         for s in range(self.num_stages):
-            for layer in range(self.bounds[s], self.bounds[s + 1]):
+            part = s if self.stage_parts is None else self.stage_parts[s]
+            for layer in range(self.bounds[part], self.bounds[part + 1]):
                 a[s, col[self.layer_kinds[layer]]] += 1
         return a
 
@@ -75,10 +78,11 @@ class RunPlan:
         object.__setattr__(self, "rank_cpus", tuple(float(c) for c in self.rank_cpus))
         if self.schedule_name is None:
             object.__setattr__(self, "schedule_name", self.schedule.name)
-        n = self.schedule.num_stages
+        n = self.schedule.num_parts        # the stages, unless some are copies of parts
         if len(self.bounds) != n + 1:
+            what = "model parts" if self.schedule.has_copies else "stages"
             raise ValueError(f"run plan: bounds {list(self.bounds)} give {len(self.bounds) - 1} "
-                             f"stages, the schedule {self.schedule.name!r} has {n}")
+                             f"stages, the schedule {self.schedule.name!r} has {n} {what}")
         if len(self.layer_kinds) != self.bounds[-1]:
             raise ValueError(f"run plan: {len(self.layer_kinds)} layer kinds for "
                              f"{self.bounds[-1]} layers (bounds {list(self.bounds)})")
@@ -89,7 +93,8 @@ class RunPlan:
 
     @property
     def vpp(self) -> int:
-        return self.schedule.vpp
+        """Model parts per rank, the run's vpp (the schedule's, unless stages are copies)."""
+        return self.schedule.parts_per_rank
 
     @property
     def microbatches(self) -> int:
@@ -101,13 +106,13 @@ class RunPlan:
 
     @property
     def layout(self) -> Layout:
-        return Layout(self.bounds, self.layer_kinds)
+        return Layout(self.bounds, self.layer_kinds, self.schedule.stage_parts)
 
     # -- the measured run's meta JSON -----------------------------------------------------------
     def to_meta(self) -> dict[str, Any]:
         """The flat ``.meta.json`` keys of this plan (JSON-ready)."""
         s = self.schedule
-        return {"schedule": self.schedule_name, "pp": s.pp, "vpp": s.vpp, "dp": self.dp,
+        return {"schedule": self.schedule_name, "pp": s.pp, "vpp": s.parts_per_rank, "dp": self.dp,
                 "microbatches": s.num_microbatches, "recv_lookahead": s.recv_lookahead,
                 "bounds": list(self.bounds), "layer_kinds": list(self.layer_kinds),
                 "device": self.device, "backend": self.backend,
@@ -146,7 +151,7 @@ def schedule_from_meta(meta: Mapping[str, Any], source: str = "measured run") ->
                                           microbatches=int(meta["microbatches"]),
                                           vpp=int(meta["vpp"]),
                                           recv_lookahead=int(meta.get("recv_lookahead", 0)))
-    got = (schedule.pp, schedule.vpp, schedule.num_microbatches)
+    got = (schedule.pp, schedule.parts_per_rank, schedule.num_microbatches)
     want = (int(meta["pp"]), int(meta["vpp"]), int(meta["microbatches"]))
     if got != want:
         raise ValueError(f"{source}: schedule_data has pp, vpp, microbatches = {got}, the "

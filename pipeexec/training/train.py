@@ -103,7 +103,7 @@ class Trainer:
             raise ValueError(f"config pp={config.pp} dp={config.dp} but topology pp={topology.pp} "
                              f"dp={topology.dp}")
         if schedule is not None:
-            got = (schedule.pp, schedule.vpp, schedule.num_microbatches)
+            got = (schedule.pp, schedule.parts_per_rank, schedule.num_microbatches)
             if got != (config.pp, config.vpp, config.microbatches):
                 raise ValueError(f"schedule {schedule.name!r} has pp, vpp, microbatches = {got}, the "
                                  f"config {(config.pp, config.vpp, config.microbatches)}")
@@ -116,12 +116,16 @@ class Trainer:
         if dev.type == "cpu" and config.cpu_keep_freed_memory:
             keep_freed_memory()         # no fresh pages, hence no page faults, every step
         self.dtype = compute_dtype(config.precision)
-        self.stages = {s: build_stage(spec, s, self.bounds, seed=config.seed, device=dev,
+        # A stage builds the model part it computes: a copy of a part (dualpipe's second
+        # direction) has the same layers and global names, so its parameters are tied below.
+        part = self.schedule.stage_part
+        self.stages = {s: build_stage(spec, part(s), self.bounds, seed=config.seed, device=dev,
                                       dtype=torch.float32)
                        for s in self.schedule.rank_stages(topology.pp_rank)}
         kinds = spec.kinds()
         for s, stage in self.stages.items():
-            stage.set_recompute(config.recompute, kinds[self.bounds[s]:self.bounds[s + 1]],
+            stage.set_recompute(config.recompute,
+                                kinds[self.bounds[part(s)]:self.bounds[part(s) + 1]],
                                 config.recompute_layers)
         # Stage parameters are already named by global layer index: layers.<i>.<name>.
         named = [(name, p) for s in sorted(self.stages) for name, p in self.stages[s].named_parameters()]
@@ -161,7 +165,8 @@ class Trainer:
                 check_p2p_order(self.schedule)      # NCCL's matching and streams: before start
             self.p2p = P2P(rank=topology.rank, pp_rank=topology.pp_rank,
                            groups=topology.p2p_groups, peers=topology.pp_ranks,
-                           num_stages=config.num_stages, num_microbatches=config.microbatches,
+                           num_stages=self.schedule.num_stages,
+                           num_microbatches=config.microbatches,
                            device=dev, timeout=config.p2p_timeout,
                            nccl_matching=config.nccl_matching)
         self.runtime = self._make_runtime(self.schedule)
@@ -192,16 +197,19 @@ class Trainer:
         """Run ``schedule`` from the next step on. Every rank must switch at the same step
         (the caller's collective decision); the stages stay, so the schedule must put the same
         stages on this rank. The new runtime has the same observers."""
-        got = (schedule.pp, schedule.vpp, schedule.num_microbatches)
+        got = (schedule.pp, schedule.parts_per_rank, schedule.num_microbatches)
         cfg = self.config
         if got != (cfg.pp, cfg.vpp, cfg.microbatches):
             raise ValueError(f"schedule {schedule.name!r} has pp, vpp, microbatches = {got}, the "
                              f"run {(cfg.pp, cfg.vpp, cfg.microbatches)}")
         schedule.validate()
         mine = set(schedule.rank_stages(self.topology.pp_rank))
-        if mine != set(self.stages):
-            raise ValueError(f"schedule {schedule.name!r} puts stages {sorted(mine)} on pp rank "
-                             f"{self.topology.pp_rank}, which holds {sorted(self.stages)}")
+        if mine != set(self.stages) or any(schedule.stage_part(s) != self.schedule.stage_part(s)
+                                           for s in mine):
+            raise ValueError(f"schedule {schedule.name!r} puts stages {sorted(mine)} (model parts "
+                             f"{[schedule.stage_part(s) for s in sorted(mine)]}) on pp rank "
+                             f"{self.topology.pp_rank}, which holds {sorted(self.stages)} (parts "
+                             f"{[self.schedule.stage_part(s) for s in sorted(self.stages)]})")
         if self.p2p is not None:
             check_channels_exist(schedule, self.topology.pp_rank, self.topology.p2p_groups)
             if self.topology.backend == "nccl" or cfg.nccl_matching:
@@ -287,11 +295,10 @@ class Trainer:
             cfg = self.config
             if self._custom_schedule:
                 s = self.schedule   # the forwards of the schedule, in its order
-                sched = pipesim.Schedule(s.pp, s.vpp, s.num_microbatches, s.placement,
-                                         [[a for a in s.compute_parts(r) if a.op == "F"]
-                                          for r in range(s.pp)],
-                                         name=f"{s.name} (forward only)", forward_only=True,
-                                         recv_lookahead=s.recv_lookahead).validate()
+                sched = s.with_orders([[a for a in s.compute_parts(r) if a.op == "F"]
+                                       for r in range(s.pp)],
+                                      name=f"{s.name} (forward only)",
+                                      forward_only=True).validate()
             else:               # the builder's (or the file's) forward-only schedule
                 sched = cfg.replace(forward_only=True).build_schedule()
             self._fwd_runtime = PipelineRuntime(sched, self.topology.pp_rank, self.stages,

@@ -83,12 +83,33 @@ def render_grid(schedule, width: int) -> str:
     return "\n".join(out)
 
 
+def _routes_text(s) -> str:
+    """Which stages each run of microbatches goes through, and which stages are copies."""
+    runs: list[list] = []
+    for mb in range(s.num_microbatches):
+        r = (s.first_stage(mb), s.last_stage(mb))
+        if runs and runs[-1][2] == r and runs[-1][1] == mb - 1:
+            runs[-1][1] = mb
+        else:
+            runs.append([mb, mb, r])
+    text = "routes: " + "; ".join(
+        (f"microbatches {a}-{b}" if a != b else f"microbatch {a}") + f" through stages {f}..{l}"
+        for a, b, (f, l) in runs)
+    copies = [f"s{st}=part {s.stage_part(st)}" for st in range(s.num_stages)
+              if s.stage_part(st) != st]
+    if copies:
+        text += "\ncopies (tied weights): " + ", ".join(copies)
+    return text
+
+
 def cmd_show(args: argparse.Namespace) -> int:
     s = build_schedule(args.name, pp=args.pp, microbatches=args.microbatches, vpp=args.vpp,
                        forward_only=args.forward_only).validate()
     width = args.width or shutil.get_terminal_size((120, 24)).columns
     print(f"{s.name}: pp={s.pp} vpp={s.vpp} microbatches={s.num_microbatches} "
           f"placement={s.placement_kind} ({', '.join(f's{st}->r{r}' for st, r in enumerate(s.placement))})")
+    if s.has_routes or s.has_copies:
+        print(_routes_text(s))
     print(render_grid(s, width))
     if args.with_comms:
         print("\nactions with communication:")

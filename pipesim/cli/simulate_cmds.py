@@ -141,15 +141,17 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         schedule = build_schedule(args.name, pp=args.pp, microbatches=args.microbatches,
                                   vpp=args.vpp, forward_only=args.forward_only,
                                   recv_lookahead=args.recv_lookahead, **options)
-    costs = source(schedule.num_stages, args.micro_batch_size) if callable(source) else source
+    # per model part (a copy of a part, as in dualpipe, costs what the part costs)
+    costs = source(schedule.num_parts, args.micro_batch_size) if callable(source) else source
     result = simulate(schedule, costs, comm=args.comm, step_tail=args.step_tail, dp=args.dp,
                       jitter=args.jitter, seed=args.seed, cores=args.cores)
     unitless = not (args.costs or args.model)
     print(result.summary_text(unitless=unitless))
-    if unitless and schedule.vpp > 1:
+    parts_per_rank = schedule.num_parts // schedule.pp
+    if unitless and parts_per_rank > 1:
         print(f"note: the default costs are per stage (F=1, B=2 each): with vpp = "
-              f"{schedule.vpp} a rank holds {schedule.vpp} stages and does {schedule.vpp}x the "
-              f"work of vpp = 1 (the README's schedule table divides them by vpp)")
+              f"{parts_per_rank} a rank holds {parts_per_rank} stages and does {parts_per_rank}x "
+              f"the work of vpp = 1 (the README's schedule table divides them by vpp)")
     if args.gantt:
         result.gantt(comm=args.gantt_comm, memory=True,
                      unitless=unitless).savefig(args.gantt, dpi=100)

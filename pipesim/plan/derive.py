@@ -35,6 +35,8 @@ keep the engine's own (non-overlapped, all-reduce) step tail usable, while
 """
 from __future__ import annotations
 
+from collections import Counter
+
 from dataclasses import dataclass, field
 
 from ..costs import CostModel
@@ -187,6 +189,7 @@ def derive(plan) -> PlanCosts:
     schedule_stages = _rank_stages(plan, n)
     rank_buffers = [max((buffers_stage[st] for st in sts), default=0.0) for sts in schedule_stages]
     gbytes = BYTES_PER_PARAM[par.precision][1]
+    holders = Counter(st for sts in schedule_stages for st in sts)
     tail = []
     for sts in schedule_stages:
         dense = sum(params_st[st]["dense"] for st in sts)
@@ -209,8 +212,14 @@ def derive(plan) -> PlanCosts:
         else:
             exposed = comm_s
         exposed += max(0.0, gather - window_f) if par.overlap_param_gather else gather
+        # a part held by two ranks (dualpipe's copies): its gradients are summed over the
+        # pair (pipeexec.training.tied), after the backward, exposed
+        copied = [st for st in sts if holders[st] > 1]
+        tied_s = coll.all_reduce(gbytes * sum(params_st[st]["dense"] + params_st[st]["expert"]
+                                              for st in copied), 2, links["pp"]) if copied else 0.0
+        exposed += tied_s
         updated = dense / (d if par.zero >= 1 else 1) + expert / (d_exp if par.zero >= 1 else 1)
-        tail.append({"dp_comm": comm_s + gather, "dp_exposed": exposed,
+        tail.append({"dp_comm": comm_s + gather, "dp_exposed": exposed, "tied_comm": tied_s,
                      "optimizer": OPTIMIZER_BYTES * updated / hw.hbm_bandwidth})
 
     dp_link = links["dp"]
@@ -248,13 +257,18 @@ def derive(plan) -> PlanCosts:
 
 
 def _rank_stages(plan, n: int) -> list[list[int]]:
-    """Stages of each pipeline rank: the schedule's placement (looped or V)."""
+    """Model parts (the ``n`` stages the costs are derived for) of each pipeline rank, by the
+    schedule's placement; a rank holding a copy of a part (dualpipe) lists the part again, so
+    its weights, gradients and data-parallel traffic count twice."""
     par = plan.parallelism
     from ..schedule.registry import schedule_info
     from ..schedule.schedule import Schedule
 
+    def parts(s: Schedule) -> list[list[int]]:
+        return [[s.stage_part(x) for x in s.rank_stages(r)] for r in range(par.pp)]
+
     if isinstance(plan.schedule, Schedule):
-        return [plan.schedule.rank_stages(r) for r in range(par.pp)]
+        return parts(plan.schedule)
 
     try:
         looped = schedule_info(plan.schedule_name).placement == "looped"
@@ -262,6 +276,10 @@ def _rank_stages(plan, n: int) -> list[list[int]]:
         looped = True
     if looped:
         return [[st for st in range(n) if st % par.pp == r] for r in range(par.pp)]
+    try:            # the V builders are cheap: read the placement (and any copies) off it
+        return parts(plan.build_schedule())
+    except Exception:
+        pass
     # V-shape: down then up (ZB-V, DualPipeV) for vpp = 2
     out = [[] for _ in range(par.pp)]
     for st in range(n):

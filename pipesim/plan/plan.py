@@ -119,7 +119,7 @@ class Plan:
         if isinstance(self.schedule, Schedule):
             s = self.schedule
             for name, want in (("pp", par.pp), ("vpp", par.vpp), ("microbatches", par.microbatches)):
-                got = s.num_microbatches if name == "microbatches" else getattr(s, name)
+                got = {"pp": s.pp, "vpp": s.parts_per_rank, "microbatches": s.num_microbatches}[name]
                 if got != want:
                     raise PlanError(f"schedule: the given Schedule has {name}={got}, the plan "
                                     f"{name}={want}")

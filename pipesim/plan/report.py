@@ -76,7 +76,7 @@ class PlanResult:
     @property
     def memory_breakdown(self) -> list[dict[str, float]]:
         rows = []
-        stages = [self.sim.schedule.rank_stages(r) for r in range(self.sim.schedule.pp)]
+        stages = self._rank_parts()
         for r, sts in enumerate(stages):
             row = {k: sum(self.derived.stage_memory[s][k] for s in sts)
                    for k in ("weights", "gradients", "optimizer")}
@@ -86,6 +86,11 @@ class PlanResult:
             row["total"] = self.peak_memory[r]
             rows.append(row)
         return rows
+
+    def _rank_parts(self) -> list[list[int]]:
+        """Per rank, the model part of each stage it holds (a copy of a part counts again)."""
+        s = self.sim.schedule
+        return [[s.stage_part(x) for x in s.rank_stages(r)] for r in range(s.pp)]
 
     @property
     def memory_limit(self) -> float:
@@ -141,7 +146,7 @@ class PlanResult:
                  f"bubble_fraction {self.sim.bubble_fraction:.4f}",
                  f"{'rank':>4} {'layers':>7} {'weights':>8} {'grads':>8} {'optim':>8} "
                  f"{'activ':>8} {'buffers':>8} {'peak GiB':>9} {'dp exposed s':>13} {'optim s':>8}"]
-        stages = [self.sim.schedule.rank_stages(r) for r in range(self.sim.schedule.pp)]
+        stages = self._rank_parts()
         for r, row in enumerate(self.memory_breakdown):
             nl = sum(self.derived.stage_layers[s] for s in stages[r])
             t = self.derived.tail[r]

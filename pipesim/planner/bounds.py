@@ -55,9 +55,12 @@ def plan_bounds(plan: Plan, derived: PlanCosts | None = None, *, exact_order: bo
     for st in range(1, n):
         hop = costs.transfer_time(nbytes[st - 1]) if owner[st] != owner[st - 1] else 0.0
         prefix[st] = prefix[st - 1] + f[st - 1] + hop
+    # microbatches each rank runs through each of its parts: m each, unless stages are copies
+    # that share the microbatches (dualpipe: part r for the first half, its copy the second)
+    runs = _part_runs(plan, stages, m)
     step = compute = 0.0
     for r, sts in enumerate(stages):
-        busy = m * sum(f[st] + i[st] + w[st] for st in sts)
+        busy = sum(k * (f[st] + i[st] + w[st]) for st, k in runs[r].items())
         tail = derived.tail[r]["dp_exposed"] + derived.tail[r]["optimizer"]
         head = min(prefix[st] for st in sts)
         step = max(step, head + busy + tail)
@@ -79,6 +82,26 @@ def plan_bounds(plan: Plan, derived: PlanCosts | None = None, *, exact_order: bo
     return Bounds(step, best, best_rank, parts, compute)
 
 
+def _part_runs(plan: Plan, stages: list[list[int]], m: int) -> list[dict[int, int]]:
+    """Per rank, part -> how many microbatches the rank runs through it."""
+    from ..schedule.schedule import Schedule
+
+    schedule = plan.schedule if isinstance(plan.schedule, Schedule) else None
+    if schedule is None and len({st for sts in stages for st in sts}) < sum(map(len, stages)):
+        schedule = plan.build_schedule()       # a part held twice: read the routes off it
+    if schedule is None or not schedule.has_copies:
+        return [{st: m for st in sts} for sts in stages]
+    out: list[dict[int, int]] = []
+    for r in range(schedule.pp):
+        runs: dict[int, int] = {}
+        for a in schedule.compute_parts(r):
+            if a.op == "F":
+                p = schedule.stage_part(a.stage)
+                runs[p] = runs.get(p, 0) + 1
+        out.append(runs)
+    return out
+
+
 def _activation_peaks(plan: Plan, act: list[float], share: list[float],
                       stages: list[list[int]]) -> list[float]:
     """Per rank, the peak of activations held along its compute order (the memory model's rules,
@@ -87,7 +110,8 @@ def _activation_peaks(plan: Plan, act: list[float], share: list[float],
     peaks = []
     for r in range(schedule.pp):
         held = peak = 0.0
-        for op, st, _mb in schedule.compute_order(r):
+        for op, st, _mb in schedule.compute_parts(r):
+            st = schedule.stage_part(st)       # a copy of a part holds what the part holds
             if op == "F":
                 held += act[st]
                 if held > peak:

@@ -236,6 +236,10 @@ def _per_layout(space: SearchSpace, cluster: Cluster, tp: int, cp: int, pp: int,
                 if schedule == "interleaved" and (pp < 2 or m < pp or m % pp):
                     refused["interleaved needs pp >= 2 and microbatches a multiple of pp"] += 1
                     continue
+                if schedule == "dualpipe" and (pp % 2 or m % 2 or m < 2 * pp):
+                    refused["dualpipe needs an even pp and an even number of microbatches "
+                            ">= 2 pp"] += 1
+                    continue
                 if schedule == "zbv" and pp < 2:
                     refused["zbv needs pp >= 2"] += 1
                     continue

@@ -21,6 +21,10 @@ Receiving *and waiting* as early as possible (torch.distributed.pipelining's loc
 waits) makes a rank wait on a peer before it could do useful local work and cascades into
 bubbles; posting early and waiting late does not. Two stages on the same rank (the turn of a V)
 exchange nothing.
+
+``routes`` (a schedule's ``route_bounds()``: first and last stage per microbatch) ends each
+microbatch's chain at its own first and last stage: nothing crosses a route's ends (DualPipe's
+two directions meet on the middle rank and exchange nothing there).
 """
 from __future__ import annotations
 
@@ -30,8 +34,11 @@ from .action import B, F, I, OVERLAP_F_B, RECV_B, RECV_F, SEND_B, SEND_F, Action
 
 
 def insert_comms(order: Sequence[Action], rank: int, placement: Sequence[int],
-                 lookahead: int = 0) -> list[Action]:
+                 lookahead: int = 0,
+                 routes: tuple[Sequence[int], Sequence[int]] | None = None) -> list[Action]:
     """Return ``order`` (compute only, one rank) with communication actions inserted."""
+    if routes is not None:
+        return _insert_routed(order, rank, placement, lookahead, routes)
     last = len(placement) - 1
     new = tuple.__new__  # Action(...) without NamedTuple's keyword handling: 4x cheaper
     overlaps = any(a.op == OVERLAP_F_B for a in order)
@@ -87,6 +94,23 @@ def insert_comms(order: Sequence[Action], rank: int, placement: Sequence[int],
                 out.append(new(Action, (SEND_F, stage, mb)))
             elif (op == B or op == I) and stage > 0 and placement[stage - 1] != rank:
                 out.append(new(Action, (SEND_B, stage, mb)))
+    return out
+
+
+def _insert_routed(order: Sequence[Action], rank: int, placement: Sequence[int], lookahead: int,
+                   routes: tuple[Sequence[int], Sequence[int]]) -> list[Action]:
+    """insert_comms for routed microbatches: the transfers of the full chain, less those that
+    would cross a microbatch's first or last stage (a receive dropped there only ever made the
+    later receives on its channel keep their order, which they still do)."""
+    firsts, lasts = routes
+    out: list[Action] = []
+    for action in insert_comms(order, rank, placement, lookahead):
+        op, stage, mb = action
+        if (op == RECV_F or op == SEND_B) and stage == firsts[mb]:
+            continue
+        if (op == SEND_F or op == RECV_B) and stage == lasts[mb]:
+            continue
+        out.append(action)
     return out
 
 

@@ -4,6 +4,9 @@ The CSV format is torch's ``_dump_csv`` / ``_load_csv``: one row per rank, one c
 cell (``2F5``); empty cells are idle slots and are skipped. A compute-only CSV gets its
 communication inserted here; a CSV that holds SEND/RECV cells ("compute_comms") is taken as is.
 The CSV carries no placement or microbatch count, so both are inferred from the actions.
+It cannot say that a microbatch skips stages or that two stages are copies of one model part
+(DualPipe), so such a schedule is refused there; the JSON keeps ``routes`` (first and last
+stage of each microbatch) and ``stage_parts``.
 """
 from __future__ import annotations
 
@@ -35,6 +38,10 @@ def schedule_to_dict(schedule: Schedule) -> dict:
     }
     if schedule.recv_lookahead:
         data["recv_lookahead"] = schedule.recv_lookahead
+    if schedule.routes is not None:
+        data["routes"] = [list(r) for r in schedule.routes]      # [first, last] stage per microbatch
+    if schedule.stage_parts is not None:
+        data["stage_parts"] = list(schedule.stage_parts)
     if schedule.has_explicit_comms:
         data["actions"] = [[str(a) for a in schedule.actions(r)] for r in ranks]
     else:
@@ -53,11 +60,15 @@ def schedule_from_dict(data: dict, source: str = "schedule") -> Schedule:
     if "actions" not in data and "compute" not in data:
         raise ScheduleError(f"{source}: missing field 'compute' (or 'actions')")
     lists = data["actions"] if "actions" in data else data["compute"]
-    return Schedule(
-        data["pp"], data["vpp"], data["microbatches"], data["placement"],
-        [[Action.parse(t) for t in row] for row in lists],
-        name=data.get("name", "custom"), forward_only=data.get("forward_only", False),
-        recv_lookahead=data.get("recv_lookahead", 0))
+    try:
+        return Schedule(
+            data["pp"], data["vpp"], data["microbatches"], data["placement"],
+            [[Action.parse(t) for t in row] for row in lists],
+            name=data.get("name", "custom"), forward_only=data.get("forward_only", False),
+            recv_lookahead=data.get("recv_lookahead", 0), routes=data.get("routes"),
+            stage_parts=data.get("stage_parts"))
+    except ScheduleError as exc:
+        raise ScheduleError(f"{source}: {exc}") from None
 
 
 def schedule_to_json(schedule: Schedule, path: str | os.PathLike | None = None) -> str:
@@ -87,6 +98,12 @@ def schedule_to_csv(schedule: Schedule, path: str | os.PathLike | None = None,
     :func:`pipesim.schedule.torch_order.single_channel_actions`); hand-placed communication
     that breaks that order is refused with the transfer that breaks it.
     """
+    if schedule.has_routes or schedule.has_copies:
+        raise ScheduleError(
+            f"schedule {schedule.name!r} cannot be written as torch.distributed.pipelining's CSV: "
+            "its microbatches take different routes through the stages (or stages are copies of "
+            "one model part), which torch's format and runtime cannot express (every microbatch "
+            "goes through every stage there); write it with schedule_to_json instead")
     rows = None
     if with_comms:
         from .torch_order import single_channel_actions

@@ -17,12 +17,23 @@ class Schedule:
     are, so hand-made schedules can be validated). ``placement`` is ``"looped"``, ``"v"`` or an
     explicit stage -> rank sequence. ``recv_lookahead`` is how many computations ahead of their
     consumer inserted receives are posted (see :mod:`pipesim.schedule.comms`). Equality
-    compares the data (pp, vpp, microbatches, placement and actions), not the name.
+    compares the data (pp, vpp, microbatches, placement, routes, stage parts and actions), not
+    the name.
+
+    ``routes`` (optional, one per microbatch): the stages a microbatch goes through, a
+    contiguous ascending run of stages given as a sequence (``range(4, 8)``) or as its
+    ``(first, last)`` pair; by default every microbatch goes through every stage. Its input is
+    fed at its first stage, its loss taken at its last. ``stage_parts`` (optional, one per
+    stage): the piece of the model each stage computes, default the stage itself. Two stages of
+    one part are copies of the same layers (tied weights); every route must compute the parts
+    ``0 .. num_parts-1`` in order. Together they express DeepSeek's bidirectional DualPipe
+    (``pipesim.schedule.builders.dualpipe``): half of the microbatches through stages
+    ``0..pp-1``, the other half through their copies ``pp..2pp-1``, fed from the other end.
     """
 
     __slots__ = ("name", "pp", "vpp", "num_microbatches", "placement", "forward_only",
                  "_orders", "_actions", "_rank_stages", "_validated", "_explicit_comms",
-                 "recv_lookahead")
+                 "recv_lookahead", "routes", "stage_parts")
 
     def __init__(
         self,
@@ -35,6 +46,8 @@ class Schedule:
         name: str = "custom",
         forward_only: bool = False,
         recv_lookahead: int = 0,
+        routes: Sequence[Sequence[int]] | None = None,
+        stage_parts: Sequence[int] | None = None,
     ) -> None:
         for field, value in (("pp", pp), ("vpp", vpp), ("microbatches", num_microbatches)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -64,6 +77,8 @@ class Schedule:
                 raise ScheduleError(
                     f"placement gives rank {rank} {len(stages)} stages {stages}, expected vpp = {vpp}")
         self._rank_stages = tuple(tuple(s) for s in rank_stages)
+        self.routes = _check_routes(routes, num_microbatches, pp * vpp)
+        self.stage_parts = _check_parts(stage_parts, self.routes, pp * vpp, num_microbatches)
 
         orders = [tuple(o) for o in orders]
         if len(orders) != pp:
@@ -110,6 +125,50 @@ class Schedule:
         """The stages held by ``rank``, ascending; a stage's position here is its chunk."""
         return list(self._rank_stages[rank])
 
+    # -- routes and model parts ---------------------------------------------------------------
+    @property
+    def has_routes(self) -> bool:
+        """True when some microbatch skips stages (its route is not every stage in order)."""
+        return self.routes is not None
+
+    def first_stage(self, microbatch: int) -> int:
+        """The stage where ``microbatch``'s input is fed."""
+        return 0 if self.routes is None else self.routes[microbatch][0]
+
+    def last_stage(self, microbatch: int) -> int:
+        """The stage that computes ``microbatch``'s loss."""
+        return self.num_stages - 1 if self.routes is None else self.routes[microbatch][1]
+
+    def route(self, microbatch: int) -> range:
+        """The stages ``microbatch`` goes through, in order."""
+        return range(self.first_stage(microbatch), self.last_stage(microbatch) + 1)
+
+    def route_bounds(self) -> tuple[list[int], list[int]] | None:
+        """(first stages, last stages), one per microbatch; None when every route is full."""
+        if self.routes is None:
+            return None
+        return [r[0] for r in self.routes], [r[1] for r in self.routes]
+
+    @property
+    def num_parts(self) -> int:
+        """How many pieces the model is cut into (``num_stages`` unless stages are copies)."""
+        return self.num_stages if self.stage_parts is None else max(self.stage_parts) + 1
+
+    @property
+    def parts_per_rank(self) -> int:
+        """Model parts per rank: what a run's (or a plan's) ``vpp`` counts. It is ``vpp``
+        unless stages are copies (dualpipe: 1 part per rank, held as 2 stages)."""
+        return self.num_parts // self.pp
+
+    def stage_part(self, stage: int) -> int:
+        """The piece of the model ``stage`` computes (two stages of one part share weights)."""
+        return stage if self.stage_parts is None else self.stage_parts[stage]
+
+    @property
+    def has_copies(self) -> bool:
+        """True when some model part is computed by several stages (tied copies)."""
+        return self.stage_parts is not None
+
     def stage_chunk(self, stage: int) -> int:
         """The index of ``stage`` among the stages of its rank."""
         return self._rank_stages[self.placement[stage]].index(stage)
@@ -132,7 +191,8 @@ class Schedule:
         """All actions of ``rank`` in execution order, SEND/RECV included."""
         full = self._actions[rank]
         if full is None:
-            full = tuple(insert_comms(self._orders[rank], rank, self.placement, self.recv_lookahead))
+            full = tuple(insert_comms(self._orders[rank], rank, self.placement, self.recv_lookahead,
+                                      self.route_bounds()))
             self._actions[rank] = full
         return list(full)
 
@@ -140,8 +200,16 @@ class Schedule:
         """The same schedule with its receives posted ``lookahead`` computations early."""
         if lookahead == self.recv_lookahead:
             return self
-        return Schedule(self.pp, self.vpp, self.num_microbatches, self.placement, self._orders,
-                        name=self.name, forward_only=self.forward_only, recv_lookahead=lookahead)
+        return self.with_orders(self._orders, recv_lookahead=lookahead)
+
+    def with_orders(self, orders: Sequence[Iterable[Action]], *, recv_lookahead: int | None = None,
+                    name: str | None = None, forward_only: bool | None = None) -> "Schedule":
+        """A schedule of the same shape (placement, routes, stage parts) with other action lists."""
+        return Schedule(self.pp, self.vpp, self.num_microbatches, self.placement, orders,
+                        name=self.name if name is None else name,
+                        forward_only=self.forward_only if forward_only is None else forward_only,
+                        recv_lookahead=self.recv_lookahead if recv_lookahead is None else recv_lookahead,
+                        routes=self.routes, stage_parts=self.stage_parts)
 
     @property
     def has_explicit_comms(self) -> bool:
@@ -179,19 +247,23 @@ class Schedule:
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Schedule):
             return NotImplemented
-        if (self.pp, self.vpp, self.num_microbatches, self.placement) != (
-                other.pp, other.vpp, other.num_microbatches, other.placement):
+        if (self.pp, self.vpp, self.num_microbatches, self.placement, self.routes,
+                self.stage_parts) != (other.pp, other.vpp, other.num_microbatches,
+                                      other.placement, other.routes, other.stage_parts):
             return False
         return self._orders == other._orders and self._key() == other._key()
 
     def __hash__(self) -> int:
-        return hash((self.pp, self.vpp, self.num_microbatches, self.placement, self._orders))
+        return hash((self.pp, self.vpp, self.num_microbatches, self.placement, self.routes,
+                     self._orders))
 
     def __repr__(self) -> str:
         head = (f"Schedule({self.name!r}, pp={self.pp}, vpp={self.vpp}, "
                 f"microbatches={self.num_microbatches}, placement={self.placement_kind!r}"
                 + (", forward_only=True" if self.forward_only else "")
-                + (f", recv_lookahead={self.recv_lookahead}" if self.recv_lookahead else ""))
+                + (f", recv_lookahead={self.recv_lookahead}" if self.recv_lookahead else "")
+                + (", routed" if self.routes is not None else "")
+                + (f", {self.num_parts} model parts" if self.stage_parts is not None else ""))
         lines = []
         for rank in range(self.pp):
             order = self._orders[rank]
@@ -200,3 +272,56 @@ class Schedule:
                 text += f" ... ({len(order)} actions)"
             lines.append(f"  rank {rank}: {text}")
         return head + ",\n" + "\n".join(lines) + ")"
+
+
+def _check_routes(routes, m: int, n: int) -> tuple[tuple[int, int], ...] | None:
+    """Routes as (first, last) stage pairs, one per microbatch; None when all are full."""
+    if routes is None:
+        return None
+    routes = list(routes)
+    if len(routes) != m:
+        raise ScheduleError(f"routes: got {len(routes)} routes, expected one per microbatch ({m})")
+    out = []
+    for mb, route in enumerate(routes):
+        stages = [int(s) for s in route]
+        if len(stages) == 2 and stages[1] >= stages[0]:
+            stages = list(range(stages[0], stages[1] + 1))     # a (first, last) pair
+        if not stages or stages != list(range(stages[0], stages[0] + len(stages))):
+            raise ScheduleError(
+                f"routes: microbatch {mb}'s route {list(route)} is not a contiguous ascending run "
+                "of stages (give range(first, last + 1) or [first, last])")
+        if stages[0] < 0 or stages[-1] >= n:
+            raise ScheduleError(f"routes: microbatch {mb}'s route {stages[0]}..{stages[-1]} "
+                                f"leaves the stages 0..{n - 1}")
+        out.append((stages[0], stages[-1]))
+    if all(r == (0, n - 1) for r in out):
+        return None
+    return tuple(out)
+
+
+def _check_parts(parts, routes, n: int, m: int) -> tuple[int, ...] | None:
+    """Stage -> model part; every route must compute the parts 0..K-1 in order."""
+    if parts is None:
+        if routes is not None:          # without copies a shorter route skips model layers
+            mb, (first, last) = next((mb, r) for mb, r in enumerate(routes) if r != (0, n - 1))
+            raise ScheduleError(
+                f"routes: microbatch {mb} goes through stages {first}..{last} only, so it "
+                "skips model layers; give stage_parts saying which stages are copies of "
+                "which part, so that every route computes the whole model")
+        return None
+    parts_t = tuple(int(p) for p in parts)
+    if len(parts_t) != n:
+        raise ScheduleError(f"stage_parts: got {len(parts_t)} values, expected one per stage ({n})")
+    k = max(parts_t) + 1
+    if min(parts_t) < 0 or set(parts_t) != set(range(k)):
+        raise ScheduleError(f"stage_parts {list(parts_t)}: parts must be 0..{k - 1}, each used")
+    for mb in range(m):
+        first, last = routes[mb] if routes is not None else (0, n - 1)
+        seq = list(parts_t[first:last + 1])
+        if seq != list(range(k)):
+            raise ScheduleError(
+                f"stage_parts: microbatch {mb}'s route (stages {first}..{last}) computes parts "
+                f"{seq}, expected the whole model in order, 0..{k - 1}")
+    if parts_t == tuple(range(n)):
+        return None
+    return parts_t

@@ -17,7 +17,7 @@ def unit_steps(schedule: "Schedule") -> list[list[tuple[int, Action]]]:
     """Per rank, ``(step, action)`` for each compute action (an overlap's parts take one step
     each, back to back). The schedule must be valid."""
     schedule.validate()
-    last = schedule.num_stages - 1
+    first_of, last_of = schedule.first_stage, schedule.last_stage
     finish: dict[tuple[str, int, int], int] = {}   # ("F"|"G"|"I", stage, mb) -> end step
     orders = [schedule.compute_order(r) for r in range(schedule.pp)]
     pos = [0] * schedule.pp
@@ -32,11 +32,11 @@ def unit_steps(schedule: "Schedule") -> list[list[tuple[int, Action]]]:
                 deps = []
                 for op, s, mb in parts:
                     if op == F:
-                        deps += [("F", s - 1, mb)] if s > 0 else []
+                        deps += [("F", s - 1, mb)] if s > first_of(mb) else []
                     elif op == W:
                         deps += [("I", s, mb)]
                     else:
-                        deps += [("F", s, mb)] + ([("G", s + 1, mb)] if s < last else [])
+                        deps += [("F", s, mb)] + ([("G", s + 1, mb)] if s < last_of(mb) else [])
                 if any(d not in finish for d in deps):
                     break
                 start = max([free[rank]] + [finish[d] for d in deps])

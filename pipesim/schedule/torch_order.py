@@ -76,7 +76,8 @@ def single_channel_actions(schedule: "Schedule") -> list[list[Action]]:
     in each peer's send order (see the module docstring). Hand-placed communication is
     returned as it is after checking it (ScheduleError when it breaks the order)."""
     schedule.validate()
-    pp, last = schedule.pp, schedule.num_stages - 1
+    pp = schedule.pp
+    first_of, last_of = schedule.first_stage, schedule.last_stage
     if schedule.has_explicit_comms:
         lists = [schedule.actions(r) for r in range(pp)]
         check_single_channel(schedule, lists)
@@ -92,10 +93,10 @@ def single_channel_actions(schedule: "Schedule") -> list[list[Action]]:
         for a in order:
             out.append(a)
             for op, s, mb in a.parts:
-                if op == F and s < last and place[s + 1] != r:
+                if op == F and s < last_of(mb) and place[s + 1] != r:
                     out.append(Action(SEND_F, s, mb))
                     sent.setdefault(place[s + 1], []).append((RECV_F, s + 1, mb))
-                elif op in (B, I) and s > 0 and place[s - 1] != r:
+                elif op in (B, I) and s > first_of(mb) and place[s - 1] != r:
                     out.append(Action(SEND_B, s, mb))
                     sent.setdefault(place[s - 1], []).append((RECV_B, s - 1, mb))
         with_sends.append(out)

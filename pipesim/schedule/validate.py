@@ -3,9 +3,9 @@
 Three passes, cheapest first (an overlapped ``OVERLAP_F_B`` counts as its parts), each raising :class:`ScheduleError` with the rank, action and
 reason:
 
-1. *well-formed*: every action's stage is on the rank whose list holds it, and its microbatch is
-   in range;
-2. *complete*: per (stage, microbatch) exactly one F and either one B or one I and one W (only F
+1. *well-formed*: every action's stage is on the rank whose list holds it, its microbatch is
+   in range and the stage is on that microbatch's route (``Schedule.route``);
+2. *complete*: per (stage, microbatch) of each route exactly one F and either one B or one I and one W (only F
    when forward-only); on each rank F before B/I and I before W; every send matched by exactly one
    receive of the same tensor on the peer rank; the backward part of an overlap does not need
    its forward part (so a device may run them at once);
@@ -94,6 +94,8 @@ def _check_overlaps(schedule: "Schedule") -> None:
 def _check_well_formed(schedule: "Schedule", lists: list[list[Action]]) -> None:
     m, n = schedule.num_microbatches, schedule.num_stages
     placement = schedule.placement
+    bounds = schedule.route_bounds()
+    firsts, lasts = bounds if bounds is not None else ([0] * m, [n - 1] * m)
     for rank, actions in enumerate(lists):
         for a in actions:
             if a.op == OVERLAP_F_B:
@@ -112,8 +114,16 @@ def _check_well_formed(schedule: "Schedule", lists: list[list[Action]]) -> None:
                     f"rank {placement[a.stage]}")
             if schedule.forward_only and a.op not in (F, SEND_F, RECV_F):
                 raise ScheduleError(f"rank {rank}: action {a} is a backward action in a forward-only schedule")
-            if a.op in (SEND_F, RECV_B) and a.stage == n - 1 or a.op in (RECV_F, SEND_B) and a.stage == 0:
-                raise ScheduleError(f"rank {rank}: action {a} has no peer stage {peer_stage(a)}")
+            first, last = firsts[a.microbatch], lasts[a.microbatch]
+            if not first <= a.stage <= last:
+                raise ScheduleError(
+                    f"rank {rank}: action {a} runs stage {a.stage}, which is not on microbatch "
+                    f"{a.microbatch}'s route (stages {first}..{last})")
+            if a.op in (SEND_F, RECV_B) and a.stage == last or a.op in (RECV_F, SEND_B) and a.stage == first:
+                where = (f"its route ends at stage {last}" if a.op in (SEND_F, RECV_B)
+                         else f"its route starts at stage {first}")
+                raise ScheduleError(f"rank {rank}: action {a} has no peer stage {peer_stage(a)} "
+                                    f"(microbatch {a.microbatch}: {where})")
 
 
 def _check_complete(schedule: "Schedule") -> None:
@@ -145,8 +155,21 @@ def _check_complete(schedule: "Schedule") -> None:
                 raise ScheduleError(f"rank {rank}: action {a}: stage {s} microbatch {mb} has both "
                                     "a full backward B and a split backward I/W")
 
-    def missing(flags: bytearray, start: int = 0) -> int:
-        return flags.find(0, start)
+    bounds = schedule.route_bounds()
+    if bounds is None:
+        def missing(flags: bytes, start: int = 0) -> int:
+            return flags.find(0, start)
+    else:
+        # Off-route (stage, microbatch) pairs count as seen: well-formedness refused actions there.
+        off = bytearray(size)
+        n = schedule.num_stages
+        for mb in range(m):
+            for s in range(n):
+                if not bounds[0][mb] <= s <= bounds[1][mb]:
+                    off[s * m + mb] = 1
+
+        def missing(flags: bytes, start: int = 0) -> int:
+            return bytes(x | y for x, y in zip(flags, off)).find(0, start)
 
     k = missing(f_seen)
     if k >= 0:
@@ -155,7 +178,7 @@ def _check_complete(schedule: "Schedule") -> None:
     if schedule.forward_only:
         return
     grad = bytes(x | y for x, y in zip(b_seen, i_seen))
-    k = grad.find(0)
+    k = missing(grad)
     if k >= 0:
         s, mb = divmod(k, m)
         raise ScheduleError(
@@ -219,6 +242,8 @@ def _check_no_deadlock(schedule: "Schedule", lists: list[list[Action]], direct: 
     # ``direct``: every input dependency is read straight from the producer's flag, as if local.
     prev_local = [s > 0 and (direct or placement[s - 1] == placement[s]) for s in range(last + 1)]
     next_local = [s < last and (direct or placement[s + 1] == placement[s]) for s in range(last + 1)]
+    bounds = schedule.route_bounds()
+    firsts, lasts = bounds if bounds is not None else ([0] * m, [last] * m)
     waiting: dict[int, list[int]] = {}
     blocked: dict[int, tuple[Action, int, int]] = {}   # rank -> (action, kind, index) waited on
     pointer = [0] * schedule.pp
@@ -229,7 +254,7 @@ def _check_no_deadlock(schedule: "Schedule", lists: list[list[Action]], direct: 
         the gradient of its output (from the local next stage, or received); None if neither."""
         if not f_done[k]:
             return K_F, k
-        if s < last:
+        if s < lasts[k % m]:
             if next_local[s]:
                 if not g_done[k + m]:
                     return K_G, k + m
@@ -249,7 +274,7 @@ def _check_no_deadlock(schedule: "Schedule", lists: list[list[Action]], direct: 
             k = s * m + mb
             wait = -1
             if op == F:
-                if s:
+                if s > firsts[mb]:
                     if prev_local[s]:
                         if not f_done[k - m]:
                             wait, widx = K_F, k - m

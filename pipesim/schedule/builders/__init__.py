@@ -4,5 +4,6 @@ from . import interleaved  # noqa: F401  Megatron interleaved 1F1B
 from . import zero_bubble  # noqa: F401  zb-h1, zb-h2
 from . import zbv  # noqa: F401  ZB-V
 from . import dualpipe  # noqa: F401  DualPipeV
+from . import dualpipe_bidirectional  # noqa: F401  DualPipe (two directions, tied copies)
 from . import controllable  # noqa: F401  v-half, v-min
 from . import zb_auto  # noqa: F401  zb-auto
