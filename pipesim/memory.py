@@ -162,6 +162,10 @@ def _send_buffers(rows: ComputeRows, schedule: "Schedule", nbytes: Sequence[floa
     size = np.asarray(list(nbytes), float)
     m = (rows.op == "F") & crosses[rows.stage]
     m &= size[rows.stage] > 0
+    bounds = schedule.route_bounds()
+    if bounds is not None:           # a route's last stage sends nothing on
+        last = np.asarray(bounds[1], int)
+        m &= rows.stage != last[rows.microbatch]
     if not m.any():
         return None
     return m, size[rows.stage[m]]

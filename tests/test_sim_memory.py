@@ -122,3 +122,19 @@ def test_an_output_is_held_while_its_forward_runs_until_sent():
     assert simulate(one, costs.with_(p2p_bytes=0.0)).peak_memory == [200.0, 100.0]
     zbv = pipesim.build_schedule("zbv", pp=2, microbatches=4, vpp=2)
     assert simulate(zbv, costs).peak_memory == [410.0, 410.0]
+
+
+def test_a_routes_last_stage_holds_no_output_to_send():
+    # A hand-made routed schedule (pipesim.Schedule routes): pp 2, looped vpp 2, microbatch 0
+    # through stages 0-1, microbatch 1 through stages 2-3 (copies of parts 0-1). Stage 1 is
+    # the end of microbatch 0's route, although stage 2 sits on another rank: its F sends
+    # nothing, so rank 1 holds A alone; rank 0 holds 2A plus F(2,1)'s output on its way to 3.
+    from pipesim.schedule.action import Action as A
+
+    orders = [[A("F", 0, 0), A("F", 2, 1), A("B", 0, 0), A("B", 2, 1)],
+              [A("F", 1, 0), A("B", 1, 0), A("F", 3, 1), A("B", 3, 1)]]
+    routed = pipesim.Schedule(2, 2, 2, "looped", orders, name="two routes",
+                              routes=[(0, 1), (2, 3)], stage_parts=(0, 1, 0, 1),
+                              recv_lookahead=0).validate()
+    costs = CostModel(forward=1.0, backward=2.0, activation_bytes=100.0, p2p_bytes=10.0)
+    assert simulate(routed, costs).peak_memory == [210.0, 100.0]
