@@ -372,10 +372,6 @@ class TrainConfig:
                 name: getattr(self, name) for name in info.train_fields()})
         except HFModelError as exc:
             raise ConfigError(str(exc)) from None
-        if self.recompute == "selective":
-            raise ConfigError(f"--hf-model {self.hf_model}: selective recomputation (core "
-                              "attention) is built into the built-in GPT's blocks only; use "
-                              "--recompute full (whole decoder layers) or none")
 
     def _validate_optimisation(self) -> None:
         import math

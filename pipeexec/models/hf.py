@@ -23,6 +23,8 @@ embedding's and stays one parameter with it. `hf_reference_model` gives the unsp
 """
 from __future__ import annotations
 
+import copy
+
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +32,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from ..model import ModelSpec, lm_loss
 from .hf_config import HFModelError, HFModelInfo, read_hf_config
@@ -96,6 +99,28 @@ def _mask_kind(config, j: int) -> str:
     return "sliding_attention" if getattr(config, "sliding_window", None) else "full_attention"
 
 
+def _selective_attention(model_type: str, base: str) -> str:
+    """The name of an attention implementation that runs ``base`` (the family's ``eager``
+    function, or a registered one such as ``sdpa``) under torch.utils.checkpoint, registered
+    through transformers' public extension point (`AttentionInterface.register`) on first use."""
+    transformers = _transformers()
+    name = f"pipeexec-selective-{model_type}-{base}"
+    interface = transformers.AttentionInterface
+    known = interface()
+    if name not in known.valid_keys():
+        base_fn = (_modeling(model_type).eager_attention_forward if base == "eager"
+                   else known[base])
+
+        def checkpointed(module, query, key, value, attention_mask, **kwargs):
+            if not torch.is_grad_enabled():
+                return base_fn(module, query, key, value, attention_mask, **kwargs)
+            return checkpoint(lambda q, k, v: base_fn(module, q, k, v, attention_mask, **kwargs),
+                              query, key, value, use_reentrant=False)
+
+        interface.register(name, checkpointed)
+    return name
+
+
 # -- the layers -----------------------------------------------------------------------------
 class HFEmbedding(nn.Module):
     """Token ids (batch, seq) -> hidden (batch, seq, hidden). GPT-2: + learned positions,
@@ -127,9 +152,32 @@ class HFDecoderLayer(nn.Module):
         super().__init__()
         family, modeling = FAMILIES[model_type], _modeling(model_type)
         self.config = config
+        self.model_type = model_type
         self.block = getattr(modeling, family.decoder)(config, layer_idx=j)
         self.rotary = None if family.rotary is None else getattr(modeling, family.rotary)(config=config)
         self.sliding = _mask_kind(config, j) == "sliding_attention"
+
+    @property
+    def recompute_core_attention(self) -> bool:
+        """Selective recomputation (`Stage.set_recompute`): the attention module's core
+        attention (softmax(QK^T)V, its mask and dropout) runs under torch.utils.checkpoint."""
+        return self._attention().config is not self.config
+
+    @recompute_core_attention.setter
+    def recompute_core_attention(self, on: bool) -> None:
+        attention = self._attention()
+        if not on:
+            attention.config = self.config
+        elif attention.config is self.config:
+            # the attention module alone reads a copy naming the checkpointed implementation;
+            # the layer's masks keep the base implementation's format
+            local = copy.copy(self.config)
+            local._attn_implementation = _selective_attention(self.model_type,
+                                                              self.config._attn_implementation)
+            attention.config = local
+
+    def _attention(self) -> nn.Module:
+        return self.block.attn if self.model_type == "gpt2" else self.block.self_attn
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask

@@ -87,6 +87,42 @@ def tokens(vocab: int, shape=(3, 8)) -> torch.Tensor:
     return torch.randint(0, vocab, shape, generator=torch.Generator().manual_seed(0))
 
 
+def _saved_bytes_and_grads(layer: torch.nn.Module, x: torch.Tensor):
+    """Bytes autograd saves for the backward of ``layer(x)`` (distinct storages), and the
+    gradients of its input and parameters."""
+    storages: dict[int, int] = {}
+
+    def pack(t: torch.Tensor):
+        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    x = x.detach().requires_grad_(True)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = layer(x)
+    grads = torch.autograd.grad(out.square().sum(), [x, *layer.parameters()])
+    return sum(storages.values()), grads
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "gpt2"])
+def test_selective_recomputation_checkpoints_the_core_attention(model_dirs, family):
+    """--recompute selective on a Hugging Face decoder layer: its core attention (the
+    registered implementation, e.g. sdpa, with its mask) runs under torch.utils.checkpoint,
+    so the backward keeps less (the attention's output and softmax statistics are redone)
+    and the gradients are unchanged."""
+    spec = hf_model_spec(model_dirs[family])
+    layer = spec.build_layer(1, seed=3)
+    x = torch.randn(2, 8, 32, generator=torch.Generator().manual_seed(1))
+    plain_bytes, plain = _saved_bytes_and_grads(layer, x)
+    layer.recompute_core_attention = True
+    assert layer.recompute_core_attention
+    kept_bytes, recomputed = _saved_bytes_and_grads(layer, x)
+    for a, b in zip(plain, recomputed):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+    assert kept_bytes < plain_bytes
+    layer.recompute_core_attention = False
+    assert _saved_bytes_and_grads(layer, x)[0] == plain_bytes
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_layer_list_computes_the_unsplit_models_logits(model_dirs, family):
     spec = hf_model_spec(model_dirs[family])
@@ -264,6 +300,10 @@ def test_hf_models_1f1b_and_zbv_pp2_match_the_unsplit_model(model_dirs):
     # the backward, ZB-V's I/W split running autograd over the recomputed graph twice
     run_cases += [(name, dict(changes, recompute="full")) for name, changes in run_cases
                   if read_hf_config(changes["hf_model"]).model_type in ("mixtral", "gpt2")]
+    # selective recomputation: the core attention redone in the backward
+    run_cases += [(name, dict(changes, recompute="selective")) for name, changes in run_cases
+                  if "recompute" not in changes
+                  and read_hf_config(changes["hf_model"]).model_type in ("llama", "gpt2")]
     results = launch(layouts_worker, 2, (2, 1, run_cases), timeout=300)
     check_against_reference(results, run_cases)
 
