@@ -37,6 +37,71 @@ def test_peak_never_exceeds_the_limit_and_no_handcrafted_schedule_that_fits_is_f
             assert r.makespan <= hand.makespan + 1e-9, name
 
 
+VPP2_HANDMADE = ("interleaved", "zbv", "v-half", "v-min", "dualpipev")
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data(), pp=st.integers(2, 4), m=st.integers(2, 10), budget=st.floats(1.0, 3.0),
+       cores=st.sampled_from([None, None, 1.5]))
+def test_vpp2_peak_never_exceeds_the_limit_and_no_handcrafted_schedule_that_fits_is_faster(
+        data, pp, m, budget, cores):
+    """vpp 2, both placements searched: the peak stays under the limit, and no handcrafted vpp-2
+    schedule (looped or V) that fits the same limit is simulated faster; with ``cores`` the
+    comparison is the processor-sharing simulation the search ranked by."""
+    costs = random_costs(data.draw, 2 * pp)
+    limit = budget * pp                      # activation_bytes 1 a stage-microbatch (half a rank's)
+    try:
+        s = pipesim.build_schedule("zb-auto", pp=pp, vpp=2, microbatches=m, costs=costs,
+                                   memory_limit=limit, cores=cores)
+    except ScheduleError as exc:             # allowed only when nothing handcrafted fits either
+        assert "no variant fits" in str(exc)
+        s = None
+    if s is not None:
+        s.validate()
+        assert s.vpp == 2 and s.placement_kind in ("looped", "v")
+        r = simulate(s, costs, cores=cores)
+        assert max(r.peak_memory) <= limit + 1e-9
+    for name in VPP2_HANDMADE:
+        try:
+            hand_schedule = pipesim.build_schedule(name, pp=pp, vpp=2, microbatches=m)
+        except ScheduleError:
+            continue
+        hand = simulate(hand_schedule, costs, cores=cores)
+        if max(hand.peak_memory) <= limit:
+            assert s is not None, name
+            assert r.makespan <= hand.makespan + 1e-9, name
+
+
+def test_placement_option_restricts_the_search_and_is_checked():
+    costs = CostModel(forward=1.0, backward_input=1.0, backward_weight=1.0, activation_bytes=1.0)
+    for kind in ("looped", "v"):
+        s = pipesim.build_schedule("zb-auto", pp=3, vpp=2, microbatches=6, costs=costs,
+                                   placement=kind)
+        assert s.placement_kind == kind
+        s.validate()
+    with pytest.raises(ScheduleError, match="placement 'v' needs vpp == 2, got vpp = 1"):
+        pipesim.build_schedule("zb-auto", pp=3, microbatches=6, costs=costs, placement="v")
+    with pytest.raises(ScheduleError, match="placement must be one of looped, v"):
+        pipesim.build_schedule("zb-auto", pp=3, vpp=2, microbatches=6, costs=costs,
+                               placement="zigzag")
+    with pytest.raises(ScheduleError, match=r"CostModel.forward has 3 per-stage values.*"
+                                            r"pp \* vpp = 4 stages"):
+        pipesim.build_schedule("zb-auto", pp=2, vpp=2, microbatches=4,
+                               costs=CostModel(forward=[1, 1, 1]))
+
+
+def test_early_chunk_forwards_leave_room_for_the_later_chunk():
+    """V placement, a limit of 3 stage-microbatches a rank: a rank that filled its memory with
+    chunk-0 forwards could never run the chunk-1 forward a backward needs. The search still
+    finds a schedule (the reserve rule), under the limit."""
+    costs = CostModel(forward=1.0, backward_input=1.0, backward_weight=1.0, activation_bytes=1.0)
+    from pipesim.schedule.builders.zb_auto import greedy_order
+
+    orders = greedy_order(2, 6, costs, [3.0, 3.0], True, "fit", "none", "early", 2, "v")
+    s = pipesim.Schedule(2, 2, 6, "v", orders).validate()
+    assert max(simulate(s, costs).peak_memory) <= 3.0
+
+
 def test_zb_1p_and_2p_limits_on_uniform_costs():
     # F = I = W = 1, zero comm: the last rank starts at (p-1)F and then works 3m, so no schedule
     # ends before 3m + p - 1. ZB-H1 (1F1B's memory) reaches it, and so does zb-auto at ZB-1p.
