@@ -5,6 +5,8 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 import pipesim
 from pipesim import CostModel, ScheduleError, simulate
+from pipesim.schedule.channels import check_channels
+from pipesim.schedule.torch_order import single_channel_actions
 
 from zb_ilp import optimal_schedule
 
@@ -59,6 +61,8 @@ def test_vpp2_peak_never_exceeds_the_limit_and_no_handcrafted_schedule_that_fits
     if s is not None:
         s.validate()
         assert s.vpp == 2 and s.placement_kind in ("looped", "v")
+        check_channels(s)                    # pipeexec's channels: every peer's order agrees
+        single_channel_actions(s)            # and the export for torch's runtime orders it
         r = simulate(s, costs, cores=cores)
         assert max(r.peak_memory) <= limit + 1e-9
     for name in VPP2_HANDMADE:

@@ -35,6 +35,7 @@ with activations it cannot move on).
 from __future__ import annotations
 
 import math
+from collections import deque
 from collections.abc import Sequence
 from itertools import product
 
@@ -127,6 +128,20 @@ def greedy_order(pp: int, m: int, costs, limits: Sequence[float], prefer_i: bool
     free = [0.0] * pp
     blocked = [False] * pp
     orders: list[list[Action]] = [[] for _ in range(pp)]
+    # The transfers of each channel (kind, sender, receiver), in the order they are sent: the
+    # receiver takes them in that order (pipeexec's channels, NCCL's matching), so a stage's
+    # next F or I waits while an earlier transfer from that peer is not consumed.
+    sent: dict[tuple[str, int, int], deque[tuple[int, int]]] = {}
+
+    def in_turn(s: int, op: str) -> bool:
+        if op == F:
+            src, k = s - 1, nf[s]
+        else:
+            src, k = s + 1, ni[s]
+        if not 0 <= src < n or not remote[min(s, src)]:
+            return True                  # the first or last stage, or a hand-over on the rank
+        q = sent.get((op, where[src], where[s]))
+        return bool(q) and q[0] == (s, k)
 
     def ready(s: int, op: str) -> float | None:
         """When the input of stage s's next ``op`` arrives; None while not yet known."""
@@ -141,6 +156,13 @@ def greedy_order(pp: int, m: int, costs, limits: Sequence[float], prefer_i: bool
         return None if t is None else t + down[s]
 
     def run(r: int, op: str, s: int, start: float) -> None:
+        if op in (F, I):
+            src, dst = (s - 1, s + 1) if op == F else (s + 1, s - 1)
+            if 0 <= src < n and remote[min(s, src)]:
+                sent[(op, where[src], r)].popleft()              # its input, taken in turn
+            if 0 <= dst < n and remote[min(s, dst)]:
+                k = nf[s] if op == F else ni[s]
+                sent.setdefault((op, r, where[dst]), deque()).append((dst, k))
         if op == F:
             end, k = start + tf[s], nf[s]
             f_end[s][k] = end
@@ -189,11 +211,11 @@ def greedy_order(pp: int, m: int, costs, limits: Sequence[float], prefer_i: bool
                     and mem[r] + act[s] + max(buf[s], reserve[s]) <= limits[r]):
                 allowed_f = True
                 t = ready(s, F)
-                if t is not None:
+                if t is not None and in_turn(s, F):
                     fs.append((t, -s if chunk == "deep" else t, s))
             if ni[s] < nf[s]:
                 t = ready(s, I)
-                if t is not None:
+                if t is not None and in_turn(s, I):
                     is_.append((t, s))
         f_now = [c for c in fs if c[0] <= e]
         i_now = [c for c in is_ if c[0] <= e]
