@@ -159,3 +159,27 @@ def test_heuristic_against_the_exact_optimum(seed):
           f"(gap {100 * gap:.2f}%)")
     assert gap >= -1e-6
     assert gap <= 0.05
+
+
+@pytest.mark.parametrize("name,vpp", [("1f1b", 1), ("interleaved", 2)])
+def test_followed_order_keeps_f_and_i_and_only_places_w(name, vpp):
+    """``follow``: the handcrafted order's F / I sequence (its B read as I) is kept on every
+    rank; only the W passes move. From 1F1B on F = I = W this is ZB-H1's makespan, 3m + p - 1
+    (the bound of test_zb_1p_and_2p_limits_on_uniform_costs), under 1F1B's memory."""
+    from pipesim.schedule.builders.zb_auto import greedy_order
+
+    pp, m = 4, 8
+    costs = CostModel(forward=1.0, backward_input=1.0, backward_weight=1.0, activation_bytes=1.0)
+    hand = pipesim.build_schedule(name, pp=pp, vpp=vpp, microbatches=m)
+    orders = [hand.compute_order(r) for r in range(pp)]
+    limit = max(simulate(hand, costs).peak_memory)
+    got = greedy_order(pp, m, costs, [limit] * pp, True, "fit", "none", "deep", vpp,
+                       hand.placement_kind, follow=orders)
+    for r in range(pp):
+        assert [("I" if a.op == "B" else a.op, a.stage, a.microbatch) for a in orders[r]] == \
+            [tuple(a) for a in got[r] if a.op != "W"]
+    s = pipesim.Schedule(pp, vpp, m, hand.placement_kind, got).validate()
+    r = simulate(s, costs)
+    assert max(r.peak_memory) <= limit
+    if name == "1f1b":
+        assert r.makespan == pytest.approx(3 * m + pp - 1)

@@ -15,7 +15,9 @@ F / I / W passes of every rank in time order and returns the best order that its
   ZB-2p's 2(p - r) - 1;
 * the handcrafted schedules of the same vpp and placement compete as well (1F1B, ZB-H1, ZB-H2;
   at vpp 2 interleaved, ZB-V, V-Half, V-Min, DualPipeV), so the result is never predicted
-  slower than one of them that fits the limit.
+  slower than one of them that fits the limit; and so does each one's F / I order (its B split
+  into I and W) with the heuristic placing the W passes (from 1F1B this finds ZB-H1's kind of
+  order, from interleaved a zero-bubble interleaved one).
 
 Memory is counted as the simulator counts it (:mod:`pipesim.memory`): static bytes, plus a
 stage's ``activation_bytes`` from the start of each F, minus (1 - weight_grad_fraction) of it at
@@ -40,7 +42,7 @@ from collections.abc import Sequence
 from itertools import product
 
 from ...errors import ScheduleError
-from ..action import F, I, W, Action
+from ..action import B, F, I, W, Action
 from ..placement import LOOPED, PLACEMENTS, VSHAPE, make_placement
 from ..registry import register
 from ..schedule import Schedule
@@ -85,12 +87,16 @@ def _placements(pp: int, vpp: int, placement: str | None) -> list[str]:
 
 def greedy_order(pp: int, m: int, costs, limits: Sequence[float], prefer_i: bool, fill: str,
                  cap: str, chunk: str = "deep", vpp: int = 1,
-                 placement: str = LOOPED) -> list[list[Action]]:
+                 placement: str = LOOPED,
+                 follow: Sequence[Sequence[Action]] | None = None) -> list[list[Action]]:
     """One variant of the heuristic: per rank, the F / I / W order it schedules.
 
     ``chunk`` (vpp > 1): among a rank's stages whose forward is ready, run the deepest
     ("deep": microbatches reach the last stage, and their backward, sooner) or the one whose
-    input came first ("early"). Raises StuckError when the variant gets stuck under the limit."""
+    input came first ("early"). ``follow``: per rank, an F / I order to keep (a handcrafted
+    schedule's, its B read as I): only where each W goes is searched, as ZB-H1 is 1F1B with
+    its W moved into the bubbles. Raises StuckError when the variant gets stuck under the
+    limit (or ``follow`` takes a stage's microbatches out of order)."""
     n = pp * vpp
     where = make_placement(placement, pp, vpp)
     stages_of = [[s for s in range(n) if where[s] == r] for r in range(pp)]
@@ -132,6 +138,10 @@ def greedy_order(pp: int, m: int, costs, limits: Sequence[float], prefer_i: bool
     # receiver takes them in that order (pipeexec's channels, NCCL's matching), so a stage's
     # next F or I waits while an earlier transfer from that peer is not consumed.
     sent: dict[tuple[str, int, int], deque[tuple[int, int]]] = {}
+    if follow is not None:
+        follow = [[Action(I if a.op == B else a.op, a.stage, a.microbatch) for a in order
+                   if a.op != W] for order in follow]
+    pos = [0] * pp                       # next action of each rank's followed order
 
     def in_turn(s: int, op: str) -> bool:
         if op == F:
@@ -182,6 +192,8 @@ def greedy_order(pp: int, m: int, costs, limits: Sequence[float], prefer_i: bool
             held[r] -= 1
         free[r] = end
         orders[r].append(Action(op, s, k))
+        if op != W and follow is not None:
+            pos[r] += 1
         for q in range(pp):
             blocked[q] = False
 
@@ -204,19 +216,37 @@ def greedy_order(pp: int, m: int, costs, limits: Sequence[float], prefer_i: bool
         r = min(awake, key=lambda q: (free[q], q))
         e = free[r]
         fs, is_ = [], []                 # (ready time, preference, stage) of each candidate
-        more_f = any(nf[s] < m for s in stages_of[r])
-        allowed_f = False                # an F that the cap and the memory limit let start
-        for s in stages_of[r]:
-            if (nf[s] < m and held[r] + len(deeper[s]) < caps[r]
-                    and mem[r] + act[s] + max(buf[s], reserve[s]) <= limits[r]):
-                allowed_f = True
-                t = ready(s, F)
-                if t is not None and in_turn(s, F):
-                    fs.append((t, -s if chunk == "deep" else t, s))
-            if ni[s] < nf[s]:
-                t = ready(s, I)
-                if t is not None and in_turn(s, I):
-                    is_.append((t, s))
+        if follow is None:
+            more_f = any(nf[s] < m for s in stages_of[r])
+            allowed_f = False            # an F that the cap and the memory limit let start
+            for s in stages_of[r]:
+                if (nf[s] < m and held[r] + len(deeper[s]) < caps[r]
+                        and mem[r] + act[s] + max(buf[s], reserve[s]) <= limits[r]):
+                    allowed_f = True
+                    t = ready(s, F)
+                    if t is not None and in_turn(s, F):
+                        fs.append((t, -s if chunk == "deep" else t, s))
+                if ni[s] < nf[s]:
+                    t = ready(s, I)
+                    if t is not None and in_turn(s, I):
+                        is_.append((t, s))
+        else:
+            nxt_op = follow[r][pos[r]] if pos[r] < len(follow[r]) else None
+            more_f = allowed_f = nxt_op is not None and nxt_op.op == F
+            if nxt_op is not None:
+                s = nxt_op.stage
+                if nxt_op.microbatch != (nf[s] if nxt_op.op == F else ni[s]):
+                    raise StuckError(f"zb-auto: the followed order runs stage {s}'s "
+                                     f"microbatches out of order ({nxt_op})")
+                if nxt_op.op == F:
+                    allowed_f = mem[r] + act[s] + buf[s] <= limits[r]
+                    t = ready(s, F) if allowed_f else None
+                    if t is not None and in_turn(s, F):
+                        fs.append((t, t, s))
+                elif ni[s] < nf[s]:
+                    t = ready(s, I)
+                    if t is not None and in_turn(s, I):
+                        is_.append((t, s))
         f_now = [c for c in fs if c[0] <= e]
         i_now = [c for c in is_ if c[0] <= e]
         f_pick = min(f_now, key=lambda c: (c[1], c[2]))[2] if f_now else None
@@ -273,16 +303,28 @@ def zb_auto_schedule(pp: int, microbatches: int, costs=None, memory_limit=None, 
                 stuck = exc                         # this variant got stuck: the others compete
                 continue
             candidates.append(Schedule(pp, vpp, microbatches, kind, orders, name="zb-auto"))
-    # The handcrafted orders compete too, so the search never loses to one that fits.
+    # The handcrafted orders compete too, so the search never loses to one that fits; and each
+    # one's F / I order with its W placed by the heuristic (B split into I and W).
     for name in HANDCRAFTED.get(vpp, ()):
         try:
             hand = build_schedule(name, pp=pp, vpp=vpp, microbatches=microbatches)
         except ScheduleError:                       # its constraints exclude (pp, m)
             continue
-        if hand.placement_kind not in kinds:
+        kind = hand.placement_kind
+        if kind not in kinds:
             continue
-        candidates.append(Schedule(pp, vpp, microbatches, hand.placement,
-                                   [hand.compute_order(r) for r in range(pp)], name="zb-auto"))
+        orders = [hand.compute_order(r) for r in range(pp)]
+        candidates.append(Schedule(pp, vpp, microbatches, kind, orders, name="zb-auto"))
+        if any(a.op not in (F, B, I, W) for o in orders for a in o):
+            continue                                # overlapped pairs: kept as they are
+        for fill in ("fit", "eager"):
+            try:
+                follow = greedy_order(pp, microbatches, costs, limits, True, fill, "none",
+                                      "deep", vpp, kind, follow=orders)
+            except StuckError as exc:
+                stuck = exc
+                continue
+            candidates.append(Schedule(pp, vpp, microbatches, kind, follow, name="zb-auto"))
     best, seen = None, set()
     for s in candidates:
         key = (s.placement, tuple(tuple(s.compute_order(r)) for r in range(pp)))
