@@ -95,10 +95,18 @@ def search(args, first, limit: float, pp: int):
             print(f"  vpp {vpp}: {exc}", flush=True)
             continue
         r, _ = predict(s.with_recv_lookahead(1), layout, first)
+        hand = []                                   # the benchmark's hand-made ones, same vpp
+        for name, v in HANDMADE:
+            if v == vpp:
+                h, _ = predict(model_config(args, name, pp, vpp).build_schedule(), layout, first)
+                if max(h.peak_memory) <= limit * (1 + 1e-9):
+                    hand.append((h.makespan, name))
         print(f"  vpp {vpp}: predicted {r.makespan * 1e3:.0f} ms, peak "
               f"{max(r.peak_memory) / 1e6:.2f} MB, {s.placement_kind} placement"
               + (f", {same}'s order" if (same := same_as_handmade(s, pp, args.microbatches))
-                 else ""), flush=True)
+                 else "")
+              + (f" (fastest hand-made of vpp {vpp} under the limit: {min(hand)[1]} "
+                 f"{min(hand)[0] * 1e3:.0f} ms)" if hand else ""), flush=True)
         if max(r.peak_memory) <= limit * (1 + 1e-9) and (best is None or r.makespan < best[1]):
             best = (s, r.makespan)
     return best
