@@ -24,17 +24,25 @@ def random_costs(draw, pp, comm=True):
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(data=st.data(), pp=st.integers(1, 6), m=st.integers(1, 16), budget=st.floats(1.0, 2.5))
+@given(data=st.data(), pp=st.integers(1, 6), m=st.integers(1, 16), budget=st.floats(1.0, 2.5),
+       mode=st.sampled_from([("async", 0, None), ("async", 0, None), ("rendezvous", 1, None),
+                             ("rendezvous", 1, 1.5)]))
 def test_peak_never_exceeds_the_limit_and_no_handcrafted_schedule_that_fits_is_faster(
-        data, pp, m, budget):
+        data, pp, m, budget, mode):
+    """Also as pipeexec's benchmark searches (rendezvous transfers, receives one computation
+    early, ranks sharing 1.5 cores): compared in the mode searched."""
+    comm, lookahead, cores = mode
     costs = random_costs(data.draw, pp)
     limit = budget * pp                      # between ~ZB-1p (pp microbatches) and beyond ZB-2p
-    s = pipesim.build_schedule("zb-auto", pp=pp, microbatches=m, costs=costs, memory_limit=limit)
+    s = pipesim.build_schedule("zb-auto", pp=pp, microbatches=m, costs=costs, memory_limit=limit,
+                               comm=comm, lookahead=lookahead, cores=cores)
     s.validate()
-    r = simulate(s, costs)
+    r = simulate(s.with_recv_lookahead(lookahead), costs, comm=comm, cores=cores)
     assert max(r.peak_memory) <= limit + 1e-9
     for name in ("1f1b", "zb-h1", "zb-h2"):
-        hand = simulate(pipesim.build_schedule(name, pp=pp, microbatches=m), costs)
+        hand = simulate(pipesim.build_schedule(name, pp=pp, microbatches=m,
+                                               recv_lookahead=lookahead),
+                        costs, comm=comm, cores=cores)
         if max(hand.peak_memory) <= limit:
             assert r.makespan <= hand.makespan + 1e-9, name
 
