@@ -191,3 +191,31 @@ def test_followed_order_keeps_f_and_i_and_only_places_w(name, vpp):
     assert max(r.peak_memory) <= limit
     if name == "1f1b":
         assert r.makespan == pytest.approx(3 * m + pp - 1)
+
+
+def test_margin_keeps_the_handcrafted_order_unless_the_search_gains_more():
+    """pp 4, m 8, uneven stages, a limit of 5 microbatches: the search beats the handcrafted
+    schedules that fit by a few percent (3.6%); with a margin above that gain zb-auto returns the
+    fastest of them, with a smaller one the searched order."""
+    costs = CostModel(forward=[1.0, 1.2, 0.8, 1.0], backward_input=[1.0, 1.5, 1.0, 0.7],
+                      backward_weight=[0.5, 0.9, 0.4, 0.6], activation_bytes=1.0)
+    pp, m, limit = 4, 8, 5.0
+    hands = {}
+    for name in ("1f1b", "zb-h1", "zb-h2"):
+        r = simulate(pipesim.build_schedule(name, pp=pp, microbatches=m), costs)
+        if max(r.peak_memory) <= limit:
+            hands[name] = r.makespan
+    searched = simulate(pipesim.build_schedule("zb-auto", pp=pp, microbatches=m, costs=costs,
+                                               memory_limit=limit), costs).makespan
+    fastest = min(hands, key=hands.get)
+    gain = hands[fastest] / searched - 1
+    assert gain > 0
+    kept = pipesim.build_schedule("zb-auto", pp=pp, microbatches=m, costs=costs,
+                                  memory_limit=limit, margin=gain + 0.01)
+    hand = pipesim.build_schedule(fastest, pp=pp, microbatches=m)
+    assert all(kept.compute_order(r) == hand.compute_order(r) for r in range(pp))
+    small = pipesim.build_schedule("zb-auto", pp=pp, microbatches=m, costs=costs,
+                                   memory_limit=limit, margin=gain / 2)
+    assert simulate(small, costs).makespan == pytest.approx(searched)
+    with pytest.raises(ScheduleError, match="margin must be a fraction >= 0"):
+        pipesim.build_schedule("zb-auto", pp=pp, microbatches=m, costs=costs, margin=-0.1)

@@ -73,6 +73,10 @@ def _limits(memory_limit, pp: int) -> list[float]:
     return values
 
 
+def _key(s: Schedule) -> tuple:
+    return (s.placement, tuple(tuple(s.compute_order(r)) for r in range(s.pp)))
+
+
 def _placements(pp: int, vpp: int, placement: str | None) -> list[str]:
     allowed = [LOOPED, VSHAPE] if vpp == 2 and pp > 1 else [LOOPED]
     if placement is None:
@@ -272,11 +276,15 @@ def greedy_order(pp: int, m: int, costs, limits: Sequence[float], prefer_i: bool
 def zb_auto_schedule(pp: int, microbatches: int, costs=None, memory_limit=None, *,
                      forward_only: bool = False, comm: str = "async", lookahead: int = 0,
                      vpp: int = 1, placement: str | None = None,
-                     cores: float | None = None) -> Schedule:
+                     cores: float | None = None, margin: float = 0.0) -> Schedule:
     """The best of the heuristic's variants and the handcrafted schedules of the same vpp (see
     the module docstring), each simulated as the schedule will run: with ``comm`` (a
     `pipesim.simulate` mode), its receives posted ``lookahead`` computations early, and, where
-    the ranks share ``cores`` processors, processor sharing (`pipesim.simulate`'s ``cores``)."""
+    the ranks share ``cores`` processors, processor sharing (`pipesim.simulate`'s ``cores``).
+
+    ``margin``: keep the fastest handcrafted order that fits unless a searched one is simulated
+    faster by more than this fraction of its step (e.g. the accuracy of the costs' predictions:
+    a gain inside it is not one to trust)."""
     from ...costs import CostModel
     from ...engine import simulate
     from ..registry import build_schedule
@@ -291,7 +299,9 @@ def zb_auto_schedule(pp: int, microbatches: int, costs=None, memory_limit=None, 
         raise ScheduleError(f"zb-auto: {exc} (pp * vpp = {n} stages)") from None
     limits = _limits(memory_limit, pp)
     kinds = _placements(pp, vpp, placement)
-    candidates, stuck = [], None
+    if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not margin >= 0:
+        raise ScheduleError(f"zb-auto: margin must be a fraction >= 0 (0.05: 5%), got {margin!r}")
+    candidates, stuck, handcrafted = [], None, set()
     for kind in kinds:
         for prefer_i, fill, cap, chunk in VARIANTS:
             if vpp == 1 and chunk != "deep":
@@ -314,7 +324,9 @@ def zb_auto_schedule(pp: int, microbatches: int, costs=None, memory_limit=None, 
         if kind not in kinds:
             continue
         orders = [hand.compute_order(r) for r in range(pp)]
-        candidates.append(Schedule(pp, vpp, microbatches, kind, orders, name="zb-auto"))
+        as_is = Schedule(pp, vpp, microbatches, kind, orders, name="zb-auto")
+        handcrafted.add(_key(as_is))
+        candidates.append(as_is)
         if any(a.op not in (F, B, I, W) for o in orders for a in o):
             continue                                # overlapped pairs: kept as they are
         for fill in ("fit", "eager"):
@@ -325,9 +337,9 @@ def zb_auto_schedule(pp: int, microbatches: int, costs=None, memory_limit=None, 
                 stuck = exc
                 continue
             candidates.append(Schedule(pp, vpp, microbatches, kind, follow, name="zb-auto"))
-    best, seen = None, set()
+    best, best_hand, seen = None, None, set()
     for s in candidates:
-        key = (s.placement, tuple(tuple(s.compute_order(r)) for r in range(pp)))
+        key = _key(s)
         if key in seen:                  # variants often agree: simulate each order once
             continue
         seen.add(key)
@@ -337,9 +349,13 @@ def zb_auto_schedule(pp: int, microbatches: int, costs=None, memory_limit=None, 
         rank = (round(r.makespan, 12), max(r.peak_memory))
         if best is None or rank < best[0]:
             best = (rank, s)
+        if key in handcrafted and (best_hand is None or rank < best_hand[0]):
+            best_hand = (rank, s)
     if best is None:
         raise ScheduleError(f"zb-auto: no variant fits under memory_limit {list(limits)}; raise it"
                             + (f" (last variant stuck: {stuck})" if stuck else ""))
+    if margin > 0 and best_hand is not None and best_hand[0][0] <= best[0][0] * (1 + margin):
+        best = best_hand                 # the searched gain is inside the margin
     s = best[1]
     if forward_only:
         return Schedule(pp, vpp, microbatches, s.placement,
@@ -352,16 +368,18 @@ def zb_auto_schedule(pp: int, microbatches: int, costs=None, memory_limit=None, 
           constraints="vpp == 1 (looped), or vpp == 2 (looped or V, the best of both unless "
                       "placement= says); options costs=CostModel of pp * vpp stages, "
                       "memory_limit=bytes per rank (pp * activation_bytes: ZB-1p, twice that: "
-                      "ZB-2p), cores= when the ranks share that many processors",
+                      "ZB-2p), cores= when the ranks share that many processors, "
+                      "margin= what a searched order must gain over the handcrafted ones",
           description="Zero Bubble's automatic schedule: greedy variants over F / I / W from a "
                       "cost model under a per-rank memory limit, with the handcrafted schedules "
                       "of the same vpp; best simulated step kept")
 def zb_auto(pp: int, vpp: int, microbatches: int, *, forward_only: bool = False, costs=None,
             memory_limit=None, comm: str = "async", lookahead: int = 0,
-            placement: str | None = None, cores: float | None = None) -> Schedule:
+            placement: str | None = None, cores: float | None = None,
+            margin: float = 0.0) -> Schedule:
     if vpp not in (1, 2):
         raise ScheduleError(f"zb-auto needs vpp == 1 or 2 (one or two stages per rank), got "
                             f"vpp = {vpp}")
     return zb_auto_schedule(pp, microbatches, costs, memory_limit, forward_only=forward_only,
                             comm=comm, lookahead=lookahead, vpp=vpp, placement=placement,
-                            cores=cores)
+                            cores=cores, margin=margin)
