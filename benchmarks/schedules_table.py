@@ -26,7 +26,7 @@ CONSTRAINTS = {  # in short; `pipesim list` has the full text
     "dualpipe": "p even, m even ≥ 2p; vpp = 1 (each rank holds a second copy)",
     "v-half": "vpp = 2",
     "v-min": "vpp = 2",
-    "zb-auto": "vpp = 1; costs, memory_limit (here p: ZB-1p)",
+    "zb-auto": "vpp = 1 or 2 (looped or V); costs, memory_limit (here p: ZB-1p)",
 }
 FORMULAS = {  # bubble_fraction (Megatron: idle / ideal compute) on uniform stages, m large enough
     "gpipe": "(p-1)/m",
@@ -69,7 +69,7 @@ def main() -> None:
             except ScheduleError:
                 continue
         r = pipesim.simulate(s, costs)
-        print(f"| {name} | {info.placement} | {CONSTRAINTS.get(name, info.constraints)} | {FORMULAS.get(name, '')} | {vpp} "
+        print(f"| {name} | {s.placement_kind} | {CONSTRAINTS.get(name, info.constraints)} | {FORMULAS.get(name, '')} | {vpp} "
               f"| {r.makespan:g} | {r.bubble_fraction:.4f} | {r.bubble_rate:.4f} "
               f"| {r.peak_inflight[0]} | {max(r.peak_memory):g} |")
 

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 from .calibrate import fit_run
 from .compare import compare_runs
 from .measured import MeasuredRun, build_trace
-from .predict import layout_of, predict
+from .predict import layout_of, predict, prediction_costs
 from .run_plan import Layout, RunPlan
 
 _LAZY = {"ClockAlignmentError": "clock", "ClockOffset": "clock", "align_clocks": "clock",
@@ -34,7 +34,7 @@ _LAZY = {"ClockAlignmentError": "clock", "ClockOffset": "clock", "align_clocks":
          "parse_step_range": "options"}
 
 __all__ = sorted(["Layout", "MeasuredRun", "RunPlan", "build_trace", "compare_runs", "fit_run",
-                  "layout_of", "predict", *_LAZY])
+                  "layout_of", "predict", "prediction_costs", *_LAZY])
 
 if TYPE_CHECKING:
     from .clock import ClockAlignmentError, ClockOffset, align_clocks

@@ -45,23 +45,31 @@ def predict(schedule: "pipesim.Schedule", layout: Layout, calibration_run: Measu
     executor's rendezvous, where a transfer starts when both sides have posted.
 
     ``contention`` (default: when the calibration run recorded CPU work, i.e. on CPU, and its
-    ranks competed for cores, `contention.shares_cores`): model ranks sharing cores. Costs are then the CPU work per (op, stage), and the simulation shares
-    the calibration run's effective core count among the ranks computing at each moment of the
-    *target* schedule (``pipesim.simulate(cores=...)``, processor sharing); otherwise per-stage
-    wall-time means.
+    ranks competed for cores, `contention.shares_cores`): model ranks sharing cores. Costs are
+    then the CPU work per (op, stage), and the simulation shares the calibration run's
+    effective core count among the ranks computing at each moment of the *target* schedule
+    (``pipesim.simulate(cores=...)``, processor sharing); otherwise per-stage wall-time means.
     """
+    cal = prediction_costs(layout, calibration_run, steps, contention=contention)
+    return pipesim.simulate(schedule, cal.costs, comm=comm, cores=cal.cores), cal
+
+
+def prediction_costs(layout: Layout, calibration_run: MeasuredRun,
+                     steps: list[int] | None = None, *, contention: bool | None = None
+                     ) -> Calibration:
+    """The calibration `predict` simulates with: ``costs`` for ``layout``, and ``cores`` (None
+    unless the ranks share cores), so that a search (zb-auto's ``cores=``) ranks candidate
+    schedules as they will be predicted."""
     if steps is None:
         steps = calibration_run.central_steps()
     if contention is None:
         contention = has_cpu_times(calibration_run) and shares_cores(calibration_run.meta)
     if not contention:
-        cal = calibrate(calibration_run, layout, steps)
-        return pipesim.simulate(schedule, cal.costs, comm=comm), cal
+        return calibrate(calibration_run, layout, steps)
     cal = calibrate(calibration_run, layout, steps, work=True)
     trace = calibration_run.trace
-    cores = effective_cores(trace[trace["step"].isin(steps)])
-    cal.model, cal.cores = "processor-sharing", cores
-    return pipesim.simulate(schedule, cal.costs, comm=comm, cores=cores), cal
+    cal.model, cal.cores = "processor-sharing", effective_cores(trace[trace["step"].isin(steps)])
+    return cal
 
 
 def layout_of(config: Any, spec: Any = None) -> Layout:

@@ -3,8 +3,9 @@
 ``pipeexec train --schedule zb-auto --memory-limit X`` trains its first steps with ZB-H1 (its
 split backward measures F, I and W of every stage), profiling steps ``1 .. reschedule_after``
 (step 0 warms up). Then, on every rank at the same step: rank 0 fits a cost model to the
-profiled steps (:func:`pipeexec.profile.calibrate.calibrate`), searches zb-auto under the limit
-and predicts its step time (the simulator, the executor's rendezvous communication); the
+profiled steps as predictions do (:func:`pipeexec.profile.predict.prediction_costs`: wall
+times, or CPU work and the shared cores where the ranks competed), searches zb-auto under the
+limit and predicts its step time (the simulator, the executor's rendezvous communication); the
 schedule is broadcast as data, validated, and every rank switches to it
 (`Trainer.set_schedule`). The log shows the measured step time before, the predicted one, and
 the measured steps after. Memory is counted as the calibrated model counts it (on CPU: the
@@ -21,27 +22,27 @@ import torch.distributed as dist
 import pipesim
 from pipesim.schedule.io import schedule_from_dict, schedule_to_dict
 
-from .calibrate import calibrate
 from .measured import MeasuredRun
-from .predict import EXECUTOR_COMM
+from .predict import EXECUTOR_COMM, prediction_costs
 
 PROFILED_SCHEDULE = "zb-h1"
 
 
 def search_from_run(run: MeasuredRun, memory_limit: float, recv_lookahead: int = 1
                     ) -> tuple[pipesim.Schedule, dict]:
-    """zb-auto for ``run``'s layout from its measured costs, searched and predicted as the
-    executor runs it (rendezvous transfers, receives posted ``recv_lookahead`` early);
+    """zb-auto for ``run``'s layout from its measured costs, searched and predicted as
+    `pipeexec.profile.predict` predicts the executor (rendezvous transfers, receives posted
+    ``recv_lookahead`` early, processor sharing where the ranks shared cores);
     (schedule, what was decided)."""
     steps = run.central_steps()
-    cal = calibrate(run, steps=steps)
+    cal = prediction_costs(run.plan.layout, run, steps)   # with the shared cores, on CPU
     m = run.meta
     schedule = pipesim.build_schedule("zb-auto", pp=m["pp"], microbatches=m["microbatches"],
                                       costs=cal.costs, memory_limit=memory_limit,
                                       comm=EXECUTOR_COMM, lookahead=recv_lookahead,
-                                      recv_lookahead=recv_lookahead)
-    predicted = pipesim.simulate(schedule, cal.costs, comm=EXECUTOR_COMM)
-    before = pipesim.simulate(run.schedule, cal.costs, comm=EXECUTOR_COMM)
+                                      recv_lookahead=recv_lookahead, cores=cal.cores)
+    predicted = pipesim.simulate(schedule, cal.costs, comm=EXECUTOR_COMM, cores=cal.cores)
+    before = pipesim.simulate(run.schedule, cal.costs, comm=EXECUTOR_COMM, cores=cal.cores)
     makespans = run.makespans()
     info = {"profiled": run.schedule.name, "steps": list(steps),
             "measured_before_s": statistics.mean(makespans[s] for s in steps),

@@ -15,60 +15,41 @@ order, each as late as that order allows (before its own consumer, and before th
 every later transfer from that peer). A receive only moves earlier, never below its consumer,
 and never above what it needs (a gradient's receive comes after the forward whose output it
 matches: in any valid run the peer sends it only after that forward). :func:`check_single_channel`
-says where a list of actions breaks the order.
+says where a list of actions breaks the order: the FIFO model of :mod:`.channels` with one FIFO
+per direction between two ranks (`torch_channel`).
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Hashable
 
-from ..errors import ScheduleError
 from .action import B, F, I, RECV_B, RECV_F, SEND_B, SEND_F, Action
-from .comms import peer_stage
-
-if TYPE_CHECKING:
-    from .schedule import Schedule
+from .channels import ChannelError, Transfer, check_channels
+from .schedule import Schedule
 
 
-def _transfers(schedule: "Schedule", rank: int, lists: list[list[Action]]):
-    """Per peer, the transfers rank sends ("out") and receives ("in"), in list order, each named
-    by (direction, receiving stage, microbatch)."""
-    out: dict[int, list[tuple]] = {}
-    inn: dict[int, list[tuple]] = {}
-    for a in lists[rank]:
-        if a.op in (SEND_F, SEND_B):
-            peer = schedule.stage_rank(peer_stage(a))
-            out.setdefault(peer, []).append((a.op[-1], peer_stage(a), a.microbatch))
-        elif a.op in (RECV_F, RECV_B):
-            peer = schedule.stage_rank(peer_stage(a))
-            inn.setdefault(peer, []).append((a.op[-1], a.stage, a.microbatch))
-    return out, inn
+def torch_channel(t: Transfer) -> Hashable:
+    """torch's runtime on one untagged group: the messages from one rank to another match in
+    posting order, activations and gradients alike (each direction its own FIFO)."""
+    return (t.src, t.dst)
 
 
 def check_single_channel(schedule: "Schedule", lists: list[list[Action]] | None = None) -> None:
-    """Raise ScheduleError where some rank posts its receives from a peer in another order than
-    the peer posts the sends (``lists``: per-rank actions; default ``schedule.actions``)."""
-    lists = lists if lists is not None else [schedule.actions(r) for r in range(schedule.pp)]
-    sent = [_transfers(schedule, r, lists)[0] for r in range(schedule.pp)]
-    for b in range(schedule.pp):
-        _, inn = _transfers(schedule, b, lists)
-        for a in sorted(set(inn) | {p for p in range(schedule.pp) if b in sent[p]}):
-            theirs, mine = sent[a].get(b, []), inn.get(a, [])
-            for k, (x, y) in enumerate(zip(theirs, mine)):
-                if x != y:
-                    raise ScheduleError(
-                        f"rank {a} -> rank {b}: transfer {k + 1} is {_name(x)} on the sender but "
-                        f"{_name(y)} on the receiver; torch.distributed.pipelining matches untagged "
-                        "messages between two ranks in posting order and would pair the wrong "
-                        "tensors (export with schedule_to_csv(..., with_comms=True), which orders "
-                        "the receives for it)")
-            if len(theirs) != len(mine):
-                raise ScheduleError(f"rank {a} sends {len(theirs)} transfers to rank {b}, which "
-                                    f"posts {len(mine)} receives from it")
-
-
-def _name(t: tuple) -> str:
-    d, s, mb = t
-    return f"{'activation' if d == 'F' else 'gradient'} {s - 1 if d == 'F' else s + 1}->{s} of microbatch {mb}"
+    """Raise `ChannelError` (a ScheduleError) where some rank posts its receives from a peer in
+    another order than the peer posts the sends, or the transfers, so matched, never complete
+    (``lists``: per-rank actions; default ``schedule.actions``): `check_channels` over
+    `torch_channel`."""
+    if lists is not None:
+        schedule = Schedule(schedule.pp, schedule.vpp, schedule.num_microbatches,
+                            schedule.placement, lists, name=schedule.name,
+                            forward_only=schedule.forward_only)
+    try:
+        check_channels(schedule, torch_channel)
+    except ChannelError as exc:
+        raise ChannelError(
+            f"{exc}; torch.distributed.pipelining matches untagged messages so too, and would "
+            "pair the wrong tensors or wait forever (export with "
+            "schedule_to_csv(..., with_comms=True), which orders the receives for it)",
+            exc.rank, exc.action, exc.peer, exc.kind) from None
 
 
 def single_channel_actions(schedule: "Schedule") -> list[list[Action]]:
