@@ -429,5 +429,8 @@ def test_no_module_reads_another_objects_private_state():
              for p in root.rglob("*.py")
              for n, line in enumerate(p.read_text().splitlines(), 1)
              for m in pattern.finditer(line)
-             if m.group(1) not in ("self", "cls", "torch", "cuda", "dist", "os", "sys")]
+             if m.group(1) not in ("self", "cls", "torch", "cuda", "dist", "os", "sys")
+             # transformers' attention switch on its configs: underscored, yet the one its
+             # documentation names for choosing an implementation (AttentionInterface)
+             and not m.group(0).endswith("._attn_implementation")]
     assert not found, found
