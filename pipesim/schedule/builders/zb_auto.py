@@ -146,6 +146,7 @@ def greedy_order(pp: int, m: int, costs, limits: Sequence[float], prefer_i: bool
         follow = [[Action(I if a.op == B else a.op, a.stage, a.microbatch) for a in order
                    if a.op != W] for order in follow]
     pos = [0] * pp                       # next action of each rank's followed order
+    w_left = [m * len(stages_of[r]) for r in range(pp)]    # W passes each rank has still to run
 
     def in_turn(s: int, op: str) -> bool:
         if op == F:
@@ -192,6 +193,7 @@ def greedy_order(pp: int, m: int, costs, limits: Sequence[float], prefer_i: bool
         else:
             end, k = start + tw[s], nw[s]
             nw[s] += 1
+            w_left[r] -= 1
             mem[r] -= keep[s]
             held[r] -= 1
         free[r] = end
@@ -205,7 +207,7 @@ def greedy_order(pp: int, m: int, costs, limits: Sequence[float], prefer_i: bool
         run(r, W, pending_w[r].pop(0), free[r])
 
     while True:
-        live = [r for r in range(pp) if any(nw[s] < m for s in stages_of[r])]
+        live = [r for r in range(pp) if w_left[r]]
         if not live:
             break
         awake = [r for r in live if not blocked[r]]
@@ -217,7 +219,7 @@ def greedy_order(pp: int, m: int, costs, limits: Sequence[float], prefer_i: bool
                                  "raise the limit")
             run_w(r)
             continue
-        r = min(awake, key=lambda q: (free[q], q))
+        r = min(awake, key=free.__getitem__)      # ties: the lowest rank (awake ascends)
         e = free[r]
         fs, is_ = [], []                 # (ready time, preference, stage) of each candidate
         if follow is None:
