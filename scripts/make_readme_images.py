@@ -30,8 +30,13 @@ SINGLE = ("1f1b", "interleaved", "zb-h1", "zbv")
 
 def simulate(name: str, pp: int, m: int):
     v = 2 if pipesim.schedule_info(name).placement == "v" else VPP.get(name, 1)
-    schedule = pipesim.build_schedule(name, pp=pp, microbatches=m, vpp=v)
-    # One "microbatch of activations" per rank per microbatch: each chunk holds 1/v of it.
+    try:
+        schedule = pipesim.build_schedule(name, pp=pp, microbatches=m, vpp=v)
+    except pipesim.ScheduleError:       # dualpipe: one model part per rank (and its copy)
+        schedule = pipesim.build_schedule(name, pp=pp, microbatches=m, vpp=1)
+    # One "microbatch of activations" per rank per microbatch: each model part a rank holds
+    # computes and keeps 1/parts of it.
+    v = schedule.parts_per_rank
     costs = CostModel.uniform(1.0 / v, 2.0 / v, activation_bytes=1.0 / v)
     return pipesim.simulate(schedule, costs)
 
