@@ -19,6 +19,7 @@ from .options import option as _opt
 PRECISIONS = ("fp32", "bf16", "fp16")
 PARTITIONS = ("layers", "params")
 RECOMPUTE = ("none", "selective", "full")
+PLACEMENT_CHOICES = ("looped", "v")       # pipesim.schedule.placement.PLACEMENTS
 
 
 class ConfigError(ValueError):
@@ -52,8 +53,15 @@ class LayoutConfig:
         None, "with --schedule zb-auto: profile --reschedule-after steps of ZB-H1, search "
         "zb-auto from the measured costs under this per-rank limit (e.g. 2GB), switch to it",
         type=_bytes, metavar="BYTES")
-    reschedule_after: int = _opt(2, "with --memory-limit: profiled steps of ZB-H1 before "
+    reschedule_after: int = _opt(2, "with --memory-limit: profiled steps (ZB-H1; at --vpp 2 "
+                                 "ZB-V, or zb-auto's uniform-cost order when looped) before "
                                  "zb-auto takes over", type=int, metavar="K")
+    # zb-auto at vpp 2 may put a rank's two stages looped (s % pp) or in a V; the stages are cut
+    # before the first step, so a search from the run's own costs keeps the placement it has
+    placement: str | None = _opt(
+        None, "with --schedule zb-auto --vpp 2: where its stages sit, looped (Megatron's "
+        "interleaved) or v (ZB-V's); default: both searched, or v with --memory-limit (the "
+        "profiled ZB-V's placement)", choices=PLACEMENT_CHOICES)
     pp: int = _opt(1, "pipeline ranks", type=int)
     vpp: int = _opt(1, "stages (chunks) per pipeline rank", type=int)
     dp: int = _opt(1, "data-parallel replicas", type=int)
@@ -350,8 +358,10 @@ class TrainConfig:
                                   f"it), got schedule {self.schedule!r}")
             if not self.memory_limit > 0:
                 raise ConfigError(f"memory_limit must be > 0 bytes, got {self.memory_limit!r}")
-            if self.vpp != 1 or self.forward_only:
-                raise ConfigError("zb-auto with a memory_limit trains with vpp = 1")
+            if self.vpp not in (1, 2) or self.forward_only:
+                raise ConfigError(f"zb-auto with a memory_limit trains with vpp = 1 or 2 and a "
+                                  f"backward, got vpp = {self.vpp}"
+                                  + (" and forward_only" if self.forward_only else ""))
             if not isinstance(self.reschedule_after, int) or self.reschedule_after < 1:
                 raise ConfigError(f"reschedule_after must be a positive integer, got "
                                   f"{self.reschedule_after!r}")
@@ -359,6 +369,14 @@ class TrainConfig:
                 raise ConfigError(f"steps = {self.steps}: zb-auto profiles steps 1.."
                                   f"{self.reschedule_after} (after a warm-up step) before it "
                                   f"searches, so it needs steps >= {self.reschedule_after + 2}")
+        if self.placement is not None:
+            if self.placement not in PLACEMENT_CHOICES:
+                raise ConfigError(f"placement must be one of {', '.join(PLACEMENT_CHOICES)}, got "
+                                  f"{self.placement!r}")
+            if self.schedule != "zb-auto" or self.vpp != 2:
+                raise ConfigError(f"placement chooses where zb-auto puts its stages at vpp = 2; "
+                                  f"got schedule {self.schedule!r} with vpp = {self.vpp} (the "
+                                  "other schedules fix their own placement)")
         if check_schedule:
             self.build_schedule()
         return self
@@ -412,9 +430,10 @@ class TrainConfig:
 
         if self.schedule.endswith((".json", ".csv")):
             return self._schedule_from_file()
+        options = {} if self.placement is None else {"placement": self.placement}
         schedule = pipesim.build_schedule(self.schedule, pp=self.pp, microbatches=self.microbatches,
                                           vpp=self.vpp, forward_only=self.forward_only,
-                                          recv_lookahead=self.recv_lookahead)
+                                          recv_lookahead=self.recv_lookahead, **options)
         return schedule.validate()
 
     def _schedule_from_file(self):

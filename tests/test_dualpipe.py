@@ -218,3 +218,14 @@ def test_simulate_schedule_files_and_zb_auto_limit(tmp_path, capsys):
     assert "memory_limit 0.5 bytes on rank 0 is below" in capsys.readouterr().err
     assert main(["simulate", "1f1b", "--pp", "2", "--memory-limit", "1GB"]) == 2
     assert "--memory-limit applies to zb-auto only" in capsys.readouterr().err
+    # --placement narrows zb-auto's vpp-2 search to one placement; the others fix their own
+    for placement, last_rank in (("looped", 1), ("v", 0)):   # the rank of stage 3 (of 4)
+        trace = tmp_path / f"zb-auto-{placement}.csv"
+        assert main(["simulate", "zb-auto", "--pp", "2", "--vpp", "2", "-m", "4",
+                     "--placement", placement, "--trace-csv", str(trace)]) == 0
+        rows = [line.split(",") for line in trace.read_text().splitlines()[1:]]
+        assert {int(r[0]) for r in rows if r[2] == "3"} == {last_rank}
+    assert main(["simulate", "zbv", "--pp", "2", "--vpp", "2", "--placement", "v"]) == 2
+    assert "--placement applies to zb-auto only" in capsys.readouterr().err
+    assert main(["simulate", str(tmp_path / "d.json"), "--placement", "v"]) == 2
+    assert "--placement applies to a named schedule" in capsys.readouterr().err

@@ -50,11 +50,8 @@ def run_training(board: ActionBoard | None, config: TrainConfig, metrics_out: st
                                      topology)
         first = None
         if auto:
-            from ..profile.reschedule import PROFILED_SCHEDULE
-            import pipesim
-            first = pipesim.build_schedule(PROFILED_SCHEDULE, pp=config.pp,
-                                           microbatches=config.microbatches,
-                                           recv_lookahead=config.recv_lookahead)
+            from ..profile.reschedule import profiled_schedule
+            first = profiled_schedule(config)
         trainer = Trainer(config, topology, board=board, schedule=first,
                           recorder=None if session is None else session.profiler)
         if session is not None:

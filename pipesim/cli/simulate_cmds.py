@@ -6,6 +6,7 @@ import re
 import sys
 
 from ..costs import CostModel
+from ..schedule.placement import PLACEMENTS
 from .plan_cmds import add_plan_args, cmd_simulate_plan, explicit_flags, wants_plan
 
 _SIZE = re.compile(r"^\s*([0-9.eE+-]+)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
@@ -78,6 +79,9 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--forward-only", action="store_true", help="inference: forwards only")
     p.add_argument("--memory-limit", type=parse_bytes, default=None, metavar="BYTES",
                    help="zb-auto: per-rank memory limit its search keeps under (e.g. 40GB)")
+    p.add_argument("--placement", choices=PLACEMENTS, default=None,
+                   help="zb-auto at --vpp 2: search only this placement of the stages (default: "
+                   "both, the faster kept)")
     _add_cost_args(p)
     p.add_argument("--jitter", type=float, default=0.0, help="relative compute-time noise, seeded")
     p.add_argument("--seed", type=int, default=0, help="seed of --jitter")
@@ -127,17 +131,20 @@ def cmd_simulate(args: argparse.Namespace) -> int:
             raise ValueError(f"{args.name}: --recv-lookahead moves inserted receives; this file "
                              "places its SEND/RECV actions itself")
         schedule = schedule.with_recv_lookahead(args.recv_lookahead)
-        if args.forward_only:
-            raise ValueError(f"{args.name}: --forward-only applies to a named schedule; a file "
-                             "holds its own actions")
+        for flag, value in (("--forward-only", args.forward_only),
+                            ("--memory-limit", args.memory_limit), ("--placement", args.placement)):
+            if value:
+                raise ValueError(f"{args.name}: {flag} applies to a named schedule; a file "
+                                 "holds its own actions")
     else:
         options = {}
         if args.name == "zb-auto":      # its search needs the costs it will be simulated with
-            options = {"memory_limit": args.memory_limit,
+            options = {"memory_limit": args.memory_limit, "placement": args.placement,
                        "costs": source(args.pp * args.vpp, args.micro_batch_size)
                        if callable(source) else source}
-        elif args.memory_limit is not None:
-            raise ValueError("--memory-limit applies to zb-auto only")
+        elif args.memory_limit is not None or args.placement is not None:
+            raise ValueError(f"--{'memory-limit' if args.placement is None else 'placement'} "
+                             "applies to zb-auto only (the other schedules fix their own)")
         schedule = build_schedule(args.name, pp=args.pp, microbatches=args.microbatches,
                                   vpp=args.vpp, forward_only=args.forward_only,
                                   recv_lookahead=args.recv_lookahead, **options)

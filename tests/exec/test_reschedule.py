@@ -1,8 +1,12 @@
-"""Profile, re-schedule, run: `--schedule zb-auto --memory-limit X` profiles ZB-H1, searches
-zb-auto from the measured costs, switches every rank to it, and trains on: the losses and
-parameters stay those of single-process training (any valid schedule computes the same step)."""
+"""Profile, re-schedule, run: `--schedule zb-auto --memory-limit X` profiles a split-backward
+schedule (ZB-H1; at vpp 2 ZB-V, or interleaved with I and W apart), searches zb-auto from the
+measured costs in the same placement, switches every rank to it, and trains on: the losses stay
+those of single-process training (any valid schedule computes the same step)."""
 import pytest
 import torch
+
+import pipesim
+from pipesim.schedule.io import schedule_from_dict
 
 from pipeexec import launch
 from pipeexec.config import ConfigError
@@ -18,17 +22,60 @@ def worker(board, config):
     return {"losses": metrics["losses"], "reschedule": metrics.get("reschedule")}
 
 
-def test_zb_auto_from_the_runs_own_costs_trains_like_a_single_process():
-    cfg = TINY.replace(schedule="zb-auto", pp=2, microbatches=4, micro_batch_size=2, steps=5,
-                       memory_limit=1e9, reschedule_after=2)
+@pytest.mark.parametrize("vpp, placement, profiled", [
+    (1, None, "zb-h1"), (2, None, "zbv"), (2, "looped", "interleaved (I+W)")])
+def test_zb_auto_from_the_runs_own_costs_trains_like_a_single_process(vpp, placement, profiled):
+    cfg = TINY.replace(schedule="zb-auto", pp=2, vpp=vpp, placement=placement, microbatches=4,
+                       micro_batch_size=2, steps=5, memory_limit=1e9, reschedule_after=2,
+                       layers=2 * vpp)
     results = launch(worker, 2, (cfg,), timeout=300)
-    ref_losses, _, _ = reference_train(cfg.replace(pp=1, schedule="1f1b", memory_limit=None))
+    ref_losses, _, _ = reference_train(cfg.replace(pp=1, vpp=1, schedule="1f1b", placement=None,
+                                                   memory_limit=None))
     torch.testing.assert_close(torch.tensor(results[0]["losses"]), torch.tensor(ref_losses),
                                rtol=1e-5, atol=0)
     info = results[0]["reschedule"]
-    assert info["profiled"] == "zb-h1" and info["steps"] == [1, 2]
+    assert info["profiled"] == profiled and info["steps"] == [1, 2]
     assert info["predicted_s"] > 0 and max(info["predicted_peak_bytes"]) <= 1e9
     assert len(info["measured_after_s"]) == 2          # steps 3 and 4 ran the searched schedule
+    searched = schedule_from_dict(info["schedule"])           # what ran after the switch
+    assert searched.name == "zb-auto" and searched.parts_per_rank == vpp == info["vpp"]
+    assert searched.placement_kind == info["placement"] == (
+        "v" if vpp == 2 and placement is None else "looped")
+
+
+def test_profiled_looped_schedule_is_interleaved_with_its_backward_split():
+    """Same order and memory as interleaved 1F1B; only each B's halves are timed apart."""
+    from pipesim import CostModel, simulate
+    from pipeexec.profile.reschedule import profiled_schedule
+
+    cfg = TINY.replace(schedule="zb-auto", pp=4, vpp=2, placement="looped", microbatches=8,
+                       steps=5, memory_limit=1e9, layers=8)
+    split = profiled_schedule(cfg)
+    base = pipesim.build_schedule("interleaved", pp=4, vpp=2, microbatches=8)
+    for r in range(4):
+        joined = [a for a in split.compute_order(r) if a.op != "W"]
+        assert [(a.stage, a.microbatch) for a in joined] == \
+            [(a.stage, a.microbatch) for a in base.compute_order(r)]
+        assert [a.op for a in joined] == ["I" if a.op == "B" else a.op
+                                          for a in base.compute_order(r)]
+    costs = CostModel.uniform(1.0, 2.0, activation_bytes=1.0)   # W frees what B would have
+    assert simulate(split, costs).peak_memory == simulate(base, costs).peak_memory
+
+
+def test_placement_needs_zb_auto_at_vpp_2():
+    with pytest.raises(ConfigError, match="placement chooses where zb-auto"):
+        TINY.replace(schedule="zbv", pp=2, vpp=2, microbatches=4, placement="v").validate()
+    with pytest.raises(ConfigError, match="placement chooses where zb-auto"):
+        TINY.replace(schedule="zb-auto", pp=2, microbatches=4, placement="looped").validate()
+    with pytest.raises(ConfigError, match="placement must be one of looped, v"):
+        TINY.replace(schedule="zb-auto", pp=2, vpp=2, microbatches=4, layers=4,
+                     placement="zigzag").validate()
+    with pytest.raises(ConfigError, match="vpp = 1 or 2 and a backward, got vpp = 3"):
+        TINY.replace(schedule="zb-auto", pp=2, vpp=3, microbatches=4, layers=6, steps=5,
+                     memory_limit=1e9).validate()
+    s = TINY.replace(schedule="zb-auto", pp=2, vpp=2, microbatches=4, layers=4,
+                     placement="looped").build_schedule()
+    assert s.placement_kind == "looped"
 
 
 def test_memory_limit_needs_zb_auto_and_enough_steps():
