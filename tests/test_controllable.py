@@ -95,3 +95,38 @@ def test_constraints_in_words():
     for name in ("v-half", "v-min"):
         with pytest.raises(ScheduleError, match=f"{name} needs vpp == 2"):
             pipesim.build_schedule(name, pp=4, microbatches=8)
+
+
+def _naive_squeeze(kind: str, pp: int, m: int) -> dict:
+    """The squeeze as first written: every candidate move re-counts the whole rank's peak (an
+    independent check of the incremental re-count the builder does)."""
+    from pipesim.schedule.builders.controllable import _inputs, _peak, _slots
+
+    slots = _slots(kind, pp, m)
+    at = [{} for _ in range(pp)]
+    for (r, t, k), slot in slots.items():
+        at[r][slot] = t
+    limit = max(_peak(a) for a in at)
+    for key in sorted(slots, key=lambda x: (slots[x], x)):
+        r, t, k = key
+        now = slots[key]
+        earliest = max([slots[d] + 1 for d in _inputs(pp, r, t, k)], default=0)
+        for slot in range(earliest, now):
+            if slot in at[r]:
+                continue
+            del at[r][now]
+            at[r][slot] = t
+            if _peak(at[r]) <= limit:
+                slots[key] = slot
+                break
+            del at[r][slot]
+            at[r][now] = t
+    return slots
+
+
+@settings(max_examples=40, deadline=None)
+@given(kind=st.sampled_from(["v-half", "v-min"]), pp=st.integers(1, 10), m=st.integers(1, 40))
+def test_incremental_squeeze_equals_the_full_recount(kind, pp, m):
+    from pipesim.schedule.builders.controllable import squeezed_slots
+
+    assert squeezed_slots(kind, pp, m) == _naive_squeeze(kind, pp, m)

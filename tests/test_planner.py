@@ -40,12 +40,13 @@ def test_every_enumerated_plan_validates_and_knobs_multiply_to_the_world():
 def test_enumeration_against_an_independent_product_filtered_by_validate():
     """Every combination that Plan.validate accepts (and the planner's stated rules keep) is
     enumerated, and nothing else: the product is walked here with validate() as the oracle."""
-    space = small_space(gpus=4, gbs=8, schedules=("1f1b", "interleaved", "zbv"), mbs=(1, 2),
+    pairs = (("1f1b", 1), ("interleaved", 2), ("zbv", 2), ("dualpipev", 2), ("v-half", 2),
+             ("v-min", 2), ("dualpipe", 1))      # (schedule, vpp: model parts per rank)
+    space = small_space(gpus=4, gbs=8, schedules=tuple(s for s, _ in pairs), mbs=(1, 2),
                         recompute=("none",), zero=(0, 1), cp=(1, 2), vpp=(2,))
     want = set()
     for tp, cp, pp, mbs, zero, (sched, vpp) in itertools.product(
-            (1, 2, 4), (1, 2), (1, 2, 4), (1, 2), (0, 1),
-            (("1f1b", 1), ("interleaved", 2), ("zbv", 2))):
+            (1, 2, 4), (1, 2), (1, 2, 4), (1, 2), (0, 1), pairs):
         if 4 % (tp * cp * pp):
             continue
         dp = 4 // (tp * cp * pp)
@@ -59,12 +60,22 @@ def test_enumeration_against_an_independent_product_filtered_by_validate():
                            micro_batch_size=mbs, global_batch_size=8, zero=zero,
                            sequence_parallel=tp > 1)
         try:
-            plan.validate()
+            plan.validate()                   # builds the schedule: its own constraints
         except ValueError:
             continue
         want.add(plan_key(plan))
-    got = {plan_key(p) for p in enumerate_plans(space).plans}
+    enum = enumerate_plans(space)
+    got = {plan_key(p) for p in enum.plans}
     assert got == want
+    assert {p.schedule for p in enum.plans} == {s for s, _ in pairs}
+    # dualpipev needs m >= 2 pp: at pp 4 and 8 sequences a step there is never enough
+    assert any(r.startswith("dualpipev: its constraints (vpp == 2, microbatches >= 2*pp")
+               for r in enum.refused), enum.refused
+
+
+def test_zb_auto_is_refused_by_the_search_space_with_the_way_to_use_it():
+    with pytest.raises(ValueError, match="run zb-auto on the chosen plan"):
+        small_space(schedules=("1f1b", "zb-auto"))
 
 
 def test_refusals_are_counted_by_reason():
@@ -116,7 +127,8 @@ def test_step_bound_is_the_closed_form_1f1b_on_uniform_stages():
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(gpus=st.sampled_from([2, 4, 8]), gbs=st.sampled_from([4, 8, 16]),
        limit_gib=st.sampled_from([0.35, 0.45, 0.6, 80.0]),
-       schedules=st.lists(st.sampled_from(["gpipe", "1f1b", "interleaved", "zb-h1", "zbv"]),
+       schedules=st.lists(st.sampled_from(["gpipe", "1f1b", "interleaved", "zb-h1", "zbv",
+                                           "dualpipev", "v-half", "v-min", "dualpipe"]),
                           min_size=1, max_size=3, unique=True),
        top=st.sampled_from([1, 3]))
 def test_pruning_never_drops_the_best_plan(gpus, gbs, limit_gib, schedules, top):

@@ -15,10 +15,14 @@ by reason. Rules, as Megatron-LM applies them:
   lets the planner use pipesim's near-even split instead);
 * ``m = gbs / (mbs * dp)`` is a whole number; ep (MoE only) divides the experts and ``dp * cp``;
 * cp splits the sequence into ``2 * cp`` load-balanced chunks;
-* schedules: gpipe, 1f1b, zb-h1, zb-h2 run vpp = 1; zbv vpp = 2; interleaved and looped-bfs
-  vpp > 1 (vpp = 1 is 1f1b / gpipe), interleaved with ``m % pp == 0`` (its default
-  microbatch group of pp); with pp = 1 there is no pipeline, and the first vpp = 1 schedule
-  asked for stands for all of them;
+* schedules: gpipe, 1f1b, zb-h1, zb-h2 and dualpipe (pp model parts, each rank holding a
+  second copy) run vpp = 1; zbv, dualpipev, v-half and v-min vpp = 2; interleaved and
+  looped-bfs vpp > 1 (vpp = 1 is 1f1b / gpipe), interleaved with ``m % pp == 0`` (its default
+  microbatch group of pp); every builder's own constraints hold (e.g. dualpipev's
+  ``m >= 2 pp``; a combination its builder refuses is counted under its name); with pp = 1
+  there is no pipeline, and the first vpp = 1 schedule asked for stands for all of them;
+  zb-auto is not enumerated (its order is searched from one plan's costs under that plan's
+  memory: search the others, then run zb-auto on the chosen plan);
 * sequence parallelism is on whenever tp > 1 (it only saves memory and sends less);
 * selective recomputation is searched only without ``none``: with flash attention (the plans'
   default) it recomputes nothing and keeps what ``none`` keeps, the same plan twice.
@@ -26,6 +30,7 @@ by reason. Rules, as Megatron-LM applies them:
 from __future__ import annotations
 
 from collections import Counter
+from functools import lru_cache
 from dataclasses import dataclass, field
 from typing import Iterator
 
@@ -35,10 +40,29 @@ from ..plan.model import ModelSpec, get_model
 from ..plan.parallelism import Parallelism
 from ..plan.plan import Plan
 
-ALL_SCHEDULES = ("gpipe", "1f1b", "interleaved", "looped-bfs", "zb-h1", "zb-h2", "zbv")
+ALL_SCHEDULES = ("gpipe", "1f1b", "interleaved", "looped-bfs", "zb-h1", "zb-h2", "zbv",
+                 "dualpipev", "v-half", "v-min", "dualpipe")
 _VPP_ONE = ("gpipe", "1f1b", "zb-h1", "zb-h2")
 _VPP_MANY = ("interleaved", "looped-bfs")
-_VPP_TWO = ("zbv",)
+_VPP_TWO = ("zbv", "dualpipev", "v-half", "v-min")
+_COPIES = ("dualpipe",)                  # vpp 1: pp model parts, a copy of another on each rank
+_NOT_ENUMERATED = {"zb-auto": "zb-auto's order is searched from one plan's costs under that "
+                   "plan's memory, so the planner does not enumerate it: search the handcrafted "
+                   "schedules, then run zb-auto on the chosen plan (pipesim simulate zb-auto "
+                   "--plan plan.json --memory-limit ...)"}
+
+
+@lru_cache(maxsize=4096)
+def _refusal(schedule: str, pp: int, vpp: int, m: int) -> str | None:
+    """Why ``schedule``'s builder refuses (pp, vpp, m), as a count key; None when it builds."""
+    from ..errors import ScheduleError
+    from ..schedule.registry import build_schedule, schedule_info
+
+    try:
+        build_schedule(schedule, pp=pp, microbatches=m, vpp=vpp)
+    except ScheduleError:
+        return f"{schedule}: its constraints ({schedule_info(schedule).constraints})"
+    return None
 
 
 def _powers_of_two(limit: int) -> tuple[int, ...]:
@@ -94,6 +118,8 @@ class SearchSpace:
 
         known = schedule_names()
         for s in self.schedules:
+            if s in _NOT_ENUMERATED:
+                raise ValueError(f"search space: {_NOT_ENUMERATED[s]}")
             if s not in known:
                 raise ValueError(f"search space: unknown schedule {s!r}; known: {', '.join(known)}")
         if not self.schedules:
@@ -240,8 +266,8 @@ def _per_layout(space: SearchSpace, cluster: Cluster, tp: int, cp: int, pp: int,
                     refused["dualpipe needs an even pp and an even number of microbatches "
                             ">= 2 pp"] += 1
                     continue
-                if schedule == "zbv" and pp < 2:
-                    refused["zbv needs pp >= 2"] += 1
+                if pp > 1 and (why := _refusal(schedule, pp, vpp, m)) is not None:
+                    refused[why] += 1
                     continue
                 for recompute in space.recompute:
                     if recompute == "selective" and "none" in space.recompute:
@@ -266,7 +292,12 @@ def _schedule_vpps(space: SearchSpace, schedules: list[str], pp: int,
         if schedule in _VPP_ONE:
             yield schedule, 1
         elif schedule in _VPP_TWO:
+            if pp < 2:
+                refused[f"{schedule} needs pp >= 2 (two stages a rank in a V)"] += 1
+                continue
             yield schedule, 2
+        elif schedule in _COPIES:
+            yield schedule, 1
         elif schedule in _VPP_MANY:
             for vpp in space.values("vpp"):
                 if vpp < 2:
@@ -276,5 +307,5 @@ def _schedule_vpps(space: SearchSpace, schedules: list[str], pp: int,
                     refused[f"{schedule} needs pp >= 2 for vpp > 1"] += 1
                     continue
                 yield schedule, vpp
-        else:
+        else:                         # a builder registered elsewhere: one stage a rank
             yield schedule, 1

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import lru_cache
 
 from ..errors import ScheduleError
 from .schedule import Schedule
@@ -66,5 +67,17 @@ def build_schedule(name: str, pp: int, microbatches: int, vpp: int = 1, *,
     for field, value in (("pp", pp), ("vpp", vpp), ("microbatches", microbatches)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ScheduleError(f"{name}: {field} must be a positive integer, got {value!r}")
-    schedule = info.builder(pp, vpp, microbatches, forward_only=forward_only, **options)
+    if options or not isinstance(recv_lookahead, int):   # costs, limits, group sizes: afresh
+        schedule = info.builder(pp, vpp, microbatches, forward_only=forward_only, **options)
+        return schedule.with_recv_lookahead(recv_lookahead)
+    return _built(name, pp, vpp, microbatches, bool(forward_only), recv_lookahead)
+
+
+@lru_cache(maxsize=128)
+def _built(name: str, pp: int, vpp: int, microbatches: int, forward_only: bool,
+           recv_lookahead: int) -> Schedule:
+    """A builder's result for plain arguments, remembered: builders are pure and a Schedule
+    is immutable, and a planner asks for the same (schedule, pp, vpp, m) for every plan that
+    shares them (tp, cp, dp, recomputation, sharding differ). A refusal is raised again."""
+    schedule = _BUILDERS[name].builder(pp, vpp, microbatches, forward_only=forward_only)
     return schedule.with_recv_lookahead(recv_lookahead)

@@ -78,19 +78,24 @@ def _inputs(pp: int, r: int, t: int, k: int) -> list[tuple[int, int, int]]:
     return need
 
 
-def _peak(at: dict[int, int]) -> int:
+def _peak(at: dict[int, int], stop: int | None = None) -> int:
     """Chunk activations held at the peak of one rank whose slots hold passes ``at`` (slot ->
-    pass): an F adds one, a W, run in the first free slot after its I, frees it."""
+    pass): an F adds one, a W, run in the first free slot after its I, frees it. With ``stop``,
+    returns as soon as the peak exceeds it (a move's check needs only that answer)."""
     cur = best = pending = 0
+    get = at.get
     for slot in range(max(at) + 1):
-        t = at.get(slot)
+        t = get(slot)
         if t is None:
             if pending:
                 cur -= 1
                 pending -= 1
         elif t < 2:
             cur += 1
-            best = max(best, cur)
+            if cur > best:
+                best = cur
+                if stop is not None and best > stop:
+                    return best
         else:
             pending += 1
     return best
@@ -106,6 +111,12 @@ def squeezed_slots(kind: str, pp: int, microbatches: int) -> dict[tuple[int, int
     for (r, t, k), slot in slots.items():
         at[r][slot] = t
     limit = max(_peak(a) for a in at)
+    # Each rank's held count and pending frees after every slot: a move from ``now`` to an
+    # earlier ``slot`` changes them only from ``slot`` on, and from the first slot past ``now``
+    # where they agree again with the old ones, nothing after it changes (the same passes in the
+    # same slots). So a move is checked from ``slot`` until that point, not over the whole rank.
+    length = 1 + max(slots.values(), default=0)
+    states = [_states(a, length) for a in at]
     for key in sorted(slots, key=lambda x: (slots[x], x)):
         r, t, k = key
         now = slots[key]
@@ -115,12 +126,59 @@ def squeezed_slots(kind: str, pp: int, microbatches: int) -> dict[tuple[int, int
                 continue
             del at[r][now]
             at[r][slot] = t
-            if _peak(at[r]) <= limit:
+            changed = _recount(at[r], states[r], slot, now, limit)
+            if changed is not None:
+                curs, pends = states[r]
+                for s, c, p in changed:
+                    curs[s], pends[s] = c, p
                 slots[key] = slot
                 break
             del at[r][slot]
             at[r][now] = t
     return slots
+
+
+def _states(at: dict[int, int], length: int) -> tuple[list[int], list[int]]:
+    """(held, pending frees) after each slot of one rank, counted as :func:`_peak` counts."""
+    cur = pending = 0
+    curs, pends = [0] * length, [0] * length
+    for slot in range(length):
+        t = at.get(slot)
+        if t is None:
+            if pending:
+                cur -= 1
+                pending -= 1
+        elif t < 2:
+            cur += 1
+        else:
+            pending += 1
+        curs[slot], pends[slot] = cur, pending
+    return curs, pends
+
+
+def _recount(at: dict[int, int], states: tuple[list[int], list[int]], start: int, now: int,
+             limit: int) -> list[tuple[int, int, int]] | None:
+    """After moving a pass from ``now`` to ``start``: None if the held count exceeds ``limit``
+    somewhere, else the (slot, held, pending) that changed."""
+    curs, pends = states
+    cur, pending = (curs[start - 1], pends[start - 1]) if start else (0, 0)
+    changed = []
+    for slot in range(start, len(curs)):
+        t = at.get(slot)
+        if t is None:
+            if pending:
+                cur -= 1
+                pending -= 1
+        elif t < 2:
+            cur += 1
+            if cur > limit:
+                return None
+        else:
+            pending += 1
+        if slot >= now and cur == curs[slot] and pending == pends[slot]:
+            break
+        changed.append((slot, cur, pending))
+    return changed
 
 
 def block_order(kind: str, rank: int, pp: int, microbatches: int, *,
@@ -161,8 +219,10 @@ def _rank_order(slots: dict[tuple[int, int, int], int], rank: int, pp: int) -> l
 
 def _build(kind: str, pp: int, vpp: int, microbatches: int, forward_only: bool) -> Schedule:
     require_vpp(kind, vpp, 2, " (rank r holds stages r and 2*pp-1-r)")
-    slots = squeezed_slots(kind, pp, microbatches)
-    orders = [_rank_order(slots, r, pp) for r in range(pp)]
+    mine: list[dict] = [{} for _ in range(pp)]          # each rank's passes and their slots
+    for key, slot in squeezed_slots(kind, pp, microbatches).items():
+        mine[key[0]][key] = slot
+    orders = [_rank_order(mine[r], r, pp) for r in range(pp)]
     if forward_only:
         orders = [[a for a in order if a.op == F] for order in orders]
     return Schedule(pp, 2, microbatches, VSHAPE, orders, name=kind, forward_only=forward_only)
