@@ -214,7 +214,9 @@ class SimResult:
         head = []
         if self.schedule is not None:
             s = self.schedule
-            head.append(f"{s.name}: pp={s.pp} vpp={s.vpp} microbatches={s.num_microbatches} "
+            layout = (f"vpp={s.parts_per_rank} ({s.vpp} stages a rank: its part and a copy of "
+                      f"another)" if s.has_copies else f"vpp={s.vpp}")
+            head.append(f"{s.name}: pp={s.pp} {layout} microbatches={s.num_microbatches} "
                         f"({self.source})")
         unit = "units" if unitless else "s"
         head.append(f"makespan {self.makespan:.6g} {unit}   bubble_fraction (Megatron, idle/ideal) "

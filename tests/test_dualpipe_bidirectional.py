@@ -261,6 +261,11 @@ def test_show_prints_routes_and_copies(capsys):
     out = capsys.readouterr().out
     assert "routes: microbatches 0-3 through stages 0..3; microbatches 4-7 through stages 4..7" in out
     assert "copies (tied weights): s4=part 0, s5=part 1, s6=part 2, s7=part 3" in out
+    # simulate names the vpp the user gave (model parts a rank), and the stages it holds
+    assert main(["simulate", "dualpipe", "--pp", "4", "-m", "8"]) == 0
+    head = capsys.readouterr().out.splitlines()[0]
+    assert head.startswith("dualpipe: pp=4 vpp=1 (2 stages a rank: its part and a copy of "
+                           "another) microbatches=8"), head
 
 
 def test_route_errors_name_the_microbatch():
