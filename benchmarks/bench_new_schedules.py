@@ -47,6 +47,7 @@ from pipeexec.profile import compare_runs, layout_of, predict, prediction_costs 
 from pipeexec.profile.compare_cli import profiled_run  # noqa: E402
 from pipeexec.profile.paired import paired_runs  # noqa: E402
 from pipeexec.profile.predict import EXECUTOR_COMM  # noqa: E402
+from pipesim.schedule.builders.zb_auto import handcrafted_origin  # noqa: E402
 from pipesim.schedule.io import schedule_to_json  # noqa: E402
 
 HANDMADE = (("1f1b", 1), ("interleaved", 2), ("zb-h1", 1), ("zbv", 2), ("dualpipev", 2))
@@ -65,21 +66,6 @@ def per_round(run, ref) -> list[float]:
     """run's step over ref's step of the same round, for every profiled step both have."""
     a, b = run.makespans(), ref.makespans()
     return [a[k] / b[k] for k in sorted(a) if k in b]
-
-
-def same_as_handmade(s: pipesim.Schedule, pp: int, m: int) -> str | None:
-    """The handcrafted schedule whose order ``s`` is, if any."""
-    for name in pipesim.schedule_names():
-        if name == "zb-auto":
-            continue
-        try:
-            hand = pipesim.build_schedule(name, pp=pp, vpp=s.vpp, microbatches=m)
-        except Exception:                          # its constraints (or needed options) exclude it
-            continue
-        if hand.placement == s.placement and all(
-                hand.compute_order(r) == s.compute_order(r) for r in range(pp)):
-            return name
-    return None
 
 
 def search(args, first, limit: float, pp: int):
@@ -106,7 +92,7 @@ def search(args, first, limit: float, pp: int):
                     hand.append((h.makespan, name))
         print(f"  vpp {vpp}: predicted {r.makespan * 1e3:.0f} ms, peak "
               f"{max(r.peak_memory) / 1e6:.2f} MB, {s.placement_kind} placement"
-              + (f", {same}'s order" if (same := same_as_handmade(s, pp, args.microbatches))
+              + (f", {same}'s order" if (same := handcrafted_origin(s))
                  else "")
               + (f" (fastest hand-made of vpp {vpp} under the limit: {min(hand)[1]} "
                  f"{min(hand)[0] * 1e3:.0f} ms)" if hand else ""), flush=True)
@@ -163,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
         path = tmp / f"zb-auto-{factor}p.json"
         schedule_to_json(found[0], path)
         configs.append((label, model_config(args, str(path), pp, found[0].vpp), limit,
-                        same_as_handmade(found[0], pp, m)))
+                        handcrafted_origin(found[0])))
 
     # One job, one step of every schedule in turn
     load0 = os.getloadavg()[0]

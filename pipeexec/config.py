@@ -56,6 +56,11 @@ class LayoutConfig:
     reschedule_after: int = _opt(2, "with --memory-limit: profiled steps (ZB-H1; at --vpp 2 "
                                  "ZB-V, or zb-auto's uniform-cost order when looped) before "
                                  "zb-auto takes over", type=int, metavar="K")
+    reschedule_margin: float = _opt(
+        0.05, "with --memory-limit: keep the fastest hand-made order that fits unless one of "
+        "zb-auto's own is predicted faster by more than this fraction (about the accuracy of "
+        "predictions from a run's own steps; 0: trust every predicted gain)", type=float,
+        metavar="FRACTION")
     # zb-auto at vpp 2 may put a rank's two stages looped (s % pp) or in a V; the stages are cut
     # before the first step, so a search from the run's own costs keeps the placement it has
     placement: str | None = _opt(
@@ -362,6 +367,11 @@ class TrainConfig:
                 raise ConfigError(f"zb-auto with a memory_limit trains with vpp = 1 or 2 and a "
                                   f"backward, got vpp = {self.vpp}"
                                   + (" and forward_only" if self.forward_only else ""))
+            if isinstance(self.reschedule_margin, bool) or not (
+                    isinstance(self.reschedule_margin, (int, float))
+                    and 0 <= self.reschedule_margin < 1):
+                raise ConfigError(f"reschedule_margin must be a fraction in [0, 1) (0.05: 5%), "
+                                  f"got {self.reschedule_margin!r}")
             if not isinstance(self.reschedule_after, int) or self.reschedule_after < 1:
                 raise ConfigError(f"reschedule_after must be a positive integer, got "
                                   f"{self.reschedule_after!r}")

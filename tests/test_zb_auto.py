@@ -219,3 +219,21 @@ def test_margin_keeps_the_handcrafted_order_unless_the_search_gains_more():
     assert simulate(small, costs).makespan == pytest.approx(searched)
     with pytest.raises(ScheduleError, match="margin must be a fraction >= 0"):
         pipesim.build_schedule("zb-auto", pp=pp, microbatches=m, costs=costs, margin=-0.1)
+
+
+def test_handcrafted_origin_names_the_order_a_search_kept():
+    """zb-auto with a margin keeps a hand-made order; `handcrafted_origin` names it, and names
+    nothing for an order no hand-made schedule has."""
+    from pipesim.schedule.builders.zb_auto import handcrafted_origin
+
+    costs = CostModel.uniform(1.0, 2.0, activation_bytes=1.0)
+    kept = pipesim.build_schedule("zb-auto", pp=4, microbatches=8, costs=costs,
+                                  memory_limit=8, margin=0.99)      # nothing gains 99%
+    name = handcrafted_origin(kept)
+    assert name in ("1f1b", "zb-h1", "zb-h2")
+    hand = pipesim.build_schedule(name, pp=4, microbatches=8)
+    assert all(hand.compute_order(r) == kept.compute_order(r) for r in range(4))
+    assert handcrafted_origin(pipesim.build_schedule("zbv", pp=4, vpp=2, microbatches=8)) == "zbv"
+    orders = [list(hand.compute_order(r)) for r in range(4)]
+    orders[3][0], orders[3][1] = orders[3][1], orders[3][0]    # 3F0 3B0 -> swapped: not hand-made
+    assert handcrafted_origin(hand.with_orders(orders)) is None

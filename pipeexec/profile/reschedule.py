@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 import pipesim
 from pipesim.schedule.action import Action
+from pipesim.schedule.builders.zb_auto import handcrafted_origin
 from pipesim.schedule.io import schedule_from_dict, schedule_to_dict
 
 from .measured import MeasuredRun
@@ -50,11 +51,12 @@ def profiled_schedule(config: Any) -> pipesim.Schedule:
     return base.with_orders(split, name="interleaved (I+W)").validate()
 
 
-def search_from_run(run: MeasuredRun, memory_limit: float, recv_lookahead: int = 1
-                    ) -> tuple[pipesim.Schedule, dict]:
+def search_from_run(run: MeasuredRun, memory_limit: float, recv_lookahead: int = 1,
+                    margin: float = 0.0) -> tuple[pipesim.Schedule, dict]:
     """zb-auto for ``run``'s layout from its measured costs, searched and predicted as
     `pipeexec.profile.predict` predicts the executor (rendezvous transfers, receives posted
-    ``recv_lookahead`` early, processor sharing where the ranks shared cores);
+    ``recv_lookahead`` early, processor sharing where the ranks shared cores); a searched
+    order must be predicted ``margin`` faster than the fastest hand-made one that fits;
     (schedule, what was decided)."""
     steps = run.central_steps()
     cal = prediction_costs(run.plan.layout, run, steps)   # with the shared cores, on CPU
@@ -65,7 +67,8 @@ def search_from_run(run: MeasuredRun, memory_limit: float, recv_lookahead: int =
                                       placement=profiled.placement_kind,
                                       costs=cal.costs, memory_limit=memory_limit,
                                       comm=EXECUTOR_COMM, lookahead=recv_lookahead,
-                                      recv_lookahead=recv_lookahead, cores=cal.cores)
+                                      recv_lookahead=recv_lookahead, cores=cal.cores,
+                                      margin=margin)
     predicted = pipesim.simulate(schedule, cal.costs, comm=EXECUTOR_COMM, cores=cal.cores)
     before = pipesim.simulate(run.schedule, cal.costs, comm=EXECUTOR_COMM, cores=cal.cores)
     makespans = run.makespans()
@@ -74,6 +77,7 @@ def search_from_run(run: MeasuredRun, memory_limit: float, recv_lookahead: int =
             "predicted_before_s": before.makespan, "predicted_s": predicted.makespan,
             "predicted_peak_bytes": list(predicted.peak_memory), "memory_limit": memory_limit,
             "vpp": schedule.parts_per_rank, "placement": schedule.placement_kind,
+            "margin": margin, "handcrafted": handcrafted_origin(schedule),
             "schedule": schedule_to_dict(schedule)}
     return schedule, info
 
@@ -86,7 +90,8 @@ def reschedule(trainer: Any, session: Any, memory_limit: float,
     payload: list = [None]
     if topo.rank == 0:
         try:
-            schedule, info = search_from_run(run, memory_limit, trainer.config.recv_lookahead)
+            schedule, info = search_from_run(run, memory_limit, trainer.config.recv_lookahead,
+                                             trainer.config.reschedule_margin)
             payload = [{"info": info}]
         except pipesim.ScheduleError as exc:     # every rank must hear it, or they would hang
             payload = [{"error": str(exc)}]
@@ -103,5 +108,8 @@ def reschedule(trainer: Any, session: Any, memory_limit: float,
             f"{info['predicted_before_s'] * 1e3:.1f} ms); searched under "
             f"{memory_limit:g} bytes a rank: predicted {info['predicted_s'] * 1e3:.1f} ms, "
             f"peak {max(info['predicted_peak_bytes']):g} bytes, vpp {info['vpp']} "
-            f"{info['placement']}; switching now")
+            f"{info['placement']}"
+            + (f", {info['handcrafted']}'s order (a searched one must be predicted "
+               f"{info['margin']:.0%} faster)" if info["handcrafted"] else ", a searched order")
+            + "; switching now")
     return info

@@ -37,6 +37,9 @@ def test_zb_auto_from_the_runs_own_costs_trains_like_a_single_process(vpp, place
     assert info["profiled"] == profiled and info["steps"] == [1, 2]
     assert info["predicted_s"] > 0 and max(info["predicted_peak_bytes"]) <= 1e9
     assert len(info["measured_after_s"]) == 2          # steps 3 and 4 ran the searched schedule
+    assert info["margin"] == 0.05                      # the default: a hand-made order kept
+    assert info["handcrafted"] in (None, "zb-h1", "1f1b", "zb-h2", "zbv", "interleaved",
+                                   "v-half", "v-min", "dualpipev")
     searched = schedule_from_dict(info["schedule"])           # what ran after the switch
     assert searched.name == "zb-auto" and searched.parts_per_rank == vpp == info["vpp"]
     assert searched.placement_kind == info["placement"] == (
@@ -73,6 +76,10 @@ def test_placement_needs_zb_auto_at_vpp_2():
     with pytest.raises(ConfigError, match="vpp = 1 or 2 and a backward, got vpp = 3"):
         TINY.replace(schedule="zb-auto", pp=2, vpp=3, microbatches=4, layers=6, steps=5,
                      memory_limit=1e9).validate()
+    for bad in (-0.1, 1.0, True, "5%"):
+        with pytest.raises(ConfigError, match="reschedule_margin must be a fraction"):
+            TINY.replace(schedule="zb-auto", pp=2, microbatches=4, steps=5, memory_limit=1e9,
+                         reschedule_margin=bad).validate()
     s = TINY.replace(schedule="zb-auto", pp=2, vpp=2, microbatches=4, layers=4,
                      placement="looped").build_schedule()
     assert s.placement_kind == "looped"

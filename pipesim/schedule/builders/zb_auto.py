@@ -53,6 +53,23 @@ HANDCRAFTED = {1: ("1f1b", "zb-h1", "zb-h2"),
                2: ("interleaved", "zbv", "v-half", "v-min", "dualpipev")}
 
 
+def handcrafted_origin(schedule: Schedule) -> str | None:
+    """The handcrafted schedule whose order (placement and every rank's computations)
+    ``schedule`` is, if any: what a zb-auto search kept when none of its own orders won."""
+    from ..registry import build_schedule
+
+    for name in HANDCRAFTED.get(schedule.vpp, ()):
+        try:
+            hand = build_schedule(name, pp=schedule.pp, vpp=schedule.vpp,
+                                  microbatches=schedule.num_microbatches)
+        except ScheduleError:                       # its constraints exclude (pp, m)
+            continue
+        if hand.placement == schedule.placement and all(
+                hand.compute_order(r) == schedule.compute_order(r) for r in range(schedule.pp)):
+            return name
+    return None
+
+
 class StuckError(ScheduleError):
     """A variant of the heuristic found no rank able to move under the limit (others may)."""
 
