@@ -78,27 +78,10 @@ def _inputs(pp: int, r: int, t: int, k: int) -> list[tuple[int, int, int]]:
     return need
 
 
-def _peak(at: dict[int, int], stop: int | None = None) -> int:
+def _peak(at: dict[int, int]) -> int:
     """Chunk activations held at the peak of one rank whose slots hold passes ``at`` (slot ->
-    pass): an F adds one, a W, run in the first free slot after its I, frees it. With ``stop``,
-    returns as soon as the peak exceeds it (a move's check needs only that answer)."""
-    cur = best = pending = 0
-    get = at.get
-    for slot in range(max(at) + 1):
-        t = get(slot)
-        if t is None:
-            if pending:
-                cur -= 1
-                pending -= 1
-        elif t < 2:
-            cur += 1
-            if cur > best:
-                best = cur
-                if stop is not None and best > stop:
-                    return best
-        else:
-            pending += 1
-    return best
+    pass): an F adds one, a W, run in the first free slot after its I, frees it."""
+    return max(_states(at, max(at) + 1)[0], default=0)
 
 
 def squeezed_slots(kind: str, pp: int, microbatches: int) -> dict[tuple[int, int, int], int]:
@@ -139,19 +122,9 @@ def squeezed_slots(kind: str, pp: int, microbatches: int) -> dict[tuple[int, int
 
 
 def _states(at: dict[int, int], length: int) -> tuple[list[int], list[int]]:
-    """(held, pending frees) after each slot of one rank, counted as :func:`_peak` counts."""
-    cur = pending = 0
+    """(held, pending frees) after each slot of one rank: the re-count of every slot."""
     curs, pends = [0] * length, [0] * length
-    for slot in range(length):
-        t = at.get(slot)
-        if t is None:
-            if pending:
-                cur -= 1
-                pending -= 1
-        elif t < 2:
-            cur += 1
-        else:
-            pending += 1
+    for slot, cur, pending in _recount(at, (curs, pends), 0, length, length + 1):
         curs[slot], pends[slot] = cur, pending
     return curs, pends
 
@@ -159,7 +132,9 @@ def _states(at: dict[int, int], length: int) -> tuple[list[int], list[int]]:
 def _recount(at: dict[int, int], states: tuple[list[int], list[int]], start: int, now: int,
              limit: int) -> list[tuple[int, int, int]] | None:
     """After moving a pass from ``now`` to ``start``: None if the held count exceeds ``limit``
-    somewhere, else the (slot, held, pending) that changed."""
+    somewhere, else the (slot, held, pending) that changed. The rule, slot by slot: an F
+    holds one more chunk, an I leaves one to free, and a free slot runs the oldest W, freeing
+    one."""
     curs, pends = states
     cur, pending = (curs[start - 1], pends[start - 1]) if start else (0, 0)
     changed = []
