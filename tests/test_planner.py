@@ -1,6 +1,7 @@
 """The planner: enumeration, sound bounds, pruning against brute force, explain, jitter."""
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import pytest
@@ -244,3 +245,39 @@ def test_pruning_agrees_with_brute_force_on_a_small_moe_model():
     sim = brute.rows[brute.rows["status"] == "simulated"]
     assert (sim["step_time_bound"] <= sim["step_time"] * (1 + 1e-9)).all()
     assert (sim["memory_bound"] <= sim["peak_memory"] * (1 + 1e-9)).all()
+
+
+def test_zb_auto_refinement_never_loses_to_a_handcrafted_order_of_its_layout(tmp_path):
+    """Each refined layout's searched plan fits the limit and is simulated no slower than
+    every handcrafted schedule of its vpp (zb-auto's candidates) on the same layout that fits;
+    it round-trips through JSON with its schedule as data; vpp > 2 is named, not searched."""
+    from pipesim.planner.refine import refine_with_zb_auto, refinement_text
+    from pipesim.schedule.builders.zb_auto import HANDCRAFTED
+
+    limit = 0.45 * GiB
+    res = search(small_space(), memory_limit=limit, workers=1)
+    refined = refine_with_zb_auto(res, 6)
+    layouts = [tuple(r.base.parallelism.to_dict().items()) for r in refined]
+    assert len(set(layouts)) == len(refined) == 6            # distinct layouts, best first
+    assert [r.base_step for r in refined] == sorted(r.base_step for r in refined)
+    searched = [r for r in refined if r.searched is not None]
+    assert searched, refinement_text(refined)
+    for r in refined:
+        if r.base.parallelism.vpp > 2:
+            assert r.searched is None and "vpp 1 or 2" in r.reason
+    for r in searched:
+        got = simulate_plan(r.searched)
+        assert got.step_time == pytest.approx(r.searched_step) and got.fits
+        assert max(got.peak_memory) <= limit
+        for name in HANDCRAFTED[r.base.parallelism.vpp]:
+            try:
+                hand = simulate_plan(dataclasses.replace(r.base, schedule=name))
+            except ValueError:                       # its constraints exclude this layout
+                continue
+            if hand.fits:
+                assert r.searched_step <= hand.step_time * (1 + 1e-9), (r.base_key, name)
+        again = Plan.from_json(r.searched.to_json(tmp_path / "p.json"))
+        assert again.schedule == r.searched.schedule and again.schedule_name == "zb-auto"
+        assert simulate_plan(again).step_time == got.step_time
+    with pytest.raises(ValueError, match="top must be a positive number"):
+        refine_with_zb_auto(res, 0)

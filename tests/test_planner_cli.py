@@ -47,6 +47,27 @@ def test_plan_writes_table_files_and_a_plan_that_resimulates_identically(tmp_pat
     assert max(json.loads(report.read_text())["peak_memory"]) <= 0.5 * 2 ** 30
 
 
+def test_zb_auto_refines_the_best_layouts_and_writes_the_winner_with_its_schedule(tmp_path,
+                                                                                    capsys):
+    # at 0.35 GiB the best handcrafted plan is 1F1B's, and zb-auto finds a faster order of its
+    # own on that layout that fits
+    assert run_plan(tmp_path, "--top", "3", "--memory-limit", "0.35GiB", "--zb-auto", "2") == 0
+    out = capsys.readouterr().out
+    assert "zb-auto on the best 2 layouts" in out
+    rows = [line for line in out.split("zb-auto on the best 2 layouts")[1].splitlines()[2:4]]
+    assert len(rows) == 2 and all(" z" in r for r in rows)
+    ranked_best = pd.read_csv(tmp_path / "plans.csv").query("status == 'simulated' and fits")[
+        "step_time"].min()
+    assert "best: zb-auto's order on" in out, out
+    plan = Plan.load(tmp_path / "plan.json")                 # the winner, its schedule as data
+    assert plan.schedule_name == "zb-auto" and not isinstance(plan.schedule, str)
+    assert json.loads((tmp_path / "plan.json").read_text())["schedule"]["name"] == "zb-auto"
+    got = simulate_plan(plan)
+    assert got.step_time < ranked_best and max(got.peak_memory) <= 0.35 * 2 ** 30
+    assert run_plan(tmp_path, "--zb-auto", "-1") == 2
+    assert "--zb-auto must be >= 0" in capsys.readouterr().err
+
+
 def test_plan_jitter_reports_whether_the_order_holds(tmp_path, capsys):
     assert run_plan(tmp_path, "--top", "3", "--jitter", "0.02", "--jitter-seeds", "2") == 0
     assert "jitter +-2% on the top 3 plans, 2 seeds: order" in capsys.readouterr().out

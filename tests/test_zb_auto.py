@@ -237,3 +237,24 @@ def test_handcrafted_origin_names_the_order_a_search_kept():
     orders = [list(hand.compute_order(r)) for r in range(4)]
     orders[3][0], orders[3][1] = orders[3][1], orders[3][0]    # 3F0 3B0 -> swapped: not hand-made
     assert handcrafted_origin(hand.with_orders(orders)) is None
+
+
+def test_tail_ranks_candidates_by_the_step_not_the_pipeline_alone():
+    """With each rank's time after its last action (a plan's data-parallel reduction and
+    optimizer), the kept order minimises max(rank end + tail): never worse by that measure than
+    the order kept without it, which ranks by the makespan only."""
+    costs = CostModel(forward=[1.0, 1.2, 0.8, 1.0], backward_input=1.0, backward_weight=1.0,
+                      activation_bytes=1.0)
+    tail = [3.0, 0.0, 0.0, 0.5]
+    def step(s):
+        r = simulate(s, costs)
+        return max(e + t for e, t in zip(r.rank_end, tail))
+    plain = pipesim.build_schedule("zb-auto", pp=4, microbatches=8, costs=costs, memory_limit=8)
+    tailed = pipesim.build_schedule("zb-auto", pp=4, microbatches=8, costs=costs, memory_limit=8,
+                                    tail=tail)
+    assert step(tailed) <= step(plain) + 1e-12
+    for name in ("1f1b", "zb-h1", "zb-h2"):
+        assert step(tailed) <= step(pipesim.build_schedule(name, pp=4, microbatches=8)) + 1e-12
+    for bad in ([1.0], [0, 0, 0, -1], "abcd"):
+        with pytest.raises(ScheduleError, match="tail must be one time >= 0 per rank"):
+            pipesim.build_schedule("zb-auto", pp=4, microbatches=8, costs=costs, tail=bad)

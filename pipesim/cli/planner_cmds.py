@@ -41,7 +41,11 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                    help="per-GPU memory limit with units, e.g. 80GiB, 75GB (default: the "
                         "hardware's memory)")
     p.add_argument("--schedules", type=_words, metavar="A,B,...",
-                   help="schedules to search (default: all)")
+                   help="schedules to search (default: all but zb-auto)")
+    p.add_argument("--zb-auto", type=int, default=0, metavar="K",
+                   help="then search zb-auto's order on the best K layouts (vpp 1 or 2), from "
+                        "each plan's costs under the same limit; a faster one becomes the best "
+                        "plan, its schedule written into --plan-out as data (default 0: off)")
     g = p.add_argument_group("knobs (comma-separated values; defaults in `pipesim.planner."
                              "SearchSpace`)")
     for knob, help_ in (("tp", "tensor parallel (default: powers of two in the NVLink domain)"),
@@ -116,6 +120,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     limit = parse_bytes(args.memory_limit) if args.memory_limit else None
     if args.top < 1:
         raise ValueError(f"--top must be >= 1, got {args.top}")
+    if args.zb_auto < 0:
+        raise ValueError(f"--zb-auto must be >= 0 layouts, got {args.zb_auto}")
     if args.jitter is not None and not 0 < args.jitter < 1:
         raise ValueError(f"--jitter must be in (0, 1), got {args.jitter}")
     out = Path(args.out)
@@ -168,6 +174,21 @@ def cmd_plan(args: argparse.Namespace) -> int:
     print(explain_text(explain(result), best_row["key"], best_row["step_time"],
                        best_row["peak_memory"]))
     _write_rows(result, out)      # after explain: the neighbours it simulated are in it too
+    if args.zb_auto:
+        from ..planner.refine import refine_with_zb_auto, refinement_text
+
+        refinements = refine_with_zb_auto(result, args.zb_auto)
+        print()
+        print(refinement_text(refinements))
+        won = [r for r in refinements
+               if r.searched_step is not None and r.searched_step < best_row["step_time"]]
+        if won:
+            fastest = min(won, key=lambda r: r.searched_step)
+            best = fastest.searched
+            best_row = dict(best_row, key=f"zb-auto {fastest.base_key.split(' ', 1)[1]}")
+            print(f"best: zb-auto's order on {fastest.base_key.split(' ', 1)[1]}, "
+                  f"{fastest.searched_step:.4g} s a step against {ranked.iloc[0]['step_time']:.4g} "
+                  f"s ({1 - fastest.searched_step / ranked.iloc[0]['step_time']:.1%} faster)")
     if args.jitter:
         from ..planner.stability import jitter_check
 

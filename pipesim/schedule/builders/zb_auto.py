@@ -295,7 +295,8 @@ def greedy_order(pp: int, m: int, costs, limits: Sequence[float], prefer_i: bool
 def zb_auto_schedule(pp: int, microbatches: int, costs=None, memory_limit=None, *,
                      forward_only: bool = False, comm: str = "async", lookahead: int = 0,
                      vpp: int = 1, placement: str | None = None,
-                     cores: float | None = None, margin: float = 0.0) -> Schedule:
+                     cores: float | None = None, margin: float = 0.0,
+                     tail: Sequence[float] | None = None) -> Schedule:
     """The best of the heuristic's variants and the handcrafted schedules of the same vpp (see
     the module docstring), each simulated as the schedule will run: with ``comm`` (a
     `pipesim.simulate` mode), its receives posted ``lookahead`` computations early, and, where
@@ -303,7 +304,11 @@ def zb_auto_schedule(pp: int, microbatches: int, costs=None, memory_limit=None, 
 
     ``margin``: keep the fastest handcrafted order that fits unless a searched one is simulated
     faster by more than this fraction of its step (e.g. the accuracy of the costs' predictions:
-    a gain inside it is not one to trust)."""
+    a gain inside it is not one to trust).
+
+    ``tail`` (one per rank, seconds): what each rank does after its last action (its exposed
+    data-parallel reduction and optimizer step, as a plan derives them): the step a candidate is
+    ranked by is then the latest ``rank_end + tail``, not the pipeline's makespan alone."""
     from ...costs import CostModel
     from ...engine import simulate
     from ..registry import build_schedule
@@ -318,6 +323,13 @@ def zb_auto_schedule(pp: int, microbatches: int, costs=None, memory_limit=None, 
         raise ScheduleError(f"zb-auto: {exc} (pp * vpp = {n} stages)") from None
     limits = _limits(memory_limit, pp)
     kinds = _placements(pp, vpp, placement)
+    if tail is None:
+        tail = [0.0] * pp
+    elif (isinstance(tail, (str, bytes)) or not isinstance(tail, Sequence) or len(tail) != pp
+          or not all(isinstance(x, (int, float)) and not isinstance(x, bool) and x >= 0
+                     for x in tail)):
+        raise ScheduleError(f"zb-auto: tail must be one time >= 0 per rank (pp = {pp}), got "
+                            f"{tail!r}")
     if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not margin >= 0:
         raise ScheduleError(f"zb-auto: margin must be a fraction >= 0 (0.05: 5%), got {margin!r}")
     candidates, stuck, handcrafted = [], None, set()
@@ -365,7 +377,9 @@ def zb_auto_schedule(pp: int, microbatches: int, costs=None, memory_limit=None, 
         r = simulate(s.with_recv_lookahead(lookahead), costs, comm=comm, cores=cores)
         if any(p > lim * (1 + 1e-12) for p, lim in zip(r.peak_memory, limits)):
             continue
-        rank = (round(r.makespan, 12), max(r.peak_memory))
+        step = max(end + extra for end, extra in zip(r.rank_end, tail)) if any(tail) \
+            else r.makespan
+        rank = (round(step, 12), max(r.peak_memory))
         if best is None or rank < best[0]:
             best = (rank, s)
         if key in handcrafted and (best_hand is None or rank < best_hand[0]):
@@ -388,17 +402,18 @@ def zb_auto_schedule(pp: int, microbatches: int, costs=None, memory_limit=None, 
                       "placement= says); options costs=CostModel of pp * vpp stages, "
                       "memory_limit=bytes per rank (pp * activation_bytes: ZB-1p, twice that: "
                       "ZB-2p), cores= when the ranks share that many processors, "
-                      "margin= what a searched order must gain over the handcrafted ones",
+                      "margin= what a searched order must gain over the handcrafted ones, "
+                      "tail= each rank's time after its last action",
           description="Zero Bubble's automatic schedule: greedy variants over F / I / W from a "
                       "cost model under a per-rank memory limit, with the handcrafted schedules "
                       "of the same vpp; best simulated step kept")
 def zb_auto(pp: int, vpp: int, microbatches: int, *, forward_only: bool = False, costs=None,
             memory_limit=None, comm: str = "async", lookahead: int = 0,
             placement: str | None = None, cores: float | None = None,
-            margin: float = 0.0) -> Schedule:
+            margin: float = 0.0, tail: Sequence[float] | None = None) -> Schedule:
     if vpp not in (1, 2):
         raise ScheduleError(f"zb-auto needs vpp == 1 or 2 (one or two stages per rank), got "
                             f"vpp = {vpp}")
     return zb_auto_schedule(pp, microbatches, costs, memory_limit, forward_only=forward_only,
                             comm=comm, lookahead=lookahead, vpp=vpp, placement=placement,
-                            cores=cores, margin=margin)
+                            cores=cores, margin=margin, tail=tail)
