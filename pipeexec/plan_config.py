@@ -103,6 +103,9 @@ def _gpt_differences(model: Any, ffn: int) -> list[str]:
         if getattr(model, name) != want:
             refused.append(f"model.{name} = {getattr(model, name)!r}: the built-in GPT has "
                            f"{name} = {want!r} (a Hugging Face model runs with --hf-model DIR)")
+    if getattr(model, "qkv_bias", None) is False:
+        refused.append("model.qkv_bias = False: the built-in GPT's q, k, v projections have "
+                       "biases (a Hugging Face model runs with --hf-model DIR)")
     if model.kv_heads not in (None, model.heads):
         refused.append(f"model.kv_heads = {model.kv_heads}: the built-in GPT has "
                        f"kv_heads = heads = {model.heads}")

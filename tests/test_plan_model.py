@@ -137,3 +137,23 @@ def test_from_hf_config_errors(tmp_path):
                                                    "intermediate_size": 128, "vocab_size": 10}))
     with pytest.raises(pipesim.PlanError, match="not supported"):
         ModelSpec.from_hf_config(_write(tmp_path, {"model_type": "t5"}))
+
+
+@pytest.mark.parametrize("config, published", [
+    # Qwen/Qwen2-7B config.json (hidden 3584, FFN 18944, 28 layers, 28 heads, 4 kv heads,
+    # vocab 152064, untied): 7,615,616,512 parameters, the model card's "7.62B"
+    (dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+          num_attention_heads=28, num_key_value_heads=4, vocab_size=152064,
+          tie_word_embeddings=False), 7_615_616_512),
+    # Qwen/Qwen2-0.5B config.json (hidden 896, FFN 4864, 24 layers, 14 heads, 2 kv heads,
+    # vocab 151936, tied): 494,032,768 parameters, the model card's "494M"
+    (dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+          num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True), 494_032_768),
+])
+def test_qwen2_counts_its_qkv_biases(config, published):
+    m = ModelSpec.from_hf_config({"model_type": "qwen2", "hidden_act": "silu",
+                                  "max_position_embeddings": 32768, **config}, seq_length=4096)
+    assert (m.bias, m.qkv_bias) == (False, True)
+    assert m.num_params() == published
+    without = m.with_(qkv_bias=None)                     # the biases are what makes it exact
+    assert published - without.num_params() == m.layers * (m.q_size + 2 * m.kv_size)

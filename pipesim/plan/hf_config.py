@@ -68,10 +68,22 @@ def _llama(cls: type, cfg: dict, source: str, name: str, seq_length: int | None)
         head_dim=None if cfg.get("head_dim") in (None, hidden // heads) else cfg["head_dim"],
         ffn_hidden=ffn, mlp="gelu" if act in _GELU else "swiglu", norm="rmsnorm",
         position="rotary", tied_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        bias=bool(cfg.get("mlp_bias", False)), dropout=float(cfg.get("attention_dropout", 0.0)) > 0,
+        bias=bool(cfg.get("mlp_bias", False)),
+        qkv_bias=None if _qkv_bias(cfg) == bool(cfg.get("mlp_bias", False)) else _qkv_bias(cfg),
+        dropout=float(cfg.get("attention_dropout", 0.0)) > 0,
         experts=experts, top_k=top_k, moe_ffn_hidden=moe_ffn, shared_expert_ffn_hidden=shared,
         moe_layer_freq=int(cfg.get("decoder_sparse_step", 1) or 1),
     )
+
+
+def _qkv_bias(cfg: dict) -> bool:
+    """Whether the q, k, v projections have biases: always in Qwen2 (and Qwen2-MoE), as
+    ``attention_bias`` says in Llama and Mistral (whose o projection then has one too, which
+    ``bias`` = ``mlp_bias`` does not count: hidden parameters a layer), never in the others."""
+    kind = str(cfg.get("model_type", "")).lower()
+    if kind in ("qwen2", "qwen2_moe"):
+        return True
+    return bool(cfg.get("attention_bias", False)) if kind in ("llama", "mistral") else False
 
 
 def _gpt2(cls: type, cfg: dict, source: str, name: str | None, seq_length: int | None):

@@ -42,6 +42,7 @@ class ModelSpec:
     position: str = "learned"
     tied_embeddings: bool = True
     bias: bool = True              # biases on the linear layers (GPT-2/3 yes, Llama no)
+    qkv_bias: bool | None = None   # biases on the q, k, v projections alone (Qwen2); None: `bias`
     dropout: bool = True           # hidden / attention dropout (its masks are activations)
     experts: int = 0               # 0: dense
     top_k: int = 0
@@ -59,6 +60,8 @@ class ModelSpec:
         for f in ("kv_heads", "head_dim", "ffn_hidden", "moe_ffn_hidden", "max_position"):
             if getattr(self, f) is not None:
                 _positive(self, f)
+        if self.qkv_bias not in (None, True, False):
+            raise PlanError(f"model.qkv_bias: true, false or null (as bias), got {self.qkv_bias!r}")
         for f, allowed in (("mlp", MLP_KINDS), ("norm", NORMS), ("position", POSITIONS)):
             value = str(getattr(self, f)).lower()
             if value not in allowed:
@@ -132,7 +135,8 @@ class ModelSpec:
     def attention_params(self) -> int:
         q, kv, h = self.q_size, self.kv_size, self.hidden
         weights = h * (q + 2 * kv) + q * h
-        return weights + ((q + 2 * kv) + h if self.bias else 0)
+        qkv = self.bias if self.qkv_bias is None else self.qkv_bias
+        return weights + ((q + 2 * kv) if qkv else 0) + (h if self.bias else 0)
 
     def mlp_params(self, ffn: int) -> int:
         h = self.hidden
@@ -265,10 +269,10 @@ PRESETS: dict[str, ModelSpec] = {
                            experts=8, top_k=2, moe_ffn_hidden=14336),
     # Qwen1.5-MoE-A2.7B: Qwen/Qwen1.5-MoE-A2.7B config.json (hidden_size 2048, 24 layers,
     # 16 heads, 60 experts, 4 per token, moe_intermediate_size 1408, a shared expert of 5632,
-    # vocab 151936, max_position_embeddings 8192); QKV biases ignored.
+    # vocab 151936, max_position_embeddings 8192); q/k/v biases, as Qwen2's attention has.
     "qwen1.5-moe-a2.7b": _llama("qwen1.5-moe-a2.7b", 24, 2048, 16, 16, 5632, 151936, 8192,
                                 experts=60, top_k=4, moe_ffn_hidden=1408,
-                                shared_expert_ffn_hidden=5632),
+                                shared_expert_ffn_hidden=5632, qkv_bias=True),
     # Qwen3-30B-A3B: Qwen/Qwen3-30B-A3B config.json (hidden_size 2048, 48 layers, 32 heads of
     # head_dim 128, 4 kv heads, 128 experts, 8 per token, moe_intermediate_size 768, vocab
     # 151936); a 4096-token training default.

@@ -397,17 +397,15 @@ def test_plan_of_an_hf_run_holds_the_config_json_model(model_dirs, tmp_path):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_cost_model_counts_the_executors_parameters(model_dirs, family):
     """Per decoder layer, pipesim's parameter count (what its FLOPs, memory and optimizer
-    costs scale with) is the executor's layer's. Qwen2's q/k/v biases are the exception:
-    pipesim's `bias` is all (attention and MLP) or nothing, and from_hf_config reads
-    mlp_bias (false), so it counts q_size + 2 kv_size fewer per layer."""
+    costs scale with) is the executor's layer's, Qwen2's q/k/v biases (`qkv_bias`) included."""
     from pipesim.plan.model import ModelSpec as PlanModel
 
     model = PlanModel.from_hf_config(model_dirs[family], seq_length=8)
+    qkv = model.bias if model.qkv_bias is None else model.qkv_bias
+    assert qkv == (family in ("qwen2", "gpt2")), family
     counts = hf_model_spec(model_dirs[family]).layer_param_counts()
     for j, moe in enumerate(model.moe_pattern()):
-        predicted = sum(model.layer_params(moe).values())
-        missing = model.q_size + 2 * model.kv_size if family == "qwen2" else 0
-        assert predicted + missing == counts[1 + j], (family, j)
+        assert sum(model.layer_params(moe).values()) == counts[1 + j], (family, j)
     assert model.tied_embeddings == bool(hf_model_spec(model_dirs[family]).tied)
 
 
