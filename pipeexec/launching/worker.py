@@ -63,6 +63,10 @@ def run_training(board: ActionBoard | None, config: TrainConfig, metrics_out: st
                  + (f" hf-model={config.hf_model}" if config.hf_model else "")
                  + f" on {topology.backend}/"
                  f"{topology.device.type}; stage bounds {list(trainer.bounds)}")
+            if config.schedule == "zb-auto" and not auto:
+                _log("pipeexec: zb-auto without --memory-limit searches its order from equal "
+                     "costs (F = I = W) with no limit; give --memory-limit to profile this run "
+                     "and search from its own costs")
             v = run_versions(topology.backend)
             _log(f"pipeexec: torch {v['torch']}" + (f", NCCL {v['nccl']}" if v["nccl"] else "")
                  + ("" if v["torch_supported"] or topology.backend != "nccl" else
