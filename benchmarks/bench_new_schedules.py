@@ -42,7 +42,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import pipesim  # noqa: E402
-from bench_prediction import model_config, pct  # noqa: E402
+from bench_prediction import add_model_args, model_config, pct  # noqa: E402
 from pipeexec.profile import compare_runs, layout_of, predict, prediction_costs  # noqa: E402
 from pipeexec.profile.compare_cli import profiled_run  # noqa: E402
 from pipeexec.profile.paired import paired_runs  # noqa: E402
@@ -108,15 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--pp", type=int, default=2)
     p.add_argument("--cpus-per-rank", type=float, default=None,
                    help="confine every rank to this many CPUs (cgroup quota)")
-    p.add_argument("--microbatches", type=int, default=8)
-    p.add_argument("--micro-batch-size", type=int, default=4)
-    p.add_argument("--layers", type=int, default=6)
-    p.add_argument("--hidden", type=int, default=256)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--seq-len", type=int, default=128)
-    p.add_argument("--vocab", type=int, default=256)
-    p.add_argument("--steps", type=int, default=16,
-                   help="steps of every schedule (rounds of the job); 1.. are profiled")
+    add_model_args(p, steps=16)             # steps of every schedule: rounds of the job
     p.add_argument("--timeout", type=float, default=1800.0)
     p.add_argument("--margin", type=float, default=0.05,
                    help="zb-auto keeps the fastest hand-made order unless a searched one is "

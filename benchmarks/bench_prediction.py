@@ -55,6 +55,18 @@ from pipeexec.profile.paired import paired_runs
 SCHEDULES = (("1f1b", 1), ("gpipe", 1), ("interleaved", 2), ("zb-h1", 1), ("zbv", 2))
 
 
+def add_model_args(p: argparse.ArgumentParser, steps: int) -> None:
+    """The benchmarks' shared model and batch flags (the README's size by default)."""
+    p.add_argument("--microbatches", type=int, default=8)
+    p.add_argument("--micro-batch-size", type=int, default=4)
+    p.add_argument("--layers", type=int, default=6, help="transformer blocks (+ embedding, head)")
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--vocab", type=int, default=256)
+    p.add_argument("--steps", type=int, default=steps, help="steps per run; 1.. are profiled")
+
+
 def model_config(args: argparse.Namespace, schedule: str, pp: int, vpp: int) -> TrainConfig:
     return TrainConfig(schedule=schedule, pp=pp, vpp=vpp, microbatches=args.microbatches,
                        micro_batch_size=args.micro_batch_size, layers=args.layers,
@@ -89,14 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--pp", type=int, nargs="+", default=[2, 4])
     p.add_argument("--schedules", nargs="+", default=[s for s, _ in SCHEDULES],
                    help="schedules to run (1f1b is always run first: it is the calibration)")
-    p.add_argument("--microbatches", type=int, default=8)
-    p.add_argument("--micro-batch-size", type=int, default=4)
-    p.add_argument("--layers", type=int, default=6, help="transformer blocks (+ embedding, head)")
-    p.add_argument("--hidden", type=int, default=256)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--seq-len", type=int, default=128)
-    p.add_argument("--vocab", type=int, default=256)
-    p.add_argument("--steps", type=int, default=6, help="steps per run; 1.. are profiled")
+    add_model_args(p, steps=6)
     p.add_argument("--out-dir", default=None, help="keep reports, pictures and traces here")
     p.add_argument("--timeout", type=float, default=900.0, help="limit per run, seconds")
     p.add_argument("--confine", choices=("auto", "on", "off"), default="auto",

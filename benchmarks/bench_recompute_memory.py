@@ -18,9 +18,13 @@ import os
 import sys
 import time
 
-from pipeexec.config import TrainConfig
-from pipeexec.profile.compare_cli import profiled_run
-from pipeexec.profile.plan_memory import predicted_activation_peaks
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_prediction import add_model_args, model_config  # noqa: E402
+from pipeexec.profile.compare_cli import profiled_run  # noqa: E402
+from pipeexec.profile.plan_memory import predicted_activation_peaks  # noqa: E402
 
 SCHEDULES = {"1f1b": 1, "interleaved": 2, "zbv": 2}
 MIB = 2 ** 20
@@ -32,13 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--schedules", nargs="+", default=list(SCHEDULES), choices=list(SCHEDULES))
     p.add_argument("--modes", nargs="+", default=["none", "selective", "full"],
                    choices=["none", "selective", "full"])
-    p.add_argument("--microbatches", type=int, default=8)
-    p.add_argument("--micro-batch-size", type=int, default=4)
-    p.add_argument("--layers", type=int, default=6, help="transformer blocks (+ embedding, head)")
-    p.add_argument("--hidden", type=int, default=256)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--seq-len", type=int, default=128)
-    p.add_argument("--vocab", type=int, default=256)
+    add_model_args(p, steps=2)              # the last step is measured, the others warm up
     p.add_argument("--precision", default="fp32", choices=["fp32", "bf16"])
     p.add_argument("--timeout", type=float, default=600.0, help="limit per run, seconds")
     args = p.parse_args(argv)
@@ -51,15 +49,10 @@ def main(argv: list[str] | None = None) -> int:
     for pp in args.pp:
         for name in args.schedules:
             for mode in args.modes:
-                cfg = TrainConfig(schedule=name, pp=pp, vpp=SCHEDULES[name],
-                                  microbatches=args.microbatches,
-                                  micro_batch_size=args.micro_batch_size, layers=args.layers,
-                                  hidden=args.hidden, heads=args.heads, seq_len=args.seq_len,
-                                  vocab=args.vocab, precision=args.precision, recompute=mode,
-                                  steps=2, backend="gloo", device="cpu", p2p_timeout=600.0,
-                                  collective_timeout=900.0)
-                run = profiled_run(cfg, 1, 2, timeout=args.timeout)
-                measured = run.result(1).peak_memory
+                cfg = model_config(args, name, pp, SCHEDULES[name]).replace(
+                    precision=args.precision, recompute=mode)
+                run = profiled_run(cfg, cfg.steps - 1, cfg.steps, timeout=args.timeout)
+                measured = run.result(cfg.steps - 1).peak_memory
                 predicted = predicted_activation_peaks(cfg)
                 errors = [(q - m) / m for q, m in zip(predicted, measured)]
                 rows.append((pp, name, cfg.vpp, mode, measured, predicted, errors))
