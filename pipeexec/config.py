@@ -13,13 +13,14 @@ from argparse import SUPPRESS, BooleanOptionalAction
 from dataclasses import dataclass, field
 from typing import Any
 
+from pipesim.schedule.placement import PLACEMENTS as PLACEMENT_CHOICES
+
 from .options import flag_of, flagged
 from .options import option as _opt
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 PARTITIONS = ("layers", "params")
 RECOMPUTE = ("none", "selective", "full")
-PLACEMENT_CHOICES = ("looped", "v")       # pipesim.schedule.placement.PLACEMENTS
 
 
 class ConfigError(ValueError):

@@ -255,7 +255,7 @@ class Schedule:
 
     def __hash__(self) -> int:
         return hash((self.pp, self.vpp, self.num_microbatches, self.placement, self.routes,
-                     self._orders))
+                     self.stage_parts, self._orders))
 
     def __repr__(self) -> str:
         head = (f"Schedule({self.name!r}, pp={self.pp}, vpp={self.vpp}, "
