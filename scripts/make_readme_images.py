@@ -83,9 +83,11 @@ def main(argv: list[str] | None = None) -> int:
     FigureCanvasAgg(fig)
     axes = fig.subplots(len(results), 1, sharex=True)
     for ax, (name, r) in zip(axes, results.items()):
-        v = r.schedule.vpp
+        s = r.schedule
+        layout = (" (vpp=1, a rank holding a part and a copy of another)" if s.has_copies else
+                  f" (vpp={s.vpp})" if s.vpp > 1 else "")
         r.gantt(ax=ax, xlim=(0, span), labels=True, unitless=True,
-                title=f"{name}" + (f" (vpp={v})" if v > 1 else "") +
+                title=f"{name}{layout}" +
                       f": makespan {r.makespan:.4g}, bubble_fraction {r.bubble_fraction:.3f}, "
                       f"peak {max(r.peak_memory):.3g} microbatches held")
         ax.set_xlabel("")
