@@ -2,7 +2,7 @@
 
 1F1B, interleaved (vpp 2), ZB-H1, ZB-V (vpp 2), DualPipeV (vpp 2) and zb-auto at the ZB-1p and
 ZB-2p memory limits train on the same model in ONE job, one step of each in turn
-(`pipeexec.profile.paired`), so every schedule meets the same machine within seconds of the
+(`pipeexec.measuring.paired`), so every schedule meets the same machine within seconds of the
 others: the load of a shared machine moves between jobs far more than between the steps of one
 round. Each schedule's step time is a per-round ratio (its step over 1F1B's step of the same
 round: median and interquartile range over the profiled rounds); every schedule is predicted
@@ -11,7 +11,7 @@ and measured (step time and bubble_fraction over its central profiled steps, pea
 memory: the bytes of the tensors the runtime holds).
 
 zb-auto is searched from costs calibrated on a first 1F1B run, ranked as `pipeexec` predicts
-(`pipeexec.profile.prediction_costs`: rendezvous transfers, receives one computation early,
+(`pipeexec.analysis.prediction_costs`: rendezvous transfers, receives one computation early,
 processor sharing where the ranks share cores), at vpp 1 and at vpp 2 (looped and V
 placements), under ``p * M_B`` (ZB-1p) and ``2 p * M_B`` (ZB-2p), M_B the largest calibrated
 activation bytes of a stage-microbatch at vpp 1; for each limit the search predicted fastest
@@ -43,11 +43,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import pipesim  # noqa: E402
 from bench_prediction import add_model_args, model_config, pct  # noqa: E402
-from pipeexec.profile import compare_runs, layout_of, predict, prediction_costs  # noqa: E402
-from pipeexec.profile.compare_cli import profiled_run  # noqa: E402
-from pipeexec.profile.paired import paired_runs  # noqa: E402
-from pipeexec.profile.predict import EXECUTOR_COMM  # noqa: E402
-from pipesim.schedule.builders.zb_auto import handcrafted_origin  # noqa: E402
+from pipeexec.analysis import compare_runs, layout_of, predict, prediction_costs  # noqa: E402
+from pipeexec.cli.compare import profiled_run  # noqa: E402
+from pipeexec.measuring.paired import paired_runs  # noqa: E402
+from pipeexec.analysis.predict import EXECUTOR_COMM  # noqa: E402
+from pipesim.search.zb_auto import handcrafted_origin  # noqa: E402
 from pipesim.schedule.io import schedule_to_json  # noqa: E402
 
 HANDMADE = (("1f1b", 1), ("interleaved", 2), ("zb-h1", 1), ("zbv", 2), ("dualpipev", 2))

@@ -3,7 +3,7 @@ plan alone (the model's shape; no calibration), at the size of the README's pred
 
 For each pipeline size, schedule (1f1b, interleaved vpp 2, zbv vpp 2) and ``--recompute`` mode
 (none, selective, full), one short run (CPU, gloo; step 0 warm-up, step 1 profiled) measures each
-rank's peak with the held-tensor meter, and `pipeexec.profile.plan_memory.predicted_activation_peaks`
+rank's peak with the held-tensor meter, and `pipeexec.analysis.plan_memory.predicted_activation_peaks`
 predicts it from the config's `pipesim.Plan` (Korthikanti et al.'s activation formulas at the
 run's precision, replayed over the schedule the executor runs). What both sides count is in that
 module's docstring. Memory does not depend on timing, so the machine's load does not matter.
@@ -23,8 +23,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_prediction import add_model_args, model_config  # noqa: E402
-from pipeexec.profile.compare_cli import profiled_run  # noqa: E402
-from pipeexec.profile.plan_memory import predicted_activation_peaks  # noqa: E402
+from pipeexec.cli.compare import profiled_run  # noqa: E402
+from pipeexec.analysis.plan_memory import predicted_activation_peaks  # noqa: E402
 
 SCHEDULES = {"1f1b": 1, "interleaved": 2, "zbv": 2}
 MIB = 2 ** 20

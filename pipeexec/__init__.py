@@ -41,7 +41,7 @@ def _torch_available() -> bool:
 
 
 # On a machine without torch the package still imports: config and the measuring room
-# (pipeexec.profile: run_plan, measured, calibrate, contention, predict, compare) need no torch.
+# (pipeexec.analysis: run_plan, measured, calibrate, contention, predict, compare) need no torch.
 if _torch_available():
     from .launching.launcher import WorkerFailed, launch
     from .model import ModelSpec, gpt_spec, model_from_layers

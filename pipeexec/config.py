@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pipesim.schedule.placement import PLACEMENTS as PLACEMENT_CHOICES
+from pipesim.units import bytes_arg
 
 from .options import flag_of, flagged
 from .options import option as _opt
@@ -36,12 +37,6 @@ def _ints(text: Any) -> tuple[int, ...] | None:
         raise ConfigError(f"--boundaries must be comma-separated integers, got {text!r}") from None
 
 
-def _bytes(text: str) -> float:
-    from pipesim.cli.simulate_cmds import parse_bytes
-
-    return parse_bytes(text)
-
-
 @dataclass(frozen=True)
 class LayoutConfig:
     """How the run is laid out: schedule, pipeline and data parallelism, batch, stage cut."""
@@ -53,7 +48,7 @@ class LayoutConfig:
     memory_limit: float | None = _opt(
         None, "with --schedule zb-auto: profile --reschedule-after steps of ZB-H1, search "
         "zb-auto from the measured costs under this per-rank limit (e.g. 2GB), switch to it",
-        type=_bytes, metavar="BYTES")
+        type=bytes_arg, metavar="BYTES")
     reschedule_after: int = _opt(2, "with --memory-limit: profiled steps (ZB-H1; at --vpp 2 "
                                  "ZB-V, or zb-auto's uniform-cost order when looped) before "
                                  "zb-auto takes over", type=int, metavar="K")

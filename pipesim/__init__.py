@@ -14,6 +14,7 @@ from .schedule import Action, Schedule, build_schedule, schedule_info, schedule_
 # Public names that live in modules loaded on first use: name -> module.
 _LAZY = {
     "CostModel": "pipesim.costs",
+    "fit_costs": "pipesim.calibrate",
     "simulate": "pipesim.api",
     "Plan": "pipesim.plan.plan",
     "ModelSpec": "pipesim.plan.model",

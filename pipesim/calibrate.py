@@ -87,7 +87,7 @@ def _fit_p2p(trace: "pd.DataFrame", num_stages: int) -> dict[str, Any]:
     out: dict[str, Any] = {}
     timed = sends
     if "arrival_observed" in sends.columns:
-        # A measured trace (pipeexec.profile): only spans whose arrival was observed are
+        # A measured trace (pipeexec.measuring): only spans whose arrival was observed are
         # transfer times; they start when both sides had posted (link_start).
         timed = sends[sends["arrival_observed"].astype(bool)]
     start = timed["link_start"] if "link_start" in timed.columns else timed["start"]

@@ -3,7 +3,7 @@
 A cost is a scalar (the same for every stage) or a per-stage list (length ``num_stages``,
 checked when a schedule is simulated, the error naming the field). Units are seconds and bytes
 in both worlds, simulated and measured (DESIGN.md, principle 5), so a model fitted to a measured
-trace with :meth:`CostModel.from_trace` predicts the same run back.
+trace with :func:`pipesim.calibrate.fit_costs` predicts the same run back.
 """
 from __future__ import annotations
 
@@ -263,16 +263,6 @@ class CostModel:
             optimizer=[28 * p / hw.hbm_bandwidth for p in c.params],
             dp_latency=dp_lat, dp_bandwidth=dp_bw,
         )
-
-    @classmethod
-    def from_trace(cls, trace: "pd.DataFrame", num_stages: int | None = None, *,
-                   stage_parts: "Sequence[int] | None" = None, **overrides: Any) -> "CostModel":
-        """Fit costs to a (measured or simulated) trace; see :func:`pipesim.calibrate.fit_costs`."""
-        from .calibrate import fit_costs
-
-        return fit_costs(trace, num_stages=num_stages,
-                         stage_parts=None if stage_parts is None else tuple(stage_parts),
-                         **overrides)
 
     # -- JSON ----------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:

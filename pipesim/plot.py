@@ -11,6 +11,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from .units import byte_unit
+
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
     from matplotlib.figure import Figure
@@ -208,8 +210,6 @@ def _memory_plot(result: "SimResult", ax: "Axes", t0: float, *, unitless: bool =
 
     timeline = result.memory_timeline
     peak = float(timeline["bytes"].max()) if len(timeline) else 0.0
-    from .result import byte_unit
-
     scale, unit = (1.0, "units") if unitless else byte_unit(peak)
     cmap = colormaps["viridis"]
     ranks = result.num_ranks

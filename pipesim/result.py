@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from . import metrics
 from .trace import check_trace, num_ranks
+from .units import byte_unit
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -254,8 +255,3 @@ class SimResult:
         return (f"SimResult({name!r}, {self.source}, makespan={self.makespan:.6g}, "
                 f"bubble_fraction={self.bubble_fraction:.4f}, bubble_rate={self.bubble_rate:.4f})")
 
-
-def byte_unit(peak: float) -> tuple[float, str]:
-    """(scale, name) to show byte counts up to ``peak``: GiB, MiB, KiB or bytes."""
-    return next(((size, name) for size, name in ((2**30, "GiB"), (2**20, "MiB"), (2**10, "KiB"))
-                 if peak >= size), (1.0, "bytes"))

@@ -45,7 +45,7 @@ def train(args: list[str], metrics: Path) -> dict:
 
 
 def check_profile(device: str, tmp: Path) -> None:
-    from pipeexec.profile.measured import MeasuredRun
+    from pipeexec.analysis.measured import MeasuredRun
 
     held_peak = 0.0
     for schedule, vpp in (("zb-h1", 1), ("zbv", 2)):
@@ -105,7 +105,7 @@ def compare_meters(device: str) -> None:
     import torch
 
     from pipeexec.config import TrainConfig
-    from pipeexec.profile.memory import CudaMemoryMeter, HeldTensorMeter
+    from pipeexec.measuring.memory import CudaMemoryMeter, HeldTensorMeter
     from pipeexec.topology import destroy_topology, init_topology
     from pipeexec.training.train import Trainer
 

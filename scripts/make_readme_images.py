@@ -104,8 +104,8 @@ def predicted_vs_measured(path: Path, dpi: int) -> None:
     """Train 1f1b and interleaved (pp=2, vpp=2) in one job, alternating steps (the prediction
     benchmark's method), predict interleaved from the 1f1b steps alone, draw both."""
     from pipeexec.config import TrainConfig
-    from pipeexec.profile.compare import compare_runs
-    from pipeexec.profile.paired import paired_runs
+    from pipeexec.analysis.compare import compare_runs
+    from pipeexec.measuring.paired import paired_runs
 
     # The prediction benchmark's model (benchmarks/bench_prediction.py): at a smaller width the
     # actions last a millisecond or two and per-action overheads the costs do not carry dominate.

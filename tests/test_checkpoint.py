@@ -20,7 +20,7 @@ from pipeexec.checkpoint import (RELEASE, CheckpointError, CheckpointReader, con
                                  describe, load_checkpoint, read_tracker, save_checkpoint,
                                  state_file, tracker_path)
 from pipeexec.checkpoint.atomic import atomic_write
-from pipeexec.checkpoint.cli import main as checkpoint_main
+from pipeexec.cli.checkpoint import main as checkpoint_main
 from pipeexec.checkpoint.rng import capture_rng_state, restore_rng_state
 from pipeexec.training.train import train
 

@@ -25,8 +25,9 @@ import torch
 
 from checkpoint_helpers import TINY, checkpoint_worker, flip_bit, merge_params
 from pipeexec import launch
-from pipeexec.cli import _parser, config_from_args
-from pipeexec.cli import main as cli_main
+from pipeexec.cli.train import config_from_args
+from pipeexec.cli.main import _parser
+from pipeexec.cli.main import main as cli_main
 from pipeexec.checkpoint import (FAULT_ENV, CheckpointOptions, convert_checkpoint, describe,
                                  read_tracker, state_file, tracker_path)
 

@@ -5,9 +5,9 @@ import argparse
 
 import pytest
 
-from pipeexec.cli import _parser as pipeexec_parser
-from pipeexec.cli import main as pipeexec_main
-from pipeexec.profile.compare_cli import compare_parser
+from pipeexec.cli.main import _parser as pipeexec_parser
+from pipeexec.cli.main import main as pipeexec_main
+from pipeexec.cli.compare import compare_parser
 from pipesim.cli import build_parser as pipesim_parser
 from pipesim.cli import main as pipesim_main
 

@@ -14,11 +14,11 @@ import pandas as pd
 import pytest
 
 import pipesim
-from pipeexec.profile import MeasuredRun
-from pipeexec.profile.calibrate import Layout
-from pipeexec.profile.compare import REPORT_KEYS, TABLE_COLUMNS, compare_runs
-from pipeexec.profile.compare_cli import write_outputs
-from pipeexec.profile.predict import EXECUTOR_COMM, predict
+from pipeexec.analysis import MeasuredRun
+from pipeexec.analysis.calibrate import Layout
+from pipeexec.analysis.compare import REPORT_KEYS, TABLE_COLUMNS, compare_runs
+from pipeexec.cli.compare import write_outputs
+from pipeexec.analysis.predict import EXECUTOR_COMM, predict
 
 
 def jittered_run(name="zb-h1", pp=4, vpp=1, m=8, steps=2) -> MeasuredRun:
@@ -132,7 +132,7 @@ TINY = ["--pp", "2", "--microbatches", "4", "--micro-batch-size", "2", "--layers
 
 
 def run_cli(argv):
-    from pipeexec.cli import main
+    from pipeexec.cli.main import main
 
     with pytest.raises(SystemExit) as info:
         main(argv)
@@ -183,7 +183,7 @@ def test_cli_argument_errors(tmp_path, capsys):
 
 @pytest.mark.slow
 def test_train_profile_writes_a_loadable_trace(tmp_path):
-    from pipeexec.cli import main
+    from pipeexec.cli.main import main
 
     out = tmp_path / "t" / "run.json"
     main(["train", "--schedule", "zb-h1", *TINY, "--profile", "1:3", "--trace-out", str(out)])
@@ -204,9 +204,10 @@ def test_without_profile_nothing_is_timed_or_synchronised(monkeypatch):
     only per-action hook: a run without --profile must use neither."""
     import types
 
-    import pipeexec.profile.session as session_mod
+    import pipeexec.measuring.session as session_mod
     from pipeexec import launch
-    from pipeexec.cli import _parser, config_from_args
+    from pipeexec.cli.train import config_from_args
+    from pipeexec.cli.main import _parser
     from pipeexec.launching.worker import run_training
 
     def forbidden(*args, **kwargs):

@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import pytest
 
-from pipeexec.cli import explicit_dests, main, train_parser
+from pipeexec.cli.train import explicit_dests, train_parser
+
+from pipeexec.cli.main import main
 from pipeexec.config import ConfigError, TrainConfig
-from pipeexec.profile.compare_cli import DEFAULT_STEPS, compare_defaults
-from pipeexec.profile.run_description import cpu_share, inherit
+from pipeexec.cli.compare import DEFAULT_STEPS, compare_defaults
+from pipeexec.analysis.run_description import cpu_share, inherit
 
 from test_compare import jittered_run
 
@@ -117,7 +119,7 @@ def test_compare_names_the_missing_file_the_user_gave(tmp_path, capsys):
 
 
 def test_alongside_config_and_its_refusals(tmp_path, capsys):
-    from pipeexec.profile.compare_cli import alongside_config
+    from pipeexec.cli.compare import alongside_config
 
     c = TrainConfig(schedule="zbv", pp=2, vpp=2, microbatches=4, layers=2)
     assert (alongside_config(c, "1f1b").schedule, alongside_config(c, "1f1b").vpp) == ("1f1b", 1)
@@ -146,7 +148,7 @@ def test_compare_alongside_predicts_from_the_partner_steps_of_one_job(tmp_path, 
 
 
 def test_a_noisy_calibration_run_is_noted():
-    from pipeexec.profile.compare_cli import calibration_spread_note
+    from pipeexec.cli.compare import calibration_spread_note
 
     run = jittered_run("1f1b", pp=2, m=4, steps=3)
     assert calibration_spread_note(run) == []              # 4% jitter: steady

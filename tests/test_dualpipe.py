@@ -213,8 +213,8 @@ def test_simulate_schedule_files_and_zb_auto_limit(tmp_path, capsys):
     assert main(["simulate", str(tmp_path / "d.csv"), "--recv-lookahead", "1"]) == 2
     assert "places its SEND/RECV actions itself" in capsys.readouterr().err
     # zb-auto searches with the costs it is simulated with (uniform: 1 byte a microbatch)
-    assert main(["simulate", "zb-auto", "--pp", "2", "-m", "4", "--memory-limit", "2"]) == 0
-    assert main(["simulate", "zb-auto", "--pp", "2", "-m", "4", "--memory-limit", "0.5"]) == 2
+    assert main(["simulate", "zb-auto", "--pp", "2", "-m", "4", "--memory-limit", "2B"]) == 0
+    assert main(["simulate", "zb-auto", "--pp", "2", "-m", "4", "--memory-limit", "0.5B"]) == 2
     assert "memory_limit 0.5 bytes on rank 0 is below" in capsys.readouterr().err
     assert main(["simulate", "1f1b", "--pp", "2", "--memory-limit", "1GB"]) == 2
     assert "--memory-limit applies to zb-auto only" in capsys.readouterr().err

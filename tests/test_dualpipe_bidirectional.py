@@ -5,6 +5,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 import pipesim
+from pipesim.calibrate import fit_costs
 from pipesim import Action, CostModel, Schedule, ScheduleError, simulate
 from pipesim.schedule.action import Overlap
 from pipesim.schedule.channels import check_channels, one_way_pairs
@@ -389,18 +390,18 @@ def test_fit_costs_pools_the_copies_of_a_part(pp, m):
     part_f = [1.0 + p for p in range(pp)]
     costs = CostModel(forward=part_f, backward_input=part_f, backward_weight=part_f)
     r = simulate(s, costs)
-    fitted = CostModel.from_trace(r.trace, num_stages=s.num_stages, stage_parts=s.stage_parts)
+    fitted = fit_costs(r.trace, num_stages=s.num_stages, stage_parts=s.stage_parts)
     want = [part_f[s.stage_part(x)] for x in range(s.num_stages)]
     assert list(fitted.forward) == pytest.approx(want)
     assert list(fitted.backward_input) == pytest.approx(want)
     assert list(fitted.backward_weight) == pytest.approx(want)
     if pp == 2:   # without the pooling, a copy stage lacks I: refused with the stage named
         with pytest.raises(ValueError, match="I is measured on some stages but not on stage"):
-            CostModel.from_trace(r.trace, num_stages=s.num_stages)
+            fit_costs(r.trace, num_stages=s.num_stages)
 
 
 def test_run_plan_layout_gives_each_copy_its_parts_layers():
-    from pipeexec.profile.run_plan import RunPlan
+    from pipeexec.analysis.run_plan import RunPlan
 
     s = pipesim.build_schedule("dualpipe", pp=2, microbatches=4)
     plan = RunPlan(s, (0, 2, 5), ("embedding", "block", "block", "block", "head"))

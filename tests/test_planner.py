@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from pipesim.plan.plan import Plan
 from pipesim.plan.report import simulate_plan
-from pipesim.planner import SearchSpace, enumerate_plans, explain, jitter_check, parse_bytes, search
+from pipesim.planner import SearchSpace, enumerate_plans, explain, jitter_check, search
 from pipesim.planner.bounds import plan_bounds
 from pipesim.planner.enumerate import plan_key
 
@@ -203,18 +203,6 @@ def test_jitter_check_reports_order():
     assert "seeds" in rep.text()
 
 
-@pytest.mark.parametrize("text,want", [("80GiB", 80 * GiB), ("80 GB", 80e9), ("1.5TiB", 1.5 * 2 ** 40),
-                                       ("123", 123.0), ("512MiB", 512 * 2 ** 20)])
-def test_parse_bytes(text, want):
-    assert parse_bytes(text) == want
-
-
-@pytest.mark.parametrize("text", ["80 parsecs", "GiB", "-3GB", ""])
-def test_parse_bytes_refuses(text):
-    with pytest.raises(ValueError, match="memory size"):
-        parse_bytes(text)
-
-
 def test_space_refuses_bad_input():
     with pytest.raises(ValueError, match="unknown schedule"):
         small_space(schedules=("nope",))
@@ -252,7 +240,7 @@ def test_zb_auto_refinement_never_loses_to_a_handcrafted_order_of_its_layout(tmp
     every handcrafted schedule of its vpp (zb-auto's candidates) on the same layout that fits;
     it round-trips through JSON with its schedule as data; vpp > 2 is named, not searched."""
     from pipesim.planner.refine import refine_with_zb_auto, refinement_text
-    from pipesim.schedule.builders.zb_auto import HANDCRAFTED
+    from pipesim.search.zb_auto import HANDCRAFTED
 
     limit = 0.45 * GiB
     res = search(small_space(), memory_limit=limit, workers=1)

@@ -90,7 +90,9 @@ def test_no_valid_plan_lists_the_refusals(tmp_path, capsys):
 
 
 def test_bad_memory_limit_and_out_suffix_are_refused(tmp_path, capsys):
-    assert run_plan(tmp_path, "--memory-limit", "80 parsecs") == 2
+    with pytest.raises(SystemExit) as info:        # argparse's usage error, before any search
+        run_plan(tmp_path, "--memory-limit", "80 parsecs")
+    assert info.value.code == 2
     assert "memory size '80 parsecs'" in capsys.readouterr().err
     assert main(BASE + ["--out", str(tmp_path / "plans.txt")]) == 2
     assert ".csv or .parquet" in capsys.readouterr().err

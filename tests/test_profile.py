@@ -18,10 +18,12 @@ import torch
 from torch import nn
 
 import pipesim
-from pipeexec.profile import ActionRecord, MeasuredRun, build_trace, parse_step_range
-from pipeexec.profile.calibrate import Layout, calibrate, fit_run, repartition, stage_memory
-from pipeexec.profile.measured import COLUMNS
-from pipeexec.profile.memory import HeldTensorMeter
+from pipeexec.measuring.recorder import ActionRecord
+from pipeexec.analysis import MeasuredRun, build_trace
+from pipeexec.measuring.options import parse_step_range
+from pipeexec.analysis.calibrate import Layout, calibrate, fit_run, repartition, stage_memory
+from pipeexec.analysis.measured import COLUMNS
+from pipeexec.measuring.memory import HeldTensorMeter
 from pipesim.schedule.action import Action
 
 NAN = math.nan
@@ -296,7 +298,8 @@ def profiled_worker(board, cases):
     import time
 
     from pipeexec.config import TrainConfig
-    from pipeexec.profile import ProfileOptions, ProfileSession
+    from pipeexec.measuring.options import ProfileOptions
+    from pipeexec.measuring.session import ProfileSession
     from pipeexec.topology import destroy_topology, init_topology
     from pipeexec.training.train import Trainer, train
 
@@ -437,13 +440,13 @@ def test_p2p_fit_uses_only_observed_arrivals_and_all_sizes():
     t.loc[hidden, "arrival_observed"] = False
     t.loc[hidden, "end"] += 5.0
     # only the SEND_F rows of stage 2 were observed: sizes still come from every row
-    fitted = pipesim.CostModel.from_trace(t, num_stages=4)
+    fitted = pipesim.fit_costs(t, num_stages=4)
     assert fitted.p2p_latency == pytest.approx(0.02, rel=1e-6)
     assert fitted.p2p_bandwidth == pytest.approx(500.0, rel=1e-6)
     assert fitted.stage_values("p2p_bytes", 4) == [10.0, 20.0, 40.0, 0.0]
     # link_start: a transfer timed from when both sides had posted
     t["link_start"] = t["start"] - 1.0
-    late = pipesim.CostModel.from_trace(t, num_stages=4)
+    late = pipesim.fit_costs(t, num_stages=4)
     assert late.p2p_latency == pytest.approx(1.02, rel=1e-6)
 
 
@@ -458,7 +461,7 @@ def _rows(spans, cpu=None):
 
 
 def test_progress_under_processor_sharing_by_hand():
-    from pipeexec.profile.contention import progress
+    from pipeexec.analysis.contention import progress
 
     t = _rows([(0.0, 2.0), (1.0, 3.0)])
     # one core: alone for 1 s, shared for 1 s (half speed), alone for 1 s
@@ -467,7 +470,7 @@ def test_progress_under_processor_sharing_by_hand():
 
 
 def test_effective_cores_explains_the_cpu_work():
-    from pipeexec.profile.contention import effective_cores
+    from pipeexec.analysis.contention import effective_cores
 
     # two ranks computing side by side for 2 s each did 1 s of work each: one core's worth
     assert effective_cores(_rows([(0.0, 2.0), (0.0, 2.0)], cpu=[1.0, 1.0])) == pytest.approx(1.0, abs=1e-6)
@@ -480,7 +483,7 @@ def test_effective_cores_explains_the_cpu_work():
 @pytest.mark.parametrize("name,vpp", [("1f1b", 1), ("interleaved", 2), ("zbv", 2)])
 @pytest.mark.parametrize("cores", [1.0, 1.5, 2.0, 3.0])
 def test_effective_cores_recovers_the_simulated_sharing(name, vpp, cores):
-    from pipeexec.profile.contention import effective_cores, progress
+    from pipeexec.analysis.contention import effective_cores, progress
 
     # A run simulated with 4 ranks on `cores` processors: each computation's progress over its
     # span is its work, and the fit finds the core count back from (work, spans) alone.
@@ -498,7 +501,7 @@ def probe_worker(board):
     import torch
 
     from pipeexec.config import TrainConfig
-    from pipeexec.profile.probe import probe_split
+    from pipeexec.measuring.probe import probe_split
     from pipeexec.topology import destroy_topology, init_topology
     from pipeexec.training.train import Trainer, train
 
@@ -531,7 +534,7 @@ def test_split_probe_leaves_training_state_alone():
 
 
 def test_probed_split_gives_i_and_w_to_a_run_without_them():
-    from pipeexec.profile.calibrate import calibrate
+    from pipeexec.analysis.calibrate import calibrate
 
     run = synthetic_run_without_split()
     costs = calibrate(run).costs.compute_times(2)
@@ -544,7 +547,7 @@ def test_probed_split_gives_i_and_w_to_a_run_without_them():
 
 def test_probed_split_takes_what_i_frees_from_the_probe():
 
-    from pipeexec.profile.calibrate import probed_split
+    from pipeexec.analysis.calibrate import probed_split
 
     run = MeasuredRun(pd.DataFrame(), {"schedule": "1f1b", "pp": 2, "vpp": 1,
                                        "microbatches": 2, "bounds": [0, 1, 2],

@@ -10,12 +10,12 @@ import dataclasses
 
 import pytest
 
-from pipeexec.cli import apply_plan, config_from_args, explicit_dests, train_parser
+from pipeexec.cli.train import apply_plan, config_from_args, explicit_dests, train_parser
 from pipeexec.options import flag_of, flagged
 from pipeexec.plan_config import plan_from_config
-from pipeexec.profile import compare_cli
-from pipeexec.profile.cli import profile_from_args
-from pipeexec.profile.options import ProfileOptions
+from pipeexec.cli import compare as compare_cli
+from pipeexec.cli.profile_flags import profile_from_args
+from pipeexec.measuring.options import ProfileOptions
 
 TINY = ["--layers", "4", "--hidden", "16", "--heads", "2", "--seq-len", "8", "--vocab", "32",
         "--micro-batch-size", "2"]

@@ -78,8 +78,9 @@ def test_pipesim_lines_run_in_order(scratch, capsys):
 
 @pytest.mark.parametrize("argv", commands("pipeexec"), ids=" ".join)
 def test_pipeexec_lines_parse(argv):
-    from pipeexec.cli import _parser, config_from_args, train_parser
-    from pipeexec.profile.compare_cli import compare_parser
+    from pipeexec.cli.train import config_from_args, train_parser
+    from pipeexec.cli.main import _parser
+    from pipeexec.cli.compare import compare_parser
 
     if argv[0] == "compare":
         _, rest = compare_parser().parse_known_args(argv[1:])
@@ -102,7 +103,7 @@ def test_the_calibration_file_the_tour_names_is_what_the_main_job_writes():
 def test_the_tours_calibrate_from_line_runs_as_written(tmp_path, monkeypatch, capsys):
     """The line is run exactly as the README spells it, against a calibration run written
     where the main job writes it: the model comes from the run's description."""
-    from pipeexec.cli import main
+    from pipeexec.cli.main import main
 
     monkeypatch.chdir(tmp_path)
     tiny = ["--layers", "2", "--hidden", "16", "--heads", "2", "--seq-len", "8", "--vocab", "32",

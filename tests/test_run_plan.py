@@ -22,7 +22,7 @@ import pytest
 import pipesim
 from pipesim.schedule.io import schedule_from_dict, schedule_to_dict
 
-from pipeexec.profile.run_plan import Layout, RunPlan
+from pipeexec.analysis.run_plan import Layout, RunPlan
 
 
 def hand_made(pp: int = 2, m: int = 4) -> pipesim.Schedule:
@@ -66,9 +66,9 @@ TORCH_FREE = textwrap.dedent('''
     sys.modules["torch"] = None            # any "import torch" now raises ImportError
     import pandas as pd
     import pipesim
-    from pipeexec.profile import MeasuredRun, RunPlan, compare_runs, predict
-    from pipeexec.profile.calibrate import Layout, calibrate
-    from pipeexec.profile.run_description import cpu_share, inherit
+    from pipeexec.analysis import MeasuredRun, RunPlan, compare_runs, predict
+    from pipeexec.analysis.calibrate import Layout, calibrate
+    from pipeexec.analysis.run_description import cpu_share, inherit
 
     s = pipesim.build_schedule("1f1b", pp=2, microbatches=4)
     truth = pipesim.CostModel(forward=[1.0, 1.5], backward=[2.0, 3.0])
@@ -97,8 +97,8 @@ TORCH_FREE = textwrap.dedent('''
     cmp = compare_runs(back)
     assert abs(cmp.predicted.makespan - cmp.measured.makespan) < 1e-6 * cmp.measured.makespan
     from pipeexec.config import TrainConfig
-    from pipeexec.profile.plan_memory import predicted_activation_peaks
-    from pipeexec.profile.options import ProfileOptions
+    from pipeexec.analysis.plan_memory import predicted_activation_peaks
+    from pipeexec.measuring.options import ProfileOptions
     assert ProfileOptions(1, 3).stop == 3
     peaks = predicted_activation_peaks(TrainConfig(pp=2, microbatches=4, layers=4, recompute="full"))
     assert len(peaks) == 2 and min(peaks) > 0, peaks
@@ -119,7 +119,8 @@ def test_measuring_room_works_without_torch(tmp_path):
 # -- a hand-made schedule through a real run and a checkpoint -------------------------------------
 def hand_made_worker(board, cfg, options, profile_first):
     from pipeexec.checkpoint import CheckpointManager
-    from pipeexec.profile import ProfileOptions, ProfileSession
+    from pipeexec.measuring.options import ProfileOptions
+    from pipeexec.measuring.session import ProfileSession
     from pipeexec.topology import destroy_topology, init_topology
     from pipeexec.training.train import Trainer, train
 
@@ -152,7 +153,7 @@ def test_hand_made_schedule_survives_a_measured_run_and_a_checkpoint(tmp_path):
     from pipeexec import launch
     from pipeexec.checkpoint import CheckpointOptions
     from pipeexec.checkpoint.reader import CheckpointReader
-    from pipeexec.profile import MeasuredRun
+    from pipeexec.analysis import MeasuredRun
 
     cfg = TINY.replace(schedule="interleaved", pp=2, vpp=2, dp=1, microbatches=4,
                        micro_batch_size=2, steps=4)

@@ -7,6 +7,7 @@ from hypothesis import given, settings, strategies as st
 
 import pipesim
 from pipesim import CostModel, simulate
+from pipesim.calibrate import fit_costs
 from pipesim.hardware import Hardware, get_hardware
 from pipesim.transformer import ModelSpec, get_model, split_layers
 
@@ -114,7 +115,7 @@ def test_from_trace_recovers_costs():
     truth = CostModel(forward=[1.0, 1.5, 2.0], backward_input=[0.7, 0.8, 0.9],
                       backward_weight=[0.4, 0.5, 0.6], p2p_latency=0.05, p2p_bandwidth=200.0,
                       p2p_bytes=[10.0, 30.0, 0.0])
-    fitted = CostModel.from_trace(simulate(s, truth).trace, activation_bytes=3.0)
+    fitted = fit_costs(simulate(s, truth).trace, activation_bytes=3.0)
     for field in ("forward", "backward_input", "backward_weight"):
         assert getattr(fitted, field) == pytest.approx(getattr(truth, field), rel=1e-9)
     assert fitted.backward is None
@@ -129,9 +130,9 @@ def test_from_trace_recovers_costs():
 def test_from_trace_full_backward_and_errors():
     s = pipesim.build_schedule("1f1b", pp=2, microbatches=3)
     tr = simulate(s, CostModel(forward=[1.0, 2.0], backward=[3.0, 4.0])).trace
-    fitted = CostModel.from_trace(tr)
+    fitted = fit_costs(tr)
     assert fitted.backward == (3.0, 4.0) and fitted.backward_input is None
     assert fitted.p2p_latency == 0.0
     missing = tr[~((tr["op"] == "B") & (tr["stage"] == 1))]
     with pytest.raises(ValueError, match=r"B is measured on some stages but not on stage\(s\) \[1\]"):
-        CostModel.from_trace(missing)
+        fit_costs(missing)

@@ -35,7 +35,7 @@ from IPython.display import display
 
 import pipesim
 from pipeexec import TrainConfig
-from pipeexec.profile import MeasuredRun, compare_runs, fit_run, layout_of, predict
+from pipeexec.analysis import MeasuredRun, compare_runs, fit_run, layout_of, predict
 
 pd.set_option("display.width", 160)
 pd.set_option("display.precision", 3)

@@ -7,7 +7,7 @@ on whether the rank sharing its core computes too). Two things follow:
 
 * `cpu_limit` says how many CPUs this process may use (its affinity, capped by the CPU quota of
   its cgroup and every ancestor). The profiler records it per rank, so a prediction knows
-  whether the calibration run's ranks shared cores (`pipeexec.profile.contention`).
+  whether the calibration run's ranks shared cores (`pipeexec.analysis.contention`).
 * `RankQuotas` gives each local worker its own cgroup with a CPU quota (e.g. 0.5 CPU each for 4
   ranks on 2 cores): every rank then runs at the same speed whatever the others do, as on a
   machine with one (slower) device per rank. ``launch(..., cpus_per_rank=x)`` and

@@ -21,7 +21,7 @@ from ..training.train import Trainer, train
 from ..versions import run_versions
 
 if TYPE_CHECKING:
-    from ..profile import ProfileOptions
+    from ..measuring.options import ProfileOptions
 
 
 def _log(msg: str) -> None:
@@ -45,12 +45,13 @@ def run_training(board: ActionBoard | None, config: TrainConfig, metrics_out: st
             raise ValueError("--profile and zb-auto's --memory-limit both profile the run; "
                              "give one of them")
         if profile is not None or auto:
-            from ..profile import ProfileOptions, ProfileSession
+            from ..measuring.options import ProfileOptions
+            from ..measuring.session import ProfileSession
             session = ProfileSession(profile or ProfileOptions(1, config.reschedule_after + 1),
                                      topology)
         first = None
         if auto:
-            from ..profile.reschedule import profiled_schedule
+            from ..measuring.reschedule import profiled_schedule
             first = profiled_schedule(config)
         trainer = Trainer(config, topology, board=board, schedule=first,
                           recorder=None if session is None else session.profiler)
@@ -76,7 +77,7 @@ def run_training(board: ActionBoard | None, config: TrainConfig, metrics_out: st
             manager.load(trainer)
         on_step = None if manager is None else manager.on_step
         if auto:
-            from ..profile.reschedule import reschedule
+            from ..measuring.reschedule import reschedule
             saved, switched = on_step, {}
 
             def on_step(trainer, stats):

@@ -12,6 +12,8 @@ import sys
 import time
 from pathlib import Path
 
+from ..units import bytes_arg
+
 GiB = 2 ** 30
 
 
@@ -37,7 +39,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seq", type=int, metavar="S", help="sequence length (default: the model's)")
     p.add_argument("--gpus-per-node", type=int, default=8, metavar="N",
                    help="GPUs per node (the NVLink domain tp stays inside)")
-    p.add_argument("--memory-limit", metavar="SIZE",
+    p.add_argument("--memory-limit", metavar="SIZE", type=bytes_arg,
                    help="per-GPU memory limit with units, e.g. 80GiB, 75GB (default: the "
                         "hardware's memory)")
     p.add_argument("--schedules", type=_words, metavar="A,B,...",
@@ -114,10 +116,8 @@ def space_from_args(args: argparse.Namespace):
 def cmd_plan(args: argparse.Namespace) -> int:
     from ..planner.explain import explain, explain_text
     from ..planner.search import search
-    from ..planner.units import parse_bytes
-
     space = space_from_args(args)
-    limit = parse_bytes(args.memory_limit) if args.memory_limit else None
+    limit = args.memory_limit
     if args.top < 1:
         raise ValueError(f"--top must be >= 1, got {args.top}")
     if args.zb_auto < 0:

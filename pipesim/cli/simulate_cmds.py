@@ -2,25 +2,12 @@
 from __future__ import annotations
 
 import argparse
-import re
 import sys
 
 from ..costs import CostModel
 from ..schedule.placement import PLACEMENTS
+from ..units import UNITS_HELP, byte_unit, bytes_arg
 from .plan_cmds import add_plan_args, cmd_simulate_plan, explicit_flags, wants_plan
-
-_SIZE = re.compile(r"^\s*([0-9.eE+-]+)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
-_UNITS = {"b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-
-
-def parse_bytes(text: str) -> float:
-    """'80GB', '80 GiB', '8e10' -> bytes."""
-    match = _SIZE.match(text)
-    if match is None:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 80GB, 72GiB, 8e10)")
-    return float(match.group(1)) * _UNITS[(match.group(2) or "B").lower()]
-
 
 def _add_cost_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("costs (default: uniform F=1, B=2 (I=W=1), zero communication)")
@@ -77,7 +64,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--microbatches", "-m", type=int, default=8, help="microbatches per step")
     p.add_argument("--micro-batch-size", type=int, default=1, help="sequences per microbatch (--model)")
     p.add_argument("--forward-only", action="store_true", help="inference: forwards only")
-    p.add_argument("--memory-limit", type=parse_bytes, default=None, metavar="BYTES",
+    p.add_argument("--memory-limit", type=bytes_arg, default=None, metavar="BYTES",
                    help="zb-auto: per-rank memory limit its search keeps under (e.g. 40GB)")
     p.add_argument("--placement", choices=PLACEMENTS, default=None,
                    help="zb-auto at --vpp 2: search only this placement of the stages (default: "
@@ -103,9 +90,9 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--micro-batch-size", type=int, nargs="+", default=[1],
                    help="sequences per microbatch (--model)")
     _add_cost_args(p)
-    p.add_argument("--memory-limit", type=parse_bytes, default=None,
-                   help="per-rank peak memory limit, e.g. 80GB, 72GiB (a bare number is "
-                        "bytes; default with --model: the hardware's memory)")
+    p.add_argument("--memory-limit", type=bytes_arg, default=None,
+                   help=f"per-rank peak memory limit with its unit, e.g. 80GB, 72GiB ({UNITS_HELP}; "
+                        "default with --model: the hardware's memory)")
     p.add_argument("--inflight-limit", type=int, default=None,
                    help="per-rank limit on microbatches in flight")
     p.add_argument("--out", metavar="OUT.csv", required=True, help="CSV of every configuration")
@@ -195,8 +182,6 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     if len(ok):
         view = ok[shown]
         if args.costs or args.model:
-            from ..result import byte_unit
-
             scale, name = byte_unit(float(view["peak_memory"].max()))
             view = view.assign(peak_memory=view["peak_memory"] / scale).rename(
                 columns={"peak_memory": f"peak_memory_{name}", "makespan": "makespan_s"})
@@ -210,8 +195,5 @@ def cmd_sweep(args: argparse.Namespace) -> int:
               f"{reason}", file=sys.stderr)
     print(f"{len(ok)} of {len(table)} configurations feasible; wrote {args.out}")
     if len(ok) == 0:
-        if limit is not None and limit < 2**20:
-            print(f"note: the memory limit is {limit:g} bytes (a number without a unit is "
-                  "bytes: say 80GB or 80GiB)", file=sys.stderr)
         return 1
     return 0

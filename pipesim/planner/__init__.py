@@ -15,8 +15,7 @@ from .explain import explain
 from .refine import Refinement, refine_with_zb_auto
 from .search import SearchResult, search
 from .stability import jitter_check
-from .units import parse_bytes
 
 __all__ = ["Bounds", "Enumeration", "Refinement", "SearchResult", "SearchSpace",
-           "enumerate_plans", "explain", "jitter_check", "parse_bytes", "plan_bounds",
+           "enumerate_plans", "explain", "jitter_check", "plan_bounds",
            "refine_with_zb_auto", "search"]

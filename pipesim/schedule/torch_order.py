@@ -21,10 +21,13 @@ per direction between two ranks (`torch_channel`).
 from __future__ import annotations
 
 from collections.abc import Hashable
+from typing import TYPE_CHECKING
 
 from .action import B, F, I, RECV_B, RECV_F, SEND_B, SEND_F, Action
 from .channels import ChannelError, Transfer, check_channels
-from .schedule import Schedule
+
+if TYPE_CHECKING:
+    from .schedule import Schedule
 
 
 def torch_channel(t: Transfer) -> Hashable:
@@ -39,9 +42,7 @@ def check_single_channel(schedule: "Schedule", lists: list[list[Action]] | None 
     (``lists``: per-rank actions; default ``schedule.actions``): `check_channels` over
     `torch_channel`."""
     if lists is not None:
-        schedule = Schedule(schedule.pp, schedule.vpp, schedule.num_microbatches,
-                            schedule.placement, lists, name=schedule.name,
-                            forward_only=schedule.forward_only)
+        schedule = schedule.with_orders(lists)
     try:
         check_channels(schedule, torch_channel)
     except ChannelError as exc:

@@ -121,7 +121,7 @@ def test_confined_workers_get_their_share_and_the_cgroups_are_removed():
 
 
 def test_cpus_per_rank_is_refused_under_torchrun(monkeypatch, capsys):
-    from pipeexec.cli import main
+    from pipeexec.cli.main import main
 
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "2")

@@ -9,7 +9,9 @@ import pipesim
 from pipesim.plan.model import ModelSpec
 from pipesim.plan.parallelism import Parallelism
 
-from pipeexec.cli import apply_plan, config_from_args, explicit_dests, main, train_parser
+from pipeexec.cli.train import apply_plan, config_from_args, explicit_dests, train_parser
+
+from pipeexec.cli.main import main
 from pipeexec.config import ConfigError, TrainConfig
 from pipeexec.plan_config import config_from_plan, plan_from_config
 
@@ -109,7 +111,7 @@ def test_train_runs_a_plan_file_as_its_flags(tmp_path):
 
 
 def test_compare_takes_the_plan_and_refuses_what_train_refuses(tmp_path, capsys):
-    from pipeexec.profile.compare_cli import compare_main
+    from pipeexec.cli.compare import compare_main
 
     path = tmp_path / "tp.json"
     pipesim.Plan.create("gpt3-1.3b", "H100", tp=2, pp=2, global_batch_size=8).to_json(path)

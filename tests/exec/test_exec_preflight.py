@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from pipeexec.cli import main
+from pipeexec.cli.main import main
 from pipeexec.config import ConfigError, TrainConfig
 from pipeexec.launching.preflight import check_cpus_per_rank, data_warning
 

@@ -412,7 +412,7 @@ def test_cost_model_counts_the_executors_parameters(model_dirs, family):
 def test_compare_takes_the_calibration_runs_hf_model(model_dirs):
     """``compare --calibrate-from`` inherits the calibration run's --hf-model with its shape,
     and refuses another one naming both."""
-    from pipeexec.profile.run_description import inherit
+    from pipeexec.analysis.run_description import inherit
 
     recorded = TrainConfig(micro_batch_size=2).with_hf_model(model_dirs["mixtral"])
     meta = {"config": recorded.to_dict()}

@@ -187,7 +187,8 @@ def test_duplicate_gpus_are_found_by_uuid(monkeypatch):
 
 
 def test_nccl_matching_flag_reaches_the_config():
-    from pipeexec.cli import _parser, config_from_args
+    from pipeexec.cli.train import config_from_args
+    from pipeexec.cli.main import _parser
     assert config_from_args(_parser().parse_args(["train", "--nccl-matching"])).nccl_matching
     assert not config_from_args(_parser().parse_args(["train"])).nccl_matching
 
@@ -233,7 +234,7 @@ def test_a_placement_beyond_ring_neighbours_is_refused_before_start():
 
 
 def test_cpus_per_rank_refused_with_cuda(capsys):
-    from pipeexec.cli import main
+    from pipeexec.cli.main import main
     with pytest.raises(SystemExit) as info:
         main(["train", "--device", "cuda", "--cpus-per-rank", "1", "--no-progress"])
     assert info.value.code == 2
@@ -242,7 +243,7 @@ def test_cpus_per_rank_refused_with_cuda(capsys):
 
 
 def test_cpus_per_rank_refused_when_a_gpu_is_visible(capsys, monkeypatch):
-    from pipeexec.cli import main
+    from pipeexec.cli.main import main
     monkeypatch.setattr(devices, "cuda_device_count", lambda: 2)     # as NVML would count
     with pytest.raises(SystemExit) as info:
         main(["train", "--cpus-per-rank", "1", "--no-progress"])     # device None -> cuda
@@ -254,7 +255,7 @@ def test_cpus_per_rank_refused_when_a_gpu_is_visible(capsys, monkeypatch):
 
 
 def test_cuda_without_a_visible_gpu_is_refused_before_start(capsys, monkeypatch):
-    from pipeexec.cli import main
+    from pipeexec.cli.main import main
     monkeypatch.setattr(devices, "cuda_device_count", lambda: 0)
     with pytest.raises(SystemExit) as info:
         main(["train", "--device", "cuda", "--no-progress"])
@@ -283,7 +284,7 @@ if sys.version_info < (3, 11):        # tomllib
 
 # -- measuring on a GPU (CUDA mocked) ---------------------------------------------------------
 def test_probe_times_with_cuda_events(monkeypatch):
-    from pipeexec.profile import probe
+    from pipeexec.measuring import probe
     calls = []
 
     class Event:

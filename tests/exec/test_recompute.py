@@ -17,7 +17,7 @@ from pipeexec.config import ConfigError
 from pipeexec.model import gpt_spec_from_config
 from pipeexec.partition import by_layers
 from pipeexec.pipeline.stage import build_stage
-from pipeexec.profile.memory import HeldTensorMeter
+from pipeexec.measuring.memory import HeldTensorMeter
 from pipesim.schedule.action import Action
 
 MODES = ({"recompute": "none"}, {"recompute": "selective"}, {"recompute": "full"},

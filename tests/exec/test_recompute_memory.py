@@ -1,7 +1,7 @@
 """Activation memory under recomputation: measured by the executor, predicted by pipesim from the
 model's shape alone (no calibration), for the same plan.
 
-The definition both sides share is in `pipeexec.profile.plan_memory`'s docstring: per rank, the
+The definition both sides share is in `pipeexec.analysis.plan_memory`'s docstring: per rank, the
 largest sum at an action boundary of the in-flight microbatches' saved activations, the output
 of the F that just ran (until sent) and the posted receive buffers; parameters left out.
 
@@ -28,8 +28,8 @@ from pipeexec.config import TrainConfig
 from pipeexec.model import gpt_spec_from_config
 from pipeexec.plan_config import plan_from_config
 from pipeexec.pipeline.stage import build_stage
-from pipeexec.profile.memory import HeldTensorMeter
-from pipeexec.profile.plan_memory import predicted_activation_peaks
+from pipeexec.measuring.memory import HeldTensorMeter
+from pipeexec.analysis.plan_memory import predicted_activation_peaks
 from pipesim.plan.footprint import head_activations, layer_activations
 from pipesim.schedule.action import Action
 
@@ -129,7 +129,7 @@ def case_config(name: str, vpp: int, precision: str, mode: dict) -> TrainConfig:
 def measured_peaks():
     """Every case's measured peaks per rank, from one job: the configs train side by side in
     the same two workers (`paired_runs`), each with its own runtime and meter."""
-    from pipeexec.profile.paired import paired_runs
+    from pipeexec.measuring.paired import paired_runs
 
     configs = [case_config(*case, mode) for case in CASES for mode in RECOMPUTE]
     runs = paired_runs(configs, 1, 2, timeout=300)

@@ -49,7 +49,7 @@ def test_zb_auto_from_the_runs_own_costs_trains_like_a_single_process(vpp, place
 def test_profiled_looped_schedule_is_interleaved_with_its_backward_split():
     """Same order and memory as interleaved 1F1B; only each B's halves are timed apart."""
     from pipesim import CostModel, simulate
-    from pipeexec.profile.reschedule import profiled_schedule
+    from pipeexec.measuring.reschedule import profiled_schedule
 
     cfg = TINY.replace(schedule="zb-auto", pp=4, vpp=2, placement="looped", microbatches=8,
                        steps=5, memory_limit=1e9, layers=8)

@@ -6,7 +6,7 @@ import pickle
 
 import pytest
 
-from pipeexec.cli import config_from_args, train_parser
+from pipeexec.cli.train import config_from_args, train_parser
 from pipeexec.config import (SECTIONS, LayoutConfig, ModelConfig, OptimizerConfig,
                              PrecisionConfig, RuntimeConfig, TrainConfig)
 
@@ -49,7 +49,7 @@ def test_every_field_has_a_flag_whose_default_is_the_fields():
 
 def test_checkpoint_flags_are_generated_from_checkpoint_options(monkeypatch):
     from pipeexec.checkpoint import FAULT_ENV, CheckpointOptions
-    from pipeexec.checkpoint.cli import options_from_args
+    from pipeexec.cli.checkpoint import options_from_args
 
     monkeypatch.delenv(FAULT_ENV, raising=False)
     parser = train_parser()

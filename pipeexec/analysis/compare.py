@@ -2,7 +2,7 @@
 `compare_cli`).
 
 `compare_runs` scores one measured run against the simulation of the same schedule with costs
-calibrated from that run or from another one (`pipeexec.profile.calibrate`). Measured values
+calibrated from that run or from another one (`pipeexec.analysis.calibrate`). Measured values
 are the means over the compared steps (by default the profiled steps but the quarter with the
 longest and the quarter with the shortest makespan, `MeasuredRun.central_steps`: the costs a
 simulation uses are per-stage means over the same steps, so what it predicts is the run's mean
@@ -25,7 +25,7 @@ points (predicted - measured); memory errors relative, per rank.
 
 Calibrated from the run itself, the costs are the compared steps' per-stage wall-time means
 (how the simulation moves messages, and the model for a calibration run whose ranks shared
-cores: `pipeexec.profile.predict`). A measured run whose ranks time-shared cores carries a
+cores: `pipeexec.analysis.predict`). A measured run whose ranks time-shared cores carries a
 ``note`` in the report and under the table (`contention.time_sharing_note`), with the
 ``--cpus-per-rank`` that avoids it.
 """

@@ -10,10 +10,10 @@ from typing import Any
 
 import pipesim
 
-from .compare import Comparison, compare_runs
-from .measured import MeasuredRun
-from .options import ProfileOptions
-from .predict import layout_of, predict
+from ..analysis.compare import Comparison, compare_runs
+from ..analysis.measured import MeasuredRun
+from ..measuring.options import ProfileOptions
+from ..analysis.predict import layout_of, predict
 
 
 # compare's own default where train's would make a toy (one step).
@@ -138,7 +138,7 @@ def alongside_config(config: Any, text: str) -> Any:
 
 def compare_main(argv: list[str]) -> int:
     """``pipeexec compare ...``; returns the exit status (2: bad arguments, 1: run failed)."""
-    from ..cli import (PLAN_DESTS, apply_hf_model, apply_plan, config_from_args, explicit_dests,
+    from .train import (PLAN_DESTS, apply_hf_model, apply_plan, config_from_args, explicit_dests,
                        train_parser)
     from ..models.hf_config import HF_FIELDS
     from ..config import ConfigError
@@ -146,8 +146,8 @@ def compare_main(argv: list[str]) -> int:
     from ..launching.launcher import WorkerFailed
     from ..launching.preflight import check_cpus_per_rank
     from ..options import values_from_args
-    from .run_description import inherit
-    from .session import parse_step_range
+    from ..analysis.run_description import inherit
+    from ..measuring.session import parse_step_range
 
     ns, rest = compare_parser().parse_known_args(argv)
     parser = train_parser(prog="pipeexec compare")
@@ -222,7 +222,7 @@ def compare_main(argv: list[str]) -> int:
                   f"{predicted.makespan * 1e3:.1f} ms, bubble_fraction "
                   f"{predicted.bubble_fraction:.3f}", flush=True)
         if partner is not None:
-            from .paired import paired_runs
+            from ..measuring.paired import paired_runs
 
             source, run = paired_runs([partner, config], first, stop,
                                       trace_outs=[None, ns.trace_out],
@@ -263,16 +263,16 @@ def compare_main(argv: list[str]) -> int:
 
 def plan_memory(config: Any, measured: list[float]) -> tuple[dict[str, Any], str]:
     """The activation peaks pipesim predicts for ``config``'s plan from the model's shape alone
-    (`pipeexec.profile.plan_memory`), against the ``measured`` peaks per rank: report fields
+    (`pipeexec.analysis.plan_memory`), against the ``measured`` peaks per rank: report fields
     and a line to print (saying why, when the config has no plan)."""
     from ..config import ConfigError
-    from .plan_memory import predicted_activation_peaks
+    from ..analysis.plan_memory import predicted_activation_peaks
 
     try:
         predicted = predicted_activation_peaks(config)
     except (ConfigError, pipesim.PlanError, ValueError) as exc:
         return {}, f"no activation memory predicted from the plan: {exc}"
-    from pipesim.result import byte_unit
+    from pipesim.units import byte_unit
 
     errors = [(p - m) / m if m else None for p, m in zip(predicted, measured)]
     scale, unit = byte_unit(max(predicted + list(measured)))

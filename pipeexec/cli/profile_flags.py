@@ -1,7 +1,7 @@
 """Command-line pieces for profiling: the profiling flags of ``pipeexec train`` (generated from
-`pipeexec.profile.options.ProfileOptions`) and
+`pipeexec.measuring.options.ProfileOptions`) and
 the ``compare`` entry in ``pipeexec --help`` (its flags are parsed by
-`pipeexec.profile.compare_cli.compare_main`, which reuses every train flag)."""
+`pipeexec.cli.compare.compare_main`, which reuses every train flag)."""
 from __future__ import annotations
 
 import argparse
@@ -11,14 +11,14 @@ from typing import Any
 def add_profile_flags(train: argparse.ArgumentParser) -> None:
     """The profiling flags, generated from `ProfileOptions`' fields (help and defaults)."""
     from ..options import add_arguments
-    from .options import ProfileOptions
+    from ..measuring.options import ProfileOptions
 
     add_arguments(train.add_argument_group("profiling (predicted vs measured)"), ProfileOptions)
 
 
 def profile_from_args(ns: argparse.Namespace) -> Any:
     """`ProfileOptions` from the profiling flags (None without --profile)."""
-    from .options import ProfileOptions
+    from ..measuring.options import ProfileOptions
 
     options = ProfileOptions.from_args(ns, cpus_per_rank=getattr(ns, "cpus_per_rank", None))
     if options is not None:

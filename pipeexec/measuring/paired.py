@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from .measured import MeasuredRun
+from ..analysis.measured import MeasuredRun
 
 
 def paired_worker(board: Any, configs: Sequence[Any], first: int, stop: int,

@@ -2,12 +2,12 @@
 
 `ProfileSession` is what a worker creates when ``--profile A:B`` is given:
 
-1. at start-up, clocks are aligned to global rank 0 (:mod:`pipeexec.profile.clock`);
+1. at start-up, clocks are aligned to global rank 0 (:mod:`pipeexec.measuring.clock`);
 2. ``attach`` adds its `ActionProfiler` to the trainer's runtime observers (action times,
    receive waits, message sizes) with a memory meter (exact held tensors, on CPU and GPU
    alike);
 3. after training, ``finish`` times each stage's F, B, I and W outside the schedule
-   (:mod:`pipeexec.profile.probe`, what a run without I/W cannot show), gathers every rank's
+   (:mod:`pipeexec.measuring.probe`, what a run without I/W cannot show), gathers every rank's
    records to rank 0 (one ``gather_object``) and builds a `MeasuredRun` there; with
    ``trace_out`` it is written to disk.
 
@@ -25,11 +25,11 @@ from typing import Any
 import torch.distributed as dist
 
 from .clock import ClockOffset, align_clocks
-from .measured import MeasuredRun, build_trace
+from ..analysis.measured import MeasuredRun, build_trace
 from .memory import HeldTensorMeter
 from .options import ProfileOptions, parse_step_range
 from .recorder import ActionProfiler
-from .run_plan import RunPlan
+from ..analysis.run_plan import RunPlan
 
 
 class ProfileSession:

@@ -6,9 +6,9 @@ import argparse
 import sys
 
 from ..options import add_arguments, values_from_args
-from .errors import CheckpointError
-from .layout import RELEASE
-from .manager import CheckpointOptions
+from ..checkpoint.errors import CheckpointError
+from ..checkpoint.layout import RELEASE
+from ..checkpoint.manager import CheckpointOptions
 
 
 def add_train_flags(parser: argparse.ArgumentParser) -> None:
@@ -66,8 +66,8 @@ def run_command(ns: argparse.Namespace) -> int:
     import pipesim
 
     from ..config import ConfigError
-    from .convert import convert_checkpoint
-    from .inspect import describe
+    from ..checkpoint.convert import convert_checkpoint
+    from ..checkpoint.inspect import describe
 
     try:
         if ns.checkpoint_command == "inspect":

@@ -3,7 +3,7 @@
 Time: per-stage means of F, B, I and W over every profiled step and microbatch, and a p2p
 line fitted through the sends whose arrival was seen (``arrival_observed``: the receiver was
 waiting), each timed from when both sides had posted (``link_start``) to the arrival; all
-through ``CostModel.from_trace``.
+through ``fit_costs``.
 
 Memory (the activation model of `pipesim.memory`): for each (stage, microbatch) the bytes its
 forward leaves held, i.e. the meter's growth over RECV_F + F + SEND_F of that pair (input
@@ -52,6 +52,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from pipesim import CostModel
+from pipesim.calibrate import fit_costs
 
 from .measured import MeasuredRun
 from .run_plan import Layout
@@ -67,7 +68,7 @@ _TIME_FIELDS = (("F", "forward"), ("B", "backward"), ("I", "backward_input"),
 class Calibration:
     """The fitted model and how it was obtained. ``model``: "wall" (per-stage means of measured
     wall time) or "processor-sharing" (CPU work stretched by simulated core sharing on
-    ``cores`` effective cores, :mod:`pipeexec.profile.contention`)."""
+    ``cores`` effective cores, :mod:`pipeexec.analysis.contention`)."""
 
     costs: CostModel
     source: dict[str, Any]
@@ -80,7 +81,7 @@ class Calibration:
 
 
 def calibration_trace(run: MeasuredRun, steps: Sequence[int] | None = None) -> "pd.DataFrame":
-    """The run's rows of ``steps`` (default all profiled). ``CostModel.from_trace`` fits the
+    """The run's rows of ``steps`` (default all profiled). ``fit_costs`` fits the
     p2p line on the SEND rows whose arrival was observed, timed from ``link_start``."""
     return _steps(run, steps).reset_index(drop=True)
 
@@ -128,7 +129,7 @@ def fit_run(run: MeasuredRun, steps: Sequence[int] | None = None) -> CostModel:
     every profiled step)."""
     n = run.plan.num_stages
     memory = stage_memory(run, steps) or {}
-    return CostModel.from_trace(calibration_trace(run, steps), num_stages=n,
+    return fit_costs(calibration_trace(run, steps), num_stages=n,
                                 stage_parts=run.plan.schedule.stage_parts, **memory)
 
 
@@ -147,13 +148,13 @@ def fit_work(run: MeasuredRun, steps: Sequence[int] | None = None) -> CostModel:
     t.loc[compute, "end"] = t.loc[compute, "start"] + t.loc[compute, "cpu"].clip(lower=0.0)
     n = run.plan.num_stages
     memory = stage_memory(run, steps) or {}
-    return CostModel.from_trace(t, num_stages=n, stage_parts=run.plan.schedule.stage_parts,
+    return fit_costs(t, num_stages=n, stage_parts=run.plan.schedule.stage_parts,
                                 **memory)
 
 
 def probed_split(costs: CostModel, run: MeasuredRun, clock: str = "wall") -> CostModel:
     """``costs`` with I and W of every stage from its B and the run's split probe
-    (:mod:`pipeexec.profile.probe`: ``B x I/B`` and ``B x W/B`` as timed on that stage), and
+    (:mod:`pipeexec.measuring.probe`: ``B x I/B`` and ``B x W/B`` as timed on that stage), and
     the share of activations I frees (``weight_grad_fraction`` from the probe's bytes freed at
     I), when the run has no I/W of its own; unchanged otherwise. Stages without a usable probe
     keep the even split and I freeing nothing."""

@@ -12,7 +12,7 @@ ZB-V).
 
 Costs are the calibration run's per-stage wall-time means, unless the calibration run's ranks competed for cores (a CPU run with more
 ranks than cores and no ``--cpus-per-rank``): then they are its CPU work per (op, stage), and
-the simulation shares the run's effective cores (:mod:`pipeexec.profile.contention`) among the
+the simulation shares the run's effective cores (:mod:`pipeexec.analysis.contention`) among the
 ranks computing at each moment, since how much each computation is slowed depends on the
 schedule.
 """

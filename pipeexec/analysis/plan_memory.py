@@ -18,7 +18,7 @@ The quantity both sides share, per rank: the largest sum, at an action boundary,
   activations);
 * the posted receive buffers (an activation ahead of its F, a gradient until its backward).
 
-The meter (`pipeexec.profile.memory.HeldTensorMeter`) counts exactly the tensors behind these;
+The meter (`pipeexec.measuring.memory.HeldTensorMeter`) counts exactly the tensors behind these;
 parameters, gradients and optimizer state are static bytes and left out on both sides. The
 formulas omit the norms' per-token statistics and the loss's labels (a few per cent at toy
 widths, about ``1/(4h)`` of a layer), and the transient activations of a block recomputed inside its

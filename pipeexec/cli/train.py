@@ -11,16 +11,13 @@ import argparse
 import os
 import sys
 
-from pipesim.cli.help import DefaultsHelpFormatter, VersionAction, package_version
+from pipesim.cli.help import DefaultsHelpFormatter
 
-from .checkpoint.cli import add_commands, add_train_flags, options_from_args, run_command
-from .config import SECTIONS, ConfigError, TrainConfig
-from .options import add_arguments, values_from_args
-from .profile.cli import add_compare_command, add_profile_flags, profile_from_args
+from .checkpoint import add_train_flags, options_from_args
+from ..config import SECTIONS, ConfigError, TrainConfig
+from ..options import add_arguments, values_from_args
+from .profile_flags import add_profile_flags, profile_from_args
 
-
-DESCRIPTION = ("Run pipesim schedules for real over torch.distributed (gloo on CPU, NCCL on "
-               "GPUs): train, checkpoint, and compare predicted with measured.")
 
 
 def add_config_arguments(t: argparse.ArgumentParser) -> None:
@@ -73,25 +70,6 @@ def explicit_dests(parser: argparse.ArgumentParser, argv: list[str]) -> set[str]
     return {k for k in dests if getattr(ns, k) is not unset}
 
 
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="pipeexec", description=DESCRIPTION,
-                                formatter_class=DefaultsHelpFormatter)
-    p.add_argument("--version", action=VersionAction, version_text=_version)
-    sub = p.add_subparsers(dest="command", required=True)
-    t = sub.add_parser("train", help=TRAIN_HELP, description=TRAIN_HELP,
-                       formatter_class=DefaultsHelpFormatter)
-    add_train_arguments(t)
-    add_commands(sub)
-    add_compare_command(sub)
-    return p
-
-
-def _version() -> str:
-    import torch
-
-    return f"pipeexec {package_version()} (torch {torch.__version__})"
-
-
 def config_from_args(ns: argparse.Namespace) -> TrainConfig:
     """The `TrainConfig` the generated flags (`add_config_arguments`) spell."""
     return TrainConfig(**{k: v for cls in SECTIONS.values()
@@ -111,7 +89,7 @@ def apply_plan(ns: argparse.Namespace, config: TrainConfig, given: set[str]) -> 
         return config
     import pipesim
 
-    from .plan_config import config_from_plan
+    from ..plan_config import config_from_plan
 
     clash = [d for d in PLAN_DESTS if d in given]
     if clash:
@@ -133,7 +111,7 @@ def apply_hf_model(config: TrainConfig, given: set[str]) -> TrainConfig:
     ConfigError naming a model flag given next to it, or what is wrong with the directory."""
     if not config.hf_model:
         return config
-    from .models.hf_config import HF_FIELDS
+    from ..models.hf_config import HF_FIELDS
 
     clash = [d for d in HF_FIELDS if d in given]
     if clash:
@@ -143,34 +121,26 @@ def apply_hf_model(config: TrainConfig, given: set[str]) -> TrainConfig:
     return config.with_hf_model(config.hf_model)
 
 
-def main(argv: list[str] | None = None) -> None:
-    args = sys.argv[1:] if argv is None else list(argv)
-    if args[:1] == ["compare"]:
-        from .profile.compare_cli import compare_main
-        sys.exit(compare_main(args[1:]))
-    if args[:1] == ["train"]:      # errors and usage of train's own parser
-        ns = train_parser().parse_args(args[1:])
-        ns.command = "train"
-    else:
-        ns = _parser().parse_args(args)
-    if ns.command == "checkpoint":
-        sys.exit(run_command(ns))
+def train_main(args: list[str]) -> None:
+    """``pipeexec train ARGS``: check everything, then train in local workers (or as this
+    process's rank under torchrun); exits with 0, 1 (a run failed), 2 (bad input) or 130."""
+    ns = train_parser().parse_args(args)
     import pipesim
-    from .checkpoint import CheckpointError, read_tracker
-    from .launching.cpu_quota import QuotaUnavailable
-    from .launching.devices import cuda_device_count, may_use_cuda, start_method_for
-    from .launching.launcher import WorkerFailed, launch
-    from .launching.preflight import check_train
-    from .launching.worker import run_training
+    from ..checkpoint import CheckpointError, read_tracker
+    from ..launching.cpu_quota import QuotaUnavailable
+    from ..launching.devices import cuda_device_count, may_use_cuda, start_method_for
+    from ..launching.launcher import WorkerFailed, launch
+    from ..launching.preflight import check_train
+    from ..launching.worker import run_training
 
     under_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     world = int(os.environ["WORLD_SIZE"]) if under_torchrun else (ns.nproc or ns.pp * ns.dp)
     try:
         config = config_from_args(ns)
         if config.hf_model:          # before the plan, which is checked against the model
-            config = apply_hf_model(config, explicit_dests(train_parser(), args[1:]))
+            config = apply_hf_model(config, explicit_dests(train_parser(), args))
         if ns.plan:
-            config = apply_plan(ns, config, explicit_dests(train_parser(), args[1:]))
+            config = apply_plan(ns, config, explicit_dests(train_parser(), args))
             if not under_torchrun:
                 world = ns.nproc or config.world_size
         config.validate(world_size=world)    # before any process group exists
@@ -220,6 +190,3 @@ def main(argv: list[str] | None = None) -> None:
         print(f"pipeexec: error: {exc}", file=sys.stderr, flush=True)
         sys.exit(1)
 
-
-if __name__ == "__main__":
-    main()

@@ -48,7 +48,7 @@ from .run_plan import RunPlan, schedule_from_meta
 if TYPE_CHECKING:
     import pandas as pd
 
-    from .recorder import ActionRecord
+    from ..measuring.recorder import ActionRecord
 
     from pipesim import SimResult
 

@@ -5,7 +5,7 @@ whose split backward measures F, I and W of every stage (:func:`profiled_schedul
 vpp 2 ZB-V, or interleaved 1F1B with each backward run as I then W in the looped placement), profiling steps
 ``1 .. reschedule_after`` (step 0 warms up). The stages are cut before the first step, so the
 search keeps the profiled schedule's vpp and placement. Then, on every rank at the same step: rank 0 fits a cost model to the
-profiled steps as predictions do (:func:`pipeexec.profile.predict.prediction_costs`: wall
+profiled steps as predictions do (:func:`pipeexec.analysis.predict.prediction_costs`: wall
 times, or CPU work and the shared cores where the ranks competed), searches zb-auto under the
 limit and predicts its step time (the simulator, the executor's rendezvous communication); the
 schedule is broadcast as data, validated, and every rank switches to it
@@ -26,8 +26,8 @@ from pipesim.schedule.action import Action
 from pipesim.schedule.builders.zb_auto import handcrafted_origin
 from pipesim.schedule.io import schedule_from_dict, schedule_to_dict
 
-from .measured import MeasuredRun
-from .predict import EXECUTOR_COMM, prediction_costs
+from ..analysis.measured import MeasuredRun
+from ..analysis.predict import EXECUTOR_COMM, prediction_costs
 
 PROFILED_SCHEDULE = "zb-h1"                 # at vpp 1
 PROFILED_V_SCHEDULE = "zbv"                 # at vpp 2, V placement
@@ -54,7 +54,7 @@ def profiled_schedule(config: Any) -> pipesim.Schedule:
 def search_from_run(run: MeasuredRun, memory_limit: float, recv_lookahead: int = 1,
                     margin: float = 0.0) -> tuple[pipesim.Schedule, dict]:
     """zb-auto for ``run``'s layout from its measured costs, searched and predicted as
-    `pipeexec.profile.predict` predicts the executor (rendezvous transfers, receives posted
+    `pipeexec.analysis.predict` predicts the executor (rendezvous transfers, receives posted
     ``recv_lookahead`` early, processor sharing where the ranks shared cores); a searched
     order must be predicted ``margin`` faster than the fastest hand-made one that fits;
     (schedule, what was decided)."""

@@ -23,7 +23,7 @@ events would sit back to back on the stream: zero long). A SEND row runs from it
 event on the sender's compute stream to that arrival; the transfer on the NCCL stream itself is
 not timed.
 
-Memory: an optional meter (:mod:`pipeexec.profile.memory`) is read before each action's start
+Memory: an optional meter (:mod:`pipeexec.measuring.memory`) is read before each action's start
 timestamp and after its end timestamp, so its own cost falls between actions, not inside them.
 """
 from __future__ import annotations

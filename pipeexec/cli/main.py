@@ -1,0 +1,53 @@
+"""``pipeexec``: the command line's entry point, dispatching to ``train``, ``compare`` and
+``checkpoint``. This is the only place that exits the process with a status; the library
+raises exceptions."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from pipesim.cli.help import DefaultsHelpFormatter, VersionAction, package_version
+
+from .checkpoint import add_commands, run_command
+from .compare import compare_main
+from .profile_flags import add_compare_command
+from .train import TRAIN_HELP, add_train_arguments, train_main
+
+DESCRIPTION = ("Run pipesim schedules for real over torch.distributed (gloo on CPU, NCCL on "
+               "GPUs): train, checkpoint, and compare predicted with measured.")
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="pipeexec", description=DESCRIPTION,
+                                formatter_class=DefaultsHelpFormatter)
+    p.add_argument("--version", action=VersionAction, version_text=_version)
+    sub = p.add_subparsers(dest="command", required=True)
+    t = sub.add_parser("train", help=TRAIN_HELP, description=TRAIN_HELP,
+                       formatter_class=DefaultsHelpFormatter)
+    add_train_arguments(t)
+    add_commands(sub)
+    add_compare_command(sub)
+    return p
+
+
+def _version() -> str:
+    import torch
+
+    return f"pipeexec {package_version()} (torch {torch.__version__})"
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = sys.argv[1:] if argv is None else list(argv)
+    if args[:1] == ["compare"]:
+        sys.exit(compare_main(args[1:]))
+    if args[:1] == ["train"]:      # errors and usage of train's own parser
+        train_main(args[1:])
+        return
+    ns = _parser().parse_args(args)
+    if ns.command == "checkpoint":
+        sys.exit(run_command(ns))
+    train_main(args[1:])          # unreachable: train and compare are handled above
+
+
+if __name__ == "__main__":
+    main()

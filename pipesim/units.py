@@ -1,0 +1,49 @@
+"""Byte sizes as a user types them (``80GiB``, ``80 GB``) and as they are shown (GiB, MiB...).
+
+One parser for every command line and config: a size needs its unit, since a bare ``80``
+(bytes, or GB?) has cost users a run (`pipesim sweep --memory-limit 80` once meant 80 bytes),
+and it must be positive. Numbers given from Python (``int`` / ``float``) are bytes.
+"""
+from __future__ import annotations
+
+import argparse
+import re
+
+_UNITS = {"b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12,
+          "kib": 2 ** 10, "mib": 2 ** 20, "gib": 2 ** 30, "tib": 2 ** 40}
+_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*$")
+UNITS_HELP = "decimal B, kB, MB, GB, TB or binary KiB, MiB, GiB, TiB"
+
+
+def parse_bytes(text: "str | float | int") -> float:
+    """Bytes in ``text`` (a number with its unit: decimal kB/MB/GB/TB, binary KiB/MiB/GiB/TiB,
+    or B), or a Python number of bytes; ValueError naming the text and the units accepted
+    when the unit is missing or unknown, or the size is not > 0."""
+    if isinstance(text, (int, float)) and not isinstance(text, bool):
+        value = float(text)
+    else:
+        match = _SIZE.match(str(text))
+        unit = match.group(2).lower() if match else None
+        if match is None or unit not in _UNITS:
+            missing = match is not None and not unit
+            raise ValueError(f"memory size {text!r}: "
+                             + ("a size needs its unit" if missing else "not a size")
+                             + f", e.g. 80GiB or 80GB (units: {UNITS_HELP})")
+        value = float(match.group(1)) * _UNITS[unit]
+    if not value > 0:
+        raise ValueError(f"memory size {text!r}: must be > 0 (e.g. 80GiB)")
+    return value
+
+
+def bytes_arg(text: str) -> float:
+    """`parse_bytes` as an argparse ``type``: its message becomes the usage error."""
+    try:
+        return parse_bytes(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def byte_unit(peak: float) -> tuple[float, str]:
+    """(scale, name) to show byte counts up to ``peak``: GiB, MiB, KiB or bytes."""
+    return next(((size, name) for size, name in ((2**30, "GiB"), (2**20, "MiB"), (2**10, "KiB"))
+                 if peak >= size), (1.0, "bytes"))

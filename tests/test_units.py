@@ -1,0 +1,59 @@
+"""One byte parser for every command line: sizes need their unit and must be positive."""
+import pytest
+
+from pipesim.units import byte_unit, parse_bytes
+
+GiB = 2 ** 30
+
+
+@pytest.mark.parametrize("text,want", [("80GiB", 80 * GiB), ("80 GB", 80e9), ("1.5TiB", 1.5 * 2 ** 40),
+                                       ("123B", 123.0), ("512MiB", 512 * 2 ** 20), ("8e10B", 8e10),
+                                       ("2kb", 2e3), (4096, 4096.0), (1.5e9, 1.5e9)])
+def test_parse_bytes(text, want):
+    assert parse_bytes(text) == want
+
+
+@pytest.mark.parametrize("text,why", [("80", "needs its unit"), ("8e10", "needs its unit"),
+                                      ("80 parsecs", "not a size"), ("GiB", "not a size"),
+                                      ("", "not a size"), ("-5GB", "not a size"),
+                                      ("0GB", "must be > 0"), ("0B", "must be > 0"), (0, "must be > 0"),
+                                      (-3.0, "must be > 0")])
+def test_parse_bytes_refuses_with_the_units(text, why):
+    with pytest.raises(ValueError, match=why) as info:
+        parse_bytes(text)
+    if why != "must be > 0":
+        assert "GiB" in str(info.value) and "GB" in str(info.value)
+
+
+def test_byte_unit():
+    assert byte_unit(3 * GiB) == (GiB, "GiB")
+    assert byte_unit(2 ** 20) == (2 ** 20, "MiB")
+    assert byte_unit(100) == (1.0, "bytes")
+
+
+@pytest.mark.parametrize("size", ["80", "0GB", "-5GB"])
+def test_every_cli_refuses_a_size_without_unit_or_not_positive(size, tmp_path, capsys):
+    """The four commands that take a memory size read it with the one parser, and refuse before
+    anything runs (argparse's usage error: exit status 2, the reason named)."""
+    from pipesim.cli import main as pipesim_main
+
+    commands = [
+        ["simulate", "zb-auto", "--pp", "2", "-m", "4", f"--memory-limit={size}"],
+        ["sweep", "--schedules", "1f1b", "--pp", "2", "--out", str(tmp_path / "s.csv"),
+         "--no-progress", f"--memory-limit={size}"],
+        ["plan", "--model", "tiny", "--gpus", "8", "--gbs", "16", f"--memory-limit={size}",
+         "--out", str(tmp_path / "p.csv")],
+    ]
+    for argv in commands:
+        with pytest.raises(SystemExit) as info:
+            pipesim_main(argv)
+        assert info.value.code == 2, argv
+        err = capsys.readouterr().err
+        assert "memory size" in err and ("unit" in err or "> 0" in err or "not a size" in err), err
+    pytest.importorskip("torch")
+    from pipeexec.cli import main as pipeexec_main
+
+    with pytest.raises(SystemExit) as info:
+        pipeexec_main(["train", "--schedule", "zb-auto", "--pp", "2", f"--memory-limit={size}"])
+    assert info.value.code == 2
+    assert "memory size" in capsys.readouterr().err
