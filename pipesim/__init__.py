@@ -10,6 +10,7 @@ from typing import Any
 
 from .errors import ScheduleError
 from .schedule import Action, Schedule, build_schedule, schedule_info, schedule_names
+from . import search as _search  # noqa: F401  registers zb-auto (a search over the simulator)
 
 # Public names that live in modules loaded on first use: name -> module.
 _LAZY = {

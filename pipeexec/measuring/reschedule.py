@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 import pipesim
 from pipesim.schedule.action import Action
-from pipesim.schedule.builders.zb_auto import handcrafted_origin
+from pipesim.search.zb_auto import handcrafted_origin
 from pipesim.schedule.io import schedule_from_dict, schedule_to_dict
 
 from ..analysis.measured import MeasuredRun

@@ -51,7 +51,7 @@ def refine_with_zb_auto(result: SearchResult, top: int = 3, *, margin: float = 0
     """zb-auto searched for each of the best ``top`` distinct layouts of ``result`` (fastest
     first); ``margin`` as zb-auto's (a searched order must be that much faster than the
     handcrafted ones)."""
-    from ..schedule.builders.zb_auto import handcrafted_origin
+    from ..search.zb_auto import handcrafted_origin
 
     if isinstance(top, bool) or not isinstance(top, int) or top < 1:
         raise ValueError(f"refine: top must be a positive number of layouts, got {top!r}")
