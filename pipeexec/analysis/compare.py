@@ -101,6 +101,15 @@ class Comparison:
                 "idle_over_busy": [(span - b) / b if b > 0 else math.nan for b in r.busy],
                 "peak_memory": list(mem)}
 
+    def slowest_ranks(self) -> tuple[int, int]:
+        """The slowest rank (the largest idle share of its own span, as `pipesim.metrics`
+        defines it) measured (from the compared steps' per-rank means) and predicted."""
+        from pipesim.metrics import slowest_of
+
+        m = self._measured
+        spans = [b + i for b, i in zip(m["busy"], m["bubble"])]
+        return slowest_of(m["busy"], spans), self.predicted.slowest_rank
+
     def table(self) -> "pd.DataFrame":
         """Rows: rank 0..p-1 and "all"; columns ``<quantity>_measured``, ``_predicted``,
         ``_error`` (relative; in points for bubble_fraction) for finish (step time on the
@@ -118,13 +127,16 @@ class Comparison:
                 row[f"{q}_error"] = _rel(p[q][rank], m[q][rank])
             rows.append(row)
         ps = self.predicted
+        slow_m, slow_p = self.slowest_ranks()
         total = {"rank": "all",
                  "finish_measured": o["makespan"], "finish_predicted": ps.makespan,
                  "finish_error": _rel(ps.makespan, o["makespan"]),
-                 "busy_measured": o["busy"], "busy_predicted": max(ps.busy),
-                 "busy_error": _rel(max(ps.busy), o["busy"]),
-                 "bubble_measured": o["bubble_time"], "bubble_predicted": ps.bubble_time,
-                 "bubble_error": _rel(ps.bubble_time, o["bubble_time"]),
+                 # the busiest rank's busy time (bubble_fraction's ideal): at most every rank's
+                 "busy_measured": max(m["busy"]), "busy_predicted": max(p["busy"]),
+                 "busy_error": _rel(max(p["busy"]), max(m["busy"])),
+                 # the slowest rank's bubble (each side its own slowest rank)
+                 "bubble_measured": m["bubble"][slow_m], "bubble_predicted": p["bubble"][slow_p],
+                 "bubble_error": _rel(p["bubble"][slow_p], m["bubble"][slow_m]),
                  "idle_over_busy_measured": o["bubble_fraction"],
                  "idle_over_busy_predicted": ps.bubble_fraction,
                  "idle_over_busy_error": ps.bubble_fraction - o["bubble_fraction"],
@@ -145,12 +157,12 @@ class Comparison:
         for rank, r in t.iterrows():
             lines.append(
                 f"| {rank} | {r.finish_measured * 1e3:.1f} | {r.finish_predicted * 1e3:.1f} | "
-                f"{r.finish_error:+.1%} | {r.busy_measured * 1e3:.1f} | {r.busy_predicted * 1e3:.1f} | "
+                f"{_pct(r.finish_error)} | {r.busy_measured * 1e3:.1f} | {r.busy_predicted * 1e3:.1f} | "
                 f"{r.bubble_measured * 1e3:.1f} | {r.bubble_predicted * 1e3:.1f} | "
                 f"{r.idle_over_busy_measured:.3f} | {r.idle_over_busy_predicted:.3f} | "
-                f"{(r.idle_over_busy_predicted - r.idle_over_busy_measured) * 100:+.1f} | "
+                f"{_points(r.idle_over_busy_measured, r.idle_over_busy_predicted)} | "
                 f"{r.peak_memory_measured / mib:.2f} | {r.peak_memory_predicted / mib:.2f} | "
-                f"{r.peak_memory_error:+.1%} |")
+                f"{_pct(r.peak_memory_error)} |")
         return "\n".join(lines)
 
     def text(self) -> str:
@@ -171,12 +183,21 @@ class Comparison:
             cells = []
             for _, q, scale, fmt, efmt in groups:
                 m, p = row[f"{q}_measured"], row[f"{q}_predicted"]
-                err = (f"{(p - m) * 100:+.1f}pt" if efmt is None
-                       else format(row[f"{q}_error"], efmt))
+                if efmt is None:
+                    err = _points(m, p)
+                else:
+                    e = row[f"{q}_error"]
+                    err = format(e, efmt) if math.isfinite(e) else "n/a"
                 cells.append(f" {format(m * scale, fmt):>7} {format(p * scale, fmt):>7} {err:>8} ")
             lines.append(f"{rank:>4} |" + "|".join(cells) + "|")
-        lines.append("rank rows: the rank's finish time and idle/busy; 'all': the step time, "
-                     "Megatron's bubble_fraction and the slowest rank's bubble")
+        slow_m, slow_p = self.slowest_ranks()
+        lines.append("rank rows: the rank's finish time and idle/busy; 'all': the step time, the "
+                     "busiest rank's busy time, Megatron's bubble_fraction and the slowest rank's "
+                     f"bubble (rank {slow_m} measured, rank {slow_p} predicted)")
+        if any(_points(row["idle_over_busy_measured"], row["idle_over_busy_predicted"]) == "n/a"
+               for _, row in t.iterrows()):
+            lines.append("n/a: an idle/busy ratio above 1 (a rank idle most of the step) has no "
+                         "error in points worth reading; compare its busy and bubble columns")
         note = time_sharing_note(self.run.meta)
         if note:
             lines.append(f"note: {note}")
@@ -251,6 +272,18 @@ class Comparison:
                              f"{pred.bubble_fraction:.3f}"),
             measured_title=(f"{what}: {meas.makespan * 1e3:.1f} ms, bubble_fraction "
                             f"{meas.bubble_fraction:.3f}"))
+
+
+def _pct(x: float) -> str:
+    return f"{x:+.1%}" if math.isfinite(x) else "n/a"
+
+
+def _points(measured: float, predicted: float) -> str:
+    """An idle/busy error in points, or "n/a" where a ratio is above 1 (busy time near 0, the
+    ratio unbounded: a difference of hundreds of points means nothing) or not finite."""
+    if not (math.isfinite(measured) and math.isfinite(predicted)) or max(measured, predicted) > 1:
+        return "n/a"
+    return f"{(predicted - measured) * 100:+.1f}pt"
 
 
 def _num(x: Any) -> Any:
