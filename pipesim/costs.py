@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     import pandas as pd
 
     from .hardware import Hardware
-    from .transformer import ModelSpec
+    from .plan.model import ModelSpec
 
 PerStage = Union[float, Sequence[float]]
 
@@ -227,13 +227,14 @@ class CostModel:
                     ) -> "CostModel":
         """Costs of a GPT-style decoder (formulas and citations in :mod:`pipesim.transformer`).
 
-        ``model`` and ``hardware`` are presets (``pipesim.transformer.model_names()``,
+        ``model`` and ``hardware`` are presets (``pipesim.plan.model_names()``,
         ``pipesim.hardware.hardware_names()``) or spec objects. Time = FLOPs / (peak bf16 FLOP/s
         * ``efficiency``). ``link`` chooses the pipeline p2p link ("intra": NVLink, "inter":
         the network), ``dp_link`` the data-parallel one.
         """
         from .hardware import get_hardware
-        from .transformer import get_model, stage_counts
+        from .plan.model import get_model
+        from .transformer import stage_counts
 
         spec, hw = get_model(model), get_hardware(hardware)
         if not 0 < efficiency <= 1:

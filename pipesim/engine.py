@@ -120,8 +120,7 @@ def simulate(schedule: Schedule, costs: CostModel | None = None, *, comm: str = 
 
 
 # Op codes of the trace's categorical ``op`` column (step-tail ops last).
-_OPS = OPS
-_OP_CODE = {op: code for code, op in enumerate(_OPS)}
+_OP_CODE = {op: code for code, op in enumerate(OPS)}
 
 
 class _Arrival(simpy.Event):
@@ -445,8 +444,8 @@ def _append_tail(schedule: Schedule, costs: CostModel, dp: int, columns: dict,
         stages = schedule.rank_stages(rank)
         t = float(last_end[rank])
         size = sum(grad[s] for s in stages)
-        for code, kind, dur, nbytes in ((len(_OPS), 1, costs.allreduce_time(size, dp), size),
-                                        (len(_OPS) + 1, 0, sum(opt[s] for s in stages), 0.0)):
+        for code, kind, dur, nbytes in ((len(OPS), 1, costs.allreduce_time(size, dp), size),
+                                        (len(OPS) + 1, 0, sum(opt[s] for s in stages), 0.0)):
             for name, value in (("rank", rank), ("op", code), ("stage", -1), ("chunk", -1),
                                 ("microbatch", -1), ("kind", kind), ("bytes", nbytes), ("peer", -1)):
                 extra[name].append(value)

@@ -25,9 +25,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-# The generalised ModelSpec and its presets live with the plans; these names stay importable.
-from .plan.model import PRESETS as _MODELS  # noqa: F401
-from .plan.model import ModelSpec, get_model, model_names  # noqa: F401
+from .plan.model import ModelSpec
 
 
 def split_layers(layers: int, num_stages: int) -> list[int]:

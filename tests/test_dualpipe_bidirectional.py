@@ -410,6 +410,6 @@ def test_run_plan_layout_gives_each_copy_its_parts_layers():
     with pytest.raises(ValueError, match="give 3 stages, the schedule 'dualpipe' has 2 model parts"):
         RunPlan(s, (0, 1, 2, 5), ("block",) * 5)
     meta = plan.to_meta()                  # the run's vpp (parts per rank), as its config says
-    assert meta["vpp"] == plan.vpp == 1
+    assert meta["vpp"] == plan.parts_per_rank == 1
     back = RunPlan.from_meta(meta)
     assert back.schedule == s and back.layout == plan.layout

@@ -9,7 +9,8 @@ import pipesim
 from pipesim import CostModel, simulate
 from pipesim.calibrate import fit_costs
 from pipesim.hardware import Hardware, get_hardware
-from pipesim.transformer import ModelSpec, get_model, split_layers
+from pipesim.plan.model import ModelSpec, get_model
+from pipesim.transformer import split_layers
 
 
 def test_backward_defaults():

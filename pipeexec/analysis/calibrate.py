@@ -303,7 +303,7 @@ def calibrate(run: MeasuredRun, target: Layout | None = None,
     costs = probed_split(costs, run, clock="cpu" if work else "wall")
     plan = run.plan
     source = plan.layout
-    info = {"schedule": plan.schedule_name, "pp": plan.pp, "vpp": plan.vpp,
+    info = {"schedule": plan.schedule_name, "pp": plan.pp, "vpp": plan.parts_per_rank,
             "microbatches": plan.microbatches, "bounds": list(source.bounds),
             "steps": list(steps) if steps is not None else run.steps}
     if target is None or target.bounds == source.bounds:

@@ -92,8 +92,9 @@ class RunPlan:
         return self.schedule.pp
 
     @property
-    def vpp(self) -> int:
-        """Model parts per rank, the run's vpp (the schedule's, unless stages are copies)."""
+    def parts_per_rank(self) -> int:
+        """Model parts per rank: what the run's config and its meta call ``vpp`` (the
+        schedule's stages per rank, unless stages are copies of parts: dualpipe's 1)."""
         return self.schedule.parts_per_rank
 
     @property

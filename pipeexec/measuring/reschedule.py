@@ -63,7 +63,7 @@ def search_from_run(run: MeasuredRun, memory_limit: float, recv_lookahead: int =
     m = run.meta
     profiled = run.schedule
     schedule = pipesim.build_schedule("zb-auto", pp=m["pp"], microbatches=m["microbatches"],
-                                      vpp=profiled.parts_per_rank,
+                                      vpp=profiled.vpp,
                                       placement=profiled.placement_kind,
                                       costs=cal.costs, memory_limit=memory_limit,
                                       comm=EXECUTOR_COMM, lookahead=recv_lookahead,
@@ -76,7 +76,7 @@ def search_from_run(run: MeasuredRun, memory_limit: float, recv_lookahead: int =
             "measured_before_s": statistics.mean(makespans[s] for s in steps),
             "predicted_before_s": before.makespan, "predicted_s": predicted.makespan,
             "predicted_peak_bytes": list(predicted.peak_memory), "memory_limit": memory_limit,
-            "vpp": schedule.parts_per_rank, "placement": schedule.placement_kind,
+            "vpp": schedule.vpp, "placement": schedule.placement_kind,
             "margin": margin, "handcrafted": handcrafted_origin(schedule),
             "schedule": schedule_to_dict(schedule)}
     return schedule, info

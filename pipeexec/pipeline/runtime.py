@@ -59,9 +59,6 @@ class ActionObserver(Protocol):
     def end(self, action: Action, step: int) -> None: ...
 
 
-ActionRecorder = ActionObserver        # the name the profiler's protocol had
-
-
 class InjectedFault(RuntimeError):
     """Raised by fault injection (tests of the failure paths)."""
 
@@ -391,5 +388,5 @@ def _check_bound_grads(params: dict[int, list[torch.nn.Parameter]], rank: int) -
                                  f"{'no .grad' if g is None else f'a {g.dtype} {tuple(g.shape)} .grad'}")
 
 
-__all__ = ["PipelineRuntime", "PipelineError", "ActionObserver", "ActionRecorder", "StepOutput",
+__all__ = ["PipelineRuntime", "PipelineError", "ActionObserver", "StepOutput",
            "InjectedFault", "P2PError"]
