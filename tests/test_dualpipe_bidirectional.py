@@ -331,7 +331,7 @@ def test_dualpipe_plan_counts_two_parameter_copies():
         for k in ("weights", "gradients", "optimizer"):
             want = r1.memory_breakdown[r][k] + r1.memory_breakdown[3 - r][k]
             assert r2.memory_breakdown[r][k] == pytest.approx(want, rel=1e-12), (r, k)
-        assert r2.derived.tail[r]["tied_comm"] > 0
+        assert r2.derived.tail[r].tied_comm > 0
     assert r2.peak_memory[0] == r2.peak_memory[3] and r2.bubble_fraction < r1.bubble_fraction
     with pytest.raises(pipesim.PlanError, match="dualpipe needs an even pp"):
         pipesim.Plan.create("gpt3-1.3b", "H100", schedule="dualpipe", pp=3,

@@ -41,7 +41,7 @@ def test_closed_forms_hold_exactly_at_zero_communication(schedule, pp, m):
     assert times["W"][-1] == pytest.approx((n * sbh * 24 * h + head) / rate(plan), rel=1e-12)
     # no data parallelism: the step adds the optimizer step only
     tail = plan.derive().tail
-    assert r.step_time == pytest.approx(max(e + t["optimizer"] for e, t in
+    assert r.step_time == pytest.approx(max(e + t.optimizer for e, t in
                                             zip(r.sim.trace.groupby("rank")["end"].max(), tail)))
 
 
@@ -95,14 +95,14 @@ def test_data_parallel_tail_exposed_unless_overlapped():
     params = sum(x for x in d.stage_params[0].values())
     net = Link("inter", hw.network_latency, hw.network_bandwidth)    # dp spans 8 nodes' GPUs
     assert d.links["dp"].kind == "inter"
-    assert d.tail[0]["dp_exposed"] == pytest.approx(coll.all_reduce(4 * params, 8, net), rel=1e-12)
+    assert d.tail[0].dp_exposed == pytest.approx(coll.all_reduce(4 * params, 8, net), rel=1e-12)
     z = p.with_(zero=1)
     expect = coll.reduce_scatter(4 * params, 8, net) + coll.all_gather(2 * params, 8, net)
-    assert z.derive().tail[0]["dp_exposed"] == pytest.approx(expect, rel=1e-12)
+    assert z.derive().tail[0].dp_exposed == pytest.approx(expect, rel=1e-12)
     overlapped = p.with_(overlap_grad_reduce=True, overlap_param_gather=True)
-    assert overlapped.derive().tail[0]["dp_exposed"] < d.tail[0]["dp_exposed"]
+    assert overlapped.derive().tail[0].dp_exposed < d.tail[0].dp_exposed
     r = pipesim.simulate(p)
-    assert r.step_time == pytest.approx(r.pipeline_time + d.tail[0]["dp_exposed"] + d.tail[0]["optimizer"])
+    assert r.step_time == pytest.approx(r.pipeline_time + d.tail[0].dp_exposed + d.tail[0].optimizer)
 
 
 def test_moe_all_to_all_and_expert_sharding():
@@ -250,3 +250,15 @@ def test_activation_bytes_follow_the_precision_and_the_vocabulary_padding():
     plan = pipesim.Plan.create(model, "H100", pp=2, micro_batch_size=b, global_batch_size=8 * b,
                                precision="fp32")
     assert plan.costs().p2p_bytes == 4 * s * b * h
+
+
+def test_the_step_tail_is_typed_per_rank_and_reported_with_its_fields():
+    plan = pipesim.Plan.create(GPT, "H100", pp=4, dp=2, global_batch_size=8)
+    tail = plan.derive().tail
+    assert len(tail) == 4
+    assert all(t.seconds == t.dp_exposed + t.optimizer and t.dp_comm > 0 for t in tail)
+    with pytest.raises(AttributeError):
+        tail[0].optimizer = 0.0                                    # frozen: a derived value
+    reported = pipesim.simulate(plan).to_dict()["step_tail"]
+    assert reported == [{"dp_comm": t.dp_comm, "dp_exposed": t.dp_exposed,
+                         "tied_comm": t.tied_comm, "optimizer": t.optimizer} for t in tail]

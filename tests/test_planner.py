@@ -121,7 +121,7 @@ def test_step_bound_is_the_closed_form_1f1b_on_uniform_stages():
     f, b = d.costs.compute_times(4)["F"], d.costs.compute_times(4)["B"]
     bound = plan_bounds(plan, d)
     hop = d.costs.transfer_time(d.costs.p2p_bytes)
-    tail = d.tail[3]["dp_exposed"] + d.tail[3]["optimizer"]
+    tail = d.tail[3].dp_exposed + d.tail[3].optimizer
     assert bound.step_time == pytest.approx(sum(f[:3]) + 3 * hop + 8 * (f[3] + b[3]) + tail)
 
 

@@ -58,6 +58,21 @@ OPTIMIZER_BYTES = 28          # Adam: bytes read + written per parameter updated
 
 
 @dataclass(frozen=True)
+class RankTail:
+    """One pipeline rank's step tail, after its last pipeline action (seconds)."""
+
+    dp_comm: float          # data-parallel gradient reduction (+ ZeRO's parameter gather)
+    dp_exposed: float       # what of it (and of tied_comm) the backward does not hide
+    tied_comm: float        # gradient sum of parts held by two ranks (dualpipe's copies)
+    optimizer: float        # the optimizer step, HBM-bound
+
+    @property
+    def seconds(self) -> float:
+        """What the tail adds to the rank's step: exposed communication, then the optimizer."""
+        return self.dp_exposed + self.optimizer
+
+
+@dataclass(frozen=True)
 class PlanCosts:
     costs: CostModel
     stage_layers: list[int]
@@ -66,7 +81,7 @@ class PlanCosts:
     stage_params: list[dict[str, float]]          # per stage, on one rank: dense / expert
     stage_memory: list[dict[str, float]]          # per stage: weights / gradients / optimizer
     rank_buffers: list[float]                     # per pipeline rank: transient bytes
-    tail: list[dict[str, float]]                  # per rank: dp_comm, dp_exposed, optimizer
+    tail: list[RankTail]                          # per pipeline rank
     comm: dict[str, float] = field(default_factory=dict)   # per microbatch, whole pipeline: seconds
     model_flops: float = 0.0                      # per step, all GPUs (Korthikanti eq. 7)
     hardware_flops: float = 0.0                   # per step, with recomputation
@@ -190,7 +205,7 @@ def derive(plan) -> PlanCosts:
     rank_buffers = [max((buffers_stage[st] for st in sts), default=0.0) for sts in schedule_stages]
     gbytes = BYTES_PER_PARAM[par.precision][1]
     holders = Counter(st for sts in schedule_stages for st in sts)
-    tail = []
+    tail: list[RankTail] = []
     for sts in schedule_stages:
         dense = sum(params_st[st]["dense"] for st in sts)
         expert = sum(params_st[st]["expert"] for st in sts)
@@ -219,8 +234,8 @@ def derive(plan) -> PlanCosts:
                                               for st in copied), 2, links["pp"]) if copied else 0.0
         exposed += tied_s
         updated = dense / (d if par.zero >= 1 else 1) + expert / (d_exp if par.zero >= 1 else 1)
-        tail.append({"dp_comm": comm_s + gather, "dp_exposed": exposed, "tied_comm": tied_s,
-                     "optimizer": OPTIMIZER_BYTES * updated / hw.hbm_bandwidth})
+        tail.append(RankTail(dp_comm=comm_s + gather, dp_exposed=exposed, tied_comm=tied_s,
+                             optimizer=OPTIMIZER_BYTES * updated / hw.hbm_bandwidth))
 
     dp_link = links["dp"]
     pp_link = links["pp"]

@@ -22,7 +22,7 @@ communication and the optimizer step (:mod:`pipesim.plan.derive`): the latest ra
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -128,7 +128,7 @@ class PlanResult:
             "memory_breakdown": self.memory_breakdown,
             "memory_limit": self.memory_limit,
             "fits": self.fits, "fit_message": self.fit_message,
-            "step_tail": tail,
+            "step_tail": [asdict(t) for t in tail],
             "stage_layers": self.derived.stage_layers,
             "links": {k: {"kind": v.kind, "latency": v.latency, "bandwidth": v.bandwidth}
                       for k, v in self.derived.links.items()},
@@ -153,7 +153,7 @@ class PlanResult:
             lines.append(f"{r:>4} {nl:>7} " + " ".join(
                 f"{row[k] / GiB:>8.2f}" for k in ("weights", "gradients", "optimizer",
                                                  "activations", "buffers"))
-                + f" {row['total'] / GiB:>9.2f} {t['dp_exposed']:>13.4g} {t['optimizer']:>8.4g}")
+                + f" {row['total'] / GiB:>9.2f} {t.dp_exposed:>13.4g} {t.optimizer:>8.4g}")
         lines.append(self.fit_message)
         return "\n".join(lines)
 
@@ -181,6 +181,6 @@ def simulate_plan(plan: "Plan", *, comm: str = "async", validate: bool = True,
     sim = simulate(schedule, derived.costs, comm=comm, jitter=jitter, seed=seed)
     ends = sim.rank_end
     pipeline = max(ends)
-    rank_step = [(ends[r] if r < len(ends) else 0.0) + t["dp_exposed"] + t["optimizer"]
+    rank_step = [(ends[r] if r < len(ends) else 0.0) + t.dp_exposed + t.optimizer
                  for r, t in enumerate(derived.tail)]
     return PlanResult(plan, derived, sim, pipeline, max(rank_step), rank_step)

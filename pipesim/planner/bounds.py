@@ -61,7 +61,7 @@ def plan_bounds(plan: Plan, derived: PlanCosts | None = None, *, exact_order: bo
     step = compute = 0.0
     for r, sts in enumerate(stages):
         busy = sum(k * (f[st] + i[st] + w[st]) for st, k in runs[r].items())
-        tail = derived.tail[r]["dp_exposed"] + derived.tail[r]["optimizer"]
+        tail = derived.tail[r].seconds
         head = min(prefix[st] for st in sts)
         step = max(step, head + busy + tail)
         compute = max(compute, busy)

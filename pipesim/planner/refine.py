@@ -108,7 +108,7 @@ def _search(base: Plan, kind: str, memory_limit: float, margin: float):
 
     par = base.parallelism
     derived = dataclasses.replace(base, schedule=_PLACED[kind, par.vpp]).derive()
-    tail = [t["dp_exposed"] + t["optimizer"] for t in derived.tail]      # a plan's step
+    tail = [t.seconds for t in derived.tail]      # a plan's step
     schedule = build_schedule("zb-auto", pp=par.pp, microbatches=par.microbatches, vpp=par.vpp,
                               placement=kind, costs=derived.costs, tail=tail,
                               memory_limit=memory_limit, margin=margin)
