@@ -45,8 +45,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    args.argv = None if argv is None else list(argv)
+    full = sys.argv[1:] if argv is None else list(argv)
+    args = build_parser().parse_args(full)
+    # the sub-command's own words, for what a flag given on the line overrides
+    args.command_argv = full[full.index(args.command) + 1:] if args.command in full else []
     try:
         return int(args.func(args) or 0)
     except (ScheduleError, ValueError, FileNotFoundError) as exc:

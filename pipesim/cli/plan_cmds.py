@@ -11,35 +11,28 @@ from __future__ import annotations
 import argparse
 import json
 
+from ..plan.options import DESTS, apply_flags, load_model
+
+# Flags that only a plan can honour: given, they switch `simulate` from a schedule with
+# uniform (or --costs) costs to a plan with derived costs.
 _PLAN_ONLY = ("plan", "tp", "cp", "ep", "global_batch_size", "seq_len", "recompute",
               "recompute_layers", "sequence_parallel", "distributed_optimizer", "zero",
               "precision", "gpus_per_node", "report_out", "save_plan", "no_flash_attention",
-              "overlap_tp_comm", "no_overlap", "pipeline_layout")
+              "overlap_tp_comm", "no_overlap", "pipeline_layout", "layers", "hidden", "heads",
+              "kv_heads", "ffn_hidden", "vocab", "tie_embeddings")
 _LEGACY_MODELS = ("tiny", "gpt3-1.3b", "gpt3-2.7b", "gpt3-6.7b", "gpt3-13b", "gpt3-175b")
+PLAN_RULE = ("--plan FILE is the base; every layout, batch or model flag given on the "
+             "command line overrides that field of it")
 
 
 def add_plan_args(p: argparse.ArgumentParser) -> None:
+    """`simulate`'s flags beyond the shared table (`pipesim.plan.options`): the plan file, the
+    cluster, the overlap switches, the partition and the outputs of plan mode."""
     g = p.add_argument_group("plan (a real training configuration; see `pipesim models`, "
                              "`pipesim hardware`)")
-    g.add_argument("--plan", metavar="PLAN.json", help="simulate this plan (other plan flags "
-                   "override its fields)")
-    g.add_argument("--tp", type=int, help="tensor-parallel size (default: 1, or the plan file's)")
-    g.add_argument("--cp", type=int, help="context-parallel size (default: 1, or the plan file's)")
-    g.add_argument("--ep", type=int, help="expert-parallel size, MoE models (default: 1, or the plan file's)")
-    g.add_argument("--global-batch-size", type=int, metavar="B",
-                   help="sequences per step (microbatches = B / (micro-batch-size * dp); default: from -m)")
-    g.add_argument("--seq-len", type=int, metavar="S", help="training sequence length (default: the model's)")
-    g.add_argument("--recompute", choices=("none", "selective", "full"),
-                   help="activation recomputation (default: none, or the plan file's)")
-    g.add_argument("--recompute-layers", type=int, metavar="N",
-                   help="with --recompute full: recompute N layers of each stage (default: all)")
-    g.add_argument("--sequence-parallel", action="store_true", default=None,
-                   help="Megatron's sequence parallelism inside the tp group")
+    g.add_argument("--plan", metavar="PLAN.json", help=f"simulate this plan ({PLAN_RULE})")
     g.add_argument("--distributed-optimizer", action="store_true", default=None,
-                   help="Megatron's distributed optimizer (ZeRO-1)")
-    g.add_argument("--zero", type=int, choices=(0, 1, 2, 3), help="optimizer sharding stage (default: 0, or the plan file's)")
-    g.add_argument("--precision", choices=("bf16", "fp16", "fp8", "fp32"),
-                   help="GEMM precision (default: bf16, or the plan file's)")
+                   help="Megatron's distributed optimizer: --zero 1")
     g.add_argument("--gpus-per-node", type=int, metavar="N",
                    help="GPUs per node / NVLink domain (default: 8, or the plan file's)")
     g.add_argument("--no-flash-attention", action="store_true", default=None,
@@ -54,46 +47,46 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--save-plan", metavar="PLAN.json", help="write the plan simulated")
 
 
-def wants_plan(args: argparse.Namespace) -> bool:
-    if any(getattr(args, name, None) not in (None, False) for name in _PLAN_ONLY):
+def wants_plan(args: argparse.Namespace, given: set[str]) -> bool:
+    """Plan mode: a plan file, a flag only a plan honours, or a model beyond the GPT presets
+    that `CostModel.transformer` serves."""
+    if any(name in given or getattr(args, name, None) not in (None, False)
+           for name in _PLAN_ONLY if name not in DESTS):
+        return True
+    if any(name in given for name in _PLAN_ONLY if name in DESTS):
         return True
     model = getattr(args, "model", None)
     return model is not None and str(model).lower() not in _LEGACY_MODELS
 
 
-def plan_from_args(args: argparse.Namespace, explicit: set[str]):
-    """A Plan from --plan and/or the flags; ``explicit`` names the flags given on the line."""
+def plan_from_args(args: argparse.Namespace, given: set[str]):
+    """A Plan from --plan and/or the flags; ``given``: the table's flags on the command line
+    (they override the plan file's fields; without a file the command's defaults apply too)."""
+    from ..hardware import get_hardware
     from ..plan.plan import Plan
 
     if args.plan:
         plan = Plan.load(args.plan)
+        overriding = set(given)
     else:
         if not args.model:
             raise ValueError("plan mode needs --model PRESET|config.json (or --plan FILE)")
         if args.name is None:
             raise ValueError("give a SCHEDULE name (or --plan FILE)")
-        plan = Plan.create(args.model, args.hardware or "H100")
+        plan = Plan.create(load_model(args.model), args.hardware or "H100")
+        # simulate's defaults (pp 4, 8 microbatches...) hold where no flag is given
+        overriding = set(given) | {d for d in ("pp", "vpp", "dp", "micro_batch_size")
+                                   if getattr(args, d, None) is not None}
+        if "global_batch_size" not in given:
+            overriding.add("microbatches")
+    plan = apply_flags(plan, args, overriding)
     changes: dict = {}
     if args.name is not None:
         changes["schedule"] = args.name
-    if args.model and args.plan:
-        from ..plan.model import get_model
-
-        changes["model"] = get_model(args.model)
-    if args.hardware and (args.plan or "hardware" in explicit):
-        from ..hardware import get_hardware
-
-        changes["hardware"] = get_hardware(args.hardware)
-    for flag, field in (("tp", "tp"), ("cp", "cp"), ("ep", "ep"), ("pp", "pp"), ("vpp", "vpp"),
-                        ("dp", "dp"), ("micro_batch_size", "micro_batch_size"),
-                        ("global_batch_size", "global_batch_size"), ("recompute", "recompute"),
-                        ("recompute_layers", "recompute_layers"), ("zero", "zero"),
-                        ("precision", "precision"), ("gpus_per_node", "gpus_per_node")):
-        value = getattr(args, flag, None)
-        if value is not None and (flag in explicit or not args.plan):
-            changes[field] = value
-    if args.sequence_parallel:
-        changes["sequence_parallel"] = True
+    if args.hardware and (args.plan or "hardware" in given):
+        changes["cluster"] = plan.cluster.with_(hardware=get_hardware(args.hardware))
+    if args.gpus_per_node is not None:
+        changes["gpus_per_node"] = args.gpus_per_node
     if args.distributed_optimizer:
         if args.zero not in (None, 1):
             raise ValueError("--distributed-optimizer is ZeRO-1; it contradicts --zero "
@@ -109,20 +102,10 @@ def plan_from_args(args: argparse.Namespace, explicit: set[str]):
         changes["efficiency"] = args.efficiency
     if args.pipeline_layout:
         changes["partition_layout"] = args.pipeline_layout
-    if "global_batch_size" not in changes and "microbatches" in explicit:
-        par = plan.parallelism
-        mbs = changes.get("micro_batch_size", par.micro_batch_size)
-        changes["global_batch_size"] = args.microbatches * mbs * changes.get("dp", par.dp)
-    elif "global_batch_size" not in changes and not args.plan:
-        mbs = changes.get("micro_batch_size", 1)
-        changes["global_batch_size"] = args.microbatches * mbs * changes.get("dp", 1)
-    hardware = changes.pop("hardware", None)
-    if hardware is not None:
-        changes["cluster"] = plan.cluster.with_(hardware=hardware)
-    plan = plan.with_(**changes)
-    if args.seq_len:
-        plan = plan.with_(model=plan.model.with_(seq_length=args.seq_len))
-    return plan.validate()
+    cluster = changes.pop("cluster", None)
+    if cluster is not None:
+        plan = plan.with_(cluster=cluster)
+    return plan.with_(**changes).validate()
 
 
 def cmd_simulate_plan(args: argparse.Namespace, explicit: set[str]) -> int:
@@ -150,17 +133,6 @@ def cmd_simulate_plan(args: argparse.Namespace, explicit: set[str]) -> int:
         result.sim.costs.save(args.save_costs)
         print(f"wrote {args.save_costs}")
     return 0
-
-
-def explicit_flags(argv) -> set[str]:
-    """Destinations of the long options present on the command line."""
-    out = set()
-    for token in argv or ():
-        if token.startswith("--"):
-            out.add(token[2:].split("=")[0].replace("-", "_"))
-        elif token == "-m":
-            out.add("microbatches")
-    return out
 
 
 # -- listings ----------------------------------------------------------------------------------

@@ -6,14 +6,19 @@ import sys
 
 from ..costs import CostModel
 from ..schedule.placement import PLACEMENTS
+from ..plan.options import DESTS, add_plan_flags, flatten, given_dests
 from ..units import UNITS_HELP, byte_unit, bytes_arg
-from .plan_cmds import add_plan_args, cmd_simulate_plan, explicit_flags, wants_plan
+from .lists import SCHEDULES_HELP, names
+from .plan_cmds import add_plan_args, cmd_simulate_plan, wants_plan
+
+# simulate's own defaults for the table's flags: a pipeline of 4 ranks and 8 microbatches
+SIMULATE_DEFAULTS = {"pp": 4, "vpp": 1, "dp": 1, "microbatches": 8, "micro_batch_size": 1}
+# the table's flags `pipesim sweep` takes (several values each but dp, which --step-tail reads)
+SWEEP_DESTS = ("pp", "vpp", "dp", "microbatches", "micro_batch_size", "model")
 
 def _add_cost_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("costs (default: uniform F=1, B=2 (I=W=1), zero communication)")
     g.add_argument("--costs", metavar="FILE.json", help="a CostModel saved as JSON")
-    g.add_argument("--model", metavar="PRESET|config.json",
-                   help="model preset (`pipesim models`) or a Hugging Face config.json")
     g.add_argument("--hardware", metavar="PRESET", default=None, help="A100, H100 or H200 (default H100)")
     g.add_argument("--efficiency", type=float, default=None,
                    help="achieved / peak FLOP/s (default 0.5; with a plan, the fitted curve)")
@@ -26,7 +31,6 @@ def _add_cost_args(p: argparse.ArgumentParser) -> None:
                    help="post each receive K computations before the one that needs it")
     g.add_argument("--cores", type=float, default=None,
                    help="the ranks share this many processors (costs are then work)")
-    g.add_argument("--dp", type=int, default=1, help="data-parallel replicas (for --step-tail)")
     g.add_argument("--step-tail", action="store_true",
                    help="add the dp gradient all-reduce and the optimizer step")
 
@@ -59,10 +63,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("simulate", help="simulate one step of a schedule and print its summary")
     p.add_argument("name", nargs="?", help="schedule name (see `pipesim list`), or a schedule "
                    "file: our FILE.json or torch's FILE.csv (its pp, vpp, m are the file's)")
-    p.add_argument("--pp", type=int, default=4, help="pipeline ranks")
-    p.add_argument("--vpp", type=int, default=1, help="chunks (virtual stages) per rank")
-    p.add_argument("--microbatches", "-m", type=int, default=8, help="microbatches per step")
-    p.add_argument("--micro-batch-size", type=int, default=1, help="sequences per microbatch (--model)")
+    add_plan_flags(p, defaults=SIMULATE_DEFAULTS)
     p.add_argument("--forward-only", action="store_true", help="inference: forwards only")
     p.add_argument("--memory-limit", type=bytes_arg, default=None, metavar="BYTES",
                    help="zb-auto: per-rank memory limit its search keeps under (e.g. 40GB)")
@@ -78,17 +79,15 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--trace-csv", metavar="OUT.csv", help="write the trace table")
     p.add_argument("--save-costs", metavar="OUT.json", help="write the cost model used")
     add_plan_args(p)
-    p.set_defaults(func=cmd_simulate)
+    p.set_defaults(func=cmd_simulate, parser=p)
 
     p = sub.add_parser("sweep", help="simulate schedules x pp x vpp x microbatches, write CSV")
-    p.add_argument("--schedules", nargs="+", required=True, metavar="NAME",
-                   help="schedule names (see `pipesim list`)")
-    p.add_argument("--pp", type=int, nargs="+", default=[4], help="pipeline rank counts")
-    p.add_argument("--vpp", type=int, nargs="+", default=[1], help="chunks per rank")
-    p.add_argument("--microbatches", "-m", type=int, nargs="+", default=[8],
-                   help="microbatches per step")
-    p.add_argument("--micro-batch-size", type=int, nargs="+", default=[1],
-                   help="sequences per microbatch (--model)")
+    p.add_argument("--schedules", type=names, nargs="+", required=True, metavar="A,B",
+                   help=SCHEDULES_HELP)
+    add_plan_flags(p, defaults={"pp": [(4,)], "vpp": [(1,)], "microbatches": [(8,)],
+                                "micro_batch_size": [(1,)], "dp": 1},
+                   several=("pp", "vpp", "microbatches", "micro_batch_size"),
+                   omit=tuple(d for d in DESTS if d not in SWEEP_DESTS))
     _add_cost_args(p)
     p.add_argument("--memory-limit", type=bytes_arg, default=None,
                    help=f"per-rank peak memory limit with its unit, e.g. 80GB, 72GiB ({UNITS_HELP}; "
@@ -97,15 +96,16 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                    help="per-rank limit on microbatches in flight")
     p.add_argument("--out", metavar="OUT.csv", required=True, help="CSV of every configuration")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.set_defaults(func=cmd_sweep)
+    p.set_defaults(func=cmd_sweep, parser=p)
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
     from ..engine import simulate
     from ..schedule.registry import build_schedule
 
-    if wants_plan(args):
-        return cmd_simulate_plan(args, explicit_flags(sys.argv[1:] if args.argv is None else args.argv))
+    given = given_dests(args.parser, args.command_argv)
+    if wants_plan(args, given):
+        return cmd_simulate_plan(args, given)
     if args.name is None:
         raise ValueError("give a SCHEDULE name (see `pipesim list`) or file, or --plan FILE")
     source = _cost_source(args)
@@ -170,7 +170,8 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     limit = args.memory_limit
     if limit is None and args.model:
         limit = get_hardware(args.hardware or "H100").memory_bytes
-    table = sweep(args.schedules, args.pp, args.vpp, args.microbatches, args.micro_batch_size,
+    table = sweep(flatten(args.schedules), flatten(args.pp), flatten(args.vpp),
+                  flatten(args.microbatches), flatten(args.micro_batch_size),
                   costs=source, memory_limit=limit, inflight_limit=args.inflight_limit,
                   comm=args.comm, step_tail=args.step_tail, dp=args.dp,
                   recv_lookahead=args.recv_lookahead, cores=args.cores,

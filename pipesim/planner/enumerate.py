@@ -99,6 +99,13 @@ class SearchSpace:
     recompute: tuple[str, ...] = ("none", "selective", "full")
     zero: tuple[int, ...] = (0, 1)
     precision: str = "bf16"
+    # filters and fixed values: dp (derived from the other sizes) and microbatches (from the
+    # global batch) kept only where listed; sequence parallelism None: on wherever tp > 1;
+    # recompute_layers: Megatron's --recompute-num-layers for the full-recomputation plans
+    dp: tuple[int, ...] | None = None
+    microbatches: tuple[int, ...] | None = None
+    sequence_parallel: bool | None = None
+    recompute_layers: int | None = None
     tp_across_nodes: bool = False
     uneven: bool = False
     efficiency: float | None = None
@@ -124,7 +131,7 @@ class SearchSpace:
                 raise ValueError(f"search space: unknown schedule {s!r}; known: {', '.join(known)}")
         if not self.schedules:
             raise ValueError("search space: no schedule to search")
-        for name in ("tp", "cp", "pp", "vpp", "ep", "mbs", "zero"):
+        for name in ("tp", "cp", "pp", "vpp", "ep", "mbs", "zero", "dp", "microbatches"):
             values = getattr(self, name)
             if values is not None:
                 values = tuple(sorted(set(values)))
@@ -225,6 +232,9 @@ def _walk(space: SearchSpace, refused: Counter) -> Iterator[Plan]:
                     refused["pp does not divide the GPU count / (tp * cp)"] += 1
                     continue
                 dp = n // (tp * cp * pp)
+                if space.dp is not None and dp not in space.dp:
+                    refused["dp (GPUs / (tp * cp * pp)) not among the dp values asked"] += 1
+                    continue
                 if pp > model.layers:
                     refused["pp exceeds the layers"] += 1
                     continue
@@ -246,6 +256,9 @@ def _per_layout(space: SearchSpace, cluster: Cluster, tp: int, cp: int, pp: int,
                 refused["gbs not divisible by mbs * dp"] += 1
                 continue
             m = gbs // (mbs * dp)
+            if space.microbatches is not None and m not in space.microbatches:
+                refused["microbatches (gbs / (mbs * dp)) not among those asked"] += 1
+                continue
             for schedule, vpp in _schedule_vpps(space, schedules, pp, refused):
                 if pp == 1 and schedule != first_flat:
                     refused[f"pp = 1 has no pipeline: {first_flat} stands for every vpp = 1 "
@@ -279,9 +292,12 @@ def _per_layout(space: SearchSpace, cluster: Cluster, tp: int, cp: int, pp: int,
                         if zero and dp * cp == 1:
                             refused["optimizer sharding needs dp * cp > 1"] += 1
                             continue
+                        sp = tp > 1 if space.sequence_parallel is None else space.sequence_parallel
+                        layers = space.recompute_layers if recompute == "full" else None
                         par = Parallelism(tp=tp, pp=pp, dp=dp, vpp=vpp, cp=cp, ep=ep,
-                                          sequence_parallel=tp > 1, zero=zero,
-                                          recompute=recompute, micro_batch_size=mbs,
+                                          sequence_parallel=sp, zero=zero,
+                                          recompute=recompute, recompute_layers=layers,
+                                          micro_batch_size=mbs,
                                           global_batch_size=gbs, precision=space.precision)
                         yield Plan(model, par, cluster, schedule, efficiency=space.efficiency)
 
