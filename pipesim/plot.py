@@ -84,6 +84,9 @@ def gantt(result: "SimResult", *, comm: bool = False, memory: bool = False,
         ax.broken_barh([(0.0, span)], (r + bar_top, bar_h), facecolors=_IDLE, linewidth=0)
 
     compute = trace[trace["kind"] == "compute"]
+    # white edges separate boxes a few pixels wide; on thousands of boxes a rank they would
+    # draw stripes of white, so long schedules get none
+    edge = 0.3 if len(compute) / max(ranks, 1) <= 300 else 0.0
     starts = compute["start"].to_numpy(float) - t0
     durs = compute["end"].to_numpy(float) - compute["start"].to_numpy(float)
     rank_col = compute["rank"].to_numpy(int)
@@ -96,7 +99,7 @@ def gantt(result: "SimResult", *, comm: bool = False, memory: bool = False,
             for r in sorted(set(rank_col[sel])):
                 rs = sel & (rank_col == r)
                 ax.broken_barh(list(zip(starts[rs], durs[rs])), (r + bar_top, bar_h),
-                               facecolors=[color], edgecolors="white", linewidth=0.3)
+                               facecolors=[color], edgecolors="white", linewidth=edge)
 
     if comm:
         rows = trace[trace["kind"] == "comm"]
@@ -142,7 +145,9 @@ def gantt(result: "SimResult", *, comm: bool = False, memory: bool = False,
               frameon=False)
     if title is None:
         s = result.schedule
-        head = (f"{s.name}: pp={s.pp} vpp={s.vpp} m={s.num_microbatches}, "
+        # vpp as a run and `pipesim simulate` count it: model parts a rank (dualpipe: 1)
+        copies = " (and a copy a rank)" if s is not None and s.has_copies else ""
+        head = (f"{s.name}: pp={s.pp} vpp={s.parts_per_rank}{copies} m={s.num_microbatches}, "
                 if s is not None else "")
         title = (f"{head}{result.source}: makespan {result.makespan:.4g}"
                  f"{' units' if unitless else ' s'}, "

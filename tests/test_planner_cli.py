@@ -79,7 +79,76 @@ def test_nothing_fits_says_why_and_exits_non_zero(tmp_path, capsys):
     assert "nothing fits" in err
     assert "over the 0.1 GiB limit; largest:" in err
     assert not (tmp_path / "plan.json").exists()
-    assert (tmp_path / "plans.csv").exists()          # what was tried is still written
+    # a failed search writes nothing (issue: it used to rewrite plans.csv beside an older
+    # plan.json); the closest plans are printed instead
+    assert not (tmp_path / "plans.csv").exists()
+
+
+def test_a_failed_search_leaves_the_files_of_the_earlier_run_as_they_were(tmp_path, capsys):
+    assert run_plan(tmp_path, "--memory-limit", "0.5GiB") == 0
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    assert set(before) == {"plans.csv", "plan.json", "frontier.png", "gantt.png"}
+    capsys.readouterr()
+    assert run_plan(tmp_path, "--memory-limit", "100MiB") == 1
+    assert "no files written (--out " in capsys.readouterr().out
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
+
+
+def test_plan_writes_only_the_files_asked_for_and_says_so(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    assert main(BASE + ["--memory-limit", "0.5GiB"]) == 0
+    out = capsys.readouterr().out
+    assert list(tmp_path.iterdir()) == []
+    assert "no files written: --out FILE" in out
+    assert main(BASE + ["--memory-limit", "0.5GiB", "--plan-out", "best.json"]) == 0
+    out = capsys.readouterr().out
+    assert [p.name for p in tmp_path.iterdir()] == ["best.json"]
+    assert "wrote best.json  (the best plan" in out
+
+
+def test_one_count_of_simulated_plans_in_the_summary_the_csv_and_the_frontier(tmp_path, capsys):
+    """The summary is printed once everything that simulates has run (the why table simulates
+    pruned neighbours): its counts are the CSV's status counts, and the frontier's title's."""
+    import re
+
+    assert run_plan(tmp_path, "--memory-limit", "0.5GiB") == 0
+    out = capsys.readouterr().out
+    rows = pd.read_csv(tmp_path / "plans.csv")
+    counts = rows["status"].value_counts()
+    summary = next(line for line in out.splitlines() if "plans enumerated" in line)
+    assert f"{len(rows):,} plans enumerated" in summary
+    assert f"{counts['simulated']:,} simulated" in summary
+    for status, n in counts.items():
+        if status != "simulated":
+            assert f"{n:,} {status}" in summary, (status, summary)
+    assert "(simulated to explain)" in " ".join(rows["reason"].fillna("")), \
+        "the why table simulated no pruned neighbour: the test shows nothing"
+    assert "refused " in out and re.search(r"refused +[\d,]+  \S", out)
+    assert f"wrote {tmp_path / 'frontier.png'}  (peak memory vs tokens/s of the " \
+        f"{counts['simulated']:,} simulated plans)" in out
+
+
+def test_the_why_table_names_every_knob_each_row_changes(tmp_path, capsys):
+    from pipesim.planner.explain import CHANGED, explain
+    from pipesim.planner.search import search
+    from pipesim.planner.enumerate import SearchSpace
+    from pipesim.plan.model import get_model
+    from pipesim.hardware import get_hardware
+
+    space = SearchSpace(get_model("tiny"), gpus=8, gbs=16, hardware=get_hardware("A100"),
+                        mbs=(1, 2), recompute=("none", "full"), cp=(1,))
+    result = search(space, memory_limit=0.5 * 2 ** 30, workers=1)
+    table = explain(result)
+    win = result.ranked.iloc[0]
+    rows = result.rows.set_index("key")
+    assert len(table) >= 3
+    several = 0
+    for _, r in table.iterrows():
+        other = rows.loc[r["key"]]
+        changed = [k for k in CHANGED if other[k] != win[k]]
+        assert r["change"] == ", ".join(f"{k} {win[k]} -> {other[k]}" for k in changed)
+        several += len(changed) > 1
+    assert several, "no row changed more than one knob: the test shows nothing"
 
 
 def test_no_valid_plan_lists_the_refusals(tmp_path, capsys):
@@ -157,3 +226,27 @@ def test_plan_help_lists_the_flags():
                  "--schedules", "--top", "--out", "--plan-out", "--no-progress", "--workers",
                  "--dask", "--jitter"):
         assert flag in out
+
+
+def test_the_plan_gantt_names_model_and_cluster_and_draws_the_step_tail(tmp_path):
+    from pipesim.cli.plan_output import plan_gantt
+
+    plan = Plan.create("tiny", "A100", schedule="1f1b", pp=2, dp=4, global_batch_size=16)
+    r = simulate_plan(plan)
+    assert r.step_time > r.pipeline_time             # a tail to draw
+    fig = plan_gantt(r, "1f1b tp1 pp2 dp4")
+    ax = fig.axes[0]
+    assert ax.get_title(loc="left").startswith("tiny on 8 x A100: 1f1b tp1 pp2 dp4")
+    assert ax.get_xlim()[1] == pytest.approx(r.step_time)
+    labels = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert "dp reduction (exposed)" in labels and "optimizer step" in labels
+
+
+def test_gantt_titles_say_vpp_as_simulate_does():
+    """dualpipe holds one model part and a copy a rank: vpp=1, as `pipesim simulate` says."""
+    import pipesim
+
+    r = pipesim.simulate(pipesim.build_schedule("dualpipe", pp=4, microbatches=8),
+                         pipesim.CostModel.uniform())
+    title = r.gantt().axes[0].get_title(loc="left")
+    assert "pp=4 vpp=1 (and a copy a rank) m=8" in title

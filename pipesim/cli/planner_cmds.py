@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
 from ..units import bytes_arg
+from .plan_output import nothing_written_text, plan_gantt, summary_text, write_rows
 
 GiB = 2 ** 30
 
@@ -70,16 +70,16 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                    "the fitted curve)")
     o = p.add_argument_group("output")
     o.add_argument("--top", type=int, default=10, help="rows of the ranked table (default 10)")
-    o.add_argument("--out", default="plans.csv", metavar="FILE",
-                   help="every evaluated plan: .csv, or .parquet (needs pyarrow) (default "
-                        "plans.csv; with pyarrow a .parquet copy is written beside it)")
-    o.add_argument("--plan-out", default="plan.json", metavar="FILE",
-                   help="the best plan, for `pipesim simulate --plan` (default plan.json)")
-    o.add_argument("--frontier", default="frontier.png", metavar="PNG",
-                   help="peak memory vs throughput picture (default frontier.png; '' for none)")
-    o.add_argument("--gantt", default="plan_gantt.png", metavar="PNG",
-                   help="the best plan's Gantt chart with memory (default plan_gantt.png; '' "
-                        "for none)")
+    o.add_argument("--out", metavar="FILE",
+                   help="write every evaluated plan: .csv, or .parquet (needs pyarrow) "
+                        "(default: none; only the files a flag names are written, and none "
+                        "when nothing fits)")
+    o.add_argument("--plan-out", metavar="FILE",
+                   help="write the best plan, for `pipesim simulate --plan` (default: none)")
+    o.add_argument("--frontier", metavar="PNG",
+                   help="write the peak memory vs throughput picture (default: none)")
+    o.add_argument("--gantt", metavar="PNG",
+                   help="write the best plan's Gantt chart with memory (default: none)")
     o.add_argument("--jitter", type=float, metavar="J",
                    help="re-simulate the top plans with compute times x U[1-J, 1+J] and report "
                         "whether the order holds")
@@ -124,10 +124,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
         raise ValueError(f"--zb-auto must be >= 0 layouts, got {args.zb_auto}")
     if args.jitter is not None and not 0 < args.jitter < 1:
         raise ValueError(f"--jitter must be in (0, 1), got {args.jitter}")
-    out = Path(args.out)
-    if out.suffix not in (".csv", ".parquet"):
+    out = Path(args.out) if args.out else None
+    if out is not None and out.suffix not in (".csv", ".parquet"):
         raise ValueError(f"--out {args.out}: name a .csv or .parquet file")
-    if out.suffix == ".parquet" and not _has_pyarrow():
+    if out is not None and out.suffix == ".parquet" and not _has_pyarrow():
         raise ValueError(f"--out {args.out}: Parquet needs pyarrow (pip install pyarrow), or "
                          "name a .csv file")
     executor, client, workers = None, None, args.workers
@@ -135,7 +135,6 @@ def cmd_plan(args: argparse.Namespace) -> int:
         executor, client = _dask_executor(args.dask)
         if workers is None:                   # batches sized to the cluster's threads
             workers = max(1, sum(client.nthreads().values()))
-    t0 = time.perf_counter()
     try:
         result = search(space, memory_limit=limit, top=args.top, workers=workers,
                         executor=executor, prune=not args.no_prune,
@@ -146,19 +145,19 @@ def cmd_plan(args: argparse.Namespace) -> int:
     sp = space
     print(f"{sp.model.name} (seq {sp.model.seq_length}) on {sp.gpus} x {sp.hardware.name}, gbs "
           f"{sp.gbs}, memory limit {result.memory_limit / GiB:.1f} GiB")
-    counts = result.counts()
-    print(f"{len(result.rows)} plans enumerated ({sum(result.refused.values())} combinations "
-          f"refused), {result.simulated} simulated, "
-          + ", ".join(f"{v} {k}" for k, v in counts.items() if k != "simulated")
-          + f"; {time.perf_counter() - t0:.1f} s")
+    files = {"--out": args.out, "--plan-out": args.plan_out, "--frontier": args.frontier,
+             "--gantt": args.gantt}
     ranked = result.ranked
     if not len(result.rows):
+        print(summary_text(result).splitlines()[0])     # the refusals follow, on stderr
         print("\nno valid plan: every combination was refused", file=sys.stderr)
         for reason, n in result.refused.most_common():
             print(f"  {n:>6}  {reason}", file=sys.stderr)
+        print(nothing_written_text(files))
         return 1
     if not len(ranked):
-        _write_rows(result, out)
+        print(summary_text(result))
+        print(nothing_written_text(files))
         print("\nnothing fits: the closest plans", file=sys.stderr)
         for _, row in result.closest(3).iterrows():
             reason = row["reason"] or "(not simulated)"
@@ -173,7 +172,6 @@ def cmd_plan(args: argparse.Namespace) -> int:
     print()
     print(explain_text(explain(result), best_row["key"], best_row["step_time"],
                        best_row["peak_memory"]))
-    _write_rows(result, out)      # after explain: the neighbours it simulated are in it too
     if args.zb_auto:
         from ..planner.refine import refine_with_zb_auto, refinement_text
 
@@ -198,20 +196,25 @@ def cmd_plan(args: argparse.Namespace) -> int:
         print()
         print(report.text())
     print()
-    best.save(args.plan_out)
-    print(f"wrote {args.plan_out}  (pipesim simulate --plan {args.plan_out})")
+    print(summary_text(result))    # after explain: the neighbours it simulated are counted too
+    if out is not None:
+        print(write_rows(result.rows, out))
+    if args.plan_out:
+        best.save(args.plan_out)
+        print(f"wrote {args.plan_out}  (the best plan: pipesim simulate --plan {args.plan_out})")
     if args.frontier:
         from ..planner.frontier import frontier_figure
 
         frontier_figure(result).savefig(args.frontier, dpi=100)
-        print(f"wrote {args.frontier}")
+        print(f"wrote {args.frontier}  (peak memory vs tokens/s of the {result.simulated:,} "
+              "simulated plans)")
     if args.gantt:
         from ..plan.report import simulate_plan
 
-        r = simulate_plan(best)
-        r.gantt(memory=True, labels=best.microbatches <= 32,
-                title=f"{best_row['key']}: {r.step_time:.3g} s").savefig(args.gantt, dpi=100)
-        print(f"wrote {args.gantt}")
+        plan_gantt(simulate_plan(best), best_row["key"]).savefig(args.gantt, dpi=100)
+        print(f"wrote {args.gantt}  (the best plan's Gantt chart)")
+    if not any(files.values()):
+        print(nothing_written_text(files))
     return 0
 
 
@@ -231,19 +234,6 @@ def _has_pyarrow() -> bool:
     except ImportError:
         return False
     return True
-
-
-def _write_rows(result, out: Path) -> None:
-    rows = result.rows
-    if out.suffix == ".parquet":
-        rows.to_parquet(out, index=False)
-        print(f"wrote {out} ({len(rows)} plans)")
-        return
-    rows.to_csv(out, index=False)
-    print(f"wrote {out} ({len(rows)} plans)")
-    if _has_pyarrow():
-        rows.to_parquet(out.with_suffix(".parquet"), index=False)
-        print(f"wrote {out.with_suffix('.parquet')}")
 
 
 def _dask_executor(address: str):

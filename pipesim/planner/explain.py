@@ -3,7 +3,9 @@
 A neighbour changes one knob of the winner to the next value searched, below or above (tp, cp,
 pp, vpp, mbs, recompute, zero, ep; dp absorbs the GPU count, so tp 8 -> 4 with pp fixed doubles
 dp), the schedule staying the same. A neighbour the search pruned is simulated here, so every
-row has its step time and peak memory. Differences are the other plan minus the winner.
+row has its step time and peak memory. Differences are the other plan minus the winner. Each
+row's ``change`` names every knob in which its plan differs from the winner's (a schedule's
+best plan may have another layout too: ``schedule zbv -> 1f1b, cp 2 -> 1, dp 32 -> 64``).
 """
 from __future__ import annotations
 
@@ -18,6 +20,8 @@ if TYPE_CHECKING:
 
 GiB = 2 ** 30
 KNOBS = ("tp", "cp", "pp", "vpp", "mbs", "recompute", "zero", "ep")
+# what a row's change names: every field of a plan's layout (microbatches follow from dp, mbs)
+CHANGED = ("schedule", "tp", "cp", "pp", "vpp", "dp", "ep", "mbs", "recompute", "zero")
 _RECOMPUTE = ("none", "selective", "full")
 
 
@@ -35,9 +39,9 @@ def explain(result: "SearchResult") -> "pd.DataFrame":
     rows = result.rows
     out: list[dict[str, Any]] = []
 
-    def add(kind: str, change: str, row) -> None:
+    def add(kind: str, row) -> None:
         row = _simulated(result, row)
-        out.append({"kind": kind, "change": change, "key": row["key"],
+        out.append({"kind": kind, "change": changes(win, row), "key": row["key"],
                     "step_time": row["step_time"],
                     "d_step": row["step_time"] / win["step_time"] - 1.0,
                     "peak_memory": row["peak_memory"],
@@ -49,7 +53,7 @@ def explain(result: "SearchResult") -> "pd.DataFrame":
             continue
         mine = ranked[ranked["schedule"] == schedule]
         if len(mine):
-            add("schedule", f"{win['schedule']} -> {schedule}", mine.iloc[0])
+            add("schedule", mine.iloc[0])
     same = rows[(rows["schedule"] == win["schedule"]) & (rows["status"] != "invalid")]
     for knob in KNOBS:
         values = sorted(set(same[knob]), key=_order(knob))
@@ -66,8 +70,13 @@ def explain(result: "SearchResult") -> "pd.DataFrame":
                     mask &= same[other] == win[other]
             hit = same[mask]
             if len(hit):
-                add("neighbour", f"{knob} {win[knob]} -> {values[j]}", hit.iloc[0])
+                add("neighbour", hit.iloc[0])
     return pd.DataFrame(out, columns=cols)
+
+
+def changes(winner, row) -> str:
+    """``knob a -> b`` for every knob of `CHANGED` in which ``row`` differs from ``winner``."""
+    return ", ".join(f"{k} {winner[k]} -> {row[k]}" for k in CHANGED if row[k] != winner[k])
 
 
 def _order(knob: str):
@@ -93,11 +102,13 @@ def _simulated(result: "SearchResult", row):
 
 def explain_text(table: "pd.DataFrame", winner_key: str, winner_step: float,
                  winner_peak: float) -> str:
-    lines = [f"why {winner_key} ({winner_step:.4g} s, peak {winner_peak / GiB:.1f} GiB):",
-             f"  {'vs':<10} {'change':<28} {'step s':>9} {'d step':>8} {'peak GiB':>9} "
+    width = max([28, *(len(c) for c in table["change"])])
+    lines = [f"why {winner_key} ({winner_step:.4g} s, peak {winner_peak / GiB:.1f} GiB): each "
+             "row changes the knobs it names",
+             f"  {'vs':<10} {'change':<{width}} {'step s':>9} {'d step':>8} {'peak GiB':>9} "
              f"{'d GiB':>7}  fits"]
     for _, r in table.iterrows():
-        lines.append(f"  {r['kind']:<10} {r['change']:<28} {r['step_time']:>9.4g} "
+        lines.append(f"  {r['kind']:<10} {r['change']:<{width}} {r['step_time']:>9.4g} "
                      f"{r['d_step']:>+8.1%} {r['peak_memory'] / GiB:>9.1f} "
                      f"{r['d_memory'] / GiB:>+7.1f}  {'yes' if r['fits'] else 'no'}")
     return "\n".join(lines)

@@ -21,10 +21,10 @@ def frontier_figure(result: "SearchResult", title: str | None = None) -> "Figure
     from matplotlib.figure import Figure
 
     rows = result.rows[result.rows["status"] == "simulated"]
-    fig = Figure(figsize=(9, 5.5))
+    fig = Figure(figsize=(11, 5.5))
     FigureCanvasAgg(fig)
     ax = fig.add_subplot()
-    colours = {s: f"C{i}" for i, s in enumerate(result.space.schedules)}
+    colours = schedule_colours(result.space.schedules)
     for schedule, group in rows.groupby("schedule", sort=False):
         fit = group[group["fits"] == True]   # noqa: E712
         over = group[group["fits"] != True]  # noqa: E712
@@ -49,11 +49,22 @@ def frontier_figure(result: "SearchResult", title: str | None = None) -> "Figure
                    s=300, color="gold", edgecolors="k", zorder=5,
                    label=f"chosen: {best['key']}")
     ax.set_xlabel("tokens/s per GPU (simulated)")
+    ax.xaxis.set_major_formatter("{x:,.0f}")
     ax.set_ylabel("peak memory, worst rank (GiB)")
     sp = result.space
     ax.set_title(title or f"{sp.model.name} on {sp.gpus} x {sp.hardware.name}, gbs {sp.gbs}: "
-                 f"{len(rows)} plans simulated (hollow: does not fit)")
+                 f"{result.simulated:,} plans simulated (hollow: does not fit)", fontsize=10)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8, loc="best")
+    # outside the axes, so that no point is under it
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
     fig.tight_layout()
     return fig
+
+
+def schedule_colours(schedules) -> dict[str, object]:
+    """A distinct colour per schedule, in the given order: tab10's ten, black, then Dark2's."""
+    from matplotlib import colormaps
+
+    palette = [colormaps["tab10"](i) for i in range(10)] + ["black"]
+    palette += [colormaps["Dark2"](i) for i in range(8)]
+    return {s: palette[i % len(palette)] for i, s in enumerate(schedules)}

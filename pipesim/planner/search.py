@@ -244,7 +244,7 @@ def search(space: SearchSpace, *, memory_limit: float | None = None, top: int = 
         found: list[tuple[float, str]] = []           # fitting plans' (step, key), sorted
         best_of: dict[str, tuple[float, str]] = {}    # schedule -> best fitting (step, key)
         bar.close()
-        bar = progress_bar(total=len(candidates), desc="pipesim plan: simulate", unit="plan",
+        bar = progress_bar(total=len(candidates), desc="pipesim plan: candidates (simulated or pruned)", unit="plan",
                            disable=not progress)
         pos = 0
         while pos < len(candidates):
