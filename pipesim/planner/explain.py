@@ -87,8 +87,7 @@ def _simulated(result: "SearchResult", row):
     """The row with its simulation (run here if the search pruned it)."""
     if row["status"] == SIMULATED:
         return row
-    res = evaluate_plan(result.plans[row["key"]], result.memory_limit)
-    res.pop("_sim_s", None)
+    res = evaluate_plan(result.plans[row["key"]], result.memory_limit).columns()
     row = row.copy()
     for k, v in res.items():
         row[k] = v

@@ -17,75 +17,60 @@ Work runs on an executor: none (in this process), a process pool over ``workers`
 """
 from __future__ import annotations
 
+import dataclasses
 import math
+import multiprocessing
 import os
 import time
 from collections import Counter
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ..errors import PlanError, ScheduleError
 from ..plan.plan import Plan
+from ..plan.report import PlanResult, simulate_plan
+from ..progress import progress_bar
+from .bounds import plan_bounds
 from .enumerate import Enumeration, SearchSpace, enumerate_plans, plan_key
+from .rows import (CANDIDATE, COLUMNS, CONFIG_COLUMNS, INVALID, PRUNED_MEMORY,  # noqa: F401
+                   PRUNED_TIME, SIMULATED, Assessment, PlanConfig, PlanFigures, PlanRow)
 
 if TYPE_CHECKING:
     import pandas as pd
 
 GiB = 2 ** 30
-CONFIG_COLUMNS = ("schedule", "tp", "cp", "pp", "vpp", "dp", "ep", "mbs", "microbatches",
-                  "recompute", "zero")
-COLUMNS = ("key",) + CONFIG_COLUMNS + (
-    "status", "reason", "step_time_bound", "memory_bound", "step_time", "tokens_per_s_per_gpu",
-    "mfu", "hfu", "bubble_fraction", "bubble_rate", "peak_memory", "peak_rank", "headroom",
-    "fits", "weights", "gradients", "optimizer", "activations", "buffers")
-# status values
-SIMULATED, PRUNED_MEMORY, PRUNED_TIME, INVALID = ("simulated", "pruned: memory bound",
-                                                  "pruned: step-time bound", "invalid")
-
-
-def config_of(plan: Plan) -> dict[str, Any]:
-    p = plan.parallelism
-    return {"key": plan_key(plan), "schedule": plan.schedule_name, "tp": p.tp, "cp": p.cp,
-            "pp": p.pp, "vpp": p.vpp, "dp": p.dp, "ep": p.ep, "mbs": p.micro_batch_size,
-            "microbatches": p.microbatches, "recompute": p.recompute, "zero": p.zero}
 
 
 # -- worker tasks (module level: a process pool or a Dask worker imports them) -----------------
 def bound_plans(plans: list[Plan], memory_limit: float, prune: bool = True
-                ) -> list[dict[str, Any]]:
+                ) -> list[Assessment]:
     """Bounds of each plan: status pruned-memory (when ``prune``) / candidate ("") / invalid,
     and the CPU seconds spent."""
-    from .bounds import plan_bounds
-
     out = []
     for plan in plans:
         t0 = time.process_time()
-        row: dict[str, Any] = {}
         try:
             derived = plan.derive()
             t1 = time.process_time()
             b = plan_bounds(plan, derived, exact_order=False)
             over = prune and b.memory > memory_limit
-            row.update(step_time_bound=b.step_time, memory_bound=b.memory,
-                       status=PRUNED_MEMORY if over else "",
-                       reason=_overflow_text(b.memory_parts, b.memory_rank, memory_limit,
-                                             "at least") if over else "")
-            row["memory_parts"] = b.memory_parts
+            found = Assessment(PRUNED_MEMORY if over else CANDIDATE,
+                               _overflow_text(b.memory_parts, b.memory_rank, memory_limit,
+                                              "at least") if over else "",
+                               step_time_bound=b.step_time, memory_bound=b.memory)
         except (PlanError, ScheduleError, ValueError) as exc:
             t1 = time.process_time()
-            row.update(status=INVALID, reason=str(exc))
+            found = Assessment(INVALID, str(exc))
         t2 = time.process_time()
-        row["_derive_s"], row["_bound_s"] = t1 - t0, t2 - t1
-        out.append(row)
+        out.append(dataclasses.replace(found, derive_s=t1 - t0, bound_s=t2 - t1))
     return out
 
 
 def simulate_plans(plans: list[Plan], memory_limit: float, prune: bool = True
-                   ) -> list[dict[str, Any]]:
+                   ) -> list[Assessment]:
     """Each plan: pruned by its exact-order memory bound (when ``prune``), else simulated
-    (validated); its figures as a row, and the CPU seconds spent."""
-    from .bounds import plan_bounds
-
+    (validated); its figures, and the CPU seconds spent."""
     out = []
     for plan in plans:
         if prune:
@@ -93,45 +78,45 @@ def simulate_plans(plans: list[Plan], memory_limit: float, prune: bool = True
             try:
                 b = plan_bounds(plan, exact_order=True)
             except (PlanError, ScheduleError, ValueError) as exc:
-                out.append({"status": INVALID, "reason": str(exc),
-                            "_bound_s": time.process_time() - t0, "_sim_s": 0.0})
+                out.append(Assessment(INVALID, str(exc), bound_s=time.process_time() - t0))
                 continue
             if b.memory > memory_limit:
-                out.append({"status": PRUNED_MEMORY, "memory_bound": b.memory,
-                            "reason": _overflow_text(b.memory_parts, b.memory_rank,
+                out.append(Assessment(PRUNED_MEMORY,
+                                      _overflow_text(b.memory_parts, b.memory_rank,
                                                      memory_limit, "at least"),
-                            "_bound_s": time.process_time() - t0, "_sim_s": 0.0})
+                                      memory_bound=b.memory, bound_s=time.process_time() - t0))
                 continue
             bound_s = time.process_time() - t0
         else:
             bound_s = 0.0
-        out.append({**evaluate_plan(plan, memory_limit), "_bound_s": bound_s})
+        out.append(dataclasses.replace(evaluate_plan(plan, memory_limit), bound_s=bound_s))
     return out
 
 
-def evaluate_plan(plan: Plan, memory_limit: float) -> dict[str, Any]:
-    from ..plan.report import simulate_plan
-
+def evaluate_plan(plan: Plan, memory_limit: float) -> Assessment:
+    """Simulate ``plan``: its figures against ``memory_limit`` (bytes), or why it is invalid."""
     t0 = time.process_time()
     try:
         r = simulate_plan(plan)
     except (PlanError, ScheduleError, ValueError) as exc:
-        return {"status": INVALID, "reason": str(exc), "_sim_s": time.process_time() - t0}
-    return {**result_row(r, memory_limit), "_sim_s": time.process_time() - t0}
+        return Assessment(INVALID, str(exc), sim_s=time.process_time() - t0)
+    return dataclasses.replace(result_row(r, memory_limit), sim_s=time.process_time() - t0)
 
 
-def result_row(r, memory_limit: float) -> dict[str, Any]:
+def result_row(r: PlanResult, memory_limit: float) -> Assessment:
+    """A simulated plan's figures, memory the worst rank's; the reason it does not fit."""
     peaks = r.peak_memory
     worst = max(range(len(peaks)), key=peaks.__getitem__)
     parts = r.memory_breakdown[worst]
     fits = peaks[worst] <= memory_limit
-    return {"status": SIMULATED,
-            "reason": "" if fits else _overflow_text(parts, worst, memory_limit, ""),
-            "step_time": r.step_time, "tokens_per_s_per_gpu": r.tokens_per_s_per_gpu,
-            "mfu": r.mfu, "hfu": r.hfu, "bubble_fraction": r.sim.bubble_fraction,
-            "bubble_rate": r.sim.bubble_rate, "peak_memory": peaks[worst], "peak_rank": worst,
-            "headroom": memory_limit - peaks[worst], "fits": fits,
-            **{k: parts[k] for k in ("weights", "gradients", "optimizer", "activations", "buffers")}}
+    figures = PlanFigures(
+        step_time=r.step_time, tokens_per_s_per_gpu=r.tokens_per_s_per_gpu, mfu=r.mfu,
+        hfu=r.hfu, bubble_fraction=r.sim.bubble_fraction, bubble_rate=r.sim.bubble_rate,
+        peak_memory=peaks[worst], peak_rank=worst, headroom=memory_limit - peaks[worst],
+        fits=fits, **{k: parts[k] for k in ("weights", "gradients", "optimizer", "activations",
+                                            "buffers")})
+    return Assessment(SIMULATED, "" if fits else _overflow_text(parts, worst, memory_limit, ""),
+                      figures=figures)
 
 
 def _overflow_text(parts: dict, rank: int, limit: float, qualifier: str) -> str:
@@ -196,8 +181,6 @@ def search(space: SearchSpace, *, memory_limit: float | None = None, top: int = 
     with). ``workers`` 1 runs in this process; an ``executor`` given is used as it is."""
     import pandas as pd
 
-    from ..progress import progress_bar
-
     wall0 = time.perf_counter()
     limit = float(space.hardware.memory_bytes if memory_limit is None else memory_limit)
     if top < 1:
@@ -208,13 +191,10 @@ def search(space: SearchSpace, *, memory_limit: float | None = None, top: int = 
               "simulate": 0.0}
     plans = enum.plans
     keys = [plan_key(p) for p in plans]
-    rows = [dict(config_of(p)) for p in plans]
+    rows = [PlanRow(PlanConfig.of(p)) for p in plans]
     own_pool = None
     workers = default_workers() if workers is None else workers
     if executor is None and workers > 1 and len(plans) > 1:
-        import multiprocessing
-        from concurrent.futures import ProcessPoolExecutor
-
         own_pool = executor = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context())
     try:
         def stream(fn, chunks: list[list[Plan]], *more):
@@ -223,7 +203,7 @@ def search(space: SearchSpace, *, memory_limit: float | None = None, top: int = 
             extra = [[x] * len(chunks) for x in more]
             return executor.map(fn, chunks, [limit] * len(chunks), *extra, timeout=timeout)
 
-        def run(fn, chunks: list[list[Plan]], *more) -> list[list[dict]]:
+        def run(fn, chunks: list[list[Plan]], *more) -> list[list[Assessment]]:
             return list(stream(fn, chunks, *more))
 
         # bounds, in chunks spread over the workers
@@ -234,12 +214,11 @@ def search(space: SearchSpace, *, memory_limit: float | None = None, top: int = 
         for start, out in zip(range(0, len(plans), size), stream(bound_plans, chunks, prune)):
             bar.update(len(out))
             for j, b in enumerate(out):
-                timing["derive"] += b.pop("_derive_s")
-                timing["bounds"] += b.pop("_bound_s")
-                b.pop("memory_parts", None)
-                rows[start + j].update(b)
-        candidates = sorted((i for i, r in enumerate(rows) if r.get("status") == ""),
-                            key=lambda i: (rows[i]["step_time_bound"], keys[i]))
+                timing["derive"] += b.derive_s
+                timing["bounds"] += b.bound_s
+                rows[start + j] = rows[start + j].merged(b)
+        candidates = sorted((i for i, r in enumerate(rows) if r.status == CANDIDATE),
+                            key=lambda i: (rows[i].step_time_bound, keys[i]))
         batch = 1 if executor is None else 2 * max(1, workers)
         found: list[tuple[float, str]] = []           # fitting plans' (step, key), sorted
         best_of: dict[str, tuple[float, str]] = {}    # schedule -> best fitting (step, key)
@@ -253,8 +232,9 @@ def search(space: SearchSpace, *, memory_limit: float | None = None, top: int = 
                 i = candidates[pos]
                 pos += 1
                 if prune and _cannot_win(rows[i], found, best_of, top):
-                    rows[i].update(status=PRUNED_TIME, reason="step-time bound "
-                                   f"{rows[i]['step_time_bound']:.4g} s exceeds the plans found")
+                    rows[i] = rows[i].merged(Assessment(
+                        PRUNED_TIME, f"step-time bound {rows[i].step_time_bound:.4g} s "
+                        "exceeds the plans found"))
                     bar.update(1)
                     continue
                 take.append(i)
@@ -265,13 +245,13 @@ def search(space: SearchSpace, *, memory_limit: float | None = None, top: int = 
             outs = run(simulate_plans, [[plans[i] for i in g] for g in groups], prune)
             for g, out in zip(groups, outs):
                 for i, res in zip(g, out):
-                    timing["simulate"] += res.pop("_sim_s")
-                    timing["bounds"] += res.pop("_bound_s")
-                    rows[i].update(res)
-                    if res.get("status") == SIMULATED and res["fits"]:
-                        item = (res["step_time"], keys[i])
+                    timing["simulate"] += res.sim_s
+                    timing["bounds"] += res.bound_s
+                    rows[i] = rows[i].merged(res)
+                    if res.status == SIMULATED and res.figures.fits:
+                        item = (res.figures.step_time, keys[i])
                         found.append(item)
-                        s = rows[i]["schedule"]
+                        s = rows[i].config.schedule
                         if s not in best_of or item < best_of[s]:
                             best_of[s] = item
             found.sort()
@@ -281,14 +261,14 @@ def search(space: SearchSpace, *, memory_limit: float | None = None, top: int = 
     finally:
         if own_pool is not None:
             own_pool.shutdown()
-    frame = pd.DataFrame(rows, columns=list(COLUMNS))
+    frame = pd.DataFrame([r.record() for r in rows], columns=list(COLUMNS))
     frame["fits"] = frame["fits"].astype("boolean")
     timing["wall"] = time.perf_counter() - wall0
     return SearchResult(space, limit, frame, dict(zip(keys, plans)), enum.refused, timing, top)
 
 
-def _cannot_win(row: dict, found: list, best_of: dict, top: int) -> bool:
-    bound = (row["step_time_bound"], row["key"])
+def _cannot_win(row: PlanRow, found: list, best_of: dict, top: int) -> bool:
+    bound = (row.step_time_bound, row.key)
     kth = found[top - 1] if len(found) >= top else None
-    own = best_of.get(row["schedule"])
+    own = best_of.get(row.config.schedule)
     return kth is not None and bound > kth and own is not None and bound > own
