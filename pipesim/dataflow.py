@@ -1,135 +1,144 @@
-"""The ``async`` and ``blocking`` communication modes without SimPy: a ready list over ranks.
+"""The walk of one rank over its lowered rows, and the ``async`` / ``blocking`` modes without
+SimPy: a ready list over ranks.
 
-In these modes nothing a rank computes depends on *when*, in simulated time, another rank acts,
-only on the times it is sent: a directed link has one sender, so its FIFO follows that rank's
-own order, and a message's arrival is fixed by its sender's clock. The step is then a dataflow
-problem, solved by running each rank on its local clock until it needs a message not yet sent,
-parking it there, and waking it when the message is sent, in any order: no event heap, no
-SimPy events. It produces exactly the spans of :func:`pipesim.engine._run` (same arithmetic, in
-the same order per rank; ``tests/test_sim_engine.py`` compares the two on every builder).
+:func:`walk` is the one place that says how a rank runs its rows (the SimPy engine drives the
+same generator, :func:`pipesim.engine._run`): on a local clock, a computation waits for the
+message its row names (and an overlap's gate), a SEND occupies its directed link from when
+both the data and the link are free (FIFO: a link has one sender, so its queue follows that
+rank's order), a RECV only posts. It yields the message it needs when that message has not
+been sent yet, and is resumed once it has.
+
+In the ``async`` and ``blocking`` modes nothing a rank computes depends on *when*, in simulated
+time, another rank acts, only on the times it is sent. The step is then a dataflow problem,
+solved by running each rank until it needs a message not yet sent, parking it there, and waking
+it when the message is sent, in any order: no event heap, no SimPy events
+(``tests/test_sim_engine.py`` compares the spans with the SimPy engine's on every builder).
 
 The modes whose result depends on the order of events in time (``rendezvous``: a link serves
 transfers in the order they become ready; shared cores: a computation's speed depends on what
-runs beside it) stay on the SimPy engine.
+runs beside it) drive :func:`walk` from SimPy, through its two hooks.
 """
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 
 from .costs import CostModel
-from .schedule.action import B, F, I, RECV_B, RECV_F, SEND_F, W
-from .schedule.schedule import Schedule
+from .schedule.op import FIRST_COMM_CODE, Op
+from .schedule.program import Program
+
+_RECV_F, _RECV_B = Op.RECV_F.code, Op.RECV_B.code
 
 
-def run_dataflow(schedule: Schedule, actions: list[list], costs: CostModel,
-                 factors: list[float] | None, blocking: bool,
-                 overlaps: tuple | None = None
-                 ) -> tuple[list[float], list[float], list[list[int]]]:
-    """Start and end time of every row (rank, action order), and each rank's compute rows
-    (ascending); arguments as ``engine._run``.
+class Clocks:
+    """What the ranks of one run share: every row's start and end, each message's arrival (-1
+    until sent), the token of the rank parked on it, each directed link's next free time."""
 
-    Messages are numbered ``(direction * n + receiving stage) * m + microbatch``; the directed
-    link ``a -> b`` is ``a * pp + b``. Raises RuntimeError if ranks are left waiting (a deadlock
-    that ``Schedule.validate`` should have refused).
-    """
-    pp, n, m = schedule.pp, schedule.num_stages, schedule.num_microbatches
-    placement = schedule.placement
-    times = costs.compute_times(n)
-    nbytes = costs.stage_values("p2p_bytes", n)
-    fwd_time = [costs.transfer_time(x) for x in nbytes]          # out of stage s, forward
-    bwd_time = [0.0] + fwd_time[:-1]                              # out of stage s, backward
-    durations = {op: times[op] for op in (F, B, I, W)}
-    rows = sum(len(a) for a in actions)
-    starts = [0.0] * rows
-    ends = [0.0] * rows
-    msgs = 2 * n * m
-    arrival = [-1.0] * msgs
-    waiter = [-1] * msgs                            # msg -> rank parked on it
-    recv_row = [-1] * msgs                          # msg -> row of its posted RECV
-    link_free = [0.0] * (pp * pp)
-    ready: list[int] = []                           # ranks to resume
-    compute: list[list[int]] = [[] for _ in range(pp)]
-    gate, scale = (overlaps[1], overlaps[2]) if overlaps is not None else (None, None)
+    __slots__ = ("starts", "ends", "arrival", "waiter", "link_free", "durations", "link_time")
+
+    def __init__(self, program: Program, costs: CostModel) -> None:
+        n = program.num_stages
+        rows = program.num_rows
+        self.starts = [0.0] * rows
+        self.ends = [0.0] * rows
+        self.arrival = [-1.0] * program.num_messages
+        self.waiter: list = [None] * program.num_messages
+        self.link_free = [0.0] * (program.pp * program.pp)
+        times = costs.compute_times(n)
+        self.durations = (times[Op.F], times[Op.B], times[Op.I], times[Op.W])   # by code
+        self.link_time = [costs.transfer_time(x) for x in costs.stage_values("p2p_bytes", n)]
+
+
+def walk(steps: Sequence[tuple], clocks: Clocks, wake: Callable[[object, float], None],
+         factors: Sequence[float] | None, scale: dict[int, float] | None, blocking: bool,
+         on_send: Callable | None = None, on_recv: Callable | None = None,
+         shared_cpu: bool = False) -> Iterator:
+    """Run one rank's ``steps`` (:meth:`Program.steps`); yields the message number it waits
+    for, and resumes once that message's arrival is set.
+
+    ``wake(token, arrival)`` is called when a message somebody is parked on (``waiter``) is
+    sent. ``on_send(msg, row, link, seconds, t)`` / ``on_recv(msg, t)`` (rendezvous): a SEND
+    only records its posting and the driver places the transfer once both sides posted.
+    ``shared_cpu``: a computation yields ``(t, work)`` and is sent its end time back."""
+    starts, ends, arrival, waiter = clocks.starts, clocks.ends, clocks.arrival, clocks.waiter
+    link_free, durations, link_time = clocks.link_free, clocks.durations, clocks.link_time
     scaled = factors is not None or scale is not None
-
-    def rank_process(rank: int, acts: list, first: int) -> Iterator[int]:
-        """Yields the message it waits for; resumed once that message has been sent."""
-        t = 0.0
-        base = rank * pp
-        computed = compute[rank].append
-        duration = durations.get
-        for row, (op, stage, mb) in enumerate(acts, first):
-            d = duration(op)
-            if d is not None:                       # F, B, I, W
-                if gate is not None and row in gate:
-                    _, bs, bmb = gate[row]
-                    msg = (n + bs) * m + bmb
-                    r = recv_row[msg]
-                    if r >= 0:
-                        if arrival[msg] < 0.0:
-                            yield msg
-                        e = arrival[msg]
-                        starts[r] = t
+    t = 0.0
+    for row, code, stage, wait, wait_row, gate, gate_row, sends in steps:
+        if code >= 0:
+            if code < FIRST_COMM_CODE:                   # F, B, I, W
+                if wait >= 0 or gate >= 0:
+                    # The wait for a posted receive happens here, in the compute that needs it
+                    # (an overlap's forward part first waits for its backward part's input).
+                    for need, at in ((gate, gate_row), (wait, wait_row)):
+                        if need < 0:
+                            continue
+                        e = arrival[need]
+                        if e < 0.0:
+                            yield need
+                            e = arrival[need]
+                        starts[at] = t
                         if e > t:
                             t = e
-                        ends[r] = t
-                        recv_row[msg] = -1
-                if op != W:
-                    msg = stage * m + mb if op == F else (n + stage) * m + mb
-                    r = recv_row[msg]
-                    if r >= 0:
-                        if arrival[msg] < 0.0:
-                            yield msg
-                        e = arrival[msg]
-                        starts[r] = t
-                        if e > t:
-                            t = e
-                        ends[r] = t
-                work = d[stage]
+                        ends[at] = t
+                work = durations[code][stage]
                 if scaled:
                     if factors is not None:
                         work *= factors[row]
                     if scale is not None and row in scale:
                         work *= scale[row]
                 starts[row] = t
-                t += work
-                ends[row] = t
-                computed(row)
-            elif op == RECV_F or op == RECV_B:      # post only
-                msg = stage * m + mb if op == RECV_F else (n + stage) * m + mb
-                recv_row[msg] = row
-                starts[row] = ends[row] = t         # until the consumer waits
-            else:                                   # SEND_F, SEND_B
-                if op == SEND_F:
-                    msg = (stage + 1) * m + mb
-                    link = base + placement[stage + 1]
-                    c = fwd_time[stage]
+                if shared_cpu:
+                    t = yield (t, work)
                 else:
-                    msg = (n + stage - 1) * m + mb
-                    link = base + placement[stage - 1]
-                    c = bwd_time[stage]
-                s = link_free[link]
-                if s < t:
-                    s = t
-                e = s + c
-                link_free[link] = e
-                arrival[msg] = e
-                starts[row] = s
-                ends[row] = e
-                if blocking:
-                    t = e
-                w = waiter[msg]
-                if w >= 0:
-                    ready.append(w)
-                    waiter[msg] = -1
+                    t += work
+                ends[row] = t
+            else:                                        # RECV: post only
+                starts[row] = ends[row] = t              # until the consumer waits
+                if on_recv is not None:
+                    on_recv(wait, t)
+                continue
+        for srow, msg, link, boundary in sends:          # SEND_F, SEND_B
+            c = link_time[boundary]
+            if on_send is not None:
+                starts[srow] = ends[srow] = t            # until the transfer is placed
+                on_send(msg, srow, link, c, t)
+                continue
+            s = link_free[link]
+            if s < t:
+                s = t
+            e = s + c
+            link_free[link] = e
+            arrival[msg] = e
+            starts[srow] = s
+            ends[srow] = e
+            if blocking:
+                t = e
+            w = waiter[msg]
+            if w is not None:
+                waiter[msg] = None
+                wake(w, e)
 
-    processes = []
-    row = 0
-    for rank in range(pp):
-        processes.append(rank_process(rank, actions[rank], row))
-        row += len(actions[rank])
+
+def run_dataflow(program: Program, costs: CostModel, factors: Sequence[float] | None,
+                 blocking: bool, together: bool = False, scale: dict[int, float] | None = None
+                 ) -> tuple[list[float], list[float], list[list[int]]]:
+    """Start and end time of every row (rank, row order), and each rank's compute rows
+    (ascending). ``together``: an overlap's parts start together (the program's ``together``
+    rows); ``scale``: per row, the factor that makes an overlap's parts take
+    ``CostModel.overlap_time``. Raises RuntimeError if ranks are left waiting (a deadlock that
+    ``Schedule.validate`` should have refused)."""
+    pp = program.pp
+    clocks = Clocks(program, costs)
+    waiter = clocks.waiter
+    ready: list[int] = []                               # ranks to resume
+
+    def wake(rank: int, _arrival: float) -> None:
+        ready.append(rank)
+
+    processes = [walk(steps, clocks, wake, factors, scale, blocking)
+                 for steps in program.steps(together)]
     done = [False] * pp
-    ready.extend(range(pp - 1, -1, -1))             # rank 0 first
+    ready.extend(range(pp - 1, -1, -1))                 # rank 0 first
     while ready:
         rank = ready.pop()
         msg = next(processes[rank], None)
@@ -141,4 +150,4 @@ def run_dataflow(schedule: Schedule, actions: list[list], costs: CostModel,
         stuck = [r for r in range(pp) if not done[r]]
         raise RuntimeError(f"simulation stopped with rank(s) {stuck} waiting on a receive; "
                            "validate() should have caught this deadlock")
-    return starts, ends, compute
+    return clocks.starts, clocks.ends, program.compute_rows()

@@ -46,9 +46,10 @@ import simpy
 from simpy.events import NORMAL
 
 from .costs import CostModel
-from .dataflow import run_dataflow
-from .spans import OPS, Spans
-from .schedule.action import B, F, I, OVERLAP_F_B, RECV_B, RECV_F, SEND_B, SEND_F, W
+from .dataflow import Clocks, run_dataflow, walk
+from .spans import Spans
+from .schedule.op import CODE_ALLREDUCE, CODE_OPTIMIZER, FIRST_COMM_CODE, Op
+from .schedule.program import Program, lower
 from .schedule.schedule import Schedule
 
 if TYPE_CHECKING:
@@ -85,42 +86,37 @@ def simulate(schedule: Schedule, costs: CostModel | None = None, *, comm: str = 
     schedule.validate()
     costs = costs.for_schedule(schedule)       # per-part costs onto copies (DualPipe)
     costs.check_shape(schedule.num_stages, schedule.pp)
-    actions = [schedule.actions(r) for r in range(schedule.pp)]
-    overlaps = _expand_overlaps(schedule, actions, costs) if schedule.has_overlaps else None
-    if overlaps is not None:
-        actions = overlaps[0]
-    factors = _jitter(sum(map(len, actions)), jitter, seed)
+    program = lower(schedule)
+    together = costs.overlaps_parts and bool(program.overlaps)   # parts run together: both inputs
+    scale = _overlap_scale(schedule, program, costs) if program.overlaps else None
+    factors = _jitter(program.num_rows, jitter, seed)
     shared = cores if cores is not None and cores < schedule.pp else None
     options = {"comm": comm, "step_tail": step_tail, "dp": dp, "jitter": jitter, "seed": seed,
                "cores": cores}
-    if comm != "rendezvous" and shared is None and not step_tail:
+    row_rank = np.repeat(np.arange(schedule.pp, dtype=np.int64), [len(r) for r in program.in_turn])
+    if comm == "rendezvous" or shared is not None:      # depend on event order in time
+        starts, ends = _run(program, costs, factors, comm == "blocking", comm == "rendezvous",
+                            shared, together, scale)
+        compute = None
+    else:
         # A dataflow (no event heap); the timing-free columns wait until the trace is asked for.
-        starts, ends, compute = run_dataflow(schedule, actions, costs, factors,
-                                             comm == "blocking", overlaps)
+        starts, ends, compute = run_dataflow(program, costs, factors, comm == "blocking",
+                                             together, scale)
+    if not step_tail:
+        if compute is None:
+            compute = program.compute_rows()
         rank = np.repeat(np.arange(schedule.pp, dtype=np.int64), [len(c) for c in compute])
-        row_rank = np.repeat(np.arange(schedule.pp, dtype=np.int64), [len(a) for a in actions])
         spans = Spans(np.asarray(starts, dtype=float), np.asarray(ends, dtype=float), row_rank,
                       np.fromiter(chain.from_iterable(compute), dtype=np.int64, count=len(rank)),
-                      rank, lambda: _columns(schedule, actions, costs),
-                      lambda: _compute_ops(schedule))
+                      rank, lambda: _columns(schedule, program, costs),
+                      lambda: _compute_ops(program))
         return SimResult.from_spans(spans, schedule=schedule, costs=costs, options=options)
-    columns = _columns(schedule, actions, costs)
-    if comm == "rendezvous" or shared is not None:      # depend on event order in time
-        starts, ends = _run(schedule, actions, costs, factors, comm == "blocking",
-                            comm == "rendezvous", shared, overlaps)
-    else:
-        starts, ends, _ = run_dataflow(schedule, actions, costs, factors, comm == "blocking",
-                                       overlaps)
-    if step_tail:
-        _append_tail(schedule, costs, dp, columns, starts, ends)
+    columns = _columns(schedule, program, costs)
+    _append_tail(schedule, costs, dp, columns, starts, ends)
     compute_rows = np.flatnonzero(columns["kind"] == 0)
     spans = Spans(np.asarray(starts, dtype=float), np.asarray(ends, dtype=float), columns["rank"],
                   compute_rows, columns["rank"][compute_rows], lambda: columns)
     return SimResult.from_spans(spans, schedule=schedule, costs=costs, options=options)
-
-
-# Op codes of the trace's categorical ``op`` column (step-tail ops last).
-_OP_CODE = {op: code for code, op in enumerate(OPS)}
 
 
 class _Arrival(simpy.Event):
@@ -187,38 +183,19 @@ class _SharedCores:
         self._next()
 
 
-def _expand_overlaps(schedule: Schedule, actions: list[list], costs: CostModel
-                     ) -> tuple[list[list], dict[int, tuple], dict[int, float]]:
-    """Split each ``OVERLAP_F_B`` into its parts, one trace row each (so busy time, memory and
-    plots read them as usual), and say how to run them: ``gate[row]`` is the backward part
-    whose input the forward part's row also waits for (when the parts run together, the overlap
-    starts once both inputs are there; with ``overlap_factor`` 1.0 they run in turn, as
-    pipeexec and torch run them, and each waits for its own), ``scale[row]`` stretches both
-    parts so that together they take :meth:`CostModel.overlap_time`."""
+def _overlap_scale(schedule: Schedule, program: Program, costs: CostModel) -> dict[int, float]:
+    """Per row of an overlap's parts (the program splits them), the factor that stretches both
+    so that together they take :meth:`CostModel.overlap_time` (1.0 when the parts run in turn,
+    as pipeexec and torch run them)."""
     times = costs.compute_times(schedule.num_stages)
-    flat: list[list] = []
-    gate: dict[int, tuple] = {}
     scale: dict[int, float] = {}
-    row = 0
-    for acts in actions:
-        out = []
-        for a in acts:
-            if a.op != OVERLAP_F_B:
-                out.append(a)
-                row += 1
-                continue
-            parts = a.parts
-            alone = [times[p.op][p.stage] for p in parts]
-            total = sum(alone)
-            ratio = costs.overlap_time(parts, alone) / total if total > 0 else 1.0
-            if costs.overlaps_parts:        # run together: both inputs first
-                gate[row] = tuple(parts[1])
-            for p in parts:
-                out.append(p)
-                scale[row] = ratio
-                row += 1
-        flat.append(out)
-    return flat, gate, scale
+    for fwd, bwd in program.overlaps:
+        f_rank, f_i = program.rank_of_row(fwd)
+        parts = [program.in_turn[f_rank][f_i].action, program.in_turn[f_rank][f_i + 1].action]
+        alone = [times[p.op][p.stage] for p in parts]
+        total = sum(alone)
+        scale[fwd] = scale[bwd] = costs.overlap_time(parts, alone) / total if total > 0 else 1.0
+    return scale
 
 
 def _jitter(rows: int, jitter: float, seed: int) -> list[float] | None:
@@ -230,54 +207,50 @@ def _jitter(rows: int, jitter: float, seed: int) -> list[float] | None:
     return [lo + span * rng.random() for _ in range(rows)]
 
 
-def _columns(schedule: Schedule, actions: list[list], costs: CostModel) -> dict:
-    """The trace's columns that do not depend on timing, as numpy arrays, row = (rank, action)."""
-    import numpy as np
-
+def _columns(schedule: Schedule, program: Program, costs: CostModel) -> dict:
+    """The trace's columns that do not depend on timing, as numpy arrays, row = (rank, row)."""
     pp, n = schedule.pp, schedule.num_stages
-    nbytes = costs.stage_values("p2p_bytes", n)
-    flat = list(chain.from_iterable(actions))       # C-level maps below, no Python loop
+    nbytes = np.asarray(costs.stage_values("p2p_bytes", n), dtype=float)
+    flat = list(chain.from_iterable(program.in_turn))   # C-level maps below, no Python loop
     rows = len(flat)
-    code = np.fromiter(map(_OP_CODE.__getitem__, map(itemgetter(0), flat)), dtype=np.int8, count=rows)
+    code = np.fromiter(map(itemgetter(0), flat), dtype=np.int8, count=rows)
     stage = np.fromiter(map(itemgetter(1), flat), dtype=np.int64, count=rows)
     mb = np.fromiter(map(itemgetter(2), flat), dtype=np.int64, count=rows)
+    boundary = np.fromiter(map(itemgetter(9), flat), dtype=np.int64, count=rows)
     chunk_of = np.asarray([schedule.stage_chunk(s) for s in range(n)], dtype=np.int64)
     place = np.asarray(schedule.placement, dtype=np.int64)
-    # Peer stage: +1 for SEND_F / RECV_B, -1 for RECV_F / SEND_B.
-    step = np.select([(code == 4) | (code == 7), (code == 5) | (code == 6)], [1, -1], 0)
-    peer_stage = np.clip(stage + step, 0, n - 1)
-    is_comm = code >= 4
-    # A forward message carries the output of the lower stage; a backward one the gradient of
-    # the upper stage's input, which is again the output of the lower stage.
-    lower = np.minimum(stage, peer_stage)
+    is_comm = code >= FIRST_COMM_CODE
+    # A comm row's peer is across its boundary (the lower stage of the two): a forward message
+    # carries the lower stage's output, a backward one the gradient of the upper stage's input,
+    # which is again the lower stage's output: its bytes are the boundary's.
+    peer_stage = np.where(boundary == stage, boundary + 1, boundary)
     return {
-        "rank": np.repeat(np.arange(pp, dtype=np.int64), [len(a) for a in actions]),
+        "rank": np.repeat(np.arange(pp, dtype=np.int64), [len(r) for r in program.in_turn]),
         "op": code, "stage": stage, "chunk": chunk_of[stage], "microbatch": mb,
         "kind": is_comm.astype(np.int8),
-        "bytes": np.where(is_comm, np.asarray(nbytes, dtype=float)[lower], 0.0),
-        "peer": np.where(is_comm, place[peer_stage], -1),
+        "bytes": np.where(is_comm, nbytes[np.clip(boundary, 0, n - 1)], 0.0),
+        "peer": np.where(is_comm, place[np.clip(peer_stage, 0, n - 1)], -1),
     }
 
 
-def _compute_ops(schedule: Schedule) -> tuple:
-    """(op names, stage, microbatch) of the compute rows, in row order: each rank's compute
-    parts (an overlap's parts in turn), as the split actions hold them between the comms."""
-    import numpy as np
-
-    flat = list(chain.from_iterable(schedule.compute_parts(r) for r in range(schedule.pp)))
+def _compute_ops(program: Program) -> tuple:
+    """(op names, stage, microbatch) of the compute rows, in row order (an overlap's parts in
+    turn), which is all the memory model reads of a result without its trace."""
+    flat = [r for r in chain.from_iterable(program.in_turn) if r.code < FIRST_COMM_CODE]
     rows = len(flat)
-    return (np.fromiter(map(itemgetter(0), flat), dtype=object, count=rows),
+    names = np.asarray([op.value for op in Op], dtype=object)
+    return (names[np.fromiter(map(itemgetter(0), flat), dtype=np.int64, count=rows)],
             np.fromiter(map(itemgetter(1), flat), dtype=np.int64, count=rows),
             np.fromiter(map(itemgetter(2), flat), dtype=np.int64, count=rows))
 
 
-def _run(schedule: Schedule, actions: list[list], costs: CostModel, factors: list[float] | None,
-         blocking: bool, rendezvous: bool = False, cores: float | None = None,
-         overlaps: tuple | None = None) -> tuple[list[float], list[float]]:
-    """Run the SimPy model; return the start and end time of every row (rank, action order).
+def _run(program: Program, costs: CostModel, factors: list[float] | None, blocking: bool,
+         rendezvous: bool = False, cores: float | None = None, together: bool = False,
+         scale: dict[int, float] | None = None) -> tuple[list[float], list[float]]:
+    """Run the SimPy model; return the start and end time of every row (rank, row order).
 
-    Messages are numbered ``(direction * n + receiving stage) * m + microbatch``; the directed
-    link ``a -> b`` is ``a * pp + b``.
+    Each rank is :func:`pipesim.dataflow.walk` over its rows, driven by a SimPy process: a wait
+    for a message not yet sent parks it on an event its sender fires at the arrival time.
 
     ``rendezvous``: a SEND only records when it was posted (and its row); the transfer is placed
     on its link by `ready` at ``max(send posted, receive posted)``. That moment is never before
@@ -287,30 +260,18 @@ def _run(schedule: Schedule, actions: list[list], costs: CostModel, factors: lis
 
     ``cores``: computations go through `_SharedCores`; a rank's clock then cannot run ahead of
     ``env.now`` into a computation (its speed depends on the others), so it first catches up.
-
-    ``overlaps``: from `_expand_overlaps` (the actions are then already split into parts).
     """
-    pp, n, m = schedule.pp, schedule.num_stages, schedule.num_microbatches
-    placement = schedule.placement
-    times = costs.compute_times(n)
-    nbytes = costs.stage_values("p2p_bytes", n)
-    fwd_time = [costs.transfer_time(x) for x in nbytes]          # out of stage s, forward
-    bwd_time = [0.0] + fwd_time[:-1]                              # out of stage s, backward
-    durations = {op: times[op] for op in (F, B, I, W)}
-    rows = sum(len(a) for a in actions)
-    starts = [0.0] * rows
-    ends = [0.0] * rows
-    arrival = [-1.0] * (2 * n * m)
-    waiters: list = [None] * (2 * n * m)
-    link_free = [0.0] * (pp * pp)
+    pp = program.pp
+    clocks = Clocks(program, costs)
+    starts, ends, arrival, waiters = clocks.starts, clocks.ends, clocks.arrival, clocks.waiter
+    link_free = clocks.link_free
     env = simpy.Environment()
     shared = _SharedCores(env, cores) if cores is not None else None
     done = [False] * pp
-    recv_row = [-1] * (2 * n * m)                  # msg -> row of its posted RECV
-    send_post = [-1.0] * (2 * n * m) if rendezvous else None
-    recv_post = [-1.0] * (2 * n * m) if rendezvous else None
-    send_of: list = [None] * (2 * n * m) if rendezvous else None   # msg -> (row, link, seconds)
-    gate, scale = (overlaps[1], overlaps[2]) if overlaps is not None else (None, None)
+    msgs = program.num_messages
+    send_post = [-1.0] * msgs if rendezvous else None
+    recv_post = [-1.0] * msgs if rendezvous else None
+    send_of: list = [None] * msgs if rendezvous else None   # msg -> (row, link, seconds)
 
     def ready(msg: int, at: float) -> None:
         """Both sides have posted ``msg`` at time ``at``: start its transfer then (or when the
@@ -327,6 +288,7 @@ def _run(schedule: Schedule, actions: list[list], costs: CostModel, factors: lis
             ends[row] = e
             ev = waiters[msg]
             if ev is not None:
+                waiters[msg] = None
                 ev.fire_at(e)
         event = simpy.Event(env)
         event.callbacks.append(start)
@@ -334,99 +296,56 @@ def _run(schedule: Schedule, actions: list[list], costs: CostModel, factors: lis
         event._value = None
         env.schedule(event, NORMAL, at - env.now)
 
-    def rank_process(rank: int, acts: list, row: int):
-        t = 0.0
-        base = rank * pp
-        for op, stage, mb in acts:
-            d = durations.get(op)
-            if d is not None:                       # F, B, I, W
-                if gate is not None and row in gate:
-                    # The forward part of an overlap: its backward part's input must be here too.
-                    _, bs, bmb = gate[row]
-                    msg = (n + bs) * m + bmb
-                    r = recv_row[msg]
-                    if r >= 0:
-                        e = arrival[msg]
-                        if e < 0.0:
-                            ev = waiters[msg] = _Arrival(env)
-                            e = yield ev
-                        starts[r] = t
-                        if e > t:
-                            t = e
-                        ends[r] = t
-                        recv_row[msg] = -1          # waited for: the backward part goes on
-                # The wait for a posted receive happens here, in the compute that needs it.
-                if op != W:
-                    msg = stage * m + mb if op == F else (n + stage) * m + mb
-                    r = recv_row[msg]
-                    if r >= 0:
-                        e = arrival[msg]
-                        if e < 0.0:
-                            ev = waiters[msg] = _Arrival(env)
-                            e = yield ev
-                        starts[r] = t
-                        if e > t:
-                            t = e
-                        ends[r] = t
-                work = d[stage] if factors is None else d[stage] * factors[row]
-                if scale is not None and row in scale:
-                    work *= scale[row]
-                if shared is not None:
-                    if t > env.now:
-                        yield env.timeout(t - env.now)
-                    starts[row] = t
-                    t = yield shared.run(work)
-                else:
-                    starts[row] = t
-                    t += work
-                ends[row] = t
-            elif op == RECV_F or op == RECV_B:      # post only
-                msg = stage * m + mb if op == RECV_F else (n + stage) * m + mb
-                recv_row[msg] = row
-                starts[row] = ends[row] = t         # until the consumer waits
-                if rendezvous:
-                    recv_post[msg] = t
-                    if send_post[msg] >= 0.0:
-                        ready(msg, t if t > send_post[msg] else send_post[msg])
-            else:                                   # SEND_F, SEND_B
-                if op == SEND_F:
-                    msg, link, c = (stage + 1) * m + mb, base + placement[stage + 1], fwd_time[stage]
-                else:
-                    msg, link, c = (n + stage - 1) * m + mb, base + placement[stage - 1], bwd_time[stage]
-                if rendezvous:
-                    send_post[msg] = t
-                    send_of[msg] = (row, link, c)
-                    starts[row] = ends[row] = t          # until the transfer is placed
-                    if recv_post[msg] >= 0.0:
-                        ready(msg, t if t > recv_post[msg] else recv_post[msg])
-                    row += 1
-                    continue
-                s = link_free[link]
-                if s < t:
-                    s = t
-                e = s + c
-                link_free[link] = e
-                arrival[msg] = e
-                starts[row] = s
-                ends[row] = e
-                if blocking:
-                    t = e
-                ev = waiters[msg]
-                if ev is not None:
-                    ev.fire_at(e)
-            row += 1
+    def on_send(msg: int, row: int, link: int, c: float, t: float) -> None:
+        send_post[msg] = t
+        send_of[msg] = (row, link, c)
+        if recv_post[msg] >= 0.0:
+            ready(msg, t if t > recv_post[msg] else recv_post[msg])
+
+    def on_recv(msg: int, t: float) -> None:
+        recv_post[msg] = t
+        if send_post[msg] >= 0.0:
+            ready(msg, t if t > send_post[msg] else send_post[msg])
+
+    def wake(event: "_Arrival", e: float) -> None:
+        event.fire_at(e)
+
+    def process(rank: int, steps):
+        """The SimPy side of one rank's walk: park on messages, run computations on the
+        shared cores."""
+        request = next(steps, None)
+        while request is not None:
+            if isinstance(request, tuple):              # (local clock, work) on shared cores
+                t, work = request
+                if t > env.now:
+                    yield env.timeout(t - env.now)
+                end = yield shared.run(work)
+                request = _resume(steps, end)
+            else:                                       # a message not yet sent
+                event = waiters[request] = _Arrival(env)
+                yield event
+                request = _resume(steps, None)
         done[rank] = True
 
-    row = 0
-    for rank in range(pp):
-        env.process(rank_process(rank, actions[rank], row))
-        row += len(actions[rank])
+    for rank, steps in enumerate(program.steps(together, posts=rendezvous)):
+        walker = walk(steps, clocks, wake, factors, scale, blocking,
+                      on_send if rendezvous else None, on_recv if rendezvous else None,
+                      shared is not None)
+        env.process(process(rank, walker))
     env.run()
     if not all(done):
         stuck = [r for r in range(pp) if not done[r]]
         raise RuntimeError(f"simulation stopped with rank(s) {stuck} waiting on a receive; "
                            "validate() should have caught this deadlock")
     return starts, ends
+
+
+def _resume(steps, value):
+    """The walk's next request after sending it ``value``; None once it has finished."""
+    try:
+        return steps.send(value)
+    except StopIteration:
+        return None
 
 
 def _append_tail(schedule: Schedule, costs: CostModel, dp: int, columns: dict,
@@ -444,8 +363,8 @@ def _append_tail(schedule: Schedule, costs: CostModel, dp: int, columns: dict,
         stages = schedule.rank_stages(rank)
         t = float(last_end[rank])
         size = sum(grad[s] for s in stages)
-        for code, kind, dur, nbytes in ((len(OPS), 1, costs.allreduce_time(size, dp), size),
-                                        (len(OPS) + 1, 0, sum(opt[s] for s in stages), 0.0)):
+        for code, kind, dur, nbytes in ((CODE_ALLREDUCE, 1, costs.allreduce_time(size, dp), size),
+                                        (CODE_OPTIMIZER, 0, sum(opt[s] for s in stages), 0.0)):
             for name, value in (("rank", rank), ("op", code), ("stage", -1), ("chunk", -1),
                                 ("microbatch", -1), ("kind", kind), ("bytes", nbytes), ("peer", -1)):
                 extra[name].append(value)

@@ -16,16 +16,14 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from .memory import ComputeRows
-from .schedule.action import B, F, I, RECV_B, RECV_F, SEND_B, SEND_F, W
+from .schedule.op import TRACE_OPS
 from .trace import TRACE_COLUMNS
 
 if TYPE_CHECKING:
     import pandas as pd
 
-# Op codes of the trace's categorical ``op`` column (step-tail ops last).
-OPS = (F, B, I, W, SEND_F, RECV_F, SEND_B, RECV_B)
-TAIL_OPS = ("ALLREDUCE", "OPTIMIZER")
-_OP_NAMES = np.asarray(OPS + TAIL_OPS, dtype=object)
+# The trace's categorical ``op`` column: a row's code is its Op's ``code`` (step-tail ops last).
+_OP_NAMES = np.asarray([op.value for op in TRACE_OPS], dtype=object)
 
 
 class Spans:
@@ -102,4 +100,5 @@ def _dtypes():
     the categories was a third of the trace's cost on small schedules)."""
     import pandas as pd
 
-    return (pd.CategoricalDtype(list(OPS + TAIL_OPS)), pd.CategoricalDtype(["compute", "comm"]))
+    return (pd.CategoricalDtype([op.value for op in TRACE_OPS]),
+            pd.CategoricalDtype(["compute", "comm"]))

@@ -16,6 +16,8 @@ from pipesim import CostModel, ScheduleError
 from pipesim import engine
 from pipesim.dataflow import run_dataflow
 from pipesim.memory import peak_per_rank
+from pipesim.schedule.action import flat_parts
+from pipesim.schedule.program import lower
 
 NAMES = pipesim.schedule_names()
 
@@ -56,13 +58,13 @@ def costs_for(n, comm, overlap):
 
 
 def engine_inputs(schedule, costs, jitter):
-    """What `engine.simulate` hands its runners: actions (overlaps split) and jitter factors."""
-    actions = [schedule.actions(r) for r in range(schedule.pp)]
-    overlaps = engine._expand_overlaps(schedule, actions, costs) if schedule.has_overlaps else None
-    if overlaps is not None:
-        actions = overlaps[0]
-    factors = engine._jitter(sum(len(a) for a in actions), jitter, seed=7)
-    return actions, factors, overlaps
+    """What `engine.simulate` hands its runners: the lowered program, jitter factors, whether
+    an overlap's parts run together, and their scale."""
+    program = lower(schedule)
+    together = costs.overlaps_parts and bool(program.overlaps)
+    scale = engine._overlap_scale(schedule, program, costs) if program.overlaps else None
+    factors = engine._jitter(program.num_rows, jitter, seed=7)
+    return program, factors, together, scale
 
 
 @pytest.mark.parametrize("schedule", list(schedules()))
@@ -72,10 +74,10 @@ def test_dataflow_spans_equal_simpy_engine(schedule, comm):
         costs = costs_for(schedule.num_stages, comm, overlap)
         for blocking in (False, True):
             for jitter in (0.0, 0.3):
-                actions, factors, overlaps = engine_inputs(schedule, costs, jitter)
-                simpy_spans = engine._run(schedule, actions, costs, factors, blocking,
-                                          overlaps=overlaps)
-                *fast_spans, _ = run_dataflow(schedule, actions, costs, factors, blocking, overlaps)
+                program, factors, together, scale = engine_inputs(schedule, costs, jitter)
+                simpy_spans = engine._run(program, costs, factors, blocking, together=together,
+                                          scale=scale)
+                *fast_spans, _ = run_dataflow(program, costs, factors, blocking, together, scale)
                 fast_spans = tuple(fast_spans)
                 assert fast_spans == simpy_spans, (overlap, blocking, jitter)
 
@@ -87,15 +89,18 @@ def test_dataflow_names_the_stuck_ranks():
     send = next(a for a in actions[0] if a.op == "SEND_F")
     actions[0] = [a for a in actions[0] if a != send] + [send]   # its first output sent last
     costs = CostModel()
+    stuck = pipesim.Schedule(2, 1, 2, "looped", actions)          # not validated
     with pytest.raises(RuntimeError, match=r"rank\(s\) \[0, 1\]"):
-        run_dataflow(schedule, actions, costs, None, False)
+        run_dataflow(lower(stuck), costs, None, False)
 
 
 def reference_trace(schedule, costs, comm, jitter):
-    """The trace built row by row: columns from the (split) actions, spans from SimPy."""
-    actions, factors, overlaps = engine_inputs(schedule, costs, jitter)
-    starts, ends = engine._run(schedule, actions, costs, factors, comm == "blocking",
-                               comm == "rendezvous", overlaps=overlaps)
+    """The trace built row by row: columns from the actions (overlaps split here), spans from
+    SimPy."""
+    program, factors, together, scale = engine_inputs(schedule, costs, jitter)
+    starts, ends = engine._run(program, costs, factors, comm == "blocking", comm == "rendezvous",
+                               together=together, scale=scale)
+    actions = [flat_parts(schedule.actions(r)) for r in range(schedule.pp)]
     n, place = schedule.num_stages, schedule.placement
     nbytes = costs.stage_values("p2p_bytes", n)
     rows, i = [], 0

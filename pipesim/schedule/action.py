@@ -10,10 +10,12 @@ import re
 from typing import NamedTuple
 
 from ..errors import ScheduleError
+from .op import Op
 
-F, B, I, W = "F", "B", "I", "W"
-SEND_F, RECV_F, SEND_B, RECV_B = "SEND_F", "RECV_F", "SEND_B", "RECV_B"
-OVERLAP_F_B = "OVERLAP_F_B"
+# The members of the one Op enum (strings equal to their names), under their short names.
+F, B, I, W = Op.F, Op.B, Op.I, Op.W  # noqa: E741
+SEND_F, RECV_F, SEND_B, RECV_B = Op.SEND_F, Op.RECV_F, Op.SEND_B, Op.RECV_B
+OVERLAP_F_B = Op.OVERLAP_F_B
 
 BASIC_COMPUTE_OPS = frozenset((F, B, I, W))
 COMPUTE_OPS = BASIC_COMPUTE_OPS | {OVERLAP_F_B}
@@ -42,7 +44,7 @@ class Action(NamedTuple):
         return f"{self.stage}{self.op}{self.microbatch}"
 
     def __repr__(self) -> str:
-        return f"Action({self.op!r}, {self.stage}, {self.microbatch})"
+        return f"Action({str(self.op)!r}, {self.stage}, {self.microbatch})"
 
     @property
     def is_compute(self) -> bool:
@@ -70,7 +72,7 @@ class Action(NamedTuple):
                 f"cannot parse action {text!r}: expected <stage><op><microbatch> with op one of "
                 f"{', '.join(sorted(ALL_OPS))}, e.g. '2F5'"
             )
-        return cls(match.group(2), int(match.group(1)), int(match.group(3)))
+        return cls(Op(match.group(2)), int(match.group(1)), int(match.group(3)))
 
 
 class Overlap(Action):

@@ -8,6 +8,8 @@ from .action import ALL_OPS, COMM_OPS, COMPUTE_OPS, OVERLAP_F_B, Action, flat_pa
 from .comms import insert_comms
 from .placement import make_placement, placement_kind
 
+_set = object.__setattr__        # construction and the private caches; the public face is frozen
+
 
 class Schedule:
     """Per-rank ordered actions over ``num_stages = pp * vpp`` stages and ``num_microbatches``.
@@ -33,7 +35,7 @@ class Schedule:
 
     __slots__ = ("name", "pp", "vpp", "num_microbatches", "placement", "forward_only",
                  "_orders", "_actions", "_rank_stages", "_validated", "_explicit_comms",
-                 "recv_lookahead", "routes", "stage_parts")
+                 "recv_lookahead", "routes", "stage_parts", "_program")
 
     def __init__(
         self,
@@ -54,16 +56,16 @@ class Schedule:
                 raise ScheduleError(f"{field} must be a positive integer, got {value!r}")
         if not isinstance(recv_lookahead, int) or isinstance(recv_lookahead, bool) or recv_lookahead < 0:
             raise ScheduleError(f"recv_lookahead must be a non-negative integer, got {recv_lookahead!r}")
-        self.name = name
-        self.recv_lookahead = recv_lookahead
-        self.pp = pp
-        self.vpp = vpp
-        self.num_microbatches = num_microbatches
-        self.forward_only = bool(forward_only)
+        _set(self, "name", name)
+        _set(self, "recv_lookahead", recv_lookahead)
+        _set(self, "pp", pp)
+        _set(self, "vpp", vpp)
+        _set(self, "num_microbatches", num_microbatches)
+        _set(self, "forward_only", bool(forward_only))
         if isinstance(placement, str):
-            self.placement = make_placement(placement, pp, vpp)
+            _set(self, "placement", make_placement(placement, pp, vpp))
         else:
-            self.placement = tuple(int(r) for r in placement)
+            _set(self, "placement", tuple(int(r) for r in placement))
         if len(self.placement) != pp * vpp:
             raise ScheduleError(
                 f"placement has {len(self.placement)} stages, expected pp*vpp = {pp * vpp}")
@@ -76,9 +78,9 @@ class Schedule:
             if len(stages) != vpp:
                 raise ScheduleError(
                     f"placement gives rank {rank} {len(stages)} stages {stages}, expected vpp = {vpp}")
-        self._rank_stages = tuple(tuple(s) for s in rank_stages)
-        self.routes = _check_routes(routes, num_microbatches, pp * vpp)
-        self.stage_parts = _check_parts(stage_parts, self.routes, pp * vpp, num_microbatches)
+        _set(self, "_rank_stages", tuple(tuple(s) for s in rank_stages))
+        _set(self, "routes", _check_routes(routes, num_microbatches, pp * vpp))
+        _set(self, "stage_parts", _check_parts(stage_parts, self.routes, pp * vpp, num_microbatches))
 
         orders = [tuple(o) for o in orders]
         if len(orders) != pp:
@@ -99,13 +101,14 @@ class Schedule:
             else:
                 compute.append(order)
                 full.append(None)
-        self._orders = tuple(compute)
-        self._actions = full
-        self._explicit_comms = any(a is not None for a in full)
+        _set(self, "_orders", tuple(compute))
+        _set(self, "_actions", full)
+        _set(self, "_explicit_comms", any(a is not None for a in full))
         if self._explicit_comms and recv_lookahead:
             raise ScheduleError("recv_lookahead applies to inserted receives; this schedule's "
                                 "SEND/RECV actions are given by hand")
-        self._validated = False
+        _set(self, "_validated", False)
+        _set(self, "_program", None)         # lower(self), made on first use
 
     # -- shape ------------------------------------------------------------------------------
     @property
@@ -232,7 +235,7 @@ class Schedule:
             from .validate import validate_schedule
 
             validate_schedule(self)
-            self._validated = True
+            _set(self, "_validated", True)
         if single_channel:
             from .torch_order import check_single_channel
 
@@ -240,6 +243,23 @@ class Schedule:
         return self
 
     # -- value semantics --------------------------------------------------------------------
+    def __setattr__(self, name: str, value) -> None:
+        raise AttributeError(
+            f"Schedule is immutable (cannot set {name!r}): build_schedule hands one Schedule to "
+            f"every caller; make another with with_orders(..., name=...) or Schedule(...)")
+
+    def __delattr__(self, name: str) -> None:
+        raise AttributeError(f"Schedule is immutable (cannot delete {name!r})")
+
+    def __getstate__(self) -> dict:
+        """Pickled (and copied) without its lowered program, rebuilt on use."""
+        return {k: getattr(self, k) for k in self.__slots__ if k != "_program"}
+
+    def __setstate__(self, state: dict) -> None:
+        for k, v in state.items():
+            _set(self, k, list(v) if k == "_actions" else v)
+        _set(self, "_program", None)
+
     def _key(self) -> tuple:
         return (self.pp, self.vpp, self.num_microbatches, self.placement,
                 tuple(tuple(self.actions(r)) for r in range(self.pp)))

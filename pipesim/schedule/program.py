@@ -1,0 +1,271 @@
+"""`lower(schedule) -> Program`: a schedule's action lists as the rows every interpreter reads.
+
+What an action waits for, what it sends and on which link is a property of the schedule, not of
+the interpreter; before this module the SimPy engine, the dataflow engine, the deadlock pass,
+the channel check and the memory model each worked it out again (message arithmetic on 14
+lines, overlaps split in two places). Lowering does it once, cached on the (immutable)
+schedule:
+
+* rows, rank by rank, in the rank's order, every ``OVERLAP_F_B`` split into its parts (here and
+  nowhere else): ``(code, stage, microbatch, wait, wait_row, gate, gate_row, message, link,
+  boundary, overlap)``, see :class:`Row`; a row's global index is its place in the rank-major
+  concatenation (the trace's row order);
+* messages, numbered by :func:`message`: ``(direction * num_stages + receiving stage) *
+  microbatches + microbatch``, direction 0 for an activation, 1 for a gradient;
+* per message its :class:`Transfer`: kind, sending and receiving rank, the boundary (lower)
+  stage, the microbatch, and the rows that produce, send, post and consume it.
+
+Two row sets: ``in_turn`` (an overlap's parts run one after the other, each waiting for its own
+input: pipeexec, torch, the channel check) and ``together`` (the parts start together once both
+inputs are there: the forward part's ``gate`` is the backward part's input, which then waits for
+nothing more; the deadlock pass, and the simulator when ``CostModel.overlaps_parts``). They are
+the same rows when the schedule has no overlaps.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, NamedTuple
+
+from .action import Action
+from .op import (CODE_B, CODE_F, CODE_I, CODE_RECV_B, CODE_RECV_F, CODE_SEND_B, CODE_SEND_F,
+                 CODE_W, FIRST_COMM_CODE, Op)
+
+if TYPE_CHECKING:
+    from .schedule import Schedule
+
+FORWARD, BACKWARD = 0, 1          # a message's direction: an activation, a gradient
+
+
+def message(direction: int, receiving_stage: int, microbatch: int, num_stages: int,
+            microbatches: int) -> int:
+    """The number of the tensor sent to ``receiving_stage`` (the one place this is computed)."""
+    return (direction * num_stages + receiving_stage) * microbatches + microbatch
+
+
+def message_parts(msg: int, num_stages: int, microbatches: int) -> tuple[int, int, int]:
+    """(direction, receiving stage, microbatch) of a message number."""
+    key, mb = divmod(msg, microbatches)
+    direction, stage = divmod(key, num_stages)
+    return direction, stage, mb
+
+
+class Row(NamedTuple):
+    """One basic action of one rank, with what it waits for and what it sends (-1: none).
+
+    ``wait``: the message a computation waits for, received by the RECV at global row
+    ``wait_row`` posted earlier on the rank (an input made on the rank itself, or a receive
+    posted later, waits for nothing); ``gate``/``gate_row``: the same for the backward part of
+    an overlap, on its forward part's row (``together`` rows only); ``message``: the message a
+    SEND_* sends or a RECV_* posts; ``link``: a SEND's directed link ``src * pp + dst``;
+    ``boundary``: the lower stage of the boundary a SEND/RECV crosses (its bytes are that
+    stage's ``p2p_bytes``); ``overlap``: the index of the overlap this row is a part of."""
+
+    code: int
+    stage: int
+    microbatch: int
+    wait: int
+    wait_row: int
+    gate: int
+    gate_row: int
+    message: int
+    link: int
+    boundary: int
+    overlap: int
+
+    @property
+    def op(self) -> Op:
+        return Op.of_code(self.code)
+
+    @property
+    def action(self) -> Action:
+        return Action(self.op, self.stage, self.microbatch)
+
+
+class Transfer(NamedTuple):
+    """A message: ``direction`` (FORWARD/BACKWARD) from rank ``src`` to ``dst`` across the
+    boundary after stage ``boundary``, for ``microbatch``; the global rows that make it
+    (``producer``: the F, or the B/I), send it, post its receive, and consume it (-1: none)."""
+
+    direction: int
+    src: int
+    dst: int
+    boundary: int
+    microbatch: int
+    producer: int
+    send: int
+    recv: int
+    consumer: int
+
+
+class Program:
+    """A schedule lowered (see the module docstring). Read-only by convention; shared by every
+    interpreter of the same schedule, made once per schedule."""
+
+    __slots__ = ("pp", "num_stages", "num_microbatches", "in_turn", "together", "first_row",
+                 "transfers", "overlaps", "num_messages", "_steps", "_compute_rows")
+
+    def __init__(self, pp, num_stages, num_microbatches, in_turn, together, transfers,
+                 overlaps) -> None:
+        self.pp, self.num_stages, self.num_microbatches = pp, num_stages, num_microbatches
+        self.in_turn: tuple[tuple[Row, ...], ...] = in_turn
+        self.together: tuple[tuple[Row, ...], ...] = together
+        first, row = [], 0
+        for rows in in_turn:
+            first.append(row)
+            row += len(rows)
+        self.first_row = tuple(first)             # global index of each rank's first row
+        self.transfers: dict[int, Transfer] = transfers
+        self.overlaps: tuple[tuple[int, int], ...] = overlaps   # (forward row, backward row)
+        self.num_messages = 2 * num_stages * num_microbatches
+        self._steps: dict = {}
+        self._compute_rows = None
+
+    def compute_rows(self) -> list[list[int]]:
+        """Each rank's compute rows (global indices, ascending)."""
+        if self._compute_rows is None:
+            self._compute_rows = [[row for row, r in enumerate(rows, self.first_row[rank])
+                                   if r.code < FIRST_COMM_CODE]
+                                  for rank, rows in enumerate(self.in_turn)]
+        return self._compute_rows
+
+    def steps(self, together: bool = False, posts: bool = False) -> tuple[tuple, ...]:
+        """The rows as a rank walks them (:func:`pipesim.dataflow.walk`): per rank, steps
+        ``(row, code, stage, wait, wait_row, gate, gate_row, sends)``, a computation with the
+        SEND rows right after it (``sends``: ``(row, message, link, boundary)`` each), a lone
+        group of SENDs (code -1), or a RECV (``wait``: its message). A RECV whose consumer waits
+        for it is left out unless ``posts`` (the consumer sets its span; rendezvous needs every
+        posting): a third of a schedule's rows the walk need not visit."""
+        key = (together, posts)
+        if key not in self._steps:
+            self._steps[key] = tuple(self._rank_steps(rows, first, posts)
+                                     for rows, first in zip(self.rows(together), self.first_row))
+        return self._steps[key]
+
+    def _rank_steps(self, rows: tuple[Row, ...], first: int, posts: bool) -> tuple:
+        waited = {r.wait_row for r in rows if r.wait_row >= 0} | \
+            {r.gate_row for r in rows if r.gate_row >= 0}
+        out: list = []
+        for row, r in enumerate(rows, first):
+            code = r.code
+            if code == CODE_SEND_F or code == CODE_SEND_B:
+                send = (row, r.message, r.link, r.boundary)
+                if out and out[-1][1] != CODE_RECV_F and out[-1][1] != CODE_RECV_B:
+                    last = out[-1]
+                    out[-1] = last[:7] + (last[7] + (send,),)
+                else:
+                    out.append((-1, -1, -1, -1, -1, -1, -1, (send,)))
+            elif code == CODE_RECV_F or code == CODE_RECV_B:
+                if posts or row not in waited:
+                    out.append((row, code, r.stage, r.message, -1, -1, -1, ()))
+            else:
+                out.append((row, code, r.stage, r.wait, r.wait_row, r.gate, r.gate_row, ()))
+        return tuple(out)
+
+    @property
+    def num_rows(self) -> int:
+        return sum(len(r) for r in self.in_turn)
+
+    def rows(self, together: bool = False) -> tuple[tuple[Row, ...], ...]:
+        return self.together if together else self.in_turn
+
+    def rank_of_row(self, row: int) -> tuple[int, int]:
+        """(rank, index in that rank's rows) of a global row."""
+        for rank in range(self.pp - 1, -1, -1):
+            if row >= self.first_row[rank]:
+                return rank, row - self.first_row[rank]
+        raise IndexError(row)
+
+    def actions(self, rank: int) -> list[Action]:
+        """The rank's basic actions, overlaps split (what the rows say, as Actions)."""
+        return [r.action for r in self.in_turn[rank]]
+
+
+def lower(schedule: "Schedule") -> Program:
+    """The schedule's Program, made on first call and kept on the schedule."""
+    program = schedule._program
+    if program is None:
+        program = _lower(schedule)
+        object.__setattr__(schedule, "_program", program)
+    return program
+
+
+def _lower(schedule: "Schedule") -> Program:
+    pp, n, m = schedule.pp, schedule.num_stages, schedule.num_microbatches
+    placement = schedule.placement
+    code_of = {op: op.code for op in Op}
+    in_turn: list[tuple[Row, ...]] = []
+    together: list[tuple[Row, ...]] | None = [] if schedule.has_overlaps else None
+    overlaps: list[tuple[int, int]] = []
+    sends: dict[int, int] = {}
+    recvs: dict[int, int] = {}
+    consumers: dict[int, int] = {}
+    producers: dict[tuple[int, int, int], int] = {}   # (direction, stage, mb) -> row making it
+    row = 0
+    new = tuple.__new__
+    for rank in range(pp):
+        posted: dict[int, int] = {}                   # message -> row of its RECV, so far
+        out: list[Row] = []
+        gated: list[Row] | None = [] if together is not None else None
+        for a in schedule.actions(rank):
+            parts = a.parts if a.op == Op.OVERLAP_F_B else (a,)
+            overlap = len(overlaps) if len(parts) > 1 else -1
+            if overlap >= 0:
+                overlaps.append((row, row + 1))
+            for op, stage, mb in parts:
+                code = code_of[op]
+                wait = wait_row = msg = link = boundary = -1
+                if code < FIRST_COMM_CODE:
+                    if code == CODE_F:
+                        wait = message(FORWARD, stage, mb, n, m)
+                        producers[(FORWARD, stage, mb)] = row
+                    elif code != CODE_W:
+                        wait = message(BACKWARD, stage, mb, n, m)
+                        producers[(BACKWARD, stage, mb)] = row
+                    wait_row = posted.get(wait, -1)
+                    if wait_row < 0:
+                        wait = -1
+                    else:
+                        consumers[wait] = row
+                elif code == CODE_SEND_F or code == CODE_SEND_B:
+                    up = code == CODE_SEND_F
+                    peer = stage + 1 if up else stage - 1
+                    msg = message(FORWARD if up else BACKWARD, peer, mb, n, m)
+                    link = rank * pp + placement[peer]
+                    boundary = stage if up else stage - 1
+                    sends[msg] = row
+                else:                                       # RECV_F, RECV_B
+                    up = code == CODE_RECV_F
+                    msg = message(FORWARD if up else BACKWARD, stage, mb, n, m)
+                    boundary = stage - 1 if up else stage
+                    posted[msg] = row
+                    recvs[msg] = row
+                out.append(new(Row, (code, stage, mb, wait, wait_row, -1, -1, msg, link,
+                                     boundary, overlap)))
+                row += 1
+            if gated is not None:
+                k = len(out) - len(parts)
+                if overlap >= 0:
+                    fwd, bwd = out[k], out[k + 1]
+                    gated.append(fwd._replace(gate=bwd.wait, gate_row=bwd.wait_row))
+                    gated.append(bwd._replace(wait=-1, wait_row=-1))
+                else:
+                    gated.extend(out[k:])
+        in_turn.append(tuple(out))
+        if together is not None:
+            together.append(tuple(gated))
+    transfers: dict[int, Transfer] = {}
+    for msg in sends.keys() | recvs.keys():
+        direction, stage, mb = message_parts(msg, n, m)
+        sender = stage - 1 if direction == FORWARD else stage + 1
+        if not 0 <= sender < n:
+            continue                                         # refused by validate()
+        boundary = min(stage, sender)
+        transfers[msg] = Transfer(direction, placement[sender], placement[stage], boundary, mb,
+                                  producers.get((direction, sender, mb), -1), sends.get(msg, -1),
+                                  recvs.get(msg, -1), consumers.get(msg, -1))
+    in_turn_t = tuple(in_turn)
+    return Program(pp, n, m, in_turn_t, tuple(together) if together is not None else in_turn_t,
+                   transfers, tuple(overlaps))
+
+
+__all__ = ["Program", "Row", "Transfer", "lower", "message", "message_parts", "FORWARD",
+           "BACKWARD", "CODE_B", "CODE_I", "CODE_RECV_B", "CODE_SEND_B"]
