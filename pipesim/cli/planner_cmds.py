@@ -11,57 +11,38 @@ import argparse
 import sys
 from pathlib import Path
 
+from ..plan.options import DESTS, add_plan_flags, flatten, load_model, model_from_flags
 from ..units import bytes_arg
 from .plan_output import nothing_written_text, plan_gantt, summary_text, write_rows
+from .lists import names
+
+# the knobs `pipesim plan` searches (several values each); the table's other flags take one
+SEARCHED = ("tp", "cp", "pp", "vpp", "ep", "dp", "zero", "recompute", "micro_batch_size")
 
 GiB = 2 ** 30
-
-
-def _ints(text: str) -> tuple[int, ...]:
-    try:
-        return tuple(int(x) for x in text.split(",") if x.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-
-
-def _words(text: str) -> tuple[str, ...]:
-    return tuple(x.strip() for x in text.split(",") if x.strip())
 
 
 def add_commands(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("plan", help="search the configurations of a cluster; write the fastest "
                        "plan that fits", description=__doc__.splitlines()[0])
-    p.add_argument("--model", required=True, metavar="PRESET|config.json",
-                   help="model preset (`pipesim models`) or a Hugging Face config.json")
     p.add_argument("--gpus", type=int, required=True, metavar="N", help="GPUs in the cluster")
     p.add_argument("--hardware", default="H100", metavar="PRESET", help="`pipesim hardware`")
-    p.add_argument("--gbs", type=int, required=True, metavar="B", help="global batch (sequences)")
-    p.add_argument("--seq", type=int, metavar="S", help="sequence length (default: the model's)")
     p.add_argument("--gpus-per-node", type=int, default=8, metavar="N",
                    help="GPUs per node (the NVLink domain tp stays inside)")
     p.add_argument("--memory-limit", metavar="SIZE", type=bytes_arg,
                    help="per-GPU memory limit with units, e.g. 80GiB, 75GB (default: the "
                         "hardware's memory)")
-    p.add_argument("--schedules", type=_words, metavar="A,B,...",
+    p.add_argument("--schedules", type=names, nargs="+", metavar="A,B",
                    help="schedules to search (default: all but zb-auto)")
     p.add_argument("--zb-auto", type=int, default=0, metavar="K",
                    help="then search zb-auto's order on the best K layouts (vpp 1 or 2), from "
                         "each plan's costs under the same limit; a faster one becomes the best "
                         "plan, its schedule written into --plan-out as data (default 0: off)")
-    g = p.add_argument_group("knobs (comma-separated values; defaults in `pipesim.planner."
-                             "SearchSpace`)")
-    for knob, help_ in (("tp", "tensor parallel (default: powers of two in the NVLink domain)"),
-                        ("cp", "context parallel (default 1,2,4)"),
-                        ("pp", "pipeline parallel (default: every divisor)"),
-                        ("vpp", "chunks per rank for interleaved / looped-bfs (default 2..8)"),
-                        ("ep", "expert parallel (MoE; default: divisors of the experts)"),
-                        ("mbs", "micro-batch sizes (default 1,2,4)"),
-                        ("zero", "optimizer sharding stages (default 0,1)")):
-        g.add_argument(f"--{knob}", type=_ints, metavar="A,B", help=help_)
-    g.add_argument("--recompute", type=_words, metavar="A,B",
-                   help="none, selective, full (default: all three)")
-    g.add_argument("--precision", default="bf16", choices=("bf16", "fp16", "fp8", "fp32"),
-                   help="GEMM precision of every plan (one value, not searched)")
+    add_plan_flags(p, defaults={"precision": "bf16"}, several=SEARCHED, group_titles={
+        "layout": "parallel layout (the searched knobs take several values, comma- or "
+                  "space-separated: --tp 1,2,4; defaults in `pipesim.planner.SearchSpace`; a "
+                  "knob not searched is a filter or fixed)"})
+    g = p.add_argument_group("search")
     g.add_argument("--tp-across-nodes", action="store_true",
                    help="let tp leave the NVLink domain")
     g.add_argument("--uneven", action="store_true",
@@ -94,21 +75,31 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                         "'dask[distributed]')")
     x.add_argument("--no-prune", action="store_true",
                    help="simulate every plan (brute force; for checking)")
-    p.set_defaults(func=cmd_plan)
+    p.set_defaults(func=cmd_plan, parser=p)
 
 
 def space_from_args(args: argparse.Namespace):
+    """The search space the flags spell (--model and --global-batch-size required)."""
     from ..hardware import get_hardware
-    from ..plan.model import get_model
     from ..planner.enumerate import ALL_SCHEDULES, SearchSpace
 
-    model = get_model(args.model)
+    for dest, flag in (("model", "--model PRESET|config.json"), ("global_batch_size",
+                                                                  "--global-batch-size B")):
+        if getattr(args, dest) is None:
+            raise ValueError(f"plan: give {flag}")
+    given = {d for d in DESTS if getattr(args, d, None) is not None}
+    model = model_from_flags(args, given - {"seq_len"}, load_model(args.model))
     return SearchSpace(
-        model, gpus=args.gpus, gbs=args.gbs, hardware=get_hardware(args.hardware),
-        gpus_per_node=args.gpus_per_node, seq_length=args.seq,
-        schedules=args.schedules or ALL_SCHEDULES, tp=args.tp, cp=args.cp, pp=args.pp,
-        vpp=args.vpp, ep=args.ep, mbs=args.mbs or (1, 2, 4),
-        recompute=args.recompute or ("none", "selective", "full"), zero=args.zero or (0, 1),
+        model, gpus=args.gpus, gbs=args.global_batch_size, hardware=get_hardware(args.hardware),
+        gpus_per_node=args.gpus_per_node, seq_length=args.seq_len,
+        schedules=flatten(args.schedules) or ALL_SCHEDULES, tp=flatten(args.tp),
+        cp=flatten(args.cp), pp=flatten(args.pp), vpp=flatten(args.vpp), ep=flatten(args.ep),
+        dp=flatten(args.dp), microbatches=None if args.microbatches is None
+        else (args.microbatches,),
+        mbs=flatten(args.micro_batch_size) or (1, 2, 4),
+        recompute=flatten(args.recompute) or ("none", "selective", "full"),
+        recompute_layers=args.recompute_layers, sequence_parallel=args.sequence_parallel,
+        zero=flatten(args.zero) or (0, 1),
         precision=args.precision, tp_across_nodes=args.tp_across_nodes, uneven=args.uneven,
         efficiency=args.efficiency)
 
