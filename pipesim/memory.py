@@ -32,7 +32,8 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
-from .schedule.action import flat_parts
+from .schedule.op import CODE_RECV_B, CODE_RECV_F, FIRST_COMM_CODE, Op
+from .schedule.program import FORWARD, lower
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -154,41 +155,44 @@ def memory_events(rows: ComputeRows, t0: float, costs: "CostModel", num_stages: 
 
 def _send_buffers(rows: ComputeRows, schedule: "Schedule", nbytes: Sequence[float],
                   num_stages: int) -> tuple[np.ndarray, np.ndarray] | None:
-    """The F rows whose output goes to another rank, and the bytes each holds while it runs."""
+    """The F rows whose output goes to another rank (the producers of the lowered program's
+    forward transfers), and the bytes each holds while it runs."""
     if schedule.num_stages != num_stages:
         return None
-    crosses = np.array([s + 1 < num_stages and schedule.stage_rank(s + 1) != schedule.stage_rank(s)
-                        for s in range(num_stages)], bool)
+    m = schedule.num_microbatches
+    sent = np.zeros(num_stages * m, bool)
+    for t in lower(schedule).transfers.values():
+        if t.direction == FORWARD:
+            sent[t.boundary * m + t.microbatch] = True
     size = np.asarray(list(nbytes), float)
-    m = (rows.op == "F") & crosses[rows.stage]
-    m &= size[rows.stage] > 0
-    bounds = schedule.route_bounds()
-    if bounds is not None:           # a route's last stage sends nothing on
-        last = np.asarray(bounds[1], int)
-        m &= rows.stage != last[rows.microbatch]
-    if not m.any():
+    key = rows.stage * m + np.clip(rows.microbatch, 0, m - 1)
+    mask = (rows.op == "F") & (rows.microbatch < m) & sent[np.clip(key, 0, len(sent) - 1)]
+    mask &= size[rows.stage] > 0
+    if not mask.any():
         return None
-    return m, size[rows.stage[m]]
+    return mask, size[rows.stage[mask]]
 
 
 def _receive_buffers(rows: ComputeRows, schedule: "Schedule", nbytes: Sequence[float]
                      ) -> list[tuple[int, float, float, int]]:
-    """(rank, time, +/- bytes, priority) of the receive buffers a schedule's RECVs hold."""
+    """(rank, time, +/- bytes, priority) of the receive buffers a schedule's RECVs hold, read
+    from its lowered rows (an overlap holds what its parts do)."""
     span = dict(zip(zip(rows.rank.tolist(), rows.op.tolist(), rows.stage.tolist(),
                         rows.microbatch.tolist()), zip(rows.start.tolist(), rows.end.tolist())))
     out: list[tuple[int, float, float, int]] = []
-    for rank in range(schedule.pp):
-        actions = flat_parts(schedule.actions(rank))   # an overlap holds what its parts do
+    for rank, lowered in enumerate(lower(schedule).in_turn):
         posted: list = []                    # RECVs waiting for the next computation to start
-        for op, stage, mb in actions:
-            if op == "RECV_F" or op == "RECV_B":
-                posted.append((op, stage, mb))
+        for r in lowered:
+            code, stage, mb = r.code, r.stage, r.microbatch
+            if code == CODE_RECV_F or code == CODE_RECV_B:
+                posted.append((code, stage, mb))
                 continue
-            if not posted or op not in ("F", "B", "I", "W"):
+            if not posted or code >= FIRST_COMM_CODE:
                 continue
+            op = Op.of_code(code)
             at = span.get((rank, op, stage, mb))
-            for rop, s, b in posted:
-                if rop == "RECV_F":
+            for rcode, s, b in posted:
+                if rcode == CODE_RECV_F:
                     use = span.get((rank, "F", s, b))
                     if at is None or use is None or (op == "F" and (s, b) == (stage, mb)):
                         continue             # posted right before its F: in activation_bytes

@@ -46,8 +46,9 @@ from collections.abc import Callable, Hashable
 from typing import TYPE_CHECKING, NamedTuple
 
 from ..errors import ScheduleError
-from .action import B, F, I, RECV_B, RECV_F, SEND_B, SEND_F, Action, flat_parts
+from .action import F, RECV_F, SEND_B, SEND_F, Action
 from .comms import peer_stage
+from .program import FORWARD, lower
 
 if TYPE_CHECKING:
     from .schedule import Schedule
@@ -95,6 +96,12 @@ class ChannelError(ScheduleError):
         self.rank, self.action, self.peer, self.kind = rank, action, peer, kind
 
 
+def _transfer(t) -> Transfer:
+    """A lowered program's transfer as this module names it."""
+    return Transfer("F" if t.direction == FORWARD else "B", t.src, t.dst, t.boundary,
+                    t.microbatch)
+
+
 def transfer_of(schedule: "Schedule", rank: int, action: Action) -> Transfer:
     """The transfer a SEND_* / RECV_* action of ``rank`` posts."""
     other = peer_stage(action)
@@ -131,30 +138,18 @@ def check_channels(schedule: "Schedule", channel_of: ChannelFn = one_way_pairs, 
     blocks until the other rank of the pair arrives at its own first transfer there (what
     pipeexec's start-up warm-up, done in one global order, takes out of the steps)."""
     pp = schedule.pp
-    # an OVERLAP_F_B runs its parts in turn, each waiting for its own input (pipeexec, torch)
-    programs = [flat_parts(schedule.actions(r)) for r in range(pp)]
-    ops: list[list[list[_Op | None]]] = []       # [step][rank][index in the action list]
+    # The lowered rows, each OVERLAP_F_B as its parts in turn, each waiting for its own input
+    # (pipeexec, torch): the transfer a comm row posts, and the receive a computation waits on.
+    program = lower(schedule)
+    programs = program.in_turn
+    transfers = [[_transfer(program.transfers[r.message]) if r.message >= 0 else None
+                  for r in rows] for rows in programs]
+    need_of = [[r.wait_row - first if r.wait_row >= 0 else -1 for r in rows]
+               for rows, first in zip(programs, program.first_row)]
+    ops: list[list[list[_Op | None]]] = []       # [step][rank][index in the rank's rows]
     for step in range(steps):
-        per_rank = []
-        for r in range(pp):
-            row: list[_Op | None] = []
-            for a in programs[r]:
-                if a.op in (SEND_F, RECV_F, SEND_B, RECV_B):
-                    t = transfer_of(schedule, r, a)
-                    row.append(_Op(r, a, t, channel_of(t), step))
-                else:
-                    row.append(None)
-            per_rank.append(row)
-        ops.append(per_rank)
-    # where each rank's compute finds its received input: (step, rank, op, stage, mb) -> _Op
-    inputs: dict[tuple, _Op] = {}
-    for step in range(steps):
-        for r in range(pp):
-            for a, op in zip(programs[r], ops[step][r]):
-                if op is not None and not op.is_send:
-                    need = (F,) if a.op == RECV_F else (B, I)
-                    for n in need:
-                        inputs[(step, r, n, a.stage, a.microbatch)] = op
+        ops.append([[_Op(r, row.action, t, channel_of(t), step) if t is not None else None
+                     for row, t in zip(programs[r], transfers[r])] for r in range(pp)])
 
     fifos: dict[tuple[int, Hashable], deque[_Op]] = {}
     deferred: dict[tuple[int, tuple], deque[_Op]] = {}   # (rank, (kind, src, dst)) -> receives
@@ -213,7 +208,7 @@ def check_channels(schedule: "Schedule", channel_of: ChannelFn = one_way_pairs, 
                 pc[r] = (step + 1, 0)
                 moved = True
                 continue
-            a, op = programs[r][i], ops[step][r][i]
+            op = ops[step][r][i]
             if op is not None:
                 t = op.transfer
                 queue = deferred.setdefault((r, (t.kind, t.src, t.dst)), deque())
@@ -227,7 +222,8 @@ def check_channels(schedule: "Schedule", channel_of: ChannelFn = one_way_pairs, 
                 pc[r] = (step, i + 1)
                 moved = True
                 continue
-            need = inputs.get((step, r, a.op, a.stage, a.microbatch))
+            j = need_of[r][i]
+            need = ops[step][r][j] if j >= 0 else None
             if need is not None and not need.done:
                 queue = deferred.get((r, (need.transfer.kind, need.transfer.src,
                                           need.transfer.dst)))

@@ -22,9 +22,14 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from enum import IntEnum
+
 from ..errors import ScheduleError
-from .action import B, F, I, OVERLAP_F_B, RECV_B, RECV_F, SEND_B, SEND_F, W, Action, flat_parts
+from .action import B, F, I, OVERLAP_F_B, RECV_B, RECV_F, SEND_B, SEND_F, W, Action, Overlap
 from .comms import peer_stage
+from .grid import format_grid
+from .op import CODE_B, CODE_F, CODE_I, CODE_SEND_B, CODE_SEND_F, CODE_W, FIRST_COMM_CODE
+from .program import BACKWARD, FORWARD, lower, message, message_parts
 
 if TYPE_CHECKING:
     from .schedule import Schedule
@@ -33,8 +38,6 @@ if TYPE_CHECKING:
 def validate_schedule(schedule: "Schedule") -> None:
     overlaps = schedule.has_overlaps
     computes = [schedule.compute_order(r) for r in range(schedule.pp)]
-    if overlaps:
-        computes = [_gated(order) for order in computes]
     _check_well_formed(schedule, computes)
     _check_complete(schedule)
     if overlaps:
@@ -43,33 +46,38 @@ def validate_schedule(schedule: "Schedule") -> None:
         # Hand-written communication is checked; inserted communication matches by construction
         # (insert_comms emits a send and its receive under the same condition).
         lists = [schedule.actions(r) for r in range(schedule.pp)]
-        if overlaps:
-            lists = [_gated(order) for order in lists]
         _check_well_formed(schedule, lists)
         _check_comm_matching(schedule, lists)
-        _check_no_deadlock(schedule, lists)
+        _check_no_deadlock(schedule)
         return
     # Inserted sends sit right after their producer and receives only post (the consumer
-    # waits), so running the compute orders with direct cross-rank dependencies is exact and
-    # 3x shorter. Only a failure replays the full lists, to name the receive each rank is stuck at.
+    # waits), so running the compute rows with direct cross-rank dependencies is exact and
+    # 3x shorter. Only a failure replays the full rows, to name the receive each rank is stuck at.
     try:
-        _check_no_deadlock(schedule, computes, direct=True)
+        _check_no_deadlock(schedule, direct=True)
     except ScheduleError:
-        lists = [schedule.actions(r) for r in range(schedule.pp)]
-        _check_no_deadlock(schedule, [_gated(order) for order in lists] if overlaps else lists)
+        _check_no_deadlock(schedule)
         raise
 
 
-def _gated(actions: list[Action]) -> list[Action]:
-    """Each overlap followed by its parts: the passes below check the parts, and the deadlock
-    pass reads the overlap itself as a gate that waits for its backward part's inputs, so the
-    parts start together once both have their inputs."""
-    out: list[Action] = []
-    for a in actions:
-        out.append(a)
-        if a.op == OVERLAP_F_B:
-            out.extend(a.parts)
-    return out
+def _fail(schedule: "Schedule", rank: int, action: Action, message: str) -> ScheduleError:
+    """A ScheduleError about ``action`` of ``rank``: its step in the rank's list (an overlap's
+    part: the overlap's step) and the rank-by-step grid of the action lists, that step marked."""
+    try:
+        lists = [schedule.actions(r) for r in range(schedule.pp)]
+    except (IndexError, ScheduleError):            # stages off the placement: compute orders
+        lists = [schedule.compute_order(r) for r in range(schedule.pp)]
+    step = _step_of(lists[rank], action)
+    grid = format_grid(lists, step, rank) if step is not None else None
+    return ScheduleError(message, rank=rank, step=step, action=action, grid=grid)
+
+
+def _step_of(actions: list[Action], action: Action) -> int | None:
+    """Where ``action`` (or the overlap holding it) is in ``actions``."""
+    for i, a in enumerate(actions):
+        if a == action or (a.op == OVERLAP_F_B and action in a.parts):
+            return i
+    return None
 
 
 def _check_overlaps(schedule: "Schedule") -> None:
@@ -85,7 +93,7 @@ def _check_overlaps(schedule: "Schedule") -> None:
                 continue
             fwd, bwd = a.parts
             if fwd.microbatch == bwd.microbatch and fwd.stage >= bwd.stage:
-                raise ScheduleError(
+                raise _fail(schedule, rank, a,
                     f"rank {rank}: action {a}: its backward {bwd} needs its forward {fwd} to have "
                     "run (the gradient comes back through that forward's output); overlapped "
                     "parts must be independent")
@@ -97,33 +105,43 @@ def _check_well_formed(schedule: "Schedule", lists: list[list[Action]]) -> None:
     bounds = schedule.route_bounds()
     firsts, lasts = bounds if bounds is not None else ([0] * m, [n - 1] * m)
     for rank, actions in enumerate(lists):
-        for a in actions:
-            if a.op == OVERLAP_F_B:
-                if schedule.forward_only:
-                    raise ScheduleError(f"rank {rank}: action {a} overlaps a backward in a "
-                                        "forward-only schedule")
-                continue                       # its parts follow it (see _gated)
-            if not 0 <= a.stage < n:
-                raise ScheduleError(f"rank {rank}: action {a} names stage {a.stage}, outside 0..{n - 1}")
-            if not 0 <= a.microbatch < m:
-                raise ScheduleError(
-                    f"rank {rank}: action {a} names microbatch {a.microbatch}, outside 0..{m - 1}")
-            if placement[a.stage] != rank:
-                raise ScheduleError(
-                    f"rank {rank}: action {a} runs stage {a.stage}, which the placement puts on "
-                    f"rank {placement[a.stage]}")
-            if schedule.forward_only and a.op not in (F, SEND_F, RECV_F):
-                raise ScheduleError(f"rank {rank}: action {a} is a backward action in a forward-only schedule")
-            first, last = firsts[a.microbatch], lasts[a.microbatch]
-            if not first <= a.stage <= last:
-                raise ScheduleError(
-                    f"rank {rank}: action {a} runs stage {a.stage}, which is not on microbatch "
-                    f"{a.microbatch}'s route (stages {first}..{last})")
-            if a.op in (SEND_F, RECV_B) and a.stage == last or a.op in (RECV_F, SEND_B) and a.stage == first:
-                where = (f"its route ends at stage {last}" if a.op in (SEND_F, RECV_B)
-                         else f"its route starts at stage {first}")
-                raise ScheduleError(f"rank {rank}: action {a} has no peer stage {peer_stage(a)} "
-                                    f"(microbatch {a.microbatch}: {where})")
+        for whole in actions:
+            if whole.op == OVERLAP_F_B and schedule.forward_only:
+                raise _fail(schedule, rank, whole, f"rank {rank}: action {whole} overlaps a "
+                            "backward in a forward-only schedule")
+            for a in whole.parts:              # an overlap: each of its parts
+                _check_action(schedule, rank, a, n, m, placement, firsts, lasts)
+
+
+def _check_action(schedule: "Schedule", rank: int, a: Action, n: int, m: int, placement,
+                  firsts, lasts) -> None:
+    """One basic action's stage, microbatch, rank, route and peer, in words when wrong."""
+    if not 0 <= a.stage < n:
+        raise _fail(schedule, rank, a,
+                    f"rank {rank}: action {a} names stage {a.stage}, outside 0..{n - 1}")
+    if not 0 <= a.microbatch < m:
+        raise _fail(
+            schedule, rank, a,
+            f"rank {rank}: action {a} names microbatch {a.microbatch}, outside 0..{m - 1}")
+    if placement[a.stage] != rank:
+        raise _fail(
+            schedule, rank, a,
+            f"rank {rank}: action {a} runs stage {a.stage}, which the placement puts on "
+            f"rank {placement[a.stage]}")
+    if schedule.forward_only and a.op not in (F, SEND_F, RECV_F):
+        raise _fail(schedule, rank, a, f"rank {rank}: action {a} is a backward action in a "
+                    "forward-only schedule")
+    first, last = firsts[a.microbatch], lasts[a.microbatch]
+    if not first <= a.stage <= last:
+        raise _fail(
+            schedule, rank, a,
+            f"rank {rank}: action {a} runs stage {a.stage}, which is not on microbatch "
+            f"{a.microbatch}'s route (stages {first}..{last})")
+    if a.op in (SEND_F, RECV_B) and a.stage == last or a.op in (RECV_F, SEND_B) and a.stage == first:
+        where = (f"its route ends at stage {last}" if a.op in (SEND_F, RECV_B)
+                 else f"its route starts at stage {first}")
+        raise _fail(schedule, rank, a, f"rank {rank}: action {a} has no peer stage {peer_stage(a)} "
+                            f"(microbatch {a.microbatch}: {where})")
 
 
 def _check_complete(schedule: "Schedule") -> None:
@@ -142,17 +160,17 @@ def _check_complete(schedule: "Schedule") -> None:
             k = s * m + mb
             flags = seen[op]
             if flags[k]:
-                raise ScheduleError(f"rank {rank}: action {a} appears twice")
+                raise _fail(schedule, rank, a, f"rank {rank}: action {a} appears twice")
             flags[k] = 1
             if op == F:
                 continue
             if op == W:
                 if not i_seen[k]:
-                    raise ScheduleError(f"rank {rank}: action {a} comes before its input-gradient {s}I{mb}")
+                    raise _fail(schedule, rank, a, f"rank {rank}: action {a} comes before its input-gradient {s}I{mb}")
             elif not f_seen[k]:
-                raise ScheduleError(f"rank {rank}: action {a} comes before its forward {s}F{mb}")
+                raise _fail(schedule, rank, a, f"rank {rank}: action {a} comes before its forward {s}F{mb}")
             if b_seen[k] and (i_seen[k] or w_seen[k]):
-                raise ScheduleError(f"rank {rank}: action {a}: stage {s} microbatch {mb} has both "
+                raise _fail(schedule, rank, a, f"rank {rank}: action {a}: stage {s} microbatch {mb} has both "
                                     "a full backward B and a split backward I/W")
 
     bounds = schedule.route_bounds()
@@ -204,137 +222,144 @@ def _check_comm_matching(schedule: "Schedule", lists: list[list[Action]]) -> Non
             else:
                 continue
             if key in table:
-                raise ScheduleError(f"rank {rank}: action {a} is a duplicate of an earlier {op}")
+                raise _fail(schedule, rank, a, f"rank {rank}: action {a} is a duplicate of an earlier {op}")
             if placement[peer_stage(a)] == rank:
-                raise ScheduleError(f"rank {rank}: action {a} communicates with stage {peer_stage(a)} "
+                raise _fail(schedule, rank, a, f"rank {rank}: action {a} communicates with stage {peer_stage(a)} "
                                     "on the same rank; same-rank stages exchange nothing")
             table[key] = rank
     for key, rank in sends.items():
         if key not in recvs:
             d, s, mb = key
             src = s - 1 if d == "F" else s + 1
-            raise ScheduleError(
+            raise _fail(schedule, rank, Action(SEND_F if d == "F" else SEND_B, src, mb),
                 f"rank {rank}: action {src}SEND_{d}{mb} has no matching {s}RECV_{d}{mb} on rank "
                 f"{placement[s]}")
     for key, rank in recvs.items():
         if key not in sends:
             d, s, mb = key
             src = s - 1 if d == "F" else s + 1
-            raise ScheduleError(
+            raise _fail(schedule, rank, Action(RECV_F if d == "F" else RECV_B, s, mb),
                 f"rank {rank}: action {s}RECV_{d}{mb} has no matching {src}SEND_{d}{mb} on rank "
                 f"{placement[src]}")
 
 
-def _check_no_deadlock(schedule: "Schedule", lists: list[list[Action]], direct: bool = False) -> None:
-    """Symbolic execution: asynchronous sends, blocking receives, compute waits for its inputs.
+class _Event(IntEnum):
+    """What a stuck row waits for (the deadlock pass's flags; a waiting key is
+    ``kind * size + index``)."""
 
-    Events are flags in flat arrays indexed by ``stage * m + microbatch``; a rank that cannot
-    move parks itself on the one event it waits for and is woken when that event happens.
+    FORWARD = 0       # F of (stage, microbatch) has run; index stage * m + microbatch
+    GRADIENT = 1      # its B or I has run
+    INPUT_GRAD = 2    # its I has run
+    SENT = 3          # a message has been sent; index: its message number
+    POSTED = 4        # its receive has been posted (the RECV has run)
+
+
+def _check_no_deadlock(schedule: "Schedule", direct: bool = False) -> None:
+    """Symbolic execution of the lowered rows: asynchronous sends, blocking receives, compute
+    waits for its inputs (an overlap's forward part also for its backward part's).
+
+    Events are flags in flat arrays; a rank that cannot move parks itself on the one event it
+    waits for and is woken when that event happens. ``direct``: the compute rows only, every
+    input read straight from its producer's flag, as if local.
     """
+    program = lower(schedule)
     placement = schedule.placement
-    m = schedule.num_microbatches
-    last = schedule.num_stages - 1
-    size = schedule.num_stages * m
-    # Event kinds; a waiting key is kind * size + index.
-    K_F, K_G, K_I, K_MF, K_MB, K_RF, K_RB = range(7)
-    flags = [bytearray(size) for _ in range(7)]
-    f_done, g_done, i_done, msg_f, msg_b, recv_f, recv_b = flags
-    # ``direct``: every input dependency is read straight from the producer's flag, as if local.
-    prev_local = [s > 0 and (direct or placement[s - 1] == placement[s]) for s in range(last + 1)]
-    next_local = [s < last and (direct or placement[s + 1] == placement[s]) for s in range(last + 1)]
+    m, n = schedule.num_microbatches, schedule.num_stages
+    last = n - 1
+    size = max(n * m, program.num_messages)
+    flags = [bytearray(size) for _ in _Event]
+    f_done, g_done, i_done, sent, posted = flags
+    prev_local = [s > 0 and (direct or placement[s - 1] == placement[s]) for s in range(n)]
+    next_local = [s < last and (direct or placement[s + 1] == placement[s]) for s in range(n)]
     bounds = schedule.route_bounds()
     firsts, lasts = bounds if bounds is not None else ([0] * m, [last] * m)
+    rows = [tuple(r for r in rank_rows if r.code < FIRST_COMM_CODE) if direct else rank_rows
+            for rank_rows in program.in_turn]
     waiting: dict[int, list[int]] = {}
-    blocked: dict[int, tuple[Action, int, int]] = {}   # rank -> (action, kind, index) waited on
+    blocked: dict[int, tuple[int, bool, int, int]] = {}   # rank -> (row, at gate, kind, index)
     pointer = [0] * schedule.pp
     work = list(range(schedule.pp))
+    FORWARD_, GRADIENT_, INPUT_, SENT_, POSTED_ = (int(e) for e in _Event)
 
-    def backward_wait(s: int, k: int) -> tuple[int, int] | None:
-        """The event a backward of stage ``s`` (index ``k``) still waits for: its forward, then
-        the gradient of its output (from the local next stage, or received); None if neither."""
+    def backward_wait(s: int, mb: int) -> tuple[int, int] | None:
+        """The event a backward of (s, mb) still waits for: its forward, then the gradient of
+        its output (from the local next stage, or received); None if neither."""
+        k = s * m + mb
         if not f_done[k]:
-            return K_F, k
-        if s < lasts[k % m]:
+            return FORWARD_, k
+        if s < lasts[mb]:
             if next_local[s]:
                 if not g_done[k + m]:
-                    return K_G, k + m
-            elif not recv_b[k]:
-                return K_RB, k
+                    return GRADIENT_, k + m
+            else:
+                msg = message(BACKWARD, s, mb, n, m)
+                if not posted[msg]:
+                    return POSTED_, msg
         return None
 
     while work:
         rank = work.pop()
         blocked.pop(rank, None)
-        actions = lists[rank]
-        n = len(actions)
+        own = rows[rank]
+        count = len(own)
         i = pointer[rank]
-        while i < n:
-            a = actions[i]
-            op, s, mb = a
+        while i < count:
+            r = own[i]
+            code, s, mb = r.code, r.stage, r.microbatch
             k = s * m + mb
-            wait = -1
-            if op == F:
+            need = None
+            gate = False
+            key = -1
+            if r.overlap >= 0 and code == CODE_F:
+                # The gate of an overlap: its backward part's inputs must be there too before
+                # the forward part starts (the parts start together).
+                bwd = own[i + 1]
+                need = backward_wait(bwd.stage, bwd.microbatch)
+                gate = need is not None
+            if need is not None:
+                pass
+            elif code == CODE_F:
                 if s > firsts[mb]:
                     if prev_local[s]:
                         if not f_done[k - m]:
-                            wait, widx = K_F, k - m
-                    elif not recv_f[k]:
-                        wait, widx = K_RF, k
-                if wait < 0:
+                            need = FORWARD_, k - m
+                    else:
+                        msg = message(FORWARD, s, mb, n, m)
+                        if not posted[msg]:
+                            need = POSTED_, msg
+                if need is None:
                     f_done[k] = 1
-                    key = K_F * size + k
-            elif op == B or op == I:
-                need = backward_wait(s, k)
-                if need is not None:
-                    wait, widx = need
-                else:
+                    key = FORWARD_ * size + k
+            elif code == CODE_B or code == CODE_I:
+                need = backward_wait(s, mb)
+                if need is None:
                     g_done[k] = 1
-                    key = K_G * size + k
-                    if op == I:
+                    key = GRADIENT_ * size + k
+                    if code == CODE_I:
                         i_done[k] = 1
                         if waiting:
-                            woken = waiting.pop(K_I * size + k, None)
+                            woken = waiting.pop(INPUT_ * size + k, None)
                             if woken:
                                 work.extend(woken)
-            elif op == W:
+            elif code == CODE_W:
                 if not i_done[k]:
-                    wait, widx = K_I, k
-                key = -1
-            elif op == OVERLAP_F_B:
-                # The gate before an overlap's parts: its backward part's inputs must be there
-                # too before the forward part starts.
-                s, mb = a.parts[1].stage, a.parts[1].microbatch
-                need = backward_wait(s, s * m + mb)
-                if need is not None:
-                    wait, widx = need
-                key = -1
-            elif op == SEND_F:
-                if not f_done[k]:
-                    wait, widx = K_F, k
+                    need = INPUT_, k
+            elif code == CODE_SEND_F or code == CODE_SEND_B:
+                producer = f_done if code == CODE_SEND_F else g_done
+                if not producer[k]:
+                    need = (FORWARD_ if code == CODE_SEND_F else GRADIENT_), k
                 else:
-                    msg_f[k + m] = 1
-                    key = K_MF * size + k + m
-            elif op == SEND_B:
-                if not g_done[k]:
-                    wait, widx = K_G, k
+                    sent[r.message] = 1
+                    key = SENT_ * size + r.message
+            else:                                          # RECV_F, RECV_B
+                if not sent[r.message]:
+                    need = SENT_, r.message
                 else:
-                    msg_b[k - m] = 1
-                    key = K_MB * size + k - m
-            elif op == RECV_F:
-                if not msg_f[k]:
-                    wait, widx = K_MF, k
-                else:
-                    recv_f[k] = 1
-                    key = K_RF * size + k
-            else:  # RECV_B
-                if not msg_b[k]:
-                    wait, widx = K_MB, k
-                else:
-                    recv_b[k] = 1
-                    key = K_RB * size + k
-            if wait >= 0:
-                waiting.setdefault(wait * size + widx, []).append(rank)
-                blocked[rank] = (a, wait, widx)
+                    posted[r.message] = 1
+                    key = POSTED_ * size + r.message
+            if need is not None:
+                waiting.setdefault(need[0] * size + need[1], []).append(rank)
+                blocked[rank] = (i, gate, *need)
                 break
             if waiting and key >= 0:
                 woken = waiting.pop(key, None)
@@ -344,27 +369,44 @@ def _check_no_deadlock(schedule: "Schedule", lists: list[list[Action]], direct: 
         pointer[rank] = i
 
     if blocked:
-        stuck = "; ".join(f"rank {r} is stuck at {a} waiting for {_waited_for(a, kind, idx, m, placement)}"
-                          for r, (a, kind, idx) in sorted(blocked.items()))
-        raise ScheduleError(f"deadlock: {stuck}")
+        stuck, marks = [], []
+        for r, (i, gate, kind, index) in sorted(blocked.items()):
+            row = rows[r][i]
+            action = Overlap(row.action, rows[r][i + 1].action) if gate else row.action
+            words = _waited_for(action, kind, index, n, m, placement)
+            stuck.append(f"rank {r} is stuck at {action} waiting for {words}")
+            marks.append((r, _row_step(rows[r], i), action))
+        lists = [schedule.actions(q) for q in range(schedule.pp)]
+        rank, step, action = marks[0]
+        grid = format_grid(lists, step, rank, [(q, k) for q, k, _ in marks])
+        raise ScheduleError(f"deadlock: {'; '.join(stuck)}", rank=rank, step=step, action=action,
+                            grid=grid)
 
 
-def _waited_for(action: Action, kind: int, index: int, m: int, placement: tuple[int, ...]) -> str:
-    """Words for the event a stuck action waits on (kinds as in _check_no_deadlock)."""
-    s, mb = divmod(index, m)
+def _row_step(rows, i: int) -> int:
+    """The step (position in the rank's action list) of its row ``i``: an overlap's two parts
+    are one action."""
+    return i - sum(1 for r in rows[:i] if r.overlap >= 0 and r.code != CODE_F)
+
+
+def _waited_for(action: Action, kind: int, index: int, n: int, m: int,
+                placement: tuple[int, ...]) -> str:
+    """Words for the event a stuck action waits on (see `_Event`)."""
     here = "on this rank"
-    if kind == 0:
+    if kind == _Event.FORWARD:
+        s, mb = divmod(index, m)
         return (f"its forward {s}F{mb}" if s == action.stage and action.op != F
                 else f"the forward {s}F{mb} {here}")
-    if kind == 1:
+    if kind == _Event.GRADIENT:
+        s, mb = divmod(index, m)
         return (f"the backward {s}B/I{mb} that produces it" if action.op == SEND_B
                 else f"the backward {s}B/I{mb} {here}")
-    if kind == 2:
+    if kind == _Event.INPUT_GRAD:
+        s, mb = divmod(index, m)
         return f"its input-gradient {s}I{mb}"
-    if kind == 3:
-        return f"{s - 1}SEND_F{mb} from rank {placement[s - 1]}"
-    if kind == 4:
-        return f"{s + 1}SEND_B{mb} from rank {placement[s + 1]}"
-    if kind == 5:
-        return f"a receive {s}RECV_F{mb} of its input"
-    return f"a receive {s}RECV_B{mb} of its output gradient"
+    direction, s, mb = message_parts(index, n, m)
+    if kind == _Event.SENT:
+        return (f"{s - 1}SEND_F{mb} from rank {placement[s - 1]}" if direction == FORWARD
+                else f"{s + 1}SEND_B{mb} from rank {placement[s + 1]}")
+    return (f"a receive {s}RECV_F{mb} of its input" if direction == FORWARD
+            else f"a receive {s}RECV_B{mb} of its output gradient")
