@@ -9,10 +9,9 @@ from __future__ import annotations
 
 import multiprocessing
 
-OPS = ("F", "B", "I", "W", "SEND_F", "RECV_F", "SEND_B", "RECV_B", "OPTIM", "ALLREDUCE",
-       "OVERLAP_F_B")
-_OP_CODE = {op: i for i, op in enumerate(OPS)}
-_FIELDS = 4   # step, op code, stage, microbatch
+from pipesim.schedule.op import Op
+
+_FIELDS = 4   # step, op code (pipesim's Op.code), stage, microbatch
 
 
 class ActionBoard:
@@ -21,11 +20,11 @@ class ActionBoard:
         self.world_size = world_size
         self._slots = ctx.RawArray("q", [-1] * (world_size * _FIELDS))
 
-    def set(self, rank: int, step: int, op: str, stage: int, microbatch: int) -> None:
+    def set(self, rank: int, step: int, op: Op | str, stage: int, microbatch: int) -> None:
         base = rank * _FIELDS
         s = self._slots
         s[base] = step
-        s[base + 1] = _OP_CODE[op]
+        s[base + 1] = Op(op).code
         s[base + 2] = stage
         s[base + 3] = microbatch
 
@@ -34,11 +33,13 @@ class ActionBoard:
         step, op, stage, mb = self._slots[base: base + _FIELDS]
         if step < 0:
             return "its start-up, before any action"
-        if OPS[op] in ("OPTIM", "ALLREDUCE"):
-            return f"the {'optimizer step' if OPS[op] == 'OPTIM' else 'gradient all-reduce'} of step {step}"
-        if OPS[op] == "OVERLAP_F_B":   # named by its forward part
+        op = Op.of_code(op)
+        if op.is_tail:
+            return (f"the {'optimizer step' if op is Op.OPTIMIZER else 'gradient all-reduce'} "
+                    f"of step {step}")
+        if op is Op.OVERLAP_F_B:   # named by its forward part
             return f"the overlapped action with forward {stage}F{mb} (OVERLAP_F_B) of step {step}"
-        return f"action {stage}{OPS[op]}{mb} of step {step}"
+        return f"action {stage}{op}{mb} of step {step}"
 
 
 class BoardObserver:

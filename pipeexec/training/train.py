@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 from pipesim import Schedule
+from pipesim.schedule.op import Op
 
 from ..launching.board import ActionBoard, BoardObserver
 from ..config import TrainConfig
@@ -234,7 +235,7 @@ class Trainer:
                      self.topology.device)
         out = self.runtime.run(mbs, step=k, loss_scale=self.scaler.scale)
         if self.board is not None:
-            self.board.set(topo.rank, k, "ALLREDUCE", -1, -1)
+            self.board.set(topo.rank, k, Op.ALLREDUCE, -1, -1)
         self.grads.all_reduce(topo.dp_group, cfg.dp, cfg.collective_timeout)
         if self.tied:
             self.tied.reduce()
@@ -257,7 +258,7 @@ class Trainer:
                    decay_steps=cfg.decay_steps or cfg.steps)
         norm = math.sqrt(sq) / scale if not found_inf else float("inf")
         if self.board is not None:
-            self.board.set(topo.rank, k, "OPTIM", -1, -1)
+            self.board.set(topo.rank, k, Op.OPTIMIZER, -1, -1)
         if not found_inf:
             buf.mul_(clip_coefficient(norm, cfg.clip_grad) / scale)
             set_lr(self.optimizer, lr)
