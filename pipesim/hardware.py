@@ -5,7 +5,7 @@ bandwidth per direction). Achieved throughput is a fraction of peak; that fracti
 ``efficiency`` argument of :meth:`pipesim.CostModel.transformer` (or a plan's efficiency model,
 :mod:`pipesim.plan.efficiency`), not part of the preset. ``nvlink_domain`` is how many GPUs one
 NVLink (scale-up) domain joins (8 in an HGX node, 72 in a GB200 NVL72 rack); ``fp8_flops`` the
-dense FP8 peak, for plans with fp8 GEMMs.
+dense FP8 peak, for plans with fp8 GEMMs (0 where the GPU has no FP8 tensor cores: A100).
 """
 from __future__ import annotations
 
@@ -30,11 +30,21 @@ class Hardware:
     link_latency: float = 5e-6
     network_latency: float = 10e-6
     nvlink_domain: int = 8           # GPUs one NVLink (scale-up) domain joins
-    fp8_flops: float | None = None   # dense FP8 FLOP/s (default: twice peak_flops)
+    fp8_flops: float | None = None   # dense FP8 FLOP/s (default: twice peak_flops; 0: none)
 
     @property
     def fp8_peak_flops(self) -> float:
         return 2 * self.peak_flops if self.fp8_flops is None else self.fp8_flops
+
+    @property
+    def has_fp8(self) -> bool:
+        """Whether the GPU has FP8 tensor cores (A100 has none)."""
+        return self.fp8_peak_flops > 0
+
+    def fp8_refusal(self) -> str:
+        """Why an fp8 plan cannot run here ('' when it can)."""
+        return "" if self.has_fp8 else (f"precision fp8 needs FP8 tensor cores; {self.name} has "
+                                        "none (H100 and later do): use bf16")
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -44,7 +54,7 @@ GB = 1e9
 GiB = 2**30
 
 # A100 SXM 80GB: 312 TFLOP/s bf16 dense, NVLink3 600 GB/s total (300 per direction), HDR 200 Gb/s,
-#   HBM2e 2.04 TB/s.
+#   HBM2e 2.04 TB/s; no FP8 (Ampere's tensor cores stop at bf16/fp16/tf32 and int8).
 # H100 SXM: 989 TFLOP/s bf16 dense, NVLink4 900 GB/s total (450 per direction), NDR 400 Gb/s,
 #   HBM3 3.35 TB/s.
 # H200 SXM: same compute and NVLink as H100, 141 GB HBM3e at 4.8 TB/s.
@@ -59,7 +69,7 @@ GiB = 2**30
 #   fp8 dense; 192 GB HBM3 at 5.3 TB/s; 7 Infinity Fabric links of 128 GB/s (64 per
 #   direction) to the other 7 GPUs of the node, 448 GB/s per direction in all; 400 Gb/s NICs.
 _PRESETS = {
-    "A100": Hardware("A100", 312e12, 80 * GB, 300 * GB, 25 * GB, 2.04e12),
+    "A100": Hardware("A100", 312e12, 80 * GB, 300 * GB, 25 * GB, 2.04e12, fp8_flops=0.0),
     "H100": Hardware("H100", 989e12, 80 * GB, 450 * GB, 50 * GB, 3.35e12),
     "H200": Hardware("H200", 989e12, 141 * GB, 450 * GB, 50 * GB, 4.8e12),
     "B200": Hardware("B200", 2.25e15, 180 * GB, 900 * GB, 50 * GB, 8e12, fp8_flops=4.5e15),

@@ -147,6 +147,8 @@ def test_validate_accepts_exactly_the_plans_the_rules_allow(p):
         broken.append("schedule")
     if par.world_size > p.cluster.gpus_per_node and par.world_size % p.cluster.gpus_per_node:
         broken.append("cluster")
+    if par.precision == "fp8" and p.cluster.hardware.name == "A100":    # no FP8 tensor cores
+        broken.append("parallelism.precision")
     try:
         p.validate()
     except PlanError as exc:
@@ -192,3 +194,29 @@ def test_megatron_layout_string():
     assert Plan.from_json(good.to_json()) == good
     r = pipesim.simulate(good)
     assert r.derived.stage_layers == [5, 9, 9, 9]
+
+
+def test_a100_has_no_fp8_and_an_fp8_plan_on_it_is_refused_with_the_reason(capsys):
+    """A100's tensor cores have no FP8: no fp8 peak in `pipesim hardware`, and an fp8 plan on
+    it is refused (validate, derive, the planner) naming the precision and the hardware."""
+    import pipesim
+    from pipesim.cli import main
+    from pipesim.errors import PlanError
+    from pipesim.hardware import get_hardware
+
+    assert not get_hardware("A100").has_fp8 and get_hardware("A100").fp8_peak_flops == 0
+    assert get_hardware("H100").has_fp8 and get_hardware("H100").fp8_peak_flops == 1978e12
+    assert main(["hardware"]) == 0
+    rows = {line.split()[0]: line.split() for line in capsys.readouterr().out.splitlines()[1:]}
+    assert rows["A100"][2] == "-" and rows["H100"][2] == "1978.0"
+    plan = pipesim.Plan.create("tiny", "A100", schedule="1f1b", pp=2, dp=4,
+                               global_batch_size=16, precision="fp8")
+    for refuse in (plan.validate, plan.derive):
+        with pytest.raises(PlanError, match="parallelism.precision: precision fp8 needs FP8 "
+                                            "tensor cores; A100 has none"):
+            refuse()
+    pipesim.Plan.create("tiny", "H100", schedule="1f1b", pp=2, dp=4, global_batch_size=16,
+                        precision="fp8").validate()
+    assert main(["plan", "--model", "tiny", "--gpus", "8", "--gbs", "16", "--hardware", "A100",
+                 "--precision", "fp8", "--no-progress", "--workers", "1"]) == 1
+    assert "A100 has none" in capsys.readouterr().err

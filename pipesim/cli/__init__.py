@@ -54,6 +54,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ScheduleError, ValueError, FileNotFoundError) as exc:
         print(f"pipesim {args.command}: error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        # Ctrl-C: one line and the shell's status for SIGINT, as pipeexec does (a process
+        # pool's workers ignore SIGINT, so they print nothing either)
+        print(f"\npipesim {args.command}: interrupted", file=sys.stderr, flush=True)
+        return 130
     except BrokenPipeError:
         # The reader went away (`pipesim show ... | head`): not an error of ours.
         import os

@@ -5,6 +5,7 @@ import argparse
 import sys
 
 from ..costs import CostModel
+from ..hardware import hardware_names
 from ..schedule.placement import PLACEMENTS
 from ..plan.options import DESTS, add_plan_flags, flatten, given_dests
 from ..units import UNITS_HELP, byte_unit, bytes_arg
@@ -19,7 +20,8 @@ SWEEP_DESTS = ("pp", "vpp", "dp", "microbatches", "micro_batch_size", "model")
 def _add_cost_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("costs (default: uniform F=1, B=2 (I=W=1), zero communication)")
     g.add_argument("--costs", metavar="FILE.json", help="a CostModel saved as JSON")
-    g.add_argument("--hardware", metavar="PRESET", default=None, help="A100, H100 or H200 (default H100)")
+    g.add_argument("--hardware", metavar="PRESET", default=None,
+                   help=f"{', '.join(hardware_names())} (default H100; `pipesim hardware`)")
     g.add_argument("--efficiency", type=float, default=None,
                    help="achieved / peak FLOP/s (default 0.5; with a plan, the fitted curve)")
     g.add_argument("--link", choices=("intra", "inter"), default="inter",
@@ -143,9 +145,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     print(result.summary_text(unitless=unitless))
     parts_per_rank = schedule.num_parts // schedule.pp
     if unitless and parts_per_rank > 1:
-        print(f"note: the default costs are per stage (F=1, B=2 each): with vpp = "
-              f"{parts_per_rank} a rank holds {parts_per_rank} stages and does {parts_per_rank}x "
-              f"the work of vpp = 1 (the README's schedule table divides them by vpp)")
+        print(per_stage_note(parts_per_rank))
     if args.gantt:
         result.gantt(comm=args.gantt_comm, memory=True,
                      unitless=unitless).savefig(args.gantt, dpi=100)
@@ -160,6 +160,13 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         costs.save(args.save_costs)
         print(f"wrote {args.save_costs}")
     return 0
+
+
+def per_stage_note(parts_per_rank: int) -> str:
+    """Why default-cost makespans at vpp > 1 are not comparable with vpp = 1's."""
+    return (f"note: the default costs are per stage (F=1, B=2 each): with vpp = {parts_per_rank} "
+            f"a rank holds {parts_per_rank} stages and does {parts_per_rank}x the work of vpp = 1 "
+            "(the README's schedule table divides them by vpp)")
 
 
 def cmd_sweep(args: argparse.Namespace) -> int:
@@ -194,6 +201,10 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     for (name, reason), group in invalid.groupby(["schedule", "reason"], sort=False):
         print(f"invalid ({len(group)} configuration{'s' if len(group) > 1 else ''}): {name}: "
               f"{reason}", file=sys.stderr)
+    unitless = not (args.costs or args.model)
+    if unitless and len(ok) and (ok["vpp"] > 1).any():
+        print(per_stage_note(int(ok["vpp"].max())).replace(
+            "note:", "note: makespans at vpp > 1 are not comparable with vpp = 1's here:", 1))
     print(f"{len(ok)} of {len(table)} configurations feasible; wrote {args.out}")
     if len(ok) == 0:
         return 1

@@ -40,6 +40,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from ..costs import CostModel
+from ..errors import PlanError
 from . import collectives as coll
 from .cluster import Link
 from .efficiency import default_efficiency
@@ -99,6 +100,8 @@ def derive(plan) -> PlanCosts:
         default_efficiency(hw.name)(model.hidden / t)
     bf16_rate = hw.peak_flops * eff
     if par.precision == "fp8":
+        if not hw.has_fp8:
+            raise PlanError(f"parallelism.precision: {hw.fp8_refusal()}")
         gemm_rate = hw.fp8_peak_flops * eff
     elif par.precision == "fp32":
         gemm_rate = bf16_rate = hw.peak_flops / 2 * eff

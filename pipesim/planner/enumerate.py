@@ -205,6 +205,9 @@ def _walk(space: SearchSpace, refused: Counter) -> Iterator[Plan]:
     if n > gpn and n % gpn:
         refused[f"{n} GPUs are not a whole number of {gpn}-GPU nodes"] += 1
         return
+    if space.precision == "fp8" and not space.hardware.has_fp8:
+        refused[space.hardware.fp8_refusal()] += 1
+        return
     cluster = space.cluster
     schedules = list(space.schedules)
     first_flat = next((s for s in schedules if s in _VPP_ONE), None)

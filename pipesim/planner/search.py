@@ -195,7 +195,8 @@ def search(space: SearchSpace, *, memory_limit: float | None = None, top: int = 
     own_pool = None
     workers = default_workers() if workers is None else workers
     if executor is None and workers > 1 and len(plans) > 1:
-        own_pool = executor = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context())
+        own_pool = executor = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context(),
+                                                  initializer=_ignore_sigint)
     try:
         def stream(fn, chunks: list[list[Plan]], *more):
             if executor is None:
@@ -260,11 +261,18 @@ def search(space: SearchSpace, *, memory_limit: float | None = None, top: int = 
         bar.close()
     finally:
         if own_pool is not None:
-            own_pool.shutdown()
+            own_pool.shutdown(cancel_futures=True)
     frame = pd.DataFrame([r.record() for r in rows], columns=list(COLUMNS))
     frame["fits"] = frame["fits"].astype("boolean")
     timing["wall"] = time.perf_counter() - wall0
     return SearchResult(space, limit, frame, dict(zip(keys, plans)), enum.refused, timing, top)
+
+
+def _ignore_sigint() -> None:
+    """A pool worker leaves Ctrl-C to the parent (which stops the pool): no traceback each."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def _cannot_win(row: PlanRow, found: list, best_of: dict, top: int) -> bool:

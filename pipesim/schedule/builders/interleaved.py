@@ -92,11 +92,15 @@ def check_interleaved(pp: int, vpp: int, microbatches: int, group_size: int) -> 
     if 0 < last < pp:
         fits = [g for g in range(pp, microbatches + 1) if microbatches % g == 0 or microbatches % g >= pp]
         shown = ", ".join(map(str, fits[:6])) + (", ..." if len(fits) > 6 else "")
+        near = [m for m in range(max(pp, microbatches - 2 * pp), microbatches + 2 * pp + 1)
+                if m % group_size == 0 or m % group_size >= pp][:4]
         raise ScheduleError(
             f"{NAME} needs microbatches % microbatch_group_size to be 0 or >= pp, got "
             f"{microbatches} % {group_size} = {last} with pp = {pp} (a last microbatch group smaller "
-            f"than pp leaves dependency bubbles); microbatch_group_size values that work for "
-            f"microbatches = {microbatches}: {shown}")
+            f"than pp leaves dependency bubbles); microbatch counts (--microbatches) that work with group size "
+            f"{group_size}: {', '.join(map(str, near))}; or, from Python, build_schedule(..., "
+            f"microbatch_group_size=G), G one of the sizes that work for microbatches = {microbatches}: "
+            f"{shown}")
 
 
 def interleaved_order(pp: int, vpp: int, rank: int, microbatches: int, group_size: int, *,
