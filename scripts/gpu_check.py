@@ -72,11 +72,11 @@ def check_profile(device: str, tmp: Path) -> None:
         if not peak > 0:
             fail(f"{label}: held-tensor meter read {peak}")
         held_peak = max(held_peak, peak)
-        probe = run.meta.get("split_probe") or {}
+        probe = run.measurement.split_probe
         if not probe:
             fail(f"{label}: no split probe in the run's meta")
         for stage, t in probe.items():
-            f, b, i, w = (t["wall"][k] for k in ("F", "B", "I", "W"))
+            f, b, i, w = (t.wall[k] for k in ("F", "B", "I", "W"))
             if min(f, b, i, w) <= 0 or not 0.5 <= (i + w) / b <= 2.0:
                 fail(f"{label}: probe stage {stage}: F {f} B {b} I {i} W {w}")
         ratio = [round(s / m["step_times"][k], 3) for k, s in run.makespans().items()]

@@ -158,15 +158,14 @@ def probed_split(costs: CostModel, run: MeasuredRun, clock: str = "wall") -> Cos
     the share of activations I frees (``weight_grad_fraction`` from the probe's bytes freed at
     I), when the run has no I/W of its own; unchanged otherwise. Stages without a usable probe
     keep the even split and I freeing nothing."""
-    probe = run.meta.get("split_probe")
+    probe = run.measurement.split_probe
     if not probe or costs.backward_input is not None or costs.backward is None:
         return costs
     n = run.plan.num_stages
     b = costs.stage_values("backward", n)
     i, w = [x / 2 for x in b], [x / 2 for x in b]
     for s in range(n):
-        r = probe.get(str(s), {}).get(f"ratio_{clock}", {})
-        ri, rw = float(r.get("I", math.nan)), float(r.get("W", math.nan))
+        ri, rw = probe[s].ratios(clock) if s in probe else (math.nan, math.nan)
         if math.isfinite(ri) and math.isfinite(rw):
             i[s], w[s] = b[s] * ri, b[s] * rw
     # What I releases (the probe's ``freed_at_I``): the share of each stage's activations that
@@ -174,7 +173,7 @@ def probed_split(costs: CostModel, run: MeasuredRun, clock: str = "wall") -> Cos
     act = costs.stage_values("activation_bytes", n)
     frac = list(costs.stage_values("weight_grad_fraction", n))
     for s in range(n):
-        freed = probe.get(str(s), {}).get("freed_at_I")
+        freed = probe[s].freed_at_I if s in probe else None
         if freed is not None and act[s] > 0:
             frac[s] = min(max(1.0 - float(freed) / act[s], 0.0), 1.0)
     return costs.with_(backward_input=i, backward_weight=w, weight_grad_fraction=frac)

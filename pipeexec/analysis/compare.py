@@ -198,7 +198,7 @@ class Comparison:
                for _, row in t.iterrows()):
             lines.append("n/a: an idle/busy ratio above 1 (a rank idle most of the step) has no "
                          "error in points worth reading; compare its busy and bubble columns")
-        note = time_sharing_note(self.run.meta)
+        note = time_sharing_note(self.run.plan)
         if note:
             lines.append(f"note: {note}")
         return "\n".join(lines)
@@ -206,7 +206,7 @@ class Comparison:
     def headline(self) -> str:
         s, src = self.measured.schedule, self.calibration.source
         where = ("its own trace" if src.get("schedule") == s.name and src.get("bounds") ==
-                 list(self.run.meta["bounds"]) else
+                 list(self.run.plan.bounds) else
                  f"a {src.get('schedule')} run (pp={src.get('pp')} vpp={src.get('vpp')})")
         if self.calibration.model == "processor-sharing":
             where += f", CPU work shared by {self.calibration.cores:.2f} effective cores"
@@ -227,10 +227,10 @@ class Comparison:
         per_rank = [{"rank": int(r), **{k: _num(v) for k, v in row.items()}}
                     for r, row in t.drop(index="all").iterrows()]
         n = ps.schedule.num_stages
-        meta = self.run.meta
+        plan, measurement = self.run.plan, self.run.measurement
         return {
-            "schedule": meta["schedule"], "pp": meta["pp"], "vpp": meta["vpp"],
-            "microbatches": meta["microbatches"], "device": meta.get("device"),
+            "schedule": plan.schedule_name, "pp": plan.pp, "vpp": plan.parts_per_rank,
+            "microbatches": plan.microbatches, "device": plan.device,
             "measured_step_time": o["makespan"], "predicted_step_time": ps.makespan,
             "step_time_error": _rel(ps.makespan, o["makespan"]),
             "measured_bubble_fraction": o["bubble_fraction"],
@@ -242,11 +242,12 @@ class Comparison:
             "measured_peak_memory": [_num(x) for x in m["peak_memory"]],
             "predicted_peak_memory": [_num(x) for x in p["peak_memory"]],
             "peak_memory_error": [_num(_rel(a, b)) for a, b in zip(p["peak_memory"], m["peak_memory"])],
-            "memory_measure": meta.get("memory"),
+            "memory_measure": measurement.memory,
             "per_rank": per_rank,
             "compared_steps": list(self.steps), "pictured_step": self.step,
             "measured_step_times": {str(k): v for k, v in self.run.makespans().items()},
-            "clock_offsets": meta.get("clock_offsets"), "clock_rtts": meta.get("clock_rtts"),
+            "clock_offsets": list(measurement.clock_offsets) or None,
+            "clock_rtts": list(measurement.clock_rtts) or None,
             "calibration": {"source": self.calibration.source,
                             "repartitioned": self.calibration.repartitioned,
                             "model": self.calibration.model,
@@ -255,8 +256,8 @@ class Comparison:
                             "per_action": self.calibration.per_action,
                             "per_layer_kind": self.calibration.per_kind,
                             "costs": costs_summary(self.calibration.costs, n)},
-            "config": meta.get("config"),
-            "note": time_sharing_note(meta),
+            "config": None if plan.config is None else dict(plan.config),
+            "note": time_sharing_note(plan),
         }
 
     def figure(self) -> "Figure":

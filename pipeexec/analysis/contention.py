@@ -22,9 +22,12 @@ the ranks computing at each moment of the target schedule.
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 import numpy as np
+
+from .run_plan import RunPlan
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -51,21 +54,20 @@ def progress(trace: "pd.DataFrame", cores: float) -> np.ndarray:
     return r_end - r_start
 
 
-def _hosts(meta: dict) -> list[dict[str, float]] | None:
+def _hosts(plan: RunPlan) -> list[Mapping[str, float]] | None:
     """Per host: ``cpus``, ``ranks``, ``rank_cpus`` (what its ranks could keep busy together)
     and ``max_rank_cpus``. Runs recorded before ``hosts`` was: every rank on rank 0's host.
     None when not recorded at all."""
-    if meta.get("hosts"):
-        return list(meta["hosts"].values())
-    cpus, host = meta.get("rank_cpus"), meta.get("host_cpus")
+    if plan.hosts:
+        return list(plan.hosts.values())
+    cpus, host, dp = plan.rank_cpus, plan.host_cpus, plan.dp
     if not cpus or not host:
         return None
-    dp = int(meta.get("dp", 1))
     return [{"cpus": host, "ranks": len(cpus) * dp, "rank_cpus": float(sum(cpus)) * dp,
              "max_rank_cpus": max(cpus)}]
 
 
-def _competing(h: dict[str, float]) -> bool:
+def _competing(h: Mapping[str, float]) -> bool:
     """Whether the ranks on host ``h`` competed for its cores: together they could keep all of
     its CPUs busy (the runtime's communication threads and the OS then take their time from the
     ranks too), unless every rank was confined to a share below one CPU and the shares fit."""
@@ -73,22 +75,22 @@ def _competing(h: dict[str, float]) -> bool:
     return not confined and h["rank_cpus"] >= h["cpus"] - 1e-6
 
 
-def shares_cores(meta: dict) -> bool:
-    """Whether the ranks of a run with this metadata competed for cores on any of its hosts
+def shares_cores(plan: RunPlan) -> bool:
+    """Whether the ranks of a run of ``plan`` competed for cores on any of its hosts
     (each rank's CPUs: threads capped by affinity and quota, ``--cpus-per-rank``). Ranks
     confined to a share each, or fewer than a host's cores, run at their own speed. True for
     runs recorded without CPU counts, the conservative answer."""
-    hosts = _hosts(meta)
+    hosts = _hosts(plan)
     return hosts is None or any(_competing(h) for h in hosts)
 
 
-def time_sharing_note(meta: dict) -> str | None:
+def time_sharing_note(plan: RunPlan) -> str | None:
     """A warning for a CPU run whose ranks wanted more CPUs than their host has (and were not
     confined): what each action took then depended on which ranks computed at the same moment,
     which per-stage costs cannot carry, so how the idle time falls on each rank (bubble_fraction)
     is predicted less well than the step time. None otherwise."""
-    hosts = _hosts(meta)
-    if hosts is None or not str(meta.get("device", "cpu")).startswith("cpu"):
+    hosts = _hosts(plan)
+    if hosts is None or not plan.device.startswith("cpu"):
         return None
     for h in hosts:
         if h["rank_cpus"] > h["cpus"] + 1e-6 and _competing(h):

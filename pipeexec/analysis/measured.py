@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING, Any
 import pipesim
 from pipesim.schedule.action import B, F, I, RECV_B, RECV_F, SEND_B, SEND_F, W
 
+from .measurement import KEYS as MEASUREMENT_KEYS, Measurement
 from .run_plan import RunPlan, schedule_from_meta
 
 if TYPE_CHECKING:
@@ -175,18 +176,24 @@ def _shift(frame: "pd.DataFrame") -> "pd.DataFrame":
 
 @dataclass
 class MeasuredRun:
-    """All profiled steps of one run. ``meta`` holds the run's `RunPlan` (``plan``: schedule
-    as data, bounds, layer kinds, hosts and CPU shares, config; stored flat) and what the
-    measurement adds: clock offsets and round trips per pipeline rank, profiled steps, probes.
-    Torch-free: a run saved on a training machine is calibrated and compared anywhere."""
+    """All profiled steps of one run. ``meta`` is the run's ``.meta.json`` as stored (flat);
+    code reads it through two typed views: ``plan`` (the `RunPlan`: schedule as data, bounds,
+    layer kinds, hosts and CPU shares, config) and ``measurement`` (the `Measurement`: clock
+    offsets and round trips per pipeline rank, profiled steps, split probes). Torch-free: a run
+    saved on a training machine is calibrated and compared anywhere."""
 
     trace: "pd.DataFrame"
     meta: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
-    def of_plan(cls, trace: "pd.DataFrame", plan: RunPlan, **measurement: Any) -> "MeasuredRun":
-        """A run of ``plan``; ``measurement``: the meta keys the measurement adds."""
-        return cls(trace, {**plan.to_meta(), **measurement})
+    def of_plan(cls, trace: "pd.DataFrame", plan: RunPlan,
+                measurement: Measurement | None = None, **fields: Any) -> "MeasuredRun":
+        """A run of ``plan`` with ``measurement`` (or its fields given by name)."""
+        if measurement is None:
+            measurement = Measurement(**fields)
+        elif fields:
+            raise TypeError("of_plan: give a Measurement or its fields, not both")
+        return cls(trace, {**plan.to_meta(), **measurement.to_meta()})
 
     @property
     def plan(self) -> RunPlan:
@@ -197,6 +204,17 @@ class MeasuredRun:
         if cached is None or cached[0] != key:
             cached = (key, RunPlan.from_meta(self.meta))
             self.__dict__["_plan_cache"] = cached
+        return cached[1]
+
+    @property
+    def measurement(self) -> Measurement:
+        """What the profiler recorded besides the trace, read from ``meta`` (re-read when
+        those keys change)."""
+        key = tuple(repr(self.meta.get(k)) for k in MEASUREMENT_KEYS)
+        cached = self.__dict__.get("_measurement_cache")
+        if cached is None or cached[0] != key:
+            cached = (key, Measurement.from_meta(self.meta))
+            self.__dict__["_measurement_cache"] = cached
         return cached[1]
 
     @property
@@ -332,6 +350,11 @@ class MeasuredRun:
             if key not in info:
                 raise ValueError(f"{meta}: lacks {key!r}")
         RunPlan.from_meta(info, source=str(meta))      # a bad plan fails here, naming the file
+        try:
+            Measurement.from_meta(info)
+        except (TypeError, ValueError, AttributeError, IndexError) as exc:
+            raise ValueError(f"{meta}: unreadable measurement keys "
+                             f"({', '.join(MEASUREMENT_KEYS)}): {exc}") from None
         return cls(_shift(trace), info)
 
     def chrome_trace(self) -> dict:

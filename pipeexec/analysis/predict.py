@@ -63,7 +63,7 @@ def prediction_costs(layout: Layout, calibration_run: MeasuredRun,
     if steps is None:
         steps = calibration_run.central_steps()
     if contention is None:
-        contention = has_cpu_times(calibration_run) and shares_cores(calibration_run.meta)
+        contention = has_cpu_times(calibration_run) and shares_cores(calibration_run.plan)
     if not contention:
         return calibrate(calibration_run, layout, steps)
     cal = calibrate(calibration_run, layout, steps, work=True)

@@ -60,9 +60,9 @@ def search_from_run(run: MeasuredRun, memory_limit: float, recv_lookahead: int =
     (schedule, what was decided)."""
     steps = run.central_steps()
     cal = prediction_costs(run.plan.layout, run, steps)   # with the shared cores, on CPU
-    m = run.meta
     profiled = run.schedule
-    schedule = pipesim.build_schedule("zb-auto", pp=m["pp"], microbatches=m["microbatches"],
+    schedule = pipesim.build_schedule("zb-auto", pp=profiled.pp,
+                                      microbatches=profiled.num_microbatches,
                                       vpp=profiled.vpp,
                                       placement=profiled.placement_kind,
                                       costs=cal.costs, memory_limit=memory_limit,

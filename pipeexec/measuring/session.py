@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from .clock import ClockOffset, align_clocks
 from ..analysis.measured import MeasuredRun, build_trace
+from ..analysis.measurement import Measurement, StageProbe
 from .memory import HeldTensorMeter
 from .options import ProfileOptions, parse_step_range
 from .recorder import ActionProfiler
@@ -92,15 +93,13 @@ class ProfileSession:
                        rank_cpus=tuple(p["cpus"] for p in pipeline), host_cpus=os.cpu_count(),
                        cpus_per_rank=self.options.cpus_per_rank, config=cfg.to_dict(),
                        schedule_name=cfg.schedule)
-        meta = {**plan.to_meta(),
-                "clock_offsets": [p["offset"] for p in pipeline],
-                "clock_rtts": [p["rtt"] for p in pipeline],
-                "profiled_steps": [self.options.first, self.options.stop],
-                "memory": "held_tensors"}
-        probes = {str(s): v for p in pipeline for s, v in (p["split_probe"] or {}).items()}
-        if probes:
-            meta["split_probe"] = probes
-        run = MeasuredRun(trace, meta)
+        measurement = Measurement(
+            clock_offsets=tuple(p["offset"] for p in pipeline),
+            clock_rtts=tuple(p["rtt"] for p in pipeline),
+            profiled_steps=(self.options.first, self.options.stop), memory="held_tensors",
+            split_probe={int(s): StageProbe.from_meta(v) for p in pipeline
+                         for s, v in (p["split_probe"] or {}).items()})
+        run = MeasuredRun.of_plan(trace, plan, measurement)
         if self.options.trace_out:
             run.save(self.options.trace_out)
         return run
