@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from . import metrics
 from .trace import check_trace, num_ranks
-from .units import byte_unit
+from .units import byte_unit, format_number
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -232,7 +232,9 @@ class SimResult:
                 frame = frame.rename(columns={"peak_memory": f"peak_memory_{name}"})
                 frame[f"peak_memory_{name}"] = frame[f"peak_memory_{name}"] / scale
             head.append("(times in seconds)")
-        table = frame.to_string(float_format=lambda x: f"{x:.6g}")
+        # idle time of a rank that never waits is makespan - busy: rounding noise, shown as 0
+        noise = 1e-9 * abs(self.makespan)
+        table = frame.to_string(float_format=lambda x: format_number(x, zero_below=noise))
         return "\n".join(head) + "\n" + table
 
     def gantt(self, **kwargs: Any) -> "Figure":

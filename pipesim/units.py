@@ -47,3 +47,22 @@ def byte_unit(peak: float) -> tuple[float, str]:
     """(scale, name) to show byte counts up to ``peak``: GiB, MiB, KiB or bytes."""
     return next(((size, name) for size, name in ((2**30, "GiB"), (2**20, "MiB"), (2**10, "KiB"))
                  if peak >= size), (1.0, "bytes"))
+
+
+def format_bytes(nbytes: float) -> str:
+    """A byte count for people: ``9.54 MiB``, ``51.2 GiB``, ``512 bytes`` (never ``1e+07``)."""
+    scale, name = byte_unit(abs(float(nbytes)))
+    return f"{nbytes / scale:.3g} {name}" if scale > 1 else f"{nbytes:.4g} bytes"
+
+
+def format_count(n: float) -> str:
+    """A count for people: ``70.6B``, ``41.9M``, ``181k``, ``12`` (never ``0.000181B``)."""
+    for size, suffix in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "k")):
+        if abs(n) >= size:
+            return f"{n / size:.3g}{suffix}"
+    return f"{n:.3g}"
+
+
+def format_number(x: float, *, zero_below: float = 0.0) -> str:
+    """``x`` to 6 significant digits, rounding-noise (``|x| <= zero_below``) shown as ``0``."""
+    return "0" if abs(x) <= zero_below else f"{x:.6g}"

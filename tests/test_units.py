@@ -57,3 +57,32 @@ def test_every_cli_refuses_a_size_without_unit_or_not_positive(size, tmp_path, c
         pipeexec_main(["train", "--schedule", "zb-auto", "--pp", "2", f"--memory-limit={size}"])
     assert info.value.code == 2
     assert "memory size" in capsys.readouterr().err
+
+
+def test_numbers_print_for_people():
+    """No 1e+07 bytes, 0.000181B or 5.55112e-17 in what a user reads."""
+    import pipesim
+    from pipesim.units import format_bytes, format_count, format_number
+
+    assert format_bytes(1e7) == "9.54 MiB" and format_bytes(2.51088e6) == "2.39 MiB"
+    assert format_bytes(512) == "512 bytes" and format_bytes(80 * 2 ** 30) == "80 GiB"
+    assert format_count(181_000) == "181k" and format_count(70.55e9) == "70.5B"
+    assert format_count(12) == "12"
+    assert format_number(5.55112e-17, zero_below=1e-9) == "0"
+    assert format_number(32.2996) == "32.2996"
+    plan = pipesim.Plan.create("tiny", "A100", schedule="1f1b", pp=2, dp=4, global_batch_size=16)
+    assert repr(plan).startswith("Plan(tiny 41.9M seq=512")
+    with pytest.raises(pipesim.ScheduleError) as info:
+        pipesim.build_schedule("zb-auto", pp=2, microbatches=4, memory_limit=1e7,
+                               costs=pipesim.CostModel.transformer("gpt3-6.7b", "H100",
+                                                                   num_stages=2))
+    assert "memory_limit 9.54 MiB on rank 0" in str(info.value) and "e+" not in str(info.value)
+
+
+def test_a_zero_bubble_prints_as_zero_not_as_rounding_noise():
+    import pipesim
+
+    r = pipesim.simulate(pipesim.build_schedule("zbv", pp=4, vpp=2, microbatches=8),
+                         pipesim.CostModel.uniform())
+    text = r.summary_text(unitless=True)
+    assert "e-1" not in text and "e-2" not in text, text

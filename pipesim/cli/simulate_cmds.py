@@ -193,7 +193,9 @@ def cmd_sweep(args: argparse.Namespace) -> int:
             scale, name = byte_unit(float(view["peak_memory"].max()))
             view = view.assign(peak_memory=view["peak_memory"] / scale).rename(
                 columns={"peak_memory": f"peak_memory_{name}", "makespan": "makespan_s"})
-        print(view.to_string(index=False, float_format=lambda x: f"{x:.5g}"))
+        # rounding noise (a zero bubble_rate computed as 5.55e-17) is shown as 0
+        print(view.to_string(index=False,
+                             float_format=lambda x: "0" if abs(x) < 1e-12 else f"{x:.5g}"))
     for row in table[table["status"] == "infeasible"].itertuples(index=False):
         print(f"infeasible: {row.schedule} pp={row.pp} vpp={row.vpp} m={row.microbatches} "
               f"mbs={row.micro_batch_size}: {row.reason}", file=sys.stderr)

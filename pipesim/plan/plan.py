@@ -19,6 +19,7 @@ from ..errors import PlanError, ScheduleError
 from ..fields import known_fields
 from ..hardware import Hardware, get_hardware
 from ..schedule.schedule import Schedule
+from ..units import format_count
 from .cluster import Cluster
 from .model import ModelSpec, get_model
 from .parallelism import Parallelism
@@ -261,6 +262,6 @@ class Plan:
 
     def __repr__(self) -> str:
         m, c = self.model, self.cluster
-        return (f"Plan({m.name} {m.num_params() / 1e9:.3g}B seq={m.seq_length} on "
+        return (f"Plan({m.name} {format_count(m.num_params())} seq={m.seq_length} on "
                 f"{self.world_size} x {c.hardware.name} ({c.gpus_per_node}/node): "
                 f"{self.parallelism.short()}, schedule={self.schedule_name})")

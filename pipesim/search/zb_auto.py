@@ -52,6 +52,7 @@ from ..schedule.action import B, F, I, W, Action
 from ..schedule.placement import LOOPED, PLACEMENTS, VSHAPE, make_placement
 from ..schedule.registry import build_schedule, register
 from ..schedule.schedule import Schedule
+from ..units import format_bytes
 from .sweep_order import SWEEP_VARIANTS, SweepStuck, sweep_order
 
 VARIANTS = tuple(product((True, False), ("fit", "eager"), ("none", "1f1b", "zb-2p"),
@@ -149,9 +150,10 @@ def greedy_order(pp: int, m: int, costs, limits: Sequence[float], prefer_i: bool
         need = max(act[s] + buf[s] for s in stages_of[r])
         if mem[r] + need > limits[r]:
             raise ScheduleError(
-                f"zb-auto: memory_limit {limits[r]:g} bytes on rank {r} is below what one "
-                f"microbatch needs there ({mem[r]:g} static + {max(act[s] for s in stages_of[r]):g}"
-                f" activations + {max(buf[s] for s in stages_of[r]):g} gradient buffer)")
+                f"zb-auto: memory_limit {format_bytes(limits[r])} on rank {r} is below what one "
+                f"microbatch needs there ({_size(mem[r])} static + "
+                f"{_size(max(act[s] for s in stages_of[r]))} activations + "
+                f"{_size(max(buf[s] for s in stages_of[r]))} gradient buffer)")
     nf, ni, nw = [0] * n, [0] * n, [0] * n
     f_end = [[None] * m for _ in range(n)]
     i_end = [[None] * m for _ in range(n)]
@@ -458,3 +460,8 @@ def zb_auto(pp: int, vpp: int, microbatches: int, *, forward_only: bool = False,
     return zb_auto_schedule(pp, microbatches, costs, memory_limit, forward_only=forward_only,
                             comm=comm, lookahead=lookahead, vpp=vpp, placement=placement,
                             cores=cores, margin=margin, tail=tail)
+
+
+def _size(nbytes: float) -> str:
+    """Bytes for a message: ``9.54 MiB``; a small count (unit costs) as the bare number."""
+    return format_bytes(nbytes).removesuffix(" bytes")
