@@ -77,14 +77,29 @@ def run_training(board: ActionBoard | None, config: TrainConfig, metrics_out: st
             manager.load(trainer)
         on_step = None if manager is None else manager.on_step
         if auto:
-            from ..measuring.reschedule import reschedule
-            saved, switched = on_step, {}
+            from ..measuring.reschedule import (check_memory_limit, judge_switch, reschedule,
+                                                trial_steps)
+            check_memory_limit(trainer, config.memory_limit)    # before step 0
+            saved, switched, times, orders = on_step, {}, {}, []
+            switch_at = config.reschedule_after + 1
+            trial = trial_steps(config.steps, switch_at)
+            baseline_at, judge_at = switch_at + trial, switch_at + 2 * trial
 
             def on_step(trainer, stats):
                 if saved is not None:
                     saved(trainer, stats)
-                if trainer.iteration == config.reschedule_after + 1:
+                times[stats.iteration] = stats.step_time
+                if trainer.iteration == switch_at:
+                    replaced = trainer.schedule
                     switched.update(reschedule(trainer, session, config.memory_limit, _log))
+                    orders[:] = [replaced, trainer.schedule]
+                elif trial and trainer.iteration == baseline_at:
+                    trainer.set_schedule(orders[0])      # the replaced order, measured again
+                elif trial and trainer.iteration == judge_at:
+                    # kept only if measured faster than the order it replaced, by the margin
+                    judge_switch(trainer, switched,
+                                 [times[k] for k in range(switch_at, baseline_at)],
+                                 [times[k] for k in range(baseline_at, judge_at)], *orders, _log)
         result = train(trainer, log=_log, progress=progress, on_step=on_step)
         if manager is not None:
             manager.finish(trainer)
@@ -96,10 +111,14 @@ def run_training(board: ActionBoard | None, config: TrainConfig, metrics_out: st
                        versions=run_versions(topology.backend))
         if auto:
             after = result.step_times[config.reschedule_after + 1:]
-            metrics["reschedule"] = dict(switched, measured_after_s=after)
-            if topology.rank == 0 and after:
-                _log(f"zb-auto: measured {sorted(after)[len(after) // 2] * 1e3:.1f} ms a step "
-                     f"after the switch (median of {len(after)}; predicted "
+            metrics["reschedule"] = dict(switched, measured_after_s=after,
+                                         final_schedule=trainer.schedule.name)
+            settled = result.step_times[judge_at:] if trial else after
+            if topology.rank == 0 and settled:
+                _log(f"zb-auto: measured {sorted(settled)[len(settled) // 2] * 1e3:.1f} ms a "
+                     f"step on {trainer.schedule.name} "
+                     + ("after the trial" if trial else "after the switch")
+                     + f" (median of {len(settled)}; the searched order predicted "
                      f"{switched['predicted_s'] * 1e3:.1f} ms)")
         measured = session.finish(trainer) if session is not None and not auto else None
         if measured is not None:

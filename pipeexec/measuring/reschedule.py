@@ -12,6 +12,15 @@ schedule is broadcast as data, validated, and every rank switches to it
 (`Trainer.set_schedule`). The log shows the measured step time before, the predicted one, and
 the measured steps after. Memory is counted as the calibrated model counts it (on CPU: the
 tensors the runtime holds, parameters excluded; on CUDA: allocated bytes).
+
+A prediction is not a measurement (predicted faster, measured slower happens: 57.8 -> 62.5 ms
+at vpp 2), so the switch is a trial (:func:`judge_switch`): the searched order runs
+``TRIAL_STEPS`` steps, the order it replaced runs as many again, both unprofiled, and the
+searched order is kept only if its median step beats the replaced order's by the margin; else
+every rank stays on the replaced order.
+The log gives both figures and the hand-made order the search's margin was compared with
+(:func:`pipesim.search.zb_auto.fastest_handcrafted`). A limit below what one microbatch needs
+is refused before step 0 (:func:`check_memory_limit`), not at the search.
 """
 from __future__ import annotations
 
@@ -19,11 +28,12 @@ import statistics
 from collections.abc import Callable
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 import pipesim
 from pipesim.schedule.action import Action
-from pipesim.search.zb_auto import handcrafted_origin
+from pipesim.search.zb_auto import fastest_handcrafted, handcrafted_origin
 from pipesim.schedule.io import schedule_from_dict, schedule_to_dict
 
 from ..analysis.measured import MeasuredRun
@@ -31,6 +41,8 @@ from ..analysis.predict import EXECUTOR_COMM, prediction_costs
 
 PROFILED_SCHEDULE = "zb-h1"                 # at vpp 1
 PROFILED_V_SCHEDULE = "zbv"                 # at vpp 2, V placement
+TRIAL_STEPS = 3                             # steps each order runs in the trial (the first of
+                                            # each, right after a switch, is not counted)
 
 
 def profiled_schedule(config: Any) -> pipesim.Schedule:
@@ -70,6 +82,10 @@ def search_from_run(run: MeasuredRun, memory_limit: float, recv_lookahead: int =
                                       recv_lookahead=recv_lookahead, cores=cal.cores,
                                       margin=margin)
     predicted = pipesim.simulate(schedule, cal.costs, comm=EXECUTOR_COMM, cores=cal.cores)
+    reference = fastest_handcrafted(profiled.pp, profiled.num_microbatches, cal.costs,
+                                    memory_limit, vpp=profiled.vpp,
+                                    placement=profiled.placement_kind, comm=EXECUTOR_COMM,
+                                    lookahead=recv_lookahead, cores=cal.cores)
     before = pipesim.simulate(run.schedule, cal.costs, comm=EXECUTOR_COMM, cores=cal.cores)
     makespans = run.makespans()
     info = {"profiled": run.schedule.name, "steps": list(steps),
@@ -78,6 +94,8 @@ def search_from_run(run: MeasuredRun, memory_limit: float, recv_lookahead: int =
             "predicted_peak_bytes": list(predicted.peak_memory), "memory_limit": memory_limit,
             "vpp": schedule.vpp, "placement": schedule.placement_kind,
             "margin": margin, "handcrafted": handcrafted_origin(schedule),
+            "margin_reference": None if reference is None else reference[0],
+            "margin_reference_predicted_s": None if reference is None else reference[1],
             "schedule": schedule_to_dict(schedule)}
     return schedule, info
 
@@ -113,3 +131,91 @@ def reschedule(trainer: Any, session: Any, memory_limit: float,
                f"{info['margin']:.0%} faster)" if info["handcrafted"] else ", a searched order")
             + "; switching now")
     return info
+
+
+def settled(step_times: list[float]) -> float:
+    """The median step of one side of the trial, its first step left out when there are more
+    (the step right after a switch pays for the new runtime: 2-4x a step on a small CPU run)."""
+    return statistics.median(step_times[1:] if len(step_times) > 1 else step_times)
+
+
+def keep_searched(before_s: list[float], trial_s: list[float], margin: float) -> bool:
+    """Keep the searched order when its settled step (:func:`settled`) beats the replaced
+    order's by ``margin`` (a fraction of the replaced order's step)."""
+    return settled(trial_s) < settled(before_s) * (1 - margin)
+
+
+def trial_steps(steps: int, switch_at: int) -> int:
+    """How many steps each side of the trial gets: ``TRIAL_STEPS``, fewer when the run is
+    shorter (0: too few steps after the switch to measure both orders)."""
+    return max(0, min(TRIAL_STEPS, (steps - switch_at) // 2))
+
+
+def judge_switch(trainer: Any, info: dict, trial_s: list[float], baseline_s: list[float],
+                 previous: pipesim.Schedule, searched: pipesim.Schedule,
+                 log: Callable[[str], None] | None = None) -> dict:
+    """Collective, at the same step on every rank, after the trial: ``trial_s`` the searched
+    order's step times, ``baseline_s`` those of the order it replaced, run again right after
+    (both unprofiled: profiled steps carry the profiler's cost, ~40% on a small CPU run, and
+    would flatter any order measured against them). Rank 0 decides from its step times (every
+    rank runs the same steps), every rank hears it and runs the kept order from the next step
+    on. Returns the decision's record (also put in ``info["trial"]``)."""
+    topo = trainer.topology
+    margin = info["margin"]
+    decision = [keep_searched(baseline_s, trial_s, margin)]
+    if topo.world_size > 1:
+        dist.broadcast_object_list(decision, src=0)
+    kept = bool(decision[0])
+    trainer.set_schedule(searched if kept else previous)
+    record = {"before_s": settled(baseline_s), "measured_s": settled(trial_s),
+              "steps": len(trial_s), "kept": kept,
+              "reverted_to": None if kept else previous.name, "margin": margin,
+              "margin_reference": info.get("margin_reference")}
+    info["trial"] = record
+    if log is not None and topo.rank == 0:
+        ref = info.get("margin_reference")
+        log(f"zb-auto: the searched order measured {record['measured_s'] * 1e3:.1f} ms a step "
+            f"({_counted(trial_s)}) against {record['before_s'] * 1e3:.1f} ms for "
+            f"{previous.name}, the order it replaced, run again after it "
+            f"({_counted(baseline_s)}); it must be {margin:.0%} faster"
+            + (f" (the search's margin was compared with {ref}'s order, the fastest hand-made "
+               f"one that fits, predicted {info['margin_reference_predicted_s'] * 1e3:.1f} ms)"
+               if ref else " (no hand-made order fits the limit)")
+            + (": kept, switching to it again" if kept else f": keeping {previous.name}"))
+    return record
+
+
+def _counted(step_times: list[float]) -> str:
+    n = len(step_times)
+    return f"median of {n - 1} after a first step not counted" if n > 1 else "1 step"
+
+
+def one_microbatch_floor(trainer: Any) -> float:
+    """Bytes one microbatch holds on a rank at the least: a stage's input activation
+    (micro_batch_size x seq_len x hidden values of the compute dtype; hidden read from the
+    embedding of the stages here when they have one, a Hugging Face model's own size)."""
+    from ..training.precision import compute_dtype
+
+    cfg = trainer.config
+    hidden = cfg.hidden
+    for stage in trainer.stages.values():
+        emb = next((mod for mod in stage.modules() if isinstance(mod, torch.nn.Embedding)), None)
+        if emb is not None:
+            hidden = emb.embedding_dim
+            break
+    element = torch.empty((), dtype=compute_dtype(cfg.precision)).element_size()
+    return float(cfg.micro_batch_size * cfg.seq_len * hidden * element)
+
+
+def check_memory_limit(trainer: Any, memory_limit: float) -> None:
+    """Collective, before step 0: refuse a limit below one microbatch's floor (rank 0's, which
+    holds the first stage and its embedding), on every rank at once, before anything runs."""
+    topo = trainer.topology
+    floor = [one_microbatch_floor(trainer)]
+    if topo.world_size > 1:
+        dist.broadcast_object_list(floor, src=0)
+    if memory_limit < floor[0]:
+        raise pipesim.ScheduleError(
+            f"zb-auto: memory_limit {memory_limit:g} bytes is below what one microbatch needs on "
+            f"a rank (at least {floor[0]:g} bytes: its input activation, micro_batch_size x "
+            f"seq_len x hidden); refused before step 0, raise --memory-limit")

@@ -55,6 +55,7 @@ from ..schedule.schedule import Schedule
 from ..units import format_bytes
 from .sweep_order import SWEEP_VARIANTS, SweepStuck, sweep_order
 
+
 VARIANTS = tuple(product((True, False), ("fit", "eager"), ("none", "1f1b", "zb-2p"),
                          ("deep", "early")))
 HANDCRAFTED = {1: ("1f1b", "zb-h1", "zb-h2"),
@@ -309,6 +310,33 @@ def _pick(ranked: list[tuple]) -> tuple:
     least = min(c[0] for c in ranked)
     tied = [c for c in ranked if c[0] <= least * (1 + STEP_TIE)]
     return min(tied, key=lambda c: (c[1], c[2]))
+
+
+def fastest_handcrafted(pp: int, microbatches: int, costs, memory_limit=None, *, vpp: int = 1,
+                        placement: str | None = None, comm: str = "async", lookahead: int = 0,
+                        cores: float | None = None) -> tuple[str, float] | None:
+    """The hand-made schedule of this vpp (and placement) that zb-auto's ``margin`` is
+    measured against: the fastest one whose simulated peak fits ``memory_limit``, simulated as
+    the search simulates; (name, step), or None when none fits."""
+    from ..engine import simulate
+
+    limits = _limits(memory_limit, pp)
+    kinds = _placements(pp, vpp, placement)
+    best = None
+    for name in HANDCRAFTED.get(vpp, ()):
+        try:
+            hand = build_schedule(name, pp=pp, vpp=vpp, microbatches=microbatches,
+                                  recv_lookahead=lookahead)
+        except ScheduleError:
+            continue
+        if hand.placement_kind not in kinds:
+            continue
+        r = simulate(hand, costs, comm=comm, cores=cores)
+        if any(p > lim * (1 + 1e-12) for p, lim in zip(r.peak_memory, limits)):
+            continue
+        if best is None or r.makespan < best[1]:
+            best = (name, r.makespan)
+    return best
 
 
 def _sweep_candidates(pp: int, m: int, costs, limits: Sequence[float]) -> list[Schedule]:

@@ -36,7 +36,8 @@ def test_zb_auto_from_the_runs_own_costs_trains_like_a_single_process(vpp, place
     info = results[0]["reschedule"]
     assert info["profiled"] == profiled and info["steps"] == [1, 2]
     assert info["predicted_s"] > 0 and max(info["predicted_peak_bytes"]) <= 1e9
-    assert len(info["measured_after_s"]) == 2          # steps 3 and 4 ran the searched schedule
+    assert len(info["measured_after_s"]) == 2          # steps 3 and 4 ran after the switch:
+    assert info["trial"]["steps"] == 1                 # 3 the searched order, 4 the replaced
     assert info["margin"] == 0.05                      # the default: a hand-made order kept
     assert info["handcrafted"] in (None, "zb-h1", "1f1b", "zb-h2", "zbv", "interleaved",
                                    "v-half", "v-min", "dualpipev")
@@ -90,3 +91,70 @@ def test_memory_limit_needs_zb_auto_and_enough_steps():
         TINY.replace(schedule="1f1b", pp=2, microbatches=4, memory_limit=1e9).validate()
     with pytest.raises(ConfigError, match=r"needs steps >= 4"):
         TINY.replace(schedule="zb-auto", pp=2, microbatches=4, steps=3, memory_limit=1e9).validate()
+
+
+def test_a_searched_order_is_kept_only_if_measured_faster_by_the_margin():
+    """The trial's rule on its own: medians of each side's steps after its first (the step
+    right after a switch pays for the new runtime), the replaced order's the baseline."""
+    from pipeexec.measuring.reschedule import keep_searched, settled
+
+    before = [0.300, 0.100, 0.104, 0.098]             # settled: median of the last 3, 0.100
+    assert settled(before) == 0.100 and settled([0.2]) == 0.2
+    assert keep_searched(before, [0.5, 0.090, 0.094], 0.05)     # 8% faster: kept
+    assert not keep_searched(before, [0.5, 0.097, 0.096], 0.05)  # 3.5% faster: inside the margin
+    assert not keep_searched(before, [0.05, 0.120, 0.130], 0.0)  # slower once settled: not kept
+    assert keep_searched(before, [0.0999], 0.0)
+    assert not keep_searched(before, [0.100], 0.0)              # equal is not faster
+
+
+def test_the_margin_reference_is_the_fastest_fitting_hand_made_order():
+    """fastest_handcrafted against simulating each hand-made schedule here."""
+    from pipesim import CostModel, simulate
+    from pipesim.search.zb_auto import fastest_handcrafted
+
+    costs = CostModel(forward=[1.0, 1.3, 0.9, 1.1], backward_input=1.2, backward_weight=0.6,
+                      activation_bytes=1.0)
+    for limit in (4.0, 6.0, 9.0, 2.0):
+        fits = {}
+        for name in ("1f1b", "zb-h1", "zb-h2"):
+            r = simulate(pipesim.build_schedule(name, pp=4, microbatches=8), costs)
+            if max(r.peak_memory) <= limit:
+                fits[name] = r.makespan
+        got = fastest_handcrafted(4, 8, costs, limit)
+        if not fits:
+            assert got is None
+        else:
+            assert got == (min(fits, key=fits.get), min(fits.values()))
+
+
+def test_a_searched_order_measured_slower_is_switched_back():
+    """margin 0.99: nothing is measured 99% faster, so after its trial steps (3, 4) and the
+    replaced order's again (5, 6) the run stays on the profiled order, every rank alike; the
+    losses stay those of single-process training through the switches, and the log's figures
+    are recorded."""
+    cfg = TINY.replace(schedule="zb-auto", pp=2, microbatches=4, micro_batch_size=2, steps=8,
+                       memory_limit=1e9, reschedule_after=2, reschedule_margin=0.99)
+    results = launch(worker, 2, (cfg,), timeout=300)
+    ref_losses, _, _ = reference_train(cfg.replace(pp=1, schedule="1f1b", memory_limit=None))
+    torch.testing.assert_close(torch.tensor(results[0]["losses"]), torch.tensor(ref_losses),
+                               rtol=1e-5, atol=0)
+    info = results[0]["reschedule"]
+    trial = info["trial"]
+    assert trial["steps"] == 2 and trial["kept"] is False and trial["reverted_to"] == "zb-h1"
+    assert trial["before_s"] > 0 and trial["measured_s"] > 0 and trial["margin"] == 0.99
+    assert trial["margin_reference"] in ("1f1b", "zb-h1", "zb-h2")
+    assert info["final_schedule"] == "zb-h1"
+    assert results[1]["reschedule"]["final_schedule"] == "zb-h1"      # every rank switched back
+
+
+def test_a_limit_below_one_microbatch_is_refused_before_step_0():
+    from pipeexec import WorkerFailed
+
+    cfg = TINY.replace(schedule="zb-auto", pp=2, microbatches=4, micro_batch_size=2, steps=5,
+                       memory_limit=100.0, reschedule_after=2)
+    with pytest.raises(WorkerFailed) as info:
+        launch(worker, 2, (cfg,), timeout=120)
+    text = str(info.value)
+    assert "memory_limit 100 bytes is below what one microbatch needs" in text
+    assert "at least 1024 bytes" in text              # 2 x 8 x 16 fp32 values
+    assert "refused before step 0" in text
