@@ -258,3 +258,22 @@ def test_tail_ranks_candidates_by_the_step_not_the_pipeline_alone():
     for bad in ([1.0], [0, 0, 0, -1], "abcd"):
         with pytest.raises(ScheduleError, match="tail must be one time >= 0 per rank"):
             pipesim.build_schedule("zb-auto", pp=4, microbatches=8, costs=costs, tail=bad)
+
+
+def test_the_margin_reference_is_the_fastest_fitting_hand_made_order():
+    """fastest_handcrafted against simulating each hand-made schedule here."""
+    from pipesim.search.zb_auto import fastest_handcrafted
+
+    costs = CostModel(forward=[1.0, 1.3, 0.9, 1.1], backward_input=1.2, backward_weight=0.6,
+                      activation_bytes=1.0)
+    for limit in (4.0, 6.0, 9.0, 2.0):
+        fits = {}
+        for name in ("1f1b", "zb-h1", "zb-h2"):
+            r = simulate(pipesim.build_schedule(name, pp=4, microbatches=8), costs)
+            if max(r.peak_memory) <= limit:
+                fits[name] = r.makespan
+        got = fastest_handcrafted(4, 8, costs, limit)
+        if not fits:
+            assert got is None
+        else:
+            assert got == (min(fits, key=fits.get), min(fits.values()))
