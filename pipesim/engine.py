@@ -49,7 +49,7 @@ from .costs import CostModel
 from .dataflow import Clocks, run_dataflow, walk
 from .spans import Spans
 from .schedule.op import CODE_ALLREDUCE, CODE_OPTIMIZER, FIRST_COMM_CODE, Op
-from .schedule.program import Program, lower
+from .schedule.program import Program, Row, lower
 from .schedule.schedule import Schedule
 
 if TYPE_CHECKING:
@@ -191,7 +191,8 @@ def _overlap_scale(schedule: Schedule, program: Program, costs: CostModel) -> di
     scale: dict[int, float] = {}
     for fwd, bwd in program.overlaps:
         f_rank, f_i = program.rank_of_row(fwd)
-        parts = [program.in_turn[f_rank][f_i].action, program.in_turn[f_rank][f_i + 1].action]
+        rows = program.in_turn[f_rank]
+        parts = [Row(*rows[f_i]).action, Row(*rows[f_i + 1]).action]
         alone = [times[p.op][p.stage] for p in parts]
         total = sum(alone)
         scale[fwd] = scale[bwd] = costs.overlap_time(parts, alone) / total if total > 0 else 1.0
@@ -236,7 +237,7 @@ def _columns(schedule: Schedule, program: Program, costs: CostModel) -> dict:
 def _compute_ops(program: Program) -> tuple:
     """(op names, stage, microbatch) of the compute rows, in row order (an overlap's parts in
     turn), which is all the memory model reads of a result without its trace."""
-    flat = [r for r in chain.from_iterable(program.in_turn) if r.code < FIRST_COMM_CODE]
+    flat = [r for r in chain.from_iterable(program.in_turn) if r[0] < FIRST_COMM_CODE]
     rows = len(flat)
     names = np.asarray([op.value for op in Op], dtype=object)
     return (names[np.fromiter(map(itemgetter(0), flat), dtype=np.int64, count=rows)],

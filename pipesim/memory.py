@@ -183,13 +183,13 @@ def _receive_buffers(rows: ComputeRows, schedule: "Schedule", nbytes: Sequence[f
     for rank, lowered in enumerate(lower(schedule).in_turn):
         posted: list = []                    # RECVs waiting for the next computation to start
         for r in lowered:
-            code, stage, mb = r.code, r.stage, r.microbatch
+            code, stage, mb = r[0], r[1], r[2]            # a Row: code, stage, microbatch
             if code == CODE_RECV_F or code == CODE_RECV_B:
                 posted.append((code, stage, mb))
                 continue
             if not posted or code >= FIRST_COMM_CODE:
                 continue
-            op = Op.of_code(code)
+            op = Op.of_code(code).value
             at = span.get((rank, op, stage, mb))
             for rcode, s, b in posted:
                 if rcode == CODE_RECV_F:

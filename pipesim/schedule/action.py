@@ -12,10 +12,11 @@ from typing import NamedTuple
 from ..errors import ScheduleError
 from .op import Op
 
-# The members of the one Op enum (strings equal to their names), under their short names.
-F, B, I, W = Op.F, Op.B, Op.I, Op.W  # noqa: E741
-SEND_F, RECV_F, SEND_B, RECV_B = Op.SEND_F, Op.RECV_F, Op.SEND_B, Op.RECV_B
-OVERLAP_F_B = Op.OVERLAP_F_B
+# The one Op enum's values (plain strings, equal to its members: an exact str keys dicts and
+# compares fastest in the hot loops that read actions), under their short names.
+F, B, I, W = Op.F.value, Op.B.value, Op.I.value, Op.W.value  # noqa: E741
+SEND_F, RECV_F, SEND_B, RECV_B = Op.SEND_F.value, Op.RECV_F.value, Op.SEND_B.value, Op.RECV_B.value
+OVERLAP_F_B = Op.OVERLAP_F_B.value
 
 BASIC_COMPUTE_OPS = frozenset((F, B, I, W))
 COMPUTE_OPS = BASIC_COMPUTE_OPS | {OVERLAP_F_B}
@@ -44,7 +45,7 @@ class Action(NamedTuple):
         return f"{self.stage}{self.op}{self.microbatch}"
 
     def __repr__(self) -> str:
-        return f"Action({str(self.op)!r}, {self.stage}, {self.microbatch})"
+        return f"Action({self.op!r}, {self.stage}, {self.microbatch})"
 
     @property
     def is_compute(self) -> bool:
@@ -72,7 +73,7 @@ class Action(NamedTuple):
                 f"cannot parse action {text!r}: expected <stage><op><microbatch> with op one of "
                 f"{', '.join(sorted(ALL_OPS))}, e.g. '2F5'"
             )
-        return cls(Op(match.group(2)), int(match.group(1)), int(match.group(3)))
+        return cls(Op(match.group(2)).value, int(match.group(1)), int(match.group(3)))
 
 
 class Overlap(Action):

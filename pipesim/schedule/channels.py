@@ -48,7 +48,7 @@ from typing import TYPE_CHECKING, NamedTuple
 from ..errors import ScheduleError
 from .action import F, RECV_F, SEND_B, SEND_F, Action
 from .comms import peer_stage
-from .program import FORWARD, lower
+from .program import FORWARD, Row, lower
 
 if TYPE_CHECKING:
     from .schedule import Schedule
@@ -142,13 +142,13 @@ def check_channels(schedule: "Schedule", channel_of: ChannelFn = one_way_pairs, 
     # (pipeexec, torch): the transfer a comm row posts, and the receive a computation waits on.
     program = lower(schedule)
     programs = program.in_turn
-    transfers = [[_transfer(program.transfers[r.message]) if r.message >= 0 else None
-                  for r in rows] for rows in programs]
-    need_of = [[r.wait_row - first if r.wait_row >= 0 else -1 for r in rows]
+    transfers = [[_transfer(program.transfers[r[7]]) if r[7] >= 0 else None   # r[7]: message
+                  for r in map(Row._make, rows)] for rows in programs]
+    need_of = [[r.wait_row - first if r.wait_row >= 0 else -1 for r in map(Row._make, rows)]
                for rows, first in zip(programs, program.first_row)]
     ops: list[list[list[_Op | None]]] = []       # [step][rank][index in the rank's rows]
     for step in range(steps):
-        ops.append([[_Op(r, row.action, t, channel_of(t), step) if t is not None else None
+        ops.append([[_Op(r, Row(*row).action, t, channel_of(t), step) if t is not None else None
                      for row, t in zip(programs[r], transfers[r])] for r in range(pp)])
 
     fifos: dict[tuple[int, Hashable], deque[_Op]] = {}

@@ -23,6 +23,7 @@ the same rows when the schedule has no overlaps.
 """
 from __future__ import annotations
 
+import gc
 from typing import TYPE_CHECKING, NamedTuple
 
 from .action import Action
@@ -49,7 +50,9 @@ def message_parts(msg: int, num_stages: int, microbatches: int) -> tuple[int, in
 
 
 class Row(NamedTuple):
-    """One basic action of one rank, with what it waits for and what it sends (-1: none).
+    """One basic action of one rank, with what it waits for and what it sends (-1: none). The
+    program holds its rows as plain tuples in this layout (unpacked in the hot loops; half the
+    cost of making them); ``Row(*row)`` names the fields.
 
     ``wait``: the message a computation waits for, received by the RECV at global row
     ``wait_row`` posted earlier on the rank (an input made on the rank itself, or a receive
@@ -77,7 +80,7 @@ class Row(NamedTuple):
 
     @property
     def action(self) -> Action:
-        return Action(self.op, self.stage, self.microbatch)
+        return Action(Op.of_code(self.code).value, self.stage, self.microbatch)
 
 
 class Transfer(NamedTuple):
@@ -101,9 +104,9 @@ class Program:
     interpreter of the same schedule, made once per schedule."""
 
     __slots__ = ("pp", "num_stages", "num_microbatches", "in_turn", "together", "first_row",
-                 "transfers", "overlaps", "num_messages", "_steps", "_compute_rows")
+                 "_transfers", "_links", "overlaps", "num_messages", "_steps", "_compute_rows")
 
-    def __init__(self, pp, num_stages, num_microbatches, in_turn, together, transfers,
+    def __init__(self, pp, num_stages, num_microbatches, in_turn, together, links,
                  overlaps) -> None:
         self.pp, self.num_stages, self.num_microbatches = pp, num_stages, num_microbatches
         self.in_turn: tuple[tuple[Row, ...], ...] = in_turn
@@ -113,7 +116,8 @@ class Program:
             first.append(row)
             row += len(rows)
         self.first_row = tuple(first)             # global index of each rank's first row
-        self.transfers: dict[int, Transfer] = transfers
+        self._links = links                       # what `transfers` is made from, on use
+        self._transfers: dict[int, Transfer] | None = None
         self.overlaps: tuple[tuple[int, int], ...] = overlaps   # (forward row, backward row)
         self.num_messages = 2 * num_stages * num_microbatches
         self._steps: dict = {}
@@ -123,7 +127,7 @@ class Program:
         """Each rank's compute rows (global indices, ascending)."""
         if self._compute_rows is None:
             self._compute_rows = [[row for row, r in enumerate(rows, self.first_row[rank])
-                                   if r.code < FIRST_COMM_CODE]
+                                   if r[0] < FIRST_COMM_CODE]
                                   for rank, rows in enumerate(self.in_turn)]
         return self._compute_rows
 
@@ -136,29 +140,45 @@ class Program:
         posting): a third of a schedule's rows the walk need not visit."""
         key = (together, posts)
         if key not in self._steps:
-            self._steps[key] = tuple(self._rank_steps(rows, first, posts)
-                                     for rows, first in zip(self.rows(together), self.first_row))
+            collecting = gc.isenabled()
+            gc.disable()             # many small tuples, no cycles (as in lowering)
+            try:
+                self._steps[key] = tuple(self._rank_steps(rows, first, posts) for rows, first
+                                         in zip(self.rows(together), self.first_row))
+            finally:
+                if collecting:
+                    gc.enable()
         return self._steps[key]
 
-    def _rank_steps(self, rows: tuple[Row, ...], first: int, posts: bool) -> tuple:
-        waited = {r.wait_row for r in rows if r.wait_row >= 0} | \
-            {r.gate_row for r in rows if r.gate_row >= 0}
+    def _rank_steps(self, rows: tuple[tuple, ...], first: int, posts: bool) -> tuple:
+        waited = {r[4] for r in rows if r[4] >= 0} | {r[6] for r in rows if r[6] >= 0}
         out: list = []
-        for row, r in enumerate(rows, first):
-            code = r.code
+        pending: list = []                  # the sends after the last step, not yet attached
+        for row, (code, stage, _mb, wait, wait_row, gate, gate_row, msg, link, boundary,
+                  _ov) in enumerate(rows, first):
             if code == CODE_SEND_F or code == CODE_SEND_B:
-                send = (row, r.message, r.link, r.boundary)
-                if out and out[-1][1] != CODE_RECV_F and out[-1][1] != CODE_RECV_B:
-                    last = out[-1]
-                    out[-1] = last[:7] + (last[7] + (send,),)
-                else:
-                    out.append((-1, -1, -1, -1, -1, -1, -1, (send,)))
-            elif code == CODE_RECV_F or code == CODE_RECV_B:
+                pending.append((row, msg, link, boundary))
+                continue
+            if pending:
+                _attach(out, pending)
+                pending = []
+            if code == CODE_RECV_F or code == CODE_RECV_B:
                 if posts or row not in waited:
-                    out.append((row, code, r.stage, r.message, -1, -1, -1, ()))
+                    out.append((row, code, stage, msg, -1, -1, -1, ()))
             else:
-                out.append((row, code, r.stage, r.wait, r.wait_row, r.gate, r.gate_row, ()))
+                out.append((row, code, stage, wait, wait_row, gate, gate_row, ()))
+        if pending:
+            _attach(out, pending)
         return tuple(out)
+
+    @property
+    def transfers(self) -> dict[int, Transfer]:
+        """Per message number its :class:`Transfer` (made on first use: the simulator does
+        not need them)."""
+        if self._transfers is None:
+            self._transfers = _transfers(self._links[0], self.num_stages,
+                                         self.num_microbatches, *self._links[1:])
+        return self._transfers
 
     @property
     def num_rows(self) -> int:
@@ -176,7 +196,16 @@ class Program:
 
     def actions(self, rank: int) -> list[Action]:
         """The rank's basic actions, overlaps split (what the rows say, as Actions)."""
-        return [r.action for r in self.in_turn[rank]]
+        return [Row(*r).action for r in self.in_turn[rank]]
+
+
+def _attach(out: list, sends: list) -> None:
+    """Sends to the step before them when it is a computation (or sends), else a lone group."""
+    if out and out[-1][1] != CODE_RECV_F and out[-1][1] != CODE_RECV_B:
+        last = out[-1]
+        out[-1] = last[:7] + (last[7] + tuple(sends),)
+    else:
+        out.append((-1, -1, -1, -1, -1, -1, -1, tuple(sends)))
 
 
 def lower(schedule: "Schedule") -> Program:
@@ -190,82 +219,107 @@ def lower(schedule: "Schedule") -> Program:
 
 def _lower(schedule: "Schedule") -> Program:
     pp, n, m = schedule.pp, schedule.num_stages, schedule.num_microbatches
+    nm = n * m                       # message(d, s, mb) = d * nm + s * m + mb, inlined below
     placement = schedule.placement
-    code_of = {op: op.code for op in Op}
+    code_of = {op.value: op.code for op in Op}
+    overlap_op = Op.OVERLAP_F_B.value
     in_turn: list[tuple[Row, ...]] = []
     together: list[tuple[Row, ...]] | None = [] if schedule.has_overlaps else None
     overlaps: list[tuple[int, int]] = []
     sends: dict[int, int] = {}
     recvs: dict[int, int] = {}
     consumers: dict[int, int] = {}
-    producers: dict[tuple[int, int, int], int] = {}   # (direction, stage, mb) -> row making it
+    producers: dict[int, int] = {}    # message number of the tensor a compute row makes -> row
     row = 0
-    new = tuple.__new__
-    for rank in range(pp):
-        posted: dict[int, int] = {}                   # message -> row of its RECV, so far
-        out: list[Row] = []
-        gated: list[Row] | None = [] if together is not None else None
-        for a in schedule.actions(rank):
-            parts = a.parts if a.op == Op.OVERLAP_F_B else (a,)
-            overlap = len(overlaps) if len(parts) > 1 else -1
-            if overlap >= 0:
-                overlaps.append((row, row + 1))
-            for op, stage, mb in parts:
-                code = code_of[op]
-                wait = wait_row = msg = link = boundary = -1
-                if code < FIRST_COMM_CODE:
-                    if code == CODE_F:
-                        wait = message(FORWARD, stage, mb, n, m)
-                        producers[(FORWARD, stage, mb)] = row
-                    elif code != CODE_W:
-                        wait = message(BACKWARD, stage, mb, n, m)
-                        producers[(BACKWARD, stage, mb)] = row
-                    wait_row = posted.get(wait, -1)
-                    if wait_row < 0:
-                        wait = -1
+    collecting = gc.isenabled()
+    gc.disable()                     # ~400k small tuples: no cycles, and the collector's passes
+    try:                             # over the growing lists would cost more than the rows
+        for rank in range(pp):
+            posted: dict[int, int] = {}               # message -> row of its RECV, so far
+            out: list[tuple] = []
+            append = out.append
+            base = rank * pp
+            first = row
+            acts = schedule.actions(rank)
+            ovs = None                                # the overlap each basic action is part of
+            if together is not None:
+                flat, ovs = [], []
+                for a in acts:
+                    if a.op == overlap_op:
+                        at = first + len(flat)
+                        overlaps.append((at, at + 1))
+                        flat.extend(a.parts)
+                        ovs += [len(overlaps) - 1] * 2
                     else:
-                        consumers[wait] = row
-                elif code == CODE_SEND_F or code == CODE_SEND_B:
-                    up = code == CODE_SEND_F
-                    peer = stage + 1 if up else stage - 1
-                    msg = message(FORWARD if up else BACKWARD, peer, mb, n, m)
-                    link = rank * pp + placement[peer]
-                    boundary = stage if up else stage - 1
+                        flat.append(a)
+                        ovs.append(-1)
+                acts = flat
+            for i, (op, stage, mb) in enumerate(acts):
+                overlap = -1 if ovs is None else ovs[i]
+                code = code_of[op]
+                if code < FIRST_COMM_CODE:
+                    if code == CODE_W:
+                        append((code, stage, mb, -1, -1, -1, -1, -1, -1, -1, overlap))
+                    else:
+                        key = stage * m + mb if code == CODE_F else nm + stage * m + mb
+                        producers[key] = row
+                        wait_row = posted.get(key, -1)
+                        if wait_row >= 0:
+                            consumers[key] = row
+                            append((code, stage, mb, key, wait_row, -1, -1, -1, -1, -1, overlap))
+                        else:
+                            append((code, stage, mb, -1, -1, -1, -1, -1, -1, -1, overlap))
+                elif code == CODE_SEND_F:
+                    msg = (stage + 1) * m + mb
                     sends[msg] = row
-                else:                                       # RECV_F, RECV_B
-                    up = code == CODE_RECV_F
-                    msg = message(FORWARD if up else BACKWARD, stage, mb, n, m)
-                    boundary = stage - 1 if up else stage
-                    posted[msg] = row
-                    recvs[msg] = row
-                out.append(new(Row, (code, stage, mb, wait, wait_row, -1, -1, msg, link,
-                                     boundary, overlap)))
+                    append((code, stage, mb, -1, -1, -1, -1, msg, base + placement[stage + 1],
+                            stage, overlap))
+                elif code == CODE_SEND_B:
+                    msg = nm + (stage - 1) * m + mb
+                    sends[msg] = row
+                    append((code, stage, mb, -1, -1, -1, -1, msg, base + placement[stage - 1],
+                            stage - 1, overlap))
+                else:                                   # RECV_F, RECV_B
+                    if code == CODE_RECV_F:
+                        msg, boundary = stage * m + mb, stage - 1
+                    else:
+                        msg, boundary = nm + stage * m + mb, stage
+                    posted[msg] = recvs[msg] = row
+                    append((code, stage, mb, -1, -1, -1, -1, msg, -1, boundary, overlap))
                 row += 1
-            if gated is not None:
-                k = len(out) - len(parts)
-                if overlap >= 0:
-                    fwd, bwd = out[k], out[k + 1]
-                    gated.append(fwd._replace(gate=bwd.wait, gate_row=bwd.wait_row))
-                    gated.append(bwd._replace(wait=-1, wait_row=-1))
-                else:
-                    gated.extend(out[k:])
-        in_turn.append(tuple(out))
-        if together is not None:
-            together.append(tuple(gated))
+            in_turn.append(tuple(out))
+            if together is not None:
+                gated = list(out)
+                for fwd_row, bwd_row in overlaps:
+                    if first <= fwd_row < row:
+                        fwd, bwd = out[fwd_row - first], out[bwd_row - first]
+                        gated[fwd_row - first] = fwd[:5] + (bwd[3], bwd[4]) + fwd[7:]  # its gate
+                        gated[bwd_row - first] = bwd[:3] + (-1, -1) + bwd[5:]  # waited there
+                together.append(tuple(gated))
+    finally:
+        if collecting:
+            gc.enable()
+    in_turn_t = tuple(in_turn)
+    return Program(pp, n, m, in_turn_t, tuple(together) if together is not None else in_turn_t,
+                   (placement, sends, recvs, consumers, producers), tuple(overlaps))
+
+
+def _transfers(pp_placement, n: int, m: int, sends, recvs, consumers, producers
+               ) -> dict[int, Transfer]:
+    placement = pp_placement
     transfers: dict[int, Transfer] = {}
     for msg in sends.keys() | recvs.keys():
         direction, stage, mb = message_parts(msg, n, m)
         sender = stage - 1 if direction == FORWARD else stage + 1
         if not 0 <= sender < n:
             continue                                         # refused by validate()
-        boundary = min(stage, sender)
-        transfers[msg] = Transfer(direction, placement[sender], placement[stage], boundary, mb,
-                                  producers.get((direction, sender, mb), -1), sends.get(msg, -1),
-                                  recvs.get(msg, -1), consumers.get(msg, -1))
-    in_turn_t = tuple(in_turn)
-    return Program(pp, n, m, in_turn_t, tuple(together) if together is not None else in_turn_t,
-                   transfers, tuple(overlaps))
+        transfers[msg] = Transfer(direction, placement[sender], placement[stage],
+                                  min(stage, sender), mb,
+                                  producers.get(message(direction, sender, mb, n, m), -1),
+                                  sends.get(msg, -1), recvs.get(msg, -1),
+                                  consumers.get(msg, -1))
+    return transfers
 
 
 __all__ = ["Program", "Row", "Transfer", "lower", "message", "message_parts", "FORWARD",
-           "BACKWARD", "CODE_B", "CODE_I", "CODE_RECV_B", "CODE_SEND_B"]
+           "BACKWARD"]

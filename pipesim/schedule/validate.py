@@ -29,7 +29,7 @@ from .action import B, F, I, OVERLAP_F_B, RECV_B, RECV_F, SEND_B, SEND_F, W, Act
 from .comms import peer_stage
 from .grid import format_grid
 from .op import CODE_B, CODE_F, CODE_I, CODE_SEND_B, CODE_SEND_F, CODE_W, FIRST_COMM_CODE
-from .program import BACKWARD, FORWARD, lower, message, message_parts
+from .program import BACKWARD, FORWARD, Row, lower, message, message_parts
 
 if TYPE_CHECKING:
     from .schedule import Schedule
@@ -273,7 +273,7 @@ def _check_no_deadlock(schedule: "Schedule", direct: bool = False) -> None:
     next_local = [s < last and (direct or placement[s + 1] == placement[s]) for s in range(n)]
     bounds = schedule.route_bounds()
     firsts, lasts = bounds if bounds is not None else ([0] * m, [last] * m)
-    rows = [tuple(r for r in rank_rows if r.code < FIRST_COMM_CODE) if direct else rank_rows
+    rows = [tuple(r for r in rank_rows if r[0] < FIRST_COMM_CODE) if direct else rank_rows
             for rank_rows in program.in_turn]
     waiting: dict[int, list[int]] = {}
     blocked: dict[int, tuple[int, bool, int, int]] = {}   # rank -> (row, at gate, kind, index)
@@ -304,17 +304,16 @@ def _check_no_deadlock(schedule: "Schedule", direct: bool = False) -> None:
         count = len(own)
         i = pointer[rank]
         while i < count:
-            r = own[i]
-            code, s, mb = r.code, r.stage, r.microbatch
+            code, s, mb, _, _, _, _, msg, _, _, overlap = own[i]
             k = s * m + mb
             need = None
             gate = False
             key = -1
-            if r.overlap >= 0 and code == CODE_F:
+            if overlap >= 0 and code == CODE_F:
                 # The gate of an overlap: its backward part's inputs must be there too before
                 # the forward part starts (the parts start together).
-                bwd = own[i + 1]
-                need = backward_wait(bwd.stage, bwd.microbatch)
+                bwd = own[i + 1]                           # a Row: code, stage, microbatch
+                need = backward_wait(bwd[1], bwd[2])
                 gate = need is not None
             if need is not None:
                 pass
@@ -324,9 +323,9 @@ def _check_no_deadlock(schedule: "Schedule", direct: bool = False) -> None:
                         if not f_done[k - m]:
                             need = FORWARD_, k - m
                     else:
-                        msg = message(FORWARD, s, mb, n, m)
-                        if not posted[msg]:
-                            need = POSTED_, msg
+                        remote = message(FORWARD, s, mb, n, m)
+                        if not posted[remote]:
+                            need = POSTED_, remote
                 if need is None:
                     f_done[k] = 1
                     key = FORWARD_ * size + k
@@ -349,14 +348,14 @@ def _check_no_deadlock(schedule: "Schedule", direct: bool = False) -> None:
                 if not producer[k]:
                     need = (FORWARD_ if code == CODE_SEND_F else GRADIENT_), k
                 else:
-                    sent[r.message] = 1
-                    key = SENT_ * size + r.message
+                    sent[msg] = 1
+                    key = SENT_ * size + msg
             else:                                          # RECV_F, RECV_B
-                if not sent[r.message]:
-                    need = SENT_, r.message
+                if not sent[msg]:
+                    need = SENT_, msg
                 else:
-                    posted[r.message] = 1
-                    key = POSTED_ * size + r.message
+                    posted[msg] = 1
+                    key = POSTED_ * size + msg
             if need is not None:
                 waiting.setdefault(need[0] * size + need[1], []).append(rank)
                 blocked[rank] = (i, gate, *need)
@@ -371,8 +370,8 @@ def _check_no_deadlock(schedule: "Schedule", direct: bool = False) -> None:
     if blocked:
         stuck, marks = [], []
         for r, (i, gate, kind, index) in sorted(blocked.items()):
-            row = rows[r][i]
-            action = Overlap(row.action, rows[r][i + 1].action) if gate else row.action
+            row = Row(*rows[r][i])
+            action = Overlap(row.action, Row(*rows[r][i + 1]).action) if gate else row.action
             words = _waited_for(action, kind, index, n, m, placement)
             stuck.append(f"rank {r} is stuck at {action} waiting for {words}")
             marks.append((r, _row_step(rows[r], i), action))
@@ -386,7 +385,7 @@ def _check_no_deadlock(schedule: "Schedule", direct: bool = False) -> None:
 def _row_step(rows, i: int) -> int:
     """The step (position in the rank's action list) of its row ``i``: an overlap's two parts
     are one action."""
-    return i - sum(1 for r in rows[:i] if r.overlap >= 0 and r.code != CODE_F)
+    return i - sum(1 for r in map(Row._make, rows[:i]) if r.overlap >= 0 and r.code != CODE_F)
 
 
 def _waited_for(action: Action, kind: int, index: int, n: int, m: int,
