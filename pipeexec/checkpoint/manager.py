@@ -49,6 +49,11 @@ class CheckpointOptions:
     no_load_rng: bool = option(False, "do not restore the RNG states", action="store_true")
     release: bool = option(False, "make the end-of-run save a weights-only 'release' "
                            "checkpoint", action="store_true")
+    override_opt_param_scheduler: bool = option(
+        False, "on a resume, follow this run's learning-rate schedule (--lr, --min-lr, "
+        "--warmup-steps, --decay-steps, or --steps without it) where it differs from the "
+        "checkpoint's; without it such a resume is refused (Megatron's "
+        "--override-opt_param-scheduler)", action="store_true")
     timeout: float = option(600.0, "seconds a rank waits for the others to finish writing a "
                             "checkpoint", flag="--checkpoint-timeout", type=float, metavar="S")
     verify: bool = option(True, "CRC-check every file before loading it", flag=None)
@@ -67,7 +72,8 @@ class CheckpointOptions:
             raise ValueError("--release needs --save (the directory to write it to)")
         for flag, value in (("--finetune", self.finetune), ("--no-load-optim", self.no_load_optim),
                             ("--no-load-rng", self.no_load_rng),
-                            ("--ckpt-step", self.ckpt_step is not None)):
+                            ("--ckpt-step", self.ckpt_step is not None),
+                            ("--override-opt-param-scheduler", self.override_opt_param_scheduler)):
             if value and self.load is None:
                 raise ValueError(f"{flag} needs --load")
         if self.ckpt_step is not None and self.ckpt_step < 0:

@@ -1,6 +1,7 @@
 """Checks of a ``pipeexec train`` command that need the machine or the files, made before any
 worker starts (`TrainConfig.validate` checks the config itself): the CPU share asked for, the
-data file, and whether a resumed run has anything left to train."""
+data file, whether a resumed run has anything left to train and whether it keeps the
+checkpoint's learning-rate schedule."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -56,6 +57,16 @@ def data_warning(data: str) -> str | None:
     return None
 
 
+def microbatch_warning(pp: int, microbatches: int) -> str | None:
+    """Why a pipeline of fewer microbatches than stages wastes most of its ranks, or None."""
+    if microbatches >= pp:
+        return None
+    idle = 1 - microbatches / (microbatches + pp - 1)
+    return (f"--microbatches {microbatches} with --pp {pp}: a pipeline of m = {microbatches} "
+            f"keeps each rank idle about {idle:.0%} of the step (bubble (p-1)/(m+p-1)); pass "
+            f"--microbatches {pp} or more (4 x pp keeps the bubble small)")
+
+
 @dataclass(frozen=True)
 class Preflight:
     """What to tell the user before starting: ``warnings`` (go ahead), and ``nothing_to_train``
@@ -73,6 +84,9 @@ def check_train(config: TrainConfig, checkpoint: Any, *, nproc: int,
     w = data_warning(config.data)
     if w:
         warnings.append(w + "; training on its bytes anyway")
+    w = microbatch_warning(config.pp, config.microbatches)
+    if w:
+        warnings.append(w)
     nothing = None
     if checkpoint is not None and checkpoint.load is not None and not checkpoint.finetune:
         from ..checkpoint import CheckpointError, read_tracker
@@ -90,4 +104,48 @@ def check_train(config: TrainConfig, checkpoint: Any, *, nproc: int,
                        f"{tag} and --steps {config.steps} counts iterations in total (like "
                        f"Megatron's --train-iters); pass --steps {int(tag) + config.steps} to "
                        f"train {config.steps} more")
+        elif tag != RELEASE and not (checkpoint.override_opt_param_scheduler
+                                     or config.forward_only):
+            from ..checkpoint.reader import CheckpointReader
+
+            try:
+                first = CheckpointReader(checkpoint.load, tag, verify=False).file(0)
+            except CheckpointError:
+                first = {}               # the workers' load names what is wrong with the files
+            check_lr_schedule(config, first.get("opt_param_scheduler"), checkpoint.load)
     return Preflight(tuple(warnings), nothing)
+
+
+# the checkpoint's scheduler record key -> (the run's value, the flag that sets it)
+_SCHEDULE = {"max_lr": ("lr", "--lr"), "min_lr": ("min_lr", "--min-lr"),
+             "warmup_steps": ("warmup_steps", "--warmup-steps"),
+             "decay_steps": ("decay_steps", "--decay-steps")}
+
+
+def check_lr_schedule(config: TrainConfig, record: dict | None, load: str) -> None:
+    """Refuse a resume whose learning-rate schedule differs from the checkpoint's (a different
+    ``--steps`` moves the cosine decay's end: the LR jumps), naming both values and the two ways
+    on: the flags that keep the checkpoint's schedule, or ``--override-opt-param-scheduler``.
+    ``record``: the checkpoint's ``opt_param_scheduler`` (None: an old checkpoint, not checked)."""
+    if not record:
+        return
+    run = {"max_lr": config.lr, "min_lr": config.min_lr, "warmup_steps": config.warmup_steps,
+           "decay_steps": config.decay_steps or config.steps}
+    differ = [k for k in _SCHEDULE if k in record and not _same(record[k], run[k])]
+    if not differ:
+        return
+    what = []
+    for k in differ:
+        field, flag = _SCHEDULE[k]
+        yours = (f"{flag} {run[k]:g}" if k != "decay_steps" or config.decay_steps else
+                 f"--steps {config.steps} (the decay ends at --steps unless --decay-steps is given)")
+        what.append(f"{k} {record[k]:g} in the checkpoint, {run[k]:g} in this run ({yours})")
+    keep = " ".join(f"{_SCHEDULE[k][1]} {record[k]:g}" for k in differ)
+    raise ConfigError(
+        f"--load {load}: the checkpoint's learning-rate schedule differs from this run's: "
+        + "; ".join(what) + f". Resuming would reshape the schedule mid-run. Pass {keep} to keep "
+        "the checkpoint's schedule, or --override-opt-param-scheduler to follow this run's")
+
+
+def _same(a: float, b: float) -> bool:
+    return abs(float(a) - float(b)) <= 1e-12 * max(1.0, abs(float(a)), abs(float(b)))

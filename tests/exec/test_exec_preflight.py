@@ -131,3 +131,39 @@ def test_ctrl_c_stops_the_workers_with_one_line():
     # every worker is gone: none left in the session the run started
     left = subprocess.run(["pgrep", "-s", str(p.pid)], capture_output=True, text=True).stdout
     assert left.strip() == ""
+
+
+def test_resume_with_another_steps_is_refused_unless_overridden(checkpoint_at_4, capsys,
+                                                                 monkeypatch):
+    """--steps 8 moves the cosine decay's end from 4 to 8: the LR would jump at iteration 4.
+    Refused before any worker starts, naming both values; --override-opt-param-scheduler (or
+    --decay-steps 4, the checkpoint's) lets it run."""
+    import pipeexec.launching.launcher as launcher
+
+    started = []
+    monkeypatch.setattr(launcher, "launch", lambda *a, **k: started.append(a) or [None])
+    capsys.readouterr()
+    assert run_cli(["train", *TINY, "--steps", "8", "--load", str(checkpoint_at_4)]) == 2
+    err = capsys.readouterr().err
+    assert "decay_steps 4 in the checkpoint, 8 in this run (--steps 8" in err, err
+    assert "Pass --decay-steps 4" in err and "--override-opt-param-scheduler" in err
+    assert not started
+    for extra in (["--override-opt-param-scheduler"], ["--decay-steps", "4"]):
+        try:
+            main(["train", *TINY, "--steps", "8", "--load", str(checkpoint_at_4), *extra])
+        except SystemExit as exc:
+            assert exc.code in (0, None), capsys.readouterr().err
+        assert len(started) == 1, extra
+        started.clear()
+
+
+def test_fewer_microbatches_than_pp_is_warned_before_the_run(capsys, monkeypatch):
+    import pipeexec.launching.launcher as launcher
+
+    monkeypatch.setattr(launcher, "launch", lambda *a, **k: [None])
+    try:
+        main(["train", *TINY, "--layers", "3", "--pp", "3", "--microbatches", "1", "--steps", "1"])
+    except SystemExit:
+        pass
+    err = capsys.readouterr().err
+    assert "pipeexec: warning: --microbatches 1 with --pp 3: a pipeline of m = 1" in err
