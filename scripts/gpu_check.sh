@@ -19,6 +19,11 @@ print("versions", run_versions("nccl" if torch.cuda.is_available() else "gloo"),
       "NVML devices", cuda_device_count(), "supported range", SUPPORTED_TORCH, torch_supported())
 PY
 NGPU=$(python -c "from pipeexec.launching.devices import cuda_device_count; print(cuda_device_count())")
+if [ "${NGPU:-0}" -lt 1 ]; then
+  # every check below needs a GPU: one line, not a traceback per check
+  echo "gpu_check: no CUDA device (NVML counts none: check the driver and CUDA_VISIBLE_DEVICES); nothing checked" >&2
+  exit 2
+fi
 echo "== pp=1 profiles (zb-h1 vpp 1, zbv vpp 2): spans, memory meters, split probe"
 timeout 150 python scripts/gpu_check.py profile --device cuda || status=1
 echo "== fp16 with an injected overflow"

@@ -1,0 +1,23 @@
+"""The scripts a user runs by hand behave on a machine that lacks what they need."""
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.slow
+def test_gpu_check_without_a_gpu_says_so_once_and_fails():
+    from pipeexec.launching.devices import cuda_device_count
+
+    if cuda_device_count() > 0:
+        pytest.skip("a CUDA device is here: the script runs its checks")
+    out = subprocess.run(["bash", "scripts/gpu_check.sh"], cwd=ROOT, capture_output=True,
+                         text=True, timeout=300)
+    text = out.stdout + out.stderr
+    assert out.returncode != 0
+    assert text.count("no CUDA device") == 1, text
+    assert "Traceback" not in text and "CalledProcessError" not in text, text
