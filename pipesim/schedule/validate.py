@@ -106,42 +106,40 @@ def _check_well_formed(schedule: "Schedule", lists: list[list[Action]]) -> None:
     firsts, lasts = bounds if bounds is not None else ([0] * m, [n - 1] * m)
     for rank, actions in enumerate(lists):
         for whole in actions:
-            if whole.op == OVERLAP_F_B and schedule.forward_only:
+            if whole.op != OVERLAP_F_B:
+                parts = (whole,)
+            elif schedule.forward_only:
                 raise _fail(schedule, rank, whole, f"rank {rank}: action {whole} overlaps a "
                             "backward in a forward-only schedule")
-            for a in whole.parts:              # an overlap: each of its parts
-                _check_action(schedule, rank, a, n, m, placement, firsts, lasts)
-
-
-def _check_action(schedule: "Schedule", rank: int, a: Action, n: int, m: int, placement,
-                  firsts, lasts) -> None:
-    """One basic action's stage, microbatch, rank, route and peer, in words when wrong."""
-    if not 0 <= a.stage < n:
-        raise _fail(schedule, rank, a,
-                    f"rank {rank}: action {a} names stage {a.stage}, outside 0..{n - 1}")
-    if not 0 <= a.microbatch < m:
-        raise _fail(
-            schedule, rank, a,
-            f"rank {rank}: action {a} names microbatch {a.microbatch}, outside 0..{m - 1}")
-    if placement[a.stage] != rank:
-        raise _fail(
-            schedule, rank, a,
-            f"rank {rank}: action {a} runs stage {a.stage}, which the placement puts on "
-            f"rank {placement[a.stage]}")
-    if schedule.forward_only and a.op not in (F, SEND_F, RECV_F):
-        raise _fail(schedule, rank, a, f"rank {rank}: action {a} is a backward action in a "
-                    "forward-only schedule")
-    first, last = firsts[a.microbatch], lasts[a.microbatch]
-    if not first <= a.stage <= last:
-        raise _fail(
-            schedule, rank, a,
-            f"rank {rank}: action {a} runs stage {a.stage}, which is not on microbatch "
-            f"{a.microbatch}'s route (stages {first}..{last})")
-    if a.op in (SEND_F, RECV_B) and a.stage == last or a.op in (RECV_F, SEND_B) and a.stage == first:
-        where = (f"its route ends at stage {last}" if a.op in (SEND_F, RECV_B)
-                 else f"its route starts at stage {first}")
-        raise _fail(schedule, rank, a, f"rank {rank}: action {a} has no peer stage {peer_stage(a)} "
-                            f"(microbatch {a.microbatch}: {where})")
+            else:
+                parts = whole.parts                # an overlap: each of its parts
+            for a in parts:
+                if not 0 <= a.stage < n:
+                    raise _fail(schedule, rank, a,
+                                f"rank {rank}: action {a} names stage {a.stage}, outside 0..{n - 1}")
+                if not 0 <= a.microbatch < m:
+                    raise _fail(
+                        schedule, rank, a,
+                        f"rank {rank}: action {a} names microbatch {a.microbatch}, outside 0..{m - 1}")
+                if placement[a.stage] != rank:
+                    raise _fail(
+                        schedule, rank, a,
+                        f"rank {rank}: action {a} runs stage {a.stage}, which the placement puts on "
+                        f"rank {placement[a.stage]}")
+                if schedule.forward_only and a.op not in (F, SEND_F, RECV_F):
+                    raise _fail(schedule, rank, a, f"rank {rank}: action {a} is a backward action in a "
+                                "forward-only schedule")
+                first, last = firsts[a.microbatch], lasts[a.microbatch]
+                if not first <= a.stage <= last:
+                    raise _fail(
+                        schedule, rank, a,
+                        f"rank {rank}: action {a} runs stage {a.stage}, which is not on microbatch "
+                        f"{a.microbatch}'s route (stages {first}..{last})")
+                if a.op in (SEND_F, RECV_B) and a.stage == last or a.op in (RECV_F, SEND_B) and a.stage == first:
+                    where = (f"its route ends at stage {last}" if a.op in (SEND_F, RECV_B)
+                             else f"its route starts at stage {first}")
+                    raise _fail(schedule, rank, a, f"rank {rank}: action {a} has no peer stage "
+                                f"{peer_stage(a)} (microbatch {a.microbatch}: {where})")
 
 
 def _check_complete(schedule: "Schedule") -> None:
