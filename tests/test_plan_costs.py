@@ -167,17 +167,18 @@ def _benchmark():
     return module
 
 
-def test_korthikanti_table5_iteration_times_within_5_percent():
+def test_korthikanti_table5_iteration_times_within_2_5_percent():
     """The eight runs of Korthikanti et al. 2022 (Table 3 configs, Table 5 times, transcribed
     in benchmarks/plan_vs_published.py), with the A100 efficiency curve stated in
-    pipesim.plan.efficiency: every predicted iteration time within 5% (the issue asks 10%)."""
+    pipesim.plan.efficiency: every predicted iteration time within 2.5%, the README's figure
+    (the target was 10%; a worse fit, e.g. e_max 0.78, fails here)."""
     bench = _benchmark()
     assert bench.TABLE5["175B"] == (18.13, 13.75) and bench.TABLE5["1T"] == (94.42, 71.49)
     rows = bench.predict()
     assert len(rows) == 8
     errors = {(name, method): predicted / published - 1
               for name, method, published, predicted, _, _ in rows}
-    assert max(abs(e) for e in errors.values()) < 0.05, errors
+    assert max(abs(e) for e in errors.values()) < 0.025, errors
 
 
 def test_context_parallel_halves_tokens_and_overlaps_the_kv_gather():
