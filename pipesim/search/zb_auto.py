@@ -300,7 +300,7 @@ def greedy_order(pp: int, m: int, costs, limits: Sequence[float], prefer_i: bool
     return orders
 
 
-STEP_TIE = 1e-11   # relative: steps this close are equal (sums in another order differ so)
+STEP_TIE = 1e-12   # relative: steps this close are equal (sums in another order differ so)
 
 
 def _pick(ranked: list[tuple]) -> tuple:
