@@ -344,3 +344,16 @@ def test_an_idle_over_busy_error_without_meaning_is_not_printed():
     row0 = next(line for line in text.splitlines() if line.startswith("   0 |"))
     assert "n/a" in row0 and "pt" not in row0.split("|")[4]
     assert "n/a: an idle/busy ratio above 1" in text
+
+
+def test_the_headline_says_what_measured_means_and_the_figure_title_its_panels_statistic():
+    c = compare_runs(jittered_run(steps=4))
+    assert "the pipeline's makespan, first action to last: the log's step_time adds the " \
+           "optimizer step" in c.headline()
+    fig = c.figure()
+    titles = [t.get_text() for t in fig.texts] + [ax.get_title(loc=loc) for ax in fig.axes
+                                                  for loc in ("left", "center")]
+    title = next(t for t in titles if "vs measured step" in t).replace("\n", " ")
+    want = c.predicted.makespan / c.measured.makespan - 1
+    assert f"vs measured step {c.step} (the median of the compared steps)" in title
+    assert f"({want:+.1%})" in title and "over the compared steps' mean" in title
