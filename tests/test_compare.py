@@ -357,3 +357,14 @@ def test_the_headline_says_what_measured_means_and_the_figure_title_its_panels_s
     want = c.predicted.makespan / c.measured.makespan - 1
     assert f"vs measured step {c.step} (the median of the compared steps)" in title
     assert f"({want:+.1%})" in title and "over the compared steps' mean" in title
+
+
+def test_a_cross_schedule_prediction_says_which_rank_rows_are_least_reliable():
+    source = jittered_run("1f1b", steps=1)
+    target = jittered_run("zb-h1", steps=2)
+    cross = compare_runs(target, source)
+    assert cross.cross_schedule_edge_ranks() == [0, 3]
+    assert "note: predicted from another schedule's run: the rows of rank(s) 0, 3 (embedding, " \
+           "head) are the least reliable" in cross.text()
+    own = compare_runs(target)
+    assert own.cross_schedule_edge_ranks() == [] and "another schedule's run" not in own.text()
