@@ -38,6 +38,8 @@ def main(argv: list[str] | None = None) -> int:
                    choices=["none", "selective", "full"])
     add_model_args(p, steps=2)              # the last step is measured, the others warm up
     p.add_argument("--precision", default="fp32", choices=["fp32", "bf16"])
+    p.add_argument("--max-error", type=float, default=0.005,
+                   help="exit 1 when a rank's error exceeds this (the README claims 0.5%%)")
     p.add_argument("--timeout", type=float, default=600.0, help="limit per run, seconds")
     args = p.parse_args(argv)
     print(f"# peak activation memory, measured vs pipesim's plan: CPU/gloo, {os.cpu_count()} cores, "
@@ -70,6 +72,9 @@ def main(argv: list[str] | None = None) -> int:
     worst = max(max(abs(e) for e in r[6]) for r in rows)
     print(f"\nmax |error| over every rank and run: {worst:.1%}; {len(rows)} runs in "
           f"{time.time() - started:.0f} s")
+    if worst > args.max_error:            # the README's claim, bound where it is made
+        print(f"FAIL: {worst:.2%} exceeds --max-error {args.max_error:.1%}")
+        return 1
     return 0
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import re
 import shlex
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -19,28 +20,38 @@ def blocks(lang: str) -> list[str]:
     return re.findall(rf"```{lang}\n(.*?)```", tour, flags=re.S)
 
 
-def commands(prefix: str) -> list[list[str]]:
-    """The tour's command lines starting with ``prefix``, comments dropped, as argv lists."""
+def lines() -> list[str]:
+    """The tour's bash lines, continuation lines joined and comments dropped, in order."""
     out = []
     for block in blocks("bash"):
         for line in block.replace("\\\n", " ").splitlines():   # continuation lines joined
-            line = line.split("#", 1)[0].strip()
-            if line.startswith(prefix + " ") and "..." not in line:
-                out.append(shlex.split(line)[1:])
+            line = line.split(" #", 1)[0].strip() if not line.lstrip().startswith("#") else ""
+            if line:
+                out.append(line)
     return out
 
 
-# The Hugging Face config.json the tour's lines read (a small Llama-family model).
-HF_CONFIG = {"model_type": "llama", "hidden_size": 1024, "intermediate_size": 2816,
-             "num_attention_heads": 16, "num_key_value_heads": 4, "num_hidden_layers": 8,
-             "vocab_size": 32000, "max_position_embeddings": 2048}
+def commands(prefix: str) -> list[list[str]]:
+    """The tour's command lines starting with ``prefix``, as argv lists."""
+    return [shlex.split(line)[1:] for line in lines()
+            if line.startswith(prefix + " ") and "..." not in line]
+
+
+SHELL = ("echo ", "mkdir ")      # the tour's lines that make files with the shell
+
+
+def run_shell_lines(where: Path) -> None:
+    for line in lines():
+        if line.startswith(SHELL):
+            subprocess.run(["bash", "-c", line], cwd=where, check=True)
 
 
 @pytest.fixture
 def scratch(tmp_path, monkeypatch):
-    """A working directory holding the files the tour names."""
+    """A working directory holding the files the tour's shell lines make (its config.json)."""
     monkeypatch.chdir(tmp_path)
-    (tmp_path / "config.json").write_text(json.dumps(HF_CONFIG))
+    run_shell_lines(tmp_path)
+    assert json.loads((tmp_path / "config.json").read_text())["model_type"] == "llama"
     import pipesim      # the s.csv the Python tour writes
     pipesim.schedule_to_csv(pipesim.build_schedule("interleaved", pp=4, vpp=2, microbatches=8),
                             tmp_path / "s.csv")
@@ -76,11 +87,56 @@ def test_pipesim_lines_run_in_order(scratch, capsys):
         assert capsys.readouterr().out, line
 
 
+def test_every_file_the_tour_reads_is_made_by_an_earlier_line():
+    """A new user starts in an empty directory: each file a line reads (a config.json, a
+    schedule file, a plan, a checkpoint) is written by a line above it."""
+    text = README.read_text()
+    tour = text[text.index("## Quick tour"):text.index("## Schedules")]
+    made: set[str] = set()
+    reads = {"--model": ".json", "--schedule": (".json", ".csv"), "--plan": "", "--load": "",
+             "--calibrate-from": ""}
+    writes = ("--json", "--save", "--save-plan", "--plan-out", "--out", "--report-out", "--csv")
+    checked = 0
+    for lang, body in re.findall(r"```(python|bash)\n(.*?)```", tour, flags=re.S):
+        if lang == "python":
+            made.update(re.findall(r"""(?:savefig|to_chrome_trace|schedule_to_csv\(s,|save)\(?\s*"([^"]+)\"""",
+                                   body))
+            continue
+        for line in body.replace("\\\n", " ").splitlines():
+            line = line.split(" #", 1)[0].strip()
+            if not line or line.startswith("#") or "..." in line:
+                continue
+            words = shlex.split(line)
+            if ">" in words:
+                made.add(words[words.index(">") + 1])
+            for i, w in enumerate(words[:-1]):
+                nxt = words[i + 1]
+                suffix = reads.get(w)
+                if suffix is not None and nxt.endswith(suffix or "") and (
+                        w != "--model" or nxt.endswith(".json")) and not nxt.startswith("out/"):
+                    assert nxt in made, f"{line!r} reads {nxt}, which no earlier line makes"
+                    checked += 1
+                if words[:3] == ["pipeexec", "checkpoint", "inspect"] and i == 2:
+                    assert nxt in made, f"{line!r} reads {nxt}, which no earlier line makes"
+                    checked += 1
+            if words[:2] == ["pipesim", "simulate"] and words[2].endswith((".csv", ".json")):
+                assert words[2] in made, f"{line!r} reads {words[2]}"
+                checked += 1
+            made.update(words[i + 1] for i, w in enumerate(words[:-1]) if w in writes)
+    assert checked >= 6 and {"config.json", "my_schedule.json", "ckpt"} <= made
+
+
 @pytest.mark.parametrize("argv", commands("pipeexec"), ids=" ".join)
-def test_pipeexec_lines_parse(argv):
+def test_pipeexec_lines_parse(argv, scratch):
     from pipeexec.cli.train import config_from_args, train_parser
     from pipeexec.cli.main import _parser
     from pipeexec.cli.compare import compare_parser
+    from pipesim.cli import main as pipesim_main
+
+    for name in [a for a in argv if a.endswith(".json") and not Path(a).exists()]:
+        for line in commands("pipesim"):              # the tour line that writes it
+            if name in line and "--json" in line:
+                assert pipesim_main(line) == 0
 
     if argv[0] == "compare":
         _, rest = compare_parser().parse_known_args(argv[1:])
