@@ -77,11 +77,14 @@ ax.legend(fontsize=8)
 ax.grid(alpha=0.3)
 ms = pd.Series(ref["step_times"], index=losses.index) * 1e3
 ax2.plot(ms.index, ms, ".-", color="#8a63b8", lw=0.8)
-ax2.set_ylim(0, ms.iloc[1:].quantile(0.95) * 1.5)
+top = ms.iloc[1:].quantile(0.95) * 1.5
+ax2.set_ylim(0, top)
+clipped = ms[ms > top]                              # the first (warm-up) and any stalled step
 ax2.set_xlabel("step")
 ax2.set_ylabel("step time (ms)")
-ax2.set_title(f"step time (measured; the first, {ms.iloc[0]:.0f} ms, is off the chart: warm-up)",
-              fontsize=10)
+ax2.set_title("step time (measured; off the chart: "
+              + ", ".join(f"step {k} {v:.0f} ms" for k, v in clipped.items()) + ")"
+              if len(clipped) else "step time (measured)", fontsize=10)
 ax2.grid(alpha=0.3)
 fig.tight_layout()
 print(f"loss {losses.iloc[0]:.3f} at step 1 -> {losses.iloc[-5:].mean():.3f} over the last 5 steps; "

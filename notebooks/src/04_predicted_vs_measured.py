@@ -155,7 +155,7 @@ table = pd.DataFrame({
            "predicted peak act. (MiB)": max(r["predicted_peak_memory"]) / MiB,
            "measured peak act. (MiB)": max(r["measured_peak_memory"]) / MiB,
            "calibrated from": "itself" if SOURCE[name] == name else f"{SOURCE[name]} run"}
-    for name, r in reports.items()}).T
+    for name, r in ((name, reports[name]) for name in SCHEDULES)}).T
 table = table.astype({"vpp": int, "predicted step (ms)": float, "measured step (ms)": float,
                       "predicted bubble_fraction": float, "measured bubble_fraction": float,
                       "predicted peak act. (MiB)": float, "measured peak act. (MiB)": float})
@@ -190,10 +190,12 @@ split.style.format({"measured step (ms)": "{:.1f}", "predicted (ms)": "{:.1f}",
 
 # %%
 fig, (ax, ax2) = plt.subplots(1, 2, figsize=(12, 3.8))
-x = range(len(table))
+order = list(table.index)                    # one order for every bar: a schedule's bars together
+assert list(split.index) == order, (list(split.index), order)
+x = range(len(order))
 ax.bar([i - 0.27 for i in x], table["predicted step (ms)"], 0.27, label="predicted (calibration run)",
        color="#6fa8dc")
-ax.bar(list(x), split["from own trace (ms)"], 0.27, label="re-simulated from its own trace",
+ax.bar(list(x), split.loc[order, "from own trace (ms)"], 0.27, label="re-simulated from its own trace",
        color="#b4cfe9")
 ax.bar([i + 0.27 for i in x], table["measured step (ms)"], 0.27, label="measured", color="#3b75af")
 ax.set_xticks(list(x), table.index)
