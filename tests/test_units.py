@@ -86,3 +86,10 @@ def test_a_zero_bubble_prints_as_zero_not_as_rounding_noise():
                          pipesim.CostModel.uniform())
     text = r.summary_text(unitless=True)
     assert "e-1" not in text and "e-2" not in text, text
+
+
+def test_a_model_spec_prints_its_parameters_for_people():
+    from pipesim.plan.model import get_model
+
+    assert "params=41.9M" in repr(get_model("tiny"))
+    assert "params=70.6B" in repr(get_model("llama3-70b"))

@@ -18,6 +18,7 @@ from typing import Any
 
 from ..errors import PlanError
 from ..fields import known_fields
+from ..units import format_count
 
 MLP_KINDS = ("gelu", "swiglu")
 NORMS = ("layernorm", "rmsnorm")
@@ -221,7 +222,7 @@ class ModelSpec:
                   f"vocab={self.vocab}"]
         if self.is_moe:
             parts.append(f"experts={self.experts} top_k={self.top_k} moe_ffn={self.moe_ffn}")
-        parts.append(f"params={self.num_params() / 1e9:.3g}B")
+        parts.append(f"params={format_count(self.num_params())}")
         return f"ModelSpec({', '.join(parts)})"
 
 
