@@ -37,7 +37,8 @@ import torch.distributed as dist
 from pipeexec import launch
 from pipeexec.data import BatchSource
 from pipeexec.training.ddp import GradBuffer
-from pipeexec.model import gpt_spec
+from pipeexec.config import GPT_MODEL
+from pipeexec.model import gpt_stack
 from pipeexec.pipeline.p2p import P2P
 from pipeexec.partition import by_layers
 from pipeexec.pipeline.runtime import PipelineRuntime
@@ -61,8 +62,8 @@ def worker(board, args) -> list[dict]:
     import torch.distributed.pipelining as tpp
 
     topo = init_topology(args.pp, 1, timeout=300)
-    spec = gpt_spec(layers=args.layers, hidden=args.hidden, heads=args.heads, seq_len=args.seq_len,
-                    vocab=args.vocab)
+    spec = gpt_stack(GPT_MODEL.with_(layers=args.layers, hidden=args.hidden, heads=args.heads,
+                                     seq_length=args.seq_len, vocab=args.vocab))
     src = BatchSource(seed=0, seq_len=args.seq_len, vocab=args.vocab,
                       global_batch=args.microbatches * args.micro_batch_size)
     cpu = torch.device("cpu")

@@ -12,13 +12,15 @@ Command line::
 From Python (each process, e.g. under torchrun or `launch`)::
 
     topo = init_topology(pp, dp)                       # explicit pp / dp groups
-    trainer = Trainer(TrainConfig(...), topo, spec)    # spec: gpt_spec(...), hf_model_spec(DIR)
-                                                       # (pipeexec.models.hf) or your own ModelSpec
+    trainer = Trainer(TrainConfig(...), topo)          # the plan's model; or pass a stack:
+                                                       # gpt_stack(model), hf_dir_stack(DIR)
+                                                       # (pipeexec.models.hf), your own LayerStack
     result = train(trainer, on_step=...)               # losses, step_times, ...
 
-Rooms: config (TrainConfig, in sections), plan_config (a pipesim Plan <-> TrainConfig),
-topology, model, partition, data; ``models/`` (the model a config names: the built-in GPT or
-a Hugging Face directory, ``--hf-model``); ``pipeline/`` (runtime, the action interpreter with its
+Rooms: config (TrainConfig: a pipesim Plan plus the executor's sections), runnable (what of a
+plan the executor cannot run, with reasons), topology, model (LayerStack, the built-in GPT),
+partition, data; ``models/`` (the layer stack a plan's model is built as: the built-in GPT or
+a Hugging Face family, weights from ``--hf-model DIR``); ``pipeline/`` (runtime, the action interpreter with its
 observers; p2p; backward; stage; faults), ``launching/`` (launcher, worker, board, cpu_quota,
 devices, preflight), ``training/`` (train, ddp, precision, optim), ``checkpoint/``, ``profile/``
 (measuring; torch-free: run_plan, measured, calibrate, contention, predict, compare); cli.
@@ -27,7 +29,7 @@ from __future__ import annotations
 
 from .config import ConfigError, TrainConfig
 
-__all__ = ["ConfigError", "TrainConfig", "WorkerFailed", "launch", "ModelSpec", "gpt_spec",
+__all__ = ["ConfigError", "TrainConfig", "WorkerFailed", "launch", "LayerStack", "gpt_stack",
            "model_from_layers", "PipelineError", "PipelineRuntime", "Topology", "init_topology",
            "StepStats", "Trainer", "TrainResult", "train"]
 
@@ -44,7 +46,7 @@ def _torch_available() -> bool:
 # (pipeexec.analysis: run_plan, measured, calibrate, contention, predict, compare) need no torch.
 if _torch_available():
     from .launching.launcher import WorkerFailed, launch
-    from .model import ModelSpec, gpt_spec, model_from_layers
+    from .model import LayerStack, gpt_stack, model_from_layers
     from .pipeline.runtime import PipelineError, PipelineRuntime
     from .topology import Topology, init_topology
     from .training.train import StepStats, Trainer, TrainResult, train

@@ -1,27 +1,54 @@
-"""`TrainConfig`: every knob of a run, as one plain value, in sections by concern.
+"""`TrainConfig`: what a run is, as one plain value: a `pipesim.Plan` (model, parallelism,
+cluster, schedule, partition: the one description of what is run, read by simulator and
+executor alike) plus the sections only the executor has: its own layout knobs, the data and
+weights, the optimizer, loss scaling and the runtime.
 
-The CLI is generated from its fields (help and default on each: `TrainConfig.cli_fields`) and
-builds it, the launcher pickles it to the workers, a checkpoint stores it (``asdict``)
-and compares it on load. Nothing reads configuration from module globals. ``validate`` checks
-everything that can be checked without a process group, so a bad layout fails before any
-collective with the reason.
+The plan's facts read flat as views (``config.pp``, ``config.layers``, ``config.schedule``) and
+are given flat (``TrainConfig(pp=2, layers=4, lr=3e-4)``), but each is stored once, in the plan.
+The CLI builds it (`pipeexec.cli.train`: the plan's flags from `pipesim.plan.options`, the rest
+generated from the sections' fields), the launcher pickles it to the workers, a checkpoint and a
+measured run store it (`to_dict`) and compare it on load. Nothing reads configuration from
+module globals. ``validate`` checks everything that can be checked without a process group,
+including what of the plan the executor cannot run (`pipeexec.runnable`), so a bad run fails
+before any process starts, with every reason.
 """
 from __future__ import annotations
 
 import dataclasses
 from argparse import SUPPRESS, BooleanOptionalAction
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
+from pipesim.errors import PlanError
+from pipesim.plan.model import ModelSpec
+from pipesim.plan.parallelism import PRECISIONS, RECOMPUTE, Parallelism
+from pipesim.plan.plan import Plan
 from pipesim.schedule.placement import PLACEMENTS as PLACEMENT_CHOICES
+from pipesim.schedule.schedule import Schedule
 from pipesim.units import bytes_arg
 
 from .options import flag_of, flagged
 from .options import option as _opt
 
-PRECISIONS = ("fp32", "bf16", "fp16")
+__all__ = ["ConfigError", "TrainConfig", "DEFAULT_PLAN", "GPT_MODEL", "PRECISIONS", "RECOMPUTE",
+           "PARTITIONS", "PLAN_VIEWS"]
+
 PARTITIONS = ("layers", "params")
-RECOMPUTE = ("none", "selective", "full")
+
+# The built-in GPT's default shape and pipeexec's base plan: one process, one microbatch, fp32.
+# The executor never pads the vocabulary (pipesim's default pads to 128, as Megatron does).
+GPT_MODEL = ModelSpec("pipeexec-gpt", layers=2, hidden=64, heads=4, seq_length=32, vocab=256,
+                      tied_embeddings=False, dropout=False, vocab_divisible_by=1)
+DEFAULT_PLAN = Plan(GPT_MODEL, Parallelism(precision="fp32"), schedule="1f1b")
+
+# Flat names of the plan's facts: parallelism fields by their own name, the model's by the
+# executor's (seq_len = model.seq_length, tie_embeddings = model.tied_embeddings).
+_PARALLELISM = ("tp", "cp", "ep", "pp", "vpp", "dp", "sequence_parallel", "zero",
+                "micro_batch_size", "recompute", "recompute_layers", "precision")
+_MODEL = {"layers": "layers", "hidden": "hidden", "heads": "heads", "kv_heads": "kv_heads",
+          "ffn_hidden": "ffn_hidden", "seq_len": "seq_length", "vocab": "vocab",
+          "tie_embeddings": "tied_embeddings"}
+PLAN_VIEWS = ("schedule", "placement", *_PARALLELISM, "microbatches", *_MODEL)
 
 
 class ConfigError(ValueError):
@@ -39,10 +66,10 @@ def _ints(text: Any) -> tuple[int, ...] | None:
 
 @dataclass(frozen=True)
 class LayoutConfig:
-    """How the run is laid out: schedule, pipeline and data parallelism, batch, stage cut."""
+    """The executor's layout knobs that are not plan fields: zb-auto re-scheduled from the
+    run's own profiled steps, and stage cuts a plan does not spell (by parameter counts, or
+    explicit boundaries in the layer list)."""
 
-    schedule: str = _opt("1f1b", "a pipesim schedule name (pipesim list), or a schedule file: "
-                         "FILE.json (pipesim) or FILE.csv (torch's, compute-only or with comms)")
     # zb-auto: profile `reschedule_after` steps of ZB-H1 (after a warm-up step), search a
     # schedule from the measured costs under `memory_limit` bytes per rank, switch to it
     memory_limit: float | None = _opt(
@@ -57,54 +84,29 @@ class LayoutConfig:
         "zb-auto's own is predicted faster by more than this fraction (about the accuracy of "
         "predictions from a run's own steps; 0: trust every predicted gain)", type=float,
         metavar="FRACTION")
-    # zb-auto at vpp 2 may put a rank's two stages looped (s % pp) or in a V; the stages are cut
-    # before the first step, so a search from the run's own costs keeps the placement it has
-    placement: str | None = _opt(
-        None, "with --schedule zb-auto --vpp 2: where its stages sit, looped (Megatron's "
-        "interleaved) or v (ZB-V's); default: both searched, or v with --memory-limit (the "
-        "profiled ZB-V's placement)", choices=PLACEMENT_CHOICES)
-    pp: int = _opt(1, "pipeline ranks", type=int)
-    vpp: int = _opt(1, "stages (chunks) per pipeline rank", type=int)
-    dp: int = _opt(1, "data-parallel replicas", type=int)
-    microbatches: int = _opt(1, "microbatches per replica per step", type=int)
-    micro_batch_size: int = _opt(1, "sequences per microbatch", type=int)
-    # partitioning: "layers" (equal layer counts), "params" (balanced parameter counts) or
-    # explicit boundaries: the first global layer index of every stage after the first.
-    partition: str = _opt("layers", "cut the layers into stages of equal layer counts or of "
-                          "balanced parameter counts", choices=("layers", "params"))
+    # partitioning: "layers" (the plan's cut: pipesim's even split, or its partition fields),
+    # "params" (balanced parameter counts) or explicit boundaries: the first global layer
+    # index of every stage after the first.
+    partition: str = _opt("layers", "cut the layers into stages as the plan does (equal "
+                          "transformer-block counts, the first stages one more, unless the plan "
+                          "gives its own partition) or of balanced parameter counts",
+                          choices=PARTITIONS)
     boundaries: tuple[int, ...] | None = _opt(
         None, "explicit stage boundaries: first layer index of stages 1..S-1, comma separated",
         parse=_ints)
-    # activation recomputation (torch.utils.checkpoint), as Megatron-LM's --recompute-granularity
-    recompute: str = _opt("none", "activation recomputation: none, selective (core attention: "
-                          "recomputed in the backward) or full (each transformer block keeps "
-                          "only its input)", choices=RECOMPUTE)
-    recompute_layers: int | None = _opt(
-        None, "with --recompute full: recompute the first N transformer blocks of each stage "
-        "(Megatron's --recompute-num-layers, block method; default: all)", type=int,
-        metavar="N")
 
 
 @dataclass(frozen=True)
-class ModelConfig:
-    """The built-in GPT's shape, and the data it trains on."""
+class DataConfig:
+    """What the run trains on, and where a Hugging Face model's weights come from."""
 
-    layers: int = _opt(2, "transformer blocks (plus embedding and head)", type=int)
-    hidden: int = _opt(64, "model width (divisible by --heads)", type=int)
-    heads: int = _opt(4, "attention heads", type=int)
-    seq_len: int = _opt(32, "tokens per sequence", type=int)
-    vocab: int = _opt(256, "vocabulary size (>= 256 for a text file)", type=int)
-    ffn_mult: int = _opt(4, "MLP width as a multiple of --hidden", type=int)
-    tie_embeddings: bool = _opt(False, "the LM head's weight is the token embedding "
-                                "(Megatron-LM's default, GPT-2's); kept one parameter across "
-                                "the first and last stage's ranks", action="store_true")
     data: str = _opt("synthetic", "'synthetic' or a text file (byte-level tokens)")
-    # a Hugging Face model directory instead of the built-in GPT (pipeexec/models/hf.py)
+    # a Hugging Face model directory: its config.json is the plan's model, its safetensors
+    # (when it has any) the initial weights (pipeexec/models/hf.py)
     hf_model: str | None = _opt(
-        None, "train a Hugging Face model instead of the built-in GPT: a directory holding "
-        "config.json (llama, mistral, mixtral, qwen2 or gpt2; random init) and optionally "
-        "*.safetensors (loaded); --layers, --hidden, --heads, --vocab and --tie-embeddings come "
-        "from config.json",
+        None, "train a Hugging Face model directory: config.json (llama, mistral, mixtral, qwen2 "
+        "or gpt2) is the model, as --model config.json makes it, and its *.safetensors (when it "
+        "has any) the initial weights; the model-shape flags then come from config.json",
         metavar="DIR")
 
 
@@ -128,10 +130,8 @@ class OptimizerConfig:
 
 @dataclass(frozen=True)
 class PrecisionConfig:
-    """Compute precision and fp16's dynamic loss scaling."""
+    """fp16's dynamic loss scaling (the compute precision is the plan's)."""
 
-    precision: str = _opt("fp32", "compute precision (bf16 / fp16 keep fp32 master weights)",
-                          choices=PRECISIONS)
     loss_scale: float = _opt(2.0 ** 16, "initial dynamic loss scale (fp16)", type=float)
     loss_scale_growth_interval: int = _opt(
         1000, "fp16: double the loss scale after this many steps without overflow", type=int)
@@ -176,38 +176,86 @@ class RuntimeConfig:
     inject: tuple[str, ...] = _opt((), SUPPRESS, action="append")
 
 
-SECTIONS: dict[str, type] = {"layout": LayoutConfig, "model": ModelConfig,
+SECTIONS: dict[str, type] = {"layout": LayoutConfig, "inputs": DataConfig,
                              "optimizer": OptimizerConfig, "mixed_precision": PrecisionConfig,
                              "runtime": RuntimeConfig}
 # field name -> the section holding it
 _SECTION_OF = {f.name: name for name, cls in SECTIONS.items() for f in dataclasses.fields(cls)}
 
 
+def _plan_with(plan: Plan, views: dict[str, Any]) -> Plan:
+    """``plan`` with flat plan views changed. The microbatches per replica stay as they are
+    unless given, whatever dp or the micro-batch size become (the global batch follows)."""
+    views = dict(views)
+    given = sorted(views)
+    par, model = plan.parallelism, plan.model
+    batch = {k: views.pop(k) for k in ("microbatches", "micro_batch_size", "dp") if k in views}
+    par_changes = {k: views.pop(k) for k in _PARALLELISM if k in views}
+    par_changes.update({k: v for k, v in batch.items() if k != "microbatches"})
+    model_changes = {_MODEL[k]: views.pop(k) for k in list(views) if k in _MODEL}
+    plan_changes: dict[str, Any] = {}
+    if "schedule" in views:
+        plan_changes["schedule"] = views.pop("schedule")
+    if "placement" in views:
+        options = dict(plan.schedule_options)
+        placement = views.pop("placement")
+        if placement is None:
+            options.pop("placement", None)
+        else:
+            options["placement"] = placement
+        plan_changes["schedule_options"] = tuple(sorted(options.items()))
+    assert not views, views
+    try:
+        if par_changes:
+            par = par.with_(**par_changes)
+        if batch:
+            m = batch.get("microbatches", plan.microbatches)
+            if isinstance(m, bool) or not isinstance(m, int) or m < 1:
+                raise ConfigError(f"microbatches must be a positive integer, got {m!r}")
+            par = par.with_(global_batch_size=m * par.micro_batch_size * par.dp)
+        if model_changes:
+            model = model.with_(**model_changes)
+    except PlanError as exc:
+        raise ConfigError(f"{exc} ({', '.join(TrainConfig.flag(k) for k in given)})") from None
+    except TypeError as exc:              # a value of the wrong type in a shape's arithmetic
+        raise ConfigError(f"plan: {exc}") from None
+    return dataclasses.replace(plan, parallelism=par, model=model, **plan_changes)
+
+
 @dataclass(frozen=True, init=False)
 class TrainConfig:
-    """Every knob of a run, by concern: ``layout``, ``model``, ``optimizer``,
-    ``mixed_precision``, ``runtime`` (checkpointing and profiling are `CheckpointOptions` and
-    `ProfileOptions`). Fields read flat (``config.pp``) and are given flat
-    (``TrainConfig(pp=2, lr=3e-4)``) or as sections; the CLI is generated from the fields
-    (`cli_fields`), so the two cannot drift."""
+    """A run: ``plan`` (what is run) and the executor's own sections ``layout``, ``inputs``,
+    ``optimizer``, ``mixed_precision``, ``runtime`` (checkpointing and profiling are
+    `CheckpointOptions` and `ProfileOptions`). Fields read flat (``config.pp``: a plan view,
+    `PLAN_VIEWS`; ``config.lr``: a section's) and are given flat (``TrainConfig(pp=2,
+    lr=3e-4)``), as sections, or as a plan (``TrainConfig(plan=p)``)."""
 
+    plan: Plan
     layout: LayoutConfig
-    model: ModelConfig
+    inputs: DataConfig
     optimizer: OptimizerConfig
     mixed_precision: PrecisionConfig
     runtime: RuntimeConfig
 
-    def __init__(self, layout: LayoutConfig | None = None, model: ModelConfig | None = None,
-                 optimizer: OptimizerConfig | None = None,
+    def __init__(self, plan: Plan | None = None, layout: LayoutConfig | None = None,
+                 inputs: DataConfig | None = None, optimizer: OptimizerConfig | None = None,
                  mixed_precision: PrecisionConfig | None = None,
                  runtime: RuntimeConfig | None = None, **flat: Any) -> None:
-        given = {"layout": layout, "model": model, "optimizer": optimizer,
+        given = {"layout": layout, "inputs": inputs, "optimizer": optimizer,
                  "mixed_precision": mixed_precision, "runtime": runtime}
         routed: dict[str, dict[str, Any]] = {name: {} for name in SECTIONS}
+        views: dict[str, Any] = {}
         for key, value in flat.items():
-            if key not in _SECTION_OF:
+            if key in PLAN_VIEWS:
+                views[key] = value
+            elif key in _SECTION_OF:
+                routed[_SECTION_OF[key]][key] = value
+            else:
                 raise TypeError(f"TrainConfig: unknown field {key!r}")
-            routed[_SECTION_OF[key]][key] = value
+        base = DEFAULT_PLAN if plan is None else plan
+        if not isinstance(base, Plan):
+            raise TypeError(f"TrainConfig: plan must be a pipesim.Plan, got {type(base).__name__}")
+        object.__setattr__(self, "plan", _plan_with(base, views) if views else base)
         for name, cls in SECTIONS.items():
             section = given[name] if given[name] is not None else cls()
             if routed[name]:
@@ -215,6 +263,8 @@ class TrainConfig:
             object.__setattr__(self, name, section)
 
     def __getattr__(self, name: str) -> Any:
+        if name in PLAN_VIEWS and "plan" in self.__dict__:
+            return _view(self.__dict__["plan"], name)
         section = _SECTION_OF.get(name)
         if section is None or section not in self.__dict__:
             raise AttributeError(f"TrainConfig has no field {name!r}")
@@ -222,17 +272,20 @@ class TrainConfig:
 
     @staticmethod
     def field_names() -> tuple[str, ...]:
-        """Every flat field, in section order."""
-        return tuple(_SECTION_OF)
+        """Every flat field: the plan's views, then the sections' fields."""
+        return PLAN_VIEWS + tuple(_SECTION_OF)
 
     @staticmethod
     def cli_fields() -> list[dataclasses.Field]:
-        """The fields that have a command-line flag, in section order."""
+        """The section fields that have a command-line flag, in section order (the plan's
+        flags are `pipesim.plan.options`')."""
         return [f for cls in SECTIONS.values() for f in flagged(cls)]
 
     @staticmethod
     def flag(name: str) -> str:
         """The command-line flag that sets field ``name`` (``name (no flag)`` when none)."""
+        if name in PLAN_VIEWS:
+            return _VIEW_FLAGS.get(name, "--" + name.replace("_", "-"))
         f = next((f for cls in SECTIONS.values() for f in dataclasses.fields(cls)
                   if f.name == name), None)
         if f is None:                   # a launcher option (--cpus-per-rank, --nproc...)
@@ -254,58 +307,103 @@ class TrainConfig:
         return self.dp * self.microbatches * self.micro_batch_size
 
     @property
+    def model(self) -> ModelSpec:
+        """The plan's model (pipesim's `ModelSpec`: the one model shape)."""
+        return self.plan.model
+
+    @property
     def num_layers(self) -> int:
-        """Length of the built-in GPT's layer list: embedding, blocks, head."""
+        """Length of the layer stack the plan's model is built as: embedding, blocks, head."""
         return self.layers + 2
 
-    def with_hf_model(self, path: str) -> "TrainConfig":
-        """A copy training the Hugging Face model directory ``path``, its shape (layers,
-        hidden, heads, vocab, tied embeddings) read from its config.json (raises ConfigError with the reason)."""
-        from .models.hf_config import HFModelError, read_hf_config
+    def run_plan(self) -> Plan:
+        """The plan as this run cuts it: the plan itself, or with the executor's own cut
+        (``boundaries``) written in as its partition (blocks per stage), so pipesim predicts
+        the stages that run. ConfigError for a cut by parameter counts without boundaries (it
+        needs the layers' parameter counts: give --boundaries)."""
+        if self.boundaries is None and self.partition == "layers":
+            return self.plan
+        if self.boundaries is None:
+            raise ConfigError("a plan holds an explicit partition: with --partition params, give "
+                              "the cut as --boundaries")
+        from .partition import PartitionError, explicit
 
         try:
-            info = read_hf_config(path)
+            bounds = explicit(self.boundaries, self.num_layers, self.num_stages)
+        except PartitionError as exc:
+            raise ConfigError(str(exc)) from None
+        blocks = [min(b1, self.layers + 1) - max(b0, 1) for b0, b1 in zip(bounds, bounds[1:])]
+        return dataclasses.replace(self.plan, partition=tuple(blocks), partition_layout=None,
+                                   first_stage_layers=None, last_stage_layers=None,
+                                   account_for_embedding=False, account_for_loss=False)
+
+    def with_hf_model(self, path: str) -> "TrainConfig":
+        """A copy training the Hugging Face model directory ``path``: the plan's model is its
+        config.json (`ModelSpec.from_hf_config`, this run's sequence length), its safetensors
+        the weights (raises ConfigError with the reason)."""
+        from .models.hf_config import HFModelError, plan_model_of
+
+        try:
+            model = plan_model_of(path, seq_length=self.seq_len)
         except HFModelError as exc:
             raise ConfigError(str(exc)) from None
-        return self.replace(hf_model=str(path), **info.train_fields())
+        return self.replace(plan=dataclasses.replace(self.plan, model=model), hf_model=str(path))
 
     def replace(self, **changes: Any) -> "TrainConfig":
-        """A copy with flat fields or whole sections changed."""
-        sections = {name: changes.pop(name, getattr(self, name)) for name in SECTIONS}
-        return TrainConfig(**sections, **changes)
+        """A copy with flat fields, whole sections or the plan changed."""
+        parts = {name: changes.pop(name, getattr(self, name)) for name in ("plan", *SECTIONS)}
+        return TrainConfig(**parts, **changes)
 
     def to_dict(self) -> dict:
-        """Flat: field -> value (what checkpoints and measured runs store)."""
-        out: dict[str, Any] = {}
+        """What checkpoints and measured runs store: ``plan`` (`Plan.to_dict`) and, flat,
+        field -> value for every field, the plan's views included (as older pipeexecs wrote
+        it: readers of either read the same flat keys)."""
+        out: dict[str, Any] = {name: _jsonable(_view(self.plan, name)) for name in PLAN_VIEWS}
         for name in SECTIONS:
             out.update(dataclasses.asdict(getattr(self, name)))
+        out["plan"] = self.plan.to_dict()
         return out
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "TrainConfig":
-        """From `to_dict`'s flat form (lists back to tuples)."""
-        values = dict(data)
+        """From `to_dict`'s form, or the flat form pipeexec wrote before its config held a plan
+        (`legacy_flat`); fields it does not know are refused (TypeError)."""
+        values = legacy_flat(data)
+        plan = values.pop("plan", None)
         for k in ("boundaries", "inject"):
             if isinstance(values.get(k), list):
                 values[k] = tuple(values[k])
+        if plan is not None:
+            try:
+                plan = Plan.from_dict(plan, source="config: plan")
+            except PlanError as exc:
+                raise ConfigError(str(exc)) from None
+            values = {k: v for k, v in values.items() if k not in PLAN_VIEWS}
+            return cls(plan=plan, **values)
+        # the older flat form: the views hold the plan's facts (kv_heads, ffn_hidden resolved:
+        # their defaults, heads and 4 x hidden, stay the model's defaults)
+        hidden, heads = values.get("hidden", GPT_MODEL.hidden), values.get("heads", GPT_MODEL.heads)
+        if values.get("ffn_hidden") == 4 * hidden:
+            values.pop("ffn_hidden")
+        if values.get("kv_heads") == heads:
+            values.pop("kv_heads")
         return cls(**values)
 
     def validate(self, world_size: int | None = None, num_layers: int | None = None, *,
                  check_schedule: bool = True) -> "TrainConfig":
-        """Raise ConfigError naming the field; build the schedule to check it accepts the layout
-        (``check_schedule=False`` when the caller brings its own Schedule)."""
-        for name in ("pp", "vpp", "dp", "microbatches", "micro_batch_size", "layers", "hidden",
-                     "heads", "seq_len", "vocab", "steps"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+        """Raise ConfigError naming the field: first everything of the plan the executor cannot
+        run, all at once (`pipeexec.runnable`), then the executor's own fields; build the
+        schedule to check it accepts the layout (``check_schedule=False`` when the caller
+        brings its own Schedule). ``num_layers``: the length of a caller's own layer stack."""
+        from .runnable import refusals
+
+        refused = refusals(self, custom_stack=num_layers is not None)
+        if refused:
+            raise ConfigError("the plan asks for what pipeexec cannot run:\n  "
+                              + "\n  ".join(refused))
         if world_size is not None and world_size != self.world_size:
             raise ConfigError(f"world size {world_size} != pp * dp = {self.pp} * {self.dp} = "
                               f"{self.world_size}")
-        if self.hidden % self.heads:
-            raise ConfigError(f"hidden ({self.hidden}) must be divisible by heads ({self.heads})")
-        if self.precision not in PRECISIONS:
-            raise ConfigError(f"precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
         if self.partition not in PARTITIONS:
             raise ConfigError(f"partition must be one of {', '.join(PARTITIONS)}, got {self.partition!r}")
         n_layers = self.num_layers if num_layers is None else num_layers
@@ -318,19 +416,15 @@ class TrainConfig:
                 explicit(self.boundaries, n_layers, self.num_stages)
             except PartitionError as exc:
                 raise ConfigError(str(exc)) from None
-        if self.recompute not in RECOMPUTE:
-            raise ConfigError(f"recompute must be one of {', '.join(RECOMPUTE)}, got "
-                              f"{self.recompute!r}")
-        if self.recompute_layers is not None:
-            if self.recompute != "full":
-                raise ConfigError("--recompute-layers applies to --recompute full, got "
-                                  f"--recompute {self.recompute}")
-            if (not isinstance(self.recompute_layers, int) or isinstance(self.recompute_layers, bool)
-                    or self.recompute_layers < 0):
-                raise ConfigError(f"recompute_layers must be an integer >= 0, got "
-                                  f"{self.recompute_layers!r}")
-        if self.hf_model is not None:
-            self._validate_hf_model()
+            if self.plan_partition_given():
+                raise ConfigError("boundaries: the plan cuts the layers itself (its partition "
+                                  "fields); give one cut, drop --boundaries or the plan's")
+        elif num_layers is None and self.partition == "layers":
+            from .partition import PartitionError, plan_bounds
+            try:
+                plan_bounds(self.plan)
+            except PartitionError as exc:
+                raise ConfigError(str(exc)) from None
         if self.data != "synthetic" and self.vocab < 256:
             raise ConfigError(f"a text file needs vocab >= 256 (byte-level tokens), got {self.vocab}")
         self._validate_optimisation()
@@ -387,15 +481,13 @@ class TrainConfig:
             self.build_schedule()
         return self
 
-    def _validate_hf_model(self) -> None:
-        from .models.hf_config import HFModelError, check_hf_run, read_hf_config
-
-        try:
-            info = read_hf_config(self.hf_model)
-            check_hf_run(info, seq_len=self.seq_len, **{
-                name: getattr(self, name) for name in info.train_fields()})
-        except HFModelError as exc:
-            raise ConfigError(str(exc)) from None
+    def plan_partition_given(self) -> bool:
+        """Whether the plan spells its own cut (explicit partition, Megatron's layout or
+        first/last-stage counts, embedding or loss accounted as layers)."""
+        p = self.plan
+        return (p.partition is not None or p.partition_layout is not None
+                or p.first_stage_layers is not None or p.last_stage_layers is not None
+                or p.account_for_embedding or p.account_for_loss)
 
     def _validate_optimisation(self) -> None:
         import math
@@ -430,29 +522,34 @@ class TrainConfig:
             raise ConfigError(f"decay_steps must be a positive integer (or unset: --steps), got "
                               f"{self.decay_steps!r}")
 
-    def build_schedule(self):
-        """The pipesim Schedule of this run (raises pipesim.ScheduleError with the reason)."""
+    def build_schedule(self) -> Schedule:
+        """The pipesim Schedule of this run (raises pipesim.ScheduleError with the reason): the
+        plan's schedule (a name with its options, or a Schedule held as data), or a schedule
+        file it names; forward-only and receives posted ``recv_lookahead`` computations early
+        are the executor's."""
         import pipesim
 
-        if self.schedule.endswith((".json", ".csv")):
-            return self._schedule_from_file()
-        options = {} if self.placement is None else {"placement": self.placement}
-        schedule = pipesim.build_schedule(self.schedule, pp=self.pp, microbatches=self.microbatches,
+        sched = self.plan.schedule
+        if isinstance(sched, Schedule):
+            return self._fitted(sched, f"the plan's schedule {sched.name!r}")
+        if sched.endswith((".json", ".csv")):
+            from pipesim.schedule.io import schedule_from_csv
+            loaded = (_schedule_json if sched.endswith(".json") else schedule_from_csv)(sched)
+            return self._fitted(loaded.validate(), sched)
+        schedule = pipesim.build_schedule(sched, pp=self.pp, microbatches=self.microbatches,
                                           vpp=self.vpp, forward_only=self.forward_only,
-                                          recv_lookahead=self.recv_lookahead, **options)
+                                          recv_lookahead=self.recv_lookahead,
+                                          **dict(self.plan.schedule_options))
         return schedule.validate()
 
-    def _schedule_from_file(self):
-        """``schedule`` names a file (our JSON, torch's CSV): it must fit this run's layout."""
+    def _fitted(self, s: Schedule, source: str) -> Schedule:
+        """A schedule given as data (a file, the plan's): it must fit this run's layout."""
         import pipesim
-        from pipesim.schedule.io import schedule_from_csv
 
-        path = self.schedule
-        s = (_schedule_json if path.endswith(".json") else schedule_from_csv)(path).validate()
         for name, want, got in (("pp", self.pp, s.pp), ("vpp", self.vpp, s.parts_per_rank),
                                 ("microbatches", self.microbatches, s.num_microbatches)):
             if want != got:
-                raise pipesim.ScheduleError(f"{path}: the schedule has {name} = {got}, the run "
+                raise pipesim.ScheduleError(f"{source}: the schedule has {name} = {got}, the run "
                                             f"{name} = {want}; pass --{name} {got}")
         if self.forward_only:
             s = s.with_orders([[a for a in s.compute_parts(r) if a.op == "F"] for r in range(s.pp)],
@@ -480,3 +577,45 @@ def _schedule_json(path: str):
                                         f"({data.get('schedule')!r}) instead of holding it")
         return schedule_from_dict(data["schedule"], source=f"{path}: schedule")
     return schedule_from_dict(data, path)
+
+
+# -- flat views of the plan ------------------------------------------------------------------
+_VIEW_FLAGS = {"microbatches": "--microbatches", "seq_len": "--seq-len",
+               "tie_embeddings": "--tie-embeddings", "kv_heads": "--kv-heads",
+               "ffn_hidden": "--ffn-hidden"}
+
+
+def _view(plan: Plan, name: str) -> Any:
+    """The plan's fact that flat field ``name`` reads (`PLAN_VIEWS`)."""
+    if name == "schedule":
+        return plan.schedule_name if isinstance(plan.schedule, Schedule) else plan.schedule
+    if name == "placement":
+        return dict(plan.schedule_options).get("placement")
+    if name == "microbatches":
+        return plan.microbatches
+    if name in _PARALLELISM:
+        return getattr(plan.parallelism, name)
+    model = plan.model
+    if name == "ffn_hidden":
+        return model.ffn
+    if name == "kv_heads":
+        return model.num_kv_heads
+    return getattr(model, _MODEL[name])
+
+
+def _jsonable(value: Any) -> Any:
+    return list(value) if isinstance(value, tuple) else value
+
+
+def legacy_flat(data: dict[str, Any]) -> dict[str, Any]:
+    """A stored config (checkpoint, measured run) in today's flat names: pipeexec before its
+    config held a plan (commit 8ef147e and earlier) wrote ``ffn_mult`` (MLP width / hidden)
+    where today's views say ``ffn_hidden``. Other keys are kept as they are."""
+    values = dict(data)
+    if "ffn_mult" in values and "ffn_hidden" not in values:
+        mult = values.pop("ffn_mult")
+        if isinstance(mult, int) and isinstance(values.get("hidden", GPT_MODEL.hidden), int):
+            values["ffn_hidden"] = mult * values.get("hidden", GPT_MODEL.hidden)
+    else:
+        values.pop("ffn_mult", None)
+    return values

@@ -1,8 +1,10 @@
-"""Pipeline models as ordered layer lists, and the built-in GPT.
+"""Pipeline models as ordered layer lists (`LayerStack`), and the built-in GPT.
 
-A `ModelSpec` is what the executor needs from a model: how many layers, how to build layer
+A `LayerStack` is what the executor needs from a model: how many layers, how to build layer
 ``i`` (so a rank materialises only its own stages), each layer's parameter count (for
-partitioning by parameters) and the loss. Layer ``i`` is initialised from a generator seeded by
+partitioning by parameters) and the loss. The model's shape is pipesim's `ModelSpec` (the
+plan's); `gpt_stack` builds the built-in GPT of one, `pipeexec.models.layer_stack` picks the
+built-in GPT or a Hugging Face family for a run. Layer ``i`` is initialised from a generator seeded by
 ``(seed, i)``: the same seed gives the same model whatever the layout. Parameters are named
 ``layers.<global index>.<name>`` everywhere (state dicts, optimizer state), so a checkpoint can
 be resharded across layouts.
@@ -15,6 +17,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -31,7 +34,7 @@ def layer_seed(seed: int, index: int) -> int:
 
 
 @dataclass(frozen=True)
-class ModelSpec:
+class LayerStack:
     num_layers: int
     factory: LayerFactory                   # (global index, generator) -> initialised layer
     loss_fn: LossFn
@@ -44,15 +47,18 @@ class ModelSpec:
     # canonical one (e.g. an output layer tied to the input embedding); the trainer starts it
     # from the canonical instance's value and keeps the two equal (`pipeexec.training.tied`).
     tied: tuple[tuple[str, str], ...] = ()
+    # transformer blocks between an embedding (layer 0) and a head (the last layer), as a
+    # plan counts layers; None: a plain list, cut evenly as it is (`pipeexec.partition`)
+    blocks: int | None = None
 
     def __post_init__(self) -> None:
         if self.layer_kinds is not None and len(self.layer_kinds) != self.num_layers:
-            raise ValueError(f"ModelSpec: {len(self.layer_kinds)} layer kinds for "
+            raise ValueError(f"LayerStack: {len(self.layer_kinds)} layer kinds for "
                              f"{self.num_layers} layers")
         aliases = dict(self.tied)
         for alias, canonical in self.tied:
             if canonical in aliases:
-                raise ValueError(f"ModelSpec.tied: {alias!r} is tied to {canonical!r}, itself an "
+                raise ValueError(f"LayerStack.tied: {alias!r} is tied to {canonical!r}, itself an "
                                  "alias; name the canonical parameter")
 
     def canonical(self, name: str) -> str:
@@ -88,15 +94,15 @@ class ModelSpec:
                      for i in range(self.num_layers))
 
 
-def model_from_layers(layers: list[nn.Module], loss_fn: LossFn) -> ModelSpec:
-    """A spec over an existing layer list (every rank holds the list; each uses its stages).
+def model_from_layers(layers: list[nn.Module], loss_fn: LossFn) -> LayerStack:
+    """A stack over an existing layer list (every rank holds the list; each uses its stages).
 
-    For models too big to build everywhere, pass a factory to `ModelSpec` instead.
+    For models too big to build everywhere, pass a factory to `LayerStack` instead.
     """
     def factory(index: int, generator: torch.Generator) -> nn.Module:
         return layers[index]
     counts = tuple(sum(p.numel() for p in layer.parameters()) for layer in layers)
-    return ModelSpec(len(layers), factory, loss_fn, counts,
+    return LayerStack(len(layers), factory, loss_fn, counts,
                      tuple(type(layer).__name__ for layer in layers))
 
 
@@ -109,10 +115,10 @@ def _normal(t: torch.Tensor, std: float, gen: torch.Generator) -> None:
 class Embedding(nn.Module):
     """Token + learned position embeddings: (batch, seq) int64 -> (batch, seq, hidden)."""
 
-    def __init__(self, vocab: int, seq_len: int, hidden: int, gen: torch.Generator) -> None:
+    def __init__(self, vocab: int, positions: int, hidden: int, gen: torch.Generator) -> None:
         super().__init__()
         self.tok = nn.Parameter(torch.empty(vocab, hidden))
-        self.pos = nn.Parameter(torch.empty(seq_len, hidden))
+        self.pos = nn.Parameter(torch.empty(positions, hidden))
         _normal(self.tok, 0.02, gen)
         _normal(self.pos, 0.02, gen)
 
@@ -123,7 +129,7 @@ class Embedding(nn.Module):
 class Block(nn.Module):
     """Pre-LN transformer block: x + attn(ln1(x)), then x + mlp(ln2(x)); causal attention."""
 
-    def __init__(self, hidden: int, heads: int, ffn_mult: int, num_blocks: int,
+    def __init__(self, hidden: int, heads: int, ffn: int, num_blocks: int,
                  gen: torch.Generator) -> None:
         super().__init__()
         self.heads = heads
@@ -132,8 +138,8 @@ class Block(nn.Module):
         self.qkv = nn.Linear(hidden, 3 * hidden)
         self.proj = nn.Linear(hidden, hidden)
         self.ln2 = nn.LayerNorm(hidden)
-        self.fc1 = nn.Linear(hidden, ffn_mult * hidden)
-        self.fc2 = nn.Linear(ffn_mult * hidden, hidden)
+        self.fc1 = nn.Linear(hidden, ffn)
+        self.fc2 = nn.Linear(ffn, hidden)
         out_std = 0.02 / math.sqrt(2 * num_blocks)   # GPT-2's scaled init of residual outputs
         for lin, std in ((self.qkv, 0.02), (self.proj, out_std), (self.fc1, 0.02), (self.fc2, out_std)):
             _normal(lin.weight, std, gen)
@@ -173,28 +179,24 @@ def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
 
-def gpt_spec(*, layers: int, hidden: int, heads: int, seq_len: int, vocab: int,
-             ffn_mult: int = 4, tie_embeddings: bool = False) -> ModelSpec:
-    """The built-in GPT: [Embedding, Block x layers, Head], cross-entropy loss.
+def gpt_stack(model: Any) -> LayerStack:
+    """The built-in GPT of ``model`` (a `pipesim.ModelSpec` of its shape, family None:
+    `pipeexec.models.gpt_differences` says what it cannot be): [Embedding, Block x layers,
+    Head], cross-entropy loss. A tied head (``model.tied_embeddings``, Megatron-LM's default,
+    GPT-2's) starts as the token embedding and stays one parameter with it."""
+    layers, hidden, heads, vocab = model.layers, model.hidden, model.heads, model.vocab
+    ffn, positions = model.ffn, model.max_position or model.seq_length
 
-    ``tie_embeddings``: the head's weight is the token embedding (Megatron-LM's default,
-    GPT-2's); the trainer starts it from the embedding and keeps the two one parameter."""
     def factory(index: int, gen: torch.Generator) -> nn.Module:
         if index == 0:
-            return Embedding(vocab, seq_len, hidden, gen)
+            return Embedding(vocab, positions, hidden, gen)
         if index == layers + 1:
             return Head(hidden, vocab, gen)
-        return Block(hidden, heads, ffn_mult, layers, gen)
+        return Block(hidden, heads, ffn, layers, gen)
 
     block = 2 * 2 * hidden + (hidden * 3 * hidden + 3 * hidden) + (hidden * hidden + hidden) \
-        + (hidden * ffn_mult * hidden + ffn_mult * hidden) + (ffn_mult * hidden * hidden + hidden)
-    counts = (vocab * hidden + seq_len * hidden,) + (block,) * layers + (2 * hidden + hidden * vocab,)
-    tied = ((f"layers.{layers + 1}.lm_head.weight", "layers.0.tok"),) if tie_embeddings else ()
-    return ModelSpec(layers + 2, factory, lm_loss, counts,
-                     ("embedding",) + ("block",) * layers + ("head",), tied=tied)
-
-
-def gpt_spec_from_config(config) -> ModelSpec:
-    return gpt_spec(layers=config.layers, hidden=config.hidden, heads=config.heads,
-                    seq_len=config.seq_len, vocab=config.vocab, ffn_mult=config.ffn_mult,
-                    tie_embeddings=config.tie_embeddings)
+        + (hidden * ffn + ffn) + (ffn * hidden + hidden)
+    counts = (vocab * hidden + positions * hidden,) + (block,) * layers + (2 * hidden + hidden * vocab,)
+    tied = ((f"layers.{layers + 1}.lm_head.weight", "layers.0.tok"),) if model.tied_embeddings else ()
+    return LayerStack(layers + 2, factory, lm_loss, counts,
+                      ("embedding",) + ("block",) * layers + ("head",), tied=tied, blocks=layers)

@@ -1,14 +1,20 @@
 """Cut an ordered layer list into ``num_stages`` contiguous stages.
 
 A partition is a tuple of ``num_stages + 1`` layer indices: stage ``s`` holds layers
-``bounds[s] .. bounds[s+1]-1``. Three ways to choose it: equal layer counts (default), balanced
+``bounds[s] .. bounds[s+1]-1``. Three ways to choose it: the plan's cut (default: its
+transformer blocks per stage, `pipesim.Plan.stage_layers`, pipesim's one even split unless the
+plan gives its own, with the embedding on the first stage and the head on the last), balanced
 parameter counts (the contiguous split minimising the largest stage, by dynamic programming),
-or explicit boundaries.
+or explicit boundaries. A plain layer list (no embedding and head) is cut by the same even
+split (`by_layers`).
 """
 from __future__ import annotations
 
 from collections.abc import Sequence
 from typing import Any
+
+from pipesim.errors import PlanError
+from pipesim.plan.partition import even_split
 
 
 class PartitionError(ValueError):
@@ -16,12 +22,32 @@ class PartitionError(ValueError):
 
 
 def by_layers(num_layers: int, num_stages: int) -> tuple[int, ...]:
-    """Equal counts; the last ``num_layers % num_stages`` stages get one layer more (the first
-    stage holds the embedding, the last the head, so the extra blocks go to the middle-to-end)."""
+    """Equal counts of a plain layer list, the first ``num_layers % num_stages`` stages one
+    more (`pipesim.plan.partition.even_split`)."""
     _check(num_layers, num_stages)
-    base, extra = divmod(num_layers, num_stages)
-    sizes = [base + (1 if s >= num_stages - extra else 0) for s in range(num_stages)]
+    return _bounds(even_split(num_layers, num_stages))
+
+
+def from_blocks(blocks: Sequence[int]) -> tuple[int, ...]:
+    """Bounds of [embedding, blocks..., head] holding ``blocks[s]`` transformer blocks on stage
+    ``s``, the embedding on the first stage and the head on the last; PartitionError for a
+    stage left empty."""
+    sizes = [n + (s == 0) + (s == len(blocks) - 1) for s, n in enumerate(blocks)]
+    if any(size < 1 for size in sizes):
+        raise PartitionError(f"partition: blocks per stage {list(blocks)} leave stage "
+                             f"{sizes.index(0)} empty (the first stage holds the embedding, the "
+                             "last the head)")
     return _bounds(sizes)
+
+
+def plan_bounds(plan: Any) -> tuple[int, ...]:
+    """The bounds of ``plan``'s (a `pipesim.Plan`) model as a layer stack: its blocks per
+    stage (`Plan.stage_layers`) with the embedding and the head."""
+    try:
+        blocks = plan.stage_layers()
+    except PlanError as exc:
+        raise PartitionError(str(exc)) from None
+    return from_blocks(blocks)
 
 
 def by_params(counts: Sequence[int], num_stages: int) -> tuple[int, ...]:
@@ -79,12 +105,16 @@ def make_partition(num_layers: int, num_stages: int, method: str = "layers",
     raise PartitionError(f"unknown partition method {method!r}: expected 'layers' or 'params'")
 
 
-def stage_bounds(spec: Any, config: Any) -> tuple[int, ...]:
-    """The bounds ``config`` (partition, boundaries, num_stages) cuts ``spec`` (a `ModelSpec`:
-    num_layers, layer_param_counts) into: the one place a run's partition is computed (the
-    Trainer, and prediction before running)."""
-    counts = spec.layer_param_counts() if config.partition == "params" else None
-    return make_partition(spec.num_layers, config.num_stages, config.partition,
+def stage_bounds(stack: Any, config: Any) -> tuple[int, ...]:
+    """The bounds ``config`` (a `TrainConfig`: its plan, partition, boundaries) cuts ``stack``
+    (a `LayerStack`: num_layers, blocks, layer_param_counts) into: the one place a run's
+    partition is computed (the Trainer, and prediction before running). A stack of the plan's
+    model is cut as the plan cuts it (`plan_bounds`)."""
+    if (config.boundaries is None and config.partition == "layers"
+            and stack.blocks is not None and stack.blocks == config.plan.model.layers):
+        return plan_bounds(config.plan)
+    counts = stack.layer_param_counts() if config.partition == "params" else None
+    return make_partition(stack.num_layers, config.num_stages, config.partition,
                           config.boundaries, counts)
 
 

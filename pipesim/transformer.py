@@ -26,14 +26,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .plan.model import ModelSpec
+from .plan.partition import even_split
 
 
 def split_layers(layers: int, num_stages: int) -> list[int]:
-    """Layers per stage, as even as possible; the first ``layers % num_stages`` stages get one more."""
+    """Layers per stage, as even as possible (`pipesim.plan.partition.even_split`: the first
+    ``layers % num_stages`` stages get one more)."""
     if layers < num_stages:
         raise ValueError(f"model has {layers} layers, fewer than num_stages = {num_stages}")
-    base, extra = divmod(layers, num_stages)
-    return [base + (1 if s < extra else 0) for s in range(num_stages)]
+    return even_split(layers, num_stages)
 
 
 @dataclass(frozen=True)

@@ -252,9 +252,15 @@ def test_a_file_read_for_its_header_only_has_its_pickle_checked(trained, tmp_pat
 def _expected_layers(cfg, pp_rank):
     import pipesim
     from pipeexec.partition import make_partition
-    from pipeexec.model import gpt_spec_from_config
-    bounds = make_partition(cfg.num_layers, cfg.num_stages, cfg.partition, cfg.boundaries,
-                            gpt_spec_from_config(cfg).layer_param_counts())
+    from pipeexec.models import layer_stack
+    if cfg.partition == "layers" and cfg.boundaries is None:
+        # pipesim's cut of the plan's blocks, the embedding first and the head last
+        blocks = cfg.plan.stage_layers()
+        sizes = [n + (s == 0) + (s == len(blocks) - 1) for s, n in enumerate(blocks)]
+        bounds = tuple(sum(sizes[:s]) for s in range(len(sizes) + 1))
+    else:
+        bounds = make_partition(cfg.num_layers, cfg.num_stages, cfg.partition, cfg.boundaries,
+                                layer_stack(cfg).layer_param_counts())
     sched = pipesim.build_schedule(cfg.schedule, pp=cfg.pp, vpp=cfg.vpp, microbatches=cfg.microbatches)
     return {i for s in sched.rank_stages(pp_rank) for i in range(bounds[s], bounds[s + 1])}
 

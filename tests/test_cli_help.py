@@ -44,8 +44,9 @@ def test_train_help_shows_the_defaults_a_newcomer_needs(capsys):
     with pytest.raises(SystemExit):
         pipeexec_main(["train", "--help"])
     text = " ".join(capsys.readouterr().out.split())
-    assert "transformer blocks (plus embedding and head) (default: 2)" in text
-    assert "microbatches per replica per step (default: 1)" in text
+    # the plan flags' help is pipesim's table's; their defaults the base plan's
+    assert "transformer layers (blocks) (default: 2)" in text
+    assert "microbatches x micro-batch-size x dp) (default: 1)" in text
 
 
 def test_unknown_train_flag_prints_trains_usage(capsys):

@@ -10,9 +10,8 @@ import dataclasses
 
 import pytest
 
-from pipeexec.cli.train import apply_plan, config_from_args, explicit_dests, train_parser
+from pipeexec.cli.train import config_from_args, train_parser
 from pipeexec.options import flag_of, flagged
-from pipeexec.plan_config import plan_from_config
 from pipeexec.cli import compare as compare_cli
 from pipeexec.cli.profile_flags import profile_from_args
 from pipeexec.measuring.options import ProfileOptions
@@ -84,13 +83,11 @@ def compare_resolves(monkeypatch, argv):
 
 
 def train_config(argv):
-    parser = train_parser()
-    ns = parser.parse_args(argv)
-    return apply_plan(ns, config_from_args(ns), explicit_dests(parser, argv))
+    return config_from_args(train_parser().parse_args(argv))
 
 
 MODEL = ("schedule", "pp", "vpp", "dp", "microbatches", "micro_batch_size", "layers", "hidden",
-         "heads", "seq_len", "vocab", "ffn_mult", "precision", "partition", "boundaries",
+         "heads", "seq_len", "vocab", "ffn_hidden", "precision", "partition", "boundaries",
          "recompute", "recompute_layers")
 
 
@@ -112,14 +109,16 @@ def test_compare_runs_a_plan_as_train_does(monkeypatch, tmp_path):
     base = train_config(["--schedule", "zbv", "--pp", "2", "--vpp", "2", "--microbatches", "4",
                          *TINY, "--recompute", "selective"])
     path = tmp_path / "plan.json"
-    plan_from_config(base).to_json(path)
+    base.plan.to_json(path)
     seen = compare_resolves(monkeypatch, ["--plan", str(path)])
     want = train_config(["--plan", str(path)])
     for name in MODEL:
         assert getattr(seen["config"], name) == getattr(want, name), name
     assert seen["config"].recompute == "selective" and seen["config"].layers == 4
-    # a flag the plan sets is refused by both
-    assert compare_cli.compare_main(["--plan", str(path), "--recompute", "full"]) == 2
+    # a flag given with the plan overrides its field in both
+    seen = compare_resolves(monkeypatch, ["--plan", str(path), "--recompute", "full"])
+    assert seen["config"].recompute == train_config(["--plan", str(path), "--recompute",
+                                                     "full"]).recompute == "full"
 
 
 def test_profile_options_are_a_value():

@@ -1,7 +1,7 @@
 """Activation memory predicted from the model's shape alone: what pipesim says a run will hold.
 
 The other predictions of this room start from a measured run (calibrated bytes). This one
-needs no run: the config's `pipesim.Plan` (`pipeexec.plan_config.plan_from_config`) gives each
+needs no run: the config's `pipesim.Plan` (`TrainConfig.run_plan`: the plan as the run cuts it) gives each
 stage's activation bytes per microbatch from the model shape (Korthikanti et al.'s formulas,
 `pipesim.plan.footprint`, at the precision's element size), the share W needs, and the
 message size; pipesim's memory model replays them over the schedule the executor runs (with
@@ -38,9 +38,7 @@ def predicted_activation_peaks(config: Any, schedule: "pipesim.Schedule | None" 
                                ) -> list[float]:
     """Per pipeline rank, the peak activation bytes pipesim predicts for ``config`` (a
     `TrainConfig`) from its plan, on ``schedule`` (default: the one the config runs)."""
-    from ..plan_config import plan_from_config
-
-    plan = plan_from_config(config)
+    plan = config.run_plan()
     costs = plan.derive().costs
     costs = replace(costs, static_bytes=0.0, stage_static_bytes=0.0)
     sched = config.build_schedule() if schedule is None else schedule

@@ -73,11 +73,11 @@ def prediction_costs(layout: Layout, calibration_run: MeasuredRun,
 
 
 def layout_of(config: Any, spec: Any = None) -> Layout:
-    """The layout ``config`` will cut ``spec`` (default: the model ``config`` trains, `pipeexec.models.spec_from_config`) into,
+    """The layout ``config`` will cut ``spec`` (default: the model ``config`` trains, `pipeexec.models.layer_stack`) into,
     computed without running, by the Trainer's own `partition.stage_bounds`."""
     from ..partition import stage_bounds
 
     if spec is None:
-        from ..models import spec_from_config
-        spec = spec_from_config(config)
+        from ..models import layer_stack
+        spec = layer_stack(config)
     return Layout(stage_bounds(spec, config), tuple(spec.kinds()))

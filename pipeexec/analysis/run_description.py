@@ -14,15 +14,19 @@ field with both values (`inherit`).
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
-from ..config import ConfigError, TrainConfig
+from pipesim.plan.model import ModelSpec
+
+from ..config import ConfigError, TrainConfig, legacy_flat
 
 # Config fields the per-action costs (time and activation bytes) depend on.
-COST_FIELDS = ("hf_model", "layers", "hidden", "heads", "seq_len", "vocab", "ffn_mult",
+COST_FIELDS = ("hf_model", "layers", "hidden", "heads", "kv_heads", "seq_len", "vocab", "ffn_hidden",
                "micro_batch_size", "precision", "cpu_keep_freed_memory", "deallocate_outputs",
                "recompute", "recompute_layers")
+# Of those, the model's shape (given any of them, the calibration run's model is not taken whole).
+SHAPE_FIELDS = ("layers", "hidden", "heads", "kv_heads", "seq_len", "vocab", "ffn_hidden", "model")
 # The one that is not a config field: each rank's CPU quota of a local run.
 CPU_SHARE = "cpus_per_rank"
 
@@ -78,9 +82,22 @@ def inherit(config: TrainConfig, given: set[str], meta: dict[str, Any], *,
         raise ConfigError(f"calibration run {source} does not record its run description "
                           "(no 'config' in its .meta.json: written by an older pipeexec?); "
                           "profile the calibration run again")
+    recorded = legacy_flat(recorded)
     changes: dict[str, Any] = {}
     taken: dict[str, Any] = {}
     differ: list[str] = []
+    plan = recorded.get("plan")
+    if isinstance(plan, dict) and isinstance(plan.get("model"), dict) and not (
+            given & set(SHAPE_FIELDS)):
+        # the run's whole model (a Hugging Face family's too), not only its shape's numbers
+        theirs = ModelSpec.from_dict(plan["model"], f"calibration run {source}: model")
+        if (theirs, theirs.family) != (config.model, config.model.family):
+            before = config
+            config = config.replace(plan=replace(config.plan, model=theirs))
+            taken.update({k: getattr(config, k) for k in SHAPE_FIELDS[:-1]
+                          if getattr(config, k) != getattr(before, k)})
+            if theirs.family != before.model.family:
+                taken["model"] = theirs.family or theirs.name
     for name in COST_FIELDS:
         if name not in recorded:
             continue
@@ -113,4 +130,8 @@ def inherit(config: TrainConfig, given: set[str], meta: dict[str, Any], *,
     if host_cpus and here and int(host_cpus) != here:
         notes.append(f"the calibration run's host had {host_cpus} CPUs, this one has {here}: "
                      "costs measured on another machine")
-    return Inherited(config.replace(**changes), cpus_per_rank, taken, tuple(notes))
+    weights = changes.pop("hf_model", None)
+    config = config.replace(**changes)
+    if weights:                 # an older run's Hugging Face directory: its model, as then
+        config = config.with_hf_model(weights)
+    return Inherited(config, cpus_per_rank, taken, tuple(notes))

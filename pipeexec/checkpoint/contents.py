@@ -36,7 +36,8 @@ from .errors import CheckpointError
 from .layout import CHECKPOINT_VERSION, chunk_key
 
 # Config fields that define the model's tensors: a checkpoint only loads into the same values.
-MODEL_FIELDS = ("layers", "hidden", "heads", "ffn_mult", "vocab", "seq_len", "tie_embeddings")
+MODEL_FIELDS = ("layers", "hidden", "heads", "kv_heads", "ffn_hidden", "vocab", "seq_len",
+                "tie_embeddings")
 # Fields whose change makes a resumed run differ from the uninterrupted one (logged, allowed).
 TRAINING_FIELDS = ("seed", "data", "lr", "min_lr", "warmup_steps", "decay_steps", "weight_decay",
                    "beta1", "beta2", "eps", "clip_grad", "precision", "micro_batch_size")
@@ -162,7 +163,11 @@ def model_chunks(contents: Mapping[str, Any], path: str | None = None) -> list[d
 
 def check_config(saved: Mapping[str, Any], current: Mapping[str, Any], *, path: str | None = None
                  ) -> list[str]:
-    """Raise on a model-defining difference; return notes on the others (for the log)."""
+    """Raise on a model-defining difference; return notes on the others (for the log).
+    ``saved`` may be the flat form of an older pipeexec (`legacy_flat` reads it)."""
+    from ..config import legacy_flat
+
+    saved = legacy_flat(saved)
     for name in MODEL_FIELDS:
         if name in saved and name in current and saved[name] != current[name]:
             raise CheckpointError(

@@ -23,8 +23,8 @@ from typing import Any
 
 import torch
 
-from ..config import TrainConfig
-from ..partition import make_partition
+from ..config import ConfigError, TrainConfig, legacy_flat
+from ..partition import make_partition, plan_bounds
 from .atomic import atomic_write, remove_stale_temps
 from .contents import layout_record, layer_of, model_chunks, saved_stages, stage_layer_range
 from .errors import CheckpointError
@@ -44,17 +44,17 @@ class ConvertReport:
 
 
 def config_from_dict(saved: dict[str, Any], *, path: str | None = None) -> tuple[TrainConfig, list[str]]:
-    """A `TrainConfig` from a checkpoint's config dict; unknown fields are dropped (noted)."""
-    known = set(TrainConfig.field_names())
-    values = {k: v for k, v in saved.items() if k in known}
-    for k in ("boundaries", "inject"):
-        if isinstance(values.get(k), list):
-            values[k] = tuple(values[k])
-    dropped = sorted(set(saved) - known)
+    """A `TrainConfig` from a checkpoint's config dict (today's, with its plan, or an older
+    pipeexec's flat one); unknown fields are dropped (noted)."""
+    known = set(TrainConfig.field_names()) | {"plan"}
+    values = {k: v for k, v in legacy_flat(saved).items() if k in known}
+    dropped = sorted(set(legacy_flat(saved)) - known)
     try:
-        return TrainConfig(**values), [f"dropped unknown config fields {dropped}"] if dropped else []
-    except TypeError as e:
-        raise CheckpointError(f"unusable config in the checkpoint ({e})", path=path, field="config") from e
+        config = TrainConfig.from_dict(values)
+    except (TypeError, ConfigError) as e:
+        raise CheckpointError(f"unusable config in the checkpoint ({e})", path=path,
+                              field="config") from e
+    return config, [f"dropped unknown config fields {dropped}"] if dropped else []
 
 
 def convert_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, *, tag: Tag | None = None,
@@ -102,8 +102,14 @@ def convert_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, *, tag: T
     counts = [0] * num_layers
     for n, t in model.items():
         counts[layer_of(n)] += t.numel()
-    bounds = make_partition(num_layers, new_cfg.num_stages, new_cfg.partition, new_cfg.boundaries,
-                            counts)
+    kinds = reader.layout.get("layer_kinds") or []
+    if (new_cfg.partition == "layers" and new_cfg.boundaries is None
+            and num_layers == new_cfg.num_layers and kinds[:1] == ["embedding"]
+            and kinds[-1:] == ["head"]):
+        bounds = plan_bounds(new_cfg.plan)        # the plan's model: cut as the Trainer cuts it
+    else:
+        bounds = make_partition(num_layers, new_cfg.num_stages, new_cfg.partition,
+                                new_cfg.boundaries, counts)
     sched = new_cfg.build_schedule()
     first = reader.file(0)
     report = ConvertReport(reader.tag, 0.0, dict(reader.layout, pp_rank=None), {})

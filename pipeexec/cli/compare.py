@@ -80,6 +80,11 @@ def compare_parser() -> argparse.ArgumentParser:
     a("--plot-out", default=None, metavar="FILE.png",
       help="predicted and measured Gantt charts on one time axis (default: beside "
            "--report-out, as .png)")
+    # the layout, batch and model flags: pipesim's one table, as train's (its base plan)
+    from pipesim.plan.options import add_plan_flags
+
+    from .train import _shown_defaults
+    add_plan_flags(p, defaults=_shown_defaults())
     return p
 
 
@@ -138,8 +143,9 @@ def alongside_config(config: Any, text: str) -> Any:
 
 def compare_main(argv: list[str]) -> int:
     """``pipeexec compare ...``; returns the exit status (2: bad arguments, 1: run failed)."""
-    from .train import (PLAN_DESTS, apply_hf_model, apply_plan, config_from_args, explicit_dests,
-                       train_parser)
+    from pipesim.plan.options import DESTS
+
+    from .train import PLAN_DESTS, config_from_args, explicit_dests, train_parser
     from ..models.hf_config import HF_FIELDS
     from ..config import ConfigError
     from ..launching.cpu_quota import QuotaUnavailable
@@ -158,16 +164,23 @@ def compare_main(argv: list[str]) -> int:
         return 0
     try:
         tns = parser.parse_args(rest)
+        for dest in DESTS:                  # the table's flags, parsed by compare's parser
+            setattr(tns, dest, getattr(ns, dest))
     except SystemExit as exc:
         return int(exc.code or 0)
     try:
-        given = explicit_dests(parser, rest)
-        config = apply_hf_model(config_from_args(tns), given)
-        config = apply_plan(tns, config, given)
+        unset = object()                    # the table's flags this command line gives
+        table, _ = compare_parser().parse_known_args(
+            argv, namespace=argparse.Namespace(**{d: unset for d in DESTS}))
+        given = explicit_dests(parser, rest) | {d for d in DESTS
+                                                if getattr(table, d) is not unset}
+        config = config_from_args(tns)
         if tns.plan:                 # the plan's fields are set, as flags are
             given |= set(PLAN_DESTS)
-        if config.hf_model:          # and so are the model directory's
-            given |= set(HF_FIELDS)
+        if config.hf_model or "model" in given:   # and so are a named model's
+            given |= set(HF_FIELDS) | ({"seq_len"} if "model" in given else set())
+        if "global_batch_size" in given:          # the microbatches it makes
+            given.add("microbatches")
         cpus_per_rank = tns.cpus_per_rank
         source = MeasuredRun.load(ns.calibrate_from) if ns.calibrate_from else None
         notes: list[str] = []
@@ -208,6 +221,8 @@ def compare_main(argv: list[str]) -> int:
                 raise ConfigError(f"{exc} (the calibration run's model has --layers "
                                   f"{config.layers}; calibrate from a run with more layers)"
                                   ) from None
+            if tns.plan:
+                raise ConfigError(f"--plan {tns.plan}: {exc}") from None
             raise
         partner = None
         if ns.alongside:

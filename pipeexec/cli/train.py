@@ -10,19 +10,73 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from typing import Any
 
+import pipesim
 from pipesim.cli.help import DefaultsHelpFormatter
+from pipesim.errors import PlanError
+from pipesim.plan.options import BY_DEST, DESTS, add_plan_flags, apply_flags, given_dests
 
 from .checkpoint import add_train_flags, options_from_args
-from ..config import SECTIONS, ConfigError, TrainConfig
+from ..config import DEFAULT_PLAN, SECTIONS, ConfigError, TrainConfig
+from ..models.hf_config import HF_FIELDS
 from ..options import add_arguments, values_from_args
 from .profile_flags import add_profile_flags, profile_from_args
 
+# train's own plan flags (not in pipesim's table: pipesim simulate names its schedule as an
+# argument): the schedule and zb-auto's placement, fields of the plan as well
+_SCHEDULE_FLAGS = ("schedule", "placement")
+# the destinations of every flag that sets a plan field
+PLAN_DESTS = DESTS + _SCHEDULE_FLAGS
+_MODEL_DESTS = tuple(d for d in DESTS if BY_DEST[d].group == "model")
+
+
+class _BaseInt(int):
+    """The base plan's value of a plan flag, shown in ``--help`` as its default but read as not
+    given (`plan_flags_given`): a given flag's value is a plain int."""
+
+
+class _BaseStr:
+    """As `_BaseInt`, for a text flag (``--recompute``, ``--precision``); not a str, which
+    argparse would parse as if given."""
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+
+    def __str__(self) -> str:
+        return self.text
+
+
+def _shown_defaults() -> dict[str, Any]:
+    """dest -> `DEFAULT_PLAN`'s value of each plan flag, for ``--help`` (None: no default)."""
+    from ..config import PLAN_VIEWS, TrainConfig
+
+    base = TrainConfig(plan=DEFAULT_PLAN)
+    out: dict[str, Any] = {}
+    for dest in DESTS:
+        value = getattr(base, dest) if dest in PLAN_VIEWS else None
+        if isinstance(value, bool) or value is None:
+            continue
+        out[dest] = _BaseInt(value) if isinstance(value, int) else _BaseStr(value)
+    return out
 
 
 def add_config_arguments(t: argparse.ArgumentParser) -> None:
-    """One flag per `TrainConfig` field that has one, generated from the field's metadata
-    (help, type, choices...), its default the field's (`pipeexec.options`)."""
+    """The plan's flags (`pipesim.plan.options`: layout, batch, model shape, one table for
+    every command; not given: the base plan's value) and one flag per executor field that has
+    one, generated from the field's metadata, its default the field's (`pipeexec.options`)."""
+    from pipesim.schedule.placement import PLACEMENTS
+
+    a = t.add_argument
+    a("--schedule", default=None,
+      help="a pipesim schedule name (pipesim list), or a schedule file: FILE.json (pipesim) or "
+           "FILE.csv (torch's, compute-only or with comms) (default: the plan's; without --plan "
+           f"{DEFAULT_PLAN.schedule})")
+    a("--placement", default=None, choices=PLACEMENTS,
+      help="with --schedule zb-auto --vpp 2: where its stages sit, looped (Megatron's "
+           "interleaved) or v (ZB-V's); default: both searched, or v with --memory-limit (the "
+           "profiled ZB-V's placement)")
+    add_plan_flags(t, defaults=_shown_defaults())
     d = TrainConfig()
     for name, cls in SECTIONS.items():
         add_arguments(t, cls, getattr(d, name))
@@ -32,10 +86,13 @@ def add_train_arguments(t: argparse.ArgumentParser) -> None:
     """Every flag of ``pipeexec train`` (``compare`` reuses them all)."""
     a = t.add_argument
     a("--plan", default=None, metavar="PLAN.json",
-      help="run this pipesim plan (Plan.to_json, pipesim simulate --save-plan): its schedule, "
-           "layout, batch, model and precision (the flags below that set those are then "
-           "refused); what pipeexec cannot run (tp, cp, ep > 1, ZeRO...) is "
-           "refused with the reason before any worker starts")
+      help="run this pipesim plan (pipesim simulate --save-plan, pipesim plan --plan-out): its "
+           "schedule, layout, batch, model and precision; a layout, batch or model flag given "
+           "as well overrides that field of the plan (the rule of every command). Without "
+           "--plan the base is the built-in GPT's tiny default (2 layers, hidden 64, 4 heads, "
+           "seq-len 32, vocab 256) at pp 1, dp 1, one microbatch, fp32, 1f1b. What pipeexec "
+           "cannot run (tp, cp, ep > 1, ZeRO, fp8...) is refused with the reasons before any "
+           "worker starts")
     add_config_arguments(t)
     a("--nproc", type=int, default=None, help="local workers to start (default pp * dp)")
     a("--timeout", type=float, default=None,
@@ -64,68 +121,57 @@ def train_parser(prog: str = "pipeexec train") -> argparse.ArgumentParser:
 def explicit_dests(parser: argparse.ArgumentParser, argv: list[str]) -> set[str]:
     """The destinations of the flags ``argv`` sets (abbreviated or ``--flag=value`` forms
     included), as opposed to those left at their defaults."""
-    unset = object()
     dests = [k for k, v in vars(parser.parse_args([])).items() if not isinstance(v, list)]
-    ns = parser.parse_args(argv, namespace=argparse.Namespace(**{k: unset for k in dests}))
-    return {k for k in dests if getattr(ns, k) is not unset}
+    return given_dests(parser, argv, dests)
+
+
+def plan_flags_given(ns: argparse.Namespace) -> set[str]:
+    """The plan flags ``ns`` holds a value of (their defaults, None or the base plan's value
+    shown in the help, are not given)."""
+    return {d for d in PLAN_DESTS if getattr(ns, d, None) is not None
+            and not isinstance(getattr(ns, d), (_BaseInt, _BaseStr))}
 
 
 def config_from_args(ns: argparse.Namespace) -> TrainConfig:
-    """The `TrainConfig` the generated flags (`add_config_arguments`) spell."""
-    return TrainConfig(**{k: v for cls in SECTIONS.values()
-                          for k, v in values_from_args(cls, ns).items()})
-
-
-# train flags a plan file sets (pipeexec.plan_config)
-PLAN_DESTS = ("schedule", "pp", "vpp", "dp", "microbatches", "micro_batch_size", "layers",
-              "hidden", "heads", "seq_len", "vocab", "ffn_mult", "precision", "partition",
-              "boundaries", "recompute", "recompute_layers")
-
-
-def apply_plan(ns: argparse.Namespace, config: TrainConfig, given: set[str]) -> TrainConfig:
-    """``config`` with ``--plan``'s fields (unchanged without ``--plan``). Raises ConfigError
-    naming a flag the plan also sets, or what of the plan pipeexec cannot run."""
-    if not getattr(ns, "plan", None):
-        return config
-    import pipesim
-
-    from ..plan_config import config_from_plan
-
-    clash = [d for d in PLAN_DESTS if d in given]
-    if clash:
-        raise ConfigError(f"--plan {ns.plan} sets the layout, batch, model and precision; "
-                          f"drop {', '.join('--' + d.replace('_', '-') for d in clash)} (or edit "
-                          "the plan)")
+    """The `TrainConfig` the flags spell: the plan (``--plan FILE``, else `DEFAULT_PLAN`) with
+    the given plan flags applied, and the executor's sections. A Hugging Face directory
+    (``--hf-model``) is the model unless a plan names one. Raises ConfigError naming the flag
+    or the plan file."""
+    given = plan_flags_given(ns)
+    sections = {k: v for cls in SECTIONS.values() for k, v in values_from_args(cls, ns).items()}
+    hf_model = sections.get("hf_model")
+    if hf_model and not ns.plan:
+        clash = sorted(set(given) & (set(HF_FIELDS) | {"model"}))
+        if clash:
+            raise ConfigError(f"--hf-model {hf_model} takes the model's shape from its "
+                              f"config.json; drop {', '.join(BY_DEST[d].flag for d in clash)} "
+                              "(or edit config.json)")
     try:
-        plan = pipesim.Plan.from_json(ns.plan)
-    except pipesim.PlanError as exc:
-        raise ConfigError(f"--plan: {exc}") from None
+        base = pipesim.Plan.load(ns.plan) if ns.plan else DEFAULT_PLAN
+        plan = apply_flags(base, ns, given)
+    except PlanError as exc:
+        raise ConfigError(f"--plan {ns.plan}: {exc}" if ns.plan else str(exc)) from None
+    views = {d: getattr(ns, d) for d in _SCHEDULE_FLAGS if d in given}
+    config = TrainConfig(plan=plan, **sections, **views)
+    if hf_model and not ns.plan:          # after the flags: its sequence length is the run's
+        config = config.with_hf_model(hf_model)
+    return config
+
+
+def validate_for(ns: argparse.Namespace, config: TrainConfig, world: int) -> TrainConfig:
+    """``config.validate``, its error naming ``--plan FILE`` when the run is a plan file's."""
     try:
-        return config_from_plan(plan, config, source=str(ns.plan))
+        return config.validate(world_size=world)
     except ConfigError as exc:
-        raise ConfigError(f"--plan {ns.plan}: {exc}") from None
-
-
-def apply_hf_model(config: TrainConfig, given: set[str]) -> TrainConfig:
-    """``config`` with its ``--hf-model`` directory's shape (unchanged without one). Raises
-    ConfigError naming a model flag given next to it, or what is wrong with the directory."""
-    if not config.hf_model:
-        return config
-    from ..models.hf_config import HF_FIELDS
-
-    clash = [d for d in HF_FIELDS if d in given]
-    if clash:
-        raise ConfigError(f"--hf-model {config.hf_model} takes the model's shape from its "
-                          f"config.json; drop {', '.join('--' + d.replace('_', '-') for d in clash)}"
-                          " (or edit config.json)")
-    return config.with_hf_model(config.hf_model)
+        if ns.plan:
+            raise ConfigError(f"--plan {ns.plan}: {exc}") from None
+        raise
 
 
 def train_main(args: list[str]) -> None:
     """``pipeexec train ARGS``: check everything, then train in local workers (or as this
     process's rank under torchrun); exits with 0, 1 (a run failed), 2 (bad input) or 130."""
     ns = train_parser().parse_args(args)
-    import pipesim
     from ..checkpoint import CheckpointError, read_tracker
     from ..launching.cpu_quota import QuotaUnavailable
     from ..launching.devices import cuda_device_count, may_use_cuda, start_method_for
@@ -134,16 +180,12 @@ def train_main(args: list[str]) -> None:
     from ..launching.worker import run_training
 
     under_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
-    world = int(os.environ["WORLD_SIZE"]) if under_torchrun else (ns.nproc or ns.pp * ns.dp)
+    world = int(os.environ["WORLD_SIZE"]) if under_torchrun else (ns.nproc or 1)
     try:
         config = config_from_args(ns)
-        if config.hf_model:          # before the plan, which is checked against the model
-            config = apply_hf_model(config, explicit_dests(train_parser(), args))
-        if ns.plan:
-            config = apply_plan(ns, config, explicit_dests(train_parser(), args))
-            if not under_torchrun:
-                world = ns.nproc or config.world_size
-        config.validate(world_size=world)    # before any process group exists
+        if not under_torchrun:
+            world = ns.nproc or config.world_size
+        validate_for(ns, config, world)      # before any process group exists
         checkpoint = options_from_args(ns)
         if checkpoint.load is not None:
             read_tracker(checkpoint.load)       # a bad --load fails before any worker starts

@@ -1,16 +1,72 @@
-"""Models the executor builds from a run's config: the built-in GPT (`pipeexec.model`) or a
-Hugging Face model directory (`pipeexec.models.hf`, ``--hf-model``). Importing this package
-imports no torch (`hf_config` is read before any worker starts, on machines without it)."""
+"""The layer stack a plan's model is built as: the built-in GPT (`pipeexec.model`) when the
+plan's `ModelSpec` has no family, else that Hugging Face family's own modules
+(`pipeexec.models.hf`), from the config the spec spells (`hf_config.config_for`) and, with
+``--hf-model DIR``, DIR's weights. Importing this package imports no torch: what can be built
+is decided (`model_refusals`) before any worker starts, on machines without it."""
 from __future__ import annotations
 
 from typing import Any
 
+# the built-in GPT's fixed choices: (field, value, what the GPT has)
+_GPT_FIXED = (("mlp", "gelu"), ("norm", "layernorm"), ("position", "learned"), ("bias", True),
+              ("dropout", False))
 
-def spec_from_config(config: Any):
-    """The `pipeexec.model.ModelSpec` ``config`` trains: its ``hf_model`` directory when set,
-    else the built-in GPT of its model fields."""
-    if getattr(config, "hf_model", None):
-        from .hf import hf_model_spec
-        return hf_model_spec(config.hf_model)
-    from ..model import gpt_spec_from_config
-    return gpt_spec_from_config(config)
+
+def gpt_differences(model: Any) -> list[str]:
+    """What of ``model`` (a `pipesim.ModelSpec` without a family) the built-in GPT cannot
+    build: it is dense, GeLU, LayerNorm, learned positions, biases, no dropout, kv_heads =
+    heads, head_dim = hidden / heads."""
+    hint = ("; a plan made from a Hugging Face config.json (pipesim simulate --model "
+            "config.json) names its family and runs as that family's model")
+    refused = []
+    if model.experts:
+        refused.append(f"model.experts = {model.experts}: the built-in GPT is dense{hint}")
+    for name, want in _GPT_FIXED:
+        if getattr(model, name) != want:
+            refused.append(f"model.{name} = {getattr(model, name)!r}: the built-in GPT has "
+                           f"{name} = {want!r}{hint}")
+    if model.qkv_bias is False:
+        refused.append("model.qkv_bias = False: the built-in GPT's q, k, v projections have "
+                       f"biases{hint}")
+    if model.num_kv_heads != model.heads:
+        refused.append(f"model.kv_heads = {model.kv_heads} (--kv-heads): the built-in GPT has "
+                       f"kv_heads = heads = {model.heads}{hint}")
+    if model.hidden % model.heads:
+        refused.append(f"model.hidden = {model.hidden} must be divisible by model.heads = "
+                       f"{model.heads} (--hidden, --heads)")
+    elif model.kv_channels != model.hidden // model.heads:
+        refused.append(f"model.head_dim = {model.head_dim}: the built-in GPT has hidden / heads "
+                       f"= {model.hidden // model.heads}")
+    if model.max_position is not None and model.max_position < model.seq_length:
+        refused.append(f"model.max_position = {model.max_position} is shorter than "
+                       f"model.seq_length = {model.seq_length} (--seq-len)")
+    return refused
+
+
+def model_refusals(model: Any, hf_model: str | None = None) -> list[str]:
+    """Why the executor cannot build ``model`` (empty: it can), with ``hf_model`` the
+    directory whose weights it would load."""
+    if model.family is None:
+        if hf_model is not None:
+            return [f"--hf-model {hf_model}: the plan's model is the built-in GPT's shape (no "
+                    "family), not that directory's config.json; drop --hf-model, or make the "
+                    f"plan with --model {hf_model}"]
+        return gpt_differences(model)
+    from .hf_config import model_refusals as family_refusals
+
+    return family_refusals(model, hf_model)
+
+
+def layer_stack(config: Any):
+    """The `pipeexec.model.LayerStack` ``config`` (a `TrainConfig`) trains: its plan's model,
+    as the built-in GPT or its Hugging Face family (weights from ``config.hf_model``)."""
+    model = config.plan.model
+    refused = model_refusals(model, config.hf_model)
+    if refused:
+        from ..config import ConfigError
+        raise ConfigError("the plan's model cannot be built here:\n  " + "\n  ".join(refused))
+    if model.family is not None:
+        from .hf import hf_layer_stack
+        return hf_layer_stack(model, weights=config.hf_model)
+    from ..model import gpt_stack
+    return gpt_stack(model)

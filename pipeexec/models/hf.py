@@ -1,8 +1,10 @@
 """Hugging Face causal LMs as pipeline layer lists (needs ``transformers``: the ``hf`` extra).
 
-`hf_model_spec(path)` turns a model directory (``config.json``, optionally ``*.safetensors``)
-into a `ModelSpec` of ``num_hidden_layers + 2`` layers, built from the family's own
-transformers modules so the arithmetic is Hugging Face's:
+`hf_layer_stack(model, weights=DIR)` turns a plan's model of a Hugging Face family (a
+`pipesim.ModelSpec` with ``family`` and ``hf_config``: `hf_config.config_for` is the config it
+spells) into a `LayerStack` of ``num_hidden_layers + 2`` layers, built from the family's own
+transformers modules so the arithmetic is Hugging Face's (`hf_dir_stack(DIR)`: a model
+directory's, ``config.json`` and optionally ``*.safetensors``):
 
 * layer 0, `HFEmbedding`: token embedding (GPT-2: plus learned positions and dropout);
 * layers 1..L, `HFDecoderLayer`: one decoder layer (``LlamaDecoderLayer``, ``GPT2Block``...).
@@ -16,7 +18,7 @@ tensor by tensor, so a rank reads only its layers), else initialised as the fami
 ``_init_weights`` does (normal(0, ``initializer_range``) matrices, GPT-2's residual
 projections scaled by 1/sqrt(2 n_layer), zero biases, unit norms) from the generator seeded by
 (seed, layer): the same weights whatever the layout. Tied embeddings (GPT-2's default,
-``tie_word_embeddings``) are declared in `ModelSpec.tied`: the head's weight starts as the
+``tie_word_embeddings``) are declared in `LayerStack.tied`: the head's weight starts as the
 embedding's and stays one parameter with it. `hf_reference_model` gives the unsplit
 ``AutoModelForCausalLM`` the very same weights; `hf_name` maps a pipeexec parameter name
 (``layers.<i>.<name>``) to the Hugging Face one.
@@ -34,8 +36,9 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from ..model import ModelSpec, lm_loss
-from .hf_config import HFModelError, HFModelInfo, read_hf_config
+from ..model import LayerStack, lm_loss
+from .hf_config import (HFModelError, HFModelInfo, config_for, info_from_config, plan_model_of,
+                        read_hf_config)
 
 
 def _transformers():
@@ -308,17 +311,32 @@ def _load(layer: nn.Module, index: int, info: HFModelInfo, ckpt: _Checkpoint) ->
             p.copy_(t.to(p.dtype))
 
 
-# -- the spec -------------------------------------------------------------------------------
-def hf_model_spec(path: str | Path | HFModelInfo, *, load_weights: bool = True) -> ModelSpec:
-    """The `ModelSpec` of the Hugging Face model directory ``path``: [embedding, decoder
-    layer x L, norm + head], next-token cross-entropy. Weights from its safetensors files when
-    it has any (``load_weights``), else the deterministic initialisation."""
-    info = path if isinstance(path, HFModelInfo) else read_hf_config(path)
+# -- the stack ------------------------------------------------------------------------------
+def hf_layer_stack(model: Any, *, weights: str | Path | None = None) -> LayerStack:
+    """The `LayerStack` of ``model`` (a plan's `pipesim.ModelSpec` of a Hugging Face family):
+    [embedding, decoder layer x L, norm + head], next-token cross-entropy, built from the
+    config the spec spells. Weights from the safetensors of the directory ``weights`` when it
+    has any, else the deterministic initialisation."""
+    files = () if weights is None else read_hf_config(weights).checkpoint_files
+    info = info_from_config(config_for(model), str(weights or "the plan's model"), files)
+    return _stack(info)
+
+
+def hf_dir_stack(path: str | Path, *, seq_length: int | None = None,
+                 load_weights: bool = True) -> LayerStack:
+    """The `LayerStack` of the Hugging Face model directory ``path`` (its config.json the
+    model, as `plan_model_of` reads it; its safetensors the weights when ``load_weights``)."""
+    info = read_hf_config(path)
+    model = plan_model_of(path, seq_length=seq_length or 1)
+    return hf_layer_stack(model, weights=path if load_weights and info.checkpoint_files else None)
+
+
+def _stack(info: HFModelInfo) -> LayerStack:
     if info.model_type not in FAMILIES:
         raise HFModelError(f"{info.path}: model_type {info.model_type!r} is not supported")
     config = hf_config_object(info)
     n, kind = info.layers, info.model_type
-    ckpt = _Checkpoint(info.checkpoint_files) if load_weights and info.checkpoint_files else None
+    ckpt = _Checkpoint(info.checkpoint_files) if info.checkpoint_files else None
 
     def factory(index: int, gen: torch.Generator) -> nn.Module:
         if index == 0:
@@ -342,7 +360,7 @@ def hf_model_spec(path: str | Path | HFModelInfo, *, load_weights: bool = True) 
         "block" if _mask_kind(config, j) == "full_attention" else "sliding-block"
         for j in range(n)) + ("head",)
     counts = _param_counts(config, kind, n)
-    return ModelSpec(n + 2, factory, lm_loss, counts, kinds, tied=tied)
+    return LayerStack(n + 2, factory, lm_loss, counts, kinds, tied=tied, blocks=n)
 
 
 def _param_counts(config, kind: str, n: int) -> tuple[int, ...]:
@@ -357,10 +375,10 @@ def _param_counts(config, kind: str, n: int) -> tuple[int, ...]:
 
 def hf_reference_model(path: str | Path, seed: int) -> Any:
     """The unsplit ``AutoModelForCausalLM`` of ``path`` holding exactly the weights
-    `hf_model_spec(path)` gives its layers for ``seed`` (for checks against Hugging Face)."""
+    `hf_dir_stack(path)` gives its layers for ``seed`` (for checks against Hugging Face)."""
     transformers = _transformers()
     info = read_hf_config(path)
-    spec = hf_model_spec(info)
+    spec = hf_dir_stack(path)
     model = transformers.AutoModelForCausalLM.from_config(hf_config_object(info))
     state = {}
     for i in range(spec.num_layers):

@@ -1,11 +1,15 @@
-"""What a Hugging Face model directory holds, read without torch or transformers.
+"""Hugging Face models from a plan's `ModelSpec` or a model directory, read without torch or
+transformers.
 
-``pipeexec train --hf-model DIR`` checks the directory here, before any worker starts: its
-``config.json`` exists and parses, names a supported architecture (`SUPPORTED`), and fits the
-run (GPT-2's learned positions bound the sequence length; a Mixtral whose router loss is on
-cannot be cut into a layer list). `HFModelInfo` is the shape the run's `TrainConfig` takes from
-the file (layers, hidden, heads, vocab, tied embeddings), so the CLI's log, the layer count the layout is
-checked against and the synthetic data's vocabulary are the model's.
+A plan's model of a Hugging Face family (``ModelSpec.family``, ``ModelSpec.hf_config``: what
+``ModelSpec.from_hf_config`` reads from a config.json) is built from the config the spec
+spells (`config_for`): the stored config.json with the spec's shape written into it, so the
+spec is the one copy of the shape and the config supplies the rest (rope theta, norm epsilon,
+initializer range...); what the family's config cannot say of the spec is refused
+(`spec_differences`). ``--hf-model DIR`` makes the plan's model from DIR's config.json
+(`plan_model_of`) and loads DIR's safetensors. Everything is checked here, before any worker
+starts: a supported architecture (`SUPPORTED`), GPT-2's learned positions bounding the sequence
+length, a Mixtral whose router loss is off (a stage cannot see it).
 """
 from __future__ import annotations
 
@@ -47,12 +51,18 @@ class HFModelInfo:
                 "vocab": self.vocab, "tie_embeddings": self.tied_embeddings}
 
 
-# TrainConfig fields `HFModelInfo.train_fields` sets (flags refused next to --hf-model)
-HF_FIELDS = ("layers", "hidden", "heads", "vocab", "ffn_mult", "tie_embeddings")
+# TrainConfig fields a Hugging Face config.json sets (flags refused next to --hf-model)
+HF_FIELDS = ("layers", "hidden", "heads", "kv_heads", "vocab", "ffn_hidden", "tie_embeddings")
 
 
 def read_hf_config(path: str | Path) -> HFModelInfo:
     """Read and check ``path`` (a directory holding ``config.json``, or that file itself)."""
+    directory, file, cfg = _read_dir(path)
+    files = tuple(sorted(str(f) for f in directory.glob("*.safetensors")))
+    return info_from_config(cfg, str(directory), files, source=file)
+
+
+def _read_dir(path: str | Path) -> tuple[Path, Path, dict]:
     p = Path(path)
     directory = p.parent if p.name == "config.json" else p
     file = directory / "config.json"
@@ -68,6 +78,15 @@ def read_hf_config(path: str | Path) -> HFModelInfo:
         raise HFModelError(f"{file}: not valid JSON: {exc}") from None
     if not isinstance(cfg, dict):
         raise HFModelError(f"{file}: config.json holds a JSON object")
+    return directory, file, cfg
+
+
+def info_from_config(cfg: dict, path: str, checkpoint_files: tuple[str, ...] = (), *,
+                     source: Any = None) -> HFModelInfo:
+    """Check a config.json's contents (``source`` names it in errors) and read its shape;
+    ``path``: the directory it came from (or the plan naming it), ``checkpoint_files``: its
+    weights (none: random init)."""
+    file = source if source is not None else f"{path}: model.hf_config"
     kind = str(cfg.get("model_type", ""))
     if kind not in SUPPORTED:
         raise HFModelError(f"{file}: model_type {kind!r} is not supported; pipeexec runs "
@@ -92,28 +111,107 @@ def read_hf_config(path: str | Path) -> HFModelInfo:
     for name, value in (*fields.items(), ("vocab", vocab)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise HFModelError(f"{file}: {name} must be a positive integer, got {value!r}")
-    files = tuple(sorted(str(f) for f in directory.glob("*.safetensors")))
-    return HFModelInfo(str(directory), kind, fields["layers"], fields["hidden"], fields["heads"],
-                       vocab, max_positions, tied, files, cfg)
+    return HFModelInfo(str(path), kind, fields["layers"], fields["hidden"], fields["heads"],
+                       vocab, max_positions, tied, tuple(checkpoint_files), cfg)
 
 
-def _need(cfg: dict, key: str, file: Path) -> Any:
+def _need(cfg: dict, key: str, file: Any) -> Any:
     if key not in cfg:
         raise HFModelError(f"{file}: config.json has no {key!r}")
     return cfg[key]
 
 
-def check_hf_run(info: HFModelInfo, *, seq_len: int, **fields: Any) -> None:
-    """Raise HFModelError when a run's model ``fields`` (`HFModelInfo.train_fields`' names)
-    disagree with the directory's model, or its sequences are longer than the model's learned
-    positions."""
-    for name, want in info.train_fields().items():
-        got = fields[name]
-        if got != want:
-            raise HFModelError(f"--hf-model {info.path}: the run has {name} = {got}, its "
-                               f"config.json {want} (with a Hugging Face model the shape comes "
-                               f"from config.json: TrainConfig(...).with_hf_model(path))")
-    if info.max_positions is not None and seq_len > info.max_positions:
-        raise HFModelError(f"--hf-model {info.path}: --seq-len {seq_len} is longer than the "
-                           f"model's {info.max_positions} learned positions (n_positions); "
-                           f"pass --seq-len {info.max_positions} or less")
+# the spec's shape fields and the config.json keys they are, per family (`config_for`)
+_LLAMA_KEYS = {"layers": "num_hidden_layers", "hidden": "hidden_size",
+               "heads": "num_attention_heads", "num_kv_heads": "num_key_value_heads",
+               "vocab": "vocab_size", "tied_embeddings": "tie_word_embeddings"}
+_GPT2_KEYS = {"layers": "n_layer", "hidden": "n_embd", "heads": "n_head", "vocab": "vocab_size",
+              "tied_embeddings": "tie_word_embeddings"}
+# fields compared between a spec and the spec its config reads back as (not provenance, the
+# name, or the vocabulary padding, which is the cost model's business: pipeexec never pads)
+_NOT_SHAPE = ("name", "vocab_divisible_by", "family", "hf_config")
+
+
+def config_for(model: Any) -> dict:
+    """The config.json a family's model (``ModelSpec.family``) is built from: its stored
+    ``hf_config`` (or the family's defaults) with the spec's shape written in, so a plan whose
+    shape was changed after it was read (``--layers 4``) builds that shape."""
+    cfg = dict(model.hf_config or {})
+    cfg["model_type"] = model.family
+    gpt2 = model.family == "gpt2"
+    for field, key in (_GPT2_KEYS if gpt2 else _LLAMA_KEYS).items():
+        cfg[key] = getattr(model, field)
+    if gpt2:
+        cfg["n_inner"] = None if model.ffn == 4 * model.hidden else model.ffn
+        cfg["n_positions"] = model.max_position or model.seq_length
+    else:
+        if model.is_moe:
+            cfg["intermediate_size"] = model.moe_ffn
+            cfg["num_local_experts"], cfg["num_experts_per_tok"] = model.experts, model.top_k
+        else:
+            cfg["intermediate_size"] = model.ffn
+        if model.head_dim is not None or "head_dim" in cfg:
+            cfg["head_dim"] = model.kv_channels
+    if len(cfg.get("layer_types") or [None] * model.layers) != model.layers:
+        del cfg["layer_types"]        # per-layer attention kinds of another depth: the default
+    return cfg
+
+
+def spec_differences(model: Any) -> list[str]:
+    """Where ``model`` (a family's `ModelSpec`) is not what its config (`config_for`) builds:
+    each field, with both values (empty: the family builds exactly this shape)."""
+    from pipesim.errors import PlanError
+    from pipesim.plan.model import ModelSpec
+
+    try:
+        built = ModelSpec.from_hf_config(config_for(model), seq_length=model.seq_length)
+    except PlanError as exc:
+        return [f"model.hf_config: {exc}"]
+    ours, theirs = model.to_dict(), built.to_dict()
+    return [f"model.{k} = {ours[k]!r}: a {model.family} model of this config has {theirs[k]!r}"
+            for k in ours if k not in _NOT_SHAPE and k != "max_position" and ours[k] != theirs[k]]
+
+
+def plan_model_of(path: str | Path, *, seq_length: int) -> Any:
+    """The plan's model for the Hugging Face directory ``path`` (checked: `read_hf_config`),
+    read as ``pipesim simulate --model DIR/config.json`` reads it, at this sequence length and
+    unpadded (pipeexec's tables are the config's size)."""
+    from pipesim.errors import PlanError
+    from pipesim.plan.model import ModelSpec
+
+    info = read_hf_config(path)
+    try:
+        model = ModelSpec.from_hf_config(info.config, name=info.model_type, seq_length=seq_length)
+    except PlanError as exc:
+        raise HFModelError(f"--hf-model {path}: {exc}") from None
+    return model.with_(vocab_divisible_by=1)
+
+
+def model_refusals(model: Any, hf_model: str | None = None) -> list[str]:
+    """Why a family's ``model`` cannot run (empty: it can): a family pipeexec does not build,
+    a shape the family's config cannot say, a sequence longer than GPT-2's learned positions,
+    or, with ``hf_model``, a model other than that directory's."""
+    if model.family not in SUPPORTED:
+        return [f"model.family = {model.family!r}: pipeexec builds the Hugging Face families "
+                + ", ".join(SUPPORTED) + " and the built-in GPT (family null)"]
+    try:
+        info = info_from_config(config_for(model), hf_model or "the plan")
+    except HFModelError as exc:
+        return [str(exc)]
+    out = spec_differences(model)
+    if info.max_positions is not None and model.seq_length > info.max_positions:
+        out.append(f"model.seq_length = {model.seq_length} (--seq-len) is longer than the "
+                   f"model's {info.max_positions} learned positions (n_positions); give "
+                   f"--seq-len {info.max_positions} or less")
+    if hf_model is not None:
+        try:
+            theirs = plan_model_of(hf_model, seq_length=model.seq_length)
+        except HFModelError as exc:
+            return out + [str(exc)]
+        ours, want = model.to_dict(), theirs.to_dict()
+        out += [f"model.{k} = {ours[k]!r}: --hf-model {hf_model} has {want[k]!r}"
+                for k in want if k not in _NOT_SHAPE and ours[k] != want[k]]
+        if model.family != theirs.family:
+            out.append(f"model.family = {model.family!r}: --hf-model {hf_model} is a "
+                       f"{theirs.family} model")
+    return out

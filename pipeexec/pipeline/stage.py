@@ -9,7 +9,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from ..model import ModelSpec
+from ..model import LayerStack
 
 
 class Stage(nn.Module):
@@ -47,7 +47,7 @@ class Stage(nn.Module):
         return x
 
 
-def build_stage(spec: ModelSpec, index: int, bounds: tuple[int, ...], *, seed: int,
+def build_stage(spec: LayerStack, index: int, bounds: tuple[int, ...], *, seed: int,
                 device: torch.device, dtype: torch.dtype) -> Stage:
     """Materialise only the layers of stage ``index`` (initialised from (seed, layer index))."""
     ids = range(bounds[index], bounds[index + 1])

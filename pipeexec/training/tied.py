@@ -15,7 +15,7 @@ holds its stage; they stay one parameter by three rules, Megatron's for its shar
   (`duplicate_sq`).
 
 An instance is named by its global parameter name; a model maps an alias to the name it is an
-alias of (`ModelSpec.tied`), and two stages of the same model part hold the same names. A
+alias of (`LayerStack.tied`), and two stages of the same model part hold the same names. A
 canonical name with more than one instance anywhere in the pipeline is tied. Which ranks hold
 which names is exchanged once at start-up (`all_gather_object`), so the rule needs no
 knowledge of partitions or schedules.

@@ -34,8 +34,8 @@ from ..pipeline.faults import FaultInjector, parse_faults
 from .ddp import GradBuffer
 from .tied import tied_parameters
 from ..malloc import keep_freed_memory
-from ..model import ModelSpec
-from ..models import spec_from_config
+from ..model import LayerStack
+from ..models import layer_stack
 from .optim import adamw_state_for, build_adamw, clip_coefficient, lr_at, set_lr
 from ..pipeline.p2p import P2P, check_channels_exist, check_p2p_order
 from ..partition import stage_bounds
@@ -89,14 +89,14 @@ class TrainResult:
 
 
 class Trainer:
-    def __init__(self, config: TrainConfig, topology: Topology, spec: ModelSpec | None = None, *,
+    def __init__(self, config: TrainConfig, topology: Topology, spec: LayerStack | None = None, *,
                  recorder: ActionObserver | None = None, board: ActionBoard | None = None,
                  data: BatchSource | None = None, schedule: Schedule | None = None) -> None:
         """``schedule``: run this Schedule (any pipesim Schedule, e.g. hand-made) instead of the
         one ``config.schedule`` names; its pp, vpp and microbatches must match the config.
         The runtime's observers (`pipeexec.pipeline.runtime`): the ``board``'s, fault injection's
         (``config.inject``), then ``recorder`` (shorthand for `add_observer`)."""
-        spec = spec or spec_from_config(config)
+        spec = spec or layer_stack(config)      # the plan's model (ConfigError: not here)
         # The schedule is built once per rank, below (validate would build it once more).
         config.validate(world_size=topology.world_size, num_layers=spec.num_layers,
                         check_schedule=False)

@@ -10,6 +10,7 @@ classes' defaults (``tie_word_embeddings``: False for Llama-family, True for GPT
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -37,10 +38,13 @@ def spec_from_hf_config(cls: type, path: "str | Path | dict", *, name: str | Non
         if not isinstance(cfg, dict):
             raise PlanError(f"{source}: a config.json holds a JSON object")
     kind = str(cfg.get("model_type", "")).lower()
+    # the family and the whole config ride along: an executor builds that family's modules
+    # from them (what the shape does not hold: rope theta, norm epsilon, init range...)
+    origin = {"family": kind or None, "hf_config": dict(cfg)}
     if kind == "gpt2" or "n_embd" in cfg:
-        return _gpt2(cls, cfg, source, name, seq_length)
+        return replace(_gpt2(cls, cfg, source, name, seq_length), **origin)
     if kind in _LLAMA_FAMILY or "num_key_value_heads" in cfg or "intermediate_size" in cfg:
-        return _llama(cls, cfg, source, name or kind or "hf-model", seq_length)
+        return replace(_llama(cls, cfg, source, name or kind or "hf-model", seq_length), **origin)
     raise PlanError(f"{source}: model_type {kind!r} is not supported; from_hf_config reads "
                     f"Llama-family ({', '.join(_LLAMA_FAMILY)}) and GPT-2 configs")
 

@@ -12,7 +12,7 @@ The first six fields keep the order of the original ``pipesim.transformer.ModelS
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +54,13 @@ class ModelSpec:
     # the vocabulary is padded to a multiple of this (times tp): Megatron's
     # --make-vocab-size-divisible-by (128); 1 for a model whose tables are not padded
     vocab_divisible_by: int = 128
+    # where the shape came from: a Hugging Face ``model_type`` ("llama", "qwen2", "mixtral",
+    # "gpt2"...) and its config.json, which holds what the shape does not (rope theta, norm
+    # epsilon, initializer range, sliding window...): what an executor builds that family's own
+    # modules from (`from_hf_config` sets both). None: a shape alone (a preset, the built-in GPT).
+    # Provenance, not shape: equality and hashing compare the shape alone.
+    family: str | None = field(default=None, compare=False)
+    hf_config: dict | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         for f in ("layers", "hidden", "heads", "seq_length", "vocab", "vocab_divisible_by"):
@@ -78,6 +85,12 @@ class ModelSpec:
                             f"got {self.top_k}")
         if self.moe_layer_freq < 1:
             raise PlanError(f"model.moe_layer_freq: must be >= 1, got {self.moe_layer_freq}")
+        if self.family is not None and (not isinstance(self.family, str) or not self.family):
+            raise PlanError(f"model.family: a Hugging Face model_type such as 'llama', or null, "
+                            f"got {self.family!r}")
+        if self.hf_config is not None and not isinstance(self.hf_config, dict):
+            raise PlanError(f"model.hf_config: a config.json object, or null, got "
+                            f"{type(self.hf_config).__name__}")
 
     # -- derived shapes ------------------------------------------------------------------------
     @property

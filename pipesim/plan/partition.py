@@ -1,6 +1,7 @@
 """Which transformer layers each pipeline stage holds.
 
-Even (the first ``layers % stages`` stages take one more), or Megatron-LM's options:
+Even (the first ``layers % stages`` stages take one more; `even_split`: the one rule of pipesim
+and pipeexec; with fewer layers than stages the embedding and the loss count as layers), or Megatron-LM's options:
 ``first_stage_layers`` / ``last_stage_layers`` (``--decoder-first-pipeline-num-layers`` /
 ``--decoder-last-pipeline-num-layers``: the first and last virtual stage get that many, the
 others share the rest evenly), and ``account_for_embedding`` / ``account_for_loss``
@@ -19,7 +20,12 @@ from collections.abc import Sequence
 from ..errors import PlanError
 
 
-def _even(total: int, parts: int) -> list[int]:
+def even_split(total: int, parts: int) -> list[int]:
+    """``total`` layers over ``parts`` stages as evenly as possible, the first ``total % parts``
+    stages one more: the one even-split rule of pipesim and pipeexec. Megatron-LM has none for
+    an uneven count (it asks for divisibility, or first/last-stage counts, or the embedding and
+    loss accounted as layers: `stage_layers`); DeepSpeed's ``partition_uniform`` gives the
+    remainder to the first stages, as this does, and the planner's costs assume it."""
     base, extra = divmod(total, parts)
     return [base + (1 if i < extra else 0) for i in range(parts)]
 
@@ -46,17 +52,22 @@ def stage_layers(layers: int, num_stages: int, *, explicit: Sequence[int] | None
             raise PlanError(f"partition: first_stage_layers={first}, last_stage_layers={last} "
                             f"leave {rest} of {layers} layers for {middle} other stage(s); each "
                             "needs at least one")
-        counts = _even(rest, middle) if middle else []
+        counts = even_split(rest, middle) if middle else []
         if first is not None:
             counts.insert(0, first)
         if last is not None:
             counts.append(last)
     else:
+        if layers < num_stages and not (account_for_embedding or account_for_loss):
+            # fewer blocks than stages: the embedding and the loss count as layers, as
+            # Megatron's account-for options make them (the first and last stage may hold the
+            # embedding or the head alone), the only even cut there is
+            account_for_embedding = account_for_loss = True
         extra = int(account_for_embedding) + int(account_for_loss)
         if layers + extra < num_stages:
             raise PlanError(f"partition: the model has {layers} layers, fewer than pp * vpp = "
                             f"{num_stages} stages")
-        counts = _even(layers + extra, num_stages)
+        counts = even_split(layers + extra, num_stages)
         if account_for_embedding:
             counts[0] -= 1
         if account_for_loss:

@@ -13,7 +13,7 @@ from torch import nn
 import pipesim
 from pipeexec.config import TrainConfig
 from pipeexec.data import BatchSource
-from pipeexec.model import gpt_spec
+from pipeexec.model import gpt_stack
 from pipeexec.topology import destroy_topology, init_topology
 from pipeexec.training.train import Trainer, train
 
@@ -81,8 +81,7 @@ def reference_lr(cfg: TrainConfig, k: int) -> float:
 
 
 def reference_model(cfg: TrainConfig) -> tuple[nn.Sequential, list[str]]:
-    spec = gpt_spec(layers=cfg.layers, hidden=cfg.hidden, heads=cfg.heads, seq_len=cfg.seq_len,
-                    vocab=cfg.vocab)
+    spec = gpt_stack(cfg.model)
     layers = [spec.build_layer(i, cfg.seed) for i in range(spec.num_layers)]
     if cfg.tie_embeddings:          # one Parameter: the head is the embedding
         layers[-1].lm_head.weight = layers[0].tok

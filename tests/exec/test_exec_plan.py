@@ -1,6 +1,7 @@
 """``pipeexec train --plan``: a pipesim Plan file and the train flags are two spellings of one
-run (the same TrainConfig), and what the executor cannot run is refused, with every reason,
-before any process starts."""
+run (the same TrainConfig, whose plan the file is), flags given with a plan override its
+fields, and what the executor cannot run is refused, with every reason, before any process
+starts."""
 from __future__ import annotations
 
 import pytest
@@ -9,11 +10,10 @@ import pipesim
 from pipesim.plan.model import ModelSpec
 from pipesim.plan.parallelism import Parallelism
 
-from pipeexec.cli.train import apply_plan, config_from_args, explicit_dests, train_parser
+from pipeexec.cli.train import config_from_args, train_parser
 
 from pipeexec.cli.main import main
 from pipeexec.config import ConfigError, TrainConfig
-from pipeexec.plan_config import config_from_plan, plan_from_config
 
 FLAG_RUNS = [
     ["--schedule", "zbv", "--pp", "2", "--vpp", "2", "--microbatches", "4", "--layers", "4"],
@@ -28,18 +28,24 @@ REST = ["--steps", "3", "--lr", "0.002", "--seed", "7"]
 
 
 def from_argv(argv):
-    parser = train_parser()
-    ns = parser.parse_args(argv)
-    return apply_plan(ns, config_from_args(ns), explicit_dests(parser, argv))
+    return config_from_args(train_parser().parse_args(argv))
 
 
 @pytest.mark.parametrize("flags", FLAG_RUNS, ids=lambda f: " ".join(f[1:4]))
 def test_flags_and_their_plan_file_give_the_same_config(tmp_path, flags):
     by_flags = from_argv(flags + REST)
     path = tmp_path / "plan.json"
-    plan_from_config(by_flags).to_json(path)
+    by_flags.run_plan().to_json(path)
     by_file = from_argv(["--plan", str(path)] + REST)
-    assert by_file == by_flags
+    if by_flags.boundaries is None:
+        assert by_file == by_flags
+    else:                       # the executor's cut, written into the plan as its partition
+        assert by_file == TrainConfig(plan=by_flags.run_plan(), layout=by_flags.layout,
+                                      inputs=by_flags.inputs, optimizer=by_flags.optimizer,
+                                      mixed_precision=by_flags.mixed_precision,
+                                      runtime=by_flags.runtime).replace(boundaries=None)
+        from pipeexec.analysis.predict import layout_of
+        assert layout_of(by_file).bounds == layout_of(by_flags).bounds
     # the plan simulates the layout the executor runs: same schedule, same cut
     plan = pipesim.Plan.from_json(path)
     assert plan.build_schedule().name == by_flags.build_schedule().name
@@ -52,10 +58,11 @@ def test_a_plan_from_pipesim_runs_its_supported_parts(tmp_path):
     plan = pipesim.Plan(model, Parallelism(pp=2, dp=1, micro_batch_size=2,
                                                    global_batch_size=8, precision="fp32"),
                         schedule="1f1b", partition=(1, 3))
-    cfg = config_from_plan(plan)
+    cfg = TrainConfig(plan=plan)
     assert (cfg.pp, cfg.microbatches, cfg.micro_batch_size, cfg.layers, cfg.seq_len) == \
         (2, 4, 2, 4, 16)
-    assert cfg.boundaries == (2,)         # stage 0: embedding + 1 block; stage 1: 3 blocks + head
+    from pipeexec.partition import plan_bounds
+    assert plan_bounds(plan) == (0, 2, 6)  # stage 0: embedding + 1 block; stage 1: 3 blocks + head
     cfg.validate()
 
 
@@ -63,9 +70,10 @@ def test_unsupported_parts_are_refused_with_every_reason(tmp_path, capsys):
     plan = pipesim.Plan.create("gpt3-1.3b", "H100", tp=2, pp=2, cp=2, zero=3,
                                recompute="full", global_batch_size=16)
     with pytest.raises(ConfigError) as info:
-        config_from_plan(plan)
+        TrainConfig(plan=plan).validate()
     text = str(info.value)
-    for reason in ("parallelism.tp = 2", "parallelism.cp = 2", "parallelism.zero = 3"):
+    for reason in ("parallelism.tp = 2", "parallelism.cp = 2", "parallelism.zero = 3",
+                   "model.dropout = True"):
         assert reason in text
     assert "model.tied_embeddings" not in text     # the executor ties the head to the embedding
     path = tmp_path / "big.json"
@@ -77,11 +85,30 @@ def test_unsupported_parts_are_refused_with_every_reason(tmp_path, capsys):
     assert f"--plan {path}" in err and "parallelism.tp = 2" in err
 
 
-def test_a_flag_the_plan_also_sets_is_refused(tmp_path):
+def test_a_flag_given_with_a_plan_overrides_that_field(tmp_path):
+    """One rule in every command: the plan file is the base, a given flag overrides its field
+    (the global batch stays the plan's: --dp changes the microbatches, as in pipesim)."""
     path = tmp_path / "plan.json"
-    plan_from_config(TrainConfig(pp=2, microbatches=2)).to_json(path)
-    with pytest.raises(ConfigError, match="drop --pp, --layers"):
-        from_argv(["--plan", str(path), "--pp", "4", "--layers", "6"])
+    TrainConfig(pp=2, microbatches=4, layers=4).plan.to_json(path)
+    cfg = from_argv(["--plan", str(path), "--pp", "4", "--layers", "6"])
+    assert (cfg.pp, cfg.layers, cfg.microbatches, cfg.hidden) == (4, 6, 4, 64)
+    assert from_argv(["--plan", str(path), "--microbatches", "8"]).global_batch == 8
+
+
+def test_fp8_and_every_other_refusal_come_at_once_with_flags(tmp_path, capsys):
+    """A plan with fp8 (a bare KeyError before), sequence parallelism and ep: one error
+    listing each, with its flag, before any worker starts."""
+    path = tmp_path / "fp8.json"
+    TrainConfig(pp=2, microbatches=2).plan.with_(precision="fp8", ep=2, dp=2,
+                                                 sequence_parallel=True).to_json(path)
+    with pytest.raises(SystemExit) as exit_:
+        main(["train", "--plan", str(path)])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    for reason in ("parallelism.precision = 'fp8' (--precision)", "parallelism.ep = 2 (--ep)",
+                   "parallelism.sequence_parallel = True (--sequence-parallel)"):
+        assert reason in err, err
+    assert "Traceback" not in err
 
 
 @pytest.mark.slow
@@ -96,7 +123,7 @@ def test_train_runs_a_plan_file_as_its_flags(tmp_path):
     flags = ["--schedule", "zbv", "--pp", "2", "--vpp", "2", "--microbatches", "4",
              "--layers", "2", "--hidden", "16", "--heads", "2", "--seq-len", "8", "--vocab", "32"]
     path = tmp_path / "plan.json"
-    plan_from_config(from_argv(flags)).to_json(path)
+    from_argv(flags).plan.to_json(path)
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2]),
            "OMP_NUM_THREADS": "1"}
     losses = []
@@ -129,12 +156,11 @@ def test_a_plan_holding_its_schedule_as_data_runs_that_schedule(tmp_path):
                                                    recv_lookahead=1))
     data["name"] = "interleaved"
     hand = schedule_from_dict(data)
-    plan = plan_from_config(TrainConfig(pp=2, vpp=2, microbatches=4, layers=4))
+    plan = TrainConfig(pp=2, vpp=2, microbatches=4, layers=4).plan
     plan = pipesim.Plan(plan.model, plan.parallelism, plan.cluster, hand, partition=plan.partition)
     path = tmp_path / "hand.json"
     plan.to_json(path)
-    with pytest.raises(ConfigError, match="schedule as data"):
-        config_from_plan(pipesim.Plan.from_json(path))       # without its file
     cfg = from_argv(["--plan", str(path)])
-    assert cfg.schedule == str(path)
+    assert cfg.schedule == "interleaved" and isinstance(cfg.plan.schedule, pipesim.Schedule)
     assert schedule_to_dict(cfg.validate().build_schedule()) == schedule_to_dict(hand)
+    assert TrainConfig.from_dict(cfg.to_dict()) == cfg      # as a checkpoint stores it

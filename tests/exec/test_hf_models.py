@@ -40,10 +40,10 @@ from pipeexec import launch  # noqa: E402
 from pipeexec.config import ConfigError, TrainConfig  # noqa: E402
 from pipeexec.data import BatchSource  # noqa: E402
 from pipeexec.model import lm_loss  # noqa: E402
-from pipeexec.models.hf import hf_model_spec, hf_name, hf_reference_model  # noqa: E402
+from pipeexec.models.hf import hf_dir_stack, hf_name, hf_reference_model  # noqa: E402
 from pipeexec.models.hf_config import read_hf_config  # noqa: E402
 
-from exec_helpers import (choose_microbatches, layouts_worker, layout_config,  # noqa: E402
+from exec_helpers import (TINY, choose_microbatches, layouts_worker, layout_config,  # noqa: E402
                           reference_lr)
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -111,7 +111,7 @@ def test_selective_recomputation_checkpoints_the_core_attention(model_dirs, fami
     registered implementation, e.g. sdpa, with its mask) runs under torch.utils.checkpoint,
     so the backward keeps less (the attention's output and softmax statistics are redone)
     and the gradients are unchanged."""
-    spec = hf_model_spec(model_dirs[family])
+    spec = hf_dir_stack(model_dirs[family])
     layer = spec.build_layer(1, seed=3)
     x = torch.randn(2, 8, 32, generator=torch.Generator().manual_seed(1))
     plain_bytes, plain = _saved_bytes_and_grads(layer, x)
@@ -127,7 +127,7 @@ def test_selective_recomputation_checkpoints_the_core_attention(model_dirs, fami
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_layer_list_computes_the_unsplit_models_logits(model_dirs, family):
-    spec = hf_model_spec(model_dirs[family])
+    spec = hf_dir_stack(model_dirs[family])
     layers = [spec.build_layer(i, seed=5) for i in range(spec.num_layers)]
     if spec.tied:                 # what the trainer does: the head starts as the embedding
         (alias, canonical), = spec.tied
@@ -158,11 +158,11 @@ def test_mistral_sliding_window_masks_inside_the_layer(model_dirs):
     """Mistral's window (4) is shorter than the sequence: the layers build the sliding mask
     (the logits test above checks them against the model); a window as long as the sequence
     gives other logits, so the mask matters."""
-    spec = hf_model_spec(model_dirs["mistral"])
+    spec = hf_dir_stack(model_dirs["mistral"])
     assert set(spec.kinds()[1:-1]) == {"sliding-block"}
     full_dir = write_model(Path(model_dirs["mistral"]).parent / "mistral-full",
                            dict(FAMILIES["mistral"], sliding_window=None))
-    full = hf_model_spec(full_dir)
+    full = hf_dir_stack(full_dir)
     x = tokens(32)
     a, b = x, x
     for i in range(spec.num_layers):
@@ -185,7 +185,7 @@ def test_safetensors_checkpoint_loads_into_the_layers(tmp_path, family):
     finally:
         transformers.utils.logging.enable_progress_bar()
     assert read_hf_config(tmp_path).checkpoint_files
-    spec = hf_model_spec(tmp_path)
+    spec = hf_dir_stack(tmp_path)
     x = tokens(32)
     h = x
     for i in range(spec.num_layers):
@@ -205,14 +205,14 @@ def test_bad_directories_are_refused_with_the_reason(tmp_path, model_dirs):
         TrainConfig().with_hf_model(str(bert))
     cfg = TrainConfig().with_hf_model(model_dirs["llama"])
     assert (cfg.layers, cfg.hidden, cfg.heads, cfg.vocab) == (6, 32, 4, 32)
-    with pytest.raises(ConfigError, match="the run has layers = 2, its config.json 6"):
+    with pytest.raises(ConfigError, match=r"model.layers = 2: --hf-model .*llama has 6"):
         cfg.replace(layers=2).validate()
     gpt2 = TrainConfig().with_hf_model(model_dirs["gpt2"])
     with pytest.raises(ConfigError, match="longer than the model's 16 learned positions"):
         gpt2.replace(seq_len=32).validate()
     assert gpt2.tie_embeddings and not cfg.tie_embeddings
-    with pytest.raises(ConfigError, match="the run has tie_embeddings = False, its config.json "
-                                          "True"):
+    with pytest.raises(ConfigError, match=r"model.tied_embeddings = False: --hf-model .*gpt2 "
+                                          r"has True"):
         gpt2.replace(tie_embeddings=False).validate()
     moe_loss = write_model(tmp_path / "aux", dict(FAMILIES["mixtral"], output_router_logits=True))
     with pytest.raises(ConfigError, match="output_router_logits"):
@@ -267,10 +267,10 @@ def reference_for(cfg: TrainConfig):
 def cases(model_dirs: dict[str, str], pp: int, fast: bool) -> list[tuple[str, dict]]:
     out = []
     for family, directory in model_dirs.items():
-        fields = read_hf_config(directory).train_fields()
+        plan = TINY.with_hf_model(directory).plan      # the directory's model, TINY's sequence
         for name in pipesim.schedule_names():
             if ((pp, name) in FAST) == fast and choose_microbatches(name, pp, 1):
-                out.append((name, {"hf_model": directory, "eps": ADAM_EPS, **fields}))
+                out.append((name, {"plan": plan, "hf_model": directory, "eps": ADAM_EPS}))
     return out
 
 
@@ -290,7 +290,7 @@ def check_against_reference(results: list[dict], run_cases: list[tuple[str, dict
         what = f"{info.model_type} {name} pp={cfg.pp} vpp={cfg.vpp}"
         losses = next(r[key]["losses"] for r in results if r[key]["pp_rank"] == cfg.pp - 1)
         assert losses == pytest.approx(ref_losses, rel=1e-5), what
-        spec = hf_model_spec(cfg.hf_model)
+        spec = hf_dir_stack(cfg.hf_model)
         seen = set()
         for r in results:
             for n, p in r[key]["params"].items():
@@ -325,8 +325,8 @@ def test_hf_models_with_data_parallelism_and_bf16(model_dirs):
     test_exec_equivalence holds the built-in GPT to."""
     run_cases = []
     for family in ("llama", "gpt2"):
-        fields = read_hf_config(model_dirs[family]).train_fields()
-        base = {"hf_model": model_dirs[family], "eps": ADAM_EPS, **fields}
+        base = {"plan": TINY.with_hf_model(model_dirs[family]).plan,
+                "hf_model": model_dirs[family], "eps": ADAM_EPS}
         run_cases += [(name, base) for name in ("1f1b", "zbv")]
         run_cases.append(("1f1b", dict(base, precision="bf16")))
     results = launch(layouts_worker, 4, (2, 2, run_cases), timeout=300)
@@ -343,7 +343,7 @@ def test_hf_models_with_data_parallelism_and_bf16(model_dirs):
         losses = next(r[key]["losses"] for r in results if r[key]["pp_rank"] == 1)
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-3,
                                    atol=0, msg=lambda m: f"{info.model_type} bf16: {m}")
-        spec = hf_model_spec(cfg.hf_model)
+        spec = hf_dir_stack(cfg.hf_model)
         params = {hf_name(info.model_type, info.layers, spec.canonical(n)): p.float()
                   for r in results for n, p in r[key]["params"].items()}
         assert params.keys() == ref_params.keys()
@@ -365,33 +365,30 @@ def test_hf_models_every_schedule_matches_the_unsplit_model(model_dirs, pp):
 
 # -- plans and prediction: pipesim's cost model reads the same config.json ---------------------
 def test_plan_of_an_hf_run_holds_the_config_json_model(model_dirs, tmp_path):
-    """`plan_from_config` of an --hf-model run carries `ModelSpec.from_hf_config`'s model, and
-    the plan file runs as that run again (`config_from_plan`); a plan of another model is
-    refused naming the field."""
+    """The plan of an --hf-model run is `ModelSpec.from_hf_config`'s model (its family and
+    config.json with it), and the plan file runs as that run again; a plan of another model
+    than the directory's is refused naming the field."""
     from pipesim.plan.model import ModelSpec as PlanModel
-
-    from pipeexec.plan_config import config_from_plan, plan_from_config
 
     for family, directory in model_dirs.items():
         cfg = TrainConfig(schedule="interleaved", pp=2, vpp=2, microbatches=4,
                           seq_len=8).with_hf_model(directory)
-        plan = plan_from_config(cfg)
+        plan = cfg.plan
         # ... with the vocabulary unpadded, as the executor builds it
-        assert plan.model == dataclasses.replace(
-            PlanModel.from_hf_config(directory, seq_length=8), vocab_divisible_by=1), family
-        # 8 layers in 4 equal stages: the embedding and the head each take a block's place
-        assert plan.partition == (1, 2, 2, 1)
+        read = PlanModel.from_hf_config(directory, seq_length=8)
+        assert plan.model == dataclasses.replace(read, vocab_divisible_by=1), family
+        assert (plan.model.family, plan.model.hf_config) == (read.family, read.hf_config)
+        # 6 blocks in 4 stages: pipesim's even split, the first stages one more
+        assert plan.stage_layers() == [2, 2, 1, 1]
         path = tmp_path / f"{family}.json"
         plan.to_json(path)
-        again = config_from_plan(pipesim.Plan.from_json(path),
-                                 TrainConfig().with_hf_model(directory))
+        again = TrainConfig(plan=pipesim.Plan.from_json(path), hf_model=directory)
         assert again.to_dict() == cfg.to_dict(), family
         assert pipesim.simulate(plan).step_time > 0
     other = write_model(tmp_path / "wider", dict(FAMILIES["llama"], hidden_size=64))
+    llama = TrainConfig(pp=2, microbatches=4, seq_len=8).with_hf_model(model_dirs["llama"])
     with pytest.raises(ConfigError, match=r"model.hidden = 32: --hf-model .*wider has 64"):
-        config_from_plan(plan_from_config(TrainConfig(pp=2, microbatches=4, seq_len=8)
-                                          .with_hf_model(model_dirs["llama"])),
-                         TrainConfig().with_hf_model(str(other)))
+        llama.replace(hf_model=str(other)).validate()
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -403,10 +400,10 @@ def test_cost_model_counts_the_executors_parameters(model_dirs, family):
     model = PlanModel.from_hf_config(model_dirs[family], seq_length=8)
     qkv = model.bias if model.qkv_bias is None else model.qkv_bias
     assert qkv == (family in ("qwen2", "gpt2")), family
-    counts = hf_model_spec(model_dirs[family]).layer_param_counts()
+    counts = hf_dir_stack(model_dirs[family]).layer_param_counts()
     for j, moe in enumerate(model.moe_pattern()):
         assert sum(model.layer_params(moe).values()) == counts[1 + j], (family, j)
-    assert model.tied_embeddings == bool(hf_model_spec(model_dirs[family]).tied)
+    assert model.tied_embeddings == bool(hf_dir_stack(model_dirs[family]).tied)
 
 
 def test_compare_takes_the_calibration_runs_hf_model(model_dirs):
@@ -429,9 +426,9 @@ import sys
 sys.modules["torch"] = None            # any "import torch" now raises ImportError
 sys.modules["transformers"] = None
 from pipeexec.config import ConfigError, TrainConfig
-from pipeexec.plan_config import config_from_plan, plan_from_config
 cfg = TrainConfig(pp=2, microbatches=4, seq_len=8).with_hf_model(sys.argv[1]).validate()
-assert config_from_plan(plan_from_config(cfg), TrainConfig().with_hf_model(sys.argv[1])) == cfg
+assert TrainConfig.from_dict(cfg.to_dict()) == cfg
+assert TrainConfig(plan=cfg.plan, hf_model=sys.argv[1]).validate() == cfg
 try:
     TrainConfig().with_hf_model(sys.argv[1] + "-absent")
 except ConfigError as exc:

@@ -14,7 +14,7 @@ import torch
 from exec_helpers import TINY, layouts_worker, reference_train
 from pipeexec import launch
 from pipeexec.config import ConfigError
-from pipeexec.model import gpt_spec_from_config
+from pipeexec.models import layer_stack
 from pipeexec.partition import by_layers
 from pipeexec.pipeline.stage import build_stage
 from pipeexec.measuring.memory import HeldTensorMeter
@@ -30,7 +30,7 @@ class _Runtime:
 
 
 def held_after_forward(cfg, x):
-    spec = gpt_spec_from_config(cfg)
+    spec = layer_stack(cfg)
     bounds = (0, 1, cfg.layers + 1, cfg.layers + 2)            # stage 1: the blocks alone
     stage = build_stage(spec, 1, bounds, seed=0, device=torch.device("cpu"), dtype=torch.float32)
     stage.set_recompute(cfg.recompute, spec.kinds()[1:cfg.layers + 1], cfg.recompute_layers)
@@ -58,9 +58,11 @@ def test_full_recomputation_holds_each_block_input_only():
 
 
 def test_recompute_layers_needs_full():
-    with pytest.raises(ConfigError, match="--recompute-layers applies to --recompute full"):
+    # the rule is the plan's (pipesim.Parallelism), named with the flags that set it
+    with pytest.raises(ConfigError, match=r"recompute_layers: only with recompute='full' "
+                                          r"\(--recompute, --recompute-layers\)"):
         TINY.replace(recompute="selective", recompute_layers=1).validate()
-    with pytest.raises(ConfigError, match="recompute must be one of"):
+    with pytest.raises(ConfigError, match="'some' is not one of none, selective, full"):
         TINY.replace(recompute="some").validate()
 
 

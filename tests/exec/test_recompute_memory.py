@@ -25,8 +25,7 @@ from hypothesis import strategies as st
 
 from exec_helpers import TINY
 from pipeexec.config import TrainConfig
-from pipeexec.model import gpt_spec_from_config
-from pipeexec.plan_config import plan_from_config
+from pipeexec.models import layer_stack
 from pipeexec.pipeline.stage import build_stage
 from pipeexec.measuring.memory import HeldTensorMeter
 from pipeexec.analysis.plan_memory import predicted_activation_peaks
@@ -47,7 +46,7 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 def saved_by_forward(cfg: TrainConfig, index: int, bounds: tuple[int, ...]) -> float:
     """Bytes the meter counts after stage ``index``'s forward (and the loss, on the last)."""
-    spec = gpt_spec_from_config(cfg)
+    spec = layer_stack(cfg)
     dtype = DTYPES[cfg.precision]
     stage = build_stage(spec, index, bounds, seed=0, device=torch.device("cpu"), dtype=dtype)
     stage.set_recompute(cfg.recompute, spec.kinds()[bounds[index]:bounds[index + 1]])
@@ -66,8 +65,8 @@ def saved_by_forward(cfg: TrainConfig, index: int, bounds: tuple[int, ...]) -> f
 def test_stage_forward_keeps_what_the_formulas_say(mode):
     cfg = TINY.replace(layers=3, micro_batch_size=2, recompute=mode)
     b, s, h, a = cfg.micro_batch_size, cfg.seq_len, cfg.hidden, cfg.heads
-    par = plan_from_config(cfg).parallelism
-    model = plan_from_config(cfg).model
+    par = cfg.plan.parallelism
+    model = cfg.plan.model
     layer = layer_activations(model, par).total
     norm_stats = 2 * 2 * 4 * s * b              # per LayerNorm: fp32 mean and 1/std per token
     lse = 4 * a * s * b                         # fused attention's fp32 log-sum-exp
@@ -103,8 +102,8 @@ def test_any_block_shape_keeps_what_the_formulas_say(b, s, heads, head_dim, ffn_
     the fp32 log-sum-exp."""
     h = heads * head_dim
     cfg = TINY.replace(layers=2, micro_batch_size=b, seq_len=s, hidden=h, heads=heads,
-                       ffn_mult=ffn_mult, recompute=mode, precision=precision)
-    plan = plan_from_config(cfg)
+                       ffn_hidden=ffn_mult * h, recompute=mode, precision=precision)
+    plan = cfg.plan
     layer = layer_activations(plan.model, plan.parallelism).total
     e = 4 if precision == "fp32" else 2
     extra = 0 if mode == "full" else 2 * 2 * e * s * b - (4 * heads * s * b if mode == "selective" else 0)

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from pipeexec import launch
-from pipeexec.model import gpt_spec
+from pipeexec.config import GPT_MODEL
+from pipeexec.model import gpt_stack
 from pipeexec.training.tied import TiedParameters, TiedSet, find_tied
 
 from exec_helpers import GLOBAL_BATCH, TINY, layouts_worker, reference_train
@@ -58,10 +59,11 @@ def test_a_rank_with_a_missing_instance_is_refused():
 
 
 def test_the_spec_names_the_head_an_alias_of_the_embedding():
-    spec = gpt_spec(layers=2, hidden=8, heads=2, seq_len=4, vocab=16, tie_embeddings=True)
+    spec = gpt_stack(GPT_MODEL.with_(layers=2, hidden=8, heads=2, seq_length=4, vocab=16,
+                                     tied_embeddings=True))
     assert spec.canonical("layers.3.lm_head.weight") == "layers.0.tok"
     assert spec.canonical("layers.1.qkv.weight") == "layers.1.qkv.weight"
-    assert gpt_spec(layers=2, hidden=8, heads=2, seq_len=4, vocab=16).tied == ()
+    assert gpt_stack(GPT_MODEL.with_(layers=2, hidden=8, heads=2, seq_length=4, vocab=16)).tied == ()
 
 
 def _check(results, reference):

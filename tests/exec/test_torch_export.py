@@ -23,9 +23,11 @@ LAYERS, HIDDEN, SEQ, VOCAB, B = 6, 16, 8, 32, 1      # 8 layers with embedding a
 
 
 def spec():
-    from pipeexec.model import gpt_spec
+    from pipeexec.config import GPT_MODEL
+    from pipeexec.model import gpt_stack
 
-    return gpt_spec(layers=LAYERS, hidden=HIDDEN, heads=2, seq_len=SEQ, vocab=VOCAB)
+    return gpt_stack(GPT_MODEL.with_(layers=LAYERS, hidden=HIDDEN, heads=2, seq_length=SEQ,
+                                     vocab=VOCAB))
 
 
 def batch(m: int):

@@ -7,24 +7,26 @@ import pickle
 import pytest
 
 from pipeexec.cli.train import config_from_args, train_parser
-from pipeexec.config import (SECTIONS, LayoutConfig, ModelConfig, OptimizerConfig,
-                             PrecisionConfig, RuntimeConfig, TrainConfig)
+from pipeexec.config import (DEFAULT_PLAN, PLAN_VIEWS, SECTIONS, DataConfig, LayoutConfig,
+                             OptimizerConfig, PrecisionConfig, RuntimeConfig, TrainConfig)
 
 
 def test_sections_hold_every_field_once_and_read_flat():
     names = [f.name for cls in SECTIONS.values() for f in dataclasses.fields(cls)]
+    names += PLAN_VIEWS                       # the plan's facts, stored in the plan alone
     assert len(names) == len(set(names)) == len(TrainConfig.field_names())
     c = TrainConfig(pp=2, layers=4, lr=3e-4, precision="bf16", seed=5)
-    assert (c.layout.pp, c.model.layers, c.optimizer.lr, c.mixed_precision.precision,
-            c.runtime.seed) == (2, 4, 3e-4, "bf16", 5)
+    assert (c.plan.parallelism.pp, c.plan.model.layers, c.optimizer.lr,
+            c.plan.parallelism.precision, c.runtime.seed) == (2, 4, 3e-4, "bf16", 5)
     assert (c.pp, c.layers, c.lr, c.precision, c.seed) == (2, 4, 3e-4, "bf16", 5)
-    same = TrainConfig(layout=LayoutConfig(pp=2), model=ModelConfig(layers=4),
-                       optimizer=OptimizerConfig(lr=3e-4),
-                       mixed_precision=PrecisionConfig(precision="bf16"),
+    plan = DEFAULT_PLAN.with_(pp=2, precision="bf16").with_(
+        model=DEFAULT_PLAN.model.with_(layers=4))
+    same = TrainConfig(plan=plan, layout=LayoutConfig(), inputs=DataConfig(),
+                       optimizer=OptimizerConfig(lr=3e-4), mixed_precision=PrecisionConfig(),
                        runtime=RuntimeConfig(seed=5))
     assert same == c and hash(same) == hash(c)
-    assert c.replace(pp=4).layout == LayoutConfig(pp=4)
-    assert c.replace(model=ModelConfig()).layers == ModelConfig().layers
+    assert c.replace(pp=4).plan == plan.with_(pp=4)
+    assert c.replace(plan=DEFAULT_PLAN).layers == DEFAULT_PLAN.model.layers
     assert TrainConfig.from_dict(c.to_dict()) == c == pickle.loads(pickle.dumps(c))
     with pytest.raises(TypeError, match="unknown field 'pipeline'"):
         TrainConfig(pipeline=2)
@@ -39,12 +41,12 @@ def test_every_field_has_a_flag_whose_default_is_the_fields():
     for name in TrainConfig.field_names():
         assert TrainConfig.flag(name) in flags, name
     # each flag reaches its field
-    argv = ["--ffn-mult", "2", "--beta2", "0.9", "--no-deallocate-outputs",
+    argv = ["--ffn-hidden", "128", "--beta2", "0.9", "--no-deallocate-outputs",
             "--cpu-return-freed-memory", "--boundaries", "2,3", "--memory-limit", "2GB",
             "--schedule", "zb-auto", "--collective-timeout", "30"]
     c = config_from_args(parser.parse_args(argv))
-    assert (c.ffn_mult, c.beta2, c.deallocate_outputs, c.cpu_keep_freed_memory, c.boundaries,
-            c.memory_limit, c.collective_timeout) == (2, 0.9, False, False, (2, 3), 2e9, 30.0)
+    assert (c.ffn_hidden, c.beta2, c.deallocate_outputs, c.cpu_keep_freed_memory, c.boundaries,
+            c.memory_limit, c.collective_timeout) == (128, 0.9, False, False, (2, 3), 2e9, 30.0)
 
 
 def test_checkpoint_flags_are_generated_from_checkpoint_options(monkeypatch):
