@@ -48,11 +48,14 @@ def plans(efficiency: float | None = None):
     return out
 
 
-def predict(model: Efficiency = A100_FIT):
+def predict(model: Efficiency | None = None):
+    """Predicted rows: with ``model`` the old one-curve model (a constant efficiency per run),
+    by default the per-operator model (pipesim.plan.operators) with A100's fitted figures."""
     rows = []
     for name, method, plan, published in plans():
-        eff = model(plan.model.hidden / plan.parallelism.tp)
-        r = pipesim.simulate(plan.with_(efficiency=eff))
+        if model is not None:
+            plan = plan.with_(efficiency=model(plan.model.hidden / plan.parallelism.tp))
+        r = pipesim.simulate(plan)
         rows.append((name, method, published, r.step_time, r.mfu, r.hfu))
     return rows
 
@@ -89,13 +92,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--fit", action="store_true", help="refit the A100 efficiency curve first")
     args = ap.parse_args()
-    model = A100_FIT
+    model = None
     if args.fit:
         t0 = time.perf_counter()
         model = fit()
         print(f"fitted in {time.perf_counter() - t0:.1f} s: e_max = {model.e_max}, "
               f"w_half = {model.w_half}")
-    print(f"A100 efficiency(w = hidden/tp) = {model.e_max} * w / (w + {model.w_half})")
+    print("per-operator model, A100's fitted figures (pipesim.hardware)" if model is None else
+          f"A100 efficiency(w = hidden/tp) = {model.e_max} * w / (w + {model.w_half})")
     print(f"{'model':>5} {'method':>13} {'published s':>11} {'pipesim s':>9} {'error':>7} "
           f"{'MFU':>6} {'HFU':>6}")
     worst = 0.0

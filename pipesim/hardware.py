@@ -1,15 +1,27 @@
-"""Accelerator presets: the handful of numbers a pipeline cost model needs from the hardware.
+"""Accelerator presets and hardware files: the numbers a pipeline cost model needs from a GPU.
 
 Figures are vendors' datasheet peaks (dense bf16 tensor-core FLOP/s, HBM capacity, link
-bandwidth per direction). Achieved throughput is a fraction of peak; that fraction is the
-``efficiency`` argument of :meth:`pipesim.CostModel.transformer` (or a plan's efficiency model,
-:mod:`pipesim.plan.efficiency`), not part of the preset. ``nvlink_domain`` is how many GPUs one
-NVLink (scale-up) domain joins (8 in an HGX node, 72 in a GB200 NVL72 rack); ``fp8_flops`` the
-dense FP8 peak, for plans with fp8 GEMMs (0 where the GPU has no FP8 tensor cores: A100).
+bandwidth per direction) plus what the per-operator time model (:mod:`pipesim.plan.operators`)
+reads: a GEMM-efficiency curve by shape, ``eff(m, n, k) = gemm_e_max / (1 + gemm_dim_half
+(1/m + 1/n + 1/k))`` (optionally the measured table it was fitted to), the fraction of HBM
+bandwidth element-wise kernels reach, the flash-attention efficiency, a per-kernel launch
+overhead, and the memory a GPU loses to the CUDA context, NCCL and workspaces (a reserve)
+and to the allocator (a fragmentation factor). Each figure's source is in ``sources``;
+``calibration`` says whether the efficiency figures were fitted or measured on this hardware
+(``"fitted"``, ``"measured"``) or carried over from another GPU (``"extrapolated"``: every
+figure printed from such a preset says so). ``nvlink_domain`` is how many GPUs one NVLink
+(scale-up) domain joins (8 in an HGX node, 72 in a GB200 NVL72 rack); ``fp8_flops`` the dense
+FP8 peak, for plans with fp8 GEMMs (0 where the GPU has no FP8 tensor cores: A100).
+
+A hardware file (JSON, ``Hardware.to_dict()``'s keys; ``pipeexec calibrate-hardware`` writes
+one) is read wherever a preset name is: ``--hardware FILE`` / ``get_hardware("cpu.json")``.
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+import json
+from dataclasses import asdict, dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -31,6 +43,70 @@ class Hardware:
     network_latency: float = 10e-6
     nvlink_domain: int = 8           # GPUs one NVLink (scale-up) domain joins
     fp8_flops: float | None = None   # dense FP8 FLOP/s (default: twice peak_flops; 0: none)
+    # -- the per-operator time model (pipesim.plan.operators) --------------------------------
+    gemm_e_max: float = 0.74         # GEMM efficiency at large shapes (fraction of the peak)
+    gemm_dim_half: float = 60.0      # the dimension at which one GEMM side costs a doubling
+    gemm_table: tuple = ()           # measured ((m, n, k, efficiency), ...), the curve's data
+    mem_efficiency: float = 0.70     # fraction of hbm_bandwidth element-wise kernels reach
+    flash_e_max: float = 0.70        # flash attention (fwd + bwd) at long sequences, head dim 128
+    launch_overhead: float = 4e-6    # seconds a kernel costs beyond its roofline
+    # -- memory a GPU cannot give to tensors ------------------------------------------------
+    memory_reserve: float | None = None  # CUDA context, NCCL, workspaces (None: min(4 GiB, 5%))
+    fragmentation: float = 1.05          # caching allocator: bytes reserved per byte allocated
+    calibration: str = "extrapolated"   # "fitted" / "measured" here, or "extrapolated"
+    sources: tuple = ()                  # ((figure, where it comes from), ...)
+
+    def __post_init__(self) -> None:
+        # JSON gives lists; keep the dataclass hashable (plans are compared and hashed)
+        object.__setattr__(self, "gemm_table", tuple(tuple(float(x) for x in row)
+                                                     for row in self.gemm_table))
+        src = self.sources.items() if isinstance(self.sources, dict) else self.sources
+        object.__setattr__(self, "sources", tuple((str(k), str(v)) for k, v in src))
+        for f in ("peak_flops", "memory_bytes", "link_bandwidth", "network_bandwidth",
+                  "hbm_bandwidth"):
+            if not getattr(self, f) > 0:
+                raise ValueError(f"hardware {self.name}: {f} must be > 0, got {getattr(self, f)!r}")
+        for f in ("gemm_e_max", "mem_efficiency", "flash_e_max"):
+            if not 0 < getattr(self, f) <= 1:
+                raise ValueError(f"hardware {self.name}: {f} must be in (0, 1], got "
+                                 f"{getattr(self, f)!r}")
+        if not self.fragmentation >= 1:
+            raise ValueError(f"hardware {self.name}: fragmentation must be >= 1 (bytes the "
+                             f"allocator holds per byte of tensors), got {self.fragmentation!r}")
+        if self.memory_reserve is not None and not 0 <= self.memory_reserve < self.memory_bytes:
+            raise ValueError(f"hardware {self.name}: memory_reserve must be in [0, memory_bytes),"
+                             f" got {self.memory_reserve!r}")
+        if self.calibration not in ("fitted", "measured", "extrapolated"):
+            raise ValueError(f"hardware {self.name}: calibration must be fitted, measured or "
+                             f"extrapolated, got {self.calibration!r}")
+
+    @property
+    def reserve(self) -> float:
+        """Bytes held for the CUDA context, NCCL and workspaces: given, else min(4 GiB, 5%)."""
+        if self.memory_reserve is not None:
+            return self.memory_reserve
+        return min(4 * 2**30, 0.05 * self.memory_bytes)
+
+    @property
+    def usable_memory(self) -> float:
+        """Bytes of tensors that fit: capacity less the reserve, over the fragmentation."""
+        return (self.memory_bytes - self.reserve) / self.fragmentation
+
+    @property
+    def extrapolated(self) -> bool:
+        """True when the efficiency figures were not fitted or measured on this GPU."""
+        return self.calibration == "extrapolated"
+
+    def source(self, figure: str) -> str:
+        return dict(self.sources).get(figure, "")
+
+    def gemm_efficiency(self, m: float, n: float, k: float) -> float:
+        """Fraction of the peak a GEMM of this shape reaches (the fitted curve)."""
+        d = self.gemm_dim_half
+        return self.gemm_e_max / (1.0 + d * (1.0 / m + 1.0 / n + 1.0 / k))
+
+    def with_(self, **changes: Any) -> "Hardware":
+        return replace(self, **changes)
 
     @property
     def fp8_peak_flops(self) -> float:
@@ -47,7 +123,37 @@ class Hardware:
                                         "none (H100 and later do): use bf16")
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        out = asdict(self)
+        out["gemm_table"] = [list(r) for r in self.gemm_table]
+        out["sources"] = dict(self.sources)
+        return out
+
+    @classmethod
+    def from_dict(cls, data: dict, source: str = "hardware") -> "Hardware":
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"{source}: unknown hardware field(s) {', '.join(unknown)}; "
+                             f"known: {', '.join(sorted(known))}")
+        try:
+            return cls(**data)
+        except TypeError as exc:
+            raise ValueError(f"{source}: {exc}") from None
+
+    @classmethod
+    def load(cls, path: "str | Path") -> "Hardware":
+        """A hardware file: JSON with this dataclass's fields (name and the five peaks required)."""
+        p = Path(path)
+        try:
+            data = json.loads(p.read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise ValueError(f"--hardware {path}: cannot read a hardware file: {exc}") from None
+        if not isinstance(data, dict):
+            raise ValueError(f"--hardware {path}: a hardware file is a JSON object")
+        return cls.from_dict(data, source=str(path))
+
+    def save(self, path: "str | Path") -> None:
+        Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
 
 
 GB = 1e9
@@ -68,15 +174,56 @@ GiB = 2**30
 # MI300X (AMD Instinct MI300X data sheet, 2023): 1,307.4 TFLOP/s bf16 and 2,614.9 TFLOP/s
 #   fp8 dense; 192 GB HBM3 at 5.3 TB/s; 7 Infinity Fabric links of 128 GB/s (64 per
 #   direction) to the other 7 GPUs of the node, 448 GB/s per direction in all; 400 Gb/s NICs.
+# The time model's figures for A100 were fitted once (benchmarks/bench_cost_model.py --fit) on
+# the two tables the issue allows: Korthikanti et al. 2022 Table 5 and Narayanan et al. 2021
+# (SC21) Table 1, both Megatron-LM on A100 80GB. Other GPUs carry them over (calibration
+# "extrapolated": a hardware file measured there replaces them) except the figures with a
+# source of their own.
+A100_FIT = dict(gemm_e_max=0.74, gemm_dim_half=60.0, mem_efficiency=0.70)
+_A100_SOURCES = {
+    "gemm_e_max": "fitted on Korthikanti et al. 2022 Table 5 + Narayanan et al. 2021 Table 1",
+    "gemm_dim_half": "fitted on Korthikanti et al. 2022 Table 5 + Narayanan et al. 2021 Table 1",
+    "mem_efficiency": "fitted on Korthikanti et al. 2022 Table 5 + Narayanan et al. 2021 Table 1",
+    "flash_e_max": "Dao 2023, FlashAttention-2, Fig. 4: forward+backward on A100 reaches "
+                   "about 70% of peak at head dim 128, long sequences",
+    "launch_overhead": "order of a CUDA kernel launch (a few microseconds); assumed, not fitted",
+    "memory_reserve": "CUDA context with cuBLAS/cuDNN kernels (~0.5-1 GiB), NCCL buffers "
+                      "(NCCL_BUFFSIZE 4 MiB per channel and peer, ~1-2 GiB across "
+                      "communicators), cuBLAS / Transformer Engine workspaces: 4 GiB default",
+    "fragmentation": "PyTorch caching allocator: reserved over allocated, ~5% default",
+    "peaks": "vendor datasheet (see the comment above _PRESETS)",
+}
+_CARRIED = {k: "carried over from A100's fit (extrapolated; measure with pipeexec "
+               "calibrate-hardware and pass --hardware FILE)" for k in A100_FIT}
+
+
+def _preset(name: str, *args: float, calibration: str = "extrapolated",
+            sources: dict | None = None, **kw: Any) -> Hardware:
+    src = dict(_A100_SOURCES)
+    if calibration == "extrapolated":
+        src.update(_CARRIED)
+    src.update(sources or {})
+    kw.setdefault("memory_reserve", 4 * GiB)
+    return Hardware(name, *args, **{**A100_FIT, **kw}, calibration=calibration,
+                    sources=tuple(src.items()))
+
+
 _PRESETS = {
-    "A100": Hardware("A100", 312e12, 80 * GB, 300 * GB, 25 * GB, 2.04e12, fp8_flops=0.0),
-    "H100": Hardware("H100", 989e12, 80 * GB, 450 * GB, 50 * GB, 3.35e12),
-    "H200": Hardware("H200", 989e12, 141 * GB, 450 * GB, 50 * GB, 4.8e12),
-    "B200": Hardware("B200", 2.25e15, 180 * GB, 900 * GB, 50 * GB, 8e12, fp8_flops=4.5e15),
-    "GB200": Hardware("GB200", 2.5e15, 186 * GB, 900 * GB, 50 * GB, 8e12, nvlink_domain=72,
-                      fp8_flops=5e15),
-    "MI300X": Hardware("MI300X", 1307.4e12, 192 * GB, 448 * GB, 50 * GB, 5.3e12,
-                       fp8_flops=2614.9e12),
+    "A100": _preset("A100", 312e12, 80 * GB, 300 * GB, 25 * GB, 2.04e12, fp8_flops=0.0,
+                    calibration="fitted"),
+    "H100": _preset("H100", 989e12, 80 * GB, 450 * GB, 50 * GB, 3.35e12, flash_e_max=0.55,
+                    sources={"flash_e_max": "Shah et al. 2024, FlashAttention-3: FA2 reaches "
+                             "35-40% of H100's peak, FA3 bf16 forward up to 75%; backward "
+                             "lower: 55% assumed for fwd+bwd"}),
+    "H200": _preset("H200", 989e12, 141 * GB, 450 * GB, 50 * GB, 4.8e12, flash_e_max=0.55,
+                    sources={"flash_e_max": "as H100 (same SMs and clocks)"}),
+    "B200": _preset("B200", 2.25e15, 180 * GB, 900 * GB, 50 * GB, 8e12, fp8_flops=4.5e15,
+                    flash_e_max=0.55, sources={"flash_e_max": "as H100 (assumed)"}),
+    "GB200": _preset("GB200", 2.5e15, 186 * GB, 900 * GB, 50 * GB, 8e12, nvlink_domain=72,
+                     fp8_flops=5e15, flash_e_max=0.55, sources={"flash_e_max": "as H100 (assumed)"}),
+    "MI300X": _preset("MI300X", 1307.4e12, 192 * GB, 448 * GB, 50 * GB, 5.3e12,
+                      fp8_flops=2614.9e12, flash_e_max=0.45,
+                      sources={"flash_e_max": "assumed below H100's (ROCm flash attention)"}),
 }
 _ALIASES = {"GB200-NVL72": "GB200", "GB200_NVL72": "GB200", "NVL72": "GB200"}
 
@@ -86,11 +233,15 @@ def hardware_names() -> list[str]:
 
 
 def get_hardware(name: "str | Hardware") -> Hardware:
-    """Look up a preset by name (case-insensitive); a :class:`Hardware` passes through."""
+    """Look up a preset by name (case-insensitive), or read a hardware file (a path ending in
+    .json, or an existing file); a :class:`Hardware` passes through."""
     if isinstance(name, Hardware):
         return name
+    if str(name).endswith(".json") or Path(str(name)).is_file():
+        return Hardware.load(name)
     key = str(name).upper()
     preset = _PRESETS.get(_ALIASES.get(key, key))
     if preset is None:
-        raise ValueError(f"unknown hardware preset {name!r}; known: {', '.join(_PRESETS)}")
+        raise ValueError(f"unknown hardware preset {name!r}; known: {', '.join(_PRESETS)}, or a "
+                         "hardware file (.json, from pipeexec calibrate-hardware)")
     return preset

@@ -14,6 +14,10 @@ from pipesim.plan.cluster import Link
 from pipesim.plan.model import ModelSpec
 
 FREE = dict(intra_bandwidth=math.inf, inter_bandwidth=math.inf, intra_latency=0.0, inter_latency=0.0)
+# Issue 25 replaced the one-curve time model by per-operator rooflines (memory-bound operators
+# and launches are not proportional to FLOPs); the FLOP closed forms below hold for a plan's
+# constant efficiency, which keeps the FLOPs / (peak * efficiency) model: these tests pin it.
+CONST = dict(efficiency=0.5)
 GPT = ModelSpec("gpt", 16, 2048, 16, 1024, 51200)
 
 
@@ -27,7 +31,7 @@ def test_closed_forms_hold_exactly_at_zero_communication(schedule, pp, m):
     """Uniform layer stages, a heavier last stage (the head): the step is the fill, m times the
     last stage's F + B, and the drain: sum_{s<p-1} F_s + m (F_p + B_p) + sum_{s<p-1} B_s."""
     plan = pipesim.Plan.create(GPT, "H100", schedule=schedule, pp=pp, global_batch_size=m,
-                               flash_attention=False, **FREE)
+                               flash_attention=False, **FREE, **CONST)
     r = pipesim.simulate(plan)
     times = plan.costs().compute_times(pp)
     F, B = times["F"], times["B"]
@@ -46,7 +50,8 @@ def test_closed_forms_hold_exactly_at_zero_communication(schedule, pp, m):
 
 
 def test_tensor_parallel_collectives_are_alpha_beta_over_nvlink():
-    base = pipesim.Plan.create(GPT, "H100", tp=4, pp=4, global_batch_size=4, flash_attention=False)
+    base = pipesim.Plan.create(GPT, "H100", tp=4, pp=4, global_batch_size=4, flash_attention=False,
+                               **CONST)
     free = base.with_(**FREE)
     hw = base.cluster.hardware
     nvlink = Link("intra", hw.link_latency, hw.link_bandwidth)
@@ -71,7 +76,8 @@ def test_tensor_parallel_collectives_are_alpha_beta_over_nvlink():
 
 
 def test_recomputation_adds_the_forward_to_the_input_gradient():
-    plain = pipesim.Plan.create(GPT, "H100", pp=2, global_batch_size=4, flash_attention=False, **FREE)
+    plain = pipesim.Plan.create(GPT, "H100", pp=2, global_batch_size=4, flash_attention=False, **FREE,
+                                **CONST)
     full = plain.with_(recompute="full")
     sel = plain.with_(recompute="selective")
     c0, cf, cs = (p.costs().compute_times(2) for p in (plain, full, sel))
@@ -167,22 +173,24 @@ def _benchmark():
     return module
 
 
-def test_korthikanti_table5_iteration_times_within_2_5_percent():
+def test_korthikanti_table5_iteration_times_within_10_percent():
     """The eight runs of Korthikanti et al. 2022 (Table 3 configs, Table 5 times, transcribed
-    in benchmarks/plan_vs_published.py), with the A100 efficiency curve stated in
-    pipesim.plan.efficiency: every predicted iteration time within 2.5%, the README's figure
-    (the target was 10%; a worse fit, e.g. e_max 0.78, fails here)."""
+    in benchmarks/plan_vs_published.py), with the per-operator model and A100's fitted figures
+    (pipesim.hardware): every predicted iteration time within 10%, the first target. This test
+    pinned 2.5% for the one-curve model fitted on these eight rows alone; issue 25 fits one
+    per-operator model on these and Narayanan et al. 2021 Table 1 together, to median <= 5%
+    and worst <= 15% (tests/test_cost_model.py), and Table 5's worst row is now 8%."""
     bench = _benchmark()
     assert bench.TABLE5["175B"] == (18.13, 13.75) and bench.TABLE5["1T"] == (94.42, 71.49)
     rows = bench.predict()
     assert len(rows) == 8
     errors = {(name, method): predicted / published - 1
               for name, method, published, predicted, _, _ in rows}
-    assert max(abs(e) for e in errors.values()) < 0.025, errors
+    assert max(abs(e) for e in errors.values()) < 0.10, errors
 
 
 def test_context_parallel_halves_tokens_and_overlaps_the_kv_gather():
-    one = pipesim.Plan.create("llama3-8b", "H100", cp=1, global_batch_size=2, **FREE)
+    one = pipesim.Plan.create("llama3-8b", "H100", cp=1, global_batch_size=2, **FREE, **CONST)
     two = one.with_(cp=2)
     c1, c2 = one.costs(), two.costs()
     # every activation and every FLOP is per token: half of each on a context-parallel rank
@@ -201,7 +209,8 @@ def test_context_parallel_halves_tokens_and_overlaps_the_kv_gather():
 
 
 def test_fp8_doubles_the_gemm_rate_only():
-    bf = pipesim.Plan.create(GPT, "H100", global_batch_size=1, flash_attention=False, **FREE)
+    bf = pipesim.Plan.create(GPT, "H100", global_batch_size=1, flash_attention=False, **FREE,
+                             **CONST)
     f8 = bf.with_(precision="fp8")
     from pipesim.plan.flops import layer_flops
 

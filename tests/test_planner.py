@@ -265,7 +265,9 @@ def test_zb_auto_refinement_never_loses_to_a_handcrafted_order_of_its_layout(tmp
                 hand = simulate_plan(dataclasses.replace(r.base, schedule=name))
             except ValueError:                       # its constraints exclude this layout
                 continue
-            if hand.fits:
+            # "fits": under the search's limit, not the hardware's (issue 25's costs made a
+            # faster zb-h1 at 0.46 GiB, over this 0.45 GiB limit, that zb-auto rightly skips)
+            if hand.fits and max(hand.peak_memory) <= limit:
                 assert r.searched_step <= hand.step_time * (1 + 1e-9), (r.base_key, name)
         again = Plan.from_json(r.searched.to_json(tmp_path / "p.json"))
         assert again.schedule == r.searched.schedule and again.schedule_name == "zb-auto"

@@ -3,9 +3,12 @@
 Pure and cheap (no simulation; a few list operations per stage), so a planner can derive
 thousands. For each stage and one microbatch on one rank of its tensor/context-parallel group:
 
-* compute: the layers' FLOPs (:mod:`pipesim.plan.flops`) split F / I / W, divided by ``tp * cp``,
-  at ``peak * efficiency`` (GEMMs at the precision's peak, fp8 doubling it; attention matmuls at
-  bf16 peak, causal halves of them with flash attention, which skips the masked blocks). Full recomputation adds each recomputed layer's forward (with its communication)
+* compute: each layer's operators (:mod:`pipesim.plan.operators`: GEMMs by shape, attention,
+  the memory-bound norms, activations, dropout, residuals, rotary, MoE permutes; embedding, head
+  and cross-entropy), each a roofline on the hardware's figures, summed per F / I / W. A plan's
+  constant ``efficiency`` replaces that model by the layers' FLOPs (:mod:`pipesim.plan.flops`)
+  divided by ``tp * cp`` at ``peak * efficiency`` (GEMMs at the precision's peak, fp8 doubling
+  it; attention matmuls at bf16 peak, causal halves with flash attention). Full recomputation adds each recomputed layer's forward (with its communication)
   to I; selective adds the attention matmuls (none with flash attention). The last stage adds
   the LM head (F, I and W each ``2 b s h V``);
 * communication inside a layer, alpha-beta over the link the group crosses
@@ -43,7 +46,7 @@ from ..costs import CostModel
 from ..errors import PlanError
 from . import collectives as coll
 from .cluster import Link
-from .efficiency import default_efficiency
+from .operators import embedding_ops, head_ops, layer_ops, pass_times
 from .flops import head_flops, layer_flops
 from .footprint import (
     BYTES_PER_PARAM,
@@ -86,6 +89,13 @@ class PlanCosts:
     comm: dict[str, float] = field(default_factory=dict)   # per microbatch, whole pipeline: seconds
     model_flops: float = 0.0                      # per step, all GPUs (Korthikanti eq. 7)
     hardware_flops: float = 0.0                   # per step, with recomputation
+    calibration: str = "fitted"                   # the hardware's: fitted / measured / extrapolated;
+    #                                               "constant": the plan's own efficiency
+
+    @property
+    def extrapolated(self) -> bool:
+        """True when the times rest on efficiency figures not fitted or measured on this GPU."""
+        return self.calibration == "extrapolated"
 
 
 def derive(plan) -> PlanCosts:
@@ -96,13 +106,14 @@ def derive(plan) -> PlanCosts:
     layers = plan.stage_layers()
     n = len(layers)
     links = cluster.group_links(par)
-    eff = plan.efficiency if plan.efficiency is not None else \
-        default_efficiency(hw.name)(model.hidden / t)
+    per_op = plan.efficiency is None
+    eff = plan.efficiency if not per_op else 1.0
     bf16_rate = hw.peak_flops * eff
     if par.precision == "fp8":
         if not hw.has_fp8:
             raise PlanError(f"parallelism.precision: {hw.fp8_refusal()}")
-        gemm_rate = hw.fp8_peak_flops * eff
+        # never above the bf16 dense peak (the utilisations' denominator; see operators.py)
+        gemm_rate = min(hw.fp8_peak_flops * eff, hw.peak_flops)
     elif par.precision == "fp32":
         gemm_rate = bf16_rate = hw.peak_flops / 2 * eff
     else:
@@ -126,8 +137,10 @@ def derive(plan) -> PlanCosts:
         g, a = lf.gemm / shard / gemm_rate, lf.attention / shard / bf16_rate
         lp = model.layer_params(moe)
         lp_rank = lp["dense"] / t + lp["expert"] / (t * par.ep)
-        z3 = coll.all_gather(2 * lp_rank * d, d, links["dp"]) if par.zero == 3 else 0.0
-        z3_rs = coll.reduce_scatter(4 * lp_rank * d, d, links["dp"]) if par.zero == 3 else 0.0
+        # ZeRO-3: the layer's weights gathered whole (the collective's output, 2 bytes a
+        # parameter), its gradients reduce-scattered from the whole (fp32): not d times that
+        z3 = coll.all_gather(2 * lp_rank, d, links["dp"]) if par.zero == 3 else 0.0
+        z3_rs = coll.reduce_scatter(4 * lp_rank, d, links["dp"]) if par.zero == 3 else 0.0
         ep = ep_pass if moe else 0.0
 
         def op(compute: float, attn: float, tp_c: float, cp_c: float, extra: float, z: float) -> float:
@@ -135,14 +148,34 @@ def derive(plan) -> PlanCosts:
             x += max(0.0, cp_c - attn) + extra
             return max(x, z)
 
-        f = op(g + a, a, tp_pass, cp_pass, ep, z3)
-        i = op(g + 2 * a, 2 * a, tp_pass, cp_pass, ep, z3)
-        w = max(g, z3_rs)
+        if per_op:      # the operators' rooflines (pipesim.plan.operators)
+            ops = layer_ops(model, par, moe)
+            pt = pass_times(ops, hw, par.precision)
+            at = pass_times([o for o in ops if o.kind == "attention"
+                             or o.name in ("softmax", "attention_dropout")], hw, par.precision)
+            f = op(pt.F, at.F, tp_pass, cp_pass, ep, z3)
+            i = op(pt.I, at.I, tp_pass, cp_pass, ep, z3)
+            w = max(pt.W, z3_rs)
+            a = at.F
+            achieved = lf.forward / shard / (pt.F * hw.peak_flops)
+        else:
+            f = op(g + a, a, tp_pass, cp_pass, ep, z3)
+            i = op(g + 2 * a, 2 * a, tp_pass, cp_pass, ep, z3)
+            w = max(g, z3_rs)
+            achieved = eff
         return {"F": f, "I": i, "W": w, "attn": a, "params": lp_rank,
-                "tp": tp_pass, "cp": cp_pass, "ep": ep}
+                "tp": tp_pass, "cp": cp_pass, "ep": ep, "achieved": achieved}
 
     kinds = {False: kind(False), True: kind(True) if model.is_moe else None}
-    head_s = head_flops(model, b, tp=t) / shard / gemm_rate
+    if per_op:
+        head_t = pass_times(head_ops(model, par), hw, par.precision)
+        emb_t = pass_times(embedding_ops(model, par), hw, par.precision)
+        head_f, head_i, head_w = head_t.F, head_t.I, head_t.W
+        emb_f, emb_i = emb_t.F, emb_t.I
+        eff = kinds[False]["achieved"]
+    else:
+        head_f = head_i = head_w = head_flops(model, b, tp=t) / shard / gemm_rate
+        emb_f = emb_i = 0.0
     # the embedding's output: one all-reduce, or with sequence parallelism one reduce-scatter
     emb_comm = tp_one / 2 if par.sequence_parallel else tp_one
 
@@ -180,16 +213,16 @@ def derive(plan) -> PlanCosts:
         if stage == 0:
             dense_p += model.embedding_params(t) / t
             a_bytes += embedding_activations(model, par)
-            f += emb_comm
-            i += emb_comm
+            f += emb_comm + emb_f
+            i += emb_comm + emb_i
         if stage == n - 1:
             head_p = model.head_params(t)
             if model.tied_embeddings and n > 1:
                 head_p += model.padded_vocab(t) * model.hidden    # the output layer's copy
             dense_p += head_p / t
-            f += head_s
-            i += head_s
-            w += head_s
+            f += head_f
+            i += head_i
+            w += head_w
             a_bytes += head_activations(model, par)
             w_bytes += e * b * (s / cp) * model.hidden / sp       # the head's input, for W
         fwd.append(f)
@@ -257,7 +290,9 @@ def derive(plan) -> PlanCosts:
     from .flops import model_flops, recompute_flops
 
     gbs = par.gbs
-    mflops = model_flops(model, gbs, tp=t)
+    # causal attention with flash kernels computes half the scores: count what runs, as
+    # Megatron's num_floating_point_operations does, so MFU cannot exceed what executes
+    mflops = model_flops(model, gbs, tp=t, causal=par.flash_attention)
     per_stage_rec = par.recompute_layers
     if par.recompute == "full" and per_stage_rec is not None:
         # recomputed layers: the first recompute_layers of each stage
@@ -265,13 +300,15 @@ def derive(plan) -> PlanCosts:
         start = 0
         for count in layers:
             for moe in pattern[start:start + min(count, per_stage_rec)]:
-                extra += layer_flops(model, gbs, moe=moe).forward
+                extra += layer_flops(model, gbs, moe=moe, causal=par.flash_attention).forward
             start += count
     else:
-        extra = recompute_flops(model, gbs, par.recompute, flash=par.flash_attention)
+        extra = recompute_flops(model, gbs, par.recompute, flash=par.flash_attention,
+                                causal=par.flash_attention)
     return PlanCosts(costs=costs, stage_layers=layers, efficiency=eff, links=links,
                      stage_params=params_st, stage_memory=mem_st, rank_buffers=rank_buffers,
-                     tail=tail, comm=comm, model_flops=mflops, hardware_flops=mflops + extra)
+                     tail=tail, comm=comm, model_flops=mflops, hardware_flops=mflops + extra,
+                     calibration=hw.calibration if per_op else "constant")
 
 
 def _rank_stages(plan, n: int) -> list[list[int]]:

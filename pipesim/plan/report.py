@@ -13,11 +13,15 @@ communication and the optimizer step (:mod:`pipesim.plan.derive`): the latest ra
 * ``hfu`` the same with the FLOPs recomputation adds (the hardware FLOPs: a recomputed layer's
   forward, or with selective recomputation its attention matmuls once; Korthikanti et al.'s
   Table 5 HFU counts the latter twice, ``1 + s/3h`` for ``1 + s/6h``). With flash attention
-  the step's time counts the causal half of the attention matmuls (what the kernels compute),
-  while MFU keeps eq. 7's full ``s x s`` count, as the paper and most reports do;
+  the causal half of the attention matmuls is counted (what the kernels compute, as current
+  Megatron-LM's num_floating_point_operations counts it); without it eq. 7's full ``s x s``.
+  Both are against the bf16 dense peak whatever the precision, and never above 100%: no
+  operator runs faster than the bf16 dense peak (:mod:`pipesim.plan.operators`);
 * ``memory_breakdown`` per pipeline rank (weights, gradients, optimizer, activations, buffers;
-  activations = simulated peak minus the static parts, so it includes receive buffers) and
-  ``fits`` against the hardware's memory, with the worst rank and by how much.
+  activations = simulated peak minus the static parts, so it includes receive buffers): the
+  tensors, counted exactly; ``fits`` against the ``usable_memory``, the hardware's capacity
+  less its ``memory_reserve`` (CUDA context, NCCL, workspaces) over its ``fragmentation``
+  (shown apart from the tensors), with the worst rank, by how much, and the ``headroom`` left.
 """
 from __future__ import annotations
 
@@ -94,23 +98,46 @@ class PlanResult:
 
     @property
     def memory_limit(self) -> float:
+        """The hardware's capacity (the tensors must fit in :attr:`usable_memory`)."""
         return self.plan.cluster.hardware.memory_bytes
 
     @property
+    def usable_memory(self) -> float:
+        """Capacity less the reserve, over the fragmentation factor: what tensors may take."""
+        return self.plan.cluster.hardware.usable_memory
+
+    @property
+    def headroom(self) -> float:
+        """Bytes left under :attr:`usable_memory` on the fullest rank (negative: over)."""
+        return self.usable_memory - max(self.peak_memory)
+
+    @property
     def fits(self) -> bool:
-        return max(self.peak_memory) <= self.memory_limit
+        return max(self.peak_memory) <= self.usable_memory
 
     @property
     def fit_message(self) -> str:
         peaks = self.peak_memory
         worst = max(range(len(peaks)), key=peaks.__getitem__)
-        gap = (peaks[worst] - self.memory_limit) / GiB
+        hw = self.plan.cluster.hardware
+        gap = -self.headroom / GiB
+        usable = (f"{self.usable_memory / GiB:.1f} GiB usable of a {hw.name}'s "
+                  f"{self.memory_limit / GiB:.1f} GiB ({hw.reserve / GiB:.1f} GiB reserve, "
+                  f"fragmentation x{hw.fragmentation:g})")
         if gap <= 0:
             return (f"fits: peak {peaks[worst] / GiB:.1f} GiB on rank {worst}, "
-                    f"{-gap:.1f} GiB under the {self.memory_limit / GiB:.1f} GiB of a "
-                    f"{self.plan.cluster.hardware.name}")
+                    f"{-gap:.1f} GiB headroom under the {usable}")
         return (f"does not fit by {gap:.1f} GiB on rank {worst} (peak {peaks[worst] / GiB:.1f} "
-                f"GiB, {self.plan.cluster.hardware.name} has {self.memory_limit / GiB:.1f} GiB)")
+                f"GiB of tensors; {usable})")
+
+    @property
+    def extrapolated_note(self) -> str:
+        """'' or a line saying the times rest on efficiency figures not calibrated here."""
+        if not self.derived.extrapolated:
+            return ""
+        return (f"times extrapolated: {self.plan.cluster.hardware.name}'s efficiency figures "
+                "are not calibrated (carried over from A100's fit); measure them with pipeexec "
+                "calibrate-hardware and pass --hardware FILE")
 
     # -- output --------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
@@ -127,7 +154,11 @@ class PlanResult:
             "peak_memory": self.peak_memory,
             "memory_breakdown": self.memory_breakdown,
             "memory_limit": self.memory_limit,
+            "memory_reserve": self.plan.cluster.hardware.reserve,
+            "fragmentation": self.plan.cluster.hardware.fragmentation,
+            "usable_memory": self.usable_memory, "headroom": self.headroom,
             "fits": self.fits, "fit_message": self.fit_message,
+            "calibration": self.derived.calibration,
             "step_tail": [asdict(t) for t in tail],
             "stage_layers": self.derived.stage_layers,
             "links": {k: {"kind": v.kind, "latency": v.latency, "bandwidth": v.bandwidth}
@@ -155,6 +186,8 @@ class PlanResult:
                                                  "activations", "buffers"))
                 + f" {row['total'] / GiB:>9.2f} {t.dp_exposed:>13.4g} {t.optimizer:>8.4g}")
         lines.append(self.fit_message)
+        if self.extrapolated_note:
+            lines.append(self.extrapolated_note)
         return "\n".join(lines)
 
     def gantt(self, **kwargs: Any):

@@ -177,12 +177,13 @@ def search(space: SearchSpace, *, memory_limit: float | None = None, top: int = 
            progress: bool = False, timeout: float = 3600.0,
            enumeration: Enumeration | None = None) -> SearchResult:
     """Search ``space``; see the module docstring. ``memory_limit`` in bytes (default: the
-    hardware's memory); ``prune=False`` simulates every plan (the brute force the tests compare
+    hardware's usable memory, less its reserve and fragmentation); ``prune=False`` simulates every plan (the brute force the tests compare
     with). ``workers`` 1 runs in this process; an ``executor`` given is used as it is."""
     import pandas as pd
 
     wall0 = time.perf_counter()
-    limit = float(space.hardware.memory_bytes if memory_limit is None else memory_limit)
+    # default: what tensors may take, the capacity less the reserve over the fragmentation
+    limit = float(space.hardware.usable_memory if memory_limit is None else memory_limit)
     if top < 1:
         raise ValueError(f"top must be >= 1, got {top}")
     t0 = time.process_time()

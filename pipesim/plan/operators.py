@@ -1,0 +1,215 @@
+"""A layer as its operators, each timed as a roofline and summed per F, I and W.
+
+Why: one efficiency curve of ``hidden / tp`` cannot tell a tp-1 model of hidden 2k from a tp-8
+model of hidden 16k (same ``w``): memory-bound operators (norms, dropout, residuals, the
+activation, softmax without flash attention), kernel launches and GEMM shapes differ. Here every
+operator of one layer, for one microbatch on one rank of its tensor/context-parallel group,
+carries its FLOPs, the bytes it moves and (for a GEMM) its ``m, n, k``; its time is
+
+    max(flops / (peak(precision) * eff_gemm(m, n, k)), bytes / (hbm_bw * mem_efficiency))
+        + launch_overhead
+
+with the hardware's figures (:class:`pipesim.hardware.Hardware`). Per pass:
+
+* F: every operator's forward;
+* I (input gradient): each GEMM's data gradient (same FLOPs, ``m x k`` output), the attention
+  core's backward (twice its forward matmuls), the element-wise backward (more bytes: it reads
+  the saved input and the incoming gradient);
+* W (weight gradient): each GEMM with weights once more, ``k x n`` output over the ``m`` tokens.
+
+GEMM FLOPs equal :mod:`pipesim.plan.flops` term by term (QKV with GQA, output projection, the
+MLP's two or three matrices, top-k experts and a shared expert), so MFU's numerator is
+unchanged; the MoE router's small GEMM is timed but, as in Megatron's count, not in MFU.
+Precision: bf16/fp16 GEMMs at the bf16 dense peak, fp32 at half of it (TF32), fp8 GEMMs at the
+FP8 peak but never faster than the bf16 dense peak (modelled cap: published fp8 training runs
+gain 1.3-1.5x over bf16, about 1/eff_gemm; it keeps MFU, always against the bf16 peak, at or
+below 100%), plus the casts of their inputs. Attention runs in bf16: flash attention as one
+kernel at ``flash_e_max * s/(s + 256) * head_dim factor`` (causal: the masked half skipped),
+or, without it, two batched GEMMs with softmax and dropout over the ``s x s`` scores.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .model import ModelSpec
+from .parallelism import Parallelism
+
+
+@dataclass(frozen=True)
+class Op:
+    """One operator of a layer on one rank: forward FLOPs and bytes; ``shape`` (m, n, k) for a
+    GEMM (None: element-wise); ``kind`` gemm / attention / memory; ``weights``: has a W pass."""
+
+    name: str
+    kind: str
+    flops: float
+    bytes: float
+    shape: tuple[float, float, float] | None = None
+    weights: bool = False
+    batch: float = 1.0              # batched GEMMs (attention without flash): how many
+    bwd_bytes: float | None = None  # element-wise backward bytes (default 1.5x the forward's)
+    counted: bool = True            # in model FLOPs (MFU); the router is not
+
+
+@dataclass(frozen=True)
+class PassTimes:
+    """Seconds of F, I and W for one layer (or head) and one microbatch, and their FLOPs."""
+
+    F: float
+    I: float
+    W: float
+    gemm_F: float = 0.0     # seconds of F in GEMMs (for the efficiency reported)
+    flops_F: float = 0.0
+
+
+def layer_ops(model: ModelSpec, par: Parallelism, moe: bool = False) -> list[Op]:
+    """The operators of one transformer layer, one microbatch, one tp x cp rank."""
+    t, sp, cp, b = par.tp, par.sp, par.cp, par.micro_batch_size
+    e = 2 if par.precision != "fp32" else 4
+    s_full = model.seq_length
+    T = b * s_full / cp                  # tokens a rank holds (after the tp all-gather)
+    R = T / sp                           # tokens of the replicated region (sequence-parallel shard)
+    h, q, kv, a, d = model.hidden, model.q_size, model.kv_size, model.heads, model.kv_channels
+    drop = 1 if model.dropout else 0
+    ops: list[Op] = []
+
+    def gemm(name: str, m: float, n: float, k: float, counted: bool = True) -> None:
+        ops.append(Op(name, "gemm", 2 * m * n * k, e * (m * k + k * n + m * n), (m, n, k),
+                      weights=True, counted=counted))
+
+    def mem(name: str, fwd: float, bwd: float | None = None) -> None:
+        ops.append(Op(name, "memory", 0.0, fwd, bwd_bytes=bwd))
+
+    # attention block
+    mem("norm1", 2 * e * R * h, 3 * e * R * h)
+    gemm("qkv", T, (q + 2 * kv) / t, h)
+    if model.position == "rotary":
+        mem("rotary", 2 * e * T * (q + kv) / t, 2 * e * T * (q + kv) / t)
+    heads = a / t
+    s_loc = s_full / cp
+    if par.flash_attention:
+        flops = 4 * b * s_loc * s_full * q / t / 2          # causal: the masked half skipped
+        ops.append(Op("flash_attention", "attention", flops,
+                      e * T * (2 * q + 2 * kv) / t, (s_loc, s_full, d)))
+    else:
+        batch = b * heads
+        scores = b * heads * s_loc * s_full
+        ops.append(Op("scores", "attention", 2 * batch * s_loc * s_full * d,
+                      e * (batch * (s_loc * d + s_full * d) + scores), (s_loc, s_full, d), batch=batch))
+        mem("softmax", 2 * e * scores, 3 * e * scores)
+        if drop:
+            mem("attention_dropout", (2 * e + 1) * scores, (2 * e + 1) * scores)
+        ops.append(Op("context", "attention", 2 * batch * s_loc * s_full * d,
+                      e * (batch * (s_full * d + s_loc * d) + scores), (s_loc, d, s_full), batch=batch))
+    gemm("proj", T, h, q / t)
+    mem("bias_dropout_add1", (3 * e + drop) * R * h, (2 * e + drop) * R * h)
+    # MLP block
+    mem("norm2", 2 * e * R * h, 3 * e * R * h)
+    act_in = 2 if model.gated else 1
+
+    def mlp(prefix: str, tokens: float, ffn: float, m_per_gemm: float) -> None:
+        gemm(f"{prefix}fc1", m_per_gemm, act_in * ffn / t, h)
+        mem(f"{prefix}activation", (act_in + 1) * e * tokens * ffn / t,
+            (2 * act_in + 1) * e * tokens * ffn / t)
+        gemm(f"{prefix}fc2", m_per_gemm, h, ffn / t)
+
+    if moe:
+        k, E = model.top_k, model.experts
+        gemm("router", T, E, h, counted=False)
+        mem("permute", 2 * 2 * e * T * k * h, 2 * 2 * e * T * k * h)     # permute + unpermute
+        routed = T * k                                  # token copies a rank's experts take
+        local = max(1.0, E / par.ep)
+        # grouped GEMM: the local experts' FLOPs, each expert's m its share of the copies
+        fc1_before = len(ops)
+        mlp("expert_", routed, model.moe_ffn, routed / local)
+        for i in range(fc1_before, len(ops)):
+            o = ops[i]
+            if o.kind == "gemm":     # FLOPs of all local experts: one GEMM's shape, `local` times
+                m, n, kk = o.shape
+                ops[i] = Op(o.name, "gemm", 2 * routed * n * kk,
+                            e * (routed * kk + local * kk * n + routed * n), o.shape, weights=True)
+        if model.shared_expert_ffn_hidden:
+            mlp("shared_", T, model.shared_expert_ffn_hidden, T)
+    else:
+        mlp("", T, model.ffn, T)
+    mem("bias_dropout_add2", (3 * e + drop) * R * h, (2 * e + drop) * R * h)
+    return ops
+
+
+def head_ops(model: ModelSpec, par: Parallelism) -> list[Op]:
+    """The last stage's final norm, output layer and (vocabulary-parallel) cross-entropy."""
+    t, sp, b = par.tp, par.sp, par.micro_batch_size
+    e = 2 if par.precision != "fp32" else 4
+    T = b * model.seq_length / par.cp
+    V = model.padded_vocab(t) / t
+    h = model.hidden
+    return [Op("final_norm", "memory", 0.0, 2 * e * T / sp * h, bwd_bytes=3 * e * T / sp * h),
+            Op("logits", "gemm", 2 * T * V * h, e * (T * h + h * V + T * V), (T, V, h), weights=True),
+            # fp32 softmax over the logits: read them, write the probabilities; backward writes
+            # the gradient of the logits
+            Op("cross_entropy", "memory", 0.0, (e + 2 * 4) * T * V, bwd_bytes=(4 + e) * T * V)]
+
+
+def embedding_ops(model: ModelSpec, par: Parallelism) -> list[Op]:
+    """The first stage's embedding lookup (and its gradient's scatter-add)."""
+    e = 2 if par.precision != "fp32" else 4
+    T = par.micro_batch_size * model.seq_length / par.cp / par.sp
+    return [Op("embedding", "memory", 0.0, 2 * e * T * model.hidden,
+               bwd_bytes=2 * e * T * model.hidden)]
+
+
+def flash_efficiency(hw, s: float, head_dim: float) -> float:
+    """Flash attention's fraction of the bf16 peak: ``flash_e_max`` at long sequences and head
+    dim 128, lower at short sequences (fixed per-tile costs) and small head dims."""
+    return hw.flash_e_max * (s / (s + 256.0)) * (head_dim / (head_dim + 16.0)) / (128 / 144)
+
+
+def pass_times(ops: list[Op], hw, precision: str) -> PassTimes:
+    """Sum the operators' roofline times per pass (see the module docstring)."""
+    bf16 = hw.peak_flops / (2 if precision == "fp32" else 1)
+    fp8 = precision == "fp8"
+    mem_rate = hw.hbm_bandwidth * hw.mem_efficiency
+    launch = hw.launch_overhead
+    e = 2 if precision != "fp32" else 4
+    F = I = W = gF = flops_F = 0.0
+    for o in ops:
+        if o.kind == "memory":
+            F += o.bytes / mem_rate + launch
+            I += (1.5 * o.bytes if o.bwd_bytes is None else o.bwd_bytes) / mem_rate + launch
+            continue
+        if o.kind == "attention":
+            if o.batch == 1.0:          # flash attention: one kernel
+                rate = hw.peak_flops * flash_efficiency(hw, o.shape[1], o.shape[2])
+                tf = max(o.flops / rate, o.bytes / mem_rate) + launch
+                F += tf
+                I += max(2 * o.flops / rate, 2 * o.bytes / mem_rate) + launch
+            else:                       # batched GEMM over the scores
+                m, n, k = o.shape
+                rate = bf16 * hw.gemm_efficiency(m, n, k)
+                tf = max(o.flops / rate, o.bytes / mem_rate) + launch
+                F += tf
+                I += 2 * tf
+            gF += tf
+            flops_F += o.flops
+            continue
+        m, n, k = o.shape
+        eff = hw.gemm_efficiency(m, n, k)
+        rate = bf16 * eff
+        extra = 0.0
+        if fp8:
+            rate = min(hw.fp8_peak_flops * eff, hw.peak_flops)
+            extra = (e + 1) * m * k / mem_rate + launch         # cast the input to fp8
+        tf = max(o.flops / rate, o.bytes / mem_rate) + launch + extra
+        # data gradient: output m x k, reduction over n; weight gradient: k x n over m tokens
+        ti = max(o.flops / (bf16 * hw.gemm_efficiency(m, k, n) if not fp8 else
+                            min(hw.fp8_peak_flops * hw.gemm_efficiency(m, k, n), hw.peak_flops)),
+                 o.bytes / mem_rate) + launch + extra
+        tw = max(o.flops / (bf16 * hw.gemm_efficiency(k, n, m) if not fp8 else
+                            min(hw.fp8_peak_flops * hw.gemm_efficiency(k, n, m), hw.peak_flops)),
+                 o.bytes / mem_rate) + launch
+        F += tf
+        I += ti
+        W += tw
+        gF += tf
+        flops_F += o.flops
+    return PassTimes(F, I, W, gF, flops_F)
