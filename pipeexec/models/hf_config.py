@@ -45,11 +45,6 @@ class HFModelInfo:
     checkpoint_files: tuple[str, ...]   # *.safetensors in the directory (sorted); () = random init
     config: dict                   # config.json as read
 
-    def train_fields(self) -> dict[str, Any]:
-        """The `TrainConfig` model fields this model sets."""
-        return {"layers": self.layers, "hidden": self.hidden, "heads": self.heads,
-                "vocab": self.vocab, "tie_embeddings": self.tied_embeddings}
-
 
 # TrainConfig fields a Hugging Face config.json sets (flags refused next to --hf-model)
 HF_FIELDS = ("layers", "hidden", "heads", "kv_heads", "vocab", "ffn_hidden", "tie_embeddings")

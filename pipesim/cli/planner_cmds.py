@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 from ..plan.options import DESTS, add_plan_flags, flatten, load_model, model_from_flags
+from ..plan.parallelism import RECOMPUTE
 from ..units import bytes_arg
 from .plan_output import nothing_written_text, plan_gantt, summary_text, write_rows
 from .lists import names
@@ -97,7 +98,7 @@ def space_from_args(args: argparse.Namespace):
         dp=flatten(args.dp), microbatches=None if args.microbatches is None
         else (args.microbatches,),
         mbs=flatten(args.micro_batch_size) or (1, 2, 4),
-        recompute=flatten(args.recompute) or ("none", "selective", "full"),
+        recompute=flatten(args.recompute) or RECOMPUTE,
         recompute_layers=args.recompute_layers, sequence_parallel=args.sequence_parallel,
         zero=flatten(args.zero) or (0, 1),
         precision=args.precision, tp_across_nodes=args.tp_across_nodes, uneven=args.uneven,

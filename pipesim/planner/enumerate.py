@@ -37,7 +37,7 @@ from typing import Iterator
 from ..hardware import Hardware, get_hardware
 from ..plan.cluster import Cluster
 from ..plan.model import ModelSpec, get_model
-from ..plan.parallelism import Parallelism
+from ..plan.parallelism import RECOMPUTE, Parallelism
 from ..plan.plan import Plan
 
 ALL_SCHEDULES = ("gpipe", "1f1b", "interleaved", "looped-bfs", "zb-h1", "zb-h2", "zbv",
@@ -96,7 +96,7 @@ class SearchSpace:
     vpp: tuple[int, ...] | None = None
     ep: tuple[int, ...] | None = None
     mbs: tuple[int, ...] = (1, 2, 4)
-    recompute: tuple[str, ...] = ("none", "selective", "full")
+    recompute: tuple[str, ...] = RECOMPUTE
     zero: tuple[int, ...] = (0, 1)
     precision: str = "bf16"
     # filters and fixed values: dp (derived from the other sizes) and microbatches (from the
@@ -140,7 +140,7 @@ class SearchSpace:
                                      for v in values):
                     raise ValueError(f"search space: {name} values must be positive integers, "
                                      f"got {values!r}")
-        bad = [r for r in self.recompute if r not in ("none", "selective", "full")]
+        bad = [r for r in self.recompute if r not in RECOMPUTE]
         if bad or not self.recompute:
             raise ValueError(f"search space: recompute values must be none, selective or full, "
                              f"got {self.recompute!r}")

@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from .search import SIMULATED, evaluate_plan
+from ..plan.parallelism import RECOMPUTE
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -22,7 +23,6 @@ GiB = 2 ** 30
 KNOBS = ("tp", "cp", "pp", "vpp", "mbs", "recompute", "zero", "ep")
 # what a row's change names: every field of a plan's layout (microbatches follow from dp, mbs)
 CHANGED = ("schedule", "tp", "cp", "pp", "vpp", "dp", "ep", "mbs", "recompute", "zero")
-_RECOMPUTE = ("none", "selective", "full")
 
 
 def explain(result: "SearchResult") -> "pd.DataFrame":
@@ -80,7 +80,7 @@ def changes(winner, row) -> str:
 
 
 def _order(knob: str):
-    return _RECOMPUTE.index if knob == "recompute" else (lambda v: v)
+    return RECOMPUTE.index if knob == "recompute" else (lambda v: v)
 
 
 def _simulated(result: "SearchResult", row):
