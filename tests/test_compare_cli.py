@@ -175,3 +175,12 @@ def test_an_inherited_cpu_share_the_machine_cannot_give_says_where_it_came_from(
                     "--calibrate-from", str(calibration_run(tmp_path))]) == 2
     err = capsys.readouterr().err
     assert "the calibration run's ranks were confined to --cpus-per-rank 0.5" in err
+
+
+def test_the_plan_alone_memory_figure_says_where_it_is_known_unreliable():
+    from pipeexec.cli.compare import plan_memory_caveat
+    from pipeexec.config import TrainConfig
+
+    split = plan_memory_caveat(TrainConfig(schedule="zb-h1", pp=2, microbatches=4, layers=4))
+    assert split.startswith("known unreliable here: with a split backward")
+    assert plan_memory_caveat(TrainConfig(schedule="1f1b", pp=2, microbatches=4, layers=4)) == ""
