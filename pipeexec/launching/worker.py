@@ -118,8 +118,10 @@ def run_training(board: ActionBoard | None, config: TrainConfig, metrics_out: st
                 _log(f"zb-auto: measured {sorted(settled)[len(settled) // 2] * 1e3:.1f} ms a "
                      f"step on {trainer.schedule.name} "
                      + ("after the trial" if trial else "after the switch")
-                     + f" (median of {len(settled)}; the searched order predicted "
-                     f"{switched['predicted_s'] * 1e3:.1f} ms)")
+                     + f" (median of {len(settled)} steps' step_time, the optimizer included; "
+                     f"the searched order was predicted {switched['predicted_s'] * 1e3:.1f} ms "
+                     "of pipeline from the profiled steps' costs, which carry the profiler's "
+                     "overhead: compare the profiled steps' measured and predicted above)")
         measured = session.finish(trainer) if session is not None and not auto else None
         if measured is not None:
             metrics["profile"] = {"steps": measured.steps, "makespans": measured.makespans(),

@@ -35,6 +35,7 @@ import pipesim
 from pipesim.schedule.action import Action
 from pipesim.search.zb_auto import fastest_handcrafted, handcrafted_origin
 from pipesim.schedule.io import schedule_from_dict, schedule_to_dict
+from pipesim.units import format_bytes
 
 from ..analysis.measured import MeasuredRun
 from ..analysis.predict import EXECUTOR_COMM, prediction_costs
@@ -122,10 +123,11 @@ def reschedule(trainer: Any, session: Any, memory_limit: float,
     info = payload[0]["info"]
     if log is not None and topo.rank == 0:
         log(f"zb-auto: profiled {info['profiled']} steps {info['steps']}: measured "
-            f"{info['measured_before_s'] * 1e3:.1f} ms a step (predicted "
-            f"{info['predicted_before_s'] * 1e3:.1f} ms); searched under "
-            f"{memory_limit:g} bytes a rank: predicted {info['predicted_s'] * 1e3:.1f} ms, "
-            f"peak {max(info['predicted_peak_bytes']):g} bytes, vpp {info['vpp']} "
+            f"{info['measured_before_s'] * 1e3:.1f} ms of pipeline a step (predicted from their "
+            f"own costs {info['predicted_before_s'] * 1e3:.1f} ms; profiled steps carry the "
+            f"profiler's overhead); searched under {format_bytes(memory_limit)} a rank: "
+            f"predicted {info['predicted_s'] * 1e3:.1f} ms of pipeline, peak "
+            f"{format_bytes(max(info['predicted_peak_bytes']))}, vpp {info['vpp']} "
             f"{info['placement']}"
             + (f", {info['handcrafted']}'s order (a searched one must be predicted "
                f"{info['margin']:.0%} faster)" if info["handcrafted"] else ", a searched order")
