@@ -154,8 +154,12 @@ def test_the_why_table_names_every_knob_each_row_changes(tmp_path, capsys):
 def test_no_valid_plan_lists_the_refusals(tmp_path, capsys):
     # 12 GPUs are not a whole number of 8-GPU nodes
     assert main([a if a != "4" else "12" for a in BASE] + ["--out", str(tmp_path / "p.csv")]) == 1
-    err = capsys.readouterr().err
+    captured = capsys.readouterr()
+    err = captured.err
     assert "no valid plan" in err and "not a whole number of 8-GPU nodes" in err
+    summary = next(line for line in captured.out.splitlines() if "plans enumerated" in line)
+    assert summary.startswith("0 plans enumerated (1 combinations refused), 0 simulated; search ")
+    assert ", ;" not in captured.out and "no files written" in captured.out
 
 
 def test_bad_memory_limit_and_out_suffix_are_refused(tmp_path, capsys):
