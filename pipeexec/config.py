@@ -610,7 +610,8 @@ def _jsonable(value: Any) -> Any:
 def legacy_flat(data: dict[str, Any]) -> dict[str, Any]:
     """A stored config (checkpoint, measured run) in today's flat names: pipeexec before its
     config held a plan (commit 8ef147e and earlier) wrote ``ffn_mult`` (MLP width / hidden)
-    where today's views say ``ffn_hidden``. Other keys are kept as they are."""
+    where today's views say ``ffn_hidden``, and no ``kv_heads`` (= heads). Other keys are kept
+    as they are."""
     values = dict(data)
     if "ffn_mult" in values and "ffn_hidden" not in values:
         mult = values.pop("ffn_mult")
@@ -618,4 +619,6 @@ def legacy_flat(data: dict[str, Any]) -> dict[str, Any]:
             values["ffn_hidden"] = mult * values.get("hidden", GPT_MODEL.hidden)
     else:
         values.pop("ffn_mult", None)
+    if "plan" not in values and "kv_heads" not in values and isinstance(values.get("heads"), int):
+        values["kv_heads"] = values["heads"]      # the built-in GPT's, before GQA had a field
     return values

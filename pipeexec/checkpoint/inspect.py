@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from ..config import legacy_flat
 from .contents import LAYOUT_FIELDS, MODEL_FIELDS, model_chunks
 from .errors import CheckpointError
 from .layout import RELEASE, Tag, rank_files, saved_iterations, tag_dir, tracker_path
@@ -39,12 +40,14 @@ def describe(root: str | os.PathLike, tag: Tag | None = None, *, verify: bool = 
         lines.append(f"  {tag_dir(root, t).name}: {_status(root, t)}{mark}")
     tag = latest if tag is None else tag
     reader = CheckpointReader(root, tag, verify=verify)
-    lay, cfg = reader.layout, reader.config
+    lay, cfg = reader.layout, legacy_flat(reader.config)     # an older pipeexec's flat form too
+    family = ((cfg.get("plan") or {}).get("model") or {}).get("family")
     first = reader.file(0)
     lines.append(f"{tag_dir(root, tag).name}: checkpoint_version {first['checkpoint_version']}, "
                  f"iteration {reader.iteration}" + (", release (weights only)" if reader.release
                                                     else f", consumed_samples {first['consumed_samples']}"))
-    lines.append("  model: " + ", ".join(f"{k}={cfg.get(k)}" for k in MODEL_FIELDS))
+    lines.append("  model: " + ("" if family is None else f"{family} (Hugging Face), ")
+                 + ", ".join(f"{k}={cfg.get(k)}" for k in MODEL_FIELDS))
     lines.append("  layout: " + ", ".join(f"{k}={cfg.get(k)}" for k in LAYOUT_FIELDS)
                  + f", stage bounds {lay['bounds']}")
     lines.append(f"  training: precision={cfg.get('precision')} seed={cfg.get('seed')} "
