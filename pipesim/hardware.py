@@ -43,6 +43,7 @@ class Hardware:
     network_latency: float = 10e-6
     nvlink_domain: int = 8           # GPUs one NVLink (scale-up) domain joins
     fp8_flops: float | None = None   # dense FP8 FLOP/s (default: twice peak_flops; 0: none)
+    fp32_flops: float | None = None  # fp32 (TF32 on GPUs) FLOP/s (default: half peak_flops)
     # -- the per-operator time model (pipesim.plan.operators) --------------------------------
     gemm_e_max: float = 0.74         # GEMM efficiency at large shapes (fraction of the peak)
     gemm_dim_half: float = 60.0      # the dimension at which one GEMM side costs a doubling
@@ -111,6 +112,10 @@ class Hardware:
     @property
     def fp8_peak_flops(self) -> float:
         return 2 * self.peak_flops if self.fp8_flops is None else self.fp8_flops
+
+    @property
+    def fp32_peak_flops(self) -> float:
+        return self.peak_flops / 2 if self.fp32_flops is None else self.fp32_flops
 
     @property
     def has_fp8(self) -> bool:

@@ -1,5 +1,5 @@
 """``pipeexec``: the command line's entry point, dispatching to ``train``, ``compare`` and
-``checkpoint``. This is the only place that exits the process with a status; the library
+``checkpoint`` (and ``calibrate-hardware``). This is the only place that exits the process with a status; the library
 raises exceptions."""
 from __future__ import annotations
 
@@ -27,6 +27,8 @@ def _parser() -> argparse.ArgumentParser:
     add_train_arguments(t)
     add_commands(sub)
     add_compare_command(sub)
+    from ..calibrate_hardware import add_command as add_calibrate_hardware
+    add_calibrate_hardware(sub)
     return p
 
 
@@ -46,6 +48,9 @@ def main(argv: list[str] | None = None) -> None:
     ns = _parser().parse_args(args)
     if ns.command == "checkpoint":
         sys.exit(run_command(ns))
+    if ns.command == "calibrate-hardware":
+        from ..calibrate_hardware import run as calibrate_hardware
+        sys.exit(calibrate_hardware(ns))
     train_main(args[1:])          # unreachable: train and compare are handled above
 
 

@@ -115,7 +115,7 @@ def derive(plan) -> PlanCosts:
         # never above the bf16 dense peak (the utilisations' denominator; see operators.py)
         gemm_rate = min(hw.fp8_peak_flops * eff, hw.peak_flops)
     elif par.precision == "fp32":
-        gemm_rate = bf16_rate = hw.peak_flops / 2 * eff
+        gemm_rate = bf16_rate = hw.fp32_peak_flops * eff
     else:
         gemm_rate = bf16_rate
     shard = t * cp

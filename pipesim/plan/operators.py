@@ -20,7 +20,8 @@ with the hardware's figures (:class:`pipesim.hardware.Hardware`). Per pass:
 GEMM FLOPs equal :mod:`pipesim.plan.flops` term by term (QKV with GQA, output projection, the
 MLP's two or three matrices, top-k experts and a shared expert), so MFU's numerator is
 unchanged; the MoE router's small GEMM is timed but, as in Megatron's count, not in MFU.
-Precision: bf16/fp16 GEMMs at the bf16 dense peak, fp32 at half of it (TF32), fp8 GEMMs at the
+Precision: bf16/fp16 GEMMs at the bf16 dense peak, fp32 at the fp32 peak (default half the
+bf16 one: TF32), fp8 GEMMs at the
 FP8 peak but never faster than the bf16 dense peak (modelled cap: published fp8 training runs
 gain 1.3-1.5x over bf16, about 1/eff_gemm; it keeps MFU, always against the bf16 peak, at or
 below 100%), plus the casts of their inputs. Attention runs in bf16: flash attention as one
@@ -166,7 +167,7 @@ def flash_efficiency(hw, s: float, head_dim: float) -> float:
 
 def pass_times(ops: list[Op], hw, precision: str) -> PassTimes:
     """Sum the operators' roofline times per pass (see the module docstring)."""
-    bf16 = hw.peak_flops / (2 if precision == "fp32" else 1)
+    bf16 = hw.fp32_peak_flops if precision == "fp32" else hw.peak_flops
     fp8 = precision == "fp8"
     mem_rate = hw.hbm_bandwidth * hw.mem_efficiency
     launch = hw.launch_overhead
@@ -179,7 +180,7 @@ def pass_times(ops: list[Op], hw, precision: str) -> PassTimes:
             continue
         if o.kind == "attention":
             if o.batch == 1.0:          # flash attention: one kernel
-                rate = hw.peak_flops * flash_efficiency(hw, o.shape[1], o.shape[2])
+                rate = bf16 * flash_efficiency(hw, o.shape[1], o.shape[2])
                 tf = max(o.flops / rate, o.bytes / mem_rate) + launch
                 F += tf
                 I += max(2 * o.flops / rate, 2 * o.bytes / mem_rate) + launch
