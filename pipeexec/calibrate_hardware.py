@@ -232,8 +232,11 @@ def calibrate(device: str = "cpu", name: str | None = None, links: bool = True,
 
 
 def add_command(sub) -> None:
+    from pipesim.cli.help import DefaultsHelpFormatter
+
     p = sub.add_parser("calibrate-hardware", help="measure this machine's figures for pipesim's "
-                       "time model and write a hardware file (--hardware FILE)")
+                       "time model and write a hardware file (--hardware FILE)",
+                       formatter_class=DefaultsHelpFormatter)
     p.add_argument("--out", required=True, metavar="FILE.json", help="the hardware file to write")
     p.add_argument("--device", default="cpu", help="cpu, or a CUDA device (cuda:0)")
     p.add_argument("--name", default=None, help="the hardware's name in the file")
