@@ -208,7 +208,7 @@ def test_without_profile_nothing_is_timed_or_synchronised(monkeypatch):
     from pipeexec import launch
     from pipeexec.cli.train import config_from_args
     from pipeexec.cli.main import _parser
-    from pipeexec.launching.worker import run_training
+    from pipeexec.launching.worker import WorkerArgs, run_training
 
     def forbidden(*args, **kwargs):
         raise AssertionError("clock alignment ran")
@@ -218,9 +218,10 @@ def test_without_profile_nothing_is_timed_or_synchronised(monkeypatch):
     with pytest.raises(AssertionError, match="clock alignment ran"):
         session_mod.ProfileSession(session_mod.ProfileOptions(0, 1), topo)
     cfg = config_from_args(_parser().parse_args(["train", "--schedule", "1f1b", *TINY]))
-    results = launch(run_training, 2, (cfg, None, False), timeout=120)   # forked: patched too
-    assert all("measured_run" not in r and "profile" not in r for r in results)
-    assert len(results[0]["losses"]) == cfg.steps
+    results = launch(run_training, 2, (WorkerArgs(cfg, progress=False),),
+                     timeout=120)                                      # forked: patched too
+    assert all(r.measured is None and "profile" not in r.metrics for r in results)
+    assert len(results[0].metrics["losses"]) == cfg.steps
 
 
 def torch_cpu():

@@ -31,15 +31,16 @@ def profiled_run(config: Any, first: int, stop: int, *, trace_out: str | None = 
     alignment, split probe), default `ProfileOptions`' defaults."""
     from ..launching.devices import start_method_for
     from ..launching.launcher import launch
-    from ..launching.worker import run_training
+    from ..launching.worker import WorkerArgs, run_training
 
     options = (profile or ProfileOptions()).replace(first=first, stop=stop, trace_out=trace_out,
                                                     cpus_per_rank=cpus_per_rank).validate()
     options.check(config.steps)
-    results = launch(run_training, config.world_size, (config, None, False, None, options),
+    results = launch(run_training, config.world_size,
+                     (WorkerArgs(config, progress=False, profile=options),),
                      timeout=timeout, cpus_per_rank=cpus_per_rank,
                      start_method=start_method_for(config.device, config.backend))
-    run = results[0].get("measured_run")
+    run = results[0].measured
     if run is None:
         raise RuntimeError("rank 0 returned no measured run (was the profiled range empty?)")
     return run
@@ -97,7 +98,7 @@ def compare_defaults(config: Any, given: set[str], calibration: MeasuredRun | No
     periods dominate). Returns the config and what was defaulted, in words."""
     changes: dict[str, Any] = {}
     if "microbatches" not in given:
-        m = max(2 * config.pp, int(calibration.meta["microbatches"]) if calibration else 0)
+        m = max(2 * config.pp, calibration.plan.microbatches if calibration else 0)
         changes["microbatches"] = m
     if calibration is None:
         for name, value in DEFAULT_MODEL.items():

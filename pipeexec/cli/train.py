@@ -177,7 +177,7 @@ def train_main(args: list[str]) -> None:
     from ..launching.devices import cuda_device_count, may_use_cuda, start_method_for
     from ..launching.launcher import WorkerFailed, launch
     from ..launching.preflight import check_train
-    from ..launching.worker import run_training
+    from ..launching.worker import WorkerArgs, run_training
 
     under_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     world = int(os.environ["WORLD_SIZE"]) if under_torchrun else (ns.nproc or 1)
@@ -209,13 +209,12 @@ def train_main(args: list[str]) -> None:
             if first:
                 print(f"pipeexec: {checks.nothing_to_train}", flush=True)
             sys.exit(0)
+        args = WorkerArgs(config, ns.metrics_out, progress=not ns.no_progress,
+                          checkpoint=checkpoint, profile=profile)
         if under_torchrun:
-            run_training(None, config, ns.metrics_out, progress=not ns.no_progress,
-                         checkpoint=checkpoint, profile=profile)
+            run_training(None, args)
         else:
-            launch(run_training, world,
-                   (config, ns.metrics_out, not ns.no_progress, checkpoint, profile),
-                   timeout=ns.timeout, cpus_per_rank=ns.cpus_per_rank,
+            launch(run_training, world, (args,), timeout=ns.timeout, cpus_per_rank=ns.cpus_per_rank,
                    start_method=start_method_for(config.device, config.backend))
     except KeyboardInterrupt:
         # The launcher's cleanup has run (every worker stopped, quotas removed) on the way here.

@@ -1,41 +1,68 @@
 """What one training process does: topology, trainer, loop, metrics, teardown.
 
 Shared by both launch paths: torchrun calls it directly in every process, the local launcher
-calls it in every forked worker (with the shared `ActionBoard`).
+calls it in every forked worker (with the shared `ActionBoard`). In: one `WorkerArgs` value
+(what every rank is given: it pickles to spawned workers as a whole). Out: a `RunOutcome`.
 """
 from __future__ import annotations
 
 import json
 import os
 import sys
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch.distributed as dist
 
 from .board import ActionBoard
+from ..analysis.measured import MeasuredRun
 from ..checkpoint import CheckpointManager, CheckpointOptions
 from ..config import TrainConfig
+from ..measuring.options import ProfileOptions
+from ..measuring.reschedule import (check_memory_limit, judge_switch, profiled_schedule,
+                                    reschedule, trial_steps)
+from ..measuring.session import ProfileSession
 from ..topology import destroy_topology, init_topology
 from ..training.train import Trainer, train
 from ..versions import run_versions
 
-if TYPE_CHECKING:
-    from ..measuring.options import ProfileOptions
+
+@dataclass(frozen=True)
+class WorkerArgs:
+    """What every rank of a run is given. ``metrics_out``: rank 0 writes the metrics there;
+    ``checkpoint``: load before the loop and save from it (``--load``, ``--save`` ...);
+    ``profile``: time the actions of a step range (``--profile A:B``)."""
+
+    config: TrainConfig
+    metrics_out: str | None = None
+    progress: bool = True
+    checkpoint: CheckpointOptions | None = None
+    profile: ProfileOptions | None = None
+
+
+@dataclass(frozen=True)
+class RunOutcome:
+    """What one rank's run gives back: its metrics (JSON-ready: what rank 0 writes to
+    ``metrics_out``) and, on rank 0 of a profiled run, the gathered `MeasuredRun` (None on
+    the other ranks and in runs not profiled)."""
+
+    metrics: dict[str, Any]
+    measured: MeasuredRun | None = None
 
 
 def _log(msg: str) -> None:
     print(msg, file=sys.stdout, flush=True)
 
 
-def run_training(board: ActionBoard | None, config: TrainConfig, metrics_out: str | None = None,
-                 progress: bool = True, checkpoint: CheckpointOptions | None = None,
-                 profile: "ProfileOptions | None" = None) -> dict:
-    """Train per ``config`` in this process (one rank); return (and on rank 0 write) metrics.
-
-    ``checkpoint``: load before the loop and save from it (``--load``, ``--save`` ...).
-    ``profile``: time the actions of a step range (``--profile A:B``); rank 0's metrics then
-    hold the gathered `MeasuredRun` under "measured_run" (not written to ``metrics_out``)."""
+def run_training(board: ActionBoard | None, args: WorkerArgs) -> RunOutcome:
+    """Train per ``args.config`` in this process (one rank); return its outcome (rank 0 also
+    writes the metrics to ``args.metrics_out``)."""
+    if not isinstance(args, WorkerArgs):
+        raise TypeError(f"run_training takes a WorkerArgs, got {type(args).__name__} (launch "
+                        "it as launch(run_training, n, (WorkerArgs(config, ...),)))")
+    config, metrics_out, progress = args.config, args.metrics_out, args.progress
+    checkpoint, profile = args.checkpoint, args.profile
     topology = init_topology(config.pp, config.dp, backend=config.backend, device=config.device,
                              timeout=config.collective_timeout, p2p_timeout=config.p2p_timeout)
     try:
@@ -45,13 +72,10 @@ def run_training(board: ActionBoard | None, config: TrainConfig, metrics_out: st
             raise ValueError("--profile and zb-auto's --memory-limit both profile the run; "
                              "give one of them")
         if profile is not None or auto:
-            from ..measuring.options import ProfileOptions
-            from ..measuring.session import ProfileSession
             session = ProfileSession(profile or ProfileOptions(1, config.reschedule_after + 1),
                                      topology)
         first = None
         if auto:
-            from ..measuring.reschedule import profiled_schedule
             first = profiled_schedule(config)
         trainer = Trainer(config, topology, board=board, schedule=first,
                           recorder=None if session is None else session.profiler)
@@ -77,8 +101,6 @@ def run_training(board: ActionBoard | None, config: TrainConfig, metrics_out: st
             manager.load(trainer)
         on_step = None if manager is None else manager.on_step
         if auto:
-            from ..measuring.reschedule import (check_memory_limit, judge_switch, reschedule,
-                                                trial_steps)
             check_memory_limit(trainer, config.memory_limit)    # before step 0
             saved, switched, times, orders = on_step, {}, {}, []
             switch_at = config.reschedule_after + 1
@@ -132,10 +154,8 @@ def run_training(board: ActionBoard | None, config: TrainConfig, metrics_out: st
             tmp = path.with_name(path.name + f".tmp{os.getpid()}")
             tmp.write_text(json.dumps(metrics, indent=1))
             tmp.replace(path)
-        if measured is not None:
-            metrics["measured_run"] = measured
         if topology.world_size > 1:
             dist.barrier()      # no rank tears its groups down while a peer still uses them
-        return metrics
+        return RunOutcome(metrics, measured)
     finally:
         destroy_topology(topology)

@@ -11,28 +11,42 @@ steps and the measured steps meet the same machine. Every config must have the s
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from ..analysis.measured import MeasuredRun
+from ..config import TrainConfig
+from ..launching.launcher import launch
+from ..topology import destroy_topology, init_topology
+from ..training.train import Trainer
+from .options import ProfileOptions
+from .session import ProfileSession
 
 
-def paired_worker(board: Any, configs: Sequence[Any], first: int, stop: int,
-                  trace_outs: Sequence[str | None], cpus_per_rank: float | None,
-                  profile: Any = None) -> list:
+@dataclass(frozen=True)
+class PairedJob:
+    """What every rank of a paired job is given: the configs trained in turn, the profiled
+    steps ``first..stop-1``, each config's trace file (or None), the CPU share of each rank
+    and the other profiling options (default `ProfileOptions`' defaults)."""
+
+    configs: tuple[TrainConfig, ...]
+    first: int
+    stop: int
+    trace_outs: tuple[str | None, ...]
+    cpus_per_rank: float | None = None
+    profile: ProfileOptions | None = None
+
+
+def paired_worker(board: Any, job: PairedJob) -> list[MeasuredRun | None]:
     """One rank of a paired job; returns (on rank 0) one `MeasuredRun` per config."""
-    from ..topology import destroy_topology, init_topology
-    from ..training.train import Trainer
-    from .options import ProfileOptions
-    from .session import ProfileSession
-
-    cfg0 = configs[0]
+    cfg0 = job.configs[0]
     topo = init_topology(cfg0.pp, cfg0.dp, backend=cfg0.backend, device=cfg0.device,
                          timeout=cfg0.collective_timeout)
     try:
         pairs = []
-        for cfg, out in zip(configs, trace_outs):
-            options = (profile or ProfileOptions()).replace(
-                first=first, stop=stop, trace_out=out, cpus_per_rank=cpus_per_rank)
+        for cfg, out in zip(job.configs, job.trace_outs):
+            options = (job.profile or ProfileOptions()).replace(
+                first=job.first, stop=job.stop, trace_out=out, cpus_per_rank=job.cpus_per_rank)
             session = ProfileSession(options, topo)
             trainer = Trainer(cfg, topo, board=board, recorder=session.profiler)
             session.attach(trainer)
@@ -45,15 +59,14 @@ def paired_worker(board: Any, configs: Sequence[Any], first: int, stop: int,
         destroy_topology(topo)
 
 
-def paired_runs(configs: Sequence[Any], first: int, stop: int, *,
+def paired_runs(configs: Sequence[TrainConfig], first: int, stop: int, *,
                 trace_outs: Sequence[str | None] | None = None, timeout: float | None = None,
-                cpus_per_rank: float | None = None, profile: Any = None) -> list[MeasuredRun]:
+                cpus_per_rank: float | None = None, profile: ProfileOptions | None = None
+                ) -> list[MeasuredRun]:
     """Train ``configs`` side by side in one job of local workers, alternating steps, each
     profiling steps ``first..stop-1``; return their measured runs (written to ``trace_outs``
     where given). ``profile``: the other `ProfileOptions` (clock alignment, split probe).
     Raises ValueError when the configs cannot share processes."""
-    from ..launching.launcher import launch
-
     configs = list(configs)
     base = configs[0]
     for c in configs[1:]:
@@ -62,10 +75,10 @@ def paired_runs(configs: Sequence[Any], first: int, stop: int, *,
                 raise ValueError(f"paired runs share their processes: {name} must be equal, got "
                                  f"{getattr(base, name)!r} ({base.schedule}) and "
                                  f"{getattr(c, name)!r} ({c.schedule})")
-    outs = list(trace_outs) if trace_outs is not None else [None] * len(configs)
-    runs = launch(paired_worker, base.world_size,
-                  (configs, first, stop, outs, cpus_per_rank, profile),
-                  timeout=timeout, cpus_per_rank=cpus_per_rank)[0]
+    outs = tuple(trace_outs) if trace_outs is not None else (None,) * len(configs)
+    job = PairedJob(tuple(configs), first, stop, outs, cpus_per_rank, profile)
+    runs = launch(paired_worker, base.world_size, (job,), timeout=timeout,
+                  cpus_per_rank=cpus_per_rank)[0]
     if runs is None or any(r is None for r in runs):
         raise RuntimeError("rank 0 returned no measured runs (was the profiled range empty?)")
     return runs

@@ -81,10 +81,10 @@ def test_spawn_start_runs_training(tmp_path, reference):
     # re-import pipeexec and unpickle the config; here on the CPU
     from pipeexec import launch
     from pipeexec.config import TrainConfig
-    from pipeexec.launching.worker import run_training
+    from pipeexec.launching.worker import WorkerArgs, run_training
     cfg = TrainConfig(schedule="1f1b", pp=2, microbatches=4, micro_batch_size=2, layers=2,
                       hidden=16, heads=2, seq_len=8, vocab=64, steps=3, seed=3, lr=0.01,
                       device="cpu")
-    results = launch(run_training, 2, (cfg, None, False, None, None), timeout=300,
+    results = launch(run_training, 2, (WorkerArgs(cfg, progress=False),), timeout=300,
                      start_method="spawn")
-    assert results[0]["losses"] == pytest.approx(reference["losses"], rel=1e-5)
+    assert results[0].metrics["losses"] == pytest.approx(reference["losses"], rel=1e-5)

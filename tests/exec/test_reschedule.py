@@ -10,7 +10,7 @@ from pipesim.schedule.io import schedule_from_dict
 
 from pipeexec import launch
 from pipeexec.config import ConfigError
-from pipeexec.launching.worker import run_training
+from pipeexec.launching.worker import WorkerArgs, run_training
 
 from exec_helpers import TINY, reference_train
 
@@ -18,7 +18,7 @@ pytestmark = pytest.mark.slow
 
 
 def worker(board, config):
-    metrics = run_training(board, config, progress=False)
+    metrics = run_training(board, WorkerArgs(config, progress=False)).metrics
     return {"losses": metrics["losses"], "reschedule": metrics.get("reschedule")}
 
 
