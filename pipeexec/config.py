@@ -27,6 +27,7 @@ from pipesim.schedule.placement import PLACEMENTS as PLACEMENT_CHOICES
 from pipesim.schedule.schedule import Schedule
 from pipesim.units import bytes_arg
 
+from .errors import ConfigError
 from .options import flag_of, flagged
 from .options import option as _opt
 
@@ -49,10 +50,6 @@ _MODEL = {"layers": "layers", "hidden": "hidden", "heads": "heads", "kv_heads": 
           "ffn_hidden": "ffn_hidden", "seq_len": "seq_length", "vocab": "vocab",
           "tie_embeddings": "tied_embeddings"}
 PLAN_VIEWS = ("schedule", "placement", *_PARALLELISM, "microbatches", *_MODEL)
-
-
-class ConfigError(ValueError):
-    """A configuration that cannot run, with the field and the reason."""
 
 
 def _ints(text: Any) -> tuple[int, ...] | None:

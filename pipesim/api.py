@@ -8,21 +8,19 @@ from __future__ import annotations
 
 from typing import Any
 
+from .engine import simulate as engine_simulate
+from .plan.plan import Plan
+from .plan.report import simulate_plan
+
 
 def simulate(target: Any, costs: Any = None, **kwargs: Any) -> Any:
     """Simulate one step of a Schedule under ``costs`` (-> SimResult; options as
     :func:`pipesim.engine.simulate`), or of a Plan (-> PlanResult: step_time,
     tokens_per_s_per_gpu, mfu, hfu, memory_breakdown, fits; option ``comm``)."""
-    from .plan.plan import Plan
-
     if isinstance(target, Plan):
         if costs is not None:
             raise ValueError("simulate(plan): the plan derives its own costs; pass "
                              "simulate(plan.build_schedule(), costs) to use others")
-        from .plan.report import simulate_plan
-
         return simulate_plan(target, **kwargs)
-    from .engine import simulate as engine_simulate
-
     return engine_simulate(target, costs, **kwargs)
 

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from .costs import CostModel
+from .trace import check_trace
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -40,8 +41,6 @@ def fit_costs(trace: "pd.DataFrame", num_stages: int | None = None, *,
 
     Raises ValueError naming the stage and op when a stage lacks a needed op.
     """
-    from .trace import check_trace
-
     check_trace(trace)
     compute = trace[(trace["kind"] == "compute") & (trace["stage"] >= 0)]
     if num_stages is None:

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Union
 
 from .fields import known_fields
+from .hardware import get_hardware
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -232,7 +233,7 @@ class CostModel:
         * ``efficiency``). ``link`` chooses the pipeline p2p link ("intra": NVLink, "inter":
         the network), ``dp_link`` the data-parallel one.
         """
-        from .hardware import get_hardware
+        # lazy: pipesim.plan's __init__ imports the plans, which import this module
         from .plan.model import get_model
         from .transformer import stage_counts
 

@@ -15,6 +15,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from . import metrics
+from .chrome import chrome_trace, write_chrome_trace
+from .memory import compute_rows, memory_events, peak_per_rank
+from .plot import gantt as plot_gantt
 from .trace import check_trace, num_ranks
 from .units import byte_unit, format_number
 
@@ -155,8 +158,6 @@ class SimResult:
         if self.costs is None:
             raise ValueError("memory needs a memory_timeline or a CostModel: pass costs= or "
                              "memory_timeline= to SimResult.from_trace")
-        from .memory import compute_rows, memory_events
-
         n = self.schedule.num_stages if self.schedule is not None else int(self.trace["stage"].max()) + 1
         stages = ([self.schedule.rank_stages(r) for r in range(self.num_ranks)]
                   if self.schedule is not None else None)
@@ -169,8 +170,6 @@ class SimResult:
     @cached_property
     def peak_memory(self) -> list[float]:
         if self._memory_timeline is not None:
-            from .memory import peak_per_rank
-
             return peak_per_rank(self._memory_timeline, self.num_ranks)
         return self._memory_events.peaks(self.num_ranks)
 
@@ -239,14 +238,10 @@ class SimResult:
 
     def gantt(self, **kwargs: Any) -> "Figure":
         """A Gantt chart; options in :func:`pipesim.plot.gantt`."""
-        from .plot import gantt
-
-        return gantt(self, **kwargs)
+        return plot_gantt(self, **kwargs)
 
     def to_chrome_trace(self, path: str | Path | None = None) -> dict:
         """Chrome / Perfetto trace JSON (see :mod:`pipesim.chrome`); written to ``path`` if given."""
-        from .chrome import chrome_trace, write_chrome_trace
-
         data = chrome_trace(self.trace)
         if path is not None:
             write_chrome_trace(data, path)

@@ -12,7 +12,10 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from .costs import CostModel
+from .engine import simulate
 from .errors import ScheduleError
+from .progress import progress_bar
+from .schedule.registry import build_schedule, schedule_names
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -48,13 +51,6 @@ def sweep(schedules: Sequence[str], pp: Iterable[int], vpp: Iterable[int],
     ``samples_per_s`` is ``microbatches * micro_batch_size / makespan``.
     """
     import pandas as pd
-    from .progress import progress_bar
-
-    from .engine import simulate
-    from .schedule.registry import build_schedule
-
-    from .errors import ScheduleError
-    from .schedule.registry import schedule_names
 
     unknown = [n for n in schedules if n not in schedule_names()]
     if unknown:

@@ -37,9 +37,12 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from pipesim.metrics import slowest_of
+
 from .calibrate import Calibration, Layout, costs_summary
 from .contention import time_sharing_note
 from .measured import MeasuredRun
+from .overlay import overlay_figure
 from .predict import predict
 
 if TYPE_CHECKING:
@@ -106,8 +109,6 @@ class Comparison:
     def slowest_ranks(self) -> tuple[int, int]:
         """The slowest rank (the largest idle share of its own span, as `pipesim.metrics`
         defines it) measured (from the compared steps' per-rank means) and predicted."""
-        from pipesim.metrics import slowest_of
-
         m = self._measured
         spans = [b + i for b, i in zip(m["busy"], m["bubble"])]
         return slowest_of(m["busy"], spans), self.predicted.slowest_rank
@@ -280,8 +281,6 @@ class Comparison:
         }
 
     def figure(self) -> "Figure":
-        from .overlay import overlay_figure
-
         pred, meas = self.predicted, self.measured
         what = (f"measured step {self.step} (the median of the compared steps)"
                 if len(self.steps) > 1 else f"measured step {self.step}")

@@ -41,6 +41,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pipesim
+from pipesim.chrome import chrome_trace as chrome_events
+from pipesim.result import SimResult
 from pipesim.schedule.action import B, F, I, RECV_B, RECV_F, SEND_B, SEND_F, W
 
 from .measurement import KEYS as MEASUREMENT_KEYS, Measurement
@@ -50,8 +52,6 @@ if TYPE_CHECKING:
     import pandas as pd
 
     from ..measuring.recorder import ActionRecord
-
-    from pipesim import SimResult
 
 COLUMNS = ("rank", "op", "stage", "chunk", "microbatch", "start", "end", "kind", "bytes", "peer",
            "step", "mem_start", "mem_end", "arrival_observed", "link_start", "compute_start", "cpu")
@@ -264,8 +264,6 @@ class MeasuredRun:
 
     def result(self, step: int | None = None) -> "SimResult":
         """A `SimResult` of one step (default: `representative_step`)."""
-        from pipesim import SimResult
-
         step = self.representative_step() if step is None else step
         tl = self.memory_timeline(step) if self.has_memory() else None
         return SimResult.from_trace(self.step_trace(step), schedule=self.schedule,
@@ -359,15 +357,13 @@ class MeasuredRun:
 
     def chrome_trace(self) -> dict:
         """Chrome trace events of every profiled step on one time axis (flows per step)."""
-        from pipesim.chrome import chrome_trace
-
         events: list[dict] = []
         seen_meta: set[str] = set()
         t_first = float(self.trace["start"].min())
         for k, step in enumerate(self.steps):
             rows = self.trace[self.trace["step"] == step]
             shift = (float(rows["start"].min()) - t_first) * 1e6
-            for ev in chrome_trace(rows)["traceEvents"]:
+            for ev in chrome_events(rows)["traceEvents"]:
                 if ev["ph"] == "M":
                     key = json.dumps(ev, sort_keys=True)
                     if key in seen_meta:

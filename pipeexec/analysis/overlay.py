@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from pipesim.plot import gantt
+
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
@@ -24,8 +26,6 @@ def overlay_figure(predicted: "SimResult", measured: "SimResult", *, title: str 
 
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
-
-    from pipesim.plot import gantt
 
     ranks = max(predicted.num_ranks, measured.num_ranks)
     span = max(predicted.makespan, measured.makespan)

@@ -19,6 +19,9 @@ from typing import Any
 
 import torch
 
+import pipesim
+from pipesim.schedule.io import schedule_from_dict
+
 from .contents import layer_of, model_chunks, saved_stages, stage_layer_range
 from .errors import CheckpointError
 from .layout import (CHECKPOINT_VERSION, RELEASE, Tag, rank_files, saved_iterations, state_file,
@@ -195,11 +198,8 @@ class CheckpointReader:
     def schedule(self):
         """The schedule the checkpoint was written with: recorded as data (``schedule_data``),
         or, for checkpoints written before that, rebuilt from its name."""
-        import pipesim
-
         lay = self.layout
         if lay.get("schedule_data") is not None:
-            from pipesim.schedule.io import schedule_from_dict
             return schedule_from_dict(lay["schedule_data"], source=f"checkpoint {self.dir}")
         return pipesim.build_schedule(lay["schedule"], pp=int(lay["pp"]), vpp=int(lay["vpp"]),
                                       microbatches=int(self.config["microbatches"]))

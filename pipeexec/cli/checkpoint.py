@@ -5,8 +5,14 @@ from __future__ import annotations
 import argparse
 import sys
 
+import pipesim
+from pipesim.cli.help import DefaultsHelpFormatter
+
+from ..config import ConfigError
 from ..options import add_arguments, values_from_args
+from ..checkpoint.convert import convert_checkpoint
 from ..checkpoint.errors import CheckpointError
+from ..checkpoint.inspect import describe
 from ..checkpoint.layout import RELEASE
 from ..checkpoint.manager import CheckpointOptions
 
@@ -31,8 +37,6 @@ def _tag(value: str | None):
 
 def add_commands(subparsers) -> None:
     """``checkpoint inspect DIR`` and ``checkpoint convert SRC DST --pp ...``."""
-    from pipesim.cli.help import DefaultsHelpFormatter
-
     fmt = DefaultsHelpFormatter
     c = subparsers.add_parser("checkpoint", help="inspect or convert checkpoints",
                               formatter_class=fmt)
@@ -63,12 +67,6 @@ def add_commands(subparsers) -> None:
 
 def run_command(ns: argparse.Namespace) -> int:
     """Run a parsed ``checkpoint`` command; print errors; return the exit status."""
-    import pipesim
-
-    from ..config import ConfigError
-    from ..checkpoint.convert import convert_checkpoint
-    from ..checkpoint.inspect import describe
-
     try:
         if ns.checkpoint_command == "inspect":
             print(describe(ns.dir, ns.iteration, verify=not ns.no_verify))

@@ -7,19 +7,17 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from ..measuring.options import ProfileOptions
+from ..options import add_arguments
+
 
 def add_profile_flags(train: argparse.ArgumentParser) -> None:
     """The profiling flags, generated from `ProfileOptions`' fields (help and defaults)."""
-    from ..options import add_arguments
-    from ..measuring.options import ProfileOptions
-
     add_arguments(train.add_argument_group("profiling (predicted vs measured)"), ProfileOptions)
 
 
-def profile_from_args(ns: argparse.Namespace) -> Any:
+def profile_from_args(ns: argparse.Namespace) -> ProfileOptions | None:
     """`ProfileOptions` from the profiling flags (None without --profile)."""
-    from ..measuring.options import ProfileOptions
-
     options = ProfileOptions.from_args(ns, cpus_per_rank=getattr(ns, "cpus_per_rank", None))
     if options is not None:
         options.check(ns.steps)

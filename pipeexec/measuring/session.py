@@ -22,12 +22,15 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from .clock import ClockOffset, align_clocks
 from ..analysis.measured import MeasuredRun, build_trace
 from ..analysis.measurement import Measurement, StageProbe
 from .memory import HeldTensorMeter
+from .probe import probe_split
+from ..launching.cpu_quota import cpu_limit
 from .options import ProfileOptions, parse_step_range
 from .recorder import ActionProfiler
 from ..analysis.run_plan import RunPlan
@@ -69,7 +72,6 @@ class ProfileSession:
         topo = self.topology
         probe = None
         if self.options.probe_split and not trainer.config.forward_only and topo.dp_rank == 0:
-            from .probe import probe_split
             probe = probe_split(trainer)
         payload = {"rank": topo.rank, "pp_rank": topo.pp_rank, "dp_rank": topo.dp_rank,
                    "offset": self.offset.offset, "rtt": self.offset.rtt,
@@ -121,8 +123,4 @@ def host_loads(payloads: list[dict]) -> dict[str, dict[str, float]]:
 
 def rank_cpus() -> float:
     """CPUs this rank can keep busy: its intra-op threads, capped by the CPUs it may use."""
-    import torch
-
-    from ..launching.cpu_quota import cpu_limit
-
     return float(min(cpu_limit(), torch.get_num_threads()))

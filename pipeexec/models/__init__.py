@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..errors import ConfigError
+
 # the built-in GPT's fixed choices: (field, value, what the GPT has)
 _GPT_FIXED = (("mlp", "gelu"), ("norm", "layernorm"), ("position", "learned"), ("bias", True),
               ("dropout", False))
@@ -63,7 +65,6 @@ def layer_stack(config: Any):
     model = config.plan.model
     refused = model_refusals(model, config.hf_model)
     if refused:
-        from ..config import ConfigError
         raise ConfigError("the plan's model cannot be built here:\n  " + "\n  ".join(refused))
     if model.family is not None:
         from .hf import hf_layer_stack

@@ -46,6 +46,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from pipesim.schedule.channels import ChannelError, check_channels, one_way_pairs, transfer_of
+
 DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32,
           torch.uint8, torch.bool)
 _HEADER_LEN = 10   # dtype code, ndim, up to 8 dims
@@ -291,8 +293,6 @@ def check_channels_exist(schedule, pp_rank: int, channels) -> None:
     """Raise P2PError naming the first action of ``pp_rank`` whose transfer has no channel
     among ``channels`` (a hand-made placement sending between ranks that are not ring
     neighbours), before any step starts."""
-    from pipesim.schedule.channels import transfer_of
-
     keys = set(channels)
     for a in schedule.actions(pp_rank):
         if a.op in ("SEND_F", "RECV_F", "SEND_B", "RECV_B"):
@@ -307,8 +307,6 @@ def check_p2p_order(schedule) -> None:
     """Raise P2PError if some channel's transfers would match the wrong tensor or deadlock
     under NCCL's rules with pipeexec's channel layout (`pipesim.schedule.channels`, with the
     runtime's deferral of a boundary's first activation); run before every NCCL run."""
-    from pipesim.schedule.channels import ChannelError, check_channels, one_way_pairs
-
     try:
         check_channels(schedule, one_way_pairs, defer_first_activation=True)
     except ChannelError as exc:

@@ -44,10 +44,12 @@ from dataclasses import dataclass, field
 
 from ..costs import CostModel
 from ..errors import PlanError
+from ..schedule.registry import schedule_info
+from ..schedule.schedule import Schedule
 from . import collectives as coll
 from .cluster import Link
 from .operators import embedding_ops, head_ops, layer_ops, pass_times
-from .flops import head_flops, layer_flops
+from .flops import head_flops, layer_flops, model_flops, recompute_flops
 from .footprint import (
     BYTES_PER_PARAM,
     activation_element_bytes,
@@ -287,8 +289,6 @@ def derive(plan) -> PlanCosts:
                    for p in params_st],
         dp_latency=dp_link.latency, dp_bandwidth=dp_link.bandwidth,
     )
-    from .flops import model_flops, recompute_flops
-
     gbs = par.gbs
     # causal attention with flash kernels computes half the scores: count what runs, as
     # Megatron's num_floating_point_operations does, so MFU cannot exceed what executes
@@ -316,8 +316,6 @@ def _rank_stages(plan, n: int) -> list[list[int]]:
     schedule's placement; a rank holding a copy of a part (dualpipe) lists the part again, so
     its weights, gradients and data-parallel traffic count twice."""
     par = plan.parallelism
-    from ..schedule.registry import schedule_info
-    from ..schedule.schedule import Schedule
 
     def parts(s: Schedule) -> list[list[int]]:
         return [[s.stage_part(x) for x in s.rank_stages(r)] for r in range(par.pp)]

@@ -18,16 +18,18 @@ from typing import TYPE_CHECKING, Any
 from ..errors import PlanError, ScheduleError
 from ..fields import known_fields
 from ..hardware import Hardware, get_hardware
+from ..schedule.io import schedule_from_dict, schedule_to_dict
+from ..schedule.registry import build_schedule
 from ..schedule.schedule import Schedule
 from ..units import format_count
 from .cluster import Cluster
+from .derive import PlanCosts, derive as derive_costs
 from .model import ModelSpec, get_model
 from .parallelism import Parallelism
 from .partition import parse_layout, stage_layers
 
 if TYPE_CHECKING:
     from ..costs import CostModel
-    from .derive import PlanCosts
 
 PLAN_FORMAT = "pipesim.plan/1"
 
@@ -125,8 +127,6 @@ class Plan:
                     raise PlanError(f"schedule: the given Schedule has {name}={got}, the plan "
                                     f"{name}={want}")
             return s
-        from ..schedule.registry import build_schedule
-
         try:
             return build_schedule(self.schedule, pp=par.pp, microbatches=par.microbatches,
                                   vpp=par.vpp, **dict(self.schedule_options))
@@ -183,15 +183,11 @@ class Plan:
 
     def derive(self) -> "PlanCosts":
         """Costs with their parts: FLOPs, links, memory per stage and rank, the step tail."""
-        from .derive import derive
-
-        return derive(self)
+        return derive_costs(self)
 
     # -- JSON ----------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
         if isinstance(self.schedule, Schedule):
-            from ..schedule.io import schedule_to_dict
-
             schedule: Any = schedule_to_dict(self.schedule)
         else:
             schedule = self.schedule
@@ -229,8 +225,6 @@ class Plan:
         cluster = Cluster.from_dict(clu, f"{source}: cluster") if clu is not None else cls.cluster
         schedule = data.pop("schedule", "1f1b")
         if isinstance(schedule, dict):
-            from ..schedule.io import schedule_from_dict
-
             schedule = schedule_from_dict(schedule, source=f"{source}: schedule")
         return cls(model, par, cluster, schedule, **data)
 

@@ -205,6 +205,7 @@ def simulate_plan(plan: "Plan", *, comm: str = "async", validate: bool = True,
                   jitter: float = 0.0, seed: int = 0) -> PlanResult:
     """Simulate one step of ``plan``; see the module docstring. ``jitter`` and ``seed`` go to
     :func:`pipesim.simulate` (compute times scaled by noise, for ranking-stability checks)."""
+    # lazy: pipesim.plan (and so pipesim.Plan) imports without simpy and numpy
     from ..engine import simulate
 
     if validate:

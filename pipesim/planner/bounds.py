@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 from ..plan.derive import PlanCosts, _rank_stages
 from ..plan.plan import Plan
+from ..schedule.schedule import Schedule
 
 
 @dataclass(frozen=True)
@@ -84,8 +85,6 @@ def plan_bounds(plan: Plan, derived: PlanCosts | None = None, *, exact_order: bo
 
 def _part_runs(plan: Plan, stages: list[list[int]], m: int) -> list[dict[int, int]]:
     """Per rank, part -> how many microbatches the rank runs through it."""
-    from ..schedule.schedule import Schedule
-
     schedule = plan.schedule if isinstance(plan.schedule, Schedule) else None
     if schedule is None and len({st for sts in stages for st in sts}) < sum(map(len, stages)):
         schedule = plan.build_schedule()       # a part held twice: read the routes off it

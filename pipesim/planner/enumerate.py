@@ -34,11 +34,13 @@ from functools import lru_cache
 from dataclasses import dataclass, field
 from typing import Iterator
 
+from ..errors import ScheduleError
 from ..hardware import Hardware, get_hardware
 from ..plan.cluster import Cluster
 from ..plan.model import ModelSpec, get_model
 from ..plan.parallelism import RECOMPUTE, Parallelism
 from ..plan.plan import Plan
+from ..schedule.registry import build_schedule, schedule_info, schedule_names
 
 ALL_SCHEDULES = ("gpipe", "1f1b", "interleaved", "looped-bfs", "zb-h1", "zb-h2", "zbv",
                  "dualpipev", "v-half", "v-min", "dualpipe")
@@ -55,9 +57,6 @@ _NOT_ENUMERATED = {"zb-auto": "zb-auto's order is searched from one plan's costs
 @lru_cache(maxsize=4096)
 def _refusal(schedule: str, pp: int, vpp: int, m: int) -> str | None:
     """Why ``schedule``'s builder refuses (pp, vpp, m), as a count key; None when it builds."""
-    from ..errors import ScheduleError
-    from ..schedule.registry import build_schedule, schedule_info
-
     try:
         build_schedule(schedule, pp=pp, microbatches=m, vpp=vpp)
     except ScheduleError:
@@ -121,8 +120,6 @@ class SearchSpace:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"search space: {name} must be a positive integer, got {v!r}")
-        from ..schedule.registry import schedule_names
-
         known = schedule_names()
         for s in self.schedules:
             if s in _NOT_ENUMERATED:

@@ -19,6 +19,9 @@ from dataclasses import dataclass
 
 from ..errors import PlanError, ScheduleError
 from ..plan.plan import Plan
+from ..plan.report import simulate_plan
+from ..schedule.registry import build_schedule
+from ..search.zb_auto import handcrafted_origin
 from .search import SearchResult
 
 LAYOUT_COLUMNS = ("tp", "cp", "pp", "vpp", "dp", "ep", "mbs", "recompute", "zero")
@@ -51,8 +54,6 @@ def refine_with_zb_auto(result: SearchResult, top: int = 3, *, margin: float = 0
     """zb-auto searched for each of the best ``top`` distinct layouts of ``result`` (fastest
     first); ``margin`` as zb-auto's (a searched order must be that much faster than the
     handcrafted ones)."""
-    from ..search.zb_auto import handcrafted_origin
-
     if isinstance(top, bool) or not isinstance(top, int) or top < 1:
         raise ValueError(f"refine: top must be a positive number of layouts, got {top!r}")
     ranked = result.ranked
@@ -103,9 +104,6 @@ _PLACED = {("looped", 1): "1f1b", ("looped", 2): "interleaved", ("v", 2): "zbv"}
 def _search(base: Plan, kind: str, memory_limit: float, margin: float):
     """zb-auto in one placement, from the costs of ``base``'s layout in that placement; the
     plan holding the order, and its simulation."""
-    from ..plan.report import simulate_plan
-    from ..schedule.registry import build_schedule
-
     par = base.parallelism
     derived = dataclasses.replace(base, schedule=_PLACED[kind, par.vpp]).derive()
     tail = [t.seconds for t in derived.tail]      # a plan's step

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..plan.plan import Plan
+from ..plan.report import simulate_plan
 
 
 @dataclass(frozen=True)
@@ -35,8 +36,6 @@ class JitterReport:
 
 
 def jittered_step_time(plan: Plan, jitter: float, seed: int) -> float:
-    from ..plan.report import simulate_plan
-
     return simulate_plan(plan, validate=False, jitter=jitter, seed=seed).step_time
 
 

@@ -1,0 +1,53 @@
+"""The import graph stays a graph without circles (scripts/import_graph.py), and the light
+entry points stay light: `import pipesim` loads none of torch, numpy, pandas, simpy or
+matplotlib (a Plan neither simpy nor numpy), `import pipeexec.analysis` no torch."""
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "scripts" / "import_graph.py"
+
+
+def _graph():
+    spec = importlib.util.spec_from_file_location("import_graph", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault("import_graph", module)       # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+def _loaded(code: str) -> set[str]:
+    """Top-level packages in sys.modules after running ``code`` in a fresh interpreter."""
+    probe = (f"{code}\nimport json, sys\n"
+             "print(json.dumps(sorted({m.split('.')[0] for m, v in sys.modules.items() "
+             "if v is not None})))")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                         cwd=ROOT, check=True)
+    return set(json.loads(out.stdout.strip().splitlines()[-1]))
+
+
+def test_the_packages_have_no_import_circle():
+    out = subprocess.run([sys.executable, str(SCRIPT)], capture_output=True, text=True, cwd=ROOT)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert " 0 circle(s)" in out.stdout
+
+
+def test_the_circle_check_finds_one_when_there_is_one():
+    g = _graph()
+    edges = [g.Edge("a", "b", 1, False, False), g.Edge("b", "c", 2, True, False),
+             g.Edge("c", "a", 3, True, False), g.Edge("c", "d", 4, False, False),
+             g.Edge("d", "c", 5, False, True)]            # a TYPE_CHECKING import: not run
+    assert g.circles(edges) == [["a", "b", "c"]]
+
+
+def test_import_pipesim_stays_cheap_and_a_plan_needs_no_simulator():
+    heavy = {"torch", "numpy", "pandas", "simpy", "matplotlib"}
+    assert not _loaded("import pipesim") & heavy
+    assert not _loaded("import pipesim\npipesim.Plan") & {"torch", "numpy", "simpy"}
+
+
+def test_the_planner_imports_without_torch():
+    assert "torch" not in _loaded("import pipesim.planner")
