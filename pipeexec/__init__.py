@@ -27,6 +27,10 @@ devices, preflight), ``training/`` (train, ddp, precision, optim), ``checkpoint/
 """
 from __future__ import annotations
 
+import importlib
+import importlib.util
+from typing import Any
+
 from .config import ConfigError, TrainConfig
 
 __all__ = ["ConfigError", "TrainConfig", "WorkerFailed", "launch", "LayerStack", "gpt_stack",
@@ -34,21 +38,35 @@ __all__ = ["ConfigError", "TrainConfig", "WorkerFailed", "launch", "LayerStack",
            "StepStats", "Trainer", "TrainResult", "train"]
 
 
-def _torch_available() -> bool:
+# The names that need torch load on first use (as pipesim's heavy ones do), so that the
+# torch-free rooms (config, pipeexec.analysis, measuring.options) import without torch even
+# where it is installed, and the package imports on a machine without it.
+_LAZY = {
+    "WorkerFailed": "pipeexec.launching.launcher", "launch": "pipeexec.launching.launcher",
+    "LayerStack": "pipeexec.model", "gpt_stack": "pipeexec.model",
+    "model_from_layers": "pipeexec.model",
+    "PipelineError": "pipeexec.pipeline.runtime", "PipelineRuntime": "pipeexec.pipeline.runtime",
+    "Topology": "pipeexec.topology", "init_topology": "pipeexec.topology",
+    "StepStats": "pipeexec.training.train", "Trainer": "pipeexec.training.train",
+    "TrainResult": "pipeexec.training.train", "train": "pipeexec.training.train",
+}
+
+
+def _torch_installed() -> bool:
     try:
-        import torch  # noqa: F401
-    except ImportError:
+        return importlib.util.find_spec("torch") is not None
+    except (ImportError, ValueError):      # blocked (sys.modules["torch"] = None)
         return False
-    return True
 
 
-# On a machine without torch the package still imports: config and the measuring room
-# (pipeexec.analysis: run_plan, measured, calibrate, contention, predict, compare) need no torch.
-if _torch_available():
-    from .launching.launcher import WorkerFailed, launch
-    from .model import LayerStack, gpt_stack, model_from_layers
-    from .pipeline.runtime import PipelineError, PipelineRuntime
-    from .topology import Topology, init_topology
-    from .training.train import StepStats, Trainer, TrainResult, train
-else:
+if not _torch_installed():
     __all__ = ["ConfigError", "TrainConfig"]
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'pipeexec' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value

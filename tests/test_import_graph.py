@@ -1,6 +1,7 @@
 """The import graph stays a graph without circles (scripts/import_graph.py), and the light
 entry points stay light: `import pipesim` loads none of torch, numpy, pandas, simpy or
-matplotlib (a Plan neither simpy nor numpy), `import pipeexec.analysis` no torch."""
+matplotlib (a Plan neither simpy nor numpy), `import pipeexec.analysis` and the config no
+torch (pipeexec's torch-side names load on first use)."""
 import importlib.util
 import json
 import subprocess
@@ -49,5 +50,8 @@ def test_import_pipesim_stays_cheap_and_a_plan_needs_no_simulator():
     assert not _loaded("import pipesim\npipesim.Plan") & {"torch", "numpy", "simpy"}
 
 
-def test_the_planner_imports_without_torch():
-    assert "torch" not in _loaded("import pipesim.planner")
+def test_the_torch_free_rooms_import_without_torch_where_it_is_installed():
+    for module in ("pipeexec.analysis", "pipeexec.config", "pipeexec.measuring.options",
+                   "pipesim.planner"):
+        assert "torch" not in _loaded(f"import {module}"), module
+    assert "torch" in _loaded("from pipeexec import Trainer")    # the executor's names: on use
