@@ -15,7 +15,10 @@ from pipesim.planner.bounds import plan_bounds
 from pipesim.planner.enumerate import plan_key
 
 GiB = 2 ** 30
-SMALL = dict(mbs=(1, 2), recompute=("none", "full"), cp=(1, 2), vpp=(2, 4))
+# issue 25 widened SearchSpace's defaults (zero 0-3, uneven stages); these tests were written
+# for, and keep, the narrower space: zero 0 and 1, Megatron's even split only
+SMALL = dict(mbs=(1, 2), recompute=("none", "full"), cp=(1, 2), vpp=(2, 4), zero=(0, 1),
+             uneven=False)
 
 
 def small_space(**kw) -> SearchSpace:

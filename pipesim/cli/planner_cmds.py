@@ -46,8 +46,9 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     g = p.add_argument_group("search")
     g.add_argument("--tp-across-nodes", action="store_true",
                    help="let tp leave the NVLink domain")
-    g.add_argument("--uneven", action="store_true",
-                   help="allow layers that do not divide evenly over pp * vpp stages")
+    g.add_argument("--uneven", action=argparse.BooleanOptionalAction, default=True,
+                   help="search near-even stages where layers do not divide over pp * vpp "
+                        "(--no-uneven: Megatron's even split only)")
     g.add_argument("--efficiency", type=float, help="constant achieved/peak FLOP/s (default: "
                    "the fitted curve)")
     o = p.add_argument_group("output")
@@ -100,7 +101,7 @@ def space_from_args(args: argparse.Namespace):
         mbs=flatten(args.micro_batch_size) or (1, 2, 4),
         recompute=flatten(args.recompute) or RECOMPUTE,
         recompute_layers=args.recompute_layers, sequence_parallel=args.sequence_parallel,
-        zero=flatten(args.zero) or (0, 1),
+        zero=flatten(args.zero) or (0, 1, 2, 3),
         precision=args.precision, tp_across_nodes=args.tp_across_nodes, uneven=args.uneven,
         efficiency=args.efficiency)
 
@@ -154,8 +155,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
         for _, row in result.closest(3).iterrows():
             reason = row["reason"] or "(not simulated)"
             print(f"  {row['key']}: {reason}", file=sys.stderr)
-        print("try more GPUs, a smaller --mbs, --recompute full, --zero 1,2,3, or a larger "
-              "--memory-limit", file=sys.stderr)
+        from ..planner.hints import fit_hints
+
+        print("what would search plans keeping less memory:", file=sys.stderr)
+        for hint in fit_hints(space):
+            print(f"  {hint}", file=sys.stderr)
         return 1
     print()
     print(ranking_text(ranked.head(args.top)))

@@ -11,8 +11,9 @@ by reason. Rules, as Megatron-LM applies them:
   one NVLink domain (its collectives sit on the critical path of every layer; cp's ring
   attention overlaps its transfers with the attention and may cross the network, as the cost
   model prices it);
-* layers divide evenly over ``pp * vpp`` stages (Megatron's default partition; ``uneven``
-  lets the planner use pipesim's near-even split instead);
+* layers divide evenly over ``pp * vpp`` stages, or, with ``uneven`` (the default), pipesim's
+  near-even split where they do not (Megatron's ``--decoder-first/last-pipeline-num-layers``:
+  126 layers of Llama 3 405B over a power-of-two pp);
 * ``m = gbs / (mbs * dp)`` is a whole number; ep (MoE only) divides the experts and ``dp * cp``;
 * cp splits the sequence into ``2 * cp`` load-balanced chunks;
 * schedules: gpipe, 1f1b, zb-h1, zb-h2 and dualpipe (pp model parts, each rank holding a
@@ -78,8 +79,9 @@ class SearchSpace:
 
     ``None`` for a knob means its default: tp powers of two up to the NVLink domain; cp 1, 2, 4;
     pp every divisor of the GPU count; vpp 2..8 for the interleaved schedules; mbs 1, 2, 4;
-    recompute none / selective / full; zero 0 and 1 (Megatron's distributed optimizer); ep
-    every divisor of the experts (MoE models).
+    recompute none / selective / full; zero 0 to 3 (Megatron's distributed optimizer is 1, FSDP
+    2 and 3); ep every divisor of the experts (MoE models); uneven stages where layers do not
+    divide (``uneven=False``: Megatron's even split only).
     """
 
     model: ModelSpec
@@ -96,7 +98,7 @@ class SearchSpace:
     ep: tuple[int, ...] | None = None
     mbs: tuple[int, ...] = (1, 2, 4)
     recompute: tuple[str, ...] = RECOMPUTE
-    zero: tuple[int, ...] = (0, 1)
+    zero: tuple[int, ...] = (0, 1, 2, 3)
     precision: str = "bf16"
     # filters and fixed values: dp (derived from the other sizes) and microbatches (from the
     # global batch) kept only where listed; sequence parallelism None: on wherever tp > 1;
@@ -106,7 +108,7 @@ class SearchSpace:
     sequence_parallel: bool | None = None
     recompute_layers: int | None = None
     tp_across_nodes: bool = False
-    uneven: bool = False
+    uneven: bool = True
     efficiency: float | None = None
 
     def __post_init__(self) -> None:
