@@ -22,7 +22,7 @@ def test_simulate_plan_flags_report_and_plan_file(tmp_path, capsys):
                 "memory_breakdown", "fits"):
         assert key in data
     assert len(data["peak_memory"]) == 4 and data["fits"] is True
-    plan = pipesim.Plan.load(plan_file)
+    plan = pipesim.Plan.from_json(plan_file)
     expected = pipesim.Plan.create("llama3-70b", "H100", schedule="interleaved", tp=8, pp=4, vpp=5,
                                    dp=8, global_batch_size=512, recompute="selective",
                                    sequence_parallel=True, zero=1)

@@ -161,13 +161,13 @@ def test_validate_accepts_exactly_the_plans_the_rules_allow(p):
 def test_plan_file_round_trip_with_a_schedule_value(tmp_path):
     s = pipesim.build_schedule("zbv", pp=2, microbatches=4, vpp=2)
     p = plan(model="tiny", pp=2, vpp=2, global_batch_size=4).with_(schedule=s)
-    p.save(tmp_path / "plan.json")
-    back = Plan.load(tmp_path / "plan.json")
+    p.to_json(tmp_path / "plan.json")
+    back = Plan.from_json(tmp_path / "plan.json")
     assert back == p and back.build_schedule() == s
     with pytest.raises(PlanError, match="unknown plan field"):
         Plan.from_dict({**p.to_dict(), "tpp": 2})
     with pytest.raises(PlanError, match="no such file"):
-        Plan.load(tmp_path / "nope.json")
+        Plan.from_json(tmp_path / "nope.json")
 
 
 def test_megatron_layout_string():

@@ -37,7 +37,7 @@ def test_plan_writes_table_files_and_a_plan_that_resimulates_identically(tmp_pat
     for png in ("frontier.png", "gantt.png"):
         assert (tmp_path / png).read_bytes()[:4] == b"\x89PNG"
     # the plan file: `pipesim simulate --plan` reads it and finds the same step
-    plan = Plan.load(tmp_path / "plan.json")
+    plan = Plan.from_json(tmp_path / "plan.json")
     assert simulate_plan(plan).step_time == pytest.approx(best["step_time"], rel=1e-12)
     report = tmp_path / "report.json"
     assert main(["simulate", "--plan", str(tmp_path / "plan.json"), "--report-out",
@@ -59,7 +59,7 @@ def test_zb_auto_refines_the_best_layouts_and_writes_the_winner_with_its_schedul
     ranked_best = pd.read_csv(tmp_path / "plans.csv").query("status == 'simulated' and fits")[
         "step_time"].min()
     assert "best: zb-auto's order on" in out, out
-    plan = Plan.load(tmp_path / "plan.json")                 # the winner, its schedule as data
+    plan = Plan.from_json(tmp_path / "plan.json")                 # the winner, its schedule as data
     assert plan.schedule_name == "zb-auto" and not isinstance(plan.schedule, str)
     assert json.loads((tmp_path / "plan.json").read_text())["schedule"]["name"] == "zb-auto"
     got = simulate_plan(plan)
@@ -220,7 +220,7 @@ def test_dask_local_cluster_of_two_workers_gives_the_same_plan(tmp_path):
     assert got["workers"] == 2 and got["code"] == 0
     assert got["keys"] == list(local.ranked["key"][:5])
     assert got["steps"] == list(local.ranked["step_time"][:5])
-    assert Plan.load(tmp_path / "plan.json") == local.best
+    assert Plan.from_json(tmp_path / "plan.json") == local.best
 
 
 def test_plan_help_lists_the_flags():

@@ -412,7 +412,7 @@ display(Image(str(out / "frontier.png")))
 
 # %%
 searched = pd.read_csv(out / "plans.csv")
-chosen = pipesim.Plan.load(out / "plan.json")
+chosen = pipesim.Plan.from_json(out / "plan.json")
 again = pipesim.simulate(chosen)
 print(chosen)
 print(f"hand-picked best {best_res.step_time:.3f} s, searched best {again.step_time:.3f} s; "

@@ -147,7 +147,7 @@ def config_from_args(ns: argparse.Namespace) -> TrainConfig:
                               f"config.json; drop {', '.join(BY_DEST[d].flag for d in clash)} "
                               "(or edit config.json)")
     try:
-        base = pipesim.Plan.load(ns.plan) if ns.plan else DEFAULT_PLAN
+        base = pipesim.Plan.from_json(ns.plan) if ns.plan else DEFAULT_PLAN
         plan = apply_flags(base, ns, given)
     except PlanError as exc:
         raise ConfigError(f"--plan {ns.plan}: {exc}" if ns.plan else str(exc)) from None

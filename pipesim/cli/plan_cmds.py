@@ -66,7 +66,7 @@ def plan_from_args(args: argparse.Namespace, given: set[str]):
     from ..plan.plan import Plan
 
     if args.plan:
-        plan = Plan.load(args.plan)
+        plan = Plan.from_json(args.plan)
         overriding = set(given)
     else:
         if not args.model:
@@ -115,7 +115,7 @@ def cmd_simulate_plan(args: argparse.Namespace, explicit: set[str]) -> int:
     result = simulate_plan(plan, comm=args.comm, validate=False)
     print(result.summary_text())
     if args.save_plan:
-        plan.save(args.save_plan)
+        plan.to_json(args.save_plan)
         print(f"wrote {args.save_plan}")
     if args.report_out:
         result.save(args.report_out)

@@ -196,7 +196,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if out is not None:
         print(write_rows(result.rows, out))
     if args.plan_out:
-        best.save(args.plan_out)
+        best.to_json(args.plan_out)
         print(f"wrote {args.plan_out}  (the best plan: pipesim simulate --plan {args.plan_out})")
     if args.frontier:
         from ..planner.frontier import frontier_figure

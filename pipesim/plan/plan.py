@@ -251,9 +251,6 @@ class Plan:
             raise PlanError(f"{name}: not valid JSON: {exc}") from None
         return cls.from_dict(data, source=name)
 
-    save = to_json
-    load = from_json
-
     def __repr__(self) -> str:
         m, c = self.model, self.cluster
         return (f"Plan({m.name} {format_count(m.num_params())} seq={m.seq_length} on "

@@ -89,7 +89,7 @@ def blocks_bounds(plan: pipesim.Plan) -> list[int]:
 @pytest.mark.parametrize("family", FAMILIES)
 def test_a_saved_plan_is_the_run_and_builds_the_plans_model(tmp_path, family):
     for path in plan_files(tmp_path, family):
-        plan = pipesim.Plan.load(path)
+        plan = pipesim.Plan.from_json(path)
         config = config_from_args(train_parser().parse_args(["--plan", str(path)])).validate()
         assert config.plan == plan and config.model.family == plan.model.family
         assert (config.pp, config.dp, config.microbatches, config.micro_batch_size,
@@ -118,7 +118,7 @@ def test_a_plan_without_its_family_config_is_refused_with_the_reason(tmp_path):
     """A family pipeexec does not build, and a shape its family cannot have, are refused
     naming the field before anything is built."""
     path = simulate_plan(tmp_path, "llama")
-    plan = pipesim.Plan.load(path)
+    plan = pipesim.Plan.from_json(path)
     with pytest.raises(ConfigError, match=r"model.family = 'qwen3': pipeexec builds"):
         TrainConfig(plan=plan.with_(model=plan.model.with_(family="qwen3"))).validate()
     with pytest.raises(ConfigError, match=r"model.norm = 'layernorm': a llama model"):
@@ -157,7 +157,7 @@ def test_train_and_compare_run_the_plan_as_saved(tmp_path, family):
     the built-in GPT has only the first, and runs both)."""
     paths = plan_files(tmp_path, family)
     for command, path in (("train", paths[0]), ("compare", paths[-1])):
-        plan = pipesim.Plan.load(path)
+        plan = pipesim.Plan.from_json(path)
         recorded, meta = _ran(tmp_path, command, path, family)
         ran = pipesim.Plan.from_dict(recorded["plan"])
         assert ran == plan, (command, family)
