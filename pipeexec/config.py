@@ -19,17 +19,22 @@ from argparse import SUPPRESS, BooleanOptionalAction
 from dataclasses import dataclass
 from typing import Any
 
+import pipesim
 from pipesim.errors import PlanError
 from pipesim.plan.model import ModelSpec
 from pipesim.plan.parallelism import PRECISIONS, RECOMPUTE, Parallelism
 from pipesim.plan.plan import Plan
+from pipesim.schedule.io import schedule_from_csv, schedule_from_dict, schedule_from_json
 from pipesim.schedule.placement import PLACEMENTS as PLACEMENT_CHOICES
 from pipesim.schedule.schedule import Schedule
 from pipesim.units import bytes_arg
 
 from .errors import ConfigError
+from .models.hf_config import HFModelError, plan_model_of
 from .options import flag_of, flagged
 from .options import option as _opt
+from .partition import PartitionError, explicit, plan_bounds
+from .runnable import refusals
 
 __all__ = ["ConfigError", "TrainConfig", "DEFAULT_PLAN", "GPT_MODEL", "PRECISIONS", "RECOMPUTE",
            "PARTITIONS", "PLAN_VIEWS"]
@@ -323,7 +328,6 @@ class TrainConfig:
         if self.boundaries is None:
             raise ConfigError("a plan holds an explicit partition: with --partition params, give "
                               "the cut as --boundaries")
-        from .partition import PartitionError, explicit
 
         try:
             bounds = explicit(self.boundaries, self.num_layers, self.num_stages)
@@ -338,7 +342,6 @@ class TrainConfig:
         """A copy training the Hugging Face model directory ``path``: the plan's model is its
         config.json (`ModelSpec.from_hf_config`, this run's sequence length), its safetensors
         the weights (raises ConfigError with the reason)."""
-        from .models.hf_config import HFModelError, plan_model_of
 
         try:
             model = plan_model_of(path, seq_length=self.seq_len)
@@ -392,7 +395,6 @@ class TrainConfig:
         run, all at once (`pipeexec.runnable`), then the executor's own fields; build the
         schedule to check it accepts the layout (``check_schedule=False`` when the caller
         brings its own Schedule). ``num_layers``: the length of a caller's own layer stack."""
-        from .runnable import refusals
 
         refused = refusals(self, custom_stack=num_layers is not None)
         if refused:
@@ -408,7 +410,6 @@ class TrainConfig:
             raise ConfigError(f"the model has {n_layers} layers (embedding + {n_layers - 2} blocks + "
                               f"head) but pp * vpp = {self.num_stages} stages need at least one each")
         if self.boundaries is not None:
-            from .partition import PartitionError, explicit
             try:
                 explicit(self.boundaries, n_layers, self.num_stages)
             except PartitionError as exc:
@@ -417,7 +418,6 @@ class TrainConfig:
                 raise ConfigError("boundaries: the plan cuts the layers itself (its partition "
                                   "fields); give one cut, drop --boundaries or the plan's")
         elif num_layers is None and self.partition == "layers":
-            from .partition import PartitionError, plan_bounds
             try:
                 plan_bounds(self.plan)
             except PartitionError as exc:
@@ -524,13 +524,11 @@ class TrainConfig:
         plan's schedule (a name with its options, or a Schedule held as data), or a schedule
         file it names; forward-only and receives posted ``recv_lookahead`` computations early
         are the executor's."""
-        import pipesim
 
         sched = self.plan.schedule
         if isinstance(sched, Schedule):
             return self._fitted(sched, f"the plan's schedule {sched.name!r}")
         if sched.endswith((".json", ".csv")):
-            from pipesim.schedule.io import schedule_from_csv
             loaded = (_schedule_json if sched.endswith(".json") else schedule_from_csv)(sched)
             return self._fitted(loaded.validate(), sched)
         schedule = pipesim.build_schedule(sched, pp=self.pp, microbatches=self.microbatches,
@@ -541,7 +539,6 @@ class TrainConfig:
 
     def _fitted(self, s: Schedule, source: str) -> Schedule:
         """A schedule given as data (a file, the plan's): it must fit this run's layout."""
-        import pipesim
 
         for name, want, got in (("pp", self.pp, s.pp), ("vpp", self.vpp, s.parts_per_rank),
                                 ("microbatches", self.microbatches, s.num_microbatches)):
@@ -561,8 +558,6 @@ def _schedule_json(path: str):
     holding its schedule as data."""
     import json
 
-    import pipesim
-    from pipesim.schedule.io import schedule_from_dict, schedule_from_json
 
     try:
         data = json.loads(open(path).read())
