@@ -46,3 +46,58 @@ def test_pipesim_plan_405b_on_16384_h100_finds_a_plan_with_its_defaults(capsys):
     out = capsys.readouterr().out
     assert code == 0, out[-2000:]
     assert "nothing fits" not in out
+
+
+def test_rate_compares_one_knob_at_a_time_with_the_best_and_sorts_by_saving():
+    import pipesim
+    from pipesim.plan.report import simulate_plan
+    from pipesim.planner.rate import rate_plan
+
+    best = pipesim.Plan.create("llama3-8b", "H100", tp=2, pp=2, dp=2, global_batch_size=16,
+                               schedule="interleaved", vpp=2, sequence_parallel=True, zero=1)
+    mine = pipesim.Plan.create("llama3-8b", "H100", tp=1, pp=4, dp=2, global_batch_size=16,
+                               recompute="full")
+    r = rate_plan(mine, best, 70e9)
+    assert r.step_time == simulate_plan(mine).step_time
+    assert r.relative == pytest.approx(simulate_plan(best).step_time / r.step_time)
+    knobs = {c.knob: c for c in r.changes}
+    assert set(knobs) == {"schedule", "tp", "pp", "recompute", "zero", "sequence_parallel"}
+    # tp 1 -> 2 keeps the 16 GPUs: dp moves, 2 -> 1
+    tp = simulate_plan(mine.with_(tp=2, dp=1)).step_time
+    assert knobs["tp"].step_time == pytest.approx(tp)
+    steps = [c.step_time for c in r.changes if c.step_time is not None]
+    assert steps == sorted(steps)
+    assert "0.60x" in r.text() or f"{r.relative:.2f}x" in r.text()
+    assert rate_plan(best, best, 70e9).changes == []
+    with pytest.raises(pipesim.PlanError, match="--gpus"):
+        rate_plan(mine.with_(dp=1), best, 70e9)
+
+
+def test_robustness_reranks_under_the_models_uncertainty_and_reports_a_changed_order():
+    import pipesim
+    from pipesim.planner.robustness import robustness_check, scaled
+
+    # a compute-bound plan and a communication-bound one, nearly tied nominally
+    a = pipesim.Plan.create("llama3-8b", "H100", tp=1, pp=1, dp=16, global_batch_size=32,
+                            overlap_grad_reduce=False)
+    b = pipesim.Plan.create("llama3-8b", "H100", tp=8, pp=1, dp=2, global_batch_size=32)
+    hw = scaled(a, 0.9, 1.2).cluster.hardware
+    assert hw.gemm_e_max == pytest.approx(a.cluster.hardware.gemm_e_max * 0.9)
+    assert hw.network_bandwidth == pytest.approx(a.cluster.hardware.network_bandwidth * 1.2)
+    same = robustness_check([a, a], ["a", "a2"])
+    assert not same.unstable and "holds in every one" in same.text()
+    ta = pipesim.simulate(a).step_time
+    tb = pipesim.simulate(b).step_time
+    first, second = (a, b) if ta <= tb else (b, a)
+    rep = robustness_check([first, second], ["first", "second"], efficiency=0.5, links=0.9)
+    # each scenario's times are the plans simulated on the scaled hardware, and a scenario is
+    # reported exactly when its order differs from the nominal one
+    for (e, l), times in zip(rep.scenarios, rep.step_times):
+        want = [pipesim.simulate(scaled(p, e, l)).step_time for p in (first, second)]
+        assert times == pytest.approx(want, rel=1e-12)
+    flipped = [sc for sc, t in zip(rep.scenarios, rep.step_times) if t[1] < t[0]]
+    assert [sc for sc, _ in rep.unstable] == flipped
+    assert rep.winner_stable == (not flipped)
+    # at +-50% / +-90% these two plans (one tp-8, one dp-16 over the network) swap somewhere
+    assert flipped
+    assert "NOT stable" in rep.text()

@@ -51,6 +51,8 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                         "(--no-uneven: Megatron's even split only)")
     g.add_argument("--efficiency", type=float, help="constant achieved/peak FLOP/s (default: "
                    "the fitted curve)")
+    g.add_argument("--rate", metavar="PLAN.json", help="rate this plan (yours) against the "
+                   "best found, with the one-knob differences that cost the most (default: none)")
     o = p.add_argument_group("output")
     o.add_argument("--top", type=int, default=10, help="rows of the ranked table (default 10)")
     o.add_argument("--out", metavar="FILE",
@@ -66,6 +68,10 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     o.add_argument("--jitter", type=float, metavar="J",
                    help="re-simulate the top plans with compute times x U[1-J, 1+J] and report "
                         "whether the order holds")
+    o.add_argument("--robust", type=int, default=3, metavar="K",
+                   help="re-rank the top K plans under the cost model's uncertainty "
+                        "(efficiencies +-10%%, links +-20%%) and say when the order does not "
+                        "hold (0: off)")
     o.add_argument("--jitter-seeds", type=int, default=5, metavar="K",
                    help="with --jitter: how many seeded re-simulations of the top plans")
     o.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -168,6 +174,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
     print()
     print(explain_text(explain(result), best_row["key"], best_row["step_time"],
                        best_row["peak_memory"]))
+    if args.rate:
+        from ..plan.plan import Plan
+        from ..planner.rate import rate_plan
+
+        print()
+        print(rate_plan(Plan.from_json(args.rate), best, result.memory_limit).text())
     if args.zb_auto:
         from ..planner.refine import refine_with_zb_auto, refinement_text
 
@@ -183,6 +195,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
             print(f"best: zb-auto's order on {fastest.base_key.split(' ', 1)[1]}, "
                   f"{fastest.searched_step:.4g} s a step against {ranked.iloc[0]['step_time']:.4g} "
                   f"s ({1 - fastest.searched_step / ranked.iloc[0]['step_time']:.1%} faster)")
+    if args.robust and len(ranked) > 1:
+        from ..planner.robustness import robustness_check
+
+        top = ranked.head(args.robust)
+        print()
+        print(robustness_check([result.plans[k] for k in top["key"]], list(top["key"])).text())
     if args.jitter:
         from ..planner.stability import jitter_check
 

@@ -1,0 +1,110 @@
+"""Rate a user's own plan against the search's best, and the differences that cost the most.
+
+Why: "the planner's pick is 1.37x faster" says nothing about which of your choices costs it.
+Here the user's plan is simulated as it is, then changed one knob at a time to the best plan's
+value (tp, cp and pp keep the GPU count by moving dp; the schedule and vpp move together), each
+change simulated; the changes are listed by the step time they save, the invalid ones with the
+reason. The same cluster and memory limit as the search.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..errors import PlanError
+from ..plan.plan import Plan
+from ..plan.report import simulate_plan
+
+KNOBS = ("schedule", "tp", "cp", "pp", "micro_batch_size", "recompute", "zero",
+         "sequence_parallel", "ep")
+
+
+@dataclass(frozen=True)
+class KnobChange:
+    knob: str
+    mine: object
+    best: object
+    step_time: float | None      # the user's plan with this one knob changed (None: invalid)
+    fits: bool
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class Rating:
+    step_time: float
+    best_step_time: float
+    fits: bool
+    fit_message: str
+    changes: list[KnobChange]
+
+    @property
+    def relative(self) -> float:
+        """The user's throughput as a fraction of the best's."""
+        return self.best_step_time / self.step_time
+
+    def text(self) -> str:
+        lines = [f"your plan: {self.step_time:.4g} s a step, {self.relative:.2f}x the best plan's "
+                 f"throughput ({self.best_step_time:.4g} s); {self.fit_message}",
+                 "one knob at a time, your plan with the best plan's value (largest saving first):"]
+        if not self.changes:
+            lines.append("  (none: your plan has the best plan's knobs)")
+        for c in self.changes:
+            if c.step_time is None:
+                lines.append(f"  {c.knob} {c.mine} -> {c.best}: not valid alone ({c.reason})")
+                continue
+            gain = 1 - c.step_time / self.step_time
+            fit = "" if c.fits else "  (does not fit)"
+            lines.append(f"  {c.knob} {c.mine} -> {c.best}: {c.step_time:.4g} s, "
+                         f"{gain:+.1%} faster{fit}")
+        return "\n".join(lines)
+
+
+def _value(plan: Plan, knob: str):
+    if knob == "schedule":
+        return (plan.schedule_name, plan.parallelism.vpp)
+    return getattr(plan.parallelism, knob)
+
+
+def _with(plan: Plan, knob: str, value) -> Plan:
+    par = plan.parallelism
+    if knob == "schedule":
+        name, vpp = value
+        return plan.with_(schedule=name, vpp=vpp)
+    if knob in ("tp", "cp", "pp"):
+        sizes = {"tp": par.tp, "cp": par.cp, "pp": par.pp, knob: value}
+        rest = sizes["tp"] * sizes["cp"] * sizes["pp"]
+        if par.world_size % rest:
+            raise PlanError(f"{knob} {value}: tp*cp*pp = {rest} does not divide the "
+                            f"{par.world_size} GPUs")
+        return plan.with_(**{knob: value, "dp": par.world_size // rest})
+    return plan.with_(**{knob: value})
+
+
+def rate_plan(mine: Plan, best: Plan, memory_limit: float) -> Rating:
+    """See the module docstring; ``memory_limit`` in bytes (the search's)."""
+    if mine.world_size != best.world_size:
+        raise PlanError(f"--rate: the plan uses {mine.world_size} GPUs, the search "
+                        f"{best.world_size}: give --gpus {mine.world_size}")
+    mine = mine.with_(cluster=best.cluster) if mine.cluster.hardware != best.cluster.hardware \
+        else mine
+    r = simulate_plan(mine)
+    b = simulate_plan(best)
+    changes = []
+    for knob in KNOBS:
+        a, v = _value(mine, knob), _value(best, knob)
+        if a == v:
+            continue
+        shown_a = f"{a[0]} vpp {a[1]}" if knob == "schedule" else a
+        shown_v = f"{v[0]} vpp {v[1]}" if knob == "schedule" else v
+        try:
+            changed = _with(mine, knob, v)
+            c = simulate_plan(changed)
+            changes.append(KnobChange(knob, shown_a, shown_v, c.step_time,
+                                      max(c.peak_memory) <= memory_limit))
+        except (PlanError, ValueError) as exc:
+            changes.append(KnobChange(knob, shown_a, shown_v, None, False, str(exc)))
+    changes.sort(key=lambda c: (c.step_time is None, c.step_time or 0.0))
+    fits = max(r.peak_memory) <= memory_limit
+    return Rating(r.step_time, b.step_time, fits, r.fit_message, changes)
+
+
+__all__ = ["KnobChange", "Rating", "rate_plan"]
