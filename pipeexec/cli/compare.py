@@ -9,11 +9,23 @@ from pathlib import Path
 from typing import Any
 
 import pipesim
+from pipesim.cli.help import DefaultsHelpFormatter
+from pipesim.plan.options import DESTS, add_plan_flags
+from pipesim.units import byte_unit
 
 from ..analysis.compare import Comparison, compare_runs
 from ..analysis.measured import MeasuredRun
-from ..measuring.options import ProfileOptions
+from ..analysis.plan_memory import predicted_activation_peaks
 from ..analysis.predict import layout_of, predict
+from ..analysis.run_description import inherit
+from ..config import ConfigError
+from ..measuring.options import ProfileOptions
+from ..models.hf_config import HF_FIELDS
+from ..options import values_from_args
+from .train import PLAN_DESTS, _shown_defaults, config_from_args, explicit_dests, train_parser
+
+# The executor (launching, measuring: torch and the training stack) is imported by the
+# functions that run it, so `pipeexec --help` and flag errors do not load it.
 
 
 # compare's own default where train's would make a toy (one step).
@@ -47,7 +59,6 @@ def profiled_run(config: Any, first: int, stop: int, *, trace_out: str | None = 
 
 
 def compare_parser() -> argparse.ArgumentParser:
-    from pipesim.cli.help import DefaultsHelpFormatter
 
     p = argparse.ArgumentParser(
         prog="pipeexec compare", add_help=False, formatter_class=DefaultsHelpFormatter,
@@ -82,9 +93,7 @@ def compare_parser() -> argparse.ArgumentParser:
       help="predicted and measured Gantt charts on one time axis (default: beside "
            "--report-out, as .png)")
     # the layout, batch and model flags: pipesim's one table, as train's (its base plan)
-    from pipesim.plan.options import add_plan_flags
 
-    from .train import _shown_defaults
     add_plan_flags(p, defaults=_shown_defaults())
     return p
 
@@ -144,16 +153,9 @@ def alongside_config(config: Any, text: str) -> Any:
 
 def compare_main(argv: list[str]) -> int:
     """``pipeexec compare ...``; returns the exit status (2: bad arguments, 1: run failed)."""
-    from pipesim.plan.options import DESTS
-
-    from .train import PLAN_DESTS, config_from_args, explicit_dests, train_parser
-    from ..models.hf_config import HF_FIELDS
-    from ..config import ConfigError
     from ..launching.cpu_quota import QuotaUnavailable
     from ..launching.launcher import WorkerFailed
     from ..launching.preflight import check_cpus_per_rank
-    from ..options import values_from_args
-    from ..analysis.run_description import inherit
     from ..measuring.session import parse_step_range
 
     ns, rest = compare_parser().parse_known_args(argv)
@@ -281,14 +283,11 @@ def plan_memory(config: Any, measured: list[float]) -> tuple[dict[str, Any], str
     """The activation peaks pipesim predicts for ``config``'s plan from the model's shape alone
     (`pipeexec.analysis.plan_memory`), against the ``measured`` peaks per rank: report fields
     and a line to print (saying why, when the config has no plan)."""
-    from ..config import ConfigError
-    from ..analysis.plan_memory import predicted_activation_peaks
 
     try:
         predicted = predicted_activation_peaks(config)
     except (ConfigError, pipesim.PlanError, ValueError) as exc:
         return {}, f"no activation memory predicted from the plan: {exc}"
-    from pipesim.units import byte_unit
 
     errors = [(p - m) / m if m else None for p, m in zip(predicted, measured)]
     scale, unit = byte_unit(max(predicted + list(measured)))

@@ -16,9 +16,10 @@ import pipesim
 from pipesim.cli.help import DefaultsHelpFormatter
 from pipesim.errors import PlanError
 from pipesim.plan.options import BY_DEST, DESTS, add_plan_flags, apply_flags, given_dests
+from pipesim.schedule.placement import PLACEMENTS
 
 from .checkpoint import add_train_flags, options_from_args
-from ..config import DEFAULT_PLAN, SECTIONS, ConfigError, TrainConfig
+from ..config import DEFAULT_PLAN, PLAN_VIEWS, SECTIONS, ConfigError, TrainConfig
 from ..models.hf_config import HF_FIELDS
 from ..options import add_arguments, values_from_args
 from .profile_flags import add_profile_flags, profile_from_args
@@ -49,7 +50,6 @@ class _BaseStr:
 
 def _shown_defaults() -> dict[str, Any]:
     """dest -> `DEFAULT_PLAN`'s value of each plan flag, for ``--help`` (None: no default)."""
-    from ..config import PLAN_VIEWS, TrainConfig
 
     base = TrainConfig(plan=DEFAULT_PLAN)
     out: dict[str, Any] = {}
@@ -65,7 +65,6 @@ def add_config_arguments(t: argparse.ArgumentParser) -> None:
     """The plan's flags (`pipesim.plan.options`: layout, batch, model shape, one table for
     every command; not given: the base plan's value) and one flag per executor field that has
     one, generated from the field's metadata, its default the field's (`pipeexec.options`)."""
-    from pipesim.schedule.placement import PLACEMENTS
 
     a = t.add_argument
     a("--schedule", default=None,
