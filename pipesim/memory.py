@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import numpy as np
 
 from .schedule.op import CODE_RECV_B, CODE_RECV_F, FIRST_COMM_CODE, Op
-from .schedule.program import FORWARD, lower
+from .schedule.program import lower
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -160,10 +160,7 @@ def _send_buffers(rows: ComputeRows, schedule: "Schedule", nbytes: Sequence[floa
     if schedule.num_stages != num_stages:
         return None
     m = schedule.num_microbatches
-    sent = np.zeros(num_stages * m, bool)
-    for t in lower(schedule).transfers.values():
-        if t.direction == FORWARD:
-            sent[t.boundary * m + t.microbatch] = True
+    sent = np.frombuffer(lower(schedule).sent_forward(), dtype=np.uint8).astype(bool)
     size = np.asarray(list(nbytes), float)
     key = rows.stage * m + np.clip(rows.microbatch, 0, m - 1)
     mask = (rows.op == "F") & (rows.microbatch < m) & sent[np.clip(key, 0, len(sent) - 1)]

@@ -104,7 +104,8 @@ class Program:
     interpreter of the same schedule, made once per schedule."""
 
     __slots__ = ("pp", "num_stages", "num_microbatches", "in_turn", "together", "first_row",
-                 "_transfers", "_links", "overlaps", "num_messages", "_steps", "_compute_rows")
+                 "_transfers", "_links", "overlaps", "num_messages", "_steps", "_compute_rows",
+                 "_sent_forward")
 
     def __init__(self, pp, num_stages, num_microbatches, in_turn, together, links,
                  overlaps) -> None:
@@ -122,6 +123,19 @@ class Program:
         self.num_messages = 2 * num_stages * num_microbatches
         self._steps: dict = {}
         self._compute_rows = None
+        self._sent_forward: bytes | None = None
+
+    def sent_forward(self) -> bytes:
+        """A flag per ``stage * microbatches + microbatch``: 1 where that F's output is sent to
+        another rank (the producers of the forward transfers; what the memory model holds as a
+        send buffer)."""
+        if self._sent_forward is None:
+            flags = bytearray(self.num_stages * self.num_microbatches)
+            for t in self.transfers.values():
+                if t.direction == FORWARD:
+                    flags[t.boundary * self.num_microbatches + t.microbatch] = 1
+            self._sent_forward = bytes(flags)
+        return self._sent_forward
 
     def compute_rows(self) -> list[list[int]]:
         """Each rank's compute rows (global indices, ascending)."""
