@@ -144,6 +144,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
     sp = space
     print(f"{sp.model.name} (seq {sp.model.seq_length}) on {sp.gpus} x {sp.hardware.name}, gbs "
           f"{sp.gbs}, memory limit {result.memory_limit / GiB:.1f} GiB")
+    if sp.hardware.extrapolated and sp.efficiency is None:
+        print(f"times extrapolated: {sp.hardware.name}'s efficiency figures are not calibrated "
+              "(carried over from A100's fit); every step time and MFU below rests on them "
+              "(pipeexec calibrate-hardware, then --hardware FILE)")
     files = {"--out": args.out, "--plan-out": args.plan_out, "--frontier": args.frontier,
              "--gantt": args.gantt}
     ranked = result.ranked
