@@ -51,10 +51,10 @@ DEFAULT_PLAN = Plan(GPT_MODEL, Parallelism(precision="fp32"), schedule="1f1b")
 # executor's (seq_len = model.seq_length, tie_embeddings = model.tied_embeddings).
 _PARALLELISM = ("tp", "cp", "ep", "pp", "vpp", "dp", "sequence_parallel", "zero",
                 "micro_batch_size", "recompute", "recompute_layers", "precision")
-_MODEL = {"layers": "layers", "hidden": "hidden", "heads": "heads", "kv_heads": "kv_heads",
+MODEL_VIEWS = {"layers": "layers", "hidden": "hidden", "heads": "heads", "kv_heads": "kv_heads",
           "ffn_hidden": "ffn_hidden", "seq_len": "seq_length", "vocab": "vocab",
           "tie_embeddings": "tied_embeddings"}
-PLAN_VIEWS = ("schedule", "placement", *_PARALLELISM, "microbatches", *_MODEL)
+PLAN_VIEWS = ("schedule", "placement", *_PARALLELISM, "microbatches", *MODEL_VIEWS)
 
 
 def _ints(text: Any) -> tuple[int, ...] | None:
@@ -194,7 +194,7 @@ def _plan_with(plan: Plan, views: dict[str, Any]) -> Plan:
     batch = {k: views.pop(k) for k in ("microbatches", "micro_batch_size", "dp") if k in views}
     par_changes = {k: views.pop(k) for k in _PARALLELISM if k in views}
     par_changes.update({k: v for k, v in batch.items() if k != "microbatches"})
-    model_changes = {_MODEL[k]: views.pop(k) for k in list(views) if k in _MODEL}
+    model_changes = {MODEL_VIEWS[k]: views.pop(k) for k in list(views) if k in MODEL_VIEWS}
     plan_changes: dict[str, Any] = {}
     if "schedule" in views:
         plan_changes["schedule"] = views.pop("schedule")
@@ -592,7 +592,7 @@ def _view(plan: Plan, name: str) -> Any:
         return model.ffn
     if name == "kv_heads":
         return model.num_kv_heads
-    return getattr(model, _MODEL[name])
+    return getattr(model, MODEL_VIEWS[name])
 
 
 def _jsonable(value: Any) -> Any:

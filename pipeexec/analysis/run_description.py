@@ -19,7 +19,7 @@ from typing import Any
 
 from pipesim.plan.model import ModelSpec
 
-from ..config import ConfigError, TrainConfig, legacy_flat
+from ..config import MODEL_VIEWS, ConfigError, TrainConfig, legacy_flat
 
 # Config fields the per-action costs (time and activation bytes) depend on.
 COST_FIELDS = ("hf_model", "layers", "hidden", "heads", "kv_heads", "seq_len", "vocab", "ffn_hidden",
@@ -94,8 +94,11 @@ def inherit(config: TrainConfig, given: set[str], meta: dict[str, Any], *,
         if (theirs, theirs.family) != (config.model, config.model.family):
             before = config
             config = config.replace(plan=replace(config.plan, model=theirs))
+            # the fields that differ as given (a kv_heads or ffn_hidden left to its default
+            # follows heads or hidden, and is not named)
             taken.update({k: getattr(config, k) for k in SHAPE_FIELDS[:-1]
-                          if getattr(config, k) != getattr(before, k)})
+                          if getattr(theirs, MODEL_VIEWS[k]) != getattr(before.model,
+                                                                      MODEL_VIEWS[k])})
             if theirs.family != before.model.family:
                 taken["model"] = theirs.family or theirs.name
     for name in COST_FIELDS:
