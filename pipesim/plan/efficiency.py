@@ -1,16 +1,14 @@
-"""What fraction of peak FLOP/s a GEMM reaches: the plan's efficiency model.
+"""The one-curve efficiency model that preceded the per-operator one (kept for comparison).
 
-Achieved throughput grows with the GEMMs' size per GPU and saturates. The model uses the
-per-GPU width of the layer's matrices, ``w = hidden / tp``:
+Plans are now timed per operator (:mod:`pipesim.plan.operators`, with the hardware's figures,
+:mod:`pipesim.hardware`); this curve of the per-GPU width ``w = hidden / tp``,
 
     efficiency(w) = e_max * w / (w + w_half)
 
-``e_max`` and ``w_half`` were fitted once, for A100, to the eight iteration times of Korthikanti
-et al. 2022, Table 5 (see ``benchmarks/plan_vs_published.py``, which refits and prints them):
-``e_max = 0.80``, ``w_half = 470`` (largest error 2.5%). The same curve is used for the other presets until they are
-calibrated (newer GPUs usually reach a lower fraction of a higher peak: pass a measured
-``efficiency`` in the plan, or use :mod:`pipesim.calibrate` on a measured run). A plan's
-``efficiency`` (a constant) overrides the model.
+(``e_max = 0.80``, ``w_half = 470``, fitted on Korthikanti et al. 2022 Table 5 alone) is what
+``benchmarks/plan_vs_published.py --fit`` refits and what a plan used before; it cannot tell a
+tp-1 model of hidden 2k from a tp-8 one of the same ``w`` (issue 25). A plan's constant
+``efficiency`` still replaces the per-operator model with FLOPs / (peak * efficiency).
 """
 from __future__ import annotations
 
@@ -30,5 +28,5 @@ A100_FIT = Efficiency(e_max=0.80, w_half=470.0)
 
 
 def default_efficiency(hardware_name: str) -> Efficiency:
-    """The fitted curve (A100's for every preset until others are fitted)."""
+    """The old fitted curve (A100's, used for every preset): for comparison only."""
     return A100_FIT
