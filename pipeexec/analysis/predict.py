@@ -25,6 +25,8 @@ import pipesim
 from .calibrate import Calibration, Layout, calibrate, has_cpu_times
 from .contention import effective_cores, shares_cores
 from .measured import MeasuredRun
+from ..models import layer_stack
+from ..partition import stage_bounds
 
 if TYPE_CHECKING:
     from pipesim import SimResult
@@ -75,9 +77,7 @@ def prediction_costs(layout: Layout, calibration_run: MeasuredRun,
 def layout_of(config: Any, spec: Any = None) -> Layout:
     """The layout ``config`` will cut ``spec`` (default: the model ``config`` trains, `pipeexec.models.layer_stack`) into,
     computed without running, by the Trainer's own `partition.stage_bounds`."""
-    from ..partition import stage_bounds
 
     if spec is None:
-        from ..models import layer_stack
         spec = layer_stack(config)
     return Layout(stage_bounds(spec, config), tuple(spec.kinds()))

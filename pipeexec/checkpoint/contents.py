@@ -32,8 +32,11 @@ from typing import Any
 
 import torch
 
+from pipesim.schedule.io import schedule_to_dict
+
 from .errors import CheckpointError
 from .layout import CHECKPOINT_VERSION, chunk_key
+from ..config import legacy_flat
 
 # Config fields that define the model's tensors: a checkpoint only loads into the same values.
 MODEL_FIELDS = ("layers", "hidden", "heads", "kv_heads", "ffn_hidden", "vocab", "seq_len",
@@ -83,7 +86,6 @@ def layout_record(config, bounds: Sequence[int], stages: Sequence[int], pp_rank:
            "layers": [list(stage_layer_range(schedule, bounds, s)) for s in stages],
            "num_layers": int(bounds[-1])}
     if schedule is not None:
-        from pipesim.schedule.io import schedule_to_dict
         out["schedule_data"] = schedule_to_dict(schedule)
     if layer_kinds is not None:
         out["layer_kinds"] = [str(k) for k in layer_kinds]
@@ -165,7 +167,6 @@ def check_config(saved: Mapping[str, Any], current: Mapping[str, Any], *, path: 
                  ) -> list[str]:
     """Raise on a model-defining difference; return notes on the others (for the log).
     ``saved`` may be the flat form of an older pipeexec (`legacy_flat` reads it)."""
-    from ..config import legacy_flat
 
     saved = legacy_flat(saved)
     for name in MODEL_FIELDS:

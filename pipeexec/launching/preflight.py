@@ -9,6 +9,10 @@ from pathlib import Path
 from typing import Any
 
 from ..config import ConfigError, TrainConfig
+from .cpu_quota import cpu_limit
+from ..checkpoint import CheckpointError, read_tracker
+from ..checkpoint.layout import RELEASE, tag_dir
+from ..checkpoint.reader import CheckpointReader, missing_checkpoint
 
 _SNIFF = 64 * 1024
 
@@ -20,7 +24,6 @@ def check_cpus_per_rank(cpus_per_rank: float | None, nproc: int,
     quota is for). ``available``: default `cpu_quota.cpu_limit`."""
     if cpus_per_rank is None:
         return
-    from .cpu_quota import cpu_limit
 
     have = cpu_limit() if available is None else available
     if not cpus_per_rank > 0:
@@ -89,11 +92,7 @@ def check_train(config: TrainConfig, checkpoint: Any, *, nproc: int,
         warnings.append(w)
     nothing = None
     if checkpoint is not None and checkpoint.load is not None and not checkpoint.finetune:
-        from ..checkpoint import CheckpointError, read_tracker
-        from ..checkpoint.layout import RELEASE
 
-        from ..checkpoint.layout import tag_dir
-        from ..checkpoint.reader import missing_checkpoint
 
         tag = checkpoint.ckpt_step if checkpoint.ckpt_step is not None else read_tracker(checkpoint.load)
         if not tag_dir(checkpoint.load, tag).is_dir():
@@ -106,7 +105,6 @@ def check_train(config: TrainConfig, checkpoint: Any, *, nproc: int,
                        f"train {config.steps} more")
         elif tag != RELEASE and not (checkpoint.override_opt_param_scheduler
                                      or config.forward_only):
-            from ..checkpoint.reader import CheckpointReader
 
             try:
                 first = CheckpointReader(checkpoint.load, tag, verify=False).file(0)

@@ -39,6 +39,7 @@ from pipesim.units import format_bytes
 
 from ..analysis.measured import MeasuredRun
 from ..analysis.predict import EXECUTOR_COMM, prediction_costs
+from ..training.precision import compute_dtype
 
 PROFILED_SCHEDULE = "zb-h1"                 # at vpp 1
 PROFILED_V_SCHEDULE = "zbv"                 # at vpp 2, V placement
@@ -196,7 +197,6 @@ def one_microbatch_floor(trainer: Any) -> float:
     """Bytes one microbatch holds on a rank at the least: a stage's input activation
     (micro_batch_size x seq_len x hidden values of the compute dtype; hidden read from the
     embedding of the stages here when they have one, a Hugging Face model's own size)."""
-    from ..training.precision import compute_dtype
 
     cfg = trainer.config
     hidden = cfg.hidden

@@ -18,6 +18,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pipesim.errors import PlanError
+from pipesim.plan.model import ModelSpec
+
 # config.json model_type -> the family's transformers classes (documentation and error text)
 SUPPORTED = {
     "llama": "LlamaForCausalLM",
@@ -155,8 +158,6 @@ def config_for(model: Any) -> dict:
 def spec_differences(model: Any) -> list[str]:
     """Where ``model`` (a family's `ModelSpec`) is not what its config (`config_for`) builds:
     each field, with both values (empty: the family builds exactly this shape)."""
-    from pipesim.errors import PlanError
-    from pipesim.plan.model import ModelSpec
 
     try:
         built = ModelSpec.from_hf_config(config_for(model), seq_length=model.seq_length)
@@ -171,8 +172,6 @@ def plan_model_of(path: str | Path, *, seq_length: int) -> Any:
     """The plan's model for the Hugging Face directory ``path`` (checked: `read_hf_config`),
     read as ``pipesim simulate --model DIR/config.json`` reads it, at this sequence length and
     unpadded (pipeexec's tables are the config's size)."""
-    from pipesim.errors import PlanError
-    from pipesim.plan.model import ModelSpec
 
     info = read_hf_config(path)
     try:

@@ -24,7 +24,10 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+
+import pipesim
 from pipesim import Schedule
+from pipesim.progress import progress_bar
 from pipesim.schedule.op import Op
 
 from ..launching.board import ActionBoard, BoardObserver
@@ -291,7 +294,6 @@ class Trainer:
     def forward(self, step: int, keep_outputs: bool = False):
         """Forward-only pass over the batch of ``step``; returns this rank's StepOutput."""
         if self._fwd_runtime is None:
-            import pipesim
 
             cfg = self.config
             if self._custom_schedule:
@@ -375,7 +377,6 @@ def train(trainer: Trainer, *, on_step: Callable[[Trainer, StepStats], None] | N
     is_logger = trainer.topology.rank == 0
     bar = None
     if progress and is_logger:
-        from pipesim.progress import progress_bar
         bar = progress_bar(total=cfg.steps, initial=trainer.iteration, desc="train", unit="step",
                    file=sys.stderr, leave=False)
     try:
