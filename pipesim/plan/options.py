@@ -71,8 +71,9 @@ PLAN_FLAGS: tuple[PlanFlag, ...] = (
              "sharing the experts)", searchable=True),
     PlanFlag("--pp", "parallelism.pp", "layout", "pipeline-parallel size (pipeline ranks)",
              searchable=True),
-    PlanFlag("--vpp", "parallelism.vpp", "layout", "stages (model chunks) per pipeline rank: "
-             "Megatron's virtual pipeline size", searchable=True),
+    PlanFlag("--vpp", "parallelism.vpp", "layout", "model chunks per pipeline rank "
+             "(Megatron's virtual pipeline size): the stages a rank holds, except where a "
+             "schedule also holds copies (dualpipe: vpp 1, two stages a rank)", searchable=True),
     PlanFlag("--dp", "parallelism.dp", "layout", "data-parallel replicas", searchable=True),
     PlanFlag("--sequence-parallel", "parallelism.sequence_parallel", "layout",
              "Megatron's sequence parallelism inside the tensor-parallel group (norms and "

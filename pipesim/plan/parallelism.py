@@ -24,7 +24,8 @@ class Parallelism:
     tp: int = 1
     pp: int = 1
     dp: int = 1
-    vpp: int = 1
+    vpp: int = 1                 # model parts per rank (Schedule.parts_per_rank); stages
+                                 # per rank too, but for a schedule holding copies (dualpipe)
     cp: int = 1
     ep: int = 1
     sequence_parallel: bool = False
