@@ -27,7 +27,9 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("plan", help="search the configurations of a cluster; write the fastest "
                        "plan that fits", description=__doc__.splitlines()[0])
     p.add_argument("--gpus", type=int, required=True, metavar="N", help="GPUs in the cluster")
-    p.add_argument("--hardware", default="H100", metavar="PRESET", help="`pipesim hardware`")
+    p.add_argument("--hardware", default="H100", metavar="PRESET|FILE",
+                   help="a preset (`pipesim hardware`) or a hardware file (pipeexec "
+                        "calibrate-hardware --out FILE)")
     p.add_argument("--gpus-per-node", type=int, default=8, metavar="N",
                    help="GPUs per node (the NVLink domain tp stays inside)")
     p.add_argument("--memory-limit", metavar="SIZE", type=bytes_arg,
@@ -50,7 +52,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                    help="search near-even stages where layers do not divide over pp * vpp "
                         "(--no-uneven: Megatron's even split only)")
     g.add_argument("--efficiency", type=float, help="constant achieved/peak FLOP/s (default: "
-                   "the fitted curve)")
+                   "the per-operator model's, from the hardware's figures)")
     g.add_argument("--rate", metavar="PLAN.json", help="rate this plan (yours) against the "
                    "best found, with the one-knob differences that cost the most (default: none)")
     o = p.add_argument_group("output")

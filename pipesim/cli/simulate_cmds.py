@@ -20,10 +20,11 @@ SWEEP_DESTS = ("pp", "vpp", "dp", "microbatches", "micro_batch_size", "model")
 def _add_cost_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("costs (default: uniform F=1, B=2 (I=W=1), zero communication)")
     g.add_argument("--costs", metavar="FILE.json", help="a CostModel saved as JSON")
-    g.add_argument("--hardware", metavar="PRESET", default=None,
-                   help=f"{', '.join(hardware_names())} (default H100; `pipesim hardware`)")
+    g.add_argument("--hardware", metavar="PRESET|FILE", default=None,
+                   help=f"{', '.join(hardware_names())} (default H100; `pipesim hardware`), or "
+                        "a hardware file (pipeexec calibrate-hardware --out FILE)")
     g.add_argument("--efficiency", type=float, default=None,
-                   help="achieved / peak FLOP/s (default 0.5; with a plan, the fitted curve)")
+                   help="achieved / peak FLOP/s (default 0.5; with a plan, the per-operator model's)")
     g.add_argument("--link", choices=("intra", "inter"), default="inter",
                    help="pipeline p2p over NVLink (intra) or the network (inter)")
     g.add_argument("--comm", choices=("async", "blocking", "rendezvous"), default="async",
