@@ -294,7 +294,6 @@ class Trainer:
     def forward(self, step: int, keep_outputs: bool = False):
         """Forward-only pass over the batch of ``step``; returns this rank's StepOutput."""
         if self._fwd_runtime is None:
-
             cfg = self.config
             if self._custom_schedule:
                 s = self.schedule   # the forwards of the schedule, in its order

@@ -50,10 +50,9 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
 def wants_plan(args: argparse.Namespace, given: set[str]) -> bool:
     """Plan mode: a plan file, a flag only a plan honours, or a model beyond the GPT presets
     that `CostModel.transformer` serves."""
-    if any(name in given or getattr(args, name, None) not in (None, False)
-           for name in _PLAN_ONLY if name not in DESTS):
-        return True
-    if any(name in given for name in _PLAN_ONLY if name in DESTS):
+    # a table flag counts when given (simulate has defaults for some); the others when set
+    if any(name in given or (name not in DESTS and getattr(args, name, None) not in (None, False))
+           for name in _PLAN_ONLY):
         return True
     model = getattr(args, "model", None)
     return model is not None and str(model).lower() not in _LEGACY_MODELS

@@ -57,10 +57,6 @@ class PlanFlag:
         return self.field.rsplit(".", 1)[-1]
 
 
-def _model_arg(text: str) -> str:
-    return text
-
-
 PLAN_FLAGS: tuple[PlanFlag, ...] = (
     # -- layout: how the ranks are laid out and what each keeps --------------------------------
     PlanFlag("--tp", "parallelism.tp", "layout", "tensor-parallel size (ranks sharing each "
@@ -101,7 +97,7 @@ PLAN_FLAGS: tuple[PlanFlag, ...] = (
              metavar="B", aliases=("--gbs",)),
     # -- model shape ---------------------------------------------------------------------------
     PlanFlag("--model", "model", "model", "the model: a preset (`pipesim models`), a Hugging "
-             "Face config.json or the directory holding it", type=_model_arg,
+             "Face config.json or the directory holding it", type=str,
              metavar="PRESET|config.json|DIR"),
     PlanFlag("--layers", "model.layers", "model", "transformer layers (blocks)"),
     PlanFlag("--hidden", "model.hidden", "model", "model width (divisible by --heads)"),
