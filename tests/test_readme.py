@@ -175,3 +175,56 @@ def test_the_tours_calibrate_from_line_runs_as_written(tmp_path, monkeypatch, ca
     assert ("from the calibration run out/run_1f1b.json: hidden 16, heads 2, "
             "seq-len 8, vocab 32, micro-batch-size 2") in out
     assert "prediction before running" in out and "calibrated from a 1f1b run (pp=4" in out
+
+
+# -- the README and docs/ as pages of a clone ------------------------------------------------
+
+DOCS = sorted((README.parent / "docs").glob("*.md"))
+
+
+def _prose(page: Path) -> str:
+    """The page without its code blocks and inline code (which hold commands, not links)."""
+    text = re.sub(r"```.*?```", "", page.read_text(), flags=re.S)
+    return re.sub(r"`[^`\n]*`", "", text)
+
+
+def _anchors(page: Path) -> set[str]:
+    """The anchors GitHub makes of a page's headings (lower case, punctuation dropped, spaces
+    to hyphens, a repeated heading numbered)."""
+    seen: dict[str, int] = {}
+    out = set()
+    text = re.sub(r"```.*?```", "", page.read_text(), flags=re.S)
+    for heading in re.findall(r"^#{1,6} (.+)$", text, flags=re.M):
+        slug = re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+        n = seen.get(slug, 0)
+        seen[slug] = n + 1
+        out.add(slug if n == 0 else f"{slug}-{n}")
+    return out
+
+
+def test_every_relative_link_names_a_file_of_the_clone():
+    """Every relative link and image in README.md and docs/*.md points to a file in this
+    repository (none outside it, as ../shared/ would be), and its #anchor to a heading there."""
+    root = README.parent.resolve()
+    checked = 0
+    for page in [README, *DOCS]:
+        for target in re.findall(r"\]\(([^)\s]+)\)", _prose(page)):
+            if re.match(r"[a-z][a-z0-9+.-]*:", target):          # https:, mailto:
+                continue
+            name, _, anchor = target.partition("#")
+            path = (page.parent / name).resolve() if name else page.resolve()
+            where = f"{page.relative_to(root)}: {target}"
+            assert path.is_relative_to(root), f"{where} leaves the repository"
+            assert path.exists(), f"{where} names no file"
+            if anchor and path.suffix == ".md":
+                assert anchor in _anchors(path), f"{where}: no such heading"
+            checked += 1
+    assert checked >= 20
+
+
+def test_the_pages_speak_to_users():
+    """No internal issue numbers, no links into ../shared/."""
+    for page in [README, *DOCS]:
+        text = page.read_text()
+        assert not re.search(r"\bissues?\s*#?\d+|(?<![\w&/#])#\d+\b", text, flags=re.I), page.name
+        assert "shared/" not in "".join(re.findall(r"\]\(([^)\s]+)\)", text)), page.name
