@@ -24,6 +24,12 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from .parallel import regions
+from .parallel.layers import (ColumnParallelLinear, RowParallelLinear, vocab_parallel_cross_entropy,
+                              vocab_parallel_embedding)
+from .parallel.regions import NONE, TensorParallel
+from .parallel.sharding import ShardSpec, mark, shard
+
 LayerFactory = Callable[[int, torch.Generator], nn.Module]
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -112,27 +118,51 @@ def _normal(t: torch.Tensor, std: float, gen: torch.Generator) -> None:
         t.copy_(torch.randn(t.shape, generator=gen) * std)
 
 
-class Embedding(nn.Module):
-    """Token + learned position embeddings: (batch, seq) int64 -> (batch, seq, hidden)."""
+def _sequence_parallel_norm(norm: nn.LayerNorm, tp: TensorParallel) -> nn.LayerNorm:
+    """A norm fed one sequence chunk per rank: its gradients are summed over tp."""
+    if tp.active and tp.sequence_parallel:
+        for p in norm.parameters():
+            mark(p, sequence_parallel=True)
+    return norm
 
-    def __init__(self, vocab: int, positions: int, hidden: int, gen: torch.Generator) -> None:
+
+class Embedding(nn.Module):
+    """Token + learned position embeddings: (batch, seq) int64 -> (batch, seq, hidden).
+
+    Tensor parallel: the token rows cut over the vocabulary (`vocab_parallel_embedding`), the
+    position table replicated; under sequence parallelism the output is this rank's chunk."""
+
+    def __init__(self, vocab: int, positions: int, hidden: int, gen: torch.Generator,
+                 tp: TensorParallel = NONE) -> None:
         super().__init__()
-        self.tok = nn.Parameter(torch.empty(vocab, hidden))
+        self.vocab, self.tp = vocab, tp
+        tok = torch.empty(vocab, hidden)
         self.pos = nn.Parameter(torch.empty(positions, hidden))
-        _normal(self.tok, 0.02, gen)
+        _normal(tok, 0.02, gen)
         _normal(self.pos, 0.02, gen)
+        self.tok = nn.Parameter(tok)
+        if tp.active:
+            self.tok = mark(nn.Parameter(shard(tok, ShardSpec(0), tp.rank, tp.size)), ShardSpec(0))
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        return F.embedding(tokens, self.tok) + self.pos[: tokens.shape[1]]
+        x = vocab_parallel_embedding(tokens, self.tok, self.vocab, self.tp) + self.pos[: tokens.shape[1]]
+        return regions.scatter_sequence(x, self.tp) if self.tp.sequence_parallel else x
 
 
 class Block(nn.Module):
-    """Pre-LN transformer block: x + attn(ln1(x)), then x + mlp(ln2(x)); causal attention."""
+    """Pre-LN transformer block: x + attn(ln1(x)), then x + mlp(ln2(x)); causal attention.
+
+    Tensor parallel (Megatron's layout): QKV and fc1 column-parallel (QKV cut by heads), the
+    output projection and fc2 row-parallel, the norms replicated (fed one sequence chunk a rank
+    under sequence parallelism)."""
 
     def __init__(self, hidden: int, heads: int, ffn: int, num_blocks: int,
-                 gen: torch.Generator) -> None:
+                 gen: torch.Generator, tp: TensorParallel = NONE) -> None:
         super().__init__()
-        self.heads = heads
+        if heads % tp.size or ffn % tp.size:
+            raise ValueError(f"tensor parallelism: heads {heads} and ffn {ffn} must be multiples "
+                             f"of tp = {tp.size}")
+        self.heads, self.head_dim, self.tp = heads, hidden // heads, tp
         self.recompute_core_attention = False    # selective recomputation (Stage.set_recompute)
         self.ln1 = nn.LayerNorm(hidden)
         self.qkv = nn.Linear(hidden, 3 * hidden)
@@ -144,15 +174,24 @@ class Block(nn.Module):
         for lin, std in ((self.qkv, 0.02), (self.proj, out_std), (self.fc1, 0.02), (self.fc2, out_std)):
             _normal(lin.weight, std, gen)
             nn.init.zeros_(lin.bias)
+        if tp.active:
+            self.qkv = ColumnParallelLinear(self.qkv, tp, groups=3)
+            self.proj = RowParallelLinear(self.proj, tp)
+            self.fc1 = ColumnParallelLinear(self.fc1, tp)
+            self.fc2 = RowParallelLinear(self.fc2, tp)
+            _sequence_parallel_norm(self.ln1, tp)
+            _sequence_parallel_norm(self.ln2, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, s, h = x.shape
-        q, k, v = self.qkv(self.ln1(x)).view(b, s, 3, self.heads, h // self.heads).permute(2, 0, 3, 1, 4)
+        qkv = self.qkv(self.ln1(x))          # (b, s, 3 h / tp): whole sequence, local heads
+        b, s, _ = qkv.shape
+        heads = self.heads // self.tp.size
+        q, k, v = qkv.view(b, s, 3, heads, self.head_dim).permute(2, 0, 3, 1, 4)
         if self.recompute_core_attention and torch.is_grad_enabled():
             a = checkpoint(_core_attention, q, k, v, use_reentrant=False)
         else:
             a = _core_attention(q, k, v)
-        x = x + self.proj(a.transpose(1, 2).reshape(b, s, h))
+        x = x + self.proj(a.transpose(1, 2).reshape(b, s, heads * self.head_dim))
         return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
 
 
@@ -162,13 +201,19 @@ def _core_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.
 
 
 class Head(nn.Module):
-    """Final LayerNorm + LM head: (batch, seq, hidden) -> logits (batch, seq, vocab)."""
+    """Final LayerNorm + LM head: (batch, seq, hidden) -> logits (batch, seq, vocab); tensor
+    parallel: the head column-parallel over the vocabulary, its logits left cut for
+    `vocab_parallel_cross_entropy`."""
 
-    def __init__(self, hidden: int, vocab: int, gen: torch.Generator) -> None:
+    def __init__(self, hidden: int, vocab: int, gen: torch.Generator,
+                 tp: TensorParallel = NONE) -> None:
         super().__init__()
         self.norm = nn.LayerNorm(hidden)
         self.lm_head = nn.Linear(hidden, vocab, bias=False)
         _normal(self.lm_head.weight, 0.02, gen)
+        if tp.active:
+            self.lm_head = ColumnParallelLinear(self.lm_head, tp)
+            _sequence_parallel_norm(self.norm, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.norm(x))
@@ -179,24 +224,27 @@ def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
 
-def gpt_stack(model: Any) -> LayerStack:
+def gpt_stack(model: Any, tp: TensorParallel = NONE) -> LayerStack:
     """The built-in GPT of ``model`` (a `pipesim.ModelSpec` of its shape, family None:
     `pipeexec.models.gpt_differences` says what it cannot be): [Embedding, Block x layers,
     Head], cross-entropy loss. A tied head (``model.tied_embeddings``, Megatron-LM's default,
-    GPT-2's) starts as the token embedding and stays one parameter with it."""
+    GPT-2's) starts as the token embedding and stays one parameter with it. ``tp``: this rank's
+    tensor-parallel group; each layer is built whole and cut, the loss is vocab-parallel."""
     layers, hidden, heads, vocab = model.layers, model.hidden, model.heads, model.vocab
     ffn, positions = model.ffn, model.max_position or model.seq_length
 
     def factory(index: int, gen: torch.Generator) -> nn.Module:
         if index == 0:
-            return Embedding(vocab, positions, hidden, gen)
+            return Embedding(vocab, positions, hidden, gen, tp)
         if index == layers + 1:
-            return Head(hidden, vocab, gen)
-        return Block(hidden, heads, ffn, layers, gen)
+            return Head(hidden, vocab, gen, tp)
+        return Block(hidden, heads, ffn, layers, gen, tp)
 
     block = 2 * 2 * hidden + (hidden * 3 * hidden + 3 * hidden) + (hidden * hidden + hidden) \
         + (hidden * ffn + ffn) + (ffn * hidden + hidden)
     counts = (vocab * hidden + positions * hidden,) + (block,) * layers + (2 * hidden + hidden * vocab,)
     tied = ((f"layers.{layers + 1}.lm_head.weight", "layers.0.tok"),) if model.tied_embeddings else ()
-    return LayerStack(layers + 2, factory, lm_loss, counts,
+    loss = lm_loss if not tp.active else (
+        lambda logits, targets: vocab_parallel_cross_entropy(logits, targets, vocab, tp))
+    return LayerStack(layers + 2, factory, loss, counts,
                       ("embedding",) + ("block",) * layers + ("head",), tied=tied, blocks=layers)

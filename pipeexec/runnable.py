@@ -1,9 +1,10 @@
 """What of a plan the executor cannot run here, with the reasons: every one at once, before any
 process starts (`TrainConfig.validate` raises them as one ConfigError). Torch-free.
 
-pipeexec runs pipeline and data parallelism, fp32 / bf16 / fp16, the recomputation modes, the
-built-in GPT and the Hugging Face families of `pipeexec.models`; tensor, context and expert
-parallelism, the distributed optimizer and sequence parallelism are the next issues' work.
+pipeexec runs pipeline, data and tensor parallelism (with sequence parallelism), fp32 / bf16 /
+fp16, the recomputation modes, ZeRO 1-3 (the distributed optimizer; with dp 1 a no-op, as in
+Megatron), the built-in GPT and the Hugging Face families of `pipeexec.models`; context and
+expert parallelism are not run yet.
 """
 from __future__ import annotations
 
@@ -13,14 +14,9 @@ from .models import model_refusals
 
 # parallelism fields the executor does not run yet: (field, flag, value it runs, reason)
 _NOT_YET = (
-    ("tp", "--tp", 1, "tensor parallelism is not run by pipeexec yet (tp = 1)"),
     ("cp", "--cp", 1, "context parallelism is not run by pipeexec yet (cp = 1)"),
     ("ep", "--ep", 1, "expert parallelism is not run by pipeexec yet (ep = 1: every expert on "
      "every data-parallel rank)"),
-    ("zero", "--zero", 0, "pipeexec keeps the full optimizer state on every data-parallel "
-     "rank: no distributed optimizer / ZeRO yet (zero = 0)"),
-    ("sequence_parallel", "--sequence-parallel", False, "sequence parallelism shards within a "
-     "tensor-parallel group, which pipeexec does not run yet"),
 )
 
 
@@ -31,6 +27,12 @@ def refusals(config: Any, *, custom_stack: bool = False) -> list[str]:
     plan, par = config.plan, config.plan.parallelism
     out = [f"parallelism.{name} = {getattr(par, name)!r} ({flag}): {why}"
            for name, flag, runs, why in _NOT_YET if getattr(par, name) != runs]
+    if par.zero and par.tp > 1:
+        # ZeRO's holder (pipeexec.training.zero) neither reduces the sequence-parallel
+        # gradients over tp nor counts a tp-replicated parameter once in the norm yet
+        out.append(f"parallelism.zero = {par.zero} (--zero) with tp = {par.tp} (--tp): the "
+                   "distributed optimizer runs without tensor parallelism for now (zero 0 with "
+                   "tp, or tp 1 with zero)")
     if par.precision == "fp8":
         out.append("parallelism.precision = 'fp8' (--precision): pipeexec computes in fp32, "
                    "bf16 or fp16 (fp8 GEMMs need Transformer Engine, which it does not use)")
@@ -42,4 +44,27 @@ def refusals(config: Any, *, custom_stack: bool = False) -> list[str]:
         out.append(f"steps must be a positive integer (--steps), got {steps!r}")
     if not custom_stack:
         out += model_refusals(plan.model, config.hf_model)
+        out += tensor_parallel_refusals(plan.model, par)
+    return out
+
+
+def tensor_parallel_refusals(model: Any, par: Any) -> list[str]:
+    """What of the model does not cut over ``par.tp`` ranks (each dimension a tp-parallel
+    layer splits must be a multiple of tp)."""
+    tp = par.tp
+    if tp == 1:
+        return []
+    out = []
+    if model.family is not None:
+        return [f"parallelism.tp = {tp} (--tp): tensor parallelism runs the built-in GPT; the "
+                f"Hugging Face family {model.family!r} is not cut over tp yet"]
+    dims = (("heads", model.heads, "--heads"), ("kv_heads", model.num_kv_heads, "--kv-heads"),
+            ("ffn_hidden", model.ffn, "--ffn-hidden"), ("vocab", model.vocab, "--vocab"))
+    for name, value, flag in dims:
+        if value % tp:
+            out.append(f"model.{name} = {value} ({flag}) is not a multiple of tp = {tp}: "
+                       "a tensor-parallel layer cuts it into tp equal parts")
+    if par.sequence_parallel and model.seq_length % tp:
+        out.append(f"model.seq_length = {model.seq_length} (--seq-len) is not a multiple of tp = "
+                   f"{tp}: sequence parallelism cuts each sequence into tp chunks")
     return out

@@ -1,10 +1,12 @@
-"""Process topology: which pipeline rank and data-parallel replica this process is, and the
-explicit process groups that connect it.
+"""Process topology: where this process sits in the plan's device mesh (tensor, data and
+pipeline parallel), and the explicit process groups that connect it.
 
-Global rank ``g = pp_rank * dp + dp_rank`` (data parallel innermost, as Megatron orders it), so
-one pipeline is the ranks ``{p * dp + d}`` for a fixed ``d`` and one data-parallel group is the
-ranks ``{p * dp + d}`` for a fixed ``p``. Groups are returned in a `Topology` value and passed to
-whoever needs them; nothing is stored in module globals.
+Ranks follow `pipeexec.parallel.mesh.Mesh`, Megatron-LM's order (tensor parallel fastest, then
+data, then pipeline: ``g = (pp_rank * dp + dp_rank) * tp + tp_rank``). One pipeline is the ranks
+of one (tp, dp) position; its p2p channels carry that tensor-parallel rank's activation (whole
+on every tp rank, or its sequence chunk under sequence parallelism), never a gathered one.
+Groups are returned in a `Topology` value and passed to whoever needs them; nothing is stored in
+module globals.
 """
 from __future__ import annotations
 
@@ -17,14 +19,15 @@ import torch
 import torch.distributed as dist
 
 from .launching.devices import check_unique_gpus, gpu_uuid, pick_device
+from .parallel.mesh import Mesh
 
 
 class TopologyError(RuntimeError):
     """The environment does not describe a usable layout."""
 
 
-def layout_rank(pp_rank: int, dp_rank: int, dp: int) -> int:
-    return pp_rank * dp + dp_rank
+def layout_rank(pp_rank: int, dp_rank: int, dp: int, tp_rank: int = 0, tp: int = 1) -> int:
+    return (pp_rank * dp + dp_rank) * tp + tp_rank
 
 
 @dataclass
@@ -46,13 +49,29 @@ class Topology:
     # The 2-rank process group of every p2p channel this rank is an end of, keyed
     # (FWD or BWD, src pipeline rank, dst pipeline rank); see `channel_keys`.
     p2p_groups: dict = field(default_factory=dict)
+    tp: int = 1
+    tp_rank: int = 0
+    tp_group: Any = None        # ProcessGroup of this tensor-parallel group (None when tp == 1)
+    tp_ranks: tuple[int, ...] = ()
+
+    @property
+    def mesh(self) -> Mesh:
+        return Mesh(tp=self.tp, dp=self.dp, pp=self.pp)
+
+    def rank_of(self, *, pp_rank: int | None = None, dp_rank: int | None = None,
+                tp_rank: int | None = None) -> int:
+        """The global rank at these coordinates (this rank's where one is not given)."""
+        return self.mesh.rank(pp=self.pp_rank if pp_rank is None else pp_rank,
+                              dp=self.dp_rank if dp_rank is None else dp_rank,
+                              tp=self.tp_rank if tp_rank is None else tp_rank)
 
     def pipeline_peer(self, pp_rank: int) -> int:
         """Global rank of pipeline rank ``pp_rank`` in this replica's pipeline."""
         return self.pp_ranks[pp_rank]
 
     def __str__(self) -> str:
-        return (f"rank {self.rank}/{self.world_size} (pp rank {self.pp_rank}/{self.pp}, "
+        tp = f"tp rank {self.tp_rank}/{self.tp}, " if self.tp > 1 else ""
+        return (f"rank {self.rank}/{self.world_size} ({tp}pp rank {self.pp_rank}/{self.pp}, "
                 f"dp rank {self.dp_rank}/{self.dp}, {self.device}, {self.backend})")
 
 
@@ -83,19 +102,22 @@ def env_rank_info() -> tuple[int, int, int, str, int]:
     return rank, world, local, os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
 
 
-def init_topology(pp: int, dp: int, *, backend: str | None = None, device: str | None = None,
-                  timeout: float = 600.0, p2p_timeout: float | None = None) -> Topology:
-    """Initialise torch.distributed from the environment and build the pp and dp groups.
+def init_topology(pp: int, dp: int, *, tp: int = 1, backend: str | None = None,
+                  device: str | None = None, timeout: float = 600.0,
+                  p2p_timeout: float | None = None) -> Topology:
+    """Initialise torch.distributed from the environment and build the tp, pp and dp groups.
 
     ``p2p_timeout``: on NCCL, the p2p channel groups' timeout is this plus a minute, so that the
     watchdog aborts a stuck transfer even when the host is stuck too (the runtime's own check at
     the end of each step names the action first; `pipeexec.pipeline.p2p`).
 
-    ``world_size`` must equal ``pp * dp``: checked before any collective, with the reason.
+    ``world_size`` must equal ``tp * pp * dp``: checked before any collective, with the reason.
     """
     rank, world, local_rank, addr, port = env_rank_info()
-    if world != pp * dp:
-        raise TopologyError(f"world size {world} != pp * dp = {pp} * {dp} = {pp * dp}")
+    mesh = Mesh(tp=tp, dp=dp, pp=pp)
+    if world != mesh.world_size:
+        raise TopologyError(f"world size {world} != tp * pp * dp = {tp} * {pp} * {dp} = "
+                            f"{mesh.world_size}")
     dev = pick_device(local_rank, device)
     if backend is None:
         backend = "nccl" if dev.type == "cuda" else "gloo"
@@ -112,10 +134,12 @@ def init_topology(pp: int, dp: int, *, backend: str | None = None, device: str |
         nccl_diagnostics_defaults()
     kwargs = {"device_id": dev} if dev.type == "cuda" else {}
     dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=td, **kwargs)
-    pp_rank, dp_rank = divmod(rank, dp)
-    pp_group = dp_group = None
+    here = mesh.coords(rank)
+    pp_rank, dp_rank, tp_rank = here.pp, here.dp, here.tp
+    pp_group = dp_group = tp_group = None
     pp_ranks: tuple[int, ...] = ()
     dp_ranks: tuple[int, ...] = ()
+    tp_ranks: tuple[int, ...] = ()
     # Every rank creates every group, in the same order (a torch.distributed requirement).
     # P2P channels: one 2-rank group per (kind, src, dst), so that on NCCL each communicator,
     # hence each stream, carries one kind one way between two ranks (pipesim.schedule.channels:
@@ -124,25 +148,31 @@ def init_topology(pp: int, dp: int, *, backend: str | None = None, device: str |
     p2p_groups: dict = {}
     order: list = []
     channel_td = td if p2p_timeout is None else datetime.timedelta(seconds=p2p_timeout + 60)
-    for d in range(dp):
-        ranks = tuple(layout_rank(p, d, dp) for p in range(pp))
+    for ranks in mesh.groups("pp"):
         group = dist.new_group(list(ranks), timeout=td) if pp > 1 else None
         channels = {}
         for key in channel_keys(pp):
             members = [ranks[key[1]], ranks[key[2]]]
             channels[key] = dist.new_group(sorted(members), timeout=channel_td)
             order.append((key, members, channels[key]))
-        if d == dp_rank:
+        if rank in ranks:
             pp_group, pp_ranks = group, ranks
             p2p_groups = {k: g for k, g in channels.items() if rank in (ranks[k[1]], ranks[k[2]])}
     warm_up_channels(order, rank, dev, timeout)
-    for p in range(pp):
-        ranks = tuple(layout_rank(p, d, dp) for d in range(dp))
+    for ranks in mesh.groups("dp"):
         group = dist.new_group(list(ranks), timeout=td) if dp > 1 else None
-        if p == pp_rank:
+        if rank in ranks:
             dp_group, dp_ranks = group, ranks
+    # Tensor-parallel collectives get their own communicators (hence NCCL streams), apart from
+    # the p2p channels: every rank of a tp group runs the same actions in the same order, so
+    # their collectives match in order, and no p2p transfer waits behind one.
+    for ranks in mesh.groups("tp"):
+        group = dist.new_group(list(ranks), timeout=td) if tp > 1 else None
+        if rank in ranks:
+            tp_group, tp_ranks = group, ranks
     return Topology(rank, world, pp, dp, pp_rank, dp_rank, local_rank, dev, backend,
-                    pp_group, dp_group, pp_ranks, dp_ranks, store, p2p_groups)
+                    pp_group, dp_group, pp_ranks, dp_ranks, store, p2p_groups,
+                    tp=tp, tp_rank=tp_rank, tp_group=tp_group, tp_ranks=tp_ranks)
 
 
 def warm_up_channels(order: list, rank: int, device: torch.device, timeout: float) -> None:

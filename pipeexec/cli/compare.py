@@ -254,7 +254,7 @@ def compare_main(argv: list[str]) -> int:
                                cpus_per_rank=cpus_per_rank, profile=profile)
         comparison = compare_runs(run, source)
     except KeyboardInterrupt:
-        print(f"\npipeexec compare: interrupted: stopped {tns.pp * tns.dp} workers",
+        print(f"\npipeexec compare: interrupted: stopped {tns.tp * tns.pp * tns.dp} workers",
               file=sys.stderr, flush=True)
         return 130
     except WorkerFailed as exc:

@@ -59,9 +59,10 @@ def model_refusals(model: Any, hf_model: str | None = None) -> list[str]:
     return family_refusals(model, hf_model)
 
 
-def layer_stack(config: Any):
+def layer_stack(config: Any, tp: Any = None):
     """The `pipeexec.model.LayerStack` ``config`` (a `TrainConfig`) trains: its plan's model,
-    as the built-in GPT or its Hugging Face family (weights from ``config.hf_model``)."""
+    as the built-in GPT or its Hugging Face family (weights from ``config.hf_model``); ``tp``:
+    this rank's `pipeexec.parallel.regions.TensorParallel` (None: tp 1)."""
     model = config.plan.model
     refused = model_refusals(model, config.hf_model)
     if refused:
@@ -70,4 +71,5 @@ def layer_stack(config: Any):
         from .hf import hf_layer_stack
         return hf_layer_stack(model, weights=config.hf_model)
     from ..model import gpt_stack
-    return gpt_stack(model)
+    from ..parallel.regions import NONE
+    return gpt_stack(model, tp or NONE)

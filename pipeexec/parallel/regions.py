@@ -1,0 +1,171 @@
+"""The four crossings between replicated and tensor-parallel activations, as autograd
+functions with an explicit group (Megatron-LM's ``mappings``: each collective's backward is
+the conjugate collective).
+
+Activations are ``(batch, sequence, hidden)``; sequence parallelism cuts dimension 1 into
+``tp`` contiguous chunks (rank r holds chunk r).
+
+* `copy_to` (into a column-parallel layer): forward identity, backward all-reduce;
+* `reduce_from` (out of a row-parallel layer): forward all-reduce, backward identity;
+* `gather_sequence` (into a column-parallel layer under sequence parallelism): forward
+  all-gather along the sequence, backward reduce-scatter;
+* `reduce_scatter_sequence` (out of a row-parallel layer under sequence parallelism): forward
+  reduce-scatter along the sequence, backward all-gather;
+* `scatter_sequence` (replicated to sequence-parallel, after the embedding): forward keep this
+  rank's chunk, backward all-gather.
+
+Why not DTensor's ``ColwiseParallel`` / ``RowwiseParallel``: this runtime holds plain tensors
+(p2p buffers, the flat fp32 gradient buffer each parameter's ``.grad`` is a view of, Zero
+Bubble's split backward over autograd's nodes); DTensor parameters would carry DTensor
+gradients that cannot be views of that buffer. The collectives are the same ones.
+"""
+from __future__ import annotations
+
+import datetime
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class TensorParallel:
+    """This rank's tensor-parallel group: passed to every layer that needs it."""
+
+    group: Any                  # ProcessGroup; None when size == 1
+    size: int = 1
+    rank: int = 0
+    sequence_parallel: bool = False
+    timeout: float = 600.0
+
+    @property
+    def active(self) -> bool:
+        return self.size > 1
+
+
+NONE = TensorParallel(None)
+
+
+def wait(work, tp: TensorParallel) -> None:
+    work.wait(datetime.timedelta(seconds=tp.timeout))
+
+
+def all_reduce(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
+    x = x.contiguous()
+    wait(dist.all_reduce(x, group=tp.group, async_op=True), tp)
+    return x
+
+
+def all_gather_sequence(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
+    """(b, s/tp, ...) on each rank -> (b, s, ...), rank r's chunk at position r."""
+    x = x.contiguous()
+    out = torch.empty((tp.size * x.shape[0],) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
+    wait(dist.all_gather_single(out, x, group=tp.group, async_op=True), tp)
+    out = out.view(tp.size, *x.shape)
+    return out.movedim(0, 1).reshape(x.shape[0], tp.size * x.shape[1], *x.shape[2:])
+
+
+def reduce_scatter_sequence(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
+    """(b, s, ...) partial sums on each rank -> this rank's chunk (b, s/tp, ...) of the sum."""
+    b, s = x.shape[0], x.shape[1]
+    if s % tp.size:
+        raise ValueError(f"sequence parallelism: sequence length {s} is not a multiple of "
+                         f"tp = {tp.size}")
+    chunks = x.reshape(b, tp.size, s // tp.size, *x.shape[2:]).movedim(1, 0).contiguous()
+    out = torch.empty(chunks.shape[1:], dtype=x.dtype, device=x.device)
+    chunks = chunks.view(tp.size * b, *chunks.shape[2:])
+    wait(dist.reduce_scatter_single(out, chunks, group=tp.group, async_op=True), tp)
+    return out
+
+
+def sequence_chunk(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
+    s = x.shape[1]
+    if s % tp.size:
+        raise ValueError(f"sequence parallelism: sequence length {s} is not a multiple of "
+                         f"tp = {tp.size}")
+    return x.narrow(1, tp.rank * (s // tp.size), s // tp.size).contiguous()
+
+
+class _CopyTo(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, tp):
+        ctx.tp = tp
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return all_reduce(g.clone(), ctx.tp), None
+
+
+class _ReduceFrom(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, tp):
+        return all_reduce(x.clone(), tp)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g, None
+
+
+class _GatherSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, tp):
+        ctx.tp = tp
+        return all_gather_sequence(x, tp)
+
+    @staticmethod
+    def backward(ctx, g):
+        return reduce_scatter_sequence(g, ctx.tp), None
+
+
+class _ReduceScatterSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, tp):
+        ctx.tp = tp
+        return reduce_scatter_sequence(x, tp)
+
+    @staticmethod
+    def backward(ctx, g):
+        return all_gather_sequence(g, ctx.tp), None
+
+
+class _ScatterSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, tp):
+        ctx.tp = tp
+        return sequence_chunk(x, tp)
+
+    @staticmethod
+    def backward(ctx, g):
+        return all_gather_sequence(g, ctx.tp), None
+
+
+def copy_to(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
+    return _CopyTo.apply(x, tp) if tp.active else x
+
+
+def reduce_from(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
+    return _ReduceFrom.apply(x, tp) if tp.active else x
+
+
+def gather_sequence(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
+    return _GatherSequence.apply(x, tp) if tp.active else x
+
+
+def reduce_scatter_to_sequence(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
+    return _ReduceScatterSequence.apply(x, tp) if tp.active else x
+
+
+def scatter_sequence(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
+    return _ScatterSequence.apply(x, tp) if tp.active else x
+
+
+def into_column(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
+    """The input of a column-parallel layer: the whole sequence, gradient summed over tp."""
+    return gather_sequence(x, tp) if tp.sequence_parallel else copy_to(x, tp)
+
+
+def out_of_row(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
+    """The output of a row-parallel layer: summed over tp (this rank's chunk under sp)."""
+    return reduce_scatter_to_sequence(x, tp) if tp.sequence_parallel else reduce_from(x, tp)
