@@ -20,8 +20,9 @@ from hypothesis import strategies as st
 
 import pipesim
 from pipesim.schedule.action import Action
-from pipesim.schedule.channels import (ChannelError, Transfer, check_channels, kind_and_direction,
-                                       one_way_pairs, single_group, transfer_of)
+from pipesim.schedule.channels import (ChannelError, Transfer, check_channels, group_collectives,
+                                       kind_and_direction, one_way_pairs, single_group,
+                                       transfer_of)
 
 GRID = [(name, pp, vpp, m, la) for name in pipesim.schedule_names() for pp in (2, 3, 4, 8)
         for vpp in (1, 2) for m in sorted({pp, 2 * pp, 4, 8, 16}) for la in (0, 1, 2, 4)]
@@ -51,6 +52,34 @@ def test_pipeexec_layout_never_deadlocks_for_any_builder():
         check_channels(s, one_way_pairs, steps=1, defer_first_activation=False)
         checked.add(name)
     assert checked == set(pipesim.schedule_names())
+
+
+def test_collectives_on_their_own_communicator_never_deadlock():
+    """tp's (and ZeRO-2/3's) collectives inside every computation, on the group's own
+    communicator as pipeexec creates it: every builder still completes."""
+    checked = set()
+    for name, pp, vpp, m, la in GRID:
+        if m > 8 or pp == 8:
+            continue
+        s = _build(name, pp, vpp, m, la)
+        if s is None:
+            continue
+        check_channels(s, one_way_pairs, steps=2, defer_first_activation=True,
+                       collective_of=group_collectives)
+        checked.add(name)
+    assert checked == set(pipesim.schedule_names())
+
+
+def test_a_collective_sharing_a_p2p_communicator_can_deadlock():
+    """The model can fail: ZB-V's collectives on the communicator its activations travel on
+    (torch >= 2.8's one communicator per direction) wait behind a receive posted early."""
+    s = pipesim.build_schedule("zbv", pp=2, vpp=2, microbatches=8).validate()
+    check_channels(s, kind_and_direction)          # without the collectives it completes
+    with pytest.raises(ChannelError, match="collective over its group, behind .* which it shares "
+                       "with p2p") as info:
+        check_channels(s, kind_and_direction,
+                       collective_of=lambda a: ("F", True) if a.is_compute else None)
+    assert info.value.kind == "deadlock"
 
 
 @settings(max_examples=60, deadline=None)

@@ -46,7 +46,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from pipesim.schedule.channels import ChannelError, check_channels, one_way_pairs, transfer_of
+from pipesim.schedule.channels import (ChannelError, check_channels, group_collectives, one_way_pairs,
+                                       transfer_of)
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32,
           torch.uint8, torch.bool)
@@ -303,11 +304,14 @@ def check_channels_exist(schedule, pp_rank: int, channels) -> None:
                                "ring neighbours only (placements with stages on adjacent ranks)")
 
 
-def check_p2p_order(schedule) -> None:
+def check_p2p_order(schedule, *, collectives: bool = False) -> None:
     """Raise P2PError if some channel's transfers would match the wrong tensor or deadlock
     under NCCL's rules with pipeexec's channel layout (`pipesim.schedule.channels`, with the
-    runtime's deferral of a boundary's first activation); run before every NCCL run."""
+    runtime's deferral of a boundary's first activation); run before every NCCL run.
+    ``collectives``: the computations run collectives too (tp's, ZeRO-2/3's), each group on a
+    communicator of its own (`pipeexec.topology`)."""
     try:
-        check_channels(schedule, one_way_pairs, defer_first_activation=True)
+        check_channels(schedule, one_way_pairs, defer_first_activation=True,
+                       collective_of=group_collectives if collectives else None)
     except ChannelError as exc:
         raise P2PError(f"{exc} (use gloo, or change the schedule)") from exc

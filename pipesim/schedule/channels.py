@@ -26,6 +26,16 @@ first transfer, blocking the host until the peer arrives there too): pipeexec's 
 deadlocks e.g. gpipe pp 4 m 4 lookahead 1 in the first step, which is why pipeexec creates
 and warms up every channel, in one global order, before the first step.
 
+Collectives (``collective_of``): a computation that runs a collective over its tensor- or
+data-parallel group (tp's all-reduces inside F and B, ZeRO-3's gathers) posts it on the FIFO
+``collective_of(action)`` names and waits for it. Every member of such a group runs this rank's
+own program (the same pipeline rank of another tp or dp position), so a collective completes as
+soon as it reaches the head of its FIFO; on a communicator of its own it always does, but on a
+communicator it shares with p2p transfers (one process group for everything) it waits behind
+the transfers posted before it, and e.g. 1F1B deadlocks: a rank's all-reduce behind its early
+receive of the next activation, whose sender's all-reduce is behind its receive of this rank's
+gradient.
+
 Channel functions provided (any callable ``Transfer -> hashable`` works):
 
 * `one_way_pairs`: one communicator per (kind, src, dst), pipeexec's layout. Each stream carries
@@ -88,6 +98,15 @@ def single_group(t: Transfer) -> Hashable:
     return 0
 
 
+CollectiveFn = Callable[[Action], "Hashable | None"]
+
+
+def group_collectives(action: Action) -> Hashable | None:
+    """pipeexec's layout with tp > 1 (or ZeRO-2/3): every computation's collectives on the
+    group's own communicator, apart from every p2p channel."""
+    return ("group",) if action.is_compute else None
+
+
 class ChannelError(ScheduleError):
     """Transfers that would match the wrong tensor, or never complete, on their FIFOs."""
 
@@ -126,9 +145,23 @@ class _Op:
         return f"{self.action} ({'send to' if self.is_send else 'receive from'} rank {self.peer})"
 
 
+class _Collective:
+    """A computation's collective over its group: complete once at the head of its FIFO."""
+
+    __slots__ = ("rank", "action", "transfer", "fifo", "is_send", "peer", "done", "step")
+
+    def __init__(self, rank: int, action: Action, fifo: Hashable, step: int) -> None:
+        self.rank, self.action, self.fifo, self.step = rank, action, fifo, step
+        self.transfer, self.is_send, self.peer, self.done = None, False, rank, False
+
+    def __str__(self) -> str:
+        return f"{self.action}'s collective over its group"
+
+
 def check_channels(schedule: "Schedule", channel_of: ChannelFn = one_way_pairs, *,
                    steps: int = 2, defer_first_activation: bool = False,
-                   lazy_communicators: bool = False) -> None:
+                   lazy_communicators: bool = False,
+                   collective_of: CollectiveFn | None = None) -> None:
     """Run ``steps`` steps of ``schedule`` with every transfer posted on the FIFO
     ``channel_of(transfer)`` names, matched NCCL's way; raise `ChannelError` at the first
     mismatch or deadlock. See the module docstring for the model.
@@ -136,7 +169,10 @@ def check_channels(schedule: "Schedule", channel_of: ChannelFn = one_way_pairs, 
     ``lazy_communicators``: torch 2.6-2.7's NCCL behaviour without eager init: the first
     transfer a rank posts on a (channel, pair of ranks) creates its communicator, and the host
     blocks until the other rank of the pair arrives at its own first transfer there (what
-    pipeexec's start-up warm-up, done in one global order, takes out of the steps)."""
+    pipeexec's start-up warm-up, done in one global order, takes out of the steps).
+
+    ``collective_of``: the FIFO of each computation's collectives (None: it has none); see the
+    module docstring."""
     pp = schedule.pp
     # The lowered rows, each OVERLAP_F_B as its parts in turn, each waiting for its own input
     # (pipeexec, torch): the transfer a comm row posts, and the receive a computation waits on.
@@ -159,6 +195,8 @@ def check_channels(schedule: "Schedule", channel_of: ChannelFn = one_way_pairs, 
     micro: list[deque] = [deque() for _ in range(pp)]    # flush work queued by a wait
     arrived: dict[tuple, set[int]] = {}                  # lazy communicators: who has come
     created: set[tuple] = set()
+    collected = [(-1, -1)] * pp                          # the computation whose collective is done
+    row_action = [[Row(*row).action for row in rows] for rows in programs] if collective_of else None
 
     def post(op: _Op) -> None:
         fifos.setdefault((op.rank, op.fifo), deque()).append(op)
@@ -236,12 +274,24 @@ def check_channels(schedule: "Schedule", channel_of: ChannelFn = one_way_pairs, 
                     continue
                 blocked[r] = need
                 return moved
+            if collective_of is not None and collected[r] != (step, i):
+                fifo = collective_of(row_action[r][i])
+                collected[r] = (step, i)
+                if fifo is not None:
+                    coll = _Collective(r, row_action[r][i], fifo, step)
+                    post(coll)
+                    blocked[r] = coll
+                    moved = True
+                    continue
             pc[r] = (step, i + 1)
             moved = True
 
     def match() -> bool:
         moved = False
         for (r, key), fifo in list(fifos.items()):
+            while fifo and isinstance(fifo[0], _Collective):
+                fifo.popleft().done = True
+                moved = True
             if not fifo or not fifo[0].is_send:
                 continue
             send = fifo[0]
@@ -298,6 +348,8 @@ def _deadlock(schedule: "Schedule", blocked: list, fifos: dict, pc: list) -> Cha
         head = fifo[0] if fifo else None
         if head is None or not any(op is need for op in fifo):
             where = "not posted"
+        elif isinstance(need, _Collective):
+            where = f"behind {head} on channel {need.fifo!r}, which it shares with p2p"
         elif head is need:
             peer_fifo = fifos.get((need.peer, need.fifo))
             where = (f"at the head of channel {need.fifo!r}, where rank {need.peer} has "
@@ -315,5 +367,6 @@ def _deadlock(schedule: "Schedule", blocked: list, fifos: dict, pc: list) -> Cha
                         + "; ".join(lines), r, need.action, need.peer, "deadlock")
 
 
-__all__ = ["Transfer", "ChannelError", "ChannelFn", "check_channels", "transfer_of",
-           "one_way_pairs", "kind_and_direction", "single_group"]
+__all__ = ["Transfer", "ChannelError", "ChannelFn", "CollectiveFn", "check_channels",
+           "transfer_of", "one_way_pairs", "kind_and_direction", "single_group",
+           "group_collectives"]

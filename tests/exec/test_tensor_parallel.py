@@ -164,7 +164,10 @@ def test_vocab_parallel_cross_entropy_equals_cross_entropy():
 TP_PP_CASES = tuple((s, ch) for s in ("1f1b", "interleaved", "zbv", "dualpipev")
                     for ch in ({}, {"sequence_parallel": True}))
 TP_PP_EXTRA = (("1f1b", {"tie_embeddings": True, "sequence_parallel": True}),
-               ("zbv", {"precision": "bf16", "sequence_parallel": True}))
+               ("zbv", {"precision": "bf16", "sequence_parallel": True}),
+               # p2p untagged as NCCL matches, with the tp collectives on their own groups
+               ("zbv", {"nccl_matching": True, "sequence_parallel": True}),
+               ("dualpipev", {"nccl_matching": True}))
 
 
 @pytest.mark.slow
