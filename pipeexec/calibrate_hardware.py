@@ -15,8 +15,13 @@ this machine. Measured here with torch, on the device given (CPU, or one CUDA GP
 * the per-kernel overhead: a one-element add with autograd, forward and backward;
 * attention: ``scaled_dot_product_attention`` forward + backward at one shape, as the
   ``flash_e_max`` the model's sequence and head-dim factors scale;
-* collectives: all-reduce over gloo between 2 processes on this host at several sizes, fitted
-  as latency + bytes / bandwidth (the ring's ``2 (p-1)/p`` bytes), for both links.
+* collectives: the gloo benchmark of :mod:`pipeexec.measuring.collectives` (all-reduce,
+  reduce-scatter, all-gather, all-to-all between p = 2 and 4 forked ranks on this host, 4 KiB
+  to 25 MiB), each (collective, p) fitted as latency + bytes / bandwidth in the ring convention
+  of :mod:`pipesim.plan.collectives`, stored as the file's ``collectives`` for both link kinds
+  (one host: both are the loopback); the links' own pair (point-to-point, and any collective
+  without a figure) is the all-reduce's at the smallest p, as the file held before. Measured
+  first, before the GEMM sweep starts torch's thread pool: the benchmark forks its ranks.
 
 The file is :meth:`pipesim.hardware.Hardware.to_dict`'s JSON with ``calibration: measured``,
 each figure's method in ``sources``; ``--hardware FILE`` reads it.
@@ -29,7 +34,7 @@ import statistics
 import time
 from pathlib import Path
 
-from pipesim.hardware import Hardware
+from pipesim.hardware import COLLECTIVE_NAMES, Hardware
 
 SIZES = (64, 128, 256, 512, 1024)
 
@@ -134,62 +139,43 @@ def attention_efficiency(device: str, dtype, peak: float, b: int = 4, heads: int
     return min(1.0, max(1e-3, measured / flash_efficiency(_One, s, d)))
 
 
-def _allreduce_worker(rank: int, world: int, port: int, sizes, queue) -> None:
-    import torch
-    import torch.distributed as dist
+def gloo_collectives(groups: tuple[int, ...] | None = None, sizes: tuple[int, ...] | None = None,
+                     quick: bool = False, repeats: int | None = None) -> tuple[dict, str]:
+    """The benchmark's figures as :class:`Hardware` fields (``link_latency`` ... and
+    ``collectives``), and what was measured, for the sources."""
+    from pipesim.units import format_bytes
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    out = []
-    for nbytes in sizes:
-        t = torch.zeros(max(1, nbytes // 4))
-        dist.all_reduce(t)
-        samples = []
-        for _ in range(5):
-            dist.barrier()
-            t0 = time.perf_counter()
-            dist.all_reduce(t)
-            samples.append(time.perf_counter() - t0)
-        out.append((nbytes, statistics.median(samples)))
-    if rank == 0:
-        queue.put(out)
-    dist.destroy_process_group()
+    from .measuring.collectives import GROUPS, QUICK_SIZES, SIZES, benchmark
 
-
-def gloo_links(sizes=(4 << 10, 256 << 10, 4 << 20, 16 << 20)) -> tuple[float, float]:
-    """(latency s, bandwidth bytes/s) of an all-reduce between 2 processes over gloo, fitted
-    to the ring's ``2 (p-1) a + 2 (p-1)/p n / B`` at p = 2."""
-    import socket
-
-    import torch.multiprocessing as mp
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=_allreduce_worker, args=(r, 2, port, sizes, queue)) for r in range(2)]
-    for p in procs:
-        p.start()
-    points = queue.get(timeout=300)
-    for p in procs:
-        p.join(timeout=60)
-    # t = 2a + n/B  (p = 2): linear in n
-    xs = [n for n, _ in points]
-    ys = [t for _, t in points]
-    mx, my = statistics.fmean(xs), statistics.fmean(ys)
-    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
-    slope = max(slope, 1e-15)
-    latency = max(0.0, (my - slope * mx) / 2)
-    return latency, 1 / slope
+    groups = groups or ((2,) if quick else GROUPS)
+    sizes = sizes or (QUICK_SIZES if quick else SIZES)
+    repeats = repeats or (3 if quick else 9)
+    b = benchmark(groups, sizes, repeats=repeats)
+    base = b.fit_of("all_reduce", min(groups))
+    errors = b.errors()
+    fields = dict(link_latency=base.latency, network_latency=base.latency,
+                  link_bandwidth=base.bandwidth, network_bandwidth=base.bandwidth,
+                  collectives=b.hardware_rows())
+    what = (f"gloo {', '.join(dict.fromkeys(f.name for f in b.fits))} between p = "
+            f"{', '.join(map(str, groups))} forked ranks on this host (pipeexec.measuring."
+            f"collectives), {len(sizes)} sizes {format_bytes(min(sizes))} to "
+            f"{format_bytes(max(sizes))}, median of {repeats} repeats after warm-up; each "
+            "(collective, p) fitted as latency + bytes / bandwidth in the ring convention of "
+            f"pipesim.plan.collectives (fit error median {statistics.median(errors):.1%}, worst "
+            f"{max(errors):.1%}); the same figures for both link kinds (one host)")
+    return fields, what
 
 
 def calibrate(device: str = "cpu", name: str | None = None, links: bool = True,
-              quick: bool = False) -> Hardware:
-    """Measure this machine's figures and return them as a :class:`Hardware` (see above)."""
+              quick: bool = False, groups: tuple[int, ...] | None = None,
+              sizes: tuple[int, ...] | None = None, repeats: int | None = None) -> Hardware:
+    """Measure this machine's figures and return them as a :class:`Hardware` (see above).
+    ``groups``, ``sizes``, ``repeats``: the collective benchmark's (default: its own sweep,
+    a smaller one with ``quick``); ``links=False`` skips it."""
     import torch
 
+    # first, while this process has no threads: the benchmark forks its ranks
+    coll, coll_what = gloo_collectives(groups, sizes, quick, repeats) if links else ({}, "")
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
     sizes = SIZES[:-1] if quick else SIZES
     sweep = gemm_sweep(device, dtype, repeat=3 if quick else 5, sizes=sizes)
@@ -206,7 +192,9 @@ def calibrate(device: str = "cpu", name: str | None = None, links: bool = True,
     else:
         memory = float(torch.cuda.get_device_properties(device).total_memory)
         label = name or torch.cuda.get_device_name(device).replace(" ", "-")
-    lat, bw = gloo_links() if links else (5e-6, bw_small)
+    if not links:
+        coll = dict(link_latency=5e-6, network_latency=5e-6, link_bandwidth=bw_small,
+                    network_bandwidth=bw_small)
     where = f"measured by pipeexec calibrate-hardware on {label}, {time.strftime('%Y-%m-%d')}"
     sources = {
         "peaks": f"{where}: peak_flops = the best GEMM rate of the sweep ({dtype})",
@@ -217,12 +205,16 @@ def calibrate(device: str = "cpu", name: str | None = None, links: bool = True,
                           "large ones), so the efficiency is 1",
         "flash_e_max": f"{where}: scaled_dot_product_attention fwd+bwd at b4 h4 s512 d64",
         "launch_overhead": f"{where}: one-element mul with autograd, per op",
-        "links": f"{where}: gloo all-reduce between 2 processes, latency + bandwidth fit",
+        "links": (f"{where}: the gloo all-reduce's fit at the smallest p of the collective "
+                  "benchmark (see collectives)" if links else "not measured (--no-links): 5 us "
+                  "and the element-wise bandwidth, assumed"),
         "memory_reserve": "none on a CPU (no device context)",
         "fragmentation": "1: the CPU allocator is not modelled",
     }
-    return Hardware(label, peak, memory, bw, bw, bw_small, link_latency=lat, network_latency=lat,
-                    nvlink_domain=1 << 20, fp8_flops=0.0 if device == "cpu" else None,
+    if links:
+        sources["collectives"] = f"{where}: {coll_what}"
+    return Hardware(label, peak, memory, hbm_bandwidth=bw_small, **coll, nvlink_domain=1 << 20,
+                    fp8_flops=0.0 if device == "cpu" else None,
                     fp32_flops=peak if device == "cpu" else None,
                     gemm_e_max=e_max, gemm_dim_half=dim, gemm_table=table, mem_efficiency=1.0,
                     flash_e_max=flash, launch_overhead=launch,
@@ -240,8 +232,29 @@ def add_command(sub) -> None:
     p.add_argument("--out", required=True, metavar="FILE.json", help="the hardware file to write")
     p.add_argument("--device", default="cpu", help="cpu, or a CUDA device (cuda:0)")
     p.add_argument("--name", default=None, help="the hardware's name in the file")
-    p.add_argument("--no-links", action="store_true", help="skip the gloo collectives")
+    p.add_argument("--no-links", action="store_true",
+                   help="skip the gloo collective benchmark (links: assumed figures, none per "
+                        "collective)")
+    p.add_argument("--collective-groups", default=None, metavar="P,P",
+                   help="the benchmark's group sizes (ranks) (default: 2,4; 2 with --quick)")
+    p.add_argument("--collective-sizes", default=None, metavar="SIZE,SIZE",
+                   help="the benchmark's message sizes, with units (default: 4KiB to 25MiB; "
+                        "4KiB,256KiB,4MiB with --quick)")
+    p.add_argument("--collective-repeats", type=int, default=None, metavar="N",
+                   help="timed repeats per point, the median kept (default: 9; 3 with --quick)")
     p.add_argument("--quick", action="store_true", help="a smaller sweep (tests)")
+
+
+def _list(text: str | None, parse, flag: str) -> tuple | None:
+    if text is None:
+        return None
+    try:
+        out = tuple(parse(x) for x in text.replace(" ", ",").split(",") if x)
+    except ValueError as exc:
+        raise ValueError(f"{flag} {text!r}: {exc}") from None
+    if not out:
+        raise ValueError(f"{flag} {text!r}: no value given")
+    return out
 
 
 def run(ns: argparse.Namespace) -> int:
@@ -250,10 +263,39 @@ def run(ns: argparse.Namespace) -> int:
     if ns.device.startswith("cuda") and not torch.cuda.is_available():
         print(f"calibrate-hardware: --device {ns.device}: no CUDA device here; use --device cpu")
         return 2
-    hw = calibrate(ns.device, ns.name, links=not ns.no_links, quick=ns.quick)
+    from pipesim.units import parse_bytes
+
+    from .measuring.collectives import CollectiveBenchmarkError
+
+    try:
+        groups = _list(ns.collective_groups, int, "--collective-groups")
+        sizes = _list(ns.collective_sizes, lambda x: int(parse_bytes(x)), "--collective-sizes")
+        if groups and min(groups) < 2:
+            raise ValueError(f"--collective-groups {ns.collective_groups!r}: a group has 2 ranks "
+                             "at least")
+        if ns.collective_repeats is not None and ns.collective_repeats < 1:
+            raise ValueError(f"--collective-repeats {ns.collective_repeats}: must be >= 1")
+        if sizes and len(set(sizes)) < 2:
+            raise ValueError(f"--collective-sizes {ns.collective_sizes!r}: a fit needs two "
+                             "sizes at least")
+    except ValueError as exc:
+        print(f"calibrate-hardware: {exc}")
+        return 2
+    try:
+        hw = calibrate(ns.device, ns.name, links=not ns.no_links, quick=ns.quick, groups=groups,
+                       sizes=sizes, repeats=ns.collective_repeats)
+    except CollectiveBenchmarkError as exc:
+        print(f"calibrate-hardware: {exc}")
+        return 1
     hw.save(Path(ns.out))
     print(f"{hw.name}: peak {hw.peak_flops / 1e9:.1f} GFLOP/s, GEMM eff = {hw.gemm_e_max:.3f} / "
           f"(1 + {hw.gemm_dim_half:.1f} (1/m + 1/n + 1/k)), element-wise {hw.hbm_bandwidth / 1e9:.1f} "
           f"GB/s, launch {hw.launch_overhead * 1e6:.1f} us, attention {hw.flash_e_max:.3f}, "
           f"link {hw.link_bandwidth / 1e9:.2f} GB/s + {hw.link_latency * 1e6:.0f} us -> {ns.out}")
+    if hw.collectives:
+        print("collectives over gloo, per ring step and bandwidth (pipesim.plan.collectives' "
+              "convention):")
+    for name, p, lat, bw in sorted(hw.collective_figures("intra"),
+                                   key=lambda r: (COLLECTIVE_NAMES.index(r[0]), r[1])):
+        print(f"  {name:<15} p={p}: {lat * 1e6:8.1f} us, {bw / 1e9:.3f} GB/s")
     return 0

@@ -13,6 +13,19 @@ figure printed from such a preset says so). ``nvlink_domain`` is how many GPUs o
 (scale-up) domain joins (8 in an HGX node, 72 in a GB200 NVL72 rack); ``fp8_flops`` the dense
 FP8 peak, for plans with fp8 GEMMs (0 where the GPU has no FP8 tensor cores: A100).
 
+``collectives`` holds measured figures per collective where one link's pair would not do: per
+link kind (``intra``, ``inter``), per collective (``all_reduce``, ``reduce_scatter``,
+``all_gather``, ``all_to_all``) and per group size, a latency and bandwidth in the ring
+convention of :mod:`pipesim.plan.collectives` (``pipeexec calibrate-hardware`` fits them to a
+gloo benchmark). In a file::
+
+    "collectives": {"intra": {"all_reduce": {"2": {"latency": 3e-05, "bandwidth": 2e9},
+                                             "4": {...}},
+                              "all_to_all": {"latency": 4e-05, "bandwidth": 1e9}}}
+
+(a collective given without group sizes applies at every size). Files without the key (every
+file written before) load as before: each collective then runs on its link's pair.
+
 A hardware file (JSON, ``Hardware.to_dict()``'s keys; ``pipeexec calibrate-hardware`` writes
 one) is read wherever a preset name is: ``--hardware FILE`` / ``get_hardware("cpu.json")``.
 """
@@ -22,6 +35,72 @@ import json
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
+
+LINK_KINDS = ("intra", "inter")
+COLLECTIVE_NAMES = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all")
+
+
+def _collective_rows(value: Any, hw: str) -> tuple:
+    """``collectives`` as sorted rows ``(kind, name, p, latency, bandwidth)`` (``p`` 0: any
+    group size), from the file's nested mapping or from rows; every figure checked."""
+    if isinstance(value, dict):
+        rows = []
+        for kind, per_name in value.items():
+            if not isinstance(per_name, dict):
+                raise ValueError(f"hardware {hw}: collectives.{kind} must map collectives to "
+                                 f"figures, got {per_name!r}")
+            for name, entry in per_name.items():
+                if not isinstance(entry, dict):
+                    raise ValueError(f"hardware {hw}: collectives.{kind}.{name} must be "
+                                     f"{{latency, bandwidth}} or {{group size: {{latency, "
+                                     f"bandwidth}}}}, got {entry!r}")
+                flat = "latency" in entry or "bandwidth" in entry
+                for p, fig in ({"any": entry} if flat else entry).items():
+                    where = f"collectives.{kind}.{name}" + ("" if flat else f".{p}")
+                    if not isinstance(fig, dict) or set(fig) != {"latency", "bandwidth"}:
+                        raise ValueError(f"hardware {hw}: {where} must be {{\"latency\": s, "
+                                         f"\"bandwidth\": bytes/s}}, got {fig!r}")
+                    try:
+                        size = 0 if p == "any" else int(p)
+                    except (TypeError, ValueError):
+                        raise ValueError(f"hardware {hw}: {where}: the group size must be an "
+                                         f"integer >= 2 (or the figure given without sizes), "
+                                         f"got {p!r}") from None
+                    rows.append((kind, name, size, fig["latency"], fig["bandwidth"]))
+    else:
+        rows = [tuple(r) for r in value]
+    out = []
+    for row in rows:
+        if len(row) != 5:
+            raise ValueError(f"hardware {hw}: a collectives row is (kind, name, group size, "
+                             f"latency, bandwidth), got {row!r}")
+        kind, name, p, lat, bw = row
+        where = f"collectives.{kind}.{name}" + (f".{p}" if p else "")
+        if kind not in LINK_KINDS:
+            raise ValueError(f"hardware {hw}: collectives: link kind {kind!r} is not one of "
+                             f"{', '.join(LINK_KINDS)}")
+        if name not in COLLECTIVE_NAMES:
+            raise ValueError(f"hardware {hw}: collectives.{kind}: {name!r} is not one of "
+                             f"{', '.join(COLLECTIVE_NAMES)}")
+        if not isinstance(p, int) or isinstance(p, bool) or (p != 0 and p < 2):
+            raise ValueError(f"hardware {hw}: {where}: the group size must be an integer >= 2, "
+                             f"got {p!r}")
+        try:
+            lat, bw = float(lat), float(bw)
+        except (TypeError, ValueError):
+            raise ValueError(f"hardware {hw}: {where}: latency and bandwidth must be numbers, "
+                             f"got {lat!r}, {bw!r}") from None
+        if not lat >= 0 or lat == float("inf"):
+            raise ValueError(f"hardware {hw}: {where}: latency must be >= 0 s, got {lat!r}")
+        if not bw > 0:
+            raise ValueError(f"hardware {hw}: {where}: bandwidth must be > 0 bytes/s, got {bw!r}")
+        out.append((kind, name, p, lat, bw))
+    keys = [r[:3] for r in out]
+    if len(set(keys)) != len(keys):
+        dup = next(k for k in keys if keys.count(k) > 1)
+        raise ValueError(f"hardware {hw}: collectives: {dup[0]}.{dup[1]} is given twice for "
+                         f"group size {dup[2] or 'any'}")
+    return tuple(sorted(out))
 
 
 @dataclass(frozen=True)
@@ -56,6 +135,9 @@ class Hardware:
     fragmentation: float = 1.05          # caching allocator: bytes reserved per byte allocated
     calibration: str = "extrapolated"   # "fitted" / "measured" here, or "extrapolated"
     sources: tuple = ()                  # ((figure, where it comes from), ...)
+    # measured per-collective links: ((kind, name, group size or 0 = any, latency, bandwidth),
+    # ...), in a file a nested mapping (see the module's docstring); empty: the links' pairs
+    collectives: tuple = ()
 
     def __post_init__(self) -> None:
         # JSON gives lists; keep the dataclass hashable (plans are compared and hashed)
@@ -63,6 +145,7 @@ class Hardware:
                                                      for row in self.gemm_table))
         src = self.sources.items() if isinstance(self.sources, dict) else self.sources
         object.__setattr__(self, "sources", tuple((str(k), str(v)) for k, v in src))
+        object.__setattr__(self, "collectives", _collective_rows(self.collectives, self.name))
         for f in ("peak_flops", "memory_bytes", "link_bandwidth", "network_bandwidth",
                   "hbm_bandwidth"):
             if not getattr(self, f) > 0:
@@ -109,6 +192,19 @@ class Hardware:
     def with_(self, **changes: Any) -> "Hardware":
         return replace(self, **changes)
 
+    def collective_figures(self, kind: str) -> tuple:
+        """The measured per-collective figures of link ``kind`` ("intra" or "inter"):
+        ``((name, group size or 0 = any, latency, bandwidth), ...)`` (empty: none measured)."""
+        return tuple(r[1:] for r in self.collectives if r[0] == kind)
+
+    def with_links_scaled(self, factor: float) -> "Hardware":
+        """These figures with every link bandwidth (both links' and each collective's) times
+        ``factor``."""
+        return replace(self, link_bandwidth=self.link_bandwidth * factor,
+                       network_bandwidth=self.network_bandwidth * factor,
+                       collectives=tuple((k, n, p, lat, bw * factor)
+                                         for k, n, p, lat, bw in self.collectives))
+
     @property
     def fp8_peak_flops(self) -> float:
         return 2 * self.peak_flops if self.fp8_flops is None else self.fp8_flops
@@ -131,6 +227,18 @@ class Hardware:
         out = asdict(self)
         out["gemm_table"] = [list(r) for r in self.gemm_table]
         out["sources"] = dict(self.sources)
+        if self.collectives:
+            nested: dict = {}
+            for kind, name, p, lat, bw in self.collectives:
+                nested.setdefault(kind, {}).setdefault(name, {})[str(p) if p else "any"] = {
+                    "latency": lat, "bandwidth": bw}
+            for per_name in nested.values():
+                for name, entry in per_name.items():
+                    if list(entry) == ["any"]:          # one figure for every group size
+                        per_name[name] = entry["any"]
+            out["collectives"] = nested
+        else:
+            del out["collectives"]                     # files stay as they were without them
         return out
 
     @classmethod

@@ -6,6 +6,11 @@ ranks at ``stride`` (tp: stride 1; cp: tp; dp: tp*cp; pp: tp*cp*dp; ep, in the e
 tp-ep-dp-pp: tp) stays inside one NVLink domain when its span ``stride * size`` fits in the
 domain and divides it; otherwise it crosses the network (a ring over the network runs at one
 NIC's bandwidth per GPU).
+
+A link carries the hardware's measured per-collective figures for its kind
+(``Hardware.collectives``), which :mod:`pipesim.plan.collectives` prefers to the link's own
+pair; a cluster override of that link's latency or bandwidth replaces them too (the override
+is the link).
 """
 from __future__ import annotations
 
@@ -20,11 +25,27 @@ from .parallelism import Parallelism
 
 @dataclass(frozen=True)
 class Link:
-    """What a collective sees: per-message latency (s), bandwidth per direction (bytes/s)."""
+    """What a collective sees: per-message latency (s), bandwidth per direction (bytes/s), and
+    measured figures of single collectives where the hardware has them."""
 
     kind: str           # "intra" (NVLink domain) or "inter" (network)
     latency: float
     bandwidth: float
+    # ((collective, group size or 0 = any, latency, bandwidth), ...): Hardware.collectives
+    collectives: tuple = ()
+
+    def figure(self, name: str, p: int) -> tuple[float, float]:
+        """``(latency, bandwidth)`` of collective ``name`` over ``p`` ranks: the figure measured
+        at ``p``; else one given for any size; else the one measured at the nearest size (the
+        larger of two as near); else the link's own pair."""
+        rows = [(size, lat, bw) for n, size, lat, bw in self.collectives if n == name]
+        if not rows:
+            return self.latency, self.bandwidth
+        exact = [r for r in rows if r[0] == p] or [r for r in rows if r[0] == 0]
+        if exact:
+            return exact[0][1], exact[0][2]
+        _, lat, bw = min(rows, key=lambda r: (abs(r[0] - p), -r[0]))
+        return lat, bw
 
 
 @dataclass(frozen=True)
@@ -68,13 +89,17 @@ class Cluster:
 
     def intra(self) -> Link:
         hw = self.hardware
+        own = self.intra_latency is None and self.intra_bandwidth is None
         return Link("intra", hw.link_latency if self.intra_latency is None else self.intra_latency,
-                    hw.link_bandwidth if self.intra_bandwidth is None else self.intra_bandwidth)
+                    hw.link_bandwidth if self.intra_bandwidth is None else self.intra_bandwidth,
+                    hw.collective_figures("intra") if own else ())
 
     def inter(self) -> Link:
         hw = self.hardware
+        own = self.inter_latency is None and self.inter_bandwidth is None
         return Link("inter", hw.network_latency if self.inter_latency is None else self.inter_latency,
-                    hw.network_bandwidth if self.inter_bandwidth is None else self.inter_bandwidth)
+                    hw.network_bandwidth if self.inter_bandwidth is None else self.inter_bandwidth,
+                    hw.collective_figures("inter") if own else ())
 
     def link(self, stride: int, size: int, world: int) -> Link:
         """The link a group of ``size`` ranks ``stride`` apart crosses."""

@@ -10,27 +10,106 @@ direction (Thakur, Rabenseifner & Gropp 2005; NCCL's "bus bandwidth" convention)
 * point-to-point ``a + n / B``.
 
 All are zero when ``p == 1`` (or ``n == 0`` for point-to-point).
+
+``a`` and ``B`` are the link's pair, or the hardware's measured figure for that collective
+at that group size where it has one (:meth:`pipesim.plan.cluster.Link.figure`; a hardware
+file's ``collectives``, which ``pipeexec calibrate-hardware`` fits with :func:`fit` below to a
+benchmark in this same convention).
 """
 from __future__ import annotations
 
+from collections.abc import Iterable
+from dataclasses import dataclass
+
 from .cluster import Link
+
+COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all")
+
+
+def factors(name: str, p: int) -> tuple[float, float]:
+    """``(latency steps, bandwidth share)`` of ``name`` over ``p`` ranks: its time is
+    ``steps * a + share * n / B`` (the ring convention above)."""
+    if name not in COLLECTIVES:
+        raise ValueError(f"unknown collective {name!r}; known: {', '.join(COLLECTIVES)}")
+    k = 2 if name == "all_reduce" else 1
+    return k * (p - 1), k * (p - 1) / p
+
+
+def collective_time(name: str, nbytes: float, p: int, link: Link) -> float:
+    """Seconds collective ``name`` of ``nbytes`` takes over ``p`` ranks on ``link``."""
+    if p <= 1 or nbytes <= 0:
+        return 0.0
+    steps, share = factors(name, p)
+    latency, bandwidth = link.figure(name, p)
+    return steps * latency + share * nbytes / bandwidth
 
 
 def all_reduce(nbytes: float, p: int, link: Link) -> float:
-    if p <= 1 or nbytes <= 0:
-        return 0.0
-    return 2 * (p - 1) * link.latency + 2 * (p - 1) / p * nbytes / link.bandwidth
+    return collective_time("all_reduce", nbytes, p, link)
 
 
 def all_gather(nbytes: float, p: int, link: Link) -> float:
-    if p <= 1 or nbytes <= 0:
-        return 0.0
-    return (p - 1) * link.latency + (p - 1) / p * nbytes / link.bandwidth
+    return collective_time("all_gather", nbytes, p, link)
 
 
-reduce_scatter = all_gather
-all_to_all = all_gather
+def reduce_scatter(nbytes: float, p: int, link: Link) -> float:
+    return collective_time("reduce_scatter", nbytes, p, link)
+
+
+def all_to_all(nbytes: float, p: int, link: Link) -> float:
+    return collective_time("all_to_all", nbytes, p, link)
 
 
 def p2p(nbytes: float, link: Link) -> float:
     return 0.0 if nbytes <= 0 else link.latency + nbytes / link.bandwidth
+
+
+@dataclass(frozen=True)
+class Fit:
+    """One collective's alpha-beta figures at one group size, fitted to measured times."""
+
+    name: str
+    p: int
+    latency: float        # a, seconds per ring step
+    bandwidth: float      # B, bytes/s
+
+    def time(self, nbytes: float) -> float:
+        """The fitted time of ``nbytes`` (the convention above)."""
+        return collective_time(self.name, nbytes, self.p, Link("fit", self.latency, self.bandwidth))
+
+
+def fit(points: Iterable[tuple[float, float]], name: str, p: int) -> Fit:
+    """The ``(a, B)`` of ``steps * a + share * n / B`` closest to ``points`` ((bytes, seconds),
+    sizes as the convention counts them) in relative error: least squares on ``t_fit / t - 1``,
+    so a microsecond at 4 KiB weighs as much as a millisecond at 4 MiB. Timings drawn from the
+    model give ``a`` and ``B`` back. A negative latency is clamped to 0 (the slope refitted
+    through the origin); times that do not grow with the size cannot give a bandwidth (raised)."""
+    pts = [(float(n), float(t)) for n, t in points]
+    if p < 2:
+        raise ValueError(f"fit {name}: a collective over p={p} rank moves nothing; p must be >= 2")
+    if len({n for n, _ in pts}) < 2:
+        raise ValueError(f"fit {name} at p={p}: needs times at two message sizes at least, got "
+                         f"{len(pts)} point(s)")
+    bad = [(n, t) for n, t in pts if not (n > 0 and t > 0)]
+    if bad:
+        raise ValueError(f"fit {name} at p={p}: sizes and times must be > 0, got {bad[:3]}")
+    steps, share = factors(name, p)
+    # t = A + S x, x = share * n, A = steps * a, S = 1 / B; weights 1 / t^2
+    w = [1.0 / (t * t) for _, t in pts]
+    x = [share * n for n, _ in pts]
+    y = [t for _, t in pts]
+    sw = sum(w)
+    swx = sum(wi * xi for wi, xi in zip(w, x))
+    swy = sum(wi * yi for wi, yi in zip(w, y))
+    swxx = sum(wi * xi * xi for wi, xi in zip(w, x))
+    swxy = sum(wi * xi * yi for wi, xi, yi in zip(w, x, y))
+    det = sw * swxx - swx * swx
+    slope = (sw * swxy - swx * swy) / det
+    intercept = (swy - slope * swx) / sw
+    if intercept < 0:
+        intercept, slope = 0.0, swxy / swxx
+    if not slope > 0:
+        raise ValueError(f"fit {name} at p={p}: the measured times do not grow with the message "
+                         f"size ({', '.join(f'{n:.0f} B: {t:.3g} s' for n, t in pts)}); measure "
+                         "larger messages to fit a bandwidth")
+    return Fit(name, p, intercept / steps, 1.0 / slope)

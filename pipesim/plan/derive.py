@@ -276,6 +276,7 @@ def derive(plan) -> PlanCosts:
                              optimizer=OPTIMIZER_BYTES * updated / hw.hbm_bandwidth))
 
     dp_link = links["dp"]
+    dp_ar = dp_link.figure("all_reduce", d)     # the engine's own tail is an all-reduce
     pp_link = links["pp"]
     stage_static = [sum(m.values()) for m in mem_st]
     costs = CostModel(
@@ -287,7 +288,7 @@ def derive(plan) -> PlanCosts:
         optimizer=[OPTIMIZER_BYTES * (p["dense"] / (d if par.zero >= 1 else 1)
                                       + p["expert"] / (d_exp if par.zero >= 1 else 1)) / hw.hbm_bandwidth
                    for p in params_st],
-        dp_latency=dp_link.latency, dp_bandwidth=dp_link.bandwidth,
+        dp_latency=dp_ar[0], dp_bandwidth=dp_ar[1],
     )
     gbs = par.gbs
     # causal attention with flash kernels computes half the scores: count what runs, as

@@ -161,7 +161,10 @@ class PlanResult:
             "calibration": self.derived.calibration,
             "step_tail": [asdict(t) for t in tail],
             "stage_layers": self.derived.stage_layers,
-            "links": {k: {"kind": v.kind, "latency": v.latency, "bandwidth": v.bandwidth}
+            "links": {k: {"kind": v.kind, "latency": v.latency, "bandwidth": v.bandwidth,
+                          **({"collectives": [{"collective": n, "p": q, "latency": lat,
+                                               "bandwidth": bw} for n, q, lat, bw in v.collectives]}
+                             if v.collectives else {})}
                       for k, v in self.derived.links.items()},
         }
 

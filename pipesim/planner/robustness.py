@@ -3,10 +3,11 @@
 Why: the per-operator model's efficiencies are fitted (A100) or carried over (other GPUs), and
 link figures are datasheet peaks; a 2% lead between two plans can be inside that error. Each
 scenario scales every efficiency figure of the hardware (GEMM, element-wise, attention) by
-``1 +- efficiency`` and every link bandwidth by ``1 +- links`` (the four corners), re-simulates
-the top plans and compares their order with the nominal one; the report names the scenarios
-in which the winner or the order changes. Unlike :mod:`pipesim.planner.stability`'s jitter
-(per-action noise), these errors are systematic: they move every action of a plan alike.
+``1 +- efficiency`` and every link bandwidth (a hardware file's per-collective ones too) by
+``1 +- links`` (the four corners), re-simulates the top plans and compares their order with
+the nominal one; the report names the scenarios in which the winner or the order changes.
+Unlike :mod:`pipesim.planner.stability`'s jitter (per-action noise), these errors are
+systematic: they move every action of a plan alike.
 """
 from __future__ import annotations
 
@@ -19,11 +20,9 @@ from ..plan.report import simulate_plan
 def scaled(plan: Plan, eff: float, link: float) -> Plan:
     """``plan`` on its hardware with efficiencies times ``eff`` (at most 1), links times ``link``."""
     hw = plan.cluster.hardware
-    hw = hw.with_(gemm_e_max=min(1.0, hw.gemm_e_max * eff),
-                  mem_efficiency=min(1.0, hw.mem_efficiency * eff),
-                  flash_e_max=min(1.0, hw.flash_e_max * eff),
-                  link_bandwidth=hw.link_bandwidth * link,
-                  network_bandwidth=hw.network_bandwidth * link)
+    hw = hw.with_links_scaled(link).with_(gemm_e_max=min(1.0, hw.gemm_e_max * eff),
+                                          mem_efficiency=min(1.0, hw.mem_efficiency * eff),
+                                          flash_e_max=min(1.0, hw.flash_e_max * eff))
     c = plan.cluster
     changes = {f: getattr(c, f) * link for f in ("intra_bandwidth", "inter_bandwidth")
                if getattr(c, f) is not None}

@@ -1,5 +1,8 @@
 """``pipeexec calibrate-hardware``: the curve fit recovers a known curve; the file it writes on
-this machine predicts a CPU pipeline run (never measured before) within the README's bound."""
+this machine predicts a CPU pipeline run (never measured before) within the README's bound; the
+collective benchmark covers the runs' message sizes, measures positive figures, ends a stuck
+rank in its timeout, and its figures reach the file (the fits themselves:
+tests/test_collective_figures.py)."""
 from __future__ import annotations
 
 import json
@@ -66,3 +69,109 @@ def test_a_cpu_run_predicted_from_the_measured_hardware_file_lands_within_15_per
     assert done.returncode == 0, done.stderr[-3000:]
     measured = min(json.loads(out.read_text())["step_times"][1:])
     assert abs(predicted / measured - 1) <= 0.15, (predicted, measured)
+
+
+# -- the collective benchmark (pipeexec.measuring.collectives) ------------------------------
+def test_the_default_sweep_covers_the_message_sizes_of_the_runs_on_this_machine():
+    """The tiny GPT's and compare's model's tp activation and dp gradient buckets (tp 2 x pp 2,
+    dp 4) lie inside the sweep; its group sizes are those runs' tp and dp groups."""
+    import inspect
+
+    from pipeexec.cli.compare import DEFAULT_MODEL
+    from pipeexec.config import DEFAULT_PLAN
+    from pipeexec.measuring.collectives import DDP_BUCKET_BYTES, GROUPS, SIZES, run_message_sizes
+    from pipeexec.training.ddp import GradBuffer
+
+    assert inspect.signature(GradBuffer).parameters["bucket_bytes"].default == DDP_BUCKET_BYTES
+    shape = dict(layers=DEFAULT_MODEL["layers"], hidden=DEFAULT_MODEL["hidden"],
+                 heads=DEFAULT_MODEL["heads"], seq_length=DEFAULT_MODEL["seq_len"])
+    compare = DEFAULT_PLAN.with_(model=DEFAULT_PLAN.model.with_(**shape),
+                                 micro_batch_size=DEFAULT_MODEL["micro_batch_size"])
+    sizes = {}
+    for label, plan in (("tiny", DEFAULT_PLAN), ("tp2 pp2", compare.with_(tp=2, pp=2)),
+                        ("dp4", compare.with_(dp=4))):
+        sizes.update({f"{label} {k}": v for k, v in run_message_sizes(plan).items()})
+    assert sizes["tiny activation"] == 1 * 32 * 64 * 4                   # b s h, fp32
+    assert sizes["tp2 pp2 activation"] == 4 * 128 * 256 * 4
+    assert all(min(SIZES) <= v <= max(SIZES) for v in sizes.values()), sizes
+    assert set(GROUPS) == {2, 4}
+
+
+def test_a_tiny_real_measurement_gives_positive_figures_that_a_hardware_file_takes(tmp_path):
+    from pipesim.hardware import Hardware
+    from pipesim.plan.collectives import COLLECTIVES
+
+    from pipeexec.measuring.collectives import benchmark
+
+    b = benchmark((2,), (4 << 10, 4 << 20), repeats=3, warmup=1, timeout=60)
+    assert {(t.name, t.p, t.nbytes) for t in b.timings} == {
+        (n, 2, s) for n in COLLECTIVES for s in (4 << 10, 4 << 20)}
+    assert all(t.seconds > 0 and len(t.samples) == 3 for t in b.timings)
+    assert all(f.latency >= 0 and f.bandwidth > 0 for f in b.fits)
+    assert len(b.rows()) == 8 and all(r[3] > 0 and r[4] > 0 for r in b.rows())
+    hw = get_hardware("H100").with_(calibration="measured", collectives=b.hardware_rows())
+    hw.save(tmp_path / "hw.json")
+    back = Hardware.load(tmp_path / "hw.json")
+    assert back == hw and {n for n, *_ in back.collective_figures("intra")} == set(COLLECTIVES)
+
+
+def test_a_stuck_rank_ends_the_benchmark_in_its_timeout_naming_rank_collective_and_size(
+        monkeypatch):
+    import time
+
+    import torch.distributed as dist
+
+    from pipeexec.measuring.collectives import CollectiveBenchmarkError, measure
+
+    real = dist.all_to_all_single
+
+    def stuck(*args, **kw):             # the forked ranks inherit it: rank 1 never posts
+        if os.environ.get("RANK") == "1":
+            time.sleep(60)
+        return real(*args, **kw)
+
+    monkeypatch.setattr(dist, "all_to_all_single", stuck)
+    with pytest.raises(CollectiveBenchmarkError,
+                       match=r"rank 0 waited 2 s for all_to_all of 4096 bytes over 2 gloo ranks"):
+        measure(2, sizes=(4096, 8192), names=("all_to_all",), warmup=0, repeats=1, timeout=2)
+    with pytest.raises(ValueError, match="unknown collective"):
+        measure(2, names=("broadcast",))
+
+
+@pytest.mark.slow
+def test_calibrate_hardware_writes_measured_collectives_that_hardware_file_reads(tmp_path):
+    """The command end to end (quick sweep), its file read by ``pipesim plan --hardware FILE``,
+    and the benchmark script's side-by-side table."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    hw_file = tmp_path / "cpu.json"
+    done = subprocess.run([sys.executable, "-m", "pipeexec", "calibrate-hardware", "--quick",
+                           "--collective-sizes", "4KiB,4MiB", "--out", str(hw_file)],
+                          capture_output=True, text=True, timeout=600, env=env)
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    assert "reduce_scatter  p=2:" in done.stdout
+    hw = get_hardware(str(hw_file))
+    data = json.loads(hw_file.read_text())
+    for kind in ("intra", "inter"):
+        for name in ("all_reduce", "reduce_scatter", "all_gather", "all_to_all"):
+            fig = data["collectives"][kind][name]["2"]
+            assert fig["latency"] >= 0 and fig["bandwidth"] > 0
+    assert "gloo" in hw.source("collectives") and "fit error" in hw.source("collectives")
+    ar = data["collectives"]["intra"]["all_reduce"]["2"]
+    assert (hw.link_latency, hw.link_bandwidth) == (ar["latency"], ar["bandwidth"])
+    report = tmp_path / "report.json"
+    done = subprocess.run([sys.executable, "-m", "pipesim", "simulate", "1f1b", "--model",
+                           "llama3-8b", "--hardware", str(hw_file), "--tp", "2", "--pp", "2",
+                           "--global-batch-size", "4", "--report-out", str(report)],
+                          capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    tp = json.loads(report.read_text())["links"]["tp"]
+    assert {c["collective"] for c in tp["collectives"]} == set(data["collectives"]["intra"])
+    done = subprocess.run([sys.executable, "-m", "pipeexec", "calibrate-hardware", "--out",
+                           str(hw_file), "--collective-sizes", "4"], capture_output=True,
+                          text=True, timeout=300, env=env)
+    assert done.returncode == 2 and "--collective-sizes '4'" in done.stdout
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_collectives.py"),
+                           "--groups", "2", "--sizes", "4KiB,4MiB", "--repeats", "3"],
+                          capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    assert "fit/meas" in done.stdout and "summary: 8 points, fit error median" in done.stdout
