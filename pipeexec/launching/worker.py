@@ -83,7 +83,11 @@ def run_training(board: ActionBoard | None, args: WorkerArgs) -> RunOutcome:
         if session is not None:
             session.attach(trainer)
         if topology.rank == 0:
-            _log(f"pipeexec: {config.schedule} pp={config.pp} vpp={config.vpp} dp={config.dp} "
+            layout = (f"tp={config.tp}{' (sequence parallel)' if config.sequence_parallel else ''} "
+                      if config.tp > 1 else "")
+            if config.zero:
+                layout += f"zero={config.zero} "
+            _log(f"pipeexec: {config.schedule} {layout}pp={config.pp} vpp={config.vpp} dp={config.dp} "
                  f"m={config.microbatches} b={config.micro_batch_size} precision={config.precision} "
                  f"layers={config.layers}+2 hidden={config.hidden}"
                  + (f" hf-model={config.hf_model}" if config.hf_model else "")

@@ -73,9 +73,13 @@ class ProfileSession:
         probe = None
         if self.options.probe_split and not trainer.config.forward_only and topo.dp_rank == 0:
             probe = probe_split(trainer)
+        # One pipeline's records make the trace: the one at dp rank 0 and tp rank 0 (the other
+        # tp ranks of a stage run the same actions, in step with it through their collectives).
+        tp_rank = getattr(topo, "tp_rank", 0)
+        recorder = topo.dp_rank == 0 and tp_rank == 0
         payload = {"rank": topo.rank, "pp_rank": topo.pp_rank, "dp_rank": topo.dp_rank,
-                   "offset": self.offset.offset, "rtt": self.offset.rtt,
-                   "records": self.profiler.records() if topo.dp_rank == 0 else [],
+                   "tp_rank": tp_rank, "offset": self.offset.offset, "rtt": self.offset.rtt,
+                   "records": self.profiler.records() if recorder else [],
                    "split_probe": probe, "cpus": rank_cpus(), "host": socket.gethostname(),
                    "host_cpus": os.cpu_count()}
         if topo.world_size > 1:
@@ -85,7 +89,8 @@ class ProfileSession:
             gathered = [payload]
         if topo.rank != 0:
             return None
-        pipeline = sorted((p for p in gathered if p["dp_rank"] == 0), key=lambda p: p["pp_rank"])
+        pipeline = sorted((p for p in gathered if p["dp_rank"] == 0 and p["tp_rank"] == 0),
+                          key=lambda p: p["pp_rank"])
         cfg = trainer.config
         schedule = trainer.schedule
         trace = build_trace([p["records"] for p in pipeline], [p["offset"] for p in pipeline],

@@ -29,17 +29,52 @@ def _cut(t: torch.Tensor, spec: ShardSpec, tp: TensorParallel) -> nn.Parameter:
 class ColumnParallelLinear(nn.Module):
     """``gather_output=False`` always: the output stays cut (the next layer is row-parallel,
     or the vocab-parallel loss reads it). ``groups``: the fused blocks of the weight's rows
-    (3 for a fused q, k, v projection), each cut over tp."""
+    (3 for a fused q, k, v projection), each cut over tp. ``entered``: the input is already
+    in the column region (one `regions.into_column` for several projections of one input,
+    as a Hugging Face attention's q, k and v, which it reshapes by its input's length)."""
 
-    def __init__(self, full: nn.Linear, tp: TensorParallel, *, groups: int = 1) -> None:
+    def __init__(self, full: nn.Linear, tp: TensorParallel, *, groups: int = 1,
+                 entered: bool = False) -> None:
         super().__init__()
-        self.tp = tp
+        self.tp, self.entered = tp, entered
         spec = ShardSpec(0, groups)
         self.weight = _cut(full.weight, spec, tp)
         self.bias = _cut(full.bias, spec, tp) if full.bias is not None else None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(regions.into_column(x, self.tp), self.weight, self.bias)
+    def forward(self, x: torch.Tensor, chunk: torch.Tensor | None = None) -> torch.Tensor:
+        """``chunk`` (with ``entered`` under sequence parallelism): this rank's part of the
+        sequence ``x`` was gathered from, which the weight gradient is computed from."""
+        tp = self.tp
+        sp = tp.active and tp.sequence_parallel
+        if not self.entered:
+            chunk = x if sp else None
+            x = regions.into_column(x, tp)
+        if not sp or chunk is None:
+            return F.linear(x, self.weight, self.bias)
+        # Sequence parallel, as Megatron keeps it: the input gradient through the gathered
+        # sequence (a GEMM with the weight detached saves no input), the weight gradient in a
+        # branch of its own that saves this rank's chunk and gathers it again in its backward,
+        # so the gathered sequence is not held from F to B, and I and W stay apart.
+        y = F.linear(x, self.weight.detach(), self.bias)
+        return y + _ChunkWeightGrad.apply(chunk, self.weight, y.shape, tp)
+
+
+class _ChunkWeightGrad(torch.autograd.Function):
+    """Adds nothing in the forward (a zero view of the output's shape); its backward gives the
+    weight gradient ``g^T x`` from the sequence gathered again from the saved chunk."""
+
+    @staticmethod
+    def forward(ctx, chunk, weight, shape, tp):
+        ctx.save_for_backward(chunk)
+        ctx.tp = tp
+        return chunk.new_zeros(()).expand(shape)
+
+    @staticmethod
+    def backward(ctx, g):
+        (chunk,) = ctx.saved_tensors
+        full = regions.all_gather_sequence(chunk, ctx.tp)
+        dw = g.reshape(-1, g.shape[-1]).t().mm(full.reshape(-1, full.shape[-1]))
+        return None, dw, None, None
 
 
 class RowParallelLinear(nn.Module):
@@ -66,15 +101,17 @@ def vocab_range(vocab: int, tp: TensorParallel) -> tuple[int, int]:
 
 
 def vocab_parallel_embedding(tokens: torch.Tensor, weight: torch.Tensor, vocab: int,
-                             tp: TensorParallel) -> torch.Tensor:
+                             tp: TensorParallel, padding_idx: int | None = None) -> torch.Tensor:
     """The rows of ``tokens`` in this rank's ``weight`` (its vocabulary range), summed over
-    tp: the full embedding on every rank (before any sequence scatter)."""
+    tp: the full embedding on every rank (before any sequence scatter). ``padding_idx``: the
+    global row that gets no gradient (`nn.Embedding`'s)."""
     if not tp.active:
-        return F.embedding(tokens, weight)
+        return F.embedding(tokens, weight, padding_idx)
     lo, hi = vocab_range(vocab, tp)
     outside = (tokens < lo) | (tokens >= hi)
     local = (tokens - lo).masked_fill(outside, 0)
-    out = F.embedding(local, weight).masked_fill(outside.unsqueeze(-1), 0.0)
+    pad = padding_idx - lo if padding_idx is not None and lo <= padding_idx < hi else None
+    out = F.embedding(local, weight, pad).masked_fill(outside.unsqueeze(-1), 0.0)
     return regions.reduce_from(out, tp)
 
 
