@@ -30,6 +30,7 @@ from dataclasses import replace
 from typing import Any
 
 import pipesim
+from pipesim.plan.footprint import BYTES_PER_PARAM
 
 from .predict import EXECUTOR_COMM
 
@@ -42,6 +43,56 @@ def predicted_activation_peaks(config: Any, schedule: "pipesim.Schedule | None" 
     costs = plan.derive().costs
     costs = replace(costs, static_bytes=0.0, stage_static_bytes=0.0)
     sched = config.build_schedule() if schedule is None else schedule
+    if not config.deallocate_outputs:
+        costs = _outputs_kept(costs, sched)
+    result = pipesim.simulate(sched, costs, comm=EXECUTOR_COMM)
+    return [float(x) for x in result.peak_memory]
+
+
+def predicted_peaks(config: Any, schedule: "pipesim.Schedule | None" = None) -> list[float]:
+    """Per pipeline rank, the peak bytes pipesim predicts the rank holds, its training state
+    included (what `pipeexec.measuring.memory.TrainingMemoryMeter` reads): the plan's weights,
+    gradients and optimizer state at its ``zero`` level (Megatron's bytes per parameter,
+    `pipesim.plan.footprint.param_bytes`) plus the activations as in
+    `predicted_activation_peaks`, with what pipeexec does its own way:
+
+    * ZeRO-3 gathers whole stages (`pipeexec.training.zero`), not pipesim's two layers: a
+      stage's weights (compute dtype) are whole through each of its actions, the rank's
+      largest stage the transient (its gradients go a bucket, a layer, at a time, inside the
+      backward, as ZeRO-2's: the meter, reading around actions, sees no gradient transient,
+      and pipesim counts none for ZeRO-2);
+    * ZeRO-2/3 keep tied parameters' gradients whole (fp32) for the step: the embedding and
+      the head's copy of it, and every parameter of a model part held by two stages (dualpipe).
+
+    The transient of a block recomputed inside its backward is left out on both sides (the
+    meter reads around each action, after it)."""
+    plan = config.run_plan()
+    derived = plan.derive()
+    par, model = plan.parallelism, plan.model
+    sched = config.build_schedule() if schedule is None else schedule
+    d = par.dp * par.cp
+    weight_bytes = BYTES_PER_PARAM[par.precision][0]
+    held = {}
+    for st in range(sched.num_stages):
+        held[sched.stage_part(st)] = held.get(sched.stage_part(st), 0) + 1
+    last_part = len(derived.stage_params) - 1
+    embedding = model.padded_vocab(par.tp) * model.hidden / par.tp
+    transient, tied_extra = [], []
+    for r in range(sched.pp):
+        stage_params = []
+        tied = 0.0
+        for st in sched.rank_stages(r):
+            part = sched.stage_part(st)
+            n = sum(derived.stage_params[part].values())
+            stage_params.append(n)
+            if held[part] > 1:                  # a copy: every parameter tied
+                tied += n
+            elif model.tied_embeddings:         # the embedding, and the head's instance of it
+                tied += embedding * ((part == 0) + (part == last_part))
+        largest = max(stage_params, default=0.0)
+        transient.append(weight_bytes * largest if par.zero == 3 and d > 1 else 0.0)
+        tied_extra.append(4 * tied * (1 - 1 / d) if par.zero >= 2 and d > 1 else 0.0)
+    costs = replace(derived.costs, static_bytes=tuple(a + b for a, b in zip(transient, tied_extra)))
     if not config.deallocate_outputs:
         costs = _outputs_kept(costs, sched)
     result = pipesim.simulate(sched, costs, comm=EXECUTOR_COMM)

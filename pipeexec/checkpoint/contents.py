@@ -104,14 +104,18 @@ def chunk_state(stage_module: torch.nn.Module, masters: Mapping[str, torch.Tenso
     return out
 
 
-def optimizer_record(trainer, names: set[str] | None = None) -> dict:
+def optimizer_record(trainer, names: set[str] | None = None,
+                     opt_state: Mapping[str, Mapping[str, Any]] | None = None) -> dict:
     """AdamW state by parameter name (a parameter never stepped has no entry); ``names``:
-    only these (the parameters this rank's file holds)."""
+    only these (the parameters this rank's file holds). ``opt_state``: the states by name,
+    whole (`Trainer.full_state`, gathered under ZeRO); default: the trainer's."""
+    if opt_state is None:
+        opt_state = trainer.full_state()[1]
     state: dict[str, dict[str, Any]] = {}
-    for name, p in zip(trainer.param_names, trainer.masters.masters):
+    for name in trainer.param_names:
         if names is not None and name not in names:
             continue
-        st = trainer.optimizer.state.get(p)
+        st = opt_state.get(name)
         if st:
             state[name] = {k: (v.detach().to("cpu", copy=True) if torch.is_tensor(v) else v)
                            for k, v in st.items()}
@@ -126,11 +130,14 @@ def scheduler_record(trainer) -> dict:
             "warmup_steps": cfg.warmup_steps, "decay_steps": cfg.decay_steps or cfg.steps}
 
 
-def rank_contents(trainer, *, release: bool = False) -> dict:
-    """The file content of this rank, without ``rng_state`` (gathered over the dp group)."""
+def rank_contents(trainer, *, release: bool = False,
+                  state: tuple[Mapping[str, torch.Tensor], Mapping[str, Any]] | None = None) -> dict:
+    """The file content of this rank, without ``rng_state`` (gathered over the dp group).
+    ``state``: the trainer's `full_state` (masters and AdamW state by name, whole), which
+    under ZeRO every dp rank must gather together before the writer calls this."""
     cfg = trainer.config
     stages = saved_stages(trainer.schedule, trainer.topology.pp_rank)
-    masters = trainer.named_parameters()
+    masters, opt_state = trainer.full_state() if state is None else state
     out: dict[str, Any] = {
         "checkpoint_version": CHECKPOINT_VERSION,
         "iteration": 0 if release else int(trainer.iteration),
@@ -143,7 +150,7 @@ def rank_contents(trainer, *, release: bool = False) -> dict:
         out[chunk_key(c, cfg.vpp)] = chunk_state(trainer.stages[s], masters)
     if not release:
         saved = {n for s in stages for n, _ in trainer.stages[s].named_parameters()}
-        out["optimizer"] = optimizer_record(trainer, saved)
+        out["optimizer"] = optimizer_record(trainer, saved, opt_state)
         out["opt_param_scheduler"] = scheduler_record(trainer)
         out["loss_scaler"] = trainer.scaler.state_dict()
         out["consumed_samples"] = int(trainer.iteration) * cfg.global_batch

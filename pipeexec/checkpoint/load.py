@@ -74,12 +74,12 @@ def load_checkpoint(trainer, root: str | os.PathLike, *, tag: Tag | None = None,
     # -- model: every expected key, nothing else, right shapes --------------------------------
     names = expected_model_names(trainer)
     tensors, origin = reader.model_tensors(names)
-    masters = trainer.named_parameters()
+    masters = trainer.param_shapes()        # (whole shapes: no collective under ZeRO)
     local = {}
     for s in chunk_stages(trainer):
         local.update(trainer.stages[s].state_dict())
     for n in names:
-        want = tuple(masters[n].shape) if n in masters else tuple(local[n].shape)
+        want = masters[n] if n in masters else tuple(local[n].shape)
         if tuple(tensors[n].shape) != want:
             raise CheckpointError(f"shape mismatch for {n!r}: {tuple(tensors[n].shape)} in the "
                                   f"checkpoint, {want} in the model", path=origin[n], field=n)
@@ -103,9 +103,9 @@ def load_checkpoint(trainer, root: str | os.PathLike, *, tag: Tag | None = None,
                 raise CheckpointError(f"no AdamW state for {n!r} after {state['updates']} updates",
                                       path=origin[n], field=f"optimizer.state.{n}")
             for k, v in opt.get(n, {}).items():
-                if torch.is_tensor(v) and v.dim() > 0 and tuple(v.shape) != tuple(masters[n].shape):
+                if torch.is_tensor(v) and v.dim() > 0 and tuple(v.shape) != masters[n]:
                     raise CheckpointError(f"optimizer state {k!r} of {n!r} has shape "
-                                          f"{tuple(v.shape)}, the parameter {tuple(masters[n].shape)}",
+                                          f"{tuple(v.shape)}, the parameter {masters[n]}",
                                           path=origin[n], field=f"optimizer.state.{n}.{k}")
         state["optimizer"] = opt
         state["scaler"] = home_file["loss_scaler"]

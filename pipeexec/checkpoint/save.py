@@ -98,11 +98,13 @@ def save_checkpoint(trainer, root: str | os.PathLike, *, release: bool = False,
     save_id = agree_on_id(store, barrier + "/id", topo.rank, topo.world_size, timeout)
     rng = capture_rng_state(topo.device)
     gathered = gather_to_writer(rng, topo.dp_group, topo.dp)
+    # whole tensors by name: under ZeRO the dp group gathers its shards together
+    state = trainer.full_state()
     report = SaveReport(tag, 0.0)
     if topo.dp_rank == 0:
         if gathered is None:
             raise CheckpointError("dp rank 0 did not receive the replicas' RNG states", field="rng_state")
-        contents = rank_contents(trainer, release=release)
+        contents = rank_contents(trainer, release=release, state=state)
         contents["save_id"] = save_id
         if not release:
             contents["rng_state"] = gathered

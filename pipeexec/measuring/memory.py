@@ -64,12 +64,14 @@ def _storage(t: torch.Tensor) -> tuple[int, int]:
 class HeldTensorMeter:
     """Exact bytes of activations and saved tensors held by one rank's `PipelineRuntime`.
 
-    ``exclude``: tensors whose storages are never counted (the rank's parameters).
+    ``exclude``: tensors whose storages are never counted (the rank's parameters), read each
+    time the meter counts: a ZeRO-3 parameter's storage is allocated anew at every gather.
     """
 
     def __init__(self, runtime: Any, exclude: Iterable[torch.Tensor] = ()) -> None:
         self.runtime = runtime
-        self._exclude = {t.untyped_storage().data_ptr() for t in exclude}
+        self._exclude_tensors = list(exclude)
+        self._exclude = self._excluded()
         self._saved: dict[tuple[int, int], list] = {}          # (stage, mb) -> weakrefs
         self._pair_storages: dict[tuple[int, int], dict[int, int]] = {}
         self._refcount: dict[int, int] = {}                    # storage -> pairs holding it
@@ -111,7 +113,11 @@ class HeldTensorMeter:
             self._hooks.__exit__(None, None, None)
             self._hooks = None
 
+    def _excluded(self) -> set[int]:
+        return {t.untyped_storage().data_ptr() for t in self._exclude_tensors}
+
     def _refresh(self, key: tuple[int, int]) -> None:
+        self._exclude = self._excluded()
         refs = self._saved.get(key)
         new: dict[int, int] = {}
         if refs:
@@ -156,6 +162,59 @@ class HeldTensorMeter:
                 if ptr not in self._sizes and ptr not in self._exclude:
                     extra[ptr] = size
         return self._saved_bytes + sum(extra.values())
+
+
+def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Bytes of the storages behind ``tensors``, each storage once (views share one)."""
+    seen: dict[int, int] = {}
+    for t in tensors:
+        ptr, size = _storage(t)
+        if size:
+            seen[ptr] = size
+    return sum(seen.values())
+
+
+class TrainingMemoryMeter:
+    """Everything a rank holds during its steps: the activations (a `HeldTensorMeter` of the
+    runtime) plus the training state (parameters, gradient buffers, fp32 masters, optimizer
+    state: ``state()``, e.g. `Trainer.state_tensors`), each storage once.
+
+    An observer of the runtime (read at every action's start and end) and a stage hook
+    (`pipeexec.pipeline.runtime.StageHooks`, read inside every F, B, I and W): placed after
+    the ZeRO holder's hooks, its ``before`` sees the stage's gathered parameters (ZeRO-3's
+    transient) and its ``after`` the action's activations before the holder releases them.
+    ZeRO-2/3's gradient buckets, each filled and reduced inside autograd's backward, are not
+    seen (as a block recomputed inside its backward is not). ``peak``: the largest sum of the two at one reading;
+    ``peak_state`` / ``peak_activations``: each one's largest alone."""
+
+    owns_grads = False
+
+    def __init__(self, runtime: Any, state, exclude: Iterable[torch.Tensor] = ()) -> None:
+        self.activations = HeldTensorMeter(runtime, exclude=exclude)
+        self.state = state
+        self.peak = self.peak_state = self.peak_activations = 0
+
+    def read(self) -> int:
+        act, st = self.activations.total(), storage_bytes(self.state())
+        self.peak_activations = max(self.peak_activations, act)
+        self.peak_state = max(self.peak_state, st)
+        self.peak = max(self.peak, act + st)
+        return act + st
+
+    def start(self, action: Action, step: int) -> None:
+        self.activations.begin(action)
+        self.read()
+
+    def before(self, action: Action) -> None:
+        self.read()
+
+    def after(self, action: Action) -> None:
+        self.activations.finish(action)
+        self.read()
+
+    def end(self, action: Action, step: int) -> None:
+        self.activations.finish(action)
+        self.read()
 
 
 class CudaMemoryMeter:

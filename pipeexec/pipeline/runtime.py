@@ -23,6 +23,18 @@ progress board, fault injection): objects with any of ``start(action, step)``,
 ``message(action, nbytes)`` (a send or a receive buffer posted inside ``action``). The runtime
 calls them; none reaches into the runtime (the held tensors are public: `held_state`). Any
 exception is re-raised as `PipelineError` naming the rank and the action.
+
+Stage hooks (`StageHooks`, ``stage_hooks=``) are the other seam, for work that must happen
+around a stage's computation rather than be watched: ``before(action)`` / ``after(action)``
+around every F, B, I and W (each part of an ``OVERLAP_F_B`` on its own), inside the observers'
+``start`` / ``end`` (so a profiled action's time includes the hooks' work, e.g. a collective).
+Several hook objects run ``before`` in their order and ``after`` in reverse. The ZeRO holder
+(`pipeexec.training.zero`) gathers a stage's parameters before its action and releases them
+after (ZeRO-3), and reduce-scatters a backward's gradients (ZeRO-2: its post-accumulate hooks
+take each gradient autograd puts in ``.grad``, its after hook reduce-scatters what is left).
+A hook object whose ``owns_grads`` is true takes every gradient autograd accumulates into a
+parameter's ``.grad``, so under ``grads_in_place`` the runtime neither requires nor checks a
+``.grad`` bound to a buffer between actions.
 """
 from __future__ import annotations
 
@@ -59,6 +71,21 @@ class ActionObserver(Protocol):
     def end(self, action: Action, step: int) -> None: ...
 
 
+class StageHooks(Protocol):
+    """Work around one stage's computation: ``before(action)`` right before, ``after(action)``
+    right after every F, B, I or W of ``action.stage`` on this rank (the forward-only runtime's
+    F included). ``owns_grads``: the hooks take every gradient autograd accumulates into a
+    parameter's ``.grad`` (``grads_in_place`` with no buffer bound between actions)."""
+
+    owns_grads: bool
+
+    def before(self, action: Action) -> None: ...
+    def after(self, action: Action) -> None: ...
+
+
+_COMPUTE_OPS = frozenset((F, B, I, W))
+
+
 class InjectedFault(RuntimeError):
     """Raised by fault injection (tests of the failure paths)."""
 
@@ -85,7 +112,8 @@ class PipelineRuntime:
                  p2p: P2P | None, *, global_rank: int, device: torch.device,
                  compute_dtype: torch.dtype = torch.float32,
                  observers: Sequence[ActionObserver] = (),
-                 deallocate_outputs: bool = True, grads_in_place: bool = False) -> None:
+                 deallocate_outputs: bool = True, grads_in_place: bool = False,
+                 stage_hooks: Sequence[StageHooks] = ()) -> None:
         self.schedule = schedule
         self.pp_rank = pp_rank
         self.global_rank = global_rank
@@ -102,8 +130,12 @@ class PipelineRuntime:
             self.add_observer(obs)
         self.deallocate_outputs = deallocate_outputs
         self.grads_in_place = grads_in_place
+        self.stage_hooks = tuple(stage_hooks)
+        self._before = tuple(h.before for h in self.stage_hooks)
+        self._after = tuple(h.after for h in self.stage_hooks)[::-1]
         self._bound: list = []
-        if grads_in_place:
+        hooks_own = any(getattr(h, "owns_grads", False) for h in self.stage_hooks)
+        if grads_in_place and not hooks_own:
             _check_bound_grads(self.params, global_rank)
             self._bound = [(s, k, p, p.grad) for s, ps in self.params.items()
                            for k, p in enumerate(ps)]
@@ -124,6 +156,22 @@ class PipelineRuntime:
                      W: self._backward_weight, SEND_F: self._send_forward,
                      RECV_F: self._recv_forward, SEND_B: self._send_backward,
                      RECV_B: self._recv_backward, OVERLAP_F_B: self._overlapped}
+        if self.stage_hooks:
+            for op in _COMPUTE_OPS:
+                self._ops[op] = self._hooked(op, self._ops[op])
+
+    def _hooked(self, op: str, method: Callable[[int, int], None]) -> Callable[[int, int], None]:
+        """``method`` with the stage hooks around it."""
+        before, after = self._before, self._after
+
+        def run(s: int, mb: int) -> None:
+            action = Action(op, s, mb)
+            for hook in before:
+                hook(action)
+            method(s, mb)
+            for hook in after:
+                hook(action)
+        return run
 
     # -- observers ---------------------------------------------------------------------------
     def add_observer(self, observer: ActionObserver) -> None:
@@ -388,5 +436,5 @@ def _check_bound_grads(params: dict[int, list[torch.nn.Parameter]], rank: int) -
                                  f"{'no .grad' if g is None else f'a {g.dtype} {tuple(g.shape)} .grad'}")
 
 
-__all__ = ["PipelineRuntime", "PipelineError", "ActionObserver", "StepOutput",
+__all__ = ["PipelineRuntime", "PipelineError", "ActionObserver", "StageHooks", "StepOutput",
            "InjectedFault", "P2PError"]

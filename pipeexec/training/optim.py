@@ -24,12 +24,17 @@ def lr_at(step: int, *, lr: float, min_lr: float, warmup: int, decay_steps: int)
 
 
 def build_adamw(named_masters: Sequence[tuple[str, torch.nn.Parameter]], *, lr: float,
-                weight_decay: float, betas: tuple[float, float], eps: float) -> torch.optim.AdamW:
+                weight_decay: float, betas: tuple[float, float], eps: float,
+                decays: Sequence[bool] | None = None) -> torch.optim.AdamW:
     """AdamW over the masters. CPU: the per-parameter loop (``foreach=False``; the same numbers
     as torch's default there). CUDA: ``fused=True``, one kernel for all parameters (the loop
-    would launch several kernels per parameter, and read ``step`` on the host each time)."""
-    decay = [p for _, p in named_masters if p.dim() >= 2]
-    no_decay = [p for _, p in named_masters if p.dim() < 2]
+    would launch several kernels per parameter, and read ``step`` on the host each time).
+    ``decays``: per master whether it takes weight decay (default: 2-d and larger do), for
+    masters that are flat pieces of parameters (the ZeRO shards, `pipeexec.training.zero`)."""
+    if decays is None:
+        decays = [p.dim() >= 2 for _, p in named_masters]
+    decay = [p for (_, p), d in zip(named_masters, decays) if d]
+    no_decay = [p for (_, p), d in zip(named_masters, decays) if not d]
     groups = [g for g in ({"params": decay, "weight_decay": weight_decay},
                           {"params": no_decay, "weight_decay": 0.0}) if g["params"]]
     if not groups:   # a rank without parameters still steps (nothing), keeping ranks in lock-step

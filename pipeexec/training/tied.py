@@ -99,9 +99,14 @@ class TiedParameters:
                              f"shared by pp ranks {missing[0]}")
         self._groups = groups
         self._global_rank = global_rank
-        self._duplicates = [e[2] for t in self.sets
-                            for e in self._inst[t.name][(1 if t.source == pp_rank else 0):]]
+        self._set_duplicates()
         self.timeout = timeout
+
+    def _set_duplicates(self) -> None:
+        dup = [e for t in self.sets
+               for e in self._inst[t.name][(1 if t.source == self.pp_rank else 0):]]
+        self._duplicates = [e[2] for e in dup]
+        self._duplicate_params = [e[1] for e in dup]
 
     def __bool__(self) -> bool:
         return bool(self.sets)
@@ -149,6 +154,23 @@ class TiedParameters:
         for t, total in zip(sets, sums):
             for _, _, grad in self._inst[t.name]:
                 grad.copy_(total)
+
+    def params(self) -> list[torch.Tensor]:
+        """This rank's instances of tied parameters (every set it is in)."""
+        return [e[1] for t in self.sets for e in self._inst[t.name]]
+
+    def duplicate_params(self) -> list[torch.Tensor]:
+        """This rank's instances that must not count in the norm (all but the source's)."""
+        return list(self._duplicate_params)
+
+    def bind_grads(self, grad_of) -> None:
+        """Reduce the gradients ``grad_of(param)`` from now on (a tensor per instance, updated
+        in place): for a holder whose gradient buffer comes to exist only after the tied sets
+        are known (ZeRO-2/3 keep tied gradients in a buffer of their own)."""
+        for t in self.sets:
+            self._inst[t.name] = [(own, param, grad_of(param))
+                                  for own, param, _ in self._inst[t.name]]
+        self._set_duplicates()
 
     def duplicate_sq(self) -> torch.Tensor | None:
         """Sum of squares of this rank's instances that must not count in the norm."""

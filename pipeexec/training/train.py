@@ -12,6 +12,11 @@ One step: zero the fp32 gradient buffer, run this rank's schedule actions, avera
 over the data-parallel group (one bucketed all-reduce), then one all-reduce over all ranks of
 [squared gradient norm / dp, loss sum]: it gives the global norm for clipping, the inf/nan check
 every rank agrees on (fp16 skips the step together) and the mean loss of the global batch.
+
+With ``--zero 1|2|3`` and more than one data-parallel replica the gradients, masters and AdamW
+state are the ZeRO holder's (`training.zero.ShardedOptimizer`, also the runtime's stage hooks
+for ZeRO-2/3): it reduce-scatters instead of all-reducing, gives its shard's squared norm
+(summed over all ranks in the same all-reduce, not divided by dp) and steps its shard.
 """
 from __future__ import annotations
 
@@ -36,6 +41,7 @@ from ..data import BatchSource
 from ..pipeline.faults import FaultInjector, parse_faults
 from .ddp import GradBuffer
 from .tied import tied_parameters
+from .zero import ShardedOptimizer
 from ..malloc import keep_freed_memory
 from ..model import LayerStack
 from ..models import layer_stack
@@ -43,9 +49,11 @@ from .optim import adamw_state_for, build_adamw, clip_coefficient, lr_at, set_lr
 from ..pipeline.p2p import P2P, check_channels_exist, check_p2p_order
 from ..partition import stage_bounds
 from .precision import LossScaler, MasterWeights, compute_dtype
-from ..pipeline.runtime import ActionObserver, PipelineRuntime
+from ..pipeline.runtime import ActionObserver, PipelineRuntime, StageHooks
 from ..pipeline.stage import build_stage
-from ..topology import Topology, layout_rank
+from ..parallel.regions import TensorParallel
+from ..parallel.tp_grads import TensorParallelGrads
+from ..topology import Topology
 
 
 @dataclass
@@ -99,13 +107,16 @@ class Trainer:
         one ``config.schedule`` names; its pp, vpp and microbatches must match the config.
         The runtime's observers (`pipeexec.pipeline.runtime`): the ``board``'s, fault injection's
         (``config.inject``), then ``recorder`` (shorthand for `add_observer`)."""
-        spec = spec or layer_stack(config)      # the plan's model (ConfigError: not here)
+        self.tp = TensorParallel(topology.tp_group, topology.tp, topology.tp_rank,
+                                 bool(config.sequence_parallel) and topology.tp > 1,
+                                 timeout=config.collective_timeout)
+        spec = spec or layer_stack(config, self.tp)   # the plan's model (ConfigError: not here)
         # The schedule is built once per rank, below (validate would build it once more).
         config.validate(world_size=topology.world_size, num_layers=spec.num_layers,
                         check_schedule=False)
-        if (config.pp, config.dp) != (topology.pp, topology.dp):
-            raise ValueError(f"config pp={config.pp} dp={config.dp} but topology pp={topology.pp} "
-                             f"dp={topology.dp}")
+        if (config.tp, config.pp, config.dp) != (topology.tp, topology.pp, topology.dp):
+            raise ValueError(f"config tp={config.tp} pp={config.pp} dp={config.dp} but topology "
+                             f"tp={topology.tp} pp={topology.pp} dp={topology.dp}")
         if schedule is not None:
             got = (schedule.pp, schedule.parts_per_rank, schedule.num_microbatches)
             if got != (config.pp, config.vpp, config.microbatches):
@@ -134,24 +145,50 @@ class Trainer:
         # Stage parameters are already named by global layer index: layers.<i>.<name>.
         named = [(name, p) for s in sorted(self.stages) for name, p in self.stages[s].named_parameters()]
         self.param_names = [n for n, _ in named]
-        self.grads = GradBuffer({s: list(st.parameters()) for s, st in self.stages.items()}, dev)
+        # ZeRO 1-3 (`training.zero`): gradients, fp32 masters and AdamW's state sharded over
+        # the data-parallel group; with one replica there is nothing to shard (as Megatron's,
+        # a no-op), and the holder is the replicated one below.
+        self.sharded: ShardedOptimizer | None = None
+        if config.zero and topology.dp > 1:
+            self.sharded = ShardedOptimizer(
+                self.stages, level=config.zero, dtype=self.dtype, group=topology.dp_group,
+                shards=topology.dp, rank=topology.dp_rank, device=dev, lr=config.lr,
+                weight_decay=config.weight_decay, betas=(config.beta1, config.beta2),
+                eps=config.eps, timeout=config.collective_timeout)
+            self.grads = None
+            views = {id(p): self.sharded.grad_view(p) for _, p in named}
+        else:
+            self.grads = GradBuffer({s: list(st.parameters()) for s, st in self.stages.items()}, dev)
+            views = {id(p): v for s, st in self.stages.items()
+                     for p, v in zip(st.parameters(), self.grads.views[s])}
         # Parameters held more than once (a tied head, a schedule's second copy of a stage):
         # one value, summed gradients, counted once in the norm.
-        views = {id(p): v for s, st in self.stages.items()
-                 for p, v in zip(st.parameters(), self.grads.views[s])}
         self.tied = tied_parameters([(n, spec.canonical(n), p, views[id(p)]) for n, p in named],
-                                    pp_rank=topology.pp_rank, dp_rank=topology.dp_rank,
-                                    dp=topology.dp,
-                                    rank_of=lambda p, d: layout_rank(p, d, topology.dp),
+                                    # a "replica" is one pipeline: one (dp, tp) position
+                                    pp_rank=topology.pp_rank,
+                                    dp_rank=topology.dp_rank * topology.tp + topology.tp_rank,
+                                    dp=topology.dp * topology.tp,
+                                    rank_of=lambda p, d: topology.rank_of(
+                                        pp_rank=p, dp_rank=d // topology.tp,
+                                        tp_rank=d % topology.tp),
                                     timeout=config.collective_timeout)
         self.tied.copy_from_source()
-        self.masters = MasterWeights([p for _, p in named], self.dtype)
-        flat_views = [v for s in self.stages for v in self.grads.views[s]]
-        for master, view in zip(self.masters.masters, flat_views):
-            master.grad = view
-        self.optimizer = build_adamw(list(zip(self.param_names, self.masters.masters)),
-                                     lr=config.lr, weight_decay=config.weight_decay,
-                                     betas=(config.beta1, config.beta2), eps=config.eps)
+        self.tp_grads = TensorParallelGrads([p for _, p in named], [views[id(p)] for _, p in named],
+                                            self.tp)
+        if self.sharded is not None:
+            self.sharded.start(self.tied)           # the master shards; ZeRO-3 releases
+            self.masters = None
+            self.optimizer = self.sharded.optimizer
+        else:
+            self.masters = MasterWeights([p for _, p in named], self.dtype)
+            flat_views = [v for s in self.stages for v in self.grads.views[s]]
+            for master, view in zip(self.masters.masters, flat_views):
+                master.grad = view
+            self.optimizer = build_adamw(list(zip(self.param_names, self.masters.masters)),
+                                         lr=config.lr, weight_decay=config.weight_decay,
+                                         betas=(config.beta1, config.beta2), eps=config.eps)
+        # ZeRO-2/3 gather parameters and reduce-scatter gradients around a stage's actions
+        self.stage_hooks = (self.sharded,) if self.sharded is not None and config.zero >= 2 else ()
         self.scaler = LossScaler(dynamic=config.precision == "fp16", initial=config.loss_scale,
                                  growth=config.loss_scale_growth, backoff=config.loss_scale_backoff,
                                  growth_interval=config.loss_scale_growth_interval,
@@ -166,7 +203,8 @@ class Trainer:
         if config.pp > 1:
             check_channels_exist(self.schedule, topology.pp_rank, topology.p2p_groups)
             if topology.backend == "nccl" or config.nccl_matching:
-                check_p2p_order(self.schedule)      # NCCL's matching and streams: before start
+                check_p2p_order(self.schedule,      # NCCL's matching and streams: before start
+                                collectives=topology.tp > 1 or config.zero >= 2)
             self.p2p = P2P(rank=topology.rank, pp_rank=topology.pp_rank,
                            groups=topology.p2p_groups, peers=topology.pp_ranks,
                            num_stages=self.schedule.num_stages,
@@ -187,15 +225,43 @@ class Trainer:
             self.observers.append(observer)
         self.runtime.add_observer(observer)
 
+    def add_stage_hooks(self, hooks: StageHooks) -> None:
+        """Run ``hooks`` around every F, B, I and W from the next step on, after the ZeRO
+        holder's (`pipeexec.pipeline.runtime.StageHooks`; a memory meter reading inside the
+        actions). Rebuilds the runtimes, keeping their observers."""
+        self.stage_hooks = (*self.stage_hooks, hooks)
+        self.runtime = self._make_runtime(self.schedule)
+        self._fwd_runtime = None
+
+    def state_tensors(self) -> list[torch.Tensor]:
+        """The training state this rank holds now, for a memory meter: its parameters,
+        gradient buffers, fp32 masters and AdamW state (ZeRO's shards and whatever transient
+        buffer is alive; a released ZeRO-3 parameter has an empty storage)."""
+        params = [p for s in sorted(self.stages) for p in self.stages[s].parameters()]
+        if self.sharded is not None:
+            return params + list(self.sharded.held_tensors())
+        masters = self.masters.masters if self.masters.copies else []
+        moments = [v for st in self.optimizer.state.values() for v in st.values()
+                   if torch.is_tensor(v)]
+        return params + [self.grads.data] + list(masters) + moments
+
     def _make_runtime(self, schedule: Schedule) -> PipelineRuntime:
         topology, config = self.topology, self.config
         return PipelineRuntime(schedule, topology.pp_rank, self.stages, self.spec.loss_fn,
-                               self.grads.accumulate, self.p2p, global_rank=topology.rank,
+                               self._gradients().accumulate, self.p2p, global_rank=topology.rank,
                                device=topology.device, compute_dtype=self.dtype,
                                observers=self.observers,
                                deallocate_outputs=config.deallocate_outputs,
                                # fp32: the masters are the parameters, .grad bound above
-                               grads_in_place=self.dtype == torch.float32)
+                               # (ZeRO-2/3: any dtype, the holder takes each .grad)
+                               grads_in_place=(self.sharded.grads_in_place
+                                               if self.sharded is not None
+                                               else self.dtype == torch.float32),
+                               stage_hooks=self.stage_hooks)
+
+    def _gradients(self):
+        """Where the backward's gradients go: the ZeRO holder, or the replicated buffer."""
+        return self.sharded if self.sharded is not None else self.grads
 
     def set_schedule(self, schedule: Schedule) -> None:
         """Run ``schedule`` from the next step on. Every rank must switch at the same step
@@ -217,7 +283,7 @@ class Trainer:
         if self.p2p is not None:
             check_channels_exist(schedule, self.topology.pp_rank, self.topology.p2p_groups)
             if self.topology.backend == "nccl" or cfg.nccl_matching:
-                check_p2p_order(schedule)
+                check_p2p_order(schedule, collectives=self.topology.tp > 1 or cfg.zero >= 2)
         self.schedule = schedule
         self._custom_schedule = True
         self.runtime = self._make_runtime(schedule)
@@ -233,25 +299,38 @@ class Trainer:
             torch.cuda.reset_peak_memory_stats(self.topology.device)
         if self.schedule.forward_only:
             return with_peaks(self._eval_step(k, t0), self.topology.device)
-        self.grads.zero()
+        self._gradients().zero()
         mbs = pinned(self.data.microbatches(k, topo.dp_rank, cfg.dp, cfg.microbatches),
                      self.topology.device)
         out = self.runtime.run(mbs, step=k, loss_scale=self.scaler.scale)
         if self.board is not None:
             self.board.set(topo.rank, k, Op.ALLREDUCE, -1, -1)
-        self.grads.all_reduce(topo.dp_group, cfg.dp, cfg.collective_timeout)
-        if self.tied:
-            self.tied.reduce()
-        if k in self._overflow and self.holds_last_stage:
-            self.grads.data[0] = float("inf")
-        buf = self.grads.data
-        local_sq = torch.dot(buf, buf) if buf.numel() else torch.zeros((), device=buf.device)
-        duplicate_sq = self.tied.duplicate_sq()
-        if duplicate_sq is not None:          # a tied parameter counts once in the norm
-            local_sq = local_sq - duplicate_sq
-        loss_sum = (torch.stack(list(out.losses.values())).sum().float() if out.losses
-                    else torch.zeros((), device=buf.device))
-        vec = torch.stack([local_sq / cfg.dp, loss_sum.to(local_sq.device)])
+        self.tp_grads.reduce_sequence_parallel()
+        if self.sharded is not None:
+            # ZeRO: each shard the group's average; its squared norm summed over all ranks
+            self.sharded.reduce_gradients()
+            if k in self._overflow and self.holds_last_stage:
+                self.sharded.poison()
+            share = self.sharded.local_grad_sq()
+        else:
+            self.grads.all_reduce(topo.dp_group, cfg.dp, cfg.collective_timeout)
+            if self.tied:
+                self.tied.reduce()
+            if k in self._overflow and self.holds_last_stage:
+                self.grads.data[0] = float("inf")
+            buf = self.grads.data
+            local_sq = torch.dot(buf, buf) if buf.numel() else torch.zeros((), device=buf.device)
+            duplicate_sq = self.tied.duplicate_sq()
+            if duplicate_sq is not None:          # a tied parameter counts once in the norm
+                local_sq = local_sq - duplicate_sq
+            tp_duplicate_sq = self.tp_grads.duplicate_sq()
+            if tp_duplicate_sq is not None:       # a replicated parameter counts once over tp
+                local_sq = local_sq - tp_duplicate_sq
+            share = local_sq / cfg.dp             # replicated: each replica holds all of it
+        # the loss is the same on every tp rank of the last stage: counted on tp rank 0
+        loss_sum = (torch.stack(list(out.losses.values())).sum().float()
+                    if out.losses and topo.tp_rank == 0 else torch.zeros((), device=topo.device))
+        vec = torch.stack([share, loss_sum.to(share.device)])
         if topo.world_size > 1:
             dist.all_reduce(vec)
         sq, loss_total = vec.tolist()
@@ -263,10 +342,13 @@ class Trainer:
         if self.board is not None:
             self.board.set(topo.rank, k, Op.OPTIMIZER, -1, -1)
         if not found_inf:
-            buf.mul_(clip_coefficient(norm, cfg.clip_grad) / scale)
-            set_lr(self.optimizer, lr)
-            self.optimizer.step()
-            self.masters.copy_to_model()
+            if self.sharded is not None:
+                self.sharded.step(clip_coefficient(norm, cfg.clip_grad) / scale, lr)
+            else:
+                buf.mul_(clip_coefficient(norm, cfg.clip_grad) / scale)
+                set_lr(self.optimizer, lr)
+                self.optimizer.step()
+                self.masters.copy_to_model()
             self.updates += 1
         self.scaler.update(found_inf)
         self.iteration += 1
@@ -280,9 +362,9 @@ class Trainer:
         out = self.runtime.run(pinned(self.data.microbatches(k, topo.dp_rank, cfg.dp,
                                                              cfg.microbatches), topo.device),
                                step=k, forward_only=True)
-        dev = self.grads.data.device
-        loss = (torch.stack(list(out.losses.values())).sum().float() if out.losses
-                else torch.zeros((), device=dev))
+        dev = topo.device
+        loss = (torch.stack(list(out.losses.values())).sum().float()
+                if out.losses and topo.tp_rank == 0 else torch.zeros((), device=dev))
         if topo.world_size > 1:
             dist.all_reduce(loss)
         self.iteration += 1
@@ -304,28 +386,48 @@ class Trainer:
             else:               # the builder's (or the file's) forward-only schedule
                 sched = cfg.replace(forward_only=True).build_schedule()
             self._fwd_runtime = PipelineRuntime(sched, self.topology.pp_rank, self.stages,
-                                                self.spec.loss_fn, self.grads.accumulate, self.p2p,
-                                                global_rank=self.topology.rank,
+                                                self.spec.loss_fn, self._gradients().accumulate,
+                                                self.p2p, global_rank=self.topology.rank,
                                                 device=self.topology.device, compute_dtype=self.dtype,
                                                 observers=[o for o in (self._board_observer,)
-                                                           if o is not None])
+                                                           if o is not None],
+                                                stage_hooks=self.stage_hooks)
         mbs = pinned(self.data.microbatches(step, self.topology.dp_rank, self.config.dp,
                                             self.config.microbatches), self.topology.device)
         return self._fwd_runtime.run(mbs, step=step, forward_only=True, keep_outputs=keep_outputs)
 
     # -- state, keyed by global parameter names ---------------------------------------------
     def named_parameters(self) -> dict[str, torch.Tensor]:
-        """fp32 master weights of this rank, by global name ``layers.<i>.<name>``."""
+        """fp32 master weights of this rank, by global name ``layers.<i>.<name>``, whole.
+        Under ZeRO gathered from the shards (fresh tensors): collective over the dp group."""
+        if self.sharded is not None:
+            return self.sharded.full_masters()
         return dict(zip(self.param_names, self.masters.masters))
 
-    def state_dict(self) -> dict:
+    def param_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Each parameter's shape by global name (no collective, whatever the zero level)."""
+        return {n: tuple(p.shape) for s in sorted(self.stages)
+                for n, p in self.stages[s].named_parameters()}
+
+    def full_state(self) -> tuple[dict[str, torch.Tensor], dict[str, dict]]:
+        """(fp32 masters, AdamW state) by global name, whole tensors (a parameter never
+        stepped has no AdamW entry). Under ZeRO gathered from the shards: collective over the
+        dp group, every rank of which calls it (a checkpoint save, `state_dict`)."""
+        if self.sharded is not None:
+            return self.sharded.full_masters(), self.sharded.full_optimizer_state()
         opt_state = {}
         for name, p in zip(self.param_names, self.masters.masters):
             st = self.optimizer.state.get(p)
             if st:
-                opt_state[name] = {k: (v.detach().clone() if torch.is_tensor(v) else v)
-                                   for k, v in st.items()}
-        return {"model": {n: p.detach().clone() for n, p in self.named_parameters().items()},
+                opt_state[name] = st
+        return self.named_parameters(), opt_state
+
+    def state_dict(self) -> dict:
+        """Collective under ZeRO (see `full_state`)."""
+        masters, opt = self.full_state()
+        opt_state = {name: {k: (v.detach().clone() if torch.is_tensor(v) else v)
+                            for k, v in st.items()} for name, st in opt.items()}
+        return {"model": {n: p.detach().clone() for n, p in masters.items()},
                 "optimizer": opt_state, "scaler": self.scaler.state_dict(),
                 "iteration": self.iteration, "updates": self.updates,
                 "config": self.config.to_dict(), "bounds": self.bounds}
@@ -337,6 +439,16 @@ class Trainer:
         missing = [n for n in self.param_names if n not in model]
         if missing:
             raise KeyError(f"state lacks parameters {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+        if self.sharded is not None:
+            for name, shape in self.param_shapes().items():
+                if tuple(model[name].shape) != shape:
+                    raise ValueError(f"parameter {name}: shape {tuple(model[name].shape)} in the "
+                                     f"state, {shape} in the model")
+            self.sharded.load(model, state["optimizer"] if load_optim else None)
+            if load_optim:
+                self.scaler.load_state_dict(state["scaler"])
+            self.iteration, self.updates = int(state["iteration"]), int(state["updates"])
+            return
         for name, p in zip(self.param_names, self.masters.masters):
             if model[name].shape != p.shape:
                 raise ValueError(f"parameter {name}: shape {tuple(model[name].shape)} in the state, "

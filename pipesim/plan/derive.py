@@ -133,16 +133,30 @@ def derive(plan) -> PlanCosts:
     kv_bytes = 2 * e * b * s * model.kv_size / t          # K and V, whole sequence, per tp rank
     cp_pass = coll.all_gather(kv_bytes, cp, links["cp"])
     ep_pass = 2 * coll.all_to_all(model.top_k * act_bytes / sp, par.ep, links["ep"]) if model.is_moe else 0.0
+    wbytes, gbytes = BYTES_PER_PARAM[par.precision][:2]
+
+    def zero_gather(dense: float, expert: float) -> float:
+        """ZeRO-3: all-gather these parameters' weights whole."""
+        return (coll.all_gather(wbytes * dense, d, links["dp"])
+                + coll.all_gather(wbytes * expert, d_exp, links["dp"]))
+
+    def zero_reduce(dense: float, expert: float) -> float:
+        """ZeRO-2/3: reduce-scatter one backward's gradients of these parameters."""
+        return (coll.reduce_scatter(gbytes * dense, d, links["dp"])
+                + coll.reduce_scatter(gbytes * expert, d_exp, links["dp"]))
 
     def kind(moe: bool) -> dict[str, float]:
         lf = layer_flops(model, b, moe=moe, causal=par.flash_attention)   # flash skips masked blocks
         g, a = lf.gemm / shard / gemm_rate, lf.attention / shard / bf16_rate
         lp = model.layer_params(moe)
         lp_rank = lp["dense"] / t + lp["expert"] / (t * par.ep)
-        # ZeRO-3: the layer's weights gathered whole (the collective's output, 2 bytes a
-        # parameter), its gradients reduce-scattered from the whole (fp32): not d times that
-        z3 = coll.all_gather(2 * lp_rank, d, links["dp"]) if par.zero == 3 else 0.0
-        z3_rs = coll.reduce_scatter(4 * lp_rank, d, links["dp"]) if par.zero == 3 else 0.0
+        # ZeRO-3: the layer's weights gathered whole (the collective's output: the weights'
+        # bytes a parameter) for each F and I; ZeRO-2 and 3: every backward's gradients
+        # reduce-scattered from the whole (the gradients' bytes), once per microbatch, as W
+        # makes them (pipeexec and Megatron: a bucket, a layer, at a time inside each B or W;
+        # DeepSpeed: per bucket), not once a step as ZeRO-1's
+        z3 = zero_gather(lp["dense"] / t, lp["expert"] / (t * par.ep)) if par.zero == 3 else 0.0
+        z3_rs = zero_reduce(lp["dense"] / t, lp["expert"] / (t * par.ep)) if par.zero >= 2 else 0.0
         ep = ep_pass if moe else 0.0
 
         def op(compute: float, attn: float, tp_c: float, cp_c: float, extra: float, z: float) -> float:
@@ -213,10 +227,14 @@ def derive(plan) -> PlanCosts:
                 comm[c] += 2 * k[c]
         start += count
         if stage == 0:
-            dense_p += model.embedding_params(t) / t
+            emb_p = model.embedding_params(t) / t
+            dense_p += emb_p
             a_bytes += embedding_activations(model, par)
             f += emb_comm + emb_f
             i += emb_comm + emb_i
+            if par.zero >= 2:           # the embedding's share of the per-microbatch traffic
+                f += zero_gather(emb_p, 0.0) if par.zero == 3 else 0.0
+                w += zero_reduce(emb_p, 0.0)
         if stage == n - 1:
             head_p = model.head_params(t)
             if model.tied_embeddings and n > 1:
@@ -225,6 +243,11 @@ def derive(plan) -> PlanCosts:
             f += head_f
             i += head_i
             w += head_w
+            if par.zero >= 2:
+                if par.zero == 3:
+                    f += zero_gather(head_p / t, 0.0)
+                    i += zero_gather(head_p / t, 0.0)
+                w += zero_reduce(head_p / t, 0.0)
             a_bytes += head_activations(model, par)
             w_bytes += e * b * (s / cp) * model.hidden / sp       # the head's input, for W
         fwd.append(f)
@@ -235,13 +258,14 @@ def derive(plan) -> PlanCosts:
         params_st.append({"dense": dense_p, "expert": expert_p})
         mem_st.append(param_bytes(par.precision, par.zero, dense_p, expert_p, d, d_exp))
         if par.zero == 3:
+            # two layers gathered at a time (the one computing, the next prefetched), their
+            # weights and their gradients before the reduce-scatter
             largest = max(kinds[m]["params"] for m in set(pattern[start - count:start])) if count else 0.0
-            transient += 2 * largest * 6
+            transient += 2 * largest * (wbytes + gbytes)
         buffers_stage.append(transient)
 
     schedule_stages = _rank_stages(plan, n)
     rank_buffers = [max((buffers_stage[st] for st in sts), default=0.0) for sts in schedule_stages]
-    gbytes = BYTES_PER_PARAM[par.precision][1]
     holders = Counter(st for sts in schedule_stages for st in sts)
     tail: list[RankTail] = []
     for sts in schedule_stages:
@@ -252,10 +276,12 @@ def derive(plan) -> PlanCosts:
                 coll.all_reduce(gbytes * expert, d_exp, links["dp"])
             gather = 0.0
         else:
-            comm_s = coll.reduce_scatter(gbytes * dense, d, links["dp"]) + \
-                coll.reduce_scatter(gbytes * expert, d_exp, links["dp"])
-            gather = 0.0 if par.zero == 3 else (coll.all_gather(2 * dense, d, links["dp"])
-                                                + coll.all_gather(2 * expert, d_exp, links["dp"]))
+            # ZeRO-2/3 reduce-scatter in every backward (W's cost above), not in the tail
+            comm_s = ((coll.reduce_scatter(gbytes * dense, d, links["dp"])
+                       + coll.reduce_scatter(gbytes * expert, d_exp, links["dp"]))
+                      if par.zero == 1 else 0.0)
+            gather = 0.0 if par.zero == 3 else (coll.all_gather(wbytes * dense, d, links["dp"])
+                                                + coll.all_gather(wbytes * expert, d_exp, links["dp"]))
         window_b = sum(inp[st] + wgt[st] for st in sts)
         window_f = sum(fwd[st] for st in sts)
         total = dense + expert
