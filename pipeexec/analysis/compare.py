@@ -216,16 +216,26 @@ class Comparison:
     def cross_schedule_edge_ranks(self) -> list[int]:
         """The ranks holding the first or the last stage (embedding, head) when the costs come
         from a run of another schedule or layout; [] for a run's own trace."""
-        s, src = self.measured.schedule, self.calibration.source
-        if src.get("schedule") == s.name and src.get("bounds") == list(self.run.plan.bounds):
+        s = self.measured.schedule
+        if self._same_layout():
             return []
         return sorted({s.placement[0], s.placement[s.num_stages - 1]})
 
+    def _same_layout(self) -> bool:
+        """The costs come from a run of this schedule and this cut of the layers."""
+        s, src = self.measured.schedule, self.calibration.source
+        return src.get("schedule") == s.name and src.get("bounds") == list(self.run.plan.bounds)
+
+    def _own_trace(self) -> bool:
+        return self._same_layout() and "carried_to_tp" not in self.calibration.source
+
     def headline(self) -> str:
         s, src = self.measured.schedule, self.calibration.source
-        where = ("its own trace" if src.get("schedule") == s.name and src.get("bounds") ==
-                 list(self.run.plan.bounds) else
+        where = ("its own trace" if self._own_trace() else
                  f"a {src.get('schedule')} run (pp={src.get('pp')} vpp={src.get('vpp')})")
+        if "carried_to_tp" in src:
+            where += (f" at tp {src.get('tp', 1)}, carried to tp {src['carried_to_tp']} with "
+                      f"{src.get('hardware')}'s collectives")
         if self.calibration.model == "processor-sharing":
             where += f", CPU work shared by {self.calibration.cores:.2f} effective cores"
         measured = self._overall["makespan"]
@@ -321,7 +331,8 @@ def _num(x: Any) -> Any:
 
 
 def compare_runs(run: MeasuredRun, calibration_run: MeasuredRun | None = None,
-                 step: int | None = None, *, contention: bool | None = None) -> Comparison:
+                 step: int | None = None, *, contention: bool | None = None,
+                 carry: Any = None) -> Comparison:
     """Compare ``run``'s profiled steps (the means over its `central_steps`; ``step``: that
     step alone) with a simulation.
 
@@ -341,5 +352,5 @@ def compare_runs(run: MeasuredRun, calibration_run: MeasuredRun | None = None,
                                  contention=bool(contention))
     else:
         predicted, cal = predict(run.schedule, Layout.of_run(run), calibration_run,
-                                 contention=contention)
+                                 contention=contention, carry=carry)
     return Comparison(measured, predicted, cal, run, shown, steps)

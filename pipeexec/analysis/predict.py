@@ -18,6 +18,7 @@ schedule.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import pipesim
@@ -38,13 +39,16 @@ EXECUTOR_COMM = "rendezvous"
 
 def predict(schedule: "pipesim.Schedule", layout: Layout, calibration_run: MeasuredRun,
             steps: list[int] | None = None, *, contention: bool | None = None,
-            comm: str = EXECUTOR_COMM) -> tuple["SimResult", Calibration]:
+            comm: str = EXECUTOR_COMM, carry: Callable[[Calibration], Calibration] | None = None
+            ) -> tuple["SimResult", Calibration]:
     """Simulate ``schedule`` cut as ``layout`` with costs calibrated on ``calibration_run``
     (its ``steps``, default its `central_steps`): the prediction before (or without) running
     it.
 
     ``comm``: the simulator's communication mode (``pipesim.simulate``); by default the
-    executor's rendezvous, where a transfer starts when both sides have posted.
+    executor's rendezvous, where a transfer starts when both sides have posted. ``carry``: a
+    change of the calibrated costs before simulating (to another tp:
+    `pipeexec.analysis.tensor_parallel.carry_to_tp`).
 
     ``contention`` (default: when the calibration run recorded CPU work, i.e. on CPU, and its
     ranks competed for cores, `contention.shares_cores`): model ranks sharing cores. Costs are
@@ -53,6 +57,8 @@ def predict(schedule: "pipesim.Schedule", layout: Layout, calibration_run: Measu
     (``pipesim.simulate(cores=...)``, processor sharing); otherwise per-stage wall-time means.
     """
     cal = prediction_costs(layout, calibration_run, steps, contention=contention)
+    if carry is not None:
+        cal = carry(cal)
     return pipesim.simulate(schedule, cal.costs, comm=comm, cores=cal.cores), cal
 
 

@@ -84,6 +84,11 @@ def compare_parser() -> argparse.ArgumentParser:
       help="train this schedule (e.g. 1f1b) in the same job, alternating steps with the "
            "compared one, and predict the compared schedule from its steps alone: calibration "
            "and measurement meet the same machine seconds apart (not with --calibrate-from)")
+    a("--hardware", default=None, metavar="PRESET|FILE",
+      help="with --calibrate-from a run at another tp (or sequence parallelism): carry its "
+           "measured compute to this run's tp by the plan's per-operator model on this "
+           "hardware, and price tp's collectives from its figures (on this machine: the file "
+           "`pipeexec calibrate-hardware` writes, whose collectives are measured)")
     a("--trace-out", default=None, metavar="FILE.json",
       help="keep the measured trace: Chrome/Perfetto JSON, with .csv and .meta.json beside it")
     a("--report-out", default=None, metavar="FILE.json", help="write the report as JSON")
@@ -233,9 +238,15 @@ def compare_main(argv: list[str]) -> int:
                 raise ValueError("give --calibrate-from (a run made before) or --alongside (a "
                                  "calibration run in the same job), not both")
             partner = alongside_config(config, ns.alongside)
+        carry = None
+        if source is not None:
+            carry = tp_carry(config, source, ns.hardware, ns.calibrate_from)
+        elif ns.hardware:
+            raise ValueError("--hardware carries a --calibrate-from run to another tp; give "
+                             "--calibrate-from too")
         if source is not None:
             layout = layout_of(config)
-            predicted, cal = predict(config.build_schedule(), layout, source)
+            predicted, cal = predict(config.build_schedule(), layout, source, carry=carry)
             print(f"prediction before running, calibrated from {ns.calibrate_from}: "
                   f"{predicted.makespan * 1e3:.1f} ms, bubble_fraction "
                   f"{predicted.bubble_fraction:.3f}", flush=True)
@@ -252,7 +263,7 @@ def compare_main(argv: list[str]) -> int:
             run = profiled_run(config, first, stop, trace_out=ns.trace_out,
                                timeout=getattr(tns, "timeout", None),
                                cpus_per_rank=cpus_per_rank, profile=profile)
-        comparison = compare_runs(run, source)
+        comparison = compare_runs(run, source, carry=carry)
     except KeyboardInterrupt:
         print(f"\npipeexec compare: interrupted: stopped {tns.tp * tns.pp * tns.dp} workers",
               file=sys.stderr, flush=True)
@@ -272,11 +283,56 @@ def compare_main(argv: list[str]) -> int:
     print(comparison.text())
     extra, line = plan_memory(config, comparison.report()["measured_peak_memory"])
     print(line)
+    if carry is not None and carry.note:
+        notes.insert(0, carry.note)
     for note in notes:
         print(f"note: {note}")
     write_outputs(comparison, report_out=ns.report_out, table_out=ns.table_out,
                   plot_out=ns.plot_out, trace_out=ns.trace_out, extra=extra)
     return 0
+
+
+def tp_carry(config: Any, source: MeasuredRun, hardware: str | None, path: str
+             ) -> "TpCarry | None":
+    """A `TpCarry` when the calibration run's tp or sequence parallelism differs from
+    ``config``'s (`pipeexec.analysis.tensor_parallel`); None when they agree."""
+    from pipesim.hardware import get_hardware
+
+    from ..config import TrainConfig
+
+    theirs = TrainConfig.from_dict(source.meta["config"])
+    src = (theirs.tp, bool(theirs.sequence_parallel))
+    if src == (config.tp, bool(config.sequence_parallel)):
+        return None
+    if hardware is None:
+        raise ValueError(f"--calibrate-from {path} ran at tp {theirs.tp}"
+                         f"{' with sequence parallelism' if src[1] else ''}, this run at tp "
+                         f"{config.tp}{' with sequence parallelism' if config.sequence_parallel else ''}: "
+                         "give --hardware FILE (`pipeexec calibrate-hardware --out FILE` on this "
+                         "machine) to carry the costs and price tp's collectives")
+    return TpCarry(config.replace(tp=theirs.tp, sequence_parallel=src[1]).run_plan(),
+                   config.run_plan(), get_hardware(hardware))
+
+
+class TpCarry:
+    """Calibrated costs carried from the calibration run's tp to the run's (``note``: what
+    was done, once it was)."""
+
+    def __init__(self, source_plan: Any, target_plan: Any, hardware: Any) -> None:
+        self.source_plan, self.target_plan, self.hardware = source_plan, target_plan, hardware
+        self.note: str | None = None
+
+    def __call__(self, cal: Any) -> Any:
+        from dataclasses import replace
+
+        from ..analysis.tensor_parallel import carry_to_tp, tp_note
+        src_tp = self.source_plan.parallelism.tp
+        tgt_tp = self.target_plan.parallelism.tp
+        costs, summary = carry_to_tp(cal.costs, self.source_plan, self.target_plan, self.hardware)
+        self.note = tp_note(src_tp, tgt_tp, self.hardware.name, summary)
+        return replace(cal, costs=costs, source={**cal.source, "tp": src_tp,
+                                                 "carried_to_tp": tgt_tp,
+                                                 "hardware": self.hardware.name})
 
 
 def plan_memory(config: Any, measured: list[float]) -> tuple[dict[str, Any], str]:
