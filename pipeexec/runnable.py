@@ -48,18 +48,27 @@ def refusals(config: Any, *, custom_stack: bool = False) -> list[str]:
     return out
 
 
+# the Hugging Face families pipeexec.models.hf_tensor_parallel cuts over tp
+_TENSOR_PARALLEL_FAMILIES = ("llama", "mistral", "mixtral", "qwen2", "gpt2")
+
+
 def tensor_parallel_refusals(model: Any, par: Any) -> list[str]:
     """What of the model does not cut over ``par.tp`` ranks (each dimension a tp-parallel
-    layer splits must be a multiple of tp)."""
+    layer splits must be a multiple of tp): the built-in GPT and the Hugging Face families
+    of `pipeexec.models.hf` (`pipeexec.models.hf_tensor_parallel`: GQA's kv heads cut, not
+    replicated; Mixtral's experts each cut as a dense MLP)."""
     tp = par.tp
     if tp == 1:
         return []
     out = []
-    if model.family is not None:
-        return [f"parallelism.tp = {tp} (--tp): tensor parallelism runs the built-in GPT; the "
-                f"Hugging Face family {model.family!r} is not cut over tp yet"]
+    if model.family is not None and model.family not in _TENSOR_PARALLEL_FAMILIES:
+        return [f"parallelism.tp = {tp} (--tp): tensor parallelism runs the built-in GPT and "
+                f"the Hugging Face families {', '.join(_TENSOR_PARALLEL_FAMILIES)}; "
+                f"model.family {model.family!r} is not cut over tp"]
     dims = (("heads", model.heads, "--heads"), ("kv_heads", model.num_kv_heads, "--kv-heads"),
             ("ffn_hidden", model.ffn, "--ffn-hidden"), ("vocab", model.vocab, "--vocab"))
+    if model.experts:
+        dims += (("moe_ffn_hidden", model.moe_ffn, "each expert's MLP width"),)
     for name, value, flag in dims:
         if value % tp:
             out.append(f"model.{name} = {value} ({flag}) is not a multiple of tp = {tp}: "

@@ -67,9 +67,9 @@ def layer_stack(config: Any, tp: Any = None):
     refused = model_refusals(model, config.hf_model)
     if refused:
         raise ConfigError("the plan's model cannot be built here:\n  " + "\n  ".join(refused))
+    from ..parallel.regions import NONE
     if model.family is not None:
         from .hf import hf_layer_stack
-        return hf_layer_stack(model, weights=config.hf_model)
+        return hf_layer_stack(model, weights=config.hf_model, tp=tp or NONE)
     from ..model import gpt_stack
-    from ..parallel.regions import NONE
     return gpt_stack(model, tp or NONE)

@@ -22,6 +22,11 @@ projections scaled by 1/sqrt(2 n_layer), zero biases, unit norms) from the gener
 embedding's and stays one parameter with it. `hf_reference_model` gives the unsplit
 ``AutoModelForCausalLM`` the very same weights; `hf_name` maps a pipeexec parameter name
 (``layers.<i>.<name>``) to the Hugging Face one.
+
+Tensor parallelism (``tp``): each layer is built whole (initialised or loaded: the full tensors)
+and then cut by `hf_tensor_parallel`; the loss is then vocab-parallel. Under sequence
+parallelism the embedding keeps this rank's sequence chunk and a decoder layer makes its
+positions and mask for the whole sequence (tp chunks), the length its attention sees.
 """
 from __future__ import annotations
 
@@ -37,8 +42,12 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from ..model import LayerStack, lm_loss
+from ..parallel import regions
+from ..parallel.layers import vocab_parallel_cross_entropy
+from ..parallel.regions import NONE, TensorParallel
 from .hf_config import (HFModelError, HFModelInfo, config_for, info_from_config, plan_model_of,
                         read_hf_config)
+from .hf_tensor_parallel import cut_decoder_layer, cut_embedding, cut_head
 
 
 def _transformers():
@@ -127,7 +136,9 @@ def _selective_attention(model_type: str, base: str) -> str:
 # -- the layers -----------------------------------------------------------------------------
 class HFEmbedding(nn.Module):
     """Token ids (batch, seq) -> hidden (batch, seq, hidden). GPT-2: + learned positions,
-    then embedding dropout."""
+    then embedding dropout. Sequence parallel: this rank's chunk of the sequence."""
+
+    tp: TensorParallel = NONE      # set by `hf_tensor_parallel.cut_embedding`
 
     def __init__(self, config, model_type: str) -> None:
         super().__init__()
@@ -142,14 +153,20 @@ class HFEmbedding(nn.Module):
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         if not self.gpt2:
-            return self.embed_tokens(tokens)
-        positions = torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0)
-        return self.drop(self.wte(tokens) + self.wpe(positions))
+            x = self.embed_tokens(tokens)
+        else:
+            positions = torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0)
+            x = self.drop(self.wte(tokens) + self.wpe(positions))
+        return regions.scatter_sequence(x, self.tp) if self.tp.sequence_parallel else x
 
 
 class HFDecoderLayer(nn.Module):
     """One Hugging Face decoder layer (``block``) that makes its own position ids, rotary
-    embedding and causal mask from its input: hidden -> hidden."""
+    embedding and causal mask from its input: hidden -> hidden. Sequence parallel: the input
+    is one of tp chunks, the positions and mask the whole sequence's (the attention's input
+    is gathered)."""
+
+    tp: TensorParallel = NONE      # set by `hf_tensor_parallel.cut_decoder_layer`
 
     def __init__(self, config, model_type: str, j: int) -> None:
         super().__init__()
@@ -185,10 +202,12 @@ class HFDecoderLayer(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
-        positions = torch.arange(x.shape[1], device=x.device).unsqueeze(0)
+        seq = x.shape[1] * (self.tp.size if self.tp.sequence_parallel else 1)
+        positions = torch.arange(seq, device=x.device).unsqueeze(0)
+        whole = x if seq == x.shape[1] else x[:, :1].expand(x.shape[0], seq, x.shape[2])
         make_mask = create_sliding_window_causal_mask if self.sliding else create_causal_mask
-        mask = make_mask(config=self.config, inputs_embeds=x, attention_mask=None, cache=None,
-                         position_ids=positions)
+        mask = make_mask(config=self.config, inputs_embeds=whole, attention_mask=None,
+                         cache=None, position_ids=positions)
         if self.rotary is None:
             out = self.block(x, attention_mask=mask, position_ids=positions)
         else:
@@ -312,14 +331,16 @@ def _load(layer: nn.Module, index: int, info: HFModelInfo, ckpt: _Checkpoint) ->
 
 
 # -- the stack ------------------------------------------------------------------------------
-def hf_layer_stack(model: Any, *, weights: str | Path | None = None) -> LayerStack:
+def hf_layer_stack(model: Any, *, weights: str | Path | None = None,
+                   tp: TensorParallel = NONE) -> LayerStack:
     """The `LayerStack` of ``model`` (a plan's `pipesim.ModelSpec` of a Hugging Face family):
     [embedding, decoder layer x L, norm + head], next-token cross-entropy, built from the
     config the spec spells. Weights from the safetensors of the directory ``weights`` when it
-    has any, else the deterministic initialisation."""
+    has any, else the deterministic initialisation. ``tp``: this rank's tensor-parallel
+    group; each layer is built whole and cut (`hf_tensor_parallel`), the loss vocab-parallel."""
     files = () if weights is None else read_hf_config(weights).checkpoint_files
     info = info_from_config(config_for(model), str(weights or "the plan's model"), files)
-    return _stack(info)
+    return _stack(info, tp)
 
 
 def hf_dir_stack(path: str | Path, *, seq_length: int | None = None,
@@ -331,7 +352,7 @@ def hf_dir_stack(path: str | Path, *, seq_length: int | None = None,
     return hf_layer_stack(model, weights=path if load_weights and info.checkpoint_files else None)
 
 
-def _stack(info: HFModelInfo) -> LayerStack:
+def _stack(info: HFModelInfo, tp: TensorParallel = NONE) -> LayerStack:
     if info.model_type not in FAMILIES:
         raise HFModelError(f"{info.path}: model_type {info.model_type!r} is not supported")
     config = hf_config_object(info)
@@ -349,7 +370,13 @@ def _stack(info: HFModelInfo) -> LayerStack:
             _load(layer, index, info, ckpt)
         else:
             _init(layer, config, kind, gen)
-        return layer
+        if not tp.active:
+            return layer
+        if index == 0:
+            return cut_embedding(layer, kind, tp)
+        if index == n + 1:
+            return cut_head(layer, tp)
+        return cut_decoder_layer(layer, kind, tp)
 
     # a tied head is the embedding: one parameter across the first and last stage
     # (pipeexec.training.tied keeps the instances equal and sums their gradients)
@@ -360,7 +387,10 @@ def _stack(info: HFModelInfo) -> LayerStack:
         "block" if _mask_kind(config, j) == "full_attention" else "sliding-block"
         for j in range(n)) + ("head",)
     counts = _param_counts(config, kind, n)
-    return LayerStack(n + 2, factory, lm_loss, counts, kinds, tied=tied, blocks=n)
+    loss = lm_loss if not tp.active else (
+        lambda logits, targets: vocab_parallel_cross_entropy(logits, targets, config.vocab_size,
+                                                             tp))
+    return LayerStack(n + 2, factory, loss, counts, kinds, tied=tied, blocks=n)
 
 
 def _param_counts(config, kind: str, n: int) -> tuple[int, ...]:
