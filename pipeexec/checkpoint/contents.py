@@ -8,10 +8,11 @@ One file per pipeline rank (Megatron's key names where Megatron has one):
 ``release``                 True for a weights-only release checkpoint
 ``save_id``                 random id shared by all files of one save (mixed saves are refused)
 ``config``                  the run's `TrainConfig` as a dict (``asdict``)
-``layout``                  the run's plan: pp, vpp, dp, schedule (its name and, as
+``layout``                  the run's plan: tp, pp, vpp, dp, schedule (its name and, as
                             ``schedule_data``, the schedule itself: pipesim.schedule.io's dict),
-                            this file's pp rank, stage bounds, layer kinds, and per chunk its
-                            global stage and global layer indices
+                            this file's tp and pp rank, stage bounds, layer kinds, per chunk its
+                            global stage and global layer indices, and ``shards``: each
+                            tensor-parallel parameter's `ShardSpec` (the others are whole)
 ``model`` / ``model0``...   per chunk: ``layers.<global layer>.<name>`` -> fp32 tensor (the fp32
                             master weights; for bf16/fp16 runs the 16-bit weights are their cast)
 ``optimizer``               ``state``: parameter name -> AdamW state (step, exp_avg, exp_avg_sq);
@@ -44,7 +45,8 @@ MODEL_FIELDS = ("layers", "hidden", "heads", "kv_heads", "ffn_hidden", "vocab", 
 # Fields whose change makes a resumed run differ from the uninterrupted one (logged, allowed).
 TRAINING_FIELDS = ("seed", "data", "lr", "min_lr", "warmup_steps", "decay_steps", "weight_decay",
                    "beta1", "beta2", "eps", "clip_grad", "precision", "micro_batch_size")
-LAYOUT_FIELDS = ("pp", "vpp", "dp", "schedule", "microbatches", "partition", "boundaries")
+LAYOUT_FIELDS = ("tp", "sequence_parallel", "pp", "vpp", "dp", "zero", "schedule",
+                 "microbatches", "partition", "boundaries")
 
 
 def layer_of(name: str) -> int:
@@ -77,10 +79,14 @@ def stage_layer_range(schedule, bounds: Sequence[int], stage: int) -> range:
 
 
 def layout_record(config, bounds: Sequence[int], stages: Sequence[int], pp_rank: int, *,
-                  schedule: Any = None, layer_kinds: Sequence[str] | None = None) -> dict:
+                  schedule: Any = None, layer_kinds: Sequence[str] | None = None,
+                  tp_rank: int = 0, shards: Mapping[str, Any] | None = None) -> dict:
     """The ``layout`` entry. ``schedule``: the `pipesim.Schedule` that ran (stored as data, so
-    a hand-made one is read back as itself, not rebuilt from ``config.schedule``)."""
-    out = {"pp": config.pp, "vpp": config.vpp, "dp": config.dp, "schedule": config.schedule,
+    a hand-made one is read back as itself, not rebuilt from ``config.schedule``); ``shards``:
+    name -> `ShardSpec` of this file's tensor-parallel parameters."""
+    out = {"tp": int(config.tp), "tp_rank": int(tp_rank),
+           "shards": {n: spec.to_dict() for n, spec in (shards or {}).items()},
+           "pp": config.pp, "vpp": config.vpp, "dp": config.dp, "schedule": config.schedule,
            "pp_rank": pp_rank, "bounds": [int(b) for b in bounds],
            "stages": [int(s) for s in stages],
            "layers": [list(stage_layer_range(schedule, bounds, s)) for s in stages],
@@ -90,6 +96,13 @@ def layout_record(config, bounds: Sequence[int], stages: Sequence[int], pp_rank:
     if layer_kinds is not None:
         out["layer_kinds"] = [str(k) for k in layer_kinds]
     return out
+
+
+def tensor_parallel_shards(trainer, stages: Sequence[int]) -> dict[str, Any]:
+    """name -> `ShardSpec` of the tensor-parallel parameters of ``stages``."""
+    from ..parallel.sharding import shard_spec
+    return {n: shard_spec(p) for s in stages for n, p in trainer.stages[s].named_parameters()
+            if shard_spec(p) is not None}
 
 
 def chunk_state(stage_module: torch.nn.Module, masters: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -144,7 +157,9 @@ def rank_contents(trainer, *, release: bool = False,
         "release": release,
         "config": cfg.to_dict(),
         "layout": layout_record(cfg, trainer.bounds, stages, trainer.topology.pp_rank,
-                                schedule=trainer.schedule, layer_kinds=trainer.spec.kinds()),
+                                schedule=trainer.schedule, layer_kinds=trainer.spec.kinds(),
+                                tp_rank=trainer.topology.tp_rank,
+                                shards=tensor_parallel_shards(trainer, stages)),
     }
     for c, s in enumerate(stages):
         out[chunk_key(c, cfg.vpp)] = chunk_state(trainer.stages[s], masters)

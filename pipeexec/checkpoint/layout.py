@@ -2,13 +2,15 @@
 
 ```
 DIR/latest_checkpointed_iteration.txt           "50" or "release": the tracker, written last
-DIR/iter_0000050/mp_rank_00_{pp_rank:03d}/model_optim_rng.pt
-DIR/release/mp_rank_00_{pp_rank:03d}/model_optim_rng.pt
+DIR/iter_0000050/mp_rank_{tp_rank:02d}_{pp_rank:03d}/model_optim_rng.pt
+DIR/release/mp_rank_{tp_rank:02d}_{pp_rank:03d}/model_optim_rng.pt
 ```
 
-One file per pipeline rank, written by data-parallel rank 0 of that pipeline rank (the
-replicas hold the same weights). ``mp_rank_00`` is the tensor-parallel rank, always 0 here.
-The pipeline suffix is written even when pp == 1, so a path never depends on the layout.
+One file per (tensor-parallel rank, pipeline rank), written by data-parallel rank 0 there (the
+replicas hold the same weights); a tensor-parallel rank's file holds its shards, each with the
+`ShardSpec` that cuts it (``layout.shards``), so a loader at another tp puts them back together
+and cuts them again. The pipeline suffix is written even when pp == 1, so a path never depends
+on the layout.
 """
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ RELEASE = "release"
 CHECKPOINT_VERSION = 1          # bump when the file's contents change incompatibly
 
 _ITER_RE = re.compile(r"^iter_(\d{7,})$")
-_RANK_RE = re.compile(r"^mp_rank_00_(\d{3,})$")
+_RANK_RE = re.compile(r"^mp_rank_(\d{2,})_(\d{3,})$")
 
 Tag = int | str                 # an iteration, or RELEASE
 
@@ -44,13 +46,14 @@ def tag_dir(root: str | Path, tag: Tag) -> Path:
     return Path(root) / tag_dir_name(tag)
 
 
-def rank_dir_name(pp_rank: int) -> str:
-    return f"mp_rank_00_{pp_rank:03d}"
+def rank_dir_name(pp_rank: int, tp_rank: int = 0) -> str:
+    return f"mp_rank_{tp_rank:02d}_{pp_rank:03d}"
 
 
-def state_file(root: str | Path, tag: Tag, pp_rank: int) -> Path:
-    """The file pipeline rank ``pp_rank`` writes for checkpoint ``tag``."""
-    return tag_dir(root, tag) / rank_dir_name(pp_rank) / STATE_FILE_NAME
+def state_file(root: str | Path, tag: Tag, pp_rank: int, tp_rank: int = 0) -> Path:
+    """The file (tensor-parallel rank ``tp_rank``, pipeline rank ``pp_rank``) writes for
+    checkpoint ``tag``."""
+    return tag_dir(root, tag) / rank_dir_name(pp_rank, tp_rank) / STATE_FILE_NAME
 
 
 def chunk_key(chunk: int, vpp: int) -> str:
@@ -72,13 +75,19 @@ def saved_iterations(root: str | Path) -> list[int]:
 
 
 def rank_files(root: str | Path, tag: Tag) -> dict[int, Path]:
-    """pp rank -> state file, for every rank directory of checkpoint ``tag`` holding one."""
+    """pp rank -> state file of tensor-parallel rank 0, for every such rank directory of
+    checkpoint ``tag`` holding one (`all_rank_files`: every tp rank's)."""
+    return {pp: path for (tp, pp), path in all_rank_files(root, tag).items() if tp == 0}
+
+
+def all_rank_files(root: str | Path, tag: Tag) -> dict[tuple[int, int], Path]:
+    """(tp rank, pp rank) -> state file, for every rank directory of checkpoint ``tag``."""
     d = tag_dir(root, tag)
-    out: dict[int, Path] = {}
+    out: dict[tuple[int, int], Path] = {}
     if not d.is_dir():
         return out
     for child in d.iterdir():
         m = _RANK_RE.match(child.name)
         if m and (child / STATE_FILE_NAME).is_file():
-            out[int(m.group(1))] = child / STATE_FILE_NAME
+            out[(int(m.group(1)), int(m.group(2)))] = child / STATE_FILE_NAME
     return dict(sorted(out.items()))

@@ -19,6 +19,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -48,10 +49,32 @@ def expected_model_names(trainer) -> list[str]:
     return names
 
 
+class TensorParallelCut:
+    """A whole tensor of the checkpoint cut to this rank's piece: by its parameter's
+    `ShardSpec` when the run is tensor parallel, as it is otherwise."""
+
+    def __init__(self, trainer) -> None:
+        from ..parallel.sharding import shard_spec
+        self.tp, self.rank = trainer.topology.tp, trainer.topology.tp_rank
+        self.specs = {n: shard_spec(p) for s in chunk_stages(trainer)
+                      for n, p in trainer.stages[s].named_parameters()}
+
+    def __call__(self, name: str, tensor: torch.Tensor, path: Any) -> torch.Tensor:
+        from ..parallel.sharding import shard
+        spec = self.specs.get(name)
+        if spec is None or self.tp == 1:
+            return tensor
+        try:
+            return shard(tensor, spec, self.rank, self.tp)
+        except ValueError as exc:
+            raise CheckpointError(f"{name!r}: {exc}", path=path, field=name) from None
+
+
 def same_layout(reader: CheckpointReader, trainer) -> bool:
     lay = reader.layout
     cfg = trainer.config
-    return (int(lay["pp"]) == cfg.pp and int(lay["vpp"]) == cfg.vpp
+    return (int(lay.get("tp", 1)) == cfg.tp and int(lay["pp"]) == cfg.pp
+            and int(lay["vpp"]) == cfg.vpp
             and [int(b) for b in lay["bounds"]] == [int(b) for b in trainer.bounds]
             and reader.rank_layers(trainer.topology.pp_rank) ==
             {i for s in saved_stages(trainer.schedule, trainer.topology.pp_rank)
@@ -73,7 +96,9 @@ def load_checkpoint(trainer, root: str | os.PathLike, *, tag: Tag | None = None,
 
     # -- model: every expected key, nothing else, right shapes --------------------------------
     names = expected_model_names(trainer)
-    tensors, origin = reader.model_tensors(names)
+    tensors, origin = reader.model_tensors(names)      # whole, whatever the checkpoint's tp
+    cut = TensorParallelCut(trainer)
+    tensors = {n: cut(n, t, origin[n]) for n, t in tensors.items()}
     masters = trainer.param_shapes()        # (whole shapes: no collective under ZeRO)
     local = {}
     for s in chunk_stages(trainer):
@@ -95,6 +120,8 @@ def load_checkpoint(trainer, root: str | os.PathLike, *, tag: Tag | None = None,
         loaded.append("iteration")
     if home_file is not None and load_optim:
         opt, known = reader.optimizer_state(trainer.param_names)
+        opt = {n: {k: (cut(n, v, origin[n]) if torch.is_tensor(v) and v.dim() > 0 else v)
+                   for k, v in st.items()} for n, st in opt.items()}
         for n in trainer.param_names:
             if n not in known:
                 raise CheckpointError(f"missing key {n!r} in the optimizer state",
@@ -130,7 +157,9 @@ def load_checkpoint(trainer, root: str | os.PathLike, *, tag: Tag | None = None,
                 sd[n].copy_(tensors[n])
 
     if home_file is not None and load_rng:
-        rng_states = home_file["rng_state"]
+        # a tensor-parallel rank's own file when the checkpoint has this tp
+        own = reader.tp == topo.tp and topo.tp_rank < reader.tp
+        rng_states = (reader.shard_file(home, topo.tp_rank) if own else home_file)["rng_state"]
         idx = topo.dp_rank if topo.dp_rank < len(rng_states) else 0
         restore_rng_state(rng_states[idx], topo.device, path=str(reader.path(home)))
         loaded.append("rng")
@@ -143,7 +172,7 @@ def load_checkpoint(trainer, root: str | os.PathLike, *, tag: Tag | None = None,
         how = "finetune (weights only)" if weights_only else "resume"
         log(f"checkpoint: loaded {tag_dir_name(reader.tag)} from {Path(root)} in "
             f"{report.seconds:.3f} s as {how}, iteration {report.iteration}"
-            + (f", resharded from pp={reader.layout['pp']} vpp={reader.layout['vpp']} "
+            + (f", resharded from tp={reader.tp} pp={reader.layout['pp']} vpp={reader.layout['vpp']} "
                f"dp={reader.layout['dp']} {reader.layout['schedule']}" if resharded else "")
             + f"; loaded {', '.join(loaded)}" + (f"; notes: {'; '.join(notes)}" if notes else ""))
     return report

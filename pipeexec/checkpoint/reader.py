@@ -24,8 +24,8 @@ from pipesim.schedule.io import schedule_from_dict
 
 from .contents import layer_of, model_chunks, saved_stages, stage_layer_range
 from .errors import CheckpointError
-from .layout import (CHECKPOINT_VERSION, RELEASE, Tag, rank_files, saved_iterations, state_file,
-                     tag_dir, tag_dir_name)
+from .layout import (CHECKPOINT_VERSION, RELEASE, Tag, all_rank_files, rank_files,
+                     saved_iterations, state_file, tag_dir, tag_dir_name)
 from .tracker import read_tracker
 
 REQUIRED_KEYS = ("checkpoint_version", "iteration", "release", "config", "layout")
@@ -115,11 +115,13 @@ class CheckpointReader:
         if not self.dir.is_dir():
             raise CheckpointError(missing_checkpoint(self.root, self.tag, asked=tag is not None),
                                   path=self.dir)
-        self.paths = rank_files(self.root, self.tag)
+        self.all_paths = all_rank_files(self.root, self.tag)
+        self.paths = {pp: path for (tp, pp), path in self.all_paths.items() if tp == 0}
         if not self.paths:
             raise CheckpointError("checkpoint directory holds no rank files "
-                                  "(mp_rank_00_XXX/model_optim_rng.pt)", path=self.dir)
+                                  "(mp_rank_TT_PPP/model_optim_rng.pt)", path=self.dir)
         self._files: dict[int, dict[str, Any]] = {}
+        self._tp_files: dict[tuple[int, int], dict[str, Any]] = {}
         self._placement: list[list[int]] | None = None
         # The header (layout, config) is read from the caller's own file when there is one,
         # so a rank never reads (and CRC-checks) a file it does not need.
@@ -140,10 +142,62 @@ class CheckpointReader:
         if extra:
             raise CheckpointError(f"unexpected rank directories for pipeline ranks {extra} "
                                   f"(the checkpoint was written with pp={pp})", path=self.dir)
+        tp = self.tp
+        for t in range(1, tp):
+            for r in range(pp):
+                if (t, r) not in self.all_paths:
+                    raise CheckpointError(f"rank file of tensor-parallel rank {t}, pipeline rank "
+                                          f"{r} is missing (the checkpoint was written with "
+                                          f"tp={tp}, pp={pp})",
+                                          path=state_file(self.root, self.tag, r, t))
+        extra_tp = sorted({t for t, _ in self.all_paths} - set(range(tp)))
+        if extra_tp:
+            raise CheckpointError(f"unexpected rank directories for tensor-parallel ranks "
+                                  f"{extra_tp} (the checkpoint was written with tp={tp})",
+                                  path=self.dir)
 
     @property
     def pp(self) -> int:
         return int(self.layout["pp"])
+
+    @property
+    def tp(self) -> int:
+        """The checkpoint's tensor-parallel size (1 for files written before tp)."""
+        return int(self.layout.get("tp", 1))
+
+    def shard_file(self, pp_rank: int, tp_rank: int) -> dict[str, Any]:
+        """The file of (``tp_rank``, ``pp_rank``); tp rank 0's is `file`'s."""
+        if tp_rank == 0:
+            return self.file(pp_rank)
+        key = (tp_rank, pp_rank)
+        if key not in self._tp_files:
+            path = self.all_paths.get(key)
+            if path is None:
+                raise CheckpointError(f"no rank file for tensor-parallel rank {tp_rank}, pipeline "
+                                      f"rank {pp_rank}", path=state_file(self.root, self.tag,
+                                                                         pp_rank, tp_rank))
+            f = read_state_file(path, verify=self.verify)
+            lay = f["layout"]
+            if (int(lay.get("tp_rank", 0)), int(lay["pp_rank"])) != key:
+                raise CheckpointError(f"file says it is tp rank {lay.get('tp_rank', 0)}, pp rank "
+                                      f"{lay['pp_rank']}; its directory says {tp_rank}, {pp_rank}",
+                                      path=path, field="layout.tp_rank")
+            if f.get("save_id") != self.file(pp_rank).get("save_id"):
+                raise CheckpointError("save_id differs from the other rank files': files of "
+                                      "different saves are mixed", path=path, field="save_id")
+            self._tp_files[key] = f
+        return self._tp_files[key]
+
+    def whole(self, pp_rank: int, name: str, pick) -> Any:
+        """The whole tensor of ``name`` held by ``pp_rank``'s files: tp rank 0's, or every tp
+        rank's piece (``pick(file)`` reads it) put back together by its recorded `ShardSpec`."""
+        from ..parallel.sharding import ShardSpec, unshard
+        f = self.file(pp_rank)
+        spec = f["layout"].get("shards", {}).get(name)
+        if spec is None or self.tp == 1:
+            return pick(f)
+        return unshard([pick(self.shard_file(pp_rank, t)) for t in range(self.tp)],
+                       ShardSpec.from_dict(spec))
 
     def opened(self) -> list[str]:
         """Paths of the rank files read so far."""
@@ -179,20 +233,20 @@ class CheckpointReader:
         Files not opened yet are read for their header only: their pickle record is CRC-checked,
         their tensors are not read.
         """
-        ids = {}
-        for r, path in self.paths.items():
-            f = self._files.get(r)
+        ids: dict[tuple[int, int], Any] = {}
+        for key, path in self.all_paths.items():
+            f = self._files.get(key[1]) if key[0] == 0 else self._tp_files.get(key)
             if f is None:
                 if self.verify:
                     verify_file(path, pickle_only=True)
                 f = read_state_file(path, verify=False)
-            ids[r] = f.get("save_id")
-        mine = ids[min(self._files)] if self._files else ids[min(ids)]
-        for r, value in ids.items():
+            ids[key] = f.get("save_id")
+        mine = ids[(0, min(self._files))] if self._files else ids[min(ids)]
+        for key, value in ids.items():
             if value != mine:
                 raise CheckpointError(f"save_id {value!r} differs from {mine!r} of the other rank "
                                       "files: files of different saves are mixed (an interrupted "
-                                      "save over this iteration?)", path=self.paths[r],
+                                      "save over this iteration?)", path=self.all_paths[key],
                                       field="save_id")
 
     def schedule(self):
@@ -242,10 +296,11 @@ class CheckpointReader:
                 raise CheckpointError(f"file records layers {sorted(recorded)} but the checkpoint's "
                                       f"layout places layers {sorted(self.rank_layers(r))} on "
                                       f"pipeline rank {r}", path=path, field="layout.layers")
-            for chunk in model_chunks(f, str(path)):
+            for c, chunk in enumerate(model_chunks(f, str(path))):
                 for key, value in chunk.items():
                     if layer_of(key) in layers:
-                        found[key] = value
+                        found[key] = self.whole(
+                            r, key, lambda g, c=c, key=key: model_chunks(g, None)[c][key])
                         origin[key] = path
         wanted = set(names)
         unexpected = sorted(set(found) - wanted)
@@ -277,5 +332,7 @@ class CheckpointReader:
             known.update(opt["param_names"])
             for n in names:
                 if n in opt["state"]:
-                    state[n] = opt["state"][n]
+                    state[n] = {k: (self.whole(r, n, lambda g, n=n, k=k: g["optimizer"]["state"][n][k])
+                                    if torch.is_tensor(v) and v.dim() > 0 else v)
+                                for k, v in opt["state"][n].items()}
         return state, known

@@ -36,7 +36,8 @@ import torch
 from .atomic import atomic_write, fsync_dir, remove_stale_temps
 from .contents import rank_contents
 from .errors import CheckpointError
-from .layout import RELEASE, Tag, rank_files, saved_iterations, state_file, tag_dir, tag_dir_name
+from .layout import (RELEASE, Tag, all_rank_files, saved_iterations, state_file, tag_dir,
+                     tag_dir_name)
 from .rng import capture_rng_state
 from .sync import agree_on_id, gather_to_writer, store_barrier
 from .tracker import write_tracker
@@ -108,7 +109,7 @@ def save_checkpoint(trainer, root: str | os.PathLike, *, release: bool = False,
         contents["save_id"] = save_id
         if not release:
             contents["rng_state"] = gathered
-        path = state_file(root, tag, topo.pp_rank)
+        path = state_file(root, tag, topo.pp_rank, topo.tp_rank)
         remove_stale_temps(path.parent)
         tw = time.perf_counter()
         try:
@@ -119,7 +120,7 @@ def save_checkpoint(trainer, root: str | os.PathLike, *, release: bool = False,
             raise CheckpointError(f"cannot write the state file ({e})", path=path) from e
         report.write_seconds, report.bytes, report.path = time.perf_counter() - tw, size, str(path)
     if topo.rank == 0:
-        remove_other_layouts(root, tag, trainer.config.pp)
+        remove_other_layouts(root, tag, trainer.config.pp, trainer.config.tp)
     if topo.world_size > 1:
         store_barrier(store, barrier, topo.rank, topo.world_size, timeout)
     if topo.rank == 0:
@@ -135,16 +136,18 @@ def save_checkpoint(trainer, root: str | os.PathLike, *, release: bool = False,
     return report
 
 
-def remove_other_layouts(root: str | os.PathLike, tag: Tag, pp: int) -> list[int]:
-    """Delete rank directories ``mp_rank_00_PPP`` with PPP >= pp under checkpoint ``tag``.
+def remove_other_layouts(root: str | os.PathLike, tag: Tag, pp: int, tp: int = 1
+                         ) -> list[tuple[int, int]]:
+    """Delete rank directories ``mp_rank_TT_PPP`` with TT >= tp or PPP >= pp under checkpoint
+    ``tag``; returns their (tp rank, pp rank).
 
-    They can only be left by an earlier save of the same iteration with more pipeline ranks (an
-    abandoned run, resumed from an earlier checkpoint in another layout); no writer of this
-    save touches them.
+    They can only be left by an earlier save of the same iteration with more pipeline or
+    tensor-parallel ranks (an abandoned run, resumed from an earlier checkpoint in another
+    layout); no writer of this save touches them.
     """
-    stale = [r for r in rank_files(root, tag) if r >= pp]
-    for r in stale:
-        d = state_file(root, tag, r).parent
+    stale = [(t, r) for (t, r) in all_rank_files(root, tag) if r >= pp or t >= tp]
+    for t, r in stale:
+        d = state_file(root, tag, r, t).parent
         trash = d.with_name(f".deleting-{d.name}-{os.getpid()}")
         os.replace(d, trash)
         shutil.rmtree(trash, ignore_errors=True)
