@@ -91,7 +91,8 @@ def predicted_peaks(config: Any, schedule: "pipesim.Schedule | None" = None) -> 
                 tied += embedding * ((part == 0) + (part == last_part))
         largest = max(stage_params, default=0.0)
         transient.append(weight_bytes * largest if par.zero == 3 and d > 1 else 0.0)
-        tied_extra.append(4 * tied * (1 - 1 / d) if par.zero >= 2 and d > 1 else 0.0)
+        # (beside the shard accumulator, which the plan counts, as for every parameter)
+        tied_extra.append(4 * tied if par.zero >= 2 and d > 1 else 0.0)
     costs = replace(derived.costs, static_bytes=tuple(a + b for a, b in zip(transient, tied_extra)))
     if not config.deallocate_outputs:
         costs = _outputs_kept(costs, sched)

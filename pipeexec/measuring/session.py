@@ -71,8 +71,11 @@ class ProfileSession:
             memory.close()
         topo = self.topology
         probe = None
-        if self.options.probe_split and not trainer.config.forward_only and topo.dp_rank == 0:
-            probe = probe_split(trainer)
+        if self.options.probe_split and not trainer.config.forward_only:
+            # ZeRO-3: the stages' weights gathered (collective over dp) while dp rank 0 probes
+            with trainer.whole_parameters():
+                if topo.dp_rank == 0:
+                    probe = probe_split(trainer)
         # One pipeline's records make the trace: the one at dp rank 0 and tp rank 0 (the other
         # tp ranks of a stage run the same actions, in step with it through their collectives).
         tp_rank = getattr(topo, "tp_rank", 0)

@@ -20,6 +20,7 @@ for ZeRO-2/3): it reduce-scatters instead of all-reducing, gives its shard's squ
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import sys
@@ -403,6 +404,20 @@ class Trainer:
         if self.sharded is not None:
             return self.sharded.full_masters()
         return dict(zip(self.param_names, self.masters.masters))
+
+    @contextlib.contextmanager
+    def whole_parameters(self):
+        """Inside: every stage's weights whole, for code that runs the stages outside the
+        runtime (the split-backward probe). Under ZeRO-3 gathered and released after:
+        collective over the dp group, every rank of which enters it; else nothing to do."""
+        if self.sharded is None:
+            yield
+            return
+        self.sharded.gather_all()
+        try:
+            yield
+        finally:
+            self.sharded.release_all()
 
     def param_shapes(self) -> dict[str, tuple[int, ...]]:
         """Each parameter's shape by global name (no collective, whatever the zero level)."""
