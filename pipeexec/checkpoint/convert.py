@@ -78,6 +78,10 @@ def convert_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, *, tag: T
                if v is not None}
     if boundaries is not None or "pp" in changes or "vpp" in changes:
         changes["boundaries"] = tuple(boundaries) if boundaries is not None else None
+    if reader.tp > 1:       # the shards put together: whole tensors, which any tp cuts on load
+        changes.update(tp=1, sequence_parallel=False)
+        notes.append(f"tensor-parallel shards of tp {reader.tp} put together: the converted "
+                     "checkpoint holds whole tensors (tp 1), which a run at any tp cuts on load")
     new_cfg = old_cfg.replace(**changes)
     num_layers = int(reader.layout["num_layers"])
     new_cfg.validate(num_layers=num_layers)
@@ -90,10 +94,15 @@ def convert_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, *, tag: T
     param_names: list[str] = []
     for r in range(reader.pp):
         f = reader.file(r)
-        for chunk in model_chunks(f, str(reader.path(r))):
-            model.update(chunk)
+        for c, chunk in enumerate(model_chunks(f, str(reader.path(r)))):
+            for key in chunk:
+                model[key] = reader.whole(r, key, lambda g, c=c, key=key: model_chunks(g)[c][key])
         if not reader.release:
-            opt_state.update(f["optimizer"]["state"])
+            for n, st in f["optimizer"]["state"].items():
+                opt_state[n] = {k: (reader.whole(r, n, lambda g, n=n, k=k:
+                                                 g["optimizer"]["state"][n][k])
+                                    if torch.is_tensor(v) and v.dim() > 0 else v)
+                                for k, v in st.items()}
             param_names.extend(f["optimizer"]["param_names"])
     layers_present = sorted({layer_of(n) for n in model})
     if layers_present != list(range(num_layers)):

@@ -110,3 +110,16 @@ def test_reshard_between_tp_2_and_1(saved, src, dst):
     a, b = whole(straight, "params"), whole(after, "params")
     for n in a:
         torch.testing.assert_close(b[n], a[n], rtol=1e-5, atol=1e-6, msg=n)
+
+
+def test_convert_puts_the_shards_together(saved, tmp_path):
+    from pipeexec.checkpoint.convert import convert_checkpoint
+    from pipeexec.checkpoint.reader import CheckpointReader
+    root, before = saved["tp2"]
+    report = convert_checkpoint(root, tmp_path / "whole", pp=1)
+    assert any("shards of tp 2 put together" in n for n in report.notes)
+    reader = CheckpointReader(tmp_path / "whole")
+    assert reader.tp == 1 and reader.pp == 1
+    want = whole(before, "params")
+    got, _ = reader.model_tensors(list(want))
+    assert all(torch.equal(want[n], got[n]) for n in want)
