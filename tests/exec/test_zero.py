@@ -105,6 +105,52 @@ def test_zero3_releases_parameters_and_the_backward_sees_them_gathered_again():
         assert torch.equal(got[slot.name], dict(plain.named_parameters())[slot.name].detach())
 
 
+def test_stage_hooks_run_inside_the_observers_around_every_compute_action():
+    """``before`` in the hooks' order, ``after`` in reverse, inside the observers' start/end,
+    for F, B, I and W only (pp 1, ZB-V: two stages, split backward)."""
+    from pipeexec.data import BatchSource
+    from pipeexec.partition import by_layers
+    from pipeexec.pipeline.runtime import PipelineRuntime
+
+    events = []
+
+    class Hook:
+        owns_grads = False
+
+        def __init__(self, name):
+            self.name = name
+
+        def before(self, action):
+            events.append((self.name, "before", action))
+
+        def after(self, action):
+            events.append((self.name, "after", action))
+
+    class Observer:
+        def start(self, action, step):
+            events.append(("obs", "start", action))
+
+        def end(self, action, step):
+            events.append(("obs", "end", action))
+
+    spec = layer_stack(TINY.replace(layers=2))
+    sched = pipesim.build_schedule("zbv", pp=1, vpp=2, microbatches=2).validate()
+    bounds = by_layers(spec.num_layers, 2)
+    stages = {s: build_stage(spec, s, bounds, seed=0, device=torch.device("cpu"),
+                             dtype=torch.float32) for s in (0, 1)}
+    rt = PipelineRuntime(sched, 0, stages, spec.loss_fn, lambda s, g: None, None, global_rank=0,
+                         device=torch.device("cpu"), observers=[Observer()],
+                         stage_hooks=[Hook("a"), Hook("b")])
+    rt.run(BatchSource(seed=1, seq_len=TINY.seq_len, vocab=TINY.vocab,
+                       global_batch=2).microbatches(0, 0, 1, 2), step=0)
+    expected = []
+    for a in sched.actions(0):
+        inner = ([("a", "before", a), ("b", "before", a), ("b", "after", a), ("a", "after", a)]
+                 if a.op in ("F", "B", "I", "W") else [])
+        expected += [("obs", "start", a), *inner, ("obs", "end", a)]
+    assert events == expected and any(a.op == "W" for a in sched.actions(0))
+
+
 # -- equivalence with one process, and the shards ----------------------------------------------
 EQUIVALENCE = [(s, {"zero": z}) for s in ("1f1b", "zbv") for z in (1, 2, 3)] + [
     ("dualpipe", {"zero": 3}), ("zbv", {"zero": 3, "precision": "bf16"})]
