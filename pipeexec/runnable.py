@@ -27,12 +27,6 @@ def refusals(config: Any, *, custom_stack: bool = False) -> list[str]:
     plan, par = config.plan, config.plan.parallelism
     out = [f"parallelism.{name} = {getattr(par, name)!r} ({flag}): {why}"
            for name, flag, runs, why in _NOT_YET if getattr(par, name) != runs]
-    if par.zero and par.tp > 1:
-        # ZeRO's holder (pipeexec.training.zero) neither reduces the sequence-parallel
-        # gradients over tp nor counts a tp-replicated parameter once in the norm yet
-        out.append(f"parallelism.zero = {par.zero} (--zero) with tp = {par.tp} (--tp): the "
-                   "distributed optimizer runs without tensor parallelism for now (zero 0 with "
-                   "tp, or tp 1 with zero)")
     if par.precision == "fp8":
         out.append("parallelism.precision = 'fp8' (--precision): pipeexec computes in fp32, "
                    "bf16 or fp16 (fp8 GEMMs need Transformer Engine, which it does not use)")

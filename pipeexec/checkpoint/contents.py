@@ -47,6 +47,7 @@ TRAINING_FIELDS = ("seed", "data", "lr", "min_lr", "warmup_steps", "decay_steps"
                    "beta1", "beta2", "eps", "clip_grad", "precision", "micro_batch_size")
 LAYOUT_FIELDS = ("tp", "sequence_parallel", "pp", "vpp", "dp", "zero", "schedule",
                  "microbatches", "partition", "boundaries")
+NEWER_FIELDS = ("tp", "sequence_parallel", "zero")     # not in checkpoints of older pipeexecs
 
 
 def layer_of(name: str) -> int:
@@ -198,6 +199,8 @@ def check_config(saved: Mapping[str, Any], current: Mapping[str, Any], *, path: 
                 f"{saved[name]!r}, this run has {name}={current[name]!r}", path=path, field=name)
     notes = []
     for name in TRAINING_FIELDS + LAYOUT_FIELDS + ("hf_model",):   # its tensors' names and
-        if saved.get(name) != current.get(name):                  # shapes are checked on load
+        if name in NEWER_FIELDS and name not in saved:            # shapes are checked on load
+            continue                    # written before the field existed: its default ran
+        if saved.get(name) != current.get(name):
             notes.append(f"{name} {saved.get(name)!r} -> {current.get(name)!r}")
     return notes

@@ -174,8 +174,9 @@ class Trainer:
                                         tp_rank=d % topology.tp),
                                     timeout=config.collective_timeout)
         self.tied.copy_from_source()
-        self.tp_grads = TensorParallelGrads([p for _, p in named], [views[id(p)] for _, p in named],
-                                            self.tp)
+        grads_of = (self.sharded.grad_pieces if self.sharded is not None
+                    else (lambda p: [views[id(p)]]))
+        self.tp_grads = TensorParallelGrads([p for _, p in named], grads_of, self.tp)
         if self.sharded is not None:
             self.sharded.start(self.tied)           # the master shards; ZeRO-3 releases
             self.masters = None
@@ -306,15 +307,19 @@ class Trainer:
         out = self.runtime.run(mbs, step=k, loss_scale=self.scaler.scale)
         if self.board is not None:
             self.board.set(topo.rank, k, Op.ALLREDUCE, -1, -1)
-        self.tp_grads.reduce_sequence_parallel()
         if self.sharded is not None:
             # ZeRO: each shard the group's average; its squared norm summed over all ranks
             self.sharded.reduce_gradients()
+            self.tp_grads.reduce_sequence_parallel()
             if k in self._overflow and self.holds_last_stage:
                 self.sharded.poison()
             share = self.sharded.local_grad_sq()
+            tp_duplicate_sq = self.tp_grads.duplicate_sq()
+            if tp_duplicate_sq is not None:       # a replicated parameter counts once over tp
+                share = share - tp_duplicate_sq
         else:
             self.grads.all_reduce(topo.dp_group, cfg.dp, cfg.collective_timeout)
+            self.tp_grads.reduce_sequence_parallel()
             if self.tied:
                 self.tied.reduce()
             if k in self._overflow and self.holds_last_stage:

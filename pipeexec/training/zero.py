@@ -380,6 +380,13 @@ class ShardedOptimizer:
                     if pc is not None:
                         self._grad_piece(s, pc).copy_(whole.reshape(-1)[pc.lo: pc.hi])
 
+    def grad_pieces(self, param: torch.Tensor) -> list[torch.Tensor]:
+        """After `reduce_gradients`: this rank's pieces of ``param``'s reduced gradient (none
+        when its shard holds none of it), for what works on a parameter's gradient across
+        another group (tensor parallelism's sum of sequence-parallel gradients, its norm rule)."""
+        s, slot = self._slot_of[id(param)]
+        return [self._grad_piece(s, pc) for pc in self.pieces[s] if pc.slot.index == slot.index]
+
     def local_grad_sq(self) -> torch.Tensor:
         """This rank's share of the squared global gradient norm: its shard's pieces of the
         parameters that count (a tied parameter once). Summed over every rank (one

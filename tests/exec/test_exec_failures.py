@@ -72,7 +72,7 @@ def test_invalid_layouts_fail_before_any_collective(changes, reason):
 
 
 def test_world_size_mismatch():
-    with pytest.raises(ConfigError, match=r"world size 3 != pp \* dp = 4 \* 1"):
+    with pytest.raises(ConfigError, match=r"world size 3 != tp \* pp \* dp = 1 \* 4 \* 1"):
         CFG.validate(world_size=3)
 
 

@@ -72,17 +72,18 @@ def test_unsupported_parts_are_refused_with_every_reason(tmp_path, capsys):
     with pytest.raises(ConfigError) as info:
         TrainConfig(plan=plan).validate()
     text = str(info.value)
-    for reason in ("parallelism.tp = 2", "parallelism.cp = 2", "parallelism.zero = 3",
-                   "model.dropout = True"):
+    for reason in ("parallelism.cp = 2", "model.dropout = True",
+                   "model.vocab = 50257 (--vocab) is not a multiple of tp = 2"):
         assert reason in text
     assert "model.tied_embeddings" not in text     # the executor ties the head to the embedding
+    assert "parallelism.zero" not in text and "parallelism.tp" not in text   # both run
     path = tmp_path / "big.json"
     plan.to_json(path)
     with pytest.raises(SystemExit) as exit_:
         main(["train", "--plan", str(path)])        # refused before any worker starts
     assert exit_.value.code == 2
     err = capsys.readouterr().err
-    assert f"--plan {path}" in err and "parallelism.tp = 2" in err
+    assert f"--plan {path}" in err and "parallelism.cp = 2" in err
 
 
 def test_a_flag_given_with_a_plan_overrides_that_field(tmp_path):
@@ -96,17 +97,17 @@ def test_a_flag_given_with_a_plan_overrides_that_field(tmp_path):
 
 
 def test_fp8_and_every_other_refusal_come_at_once_with_flags(tmp_path, capsys):
-    """A plan with fp8 (a bare KeyError before), sequence parallelism and ep: one error
+    """A plan with fp8 (a bare KeyError before), context and expert parallelism: one error
     listing each, with its flag, before any worker starts."""
     path = tmp_path / "fp8.json"
     TrainConfig(pp=2, microbatches=2).plan.with_(precision="fp8", ep=2, dp=2,
-                                                 sequence_parallel=True).to_json(path)
+                                                 cp=2).to_json(path)
     with pytest.raises(SystemExit) as exit_:
         main(["train", "--plan", str(path)])
     assert exit_.value.code == 2
     err = capsys.readouterr().err
     for reason in ("parallelism.precision = 'fp8' (--precision)", "parallelism.ep = 2 (--ep)",
-                   "parallelism.sequence_parallel = True (--sequence-parallel)"):
+                   "parallelism.cp = 2 (--cp)"):
         assert reason in err, err
     assert "Traceback" not in err
 
@@ -141,10 +142,10 @@ def test_compare_takes_the_plan_and_refuses_what_train_refuses(tmp_path, capsys)
     from pipeexec.cli.compare import compare_main
 
     path = tmp_path / "tp.json"
-    pipesim.Plan.create("gpt3-1.3b", "H100", tp=2, pp=2, global_batch_size=8).to_json(path)
+    pipesim.Plan.create("gpt3-1.3b", "H100", cp=2, pp=2, global_batch_size=8).to_json(path)
     assert compare_main(["--plan", str(path)]) == 2        # before any worker starts
     err = capsys.readouterr().err
-    assert "parallelism.tp = 2" in err and "pipeexec compare: error" in err
+    assert "parallelism.cp = 2" in err and "pipeexec compare: error" in err
 
 
 def test_a_plan_holding_its_schedule_as_data_runs_that_schedule(tmp_path):

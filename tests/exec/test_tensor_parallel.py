@@ -187,10 +187,18 @@ def _run_cases(tp: int, pp: int, dp: int, cases: tuple) -> list[dict]:
                   timeout=600)
 
 
+TP_DP_CASES = (("1f1b", (("sequence_parallel", True),)),
+               # the distributed optimizer inside each tp rank's data-parallel group
+               ("1f1b", (("sequence_parallel", True), ("zero", 1))),
+               ("zbv", (("sequence_parallel", True), ("zero", 2))),
+               ("1f1b", (("zero", 3),)))
+
+
 @pytest.mark.slow
-def test_tp2_pp2_dp2_equals_one_process():
-    results = _run_cases(2, 2, 2, (("1f1b", (("sequence_parallel", True),)),))
-    check(results, ("1f1b", (("sequence_parallel", True),)), 2)
+@pytest.mark.parametrize("case", TP_DP_CASES, ids=["plain", "zero1", "zero2-zbv", "zero3"])
+def test_tp2_pp2_dp2_equals_one_process(case):
+    results = _run_cases(2, 2, 2, TP_DP_CASES)
+    check(results, case, 2)
     # both replicas hold the same model
     a = [r for r in results if r[next(iter(r))]["dp_rank"] == 0]
     b = [r for r in results if r[next(iter(r))]["dp_rank"] == 1]

@@ -63,13 +63,16 @@ def test_every_element_lies_in_exactly_one_shard(shards):
     assert runs([(0, 2), (2, 5), (6, 7)]) == [(0, 5), (6, 7)]
 
 
-def test_zero_runs_with_dp_1_and_is_refused_with_tp():
+def test_zero_runs_with_dp_1_and_with_tp():
+    """Accepted at dp 1 (a no-op, as Megatron's) and with tensor parallelism (each tp rank's
+    data-parallel group shards its own parameters; tests/exec/test_tensor_parallel.py runs
+    tp 2 x pp 2 x dp 2 under zero 1, 2 and 3 against one process)."""
     for zero in (1, 2, 3):
         TINY.replace(zero=zero).validate()
         TINY.replace(zero=zero, pp=2, dp=2, microbatches=2, micro_batch_size=2).validate(
             world_size=4)
-    with pytest.raises(Exception, match="parallelism.zero = 2"):
-        TINY.replace(zero=2, tp=2).validate(world_size=2)
+        TINY.replace(zero=zero, tp=2, dp=2, microbatches=2, micro_batch_size=2).validate(
+            world_size=4)
 
 
 def test_zero3_releases_parameters_and_the_backward_sees_them_gathered_again():
