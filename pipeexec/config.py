@@ -298,7 +298,7 @@ class TrainConfig:
 
     @property
     def world_size(self) -> int:
-        return self.tp * self.pp * self.dp
+        return self.tp * self.cp * self.pp * self.dp
 
     @property
     def num_stages(self) -> int:
@@ -401,8 +401,8 @@ class TrainConfig:
             raise ConfigError("the plan asks for what pipeexec cannot run:\n  "
                               + "\n  ".join(refused))
         if world_size is not None and world_size != self.world_size:
-            raise ConfigError(f"world size {world_size} != tp * pp * dp = {self.tp} * {self.pp} * "
-                              f"{self.dp} = {self.world_size}")
+            raise ConfigError(f"world size {world_size} != tp * cp * pp * dp = {self.tp} * "
+                              f"{self.cp} * {self.pp} * {self.dp} = {self.world_size}")
         if self.partition not in PARTITIONS:
             raise ConfigError(f"partition must be one of {', '.join(PARTITIONS)}, got {self.partition!r}")
         n_layers = self.num_layers if num_layers is None else num_layers

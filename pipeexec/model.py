@@ -24,7 +24,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from .parallel import regions
+from .parallel import context, regions
+from .parallel.context import ContextParallel
 from .parallel.layers import (ColumnParallelLinear, RowParallelLinear, vocab_parallel_cross_entropy,
                               vocab_parallel_embedding)
 from .parallel.regions import NONE, TensorParallel
@@ -130,12 +131,14 @@ class Embedding(nn.Module):
     """Token + learned position embeddings: (batch, seq) int64 -> (batch, seq, hidden).
 
     Tensor parallel: the token rows cut over the vocabulary (`vocab_parallel_embedding`), the
-    position table replicated; under sequence parallelism the output is this rank's chunk."""
+    position table replicated; under sequence parallelism the output is this rank's chunk.
+    Context parallel: the tokens are this cp rank's two chunks of the sequence, each at its
+    global positions (`context.local_positions`)."""
 
     def __init__(self, vocab: int, positions: int, hidden: int, gen: torch.Generator,
-                 tp: TensorParallel = NONE) -> None:
+                 tp: TensorParallel = NONE, cp: ContextParallel = context.NONE) -> None:
         super().__init__()
-        self.vocab, self.tp = vocab, tp
+        self.vocab, self.tp, self.cp = vocab, tp, cp
         tok = torch.empty(vocab, hidden)
         self.pos = nn.Parameter(torch.empty(positions, hidden))
         _normal(tok, 0.02, gen)
@@ -145,7 +148,10 @@ class Embedding(nn.Module):
             self.tok = mark(nn.Parameter(shard(tok, ShardSpec(0), tp.rank, tp.size)), ShardSpec(0))
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        x = vocab_parallel_embedding(tokens, self.tok, self.vocab, self.tp) + self.pos[: tokens.shape[1]]
+        s = tokens.shape[1]
+        pos = (self.pos[context.local_positions(s, self.cp, tokens.device)] if self.cp.active
+               else self.pos[:s])
+        x = vocab_parallel_embedding(tokens, self.tok, self.vocab, self.tp) + pos
         return regions.scatter_sequence(x, self.tp) if self.tp.sequence_parallel else x
 
 
@@ -154,15 +160,17 @@ class Block(nn.Module):
 
     Tensor parallel (Megatron's layout): QKV and fc1 column-parallel (QKV cut by heads), the
     output projection and fc2 row-parallel, the norms replicated (fed one sequence chunk a rank
-    under sequence parallelism)."""
+    under sequence parallelism). Context parallel: the queries of this cp rank's chunks attend
+    to the keys and values of the whole sequence (`context.context_parallel_attention`)."""
 
     def __init__(self, hidden: int, heads: int, ffn: int, num_blocks: int,
-                 gen: torch.Generator, tp: TensorParallel = NONE) -> None:
+                 gen: torch.Generator, tp: TensorParallel = NONE,
+                 cp: ContextParallel = context.NONE) -> None:
         super().__init__()
         if heads % tp.size or ffn % tp.size:
             raise ValueError(f"tensor parallelism: heads {heads} and ffn {ffn} must be multiples "
                              f"of tp = {tp.size}")
-        self.heads, self.head_dim, self.tp = heads, hidden // heads, tp
+        self.heads, self.head_dim, self.tp, self.cp = heads, hidden // heads, tp, cp
         self.recompute_core_attention = False    # selective recomputation (Stage.set_recompute)
         self.ln1 = nn.LayerNorm(hidden)
         self.qkv = nn.Linear(hidden, 3 * hidden)
@@ -187,7 +195,10 @@ class Block(nn.Module):
         b, s, _ = qkv.shape
         heads = self.heads // self.tp.size
         q, k, v = qkv.view(b, s, 3, heads, self.head_dim).permute(2, 0, 3, 1, 4)
-        if self.recompute_core_attention and torch.is_grad_enabled():
+        if self.cp.active:
+            # (recomputes its core attention in the backward: selective recomputation's saving)
+            a = context.context_parallel_attention(q, k, v, self.cp, context.sdpa)
+        elif self.recompute_core_attention and torch.is_grad_enabled():
             a = checkpoint(_core_attention, q, k, v, use_reentrant=False)
         else:
             a = _core_attention(q, k, v)
@@ -224,21 +235,24 @@ def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
 
-def gpt_stack(model: Any, tp: TensorParallel = NONE) -> LayerStack:
+def gpt_stack(model: Any, tp: TensorParallel = NONE,
+              cp: ContextParallel = context.NONE) -> LayerStack:
     """The built-in GPT of ``model`` (a `pipesim.ModelSpec` of its shape, family None:
     `pipeexec.models.gpt_differences` says what it cannot be): [Embedding, Block x layers,
     Head], cross-entropy loss. A tied head (``model.tied_embeddings``, Megatron-LM's default,
     GPT-2's) starts as the token embedding and stays one parameter with it. ``tp``: this rank's
-    tensor-parallel group; each layer is built whole and cut, the loss is vocab-parallel."""
+    tensor-parallel group; each layer is built whole and cut, the loss is vocab-parallel.
+    ``cp``: this rank's context-parallel group (each rank's loss is the mean over its tokens,
+    which are as many on every cp rank: the trainer averages over cp)."""
     layers, hidden, heads, vocab = model.layers, model.hidden, model.heads, model.vocab
     ffn, positions = model.ffn, model.max_position or model.seq_length
 
     def factory(index: int, gen: torch.Generator) -> nn.Module:
         if index == 0:
-            return Embedding(vocab, positions, hidden, gen, tp)
+            return Embedding(vocab, positions, hidden, gen, tp, cp)
         if index == layers + 1:
             return Head(hidden, vocab, gen, tp)
-        return Block(hidden, heads, ffn, layers, gen, tp)
+        return Block(hidden, heads, ffn, layers, gen, tp, cp)
 
     block = 2 * 2 * hidden + (hidden * 3 * hidden + 3 * hidden) + (hidden * hidden + hidden) \
         + (hidden * ffn + ffn) + (ffn * hidden + hidden)

@@ -1,10 +1,10 @@
 """What of a plan the executor cannot run here, with the reasons: every one at once, before any
 process starts (`TrainConfig.validate` raises them as one ConfigError). Torch-free.
 
-pipeexec runs pipeline, data and tensor parallelism (with sequence parallelism), fp32 / bf16 /
-fp16, the recomputation modes, ZeRO 1-3 (the distributed optimizer; with dp 1 a no-op, as in
-Megatron), the built-in GPT and the Hugging Face families of `pipeexec.models`; context and
-expert parallelism are not run yet.
+pipeexec runs pipeline, data, tensor (with sequence parallelism) and context parallelism, fp32 /
+bf16 / fp16, the recomputation modes, ZeRO 1-3 (the distributed optimizer; with dp x cp 1 a
+no-op, as in Megatron), the built-in GPT and the Hugging Face families of `pipeexec.models`;
+expert parallelism is not run yet.
 """
 from __future__ import annotations
 
@@ -14,7 +14,6 @@ from .models import model_refusals
 
 # parallelism fields the executor does not run yet: (field, flag, value it runs, reason)
 _NOT_YET = (
-    ("cp", "--cp", 1, "context parallelism is not run by pipeexec yet (cp = 1)"),
     ("ep", "--ep", 1, "expert parallelism is not run by pipeexec yet (ep = 1: every expert on "
      "every data-parallel rank)"),
 )
@@ -39,6 +38,33 @@ def refusals(config: Any, *, custom_stack: bool = False) -> list[str]:
     if not custom_stack:
         out += model_refusals(plan.model, config.hf_model)
         out += tensor_parallel_refusals(plan.model, par)
+    out += context_parallel_refusals(plan.model, par)
+    return out
+
+
+def context_parallel_refusals(model: Any, par: Any) -> list[str]:
+    """What does not cut over ``par.cp`` ranks: each sequence is cut into ``2 cp``
+    load-balanced chunks (`pipeexec.parallel.context`), and under sequence parallelism each cp
+    rank's part is cut again into tp chunks (Megatron's rule: a multiple of ``2 cp tp``);
+    attention dropout cannot be recomputed alike in the backward (the attention's backward
+    recomputes its forward)."""
+    cp = par.cp
+    if cp == 1:
+        return []
+    out = []
+    s = model.seq_length
+    if s % (2 * cp):
+        out.append(f"parallelism.cp = {cp} (--cp): model.seq_length = {s} (--seq-len) is not a "
+                   f"multiple of 2 * cp = {2 * cp}: context parallelism cuts each sequence into "
+                   "2 cp load-balanced chunks (rank i holds chunks i and 2 cp - 1 - i)")
+    elif par.sequence_parallel and par.tp > 1 and s % (2 * cp * par.tp):
+        out.append(f"parallelism.cp = {cp} (--cp) with sequence parallelism: model.seq_length = "
+                   f"{s} (--seq-len) is not a multiple of 2 * cp * tp = {2 * cp * par.tp}: each "
+                   "cp rank's chunks are cut again into tp sequence-parallel chunks")
+    if model.dropout:
+        out.append(f"parallelism.cp = {cp} (--cp): the model has dropout (model.dropout): "
+                   "context parallelism recomputes the attention in its backward, which would "
+                   "draw other dropout masks")
     return out
 
 

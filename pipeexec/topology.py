@@ -1,12 +1,14 @@
-"""Process topology: where this process sits in the plan's device mesh (tensor, data and
-pipeline parallel), and the explicit process groups that connect it.
+"""Process topology: where this process sits in the plan's device mesh (tensor, context, data
+and pipeline parallel), and the explicit process groups that connect it.
 
 Ranks follow `pipeexec.parallel.mesh.Mesh`, Megatron-LM's order (tensor parallel fastest, then
-data, then pipeline: ``g = (pp_rank * dp + dp_rank) * tp + tp_rank``). One pipeline is the ranks
-of one (tp, dp) position; its p2p channels carry that tensor-parallel rank's activation (whole
-on every tp rank, or its sequence chunk under sequence parallelism), never a gathered one.
-Groups are returned in a `Topology` value and passed to whoever needs them; nothing is stored in
-module globals.
+context, data, pipeline: ``g = ((pp_rank * dp + dp_rank) * cp + cp_rank) * tp + tp_rank``). One
+pipeline is the ranks of one (tp, cp, dp) position; its p2p channels carry that rank's
+activation (its cp rank's chunks of the sequence, whole on every tp rank or cut again under
+sequence parallelism), never a gathered one. The dense parameters' gradients are averaged over
+the dp x cp group (Megatron's ``dp_cp``: with cp each of its ranks saw other tokens of the same
+sequences). Groups are returned in a `Topology` value and passed to whoever needs them; nothing
+is stored in module globals.
 """
 from __future__ import annotations
 
@@ -53,17 +55,42 @@ class Topology:
     tp_rank: int = 0
     tp_group: Any = None        # ProcessGroup of this tensor-parallel group (None when tp == 1)
     tp_ranks: tuple[int, ...] = ()
+    cp: int = 1
+    cp_rank: int = 0
+    cp_group: Any = None        # ProcessGroup of this context-parallel group (None when cp == 1)
+    cp_ranks: tuple[int, ...] = ()
+    # the gradient group of the dense parameters, data x context parallel (Megatron's dp_cp;
+    # the dp group itself when cp == 1; None when dp * cp == 1)
+    dp_cp_group: Any = None
+    dp_cp_ranks: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.cp == 1:            # without context parallelism the gradient group is dp's
+            if self.dp_cp_group is None:
+                self.dp_cp_group = self.dp_group
+            if not self.dp_cp_ranks:
+                self.dp_cp_ranks = self.dp_ranks
 
     @property
     def mesh(self) -> Mesh:
-        return Mesh(tp=self.tp, dp=self.dp, pp=self.pp)
+        return Mesh(tp=self.tp, cp=self.cp, dp=self.dp, pp=self.pp)
+
+    @property
+    def dp_cp(self) -> int:
+        return self.dp * self.cp
+
+    @property
+    def dp_cp_rank(self) -> int:
+        """This rank's place in `dp_cp_ranks` (cp fastest)."""
+        return self.dp_rank * self.cp + self.cp_rank
 
     def rank_of(self, *, pp_rank: int | None = None, dp_rank: int | None = None,
-                tp_rank: int | None = None) -> int:
+                tp_rank: int | None = None, cp_rank: int | None = None) -> int:
         """The global rank at these coordinates (this rank's where one is not given)."""
         return self.mesh.rank(pp=self.pp_rank if pp_rank is None else pp_rank,
                               dp=self.dp_rank if dp_rank is None else dp_rank,
-                              tp=self.tp_rank if tp_rank is None else tp_rank)
+                              tp=self.tp_rank if tp_rank is None else tp_rank,
+                              cp=self.cp_rank if cp_rank is None else cp_rank)
 
     def pipeline_peer(self, pp_rank: int) -> int:
         """Global rank of pipeline rank ``pp_rank`` in this replica's pipeline."""
@@ -71,6 +98,7 @@ class Topology:
 
     def __str__(self) -> str:
         tp = f"tp rank {self.tp_rank}/{self.tp}, " if self.tp > 1 else ""
+        tp += f"cp rank {self.cp_rank}/{self.cp}, " if self.cp > 1 else ""
         return (f"rank {self.rank}/{self.world_size} ({tp}pp rank {self.pp_rank}/{self.pp}, "
                 f"dp rank {self.dp_rank}/{self.dp}, {self.device}, {self.backend})")
 
@@ -102,22 +130,24 @@ def env_rank_info() -> tuple[int, int, int, str, int]:
     return rank, world, local, os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
 
 
-def init_topology(pp: int, dp: int, *, tp: int = 1, backend: str | None = None,
+def init_topology(pp: int, dp: int, *, tp: int = 1, cp: int = 1, backend: str | None = None,
                   device: str | None = None, timeout: float = 600.0,
                   p2p_timeout: float | None = None) -> Topology:
-    """Initialise torch.distributed from the environment and build the tp, pp and dp groups.
+    """Initialise torch.distributed from the environment and build the tp, cp, pp, dp and
+    dp x cp groups.
 
     ``p2p_timeout``: on NCCL, the p2p channel groups' timeout is this plus a minute, so that the
     watchdog aborts a stuck transfer even when the host is stuck too (the runtime's own check at
     the end of each step names the action first; `pipeexec.pipeline.p2p`).
 
-    ``world_size`` must equal ``tp * pp * dp``: checked before any collective, with the reason.
+    ``world_size`` must equal ``tp * cp * pp * dp``: checked before any collective, with the
+    reason.
     """
     rank, world, local_rank, addr, port = env_rank_info()
-    mesh = Mesh(tp=tp, dp=dp, pp=pp)
+    mesh = Mesh(tp=tp, cp=cp, dp=dp, pp=pp)
     if world != mesh.world_size:
-        raise TopologyError(f"world size {world} != tp * pp * dp = {tp} * {pp} * {dp} = "
-                            f"{mesh.world_size}")
+        raise TopologyError(f"world size {world} != tp * cp * pp * dp = {tp} * {cp} * {pp} * "
+                            f"{dp} = {mesh.world_size}")
     dev = pick_device(local_rank, device)
     if backend is None:
         backend = "nccl" if dev.type == "cuda" else "gloo"
@@ -135,7 +165,7 @@ def init_topology(pp: int, dp: int, *, tp: int = 1, backend: str | None = None,
     kwargs = {"device_id": dev} if dev.type == "cuda" else {}
     dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=td, **kwargs)
     here = mesh.coords(rank)
-    pp_rank, dp_rank, tp_rank = here.pp, here.dp, here.tp
+    pp_rank, dp_rank, tp_rank, cp_rank = here.pp, here.dp, here.tp, here.cp
     pp_group = dp_group = tp_group = None
     pp_ranks: tuple[int, ...] = ()
     dp_ranks: tuple[int, ...] = ()
@@ -170,9 +200,28 @@ def init_topology(pp: int, dp: int, *, tp: int = 1, backend: str | None = None,
         group = dist.new_group(list(ranks), timeout=td) if tp > 1 else None
         if rank in ranks:
             tp_group, tp_ranks = group, ranks
+    # Context parallelism's K/V exchange runs inside computations, as tp's collectives: on
+    # communicators of its own. The dp x cp gradient group is a group apart (with cp 1, the dp
+    # group).
+    cp_group = dp_cp_group = None
+    cp_ranks: tuple[int, ...] = ()
+    dp_cp_ranks: tuple[int, ...] = dp_ranks
+    if cp > 1:
+        for ranks in mesh.groups("cp"):
+            group = dist.new_group(list(ranks), timeout=td)
+            if rank in ranks:
+                cp_group, cp_ranks = group, ranks
+        for ranks in mesh.groups(("dp", "cp")):
+            group = dist.new_group(list(ranks), timeout=td)
+            if rank in ranks:
+                dp_cp_group, dp_cp_ranks = group, ranks
+    else:
+        dp_cp_group = dp_group
     return Topology(rank, world, pp, dp, pp_rank, dp_rank, local_rank, dev, backend,
                     pp_group, dp_group, pp_ranks, dp_ranks, store, p2p_groups,
-                    tp=tp, tp_rank=tp_rank, tp_group=tp_group, tp_ranks=tp_ranks)
+                    tp=tp, tp_rank=tp_rank, tp_group=tp_group, tp_ranks=tp_ranks,
+                    cp=cp, cp_rank=cp_rank, cp_group=cp_group, cp_ranks=cp_ranks,
+                    dp_cp_group=dp_cp_group, dp_cp_ranks=dp_cp_ranks)
 
 
 def warm_up_channels(order: list, rank: int, device: torch.device, timeout: float) -> None:

@@ -45,9 +45,10 @@ MODEL_FIELDS = ("layers", "hidden", "heads", "kv_heads", "ffn_hidden", "vocab", 
 # Fields whose change makes a resumed run differ from the uninterrupted one (logged, allowed).
 TRAINING_FIELDS = ("seed", "data", "lr", "min_lr", "warmup_steps", "decay_steps", "weight_decay",
                    "beta1", "beta2", "eps", "clip_grad", "precision", "micro_batch_size")
-LAYOUT_FIELDS = ("tp", "sequence_parallel", "pp", "vpp", "dp", "zero", "schedule",
+LAYOUT_FIELDS = ("tp", "sequence_parallel", "cp", "pp", "vpp", "dp", "zero", "schedule",
                  "microbatches", "partition", "boundaries")
-NEWER_FIELDS = ("tp", "sequence_parallel", "zero")     # not in checkpoints of older pipeexecs
+# not in checkpoints of older pipeexecs
+NEWER_FIELDS = ("tp", "sequence_parallel", "cp", "zero")
 
 
 def layer_of(name: str) -> int:
@@ -85,7 +86,7 @@ def layout_record(config, bounds: Sequence[int], stages: Sequence[int], pp_rank:
     """The ``layout`` entry. ``schedule``: the `pipesim.Schedule` that ran (stored as data, so
     a hand-made one is read back as itself, not rebuilt from ``config.schedule``); ``shards``:
     name -> `ShardSpec` of this file's tensor-parallel parameters."""
-    out = {"tp": int(config.tp), "tp_rank": int(tp_rank),
+    out = {"tp": int(config.tp), "tp_rank": int(tp_rank), "cp": int(config.cp),
            "shards": {n: spec.to_dict() for n, spec in (shards or {}).items()},
            "pp": config.pp, "vpp": config.vpp, "dp": config.dp, "schedule": config.schedule,
            "pp_rank": pp_rank, "bounds": [int(b) for b in bounds],

@@ -5,8 +5,9 @@ Order of a save (``tag`` = iteration or ``"release"``):
 1. rank 0 draws a save id (stored in every file, so files of different saves are never
    mixed silently); every rank captures its RNG states; each data-parallel group gathers them
    on its dp rank 0;
-2. dp rank 0 of every pipeline rank writes its file atomically (temporary name, fsync, rename,
-   fsync dir) into ``iter_XXXXXXX/mp_rank_00_PPP/``;
+2. dp rank 0 (and cp rank 0: context parallelism does not cut parameters, so every cp rank
+   holds the same ones) of every (tp rank, pipeline rank) writes its file atomically
+   (temporary name, fsync, rename, fsync dir) into ``iter_XXXXXXX/mp_rank_TT_PPP/``;
 3. all ranks meet at a store barrier (which names the ranks that never arrive);
 4. global rank 0 points the tracker at ``tag`` (atomically) and prunes checkpoints beyond
    ``keep_last``.
@@ -102,7 +103,7 @@ def save_checkpoint(trainer, root: str | os.PathLike, *, release: bool = False,
     # whole tensors by name: under ZeRO the dp group gathers its shards together
     state = trainer.full_state()
     report = SaveReport(tag, 0.0)
-    if topo.dp_rank == 0:
+    if topo.dp_rank == 0 and getattr(topo, "cp_rank", 0) == 0:
         if gathered is None:
             raise CheckpointError("dp rank 0 did not receive the replicas' RNG states", field="rng_state")
         contents = rank_contents(trainer, release=release, state=state)

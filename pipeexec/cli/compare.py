@@ -265,7 +265,8 @@ def compare_main(argv: list[str]) -> int:
                                cpus_per_rank=cpus_per_rank, profile=profile)
         comparison = compare_runs(run, source, carry=carry)
     except KeyboardInterrupt:
-        print(f"\npipeexec compare: interrupted: stopped {tns.tp * tns.pp * tns.dp} workers",
+        workers = tns.tp * tns.cp * tns.pp * tns.dp
+        print(f"\npipeexec compare: interrupted: stopped {workers} workers",
               file=sys.stderr, flush=True)
         return 130
     except WorkerFailed as exc:

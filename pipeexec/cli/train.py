@@ -1,7 +1,7 @@
 """``pipeexec train ...``: run a schedule for real.
 
 Under torchrun (RANK/WORLD_SIZE set) every process trains as its rank. Otherwise the command
-forks ``--nproc`` local workers itself (default tp * pp * dp). ``--pp 1 --dp 1`` is plain
+forks ``--nproc`` local workers itself (default tp * cp * pp * dp). ``--pp 1 --dp 1`` is plain
 single-process training of the same model: the reference. This is the only place that exits
 the process with a status; the library raises exceptions.
 """
@@ -93,7 +93,7 @@ def add_train_arguments(t: argparse.ArgumentParser) -> None:
            "cannot run (tp, cp, ep > 1, ZeRO, fp8...) is refused with the reasons before any "
            "worker starts")
     add_config_arguments(t)
-    a("--nproc", type=int, default=None, help="local workers to start (default tp * pp * dp)")
+    a("--nproc", type=int, default=None, help="local workers to start (default tp * cp * pp * dp)")
     a("--timeout", type=float, default=None,
       help="overall limit for a local run, seconds (default: none)")
     a("--cpus-per-rank", type=float, default=None, metavar="X",

@@ -63,7 +63,8 @@ def run_training(board: ActionBoard | None, args: WorkerArgs) -> RunOutcome:
                         "it as launch(run_training, n, (WorkerArgs(config, ...),)))")
     config, metrics_out, progress = args.config, args.metrics_out, args.progress
     checkpoint, profile = args.checkpoint, args.profile
-    topology = init_topology(config.pp, config.dp, tp=config.tp, backend=config.backend,
+    topology = init_topology(config.pp, config.dp, tp=config.tp, cp=config.cp,
+                             backend=config.backend,
                              device=config.device,
                              timeout=config.collective_timeout, p2p_timeout=config.p2p_timeout)
     try:
@@ -85,6 +86,8 @@ def run_training(board: ActionBoard | None, args: WorkerArgs) -> RunOutcome:
         if topology.rank == 0:
             layout = (f"tp={config.tp}{' (sequence parallel)' if config.sequence_parallel else ''} "
                       if config.tp > 1 else "")
+            if config.cp > 1:
+                layout += f"cp={config.cp} "
             if config.zero:
                 layout += f"zero={config.zero} "
             _log(f"pipeexec: {config.schedule} {layout}pp={config.pp} vpp={config.vpp} dp={config.dp} "

@@ -40,8 +40,8 @@ class PairedJob:
 def paired_worker(board: Any, job: PairedJob) -> list[MeasuredRun | None]:
     """One rank of a paired job; returns (on rank 0) one `MeasuredRun` per config."""
     cfg0 = job.configs[0]
-    topo = init_topology(cfg0.pp, cfg0.dp, tp=cfg0.tp, backend=cfg0.backend, device=cfg0.device,
-                         timeout=cfg0.collective_timeout)
+    topo = init_topology(cfg0.pp, cfg0.dp, tp=cfg0.tp, cp=cfg0.cp, backend=cfg0.backend,
+                         device=cfg0.device, timeout=cfg0.collective_timeout)
     try:
         pairs = []
         for cfg, out in zip(job.configs, job.trace_outs):
@@ -70,7 +70,7 @@ def paired_runs(configs: Sequence[TrainConfig], first: int, stop: int, *,
     configs = list(configs)
     base = configs[0]
     for c in configs[1:]:
-        for name in ("tp", "pp", "dp", "steps", "backend", "device"):
+        for name in ("tp", "cp", "pp", "dp", "steps", "backend", "device"):
             if getattr(c, name) != getattr(base, name):
                 raise ValueError(f"paired runs share their processes: {name} must be equal, got "
                                  f"{getattr(base, name)!r} ({base.schedule}) and "

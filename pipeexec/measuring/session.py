@@ -76,12 +76,14 @@ class ProfileSession:
             with trainer.whole_parameters():
                 if topo.dp_rank == 0:
                     probe = probe_split(trainer)
-        # One pipeline's records make the trace: the one at dp rank 0 and tp rank 0 (the other
-        # tp ranks of a stage run the same actions, in step with it through their collectives).
-        tp_rank = getattr(topo, "tp_rank", 0)
-        recorder = topo.dp_rank == 0 and tp_rank == 0
+        # One pipeline's records make the trace: the one at dp rank 0, cp rank 0 and tp rank 0
+        # (the other tp and cp ranks of a stage run the same actions, in step with it through
+        # their collectives).
+        tp_rank, cp_rank = getattr(topo, "tp_rank", 0), getattr(topo, "cp_rank", 0)
+        recorder = topo.dp_rank == 0 and tp_rank == 0 and cp_rank == 0
         payload = {"rank": topo.rank, "pp_rank": topo.pp_rank, "dp_rank": topo.dp_rank,
-                   "tp_rank": tp_rank, "offset": self.offset.offset, "rtt": self.offset.rtt,
+                   "tp_rank": tp_rank, "cp_rank": cp_rank, "offset": self.offset.offset,
+                   "rtt": self.offset.rtt,
                    "records": self.profiler.records() if recorder else [],
                    "split_probe": probe, "cpus": rank_cpus(), "host": socket.gethostname(),
                    "host_cpus": os.cpu_count()}
@@ -92,7 +94,8 @@ class ProfileSession:
             gathered = [payload]
         if topo.rank != 0:
             return None
-        pipeline = sorted((p for p in gathered if p["dp_rank"] == 0 and p["tp_rank"] == 0),
+        pipeline = sorted((p for p in gathered
+                           if p["dp_rank"] == 0 and p["tp_rank"] == 0 and p["cp_rank"] == 0),
                           key=lambda p: p["pp_rank"])
         cfg = trainer.config
         schedule = trainer.schedule

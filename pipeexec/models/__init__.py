@@ -59,17 +59,20 @@ def model_refusals(model: Any, hf_model: str | None = None) -> list[str]:
     return family_refusals(model, hf_model)
 
 
-def layer_stack(config: Any, tp: Any = None):
+def layer_stack(config: Any, tp: Any = None, cp: Any = None):
     """The `pipeexec.model.LayerStack` ``config`` (a `TrainConfig`) trains: its plan's model,
     as the built-in GPT or its Hugging Face family (weights from ``config.hf_model``); ``tp``:
-    this rank's `pipeexec.parallel.regions.TensorParallel` (None: tp 1)."""
+    this rank's `pipeexec.parallel.regions.TensorParallel` (None: tp 1); ``cp``: its
+    `pipeexec.parallel.context.ContextParallel` (None: cp 1)."""
     model = config.plan.model
     refused = model_refusals(model, config.hf_model)
     if refused:
         raise ConfigError("the plan's model cannot be built here:\n  " + "\n  ".join(refused))
+    from ..parallel import context
     from ..parallel.regions import NONE
     if model.family is not None:
         from .hf import hf_layer_stack
-        return hf_layer_stack(model, weights=config.hf_model, tp=tp or NONE)
+        return hf_layer_stack(model, weights=config.hf_model, tp=tp or NONE,
+                              cp=cp or context.NONE)
     from ..model import gpt_stack
-    return gpt_stack(model, tp or NONE)
+    return gpt_stack(model, tp or NONE, cp or context.NONE)

@@ -27,6 +27,11 @@ Tensor parallelism (``tp``): each layer is built whole (initialised or loaded: t
 and then cut by `hf_tensor_parallel`; the loss is then vocab-parallel. Under sequence
 parallelism the embedding keeps this rank's sequence chunk and a decoder layer makes its
 positions and mask for the whole sequence (tp chunks), the length its attention sees.
+
+Context parallelism (``cp``, `hf_context_parallel`): the embedding reads this cp rank's two
+chunks of each sequence, a decoder layer's positions are its tokens' global ones (rotary
+follows the chunking) and its attention runs against the keys and values gathered from every
+cp rank, with the causal mask at the global positions.
 """
 from __future__ import annotations
 
@@ -42,11 +47,13 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from ..model import LayerStack, lm_loss
-from ..parallel import regions
+from ..parallel import context, regions
+from ..parallel.context import ContextParallel
 from ..parallel.layers import vocab_parallel_cross_entropy
 from ..parallel.regions import NONE, TensorParallel
 from .hf_config import (HFModelError, HFModelInfo, config_for, info_from_config, plan_model_of,
                         read_hf_config)
+from .hf_context_parallel import cp_decoder_layer, cp_embedding
 from .hf_tensor_parallel import cut_decoder_layer, cut_embedding, cut_head
 
 
@@ -139,6 +146,7 @@ class HFEmbedding(nn.Module):
     then embedding dropout. Sequence parallel: this rank's chunk of the sequence."""
 
     tp: TensorParallel = NONE      # set by `hf_tensor_parallel.cut_embedding`
+    cp: ContextParallel = context.NONE     # set by `hf_context_parallel.cp_embedding`
 
     def __init__(self, config, model_type: str) -> None:
         super().__init__()
@@ -155,8 +163,9 @@ class HFEmbedding(nn.Module):
         if not self.gpt2:
             x = self.embed_tokens(tokens)
         else:
-            positions = torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0)
-            x = self.drop(self.wte(tokens) + self.wpe(positions))
+            positions = (context.local_positions(tokens.shape[1], self.cp, tokens.device)
+                         if self.cp.active else torch.arange(tokens.shape[1], device=tokens.device))
+            x = self.drop(self.wte(tokens) + self.wpe(positions.unsqueeze(0)))
         return regions.scatter_sequence(x, self.tp) if self.tp.sequence_parallel else x
 
 
@@ -167,6 +176,8 @@ class HFDecoderLayer(nn.Module):
     is gathered)."""
 
     tp: TensorParallel = NONE      # set by `hf_tensor_parallel.cut_decoder_layer`
+    cp: ContextParallel = context.NONE     # set by `hf_context_parallel.cp_decoder_layer`
+    _cp_selective = False
 
     def __init__(self, config, model_type: str, j: int) -> None:
         super().__init__()
@@ -180,12 +191,19 @@ class HFDecoderLayer(nn.Module):
     @property
     def recompute_core_attention(self) -> bool:
         """Selective recomputation (`Stage.set_recompute`): the attention module's core
-        attention (softmax(QK^T)V, its mask and dropout) runs under torch.utils.checkpoint."""
-        return self._attention().config is not self.config
+        attention (softmax(QK^T)V, its mask and dropout) runs under torch.utils.checkpoint.
+        Under context parallelism the attention recomputes its core in the backward anyway:
+        the switch is kept and changes nothing."""
+        if self.cp.active:
+            return self._cp_selective
+        return self.attention_module().config is not self.config
 
     @recompute_core_attention.setter
     def recompute_core_attention(self, on: bool) -> None:
-        attention = self._attention()
+        if self.cp.active:
+            self._cp_selective = bool(on)
+            return
+        attention = self.attention_module()
         if not on:
             attention.config = self.config
         elif attention.config is self.config:
@@ -196,18 +214,25 @@ class HFDecoderLayer(nn.Module):
                                                               self.config._attn_implementation)
             attention.config = local
 
-    def _attention(self) -> nn.Module:
+    def attention_module(self) -> nn.Module:
+        """The attention module of ``block`` (GPT-2: ``attn``, else ``self_attn``)."""
         return self.block.attn if self.model_type == "gpt2" else self.block.self_attn
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
         seq = x.shape[1] * (self.tp.size if self.tp.sequence_parallel else 1)
-        positions = torch.arange(seq, device=x.device).unsqueeze(0)
-        whole = x if seq == x.shape[1] else x[:, :1].expand(x.shape[0], seq, x.shape[2])
-        make_mask = create_sliding_window_causal_mask if self.sliding else create_causal_mask
-        mask = make_mask(config=self.config, inputs_embeds=whole, attention_mask=None,
-                         cache=None, position_ids=positions)
+        if self.cp.active:
+            # this cp rank's tokens at their global positions; the context-parallel attention
+            # makes the mask for them against the whole sequence
+            positions = context.local_positions(seq, self.cp, x.device).unsqueeze(0)
+            mask = None
+        else:
+            positions = torch.arange(seq, device=x.device).unsqueeze(0)
+            whole = x if seq == x.shape[1] else x[:, :1].expand(x.shape[0], seq, x.shape[2])
+            make_mask = create_sliding_window_causal_mask if self.sliding else create_causal_mask
+            mask = make_mask(config=self.config, inputs_embeds=whole, attention_mask=None,
+                             cache=None, position_ids=positions)
         if self.rotary is None:
             out = self.block(x, attention_mask=mask, position_ids=positions)
         else:
@@ -332,15 +357,16 @@ def _load(layer: nn.Module, index: int, info: HFModelInfo, ckpt: _Checkpoint) ->
 
 # -- the stack ------------------------------------------------------------------------------
 def hf_layer_stack(model: Any, *, weights: str | Path | None = None,
-                   tp: TensorParallel = NONE) -> LayerStack:
+                   tp: TensorParallel = NONE, cp: ContextParallel = context.NONE) -> LayerStack:
     """The `LayerStack` of ``model`` (a plan's `pipesim.ModelSpec` of a Hugging Face family):
     [embedding, decoder layer x L, norm + head], next-token cross-entropy, built from the
     config the spec spells. Weights from the safetensors of the directory ``weights`` when it
     has any, else the deterministic initialisation. ``tp``: this rank's tensor-parallel
-    group; each layer is built whole and cut (`hf_tensor_parallel`), the loss vocab-parallel."""
+    group; each layer is built whole and cut (`hf_tensor_parallel`), the loss vocab-parallel.
+    ``cp``: its context-parallel group (`hf_context_parallel`)."""
     files = () if weights is None else read_hf_config(weights).checkpoint_files
     info = info_from_config(config_for(model), str(weights or "the plan's model"), files)
-    return _stack(info, tp)
+    return _stack(info, tp, cp)
 
 
 def hf_dir_stack(path: str | Path, *, seq_length: int | None = None,
@@ -352,7 +378,8 @@ def hf_dir_stack(path: str | Path, *, seq_length: int | None = None,
     return hf_layer_stack(model, weights=path if load_weights and info.checkpoint_files else None)
 
 
-def _stack(info: HFModelInfo, tp: TensorParallel = NONE) -> LayerStack:
+def _stack(info: HFModelInfo, tp: TensorParallel = NONE,
+           cp: ContextParallel = context.NONE) -> LayerStack:
     if info.model_type not in FAMILIES:
         raise HFModelError(f"{info.path}: model_type {info.model_type!r} is not supported")
     config = hf_config_object(info)
@@ -370,13 +397,18 @@ def _stack(info: HFModelInfo, tp: TensorParallel = NONE) -> LayerStack:
             _load(layer, index, info, ckpt)
         else:
             _init(layer, config, kind, gen)
-        if not tp.active:
-            return layer
-        if index == 0:
-            return cut_embedding(layer, kind, tp)
-        if index == n + 1:
-            return cut_head(layer, tp)
-        return cut_decoder_layer(layer, kind, tp)
+        if tp.active:
+            if index == 0:
+                layer = cut_embedding(layer, kind, tp)
+            elif index == n + 1:
+                layer = cut_head(layer, tp)
+            else:
+                layer = cut_decoder_layer(layer, kind, tp)
+        if cp.active and index == 0:
+            layer = cp_embedding(layer, cp)
+        elif cp.active and index != n + 1:
+            layer = cp_decoder_layer(layer, kind, cp, _modeling(kind).eager_attention_forward)
+        return layer
 
     # a tied head is the embedding: one parameter across the first and last stage
     # (pipeexec.training.tied keeps the instances equal and sums their gradients)

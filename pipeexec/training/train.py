@@ -52,6 +52,7 @@ from ..partition import stage_bounds
 from .precision import LossScaler, MasterWeights, compute_dtype
 from ..pipeline.runtime import ActionObserver, PipelineRuntime, StageHooks
 from ..pipeline.stage import build_stage
+from ..parallel.context import ContextParallel, ContextParallelBatches
 from ..parallel.regions import TensorParallel
 from ..parallel.tp_grads import TensorParallelGrads
 from ..topology import Topology
@@ -111,13 +112,18 @@ class Trainer:
         self.tp = TensorParallel(topology.tp_group, topology.tp, topology.tp_rank,
                                  bool(config.sequence_parallel) and topology.tp > 1,
                                  timeout=config.collective_timeout)
-        spec = spec or layer_stack(config, self.tp)   # the plan's model (ConfigError: not here)
+        # context parallelism: each sequence cut over the cp group (`parallel.context`)
+        self.cp = ContextParallel(topology.cp_group, topology.cp, topology.cp_rank,
+                                  timeout=config.collective_timeout)
+        spec = spec or layer_stack(config, self.tp, self.cp)   # (ConfigError: not here)
         # The schedule is built once per rank, below (validate would build it once more).
         config.validate(world_size=topology.world_size, num_layers=spec.num_layers,
                         check_schedule=False)
-        if (config.tp, config.pp, config.dp) != (topology.tp, topology.pp, topology.dp):
-            raise ValueError(f"config tp={config.tp} pp={config.pp} dp={config.dp} but topology "
-                             f"tp={topology.tp} pp={topology.pp} dp={topology.dp}")
+        if (config.tp, config.cp, config.pp, config.dp) != (topology.tp, topology.cp,
+                                                            topology.pp, topology.dp):
+            raise ValueError(f"config tp={config.tp} cp={config.cp} pp={config.pp} dp={config.dp} "
+                             f"but topology tp={topology.tp} cp={topology.cp} pp={topology.pp} "
+                             f"dp={topology.dp}")
         if schedule is not None:
             got = (schedule.pp, schedule.parts_per_rank, schedule.num_microbatches)
             if got != (config.pp, config.vpp, config.microbatches):
@@ -150,10 +156,11 @@ class Trainer:
         # the data-parallel group; with one replica there is nothing to shard (as Megatron's,
         # a no-op), and the holder is the replicated one below.
         self.sharded: ShardedOptimizer | None = None
-        if config.zero and topology.dp > 1:
+        # (sharded over dp x cp, the dense parameters' gradient group)
+        if config.zero and topology.dp_cp > 1:
             self.sharded = ShardedOptimizer(
-                self.stages, level=config.zero, dtype=self.dtype, group=topology.dp_group,
-                shards=topology.dp, rank=topology.dp_rank, device=dev, lr=config.lr,
+                self.stages, level=config.zero, dtype=self.dtype, group=topology.dp_cp_group,
+                shards=topology.dp_cp, rank=topology.dp_cp_rank, device=dev, lr=config.lr,
                 weight_decay=config.weight_decay, betas=(config.beta1, config.beta2),
                 eps=config.eps, timeout=config.collective_timeout)
             self.grads = None
@@ -165,12 +172,13 @@ class Trainer:
         # Parameters held more than once (a tied head, a schedule's second copy of a stage):
         # one value, summed gradients, counted once in the norm.
         self.tied = tied_parameters([(n, spec.canonical(n), p, views[id(p)]) for n, p in named],
-                                    # a "replica" is one pipeline: one (dp, tp) position
+                                    # a "replica" is one pipeline: one (dp, cp, tp) position
                                     pp_rank=topology.pp_rank,
-                                    dp_rank=topology.dp_rank * topology.tp + topology.tp_rank,
-                                    dp=topology.dp * topology.tp,
+                                    dp_rank=topology.dp_cp_rank * topology.tp + topology.tp_rank,
+                                    dp=topology.dp_cp * topology.tp,
                                     rank_of=lambda p, d: topology.rank_of(
-                                        pp_rank=p, dp_rank=d // topology.tp,
+                                        pp_rank=p, dp_rank=d // (topology.tp * topology.cp),
+                                        cp_rank=d // topology.tp % topology.cp,
                                         tp_rank=d % topology.tp),
                                     timeout=config.collective_timeout)
         self.tied.copy_from_source()
@@ -206,7 +214,8 @@ class Trainer:
             check_channels_exist(self.schedule, topology.pp_rank, topology.p2p_groups)
             if topology.backend == "nccl" or config.nccl_matching:
                 check_p2p_order(self.schedule,      # NCCL's matching and streams: before start
-                                collectives=topology.tp > 1 or config.zero >= 2)
+                                collectives=topology.tp > 1 or topology.cp > 1
+                                or config.zero >= 2)
             self.p2p = P2P(rank=topology.rank, pp_rank=topology.pp_rank,
                            groups=topology.p2p_groups, peers=topology.pp_ranks,
                            num_stages=self.schedule.num_stages,
@@ -217,6 +226,8 @@ class Trainer:
         self._fwd_runtime: PipelineRuntime | None = None
         self.data = data or BatchSource(seed=config.seed, seq_len=config.seq_len, vocab=config.vocab,
                                         global_batch=config.global_batch, data=config.data)
+        if self.cp.active:      # every cp rank of a replica: the same microbatches, its chunks
+            self.data = ContextParallelBatches(self.data, self.cp)
         self.iteration = 0
         self.updates = 0
         self.holds_last_stage = config.num_stages - 1 in self.stages
@@ -285,7 +296,8 @@ class Trainer:
         if self.p2p is not None:
             check_channels_exist(schedule, self.topology.pp_rank, self.topology.p2p_groups)
             if self.topology.backend == "nccl" or cfg.nccl_matching:
-                check_p2p_order(schedule, collectives=self.topology.tp > 1 or cfg.zero >= 2)
+                check_p2p_order(schedule, collectives=self.topology.tp > 1
+                                or self.topology.cp > 1 or cfg.zero >= 2)
         self.schedule = schedule
         self._custom_schedule = True
         self.runtime = self._make_runtime(schedule)
@@ -318,7 +330,8 @@ class Trainer:
             if tp_duplicate_sq is not None:       # a replicated parameter counts once over tp
                 share = share - tp_duplicate_sq
         else:
-            self.grads.all_reduce(topo.dp_group, cfg.dp, cfg.collective_timeout)
+            # averaged over dp x cp (with cp each rank saw other tokens of the same sequences)
+            self.grads.all_reduce(topo.dp_cp_group, topo.dp_cp, cfg.collective_timeout)
             self.tp_grads.reduce_sequence_parallel()
             if self.tied:
                 self.tied.reduce()
@@ -332,8 +345,9 @@ class Trainer:
             tp_duplicate_sq = self.tp_grads.duplicate_sq()
             if tp_duplicate_sq is not None:       # a replicated parameter counts once over tp
                 local_sq = local_sq - tp_duplicate_sq
-            share = local_sq / cfg.dp             # replicated: each replica holds all of it
-        # the loss is the same on every tp rank of the last stage: counted on tp rank 0
+            share = local_sq / topo.dp_cp         # replicated: each replica holds all of it
+        # the loss is the same on every tp rank of the last stage: counted on tp rank 0; each
+        # cp rank's is the mean over its tokens (as many on every cp rank): averaged over cp
         loss_sum = (torch.stack(list(out.losses.values())).sum().float()
                     if out.losses and topo.tp_rank == 0 else torch.zeros((), device=topo.device))
         vec = torch.stack([share, loss_sum.to(share.device)])
@@ -359,7 +373,8 @@ class Trainer:
         self.scaler.update(found_inf)
         self.iteration += 1
         dt = time.perf_counter() - t0
-        return with_peaks(StepStats(k, loss_total / (cfg.microbatches * cfg.dp), dt, norm, lr,
+        return with_peaks(StepStats(k, loss_total / (cfg.microbatches * cfg.dp * cfg.cp), dt,
+                                    norm, lr,
                                     scale, found_inf, cfg.global_batch * cfg.seq_len / dt),
                           self.topology.device)
 
@@ -375,7 +390,7 @@ class Trainer:
             dist.all_reduce(loss)
         self.iteration += 1
         dt = time.perf_counter() - t0
-        return StepStats(k, loss.item() / (cfg.microbatches * cfg.dp), dt, 0.0, 0.0,
+        return StepStats(k, loss.item() / (cfg.microbatches * cfg.dp * cfg.cp), dt, 0.0, 0.0,
                          self.scaler.scale, True, cfg.global_batch * cfg.seq_len / dt)
 
     # -- forward only -----------------------------------------------------------------------

@@ -72,7 +72,8 @@ def test_invalid_layouts_fail_before_any_collective(changes, reason):
 
 
 def test_world_size_mismatch():
-    with pytest.raises(ConfigError, match=r"world size 3 != tp \* pp \* dp = 1 \* 4 \* 1"):
+    with pytest.raises(ConfigError,
+                       match=r"world size 3 != tp \* cp \* pp \* dp = 1 \* 1 \* 4 \* 1"):
         CFG.validate(world_size=3)
 
 
@@ -99,7 +100,7 @@ def test_cli_reports_bad_layout_and_exits_non_zero():
                            "--nproc", "3", "--layers", "2"], capture_output=True, text=True,
                           timeout=60, env=env)
     assert proc.returncode == 2
-    assert "world size 3 != pp * dp = 2 * 2" in proc.stderr
+    assert "world size 3 != tp * cp * pp * dp = 1 * 1 * 2 * 2" in proc.stderr
 
 
 @pytest.mark.slow

@@ -97,17 +97,17 @@ def test_a_flag_given_with_a_plan_overrides_that_field(tmp_path):
 
 
 def test_fp8_and_every_other_refusal_come_at_once_with_flags(tmp_path, capsys):
-    """A plan with fp8 (a bare KeyError before), context and expert parallelism: one error
-    listing each, with its flag, before any worker starts."""
+    """A plan with fp8 (a bare KeyError before), expert parallelism and a sequence that does
+    not cut over cp: one error listing each, with its flag, before any worker starts."""
     path = tmp_path / "fp8.json"
     TrainConfig(pp=2, microbatches=2).plan.with_(precision="fp8", ep=2, dp=2,
-                                                 cp=2).to_json(path)
+                                                 cp=3).to_json(path)
     with pytest.raises(SystemExit) as exit_:
         main(["train", "--plan", str(path)])
     assert exit_.value.code == 2
     err = capsys.readouterr().err
     for reason in ("parallelism.precision = 'fp8' (--precision)", "parallelism.ep = 2 (--ep)",
-                   "parallelism.cp = 2 (--cp)"):
+                   "parallelism.cp = 3 (--cp): model.seq_length = 32 (--seq-len)"):
         assert reason in err, err
     assert "Traceback" not in err
 
