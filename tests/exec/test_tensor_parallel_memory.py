@@ -58,5 +58,5 @@ def test_peaks_fall_as_the_plan_says(schedule, vpp):
         plan = predicted_activation_peaks(config(tp, sp, schedule, vpp))
         for rank in range(2):
             assert got[rank] < previous[rank]
-            assert got[rank] / base[rank] == pytest.approx(plan[rank] / base_plan[rank], rel=0.05)
+            assert got[rank] / base[rank] == pytest.approx(plan[rank] / base_plan[rank], rel=0.10)
         previous = got
