@@ -37,13 +37,10 @@ from pipeexec.measuring.collectives import (GROUPS, SIZES, CollectiveBenchmarkEr
 def run_sizes() -> dict[str, float]:
     """The collective messages of the executor's runs on this machine: the tiny GPT of
     ``pipeexec train``'s default, and compare's default model at tp 2 x pp 2 and at dp 4."""
-    from pipeexec.cli.compare import DEFAULT_MODEL
+    from pipeexec.cli.compare import default_plan
     from pipeexec.config import DEFAULT_PLAN
 
-    shape = dict(layers=DEFAULT_MODEL["layers"], hidden=DEFAULT_MODEL["hidden"],
-                 heads=DEFAULT_MODEL["heads"], seq_length=DEFAULT_MODEL["seq_len"])
-    compare = DEFAULT_PLAN.with_(model=DEFAULT_PLAN.model.with_(**shape),
-                                 micro_batch_size=DEFAULT_MODEL["micro_batch_size"])
+    compare = default_plan()
     out = {}
     for label, plan in (("tiny GPT", DEFAULT_PLAN), ("compare tp2 pp2", compare.with_(tp=2, pp=2)),
                         ("compare dp4", compare.with_(dp=4))):

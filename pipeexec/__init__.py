@@ -11,7 +11,7 @@ Command line::
 
 From Python (each process, e.g. under torchrun or `launch`)::
 
-    topo = init_topology(pp, dp)                       # explicit pp / dp groups
+    topo = init_topology(pp, dp, tp=1, cp=1)           # the mesh's groups, passed explicitly
     trainer = Trainer(TrainConfig(...), topo)          # the plan's model; or pass a stack:
                                                        # gpt_stack(model), hf_dir_stack(DIR)
                                                        # (pipeexec.models.hf), your own LayerStack
@@ -19,11 +19,13 @@ From Python (each process, e.g. under torchrun or `launch`)::
 
 Rooms: config (TrainConfig: a pipesim Plan plus the executor's sections), runnable (what of a
 plan the executor cannot run, with reasons), topology, model (LayerStack, the built-in GPT),
-partition, data; ``models/`` (the layer stack a plan's model is built as: the built-in GPT or
-a Hugging Face family, weights from ``--hf-model DIR``); ``pipeline/`` (runtime, the action interpreter with its
-observers; p2p; backward; stage; faults), ``launching/`` (launcher, worker, board, cpu_quota,
-devices, preflight), ``training/`` (train, ddp, precision, optim), ``checkpoint/``, ``profile/``
-(measuring; torch-free: run_plan, measured, calibrate, contention, predict, compare); cli.
+partition, data; ``parallel/`` (the device mesh; tensor, sequence and context parallelism);
+``models/`` (the layer stack a plan's model is built as: the built-in GPT or a Hugging Face
+family, weights from ``--hf-model DIR``); ``pipeline/`` (runtime, the action interpreter with
+its observers and stage hooks; p2p; backward; stage; faults), ``launching/`` (launcher, worker,
+board, cpu_quota, devices, preflight), ``training/`` (train, ddp, tied, precision, optim, zero,
+flat), ``checkpoint/``, ``measuring/`` (in the workers), ``analysis/`` (torch-free: run_plan,
+measured, calibrate, contention, predict, compare, tensor_parallel); ``cli/``.
 """
 from __future__ import annotations
 

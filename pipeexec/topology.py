@@ -28,10 +28,6 @@ class TopologyError(RuntimeError):
     """The environment does not describe a usable layout."""
 
 
-def layout_rank(pp_rank: int, dp_rank: int, dp: int, tp_rank: int = 0, tp: int = 1) -> int:
-    return (pp_rank * dp + dp_rank) * tp + tp_rank
-
-
 @dataclass
 class Topology:
     rank: int                 # global rank

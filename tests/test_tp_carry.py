@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import pytest
 
-import pipesim
 from pipesim.hardware import get_hardware
 from pipeexec.analysis.tensor_parallel import OPS, carry_to_tp
 from pipeexec.config import TrainConfig

@@ -18,7 +18,6 @@ from the plan only how compute divides over tp. Torch-free.
 """
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import Any
 
 OPS = ("forward", "backward", "backward_input", "backward_weight")

@@ -12,7 +12,6 @@ micro batch size) for the continued run to see the batches the original would ha
 """
 from __future__ import annotations
 
-import dataclasses
 import os
 import time
 import uuid

@@ -13,7 +13,7 @@ from pathlib import Path
 from ..config import legacy_flat
 from .contents import LAYOUT_FIELDS, MODEL_FIELDS, model_chunks
 from .errors import CheckpointError
-from .layout import RELEASE, Tag, rank_files, saved_iterations, tag_dir, tracker_path
+from .layout import RELEASE, Tag, all_rank_files, saved_iterations, tag_dir, tracker_path
 from .reader import CheckpointReader
 from .tracker import read_tracker
 
@@ -59,8 +59,8 @@ def describe(root: str | os.PathLike, tag: Tag | None = None, *, verify: bool = 
                      f"{sch['decay_steps']}); loss_scaler: scale {sc['scale']:g}, good steps "
                      f"{sc['good_steps']}{' (dynamic)' if sc.get('dynamic') else ''}")
     total = 0
-    for r, path in rank_files(root, tag).items():
-        f = reader.file(r)
+    for (t, r), path in all_rank_files(root, tag).items():      # tp rank t's shards of pp rank r
+        f = reader.shard_file(r, t)
         chunks = model_chunks(f, str(path))
         params = sum(t.numel() for ch in chunks for t in ch.values())
         total += params
@@ -74,6 +74,6 @@ def describe(root: str | os.PathLike, tag: Tag | None = None, *, verify: bool = 
             lines.append(f"    optimizer: AdamW state for {len(f['optimizer']['state'])} of "
                          f"{len(f['optimizer']['param_names'])} parameters; rng_state for "
                          f"{len(f['rng_state'])} data-parallel replica(s)")
-    lines.append(f"  total: {total:,} model values" + (" (files verified: CRC-32 of every record)"
+    lines.append(f"  total: {total:,} model values in the files" + (" (files verified: CRC-32 of every record)"
                                                       if verify else ""))
     return "\n".join(lines)

@@ -24,7 +24,7 @@ from pipesim.schedule.io import schedule_from_dict
 
 from .contents import layer_of, model_chunks, saved_stages, stage_layer_range
 from .errors import CheckpointError
-from .layout import (CHECKPOINT_VERSION, RELEASE, Tag, all_rank_files, rank_files,
+from .layout import (CHECKPOINT_VERSION, RELEASE, Tag, all_rank_files,
                      saved_iterations, state_file, tag_dir, tag_dir_name)
 from .tracker import read_tracker
 

@@ -34,6 +34,16 @@ DEFAULT_STEPS = 6          # steps 1..5 profiled: the central 3 are compared
 DEFAULT_MODEL = {"layers": 6, "hidden": 256, "heads": 4, "seq_len": 128, "micro_batch_size": 4}
 
 
+def default_plan() -> Any:
+    """pipeexec's base plan with compare's default model and micro-batch (the messages a
+    compare run sends: `pipeexec.measuring.collectives.run_message_sizes`)."""
+    from ..config import DEFAULT_PLAN
+    shape = dict(layers=DEFAULT_MODEL["layers"], hidden=DEFAULT_MODEL["hidden"],
+                 heads=DEFAULT_MODEL["heads"], seq_length=DEFAULT_MODEL["seq_len"])
+    return DEFAULT_PLAN.with_(model=DEFAULT_PLAN.model.with_(**shape),
+                              micro_batch_size=DEFAULT_MODEL["micro_batch_size"])
+
+
 def profiled_run(config: Any, first: int, stop: int, *, trace_out: str | None = None,
                  timeout: float | None = None, cpus_per_rank: float | None = None,
                  profile: ProfileOptions | None = None) -> MeasuredRun:

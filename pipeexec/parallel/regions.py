@@ -87,78 +87,31 @@ def sequence_chunk(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
     return x.narrow(1, tp.rank * (s // tp.size), s // tp.size).contiguous()
 
 
-class _CopyTo(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, tp):
+def _crossing(name: str, forward, backward):
+    """``x -> forward(x, tp)`` with ``backward(g, tp)`` as its gradient (an autograd function
+    named ``name``, e.g. ``CopyToBackward`` in a profile); the identity when tp is 1."""
+
+    def fwd(ctx, x, tp):
         ctx.tp = tp
-        return x.view_as(x)
+        return forward(x, tp)
 
-    @staticmethod
-    def backward(ctx, g):
-        return all_reduce(g.clone(), ctx.tp), None
+    def bwd(ctx, g):
+        return backward(g, ctx.tp), None
 
+    fn = type(name, (torch.autograd.Function,),
+              {"forward": staticmethod(fwd), "backward": staticmethod(bwd)})
 
-class _ReduceFrom(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, tp):
-        return all_reduce(x.clone(), tp)
-
-    @staticmethod
-    def backward(ctx, g):
-        return g, None
+    def apply(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
+        return fn.apply(x, tp) if tp.active else x
+    return apply
 
 
-class _GatherSequence(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, tp):
-        ctx.tp = tp
-        return all_gather_sequence(x, tp)
-
-    @staticmethod
-    def backward(ctx, g):
-        return reduce_scatter_sequence(g, ctx.tp), None
-
-
-class _ReduceScatterSequence(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, tp):
-        ctx.tp = tp
-        return reduce_scatter_sequence(x, tp)
-
-    @staticmethod
-    def backward(ctx, g):
-        return all_gather_sequence(g, ctx.tp), None
-
-
-class _ScatterSequence(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, tp):
-        ctx.tp = tp
-        return sequence_chunk(x, tp)
-
-    @staticmethod
-    def backward(ctx, g):
-        return all_gather_sequence(g, ctx.tp), None
-
-
-def copy_to(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
-    return _CopyTo.apply(x, tp) if tp.active else x
-
-
-def reduce_from(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
-    return _ReduceFrom.apply(x, tp) if tp.active else x
-
-
-def gather_sequence(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
-    return _GatherSequence.apply(x, tp) if tp.active else x
-
-
-def reduce_scatter_to_sequence(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
-    return _ReduceScatterSequence.apply(x, tp) if tp.active else x
-
-
-def scatter_sequence(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
-    return _ScatterSequence.apply(x, tp) if tp.active else x
+copy_to = _crossing("CopyTo", lambda x, tp: x.view_as(x), lambda g, tp: all_reduce(g.clone(), tp))
+reduce_from = _crossing("ReduceFrom", lambda x, tp: all_reduce(x.clone(), tp), lambda g, tp: g)
+gather_sequence = _crossing("GatherSequence", all_gather_sequence, reduce_scatter_sequence)
+reduce_scatter_to_sequence = _crossing("ReduceScatterSequence", reduce_scatter_sequence,
+                                       all_gather_sequence)
+scatter_sequence = _crossing("ScatterSequence", sequence_chunk, all_gather_sequence)
 
 
 def into_column(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:

@@ -31,7 +31,6 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-import pipesim
 from pipesim import Schedule
 from pipesim.progress import progress_bar
 from pipesim.schedule.op import Op

@@ -82,16 +82,13 @@ def test_the_default_sweep_covers_the_message_sizes_of_the_runs_on_this_machine(
     dp 4) lie inside the sweep; its group sizes are those runs' tp and dp groups."""
     import inspect
 
-    from pipeexec.cli.compare import DEFAULT_MODEL
+    from pipeexec.cli.compare import default_plan
     from pipeexec.config import DEFAULT_PLAN
     from pipeexec.measuring.collectives import DDP_BUCKET_BYTES, GROUPS, SIZES, run_message_sizes
     from pipeexec.training.ddp import GradBuffer
 
     assert inspect.signature(GradBuffer).parameters["bucket_bytes"].default == DDP_BUCKET_BYTES
-    shape = dict(layers=DEFAULT_MODEL["layers"], hidden=DEFAULT_MODEL["hidden"],
-                 heads=DEFAULT_MODEL["heads"], seq_length=DEFAULT_MODEL["seq_len"])
-    compare = DEFAULT_PLAN.with_(model=DEFAULT_PLAN.model.with_(**shape),
-                                 micro_batch_size=DEFAULT_MODEL["micro_batch_size"])
+    compare = default_plan()
     sizes = {}
     for label, plan in (("tiny", DEFAULT_PLAN), ("tp2 pp2", compare.with_(tp=2, pp=2)),
                         ("dp4", compare.with_(dp=4))):

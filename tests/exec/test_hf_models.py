@@ -43,7 +43,7 @@ from pipeexec.model import lm_loss  # noqa: E402
 from pipeexec.models.hf import hf_dir_stack, hf_name, hf_reference_model  # noqa: E402
 from pipeexec.models.hf_config import read_hf_config  # noqa: E402
 
-from exec_helpers import (TINY, choose_microbatches, layouts_worker, layout_config,  # noqa: E402
+from exec_helpers import (TINY, choose_microbatches, layouts_worker,  # noqa: E402
                           reference_lr)
 
 ROOT = Path(__file__).resolve().parents[2]
