@@ -15,9 +15,12 @@ thousands. For each stage and one microbatch on one rank of its tensor/context-p
   (:mod:`pipesim.plan.collectives`, :class:`pipesim.plan.cluster.Cluster`): TP two all-reduces
   of ``2 b s h`` bytes in F and two in I, or with sequence parallelism two all-gathers and two
   reduce-scatters (same bytes); added to the compute, or overlapped with it
-  (``overlap_tp_comm``: the longer of the two). CP all-gathers K and V in F and
-  reduce-scatters their gradients in I, overlapped with the attention matmuls (ring attention:
-  only the excess shows). EP: two all-to-alls of the ``k`` routed copies in F and two in I per
+  (``overlap_tp_comm``: the longer of the two). CP (``cp_comm``): ``p2p``, the ring, moves
+  K and V in F and their gradients in I overlapped with the attention matmuls (only the excess
+  shows); ``all_gather`` (pipeexec's, Transformer Engine's all-gather CP) all-gathers K and V
+  in F, and in I gathers them again, recomputes the attention core's forward and
+  reduce-scatters dK/dV, all exposed, with a transient of the whole sequence's K/V and their
+  gradients (``2 * 2 e b s kv / t``) per rank. EP: two all-to-alls of the ``k`` routed copies in F and two in I per
   MoE layer. ZeRO-3 gathers each layer's weights in F and I and reduce-scatters its gradients
   in W, prefetched (overlapped);
 * point-to-point: one activation ``2 b s h / sp`` bytes (Megatron sends the sequence-parallel
@@ -89,6 +92,9 @@ class PlanCosts:
     rank_buffers: list[float]                     # per pipeline rank: transient bytes
     tail: list[RankTail]                          # per pipeline rank
     comm: dict[str, float] = field(default_factory=dict)   # per microbatch, whole pipeline: seconds
+    # per stage, per pass ("F", "I"), each group's ("tp", "cp", "ep") collective seconds inside
+    # the layers for one microbatch (what of it is exposed depends on the overlap settings)
+    stage_comm: list[dict[str, dict[str, float]]] = field(default_factory=list)
     model_flops: float = 0.0                      # per step, all GPUs (Korthikanti eq. 7)
     hardware_flops: float = 0.0                   # per step, with recomputation
     calibration: str = "fitted"                   # the hardware's: fitted / measured / extrapolated;
@@ -131,7 +137,11 @@ def derive(plan) -> PlanCosts:
               if par.sequence_parallel else coll.all_reduce(act_bytes, t, links["tp"]))
     tp_pass = 2 * tp_one                                  # two per pass (attention, MLP)
     kv_bytes = 2 * e * b * s * model.kv_size / t          # K and V, whole sequence, per tp rank
+    gathered = par.cp_comm == "all_gather"
     cp_pass = coll.all_gather(kv_bytes, cp, links["cp"])
+    # all_gather (pipeexec's): F gathers K/V; I gathers them again and reduce-scatters dK/dV
+    cp_f, cp_i = ((cp_pass, cp_pass + coll.reduce_scatter(kv_bytes, cp, links["cp"]))
+                  if gathered else (cp_pass, cp_pass))
     ep_pass = 2 * coll.all_to_all(model.top_k * act_bytes / sp, par.ep, links["ep"]) if model.is_moe else 0.0
     wbytes, gbytes = BYTES_PER_PARAM[par.precision][:2]
 
@@ -161,7 +171,9 @@ def derive(plan) -> PlanCosts:
 
         def op(compute: float, attn: float, tp_c: float, cp_c: float, extra: float, z: float) -> float:
             x = max(compute, tp_c) if par.overlap_tp_comm else compute + tp_c
-            x += max(0.0, cp_c - attn) + extra
+            # p2p: the ring's transfers hide behind the attention, only the excess shows;
+            # all_gather: the exchange happens before (F) / around (I) the attention, exposed
+            x += (cp_c if gathered else max(0.0, cp_c - attn)) + extra
             return max(x, z)
 
         if per_op:      # the operators' rooflines (pipesim.plan.operators)
@@ -169,18 +181,24 @@ def derive(plan) -> PlanCosts:
             pt = pass_times(ops, hw, par.precision)
             at = pass_times([o for o in ops if o.kind == "attention"
                              or o.name in ("softmax", "attention_dropout")], hw, par.precision)
-            f = op(pt.F, at.F, tp_pass, cp_pass, ep, z3)
-            i = op(pt.I, at.I, tp_pass, cp_pass, ep, z3)
-            w = max(pt.W, z3_rs)
             a = at.F
+            a_i = at.I
             achieved = lf.forward / shard / (pt.F * hw.peak_flops)
+            comp_f, comp_i, comp_w = pt.F, pt.I, pt.W
         else:
-            f = op(g + a, a, tp_pass, cp_pass, ep, z3)
-            i = op(g + 2 * a, 2 * a, tp_pass, cp_pass, ep, z3)
-            w = max(g, z3_rs)
+            a_i = 2 * a
             achieved = eff
-        return {"F": f, "I": i, "W": w, "attn": a, "params": lp_rank,
-                "tp": tp_pass, "cp": cp_pass, "ep": ep, "achieved": achieved}
+            comp_f, comp_i, comp_w = g + a, g + 2 * a, g
+        # all_gather keeps only q, k, v: the backward recomputes the attention core's forward
+        recomputed_attention = a if gathered and cp > 1 else 0.0
+        f = op(comp_f, a, tp_pass, cp_f, ep, z3)
+        i = op(comp_i + recomputed_attention, a_i, tp_pass, cp_i, ep, z3)
+        w = max(comp_w, z3_rs)
+        return {"F": f, "I": i, "W": w, "attn": a, "params": lp_rank, "achieved": achieved,
+                "attn_recompute": recomputed_attention,
+                # each group's collective seconds per pass (the exchange, whatever of it shows)
+                "comm_F": {"tp": tp_pass, "cp": cp_f, "ep": ep},
+                "comm_I": {"tp": tp_pass, "cp": cp_i, "ep": ep}}
 
     kinds = {False: kind(False), True: kind(True) if model.is_moe else None}
     if per_op:
@@ -199,11 +217,13 @@ def derive(plan) -> PlanCosts:
     buffers_stage = []
     start = 0
     comm = {"tp": 0.0, "cp": 0.0, "ep": 0.0}
+    stage_comm: list[dict[str, dict[str, float]]] = []
     recomputed_total = 0
     for stage, count in enumerate(layers):
         f = i = w = a_bytes = w_bytes = 0.0
         dense_p = expert_p = 0.0
         transient = 0.0
+        sc = {p: {"tp": 0.0, "cp": 0.0, "ep": 0.0} for p in ("F", "I")}
         for j, moe in enumerate(pattern[start:start + count]):
             k = kinds[moe]
             rec = par.recompute
@@ -211,8 +231,8 @@ def derive(plan) -> PlanCosts:
                 rec = "none"
             f += k["F"]
             i += k["I"] + (k["F"] if rec == "full" else 0.0)
-            if rec == "selective" and not par.flash_attention:
-                i += k["attn"]
+            if rec == "selective" and not par.flash_attention and not k["attn_recompute"]:
+                i += k["attn"]          # (all_gather cp recomputes the attention already)
             w += k["W"]
             la = layer_activations(model, par, moe, recompute=rec)
             a_bytes += la.total
@@ -224,7 +244,14 @@ def derive(plan) -> PlanCosts:
             dense_p += lp["dense"] / t
             expert_p += lp["expert"] / (t * par.ep)
             for c in comm:
-                comm[c] += 2 * k[c]
+                sc["F"][c] += k["comm_F"][c]
+                # full recomputation runs the forward's collectives again inside I
+                sc["I"][c] += k["comm_I"][c] + (k["comm_F"][c] if rec == "full" else 0.0)
+                comm[c] += k["comm_F"][c] + k["comm_I"][c]
+            if gathered and cp > 1:
+                # the whole sequence's K/V gathered inside one attention, and in its backward
+                # their gradients too before the reduce-scatter
+                transient = max(transient, 2 * kv_bytes)
         start += count
         if stage == 0:
             emb_p = model.embedding_params(t) / t
@@ -263,6 +290,7 @@ def derive(plan) -> PlanCosts:
             largest = max(kinds[m]["params"] for m in set(pattern[start - count:start])) if count else 0.0
             transient += 2 * largest * (wbytes + gbytes)
         buffers_stage.append(transient)
+        stage_comm.append(sc)
 
     schedule_stages = _rank_stages(plan, n)
     rank_buffers = [max((buffers_stage[st] for st in sts), default=0.0) for sts in schedule_stages]
@@ -334,7 +362,7 @@ def derive(plan) -> PlanCosts:
                                 causal=par.flash_attention)
     return PlanCosts(costs=costs, stage_layers=layers, efficiency=eff, links=links,
                      stage_params=params_st, stage_memory=mem_st, rank_buffers=rank_buffers,
-                     tail=tail, comm=comm, model_flops=mflops, hardware_flops=mflops + extra,
+                     tail=tail, comm=comm, stage_comm=stage_comm, model_flops=mflops, hardware_flops=mflops + extra,
                      calibration=hw.calibration if per_op else "constant")
 
 

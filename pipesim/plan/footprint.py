@@ -24,7 +24,10 @@ Left out, as in the paper: the norms' per-token statistics (mean and 1/std, ``2s
 LayerNorm: fp32 on CUDA, the activations' type on CPU; about ``1/(4h)`` of a layer) and the
 loss's labels on the last stage (``8sb``).
 
-With context parallelism ``s`` is the local ``s / cp`` (scores: local queries x all keys). For
+With context parallelism ``s`` is the local ``s / cp`` (scores: local queries x all keys);
+with ``cp_comm = "all_gather"`` the attention keeps only its q, k, v (the backward gathers K/V
+again and recomputes the core), so the core term is dropped, as selective recomputation drops
+it (the gathered K/V are a transient, `pipesim.plan.derive`). For
 GPT shapes in 16-bit this is Table 2 exactly: ``sbh(34 + 5as/h)``; TP ``sbh(10 + 24/t +
 5as/(ht))``; TP+SP ``sbh(34/t + 5as/(ht))``; selective ``sbh(10 + 24/t)``; SP+selective
 ``34 sbh / t``; full ``2sbh``. W (Zero Bubble's weight gradient) needs the inputs of the linear
@@ -93,7 +96,9 @@ def layer_activations(model: ModelSpec, par: Parallelism, moe: bool = False, *,
         core = 4 * a * s * b
     else:
         core = (e + drop * (1 + e)) * a * s * s_full * b
-    if recompute == "selective" and not par.flash_attention:
+    if (recompute == "selective" and not par.flash_attention) or (
+            par.cp > 1 and par.cp_comm == "all_gather"):
+        # all-gather CP keeps only q, k, v: its backward recomputes the attention core
         core = 0.0
     total = replicated / sp + (split + core) / t
     wgrad = 2 * e * sbh / sp + (e * s * b * q + fc2_in + routed_in) / t

@@ -5,7 +5,10 @@ Sizes (tp, cp, pp, vpp, dp, ep), sequence parallelism, optimizer sharding (``zer
 (none / selective / full, optionally for ``recompute_layers`` layers of each stage, Megatron's
 ``--recompute-num-layers`` with the block method), micro and global batch
 (``microbatches = global_batch_size / (micro_batch_size * dp)``), GEMM precision and the overlap
-switches. A frozen value; :meth:`pipesim.Plan.validate` checks it against the model and cluster.
+switches, and how context parallelism exchanges K/V (``cp_comm``, Megatron / Transformer
+Engine's ``cp_comm_type``: ``p2p``, the ring overlapped with the attention; ``all_gather``, K/V
+all-gathered before each attention and again in its backward, which recomputes the attention,
+the exchange exposed: what pipeexec runs). A frozen value; :meth:`pipesim.Plan.validate` checks it against the model and cluster.
 """
 from __future__ import annotations
 
@@ -17,6 +20,7 @@ from ..fields import known_fields
 
 RECOMPUTE = ("none", "selective", "full")
 PRECISIONS = ("bf16", "fp16", "fp8", "fp32")
+CP_COMM = ("p2p", "all_gather")     # Megatron's cp_comm_type names; a2a (Ulysses) not modelled
 
 
 @dataclass(frozen=True)
@@ -39,6 +43,7 @@ class Parallelism:
     overlap_grad_reduce: bool = True
     overlap_param_gather: bool = True
     overlap_tp_comm: bool = False
+    cp_comm: str = "p2p"                    # CP_COMM: ring (overlapped) or all-gather (exposed)
 
     def __post_init__(self) -> None:
         for f in ("tp", "pp", "dp", "vpp", "cp", "ep", "micro_batch_size"):
@@ -62,6 +67,11 @@ class Parallelism:
             if not isinstance(self.recompute_layers, int) or self.recompute_layers < 0:
                 raise PlanError(f"parallelism.recompute_layers: must be an integer >= 0, got "
                                 f"{self.recompute_layers!r}")
+        if self.cp_comm not in CP_COMM:
+            extra = (" (a2a, Ulysses' all-to-all over heads, is not modelled)"
+                     if self.cp_comm == "a2a" else "")
+            raise PlanError(f"parallelism.cp_comm: {self.cp_comm!r} is not one of "
+                            f"{', '.join(CP_COMM)}{extra}")
         if self.precision not in PRECISIONS:
             raise PlanError(f"parallelism.precision: {self.precision!r} is not one of "
                             f"{', '.join(PRECISIONS)}")
@@ -100,7 +110,8 @@ class Parallelism:
 
     def short(self) -> str:
         parts = [f"tp={self.tp}" + ("+sp" if self.sequence_parallel and self.tp > 1 else ""),
-                 f"cp={self.cp}", f"pp={self.pp}", f"vpp={self.vpp}", f"dp={self.dp}"]
+                 f"cp={self.cp}" + ("(all_gather)" if self.cp > 1 and self.cp_comm == "all_gather"
+                                    else ""), f"pp={self.pp}", f"vpp={self.vpp}", f"dp={self.dp}"]
         if self.ep > 1:
             parts.append(f"ep={self.ep}")
         parts += [f"mbs={self.micro_batch_size}", f"gbs={self.gbs} (m={self.microbatches})",

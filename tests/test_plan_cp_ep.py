@@ -1,0 +1,121 @@
+"""Context and expert parallelism priced as pipeexec runs them, against closed forms written
+out by hand for a small model: cp's ``all_gather`` (K/V gathered in F, gathered again with the
+attention recomputed and dK/dV reduce-scattered in I, all exposed; the gathered K/V a
+transient), the ring's ``p2p`` as before (overlapped with the attention), ep's two
+all-to-alls per MoE layer in F and I, the expert gradients over dp * cp / ep, and every one of
+these collectives at a hardware file's measured figure for that collective and group size."""
+from __future__ import annotations
+
+import pytest
+
+import pipesim
+from pipesim.plan.cluster import Cluster
+from pipesim.errors import PlanError
+from pipesim.hardware import get_hardware
+from pipesim.plan.footprint import layer_activations
+from pipesim.plan.model import ModelSpec
+from pipesim.plan.parallelism import Parallelism
+
+# b = 1, s = 128, h = 64, q = 64 (4 heads of 16), kv = 32 (2 kv heads), GeLU ffn 256, fp32
+TINY = ModelSpec("tiny", layers=2, hidden=64, heads=4, kv_heads=2, seq_length=128, vocab=256,
+                 tied_embeddings=False, dropout=False, vocab_divisible_by=1)
+# per collective, p = 2: (latency, bandwidth), each its own and none the link's pair
+FIG = {"all_gather": (11e-6, 0.9e9), "reduce_scatter": (23e-6, 0.7e9),
+       "all_reduce": (31e-6, 1.1e9), "all_to_all": (43e-6, 0.3e9)}
+
+
+def hardware():
+    rows = tuple(("intra", name, 2, lat, bw) for name, (lat, bw) in FIG.items())
+    return get_hardware("H100").with_(name="measured", calibration="measured", collectives=rows)
+
+
+def ring(name: str, n: float, p: int = 2) -> float:
+    """The ring convention by hand at FIG's figure: (p-1) a + (p-1)/p n / B (all-reduce x2)."""
+    lat, bw = FIG[name]
+    k = 2 if name == "all_reduce" else 1
+    return k * (p - 1) * lat + k * (p - 1) / p * n / bw
+
+
+def plan(model=TINY, **par):
+    par = {"cp": 2, "pp": 2, "precision": "fp32", **par}
+    return pipesim.Plan(model, Parallelism(**par), Cluster(hardware()), "1f1b",
+                        efficiency=0.5)
+
+
+# one layer on one cp rank (s / cp = 64 tokens): GEMMs G = 2T h (q + 2kv) + 2T q h + 2 * 2T h f
+# at T = 64, causal attention A = 4 b (s/cp) s q / 2; K and V of the whole sequence in fp32
+G = 2 * 64 * 64 * 128 + 2 * 64 * 64 * 64 + 2 * 2 * 64 * 64 * 256
+A = 4 * 64 * 128 * 64 / 2
+KV = 2 * 4 * 128 * 32
+
+
+def test_all_gather_cp_charges_the_gather_the_regather_the_recompute_and_the_reduce_scatter():
+    p = plan(cp_comm="all_gather")
+    rate = p.cluster.hardware.fp32_peak_flops * 0.5
+    g, a = G / rate, A / rate
+    d = p.derive()
+    c = d.costs
+    # stage 0: one layer (the embedding: no FLOPs in the constant model, no tp collective)
+    assert c.forward[0] == pytest.approx(g + a + ring("all_gather", KV), rel=1e-12)
+    assert c.backward_input[0] == pytest.approx(
+        g + 2 * a + a + ring("all_gather", KV) + ring("reduce_scatter", KV), rel=1e-12)
+    assert c.backward_weight[0] == pytest.approx(g, rel=1e-12)
+    sc = d.stage_comm[0]
+    assert sc["F"]["cp"] == pytest.approx(ring("all_gather", KV))
+    assert sc["I"]["cp"] == pytest.approx(ring("all_gather", KV) + ring("reduce_scatter", KV))
+    assert sc["F"]["tp"] == sc["F"]["ep"] == 0.0
+    # per microbatch, the whole pipeline: two layers' F and I
+    assert d.comm["cp"] == pytest.approx(2 * (2 * ring("all_gather", KV)
+                                              + ring("reduce_scatter", KV)))
+    # memory: the gathered K/V and their gradients, transient, on each pipeline rank
+    assert d.rank_buffers == [pytest.approx(2 * KV)] * 2
+    assert list(c.static_bytes) == d.rank_buffers
+
+
+def test_p2p_cp_is_the_ring_overlapped_with_the_attention_as_before():
+    p = plan()                       # the default: Megatron's p2p ring
+    assert p.parallelism.cp_comm == "p2p"
+    rate = p.cluster.hardware.fp32_peak_flops * 0.5
+    g, a = G / rate, A / rate
+    c = p.derive().costs
+    ag = ring("all_gather", KV)
+    assert c.forward[0] == pytest.approx(g + a + max(0.0, ag - a), rel=1e-12)
+    assert c.backward_input[0] == pytest.approx(g + 2 * a + max(0.0, ag - 2 * a), rel=1e-12)
+    assert p.derive().rank_buffers == [0.0, 0.0]
+    # the all-gather is never cheaper than the ring
+    assert plan(cp_comm="all_gather").derive().costs.backward_input[0] > c.backward_input[0]
+
+
+def test_all_gather_cp_keeps_only_q_k_v_of_the_attention():
+    # Korthikanti at s/cp = 64, fp32, no dropout: norms' and QKV/MLP inputs 4e sbh, Q K V
+    # e s(q + 2kv), the projection's input e s q, GeLU 2e s f; the core (flash: the fp32
+    # log-sum-exp 4 a s b) only with the ring
+    sbh = 64 * 64
+    kept = 4 * 4 * sbh + 4 * 64 * 128 + 4 * 64 * 64 + 2 * 4 * 64 * 256
+    ag = plan(cp_comm="all_gather").parallelism
+    assert layer_activations(TINY, ag).total == kept
+    assert layer_activations(TINY, Parallelism(cp=2, precision="fp32")).total == kept + 4 * 4 * 64
+    # and without flash attention the s/cp x s scores are not kept either
+    assert layer_activations(TINY, ag.with_(flash_attention=False)).total == kept
+
+
+def test_all_gather_cp_under_full_recomputation_gathers_in_the_recomputed_forward_too():
+    d = plan(cp_comm="all_gather", recompute="full").derive()
+    ag, rs = ring("all_gather", KV), ring("reduce_scatter", KV)
+    assert d.stage_comm[0]["I"]["cp"] == pytest.approx(ag + (ag + rs))
+    base = plan(cp_comm="all_gather").derive().costs
+    assert d.costs.backward_input[0] == pytest.approx(base.backward_input[0] + base.forward[0])
+
+
+def test_cp_comm_is_checked_and_round_trips_in_a_plan_file():
+    with pytest.raises(PlanError, match=r"cp_comm: 'ring' is not one of p2p, all_gather"):
+        Parallelism(cp_comm="ring")
+    with pytest.raises(PlanError, match="a2a.*not modelled"):
+        Parallelism(cp_comm="a2a")
+    p = plan(cp_comm="all_gather")
+    assert pipesim.Plan.from_json(p.to_json()).parallelism.cp_comm == "all_gather"
+    assert "cp=2(all_gather)" in p.parallelism.short()
+    # cp 1: nothing is exchanged either way
+    one = plan(cp=1, cp_comm="all_gather").derive()
+    assert one.comm["cp"] == 0.0 and one.rank_buffers == [0.0, 0.0]
+    assert one.costs.forward == plan(cp=1).derive().costs.forward
