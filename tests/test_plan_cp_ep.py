@@ -43,7 +43,8 @@ def plan(model=TINY, **par):
 
 
 # one layer on one cp rank (s / cp = 64 tokens): GEMMs G = 2T h (q + 2kv) + 2T q h + 2 * 2T h f
-# at T = 64, causal attention A = 4 b (s/cp) s q / 2; K and V of the whole sequence in fp32
+# at T = 64, causal attention A = 4 b (s/cp) s q / 2 (the ring's, skipping masked blocks; the
+# all-gather's explicit mask computes all of them, 2A); K and V of the whole sequence in fp32
 G = 2 * 64 * 64 * 128 + 2 * 64 * 64 * 64 + 2 * 2 * 64 * 64 * 256
 A = 4 * 64 * 128 * 64 / 2
 KV = 2 * 4 * 128 * 32
@@ -52,7 +53,7 @@ KV = 2 * 4 * 128 * 32
 def test_all_gather_cp_charges_the_gather_the_regather_the_recompute_and_the_reduce_scatter():
     p = plan(cp_comm="all_gather")
     rate = p.cluster.hardware.fp32_peak_flops * 0.5
-    g, a = G / rate, A / rate
+    g, a = G / rate, 2 * A / rate
     d = p.derive()
     c = d.costs
     # stage 0: one layer (the embedding: no FLOPs in the constant model, no tp collective)
@@ -119,3 +120,61 @@ def test_cp_comm_is_checked_and_round_trips_in_a_plan_file():
     one = plan(cp=1, cp_comm="all_gather").derive()
     assert one.comm["cp"] == 0.0 and one.rank_buffers == [0.0, 0.0]
     assert one.costs.forward == plan(cp=1).derive().costs.forward
+
+
+def test_the_per_operator_attention_under_all_gather_cp_computes_every_masked_block():
+    from pipesim.plan.operators import layer_ops
+
+    def flash(**par):
+        ops = layer_ops(TINY, Parallelism(cp=2, precision="fp32", **par))
+        return next(o for o in ops if o.name == "flash_attention").flops
+    assert flash() == A and flash(cp_comm="all_gather") == 2 * A
+
+
+# -- expert parallelism -----------------------------------------------------------------------
+# a Mixtral-like tiny MoE: 4 experts, top-2, SwiGLU experts of 128, RMSNorm, no biases, rotary
+MOE = ModelSpec("tiny-moe", layers=2, hidden=64, heads=4, kv_heads=2, seq_length=128, vocab=256,
+                mlp="swiglu", norm="rmsnorm", position="rotary", bias=False,
+                tied_embeddings=False, dropout=False, vocab_divisible_by=1, experts=4, top_k=2,
+                moe_ffn_hidden=128)
+
+
+def test_ep_prices_dispatch_and_combine_all_to_alls_in_f_and_i_and_the_expert_grads():
+    p = plan(MOE, cp=1, dp=2, ep=2)
+    rate = p.cluster.hardware.fp32_peak_flops * 0.5
+    T, h, k = 128, 64, 2
+    # attention GEMMs + top-2 of the SwiGLU experts (3 matrices); causal attention
+    g = (2 * T * h * 128 + 2 * T * 64 * h + k * 3 * 2 * T * h * 128) / rate
+    a = 4 * 128 * 128 * 64 / 2 / rate
+    # each token's k copies of h fp32 values sent out (dispatch) and back (combine)
+    a2a = 2 * ring("all_to_all", T * k * h * 4)
+    d = p.derive()
+    assert d.costs.forward[0] == pytest.approx(g + a + a2a, rel=1e-12)
+    assert d.costs.backward_input[0] == pytest.approx(g + 2 * a + a2a, rel=1e-12)
+    assert d.stage_comm[0]["F"]["ep"] == d.stage_comm[0]["I"]["ep"] == pytest.approx(a2a)
+    # a rank holds half the experts; their gradients are reduced over dp * cp / ep = 1 rank
+    experts = 4 * 3 * h * 128
+    dense = (h * (64 + 2 * 32) + 64 * h) + 2 * h + h * 4          # attention, 2 norms, router
+    assert d.stage_params[0] == {"dense": pytest.approx(dense + 256 * h),   # + the embedding
+                                 "expert": pytest.approx(experts / 2)}
+    assert d.tail[0].dp_comm == pytest.approx(ring("all_reduce", 4 * (dense + 256 * h)))
+    # at ep 1 every rank holds all four experts and all-reduces them over dp = 2 too (their
+    # own reduction, as at any ep: the expert-data-parallel group)
+    one = plan(MOE, cp=1, dp=2, ep=1).derive()
+    assert one.stage_comm[0]["F"]["ep"] == 0.0
+    assert one.tail[0].dp_comm == pytest.approx(ring("all_reduce", 4 * (dense + 256 * h))
+                                                + ring("all_reduce", 4 * experts))
+
+
+def test_ep_over_dp_x_cp_and_the_dispatched_tokens_kept():
+    # ep 2 carved out of cp 2 (dp 1): the tokens a cp rank holds (s / cp) are dispatched
+    d = plan(MOE, cp=2, dp=1, ep=2, cp_comm="all_gather").derive()
+    assert d.stage_comm[0]["F"]["ep"] == pytest.approx(2 * ring("all_to_all", 64 * 2 * 64 * 4))
+    assert d.stage_params[0]["expert"] == pytest.approx(4 * 3 * 64 * 128 / 2)
+    # kept per MoE layer (fp32, s/cp = 64, no dropout): norms' and inputs 4e sbh, Q K V and the
+    # projection's input, and per routed copy its dispatched input e sbh and SwiGLU's 3e sf
+    s, e = 64, 4
+    kept = (4 * e * s * 64 + e * s * (64 + 2 * 32) + e * s * 64
+            + 2 * (e * s * 64 + 3 * e * s * 128))
+    assert layer_activations(MOE, plan(MOE, cp=2, ep=2, cp_comm="all_gather").parallelism,
+                             moe=True).total == kept

@@ -19,7 +19,8 @@ thousands. For each stage and one microbatch on one rank of its tensor/context-p
   K and V in F and their gradients in I overlapped with the attention matmuls (only the excess
   shows); ``all_gather`` (pipeexec's, Transformer Engine's all-gather CP) all-gathers K and V
   in F, and in I gathers them again, recomputes the attention core's forward and
-  reduce-scatters dK/dV, all exposed, with a transient of the whole sequence's K/V and their
+  reduce-scatters dK/dV, all exposed, its attention (local queries against the gathered
+  sequence under an explicit mask) computing every block, with a transient of the whole sequence's K/V and their
   gradients (``2 * 2 e b s kv / t``) per rank. EP: two all-to-alls of the ``k`` routed copies in F and two in I per
   MoE layer. ZeRO-3 gathers each layer's weights in F and I and reduce-scatters its gradients
   in W, prefetched (overlapped);
@@ -157,7 +158,10 @@ def derive(plan) -> PlanCosts:
 
     def kind(moe: bool) -> dict[str, float]:
         lf = layer_flops(model, b, moe=moe, causal=par.flash_attention)   # flash skips masked blocks
-        g, a = lf.gemm / shard / gemm_rate, lf.attention / shard / bf16_rate
+        # all-gather CP's attention takes an explicit mask over the gathered sequence: every
+        # block computed (the time; the model FLOPs stay those of causal attention)
+        masked = 2.0 if gathered and cp > 1 and par.flash_attention else 1.0
+        g, a = lf.gemm / shard / gemm_rate, masked * lf.attention / shard / bf16_rate
         lp = model.layer_params(moe)
         lp_rank = lp["dense"] / t + lp["expert"] / (t * par.ep)
         # ZeRO-3: the layer's weights gathered whole (the collective's output: the weights'

@@ -25,7 +25,8 @@ bf16 one: TF32), fp8 GEMMs at the
 FP8 peak but never faster than the bf16 dense peak (modelled cap: published fp8 training runs
 gain 1.3-1.5x over bf16, about 1/eff_gemm; it keeps MFU, always against the bf16 peak, at or
 below 100%), plus the casts of their inputs. Attention runs in bf16: flash attention as one
-kernel at ``flash_e_max * s/(s + 256) * head_dim factor`` (causal: the masked half skipped),
+kernel at ``flash_e_max * s/(s + 256) * head_dim factor`` (causal: the masked half skipped;
+not under all-gather CP, whose attention takes an explicit mask over the gathered sequence),
 or, without it, two batched GEMMs with softmax and dropout over the ``s x s`` scores.
 """
 from __future__ import annotations
@@ -88,8 +89,11 @@ def layer_ops(model: ModelSpec, par: Parallelism, moe: bool = False) -> list[Op]
         mem("rotary", 2 * e * T * (q + kv) / t, 2 * e * T * (q + kv) / t)
     heads = a / t
     s_loc = s_full / cp
+    # all-gather CP (pipeexec's) attends the local queries to the whole gathered sequence
+    # with an explicit (s/cp, s) mask: a masked kernel computes every block, skipping none
+    skip = 1 if (cp > 1 and par.cp_comm == "all_gather") else 2
     if par.flash_attention:
-        flops = 4 * b * s_loc * s_full * q / t / 2          # causal: the masked half skipped
+        flops = 4 * b * s_loc * s_full * q / t / skip       # causal: the masked half skipped
         ops.append(Op("flash_attention", "attention", flops,
                       e * T * (2 * q + 2 * kv) / t, (s_loc, s_full, d)))
     else:
