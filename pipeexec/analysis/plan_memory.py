@@ -4,7 +4,8 @@ The other predictions of this room start from a measured run (calibrated bytes).
 needs no run: the config's `pipesim.Plan` (`TrainConfig.run_plan`: the plan as the run cuts it) gives each
 stage's activation bytes per microbatch from the model shape (Korthikanti et al.'s formulas,
 `pipesim.plan.footprint`, at the precision's element size), the share W needs, and the
-message size; pipesim's memory model replays them over the schedule the executor runs (with
+message size (the share held from a split backward's I to its W as pipeexec holds it,
+`executor_split`); pipesim's memory model replays them over the schedule the executor runs (with
 its ``recv_lookahead``), receive and send buffers included. Torch-free.
 
 The quantity both sides share, per rank: the largest sum, at an action boundary, of
@@ -40,9 +41,9 @@ def predicted_activation_peaks(config: Any, schedule: "pipesim.Schedule | None" 
     """Per pipeline rank, the peak activation bytes pipesim predicts for ``config`` (a
     `TrainConfig`) from its plan, on ``schedule`` (default: the one the config runs)."""
     plan = config.run_plan()
-    costs = plan.derive().costs
-    costs = replace(costs, static_bytes=0.0, stage_static_bytes=0.0)
     sched = config.build_schedule() if schedule is None else schedule
+    costs = executor_split(plan.derive().costs, plan, sched)
+    costs = replace(costs, static_bytes=0.0, stage_static_bytes=0.0)
     if not config.deallocate_outputs:
         costs = _outputs_kept(costs, sched)
     result = pipesim.simulate(sched, costs, comm=EXECUTOR_COMM)
@@ -93,11 +94,35 @@ def predicted_peaks(config: Any, schedule: "pipesim.Schedule | None" = None) -> 
         transient.append(weight_bytes * largest if par.zero == 3 and d > 1 else 0.0)
         # (beside the shard accumulator, which the plan counts, as for every parameter)
         tied_extra.append(4 * tied if par.zero >= 2 and d > 1 else 0.0)
-    costs = replace(derived.costs, static_bytes=tuple(a + b for a, b in zip(transient, tied_extra)))
+    costs = replace(executor_split(derived.costs, plan, sched),
+                    static_bytes=tuple(a + b for a, b in zip(transient, tied_extra)))
     if not config.deallocate_outputs:
         costs = _outputs_kept(costs, sched)
     result = pipesim.simulate(sched, costs, comm=EXECUTOR_COMM)
     return [float(x) for x in result.peak_memory]
+
+
+def executor_split(costs: "pipesim.CostModel", plan: "pipesim.Plan",
+                   schedule: "pipesim.Schedule") -> "pipesim.CostModel":
+    """The share of a stage's activations held from its I to its W, as pipeexec's split
+    backward holds it (`pipeexec.pipeline.backward`: I runs with ``retain_graph`` so that W
+    finds its join nodes' saved tensors; the graph is freed only by W). The plan's share is
+    Zero Bubble's (W keeps only its linear layers' inputs: Qi et al. 2023, what Megatron's
+    zero-bubble fork stores in its weight-gradient store); here every block keeps all of it,
+    and the head's I frees only the loss computation's saved fp32 logits, which W does not
+    need. The recorded output gradients W reads come on top in the executor and are left out
+    (the memory model cannot grow a stage's bytes at its I)."""
+    n = schedule.num_stages
+    act = costs.stage_values("activation_bytes", n)
+    model, par = plan.model, plan.parallelism
+    logits = (4 * par.micro_batch_size * model.seq_length / par.cp
+              * model.padded_vocab(par.tp) / par.tp)
+    last_part = schedule.num_parts - 1
+    frac = []
+    for s in range(n):
+        freed = logits if schedule.stage_part(s) == last_part else 0.0
+        frac.append(max(0.0, 1.0 - freed / act[s]) if act[s] > 0 else 1.0)
+    return replace(costs, weight_grad_fraction=tuple(frac))
 
 
 def _outputs_kept(costs: "pipesim.CostModel", schedule: "pipesim.Schedule") -> "pipesim.CostModel":

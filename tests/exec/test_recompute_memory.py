@@ -33,7 +33,8 @@ from pipesim.plan.footprint import head_activations, layer_activations
 from pipesim.schedule.action import Action
 
 MODES = ("none", "selective", "full")
-SCHEDULES = (("1f1b", 1), ("interleaved", 2), ("zbv", 2))
+SCHEDULES = (("1f1b", 1), ("interleaved", 2), ("zbv", 2), ("zb-h1", 1))   # zb-h1: the head
+# alone on its rank, holding its I-to-W share (what the plan-only figure once put 27% low)
 
 
 class _NoRuntime:
