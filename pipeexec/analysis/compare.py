@@ -20,6 +20,12 @@ Definitions are pipesim's (:mod:`pipesim.metrics`), computed by the same code on
 * peak memory: the largest activation memory the rank held at an action boundary
   (measured by the meter, predicted by pipesim's memory model with calibrated bytes).
 
+Carried from a run at another tp / cp / ep (`pipeexec.analysis.tensor_parallel`), the
+prediction holds the layers' collectives priced from a hardware file's measured figures: the
+table's ``<group>_collectives_predicted`` columns (tp, cp, ep) are each rank's seconds of them
+per step (``m`` microbatches through the stages it holds; "all": the largest rank's), and the
+report's ``predicted_collectives`` the same per rank.
+
 Errors: ``step_time_error = (predicted - measured) / measured``; bubble_fraction error in
 points (predicted - measured); memory errors relative, per rank.
 
@@ -55,6 +61,7 @@ REPORT_KEYS = ("measured_step_time", "predicted_step_time", "step_time_error",
                "measured_bubble_fraction", "predicted_bubble_fraction",
                "measured_peak_memory", "predicted_peak_memory")
 TABLE_COLUMNS = ("finish", "busy", "bubble", "idle_over_busy", "peak_memory")
+COLLECTIVE_GROUPS = ("tp", "cp", "ep")
 MAKESPAN_NOTE = ("the pipeline's makespan, first action to last: the log's step_time adds the "
                  "optimizer step and the work between steps")
 
@@ -147,7 +154,31 @@ class Comparison:
                  "peak_memory_predicted": max(p["peak_memory"]),
                  "peak_memory_error": _rel(max(p["peak_memory"]), max(m["peak_memory"]))}
         rows.append(total)
+        coll = self.predicted_collectives()
+        for g, per_rank in coll.items():
+            for row, value in zip(rows, per_rank + [max(per_rank, default=0.0)]):
+                row[f"{g}_collectives_predicted"] = value
         return pd.DataFrame(rows).set_index("rank")
+
+    def predicted_collectives(self) -> dict[str, list[float]]:
+        """Per group (tp, cp, ep), each rank's seconds per step of the layers' collectives the
+        prediction holds, where a carry priced them (`tensor_parallel.carry_to_layout`; its
+        per-microbatch stage figures in the calibration's source); {} otherwise."""
+        per_stage = self.calibration.source.get("collectives")
+        if not per_stage:
+            return {}
+        sched = self.predicted.schedule
+        # each forward a rank runs, of the model part it computes (a copy counts its own)
+        parts = [[sched.stage_part(a.stage) for a in sched.compute_order(r) if a.op == "F"]
+                 for r in range(sched.pp)]
+        out = {}
+        for g in COLLECTIVE_GROUPS:
+            ops = per_stage.get(g)
+            if ops is None:
+                continue
+            out[g] = [sum(ops["forward"][p] + ops["backward_input"][p] for p in ps)
+                      for ps in parts]
+        return out
 
     def markdown(self) -> str:
         """The table as markdown: ms, MiB, errors in percent (points for bubble_fraction)."""
@@ -201,6 +232,10 @@ class Comparison:
                for _, row in t.iterrows()):
             lines.append("n/a: an idle/busy ratio above 1 (a rank idle most of the step) has no "
                          "error in points worth reading; compare its busy and bubble columns")
+        coll = self.predicted_collectives()
+        if coll:
+            lines.append("collectives in the prediction, ms per step per rank: " + "; ".join(
+                f"{g} [{', '.join(f'{x * 1e3:.1f}' for x in v)}]" for g, v in coll.items()))
         note = time_sharing_note(self.run.plan)
         if note:
             lines.append(f"note: {note}")
@@ -227,13 +262,17 @@ class Comparison:
         return src.get("schedule") == s.name and src.get("bounds") == list(self.run.plan.bounds)
 
     def _own_trace(self) -> bool:
-        return self._same_layout() and "carried_to_tp" not in self.calibration.source
+        src = self.calibration.source
+        return self._same_layout() and "carried_to_tp" not in src and "carried_to" not in src
 
     def headline(self) -> str:
         s, src = self.measured.schedule, self.calibration.source
         where = ("its own trace" if self._own_trace() else
                  f"a {src.get('schedule')} run (pp={src.get('pp')} vpp={src.get('vpp')})")
-        if "carried_to_tp" in src:
+        if "carried_to" in src:
+            where += (f" at {src['carried_from']}, carried to {src['carried_to']} with "
+                      f"{src.get('hardware')}'s collectives")
+        elif "carried_to_tp" in src:
             where += (f" at tp {src.get('tp', 1)}, carried to tp {src['carried_to_tp']} with "
                       f"{src.get('hardware')}'s collectives")
         if self.calibration.model == "processor-sharing":
@@ -274,6 +313,7 @@ class Comparison:
             "peak_memory_error": [_num(_rel(a, b)) for a, b in zip(p["peak_memory"], m["peak_memory"])],
             "memory_measure": measurement.memory,
             "per_rank": per_rank,
+            "predicted_collectives": self.predicted_collectives(),
             "compared_steps": list(self.steps), "pictured_step": self.step,
             "measured_step_times": {str(k): v for k, v in self.run.makespans().items()},
             "clock_offsets": list(measurement.clock_offsets) or None,

@@ -95,10 +95,11 @@ def compare_parser() -> argparse.ArgumentParser:
            "compared one, and predict the compared schedule from its steps alone: calibration "
            "and measurement meet the same machine seconds apart (not with --calibrate-from)")
     a("--hardware", default=None, metavar="PRESET|FILE",
-      help="with --calibrate-from a run at another tp (or sequence parallelism): carry its "
-           "measured compute to this run's tp by the plan's per-operator model on this "
-           "hardware, and price tp's collectives from its figures (on this machine: the file "
-           "`pipeexec calibrate-hardware` writes, whose collectives are measured)")
+      help="with --calibrate-from a run at another tp (or sequence parallelism), cp or ep: "
+           "carry its measured compute to this run's layout by the plan's per-operator model "
+           "on this hardware, and price the layers' collectives (tp's, cp's K/V all-gathers "
+           "and reduce-scatters, ep's all-to-alls) from its figures (on this machine: the "
+           "file `pipeexec calibrate-hardware` writes, whose collectives are measured)")
     a("--trace-out", default=None, metavar="FILE.json",
       help="keep the measured trace: Chrome/Perfetto JSON, with .csv and .meta.json beside it")
     a("--report-out", default=None, metavar="FILE.json", help="write the report as JSON")
@@ -321,9 +322,10 @@ def layout_carry(config: Any, source: MeasuredRun, hardware: str | None, path: s
         return None
     if hardware is None:
         def said(d: dict) -> str:
-            return (f"tp {d['tp']}{' with sequence parallelism' if d['sequence_parallel'] else ''}"
-                    f"{f' cp {d[chr(99) + chr(112)]}' if d['cp'] > 1 else ''}"
-                    f"{f' ep {d[chr(101) + chr(112)]}' if d['ep'] > 1 else ''}")
+            words = [f"tp {d['tp']}"] + (["with sequence parallelism"] if d["sequence_parallel"]
+                                         else [])
+            words += [f"{k} {d[k]}" for k in ("cp", "ep") if d[k] > 1]
+            return " ".join(words)
         raise ValueError(f"--calibrate-from {path} ran at {said(src)}, this run at {said(tgt)}: "
                          "give --hardware FILE (`pipeexec calibrate-hardware --out FILE` on this "
                          "machine) to carry the costs and price the layers' collectives")
