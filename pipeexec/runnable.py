@@ -1,10 +1,10 @@
 """What of a plan the executor cannot run here, with the reasons: every one at once, before any
 process starts (`TrainConfig.validate` raises them as one ConfigError). Torch-free.
 
-pipeexec runs pipeline, data, tensor (with sequence parallelism) and context parallelism, fp32 /
-bf16 / fp16, the recomputation modes, ZeRO 1-3 (the distributed optimizer; with dp x cp 1 a
-no-op, as in Megatron), the built-in GPT and the Hugging Face families of `pipeexec.models`;
-expert parallelism is not run yet.
+pipeexec runs pipeline, data, tensor (with sequence parallelism), context and expert
+parallelism (a MoE family's experts over ep ranks of dp x cp), fp32 / bf16 / fp16, the
+recomputation modes, ZeRO 1-3 (the distributed optimizer; with dp x cp 1 a no-op, as in
+Megatron), the built-in GPT and the Hugging Face families of `pipeexec.models`.
 """
 from __future__ import annotations
 
@@ -13,10 +13,7 @@ from typing import Any
 from .models import model_refusals
 
 # parallelism fields the executor does not run yet: (field, flag, value it runs, reason)
-_NOT_YET = (
-    ("ep", "--ep", 1, "expert parallelism is not run by pipeexec yet (ep = 1: every expert on "
-     "every data-parallel rank)"),
-)
+_NOT_YET: tuple[tuple[str, str, Any, str], ...] = ()
 
 
 def refusals(config: Any, *, custom_stack: bool = False) -> list[str]:
@@ -39,6 +36,46 @@ def refusals(config: Any, *, custom_stack: bool = False) -> list[str]:
         out += model_refusals(plan.model, config.hf_model)
         out += tensor_parallel_refusals(plan.model, par)
     out += context_parallel_refusals(plan.model, par)
+    out += expert_parallel_refusals(plan.model, par, custom_stack=custom_stack)
+    return out
+
+
+# the Hugging Face families whose experts pipeexec.models.hf_expert_parallel cuts over ep
+EXPERT_PARALLEL_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe")
+
+
+def expert_parallel_refusals(model: Any, par: Any, *, custom_stack: bool = False) -> list[str]:
+    """What does not run over ``par.ep`` expert-parallel ranks (`pipeexec.parallel.experts`):
+    ep is carved out of dp x cp (Megatron's expert layout), so it must divide dp * cp; each
+    rank holds E / ep whole experts of a MoE model; ZeRO over the expert-data-parallel group
+    is not built yet."""
+    ep = par.ep
+    if ep == 1:
+        return []
+    flag = f"parallelism.ep = {ep} (--ep)"
+    out = []
+    if isinstance(ep, bool) or not isinstance(ep, int) or ep < 1:
+        return [f"{flag}: must be a positive integer"]
+    if (par.dp * par.cp) % ep:
+        out.append(f"{flag} must divide dp * cp = {par.dp} * {par.cp} = {par.dp * par.cp} "
+                   "(--dp, --cp): expert parallelism is carved out of data x context "
+                   "parallelism; the world size stays tp * cp * dp * pp")
+    if not custom_stack:
+        if not model.experts:
+            out.append(f"{flag}: the model is dense (no experts; the built-in GPT is dense): "
+                       "expert parallelism needs a MoE model, e.g. a plan made from a Mixtral "
+                       "config.json")
+        elif model.experts % ep:
+            out.append(f"{flag}: the model's {model.experts} experts (model.experts) are not "
+                       f"divisible by ep: each ep rank holds experts / ep of them")
+        elif model.family not in EXPERT_PARALLEL_FAMILIES:
+            out.append(f"{flag}: expert parallelism runs the Hugging Face families "
+                       f"{', '.join(EXPERT_PARALLEL_FAMILIES)}; model.family is "
+                       f"{model.family!r}")
+    if par.zero and par.dp * par.cp > 1:
+        out.append(f"{flag} with parallelism.zero = {par.zero} (--zero): ZeRO does not shard "
+                   "expert parameters over the expert-data-parallel group yet; run ep with "
+                   "--zero 0")
     return out
 
 

@@ -7,7 +7,9 @@ pipeline is the ranks of one (tp, cp, dp) position; its p2p channels carry that 
 activation (its cp rank's chunks of the sequence, whole on every tp rank or cut again under
 sequence parallelism), never a gathered one. The dense parameters' gradients are averaged over
 the dp x cp group (Megatron's ``dp_cp``: with cp each of its ranks saw other tokens of the same
-sequences). Groups are returned in a `Topology` value and passed to whoever needs them; nothing
+sequences). Expert parallelism (``ep``) is carved out of dp x cp (`Mesh`'s expert layout): the
+all-to-alls of a MoE layer run over the ep group on communicators of their own, and the expert
+parameters' gradients are averaged over the expert-data-parallel group. Groups are returned in a `Topology` value and passed to whoever needs them; nothing
 is stored in module globals.
 """
 from __future__ import annotations
@@ -59,6 +61,15 @@ class Topology:
     # the dp group itself when cp == 1; None when dp * cp == 1)
     dp_cp_group: Any = None
     dp_cp_ranks: tuple[int, ...] = ()
+    # expert parallelism: ep ranks of one dp x cp group (stride tp), and the expert-data-
+    # parallel group of dp * cp / ep ranks holding the same experts (None when of size 1)
+    ep: int = 1
+    ep_rank: int = 0
+    ep_group: Any = None
+    ep_ranks: tuple[int, ...] = ()
+    edp_rank: int = 0
+    edp_group: Any = None
+    edp_ranks: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.cp == 1:            # without context parallelism the gradient group is dp's
@@ -69,7 +80,12 @@ class Topology:
 
     @property
     def mesh(self) -> Mesh:
-        return Mesh(tp=self.tp, cp=self.cp, dp=self.dp, pp=self.pp)
+        return Mesh(tp=self.tp, cp=self.cp, dp=self.dp, pp=self.pp, ep=self.ep)
+
+    @property
+    def edp(self) -> int:
+        """Ranks holding the same experts: dp * cp / ep (the expert gradients' group)."""
+        return self.dp * self.cp // self.ep
 
     @property
     def dp_cp(self) -> int:
@@ -95,6 +111,7 @@ class Topology:
     def __str__(self) -> str:
         tp = f"tp rank {self.tp_rank}/{self.tp}, " if self.tp > 1 else ""
         tp += f"cp rank {self.cp_rank}/{self.cp}, " if self.cp > 1 else ""
+        tp += f"ep rank {self.ep_rank}/{self.ep}, " if self.ep > 1 else ""
         return (f"rank {self.rank}/{self.world_size} ({tp}pp rank {self.pp_rank}/{self.pp}, "
                 f"dp rank {self.dp_rank}/{self.dp}, {self.device}, {self.backend})")
 
@@ -126,21 +143,25 @@ def env_rank_info() -> tuple[int, int, int, str, int]:
     return rank, world, local, os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
 
 
-def init_topology(pp: int, dp: int, *, tp: int = 1, cp: int = 1, backend: str | None = None,
+def init_topology(pp: int, dp: int, *, tp: int = 1, cp: int = 1, ep: int = 1,
+                  backend: str | None = None,
                   device: str | None = None, timeout: float = 600.0,
                   p2p_timeout: float | None = None) -> Topology:
-    """Initialise torch.distributed from the environment and build the tp, cp, pp, dp and
-    dp x cp groups.
+    """Initialise torch.distributed from the environment and build the tp, cp, pp, dp,
+    dp x cp, and (``ep`` > 1) expert-parallel and expert-data-parallel groups.
 
     ``p2p_timeout``: on NCCL, the p2p channel groups' timeout is this plus a minute, so that the
     watchdog aborts a stuck transfer even when the host is stuck too (the runtime's own check at
     the end of each step names the action first; `pipeexec.pipeline.p2p`).
 
     ``world_size`` must equal ``tp * cp * pp * dp``: checked before any collective, with the
-    reason.
+    reason, and ``ep`` must divide ``dp * cp``.
     """
     rank, world, local_rank, addr, port = env_rank_info()
-    mesh = Mesh(tp=tp, cp=cp, dp=dp, pp=pp)
+    try:
+        mesh = Mesh(tp=tp, cp=cp, dp=dp, pp=pp, ep=ep)
+    except ValueError as exc:
+        raise TopologyError(str(exc)) from None
     if world != mesh.world_size:
         raise TopologyError(f"world size {world} != tp * cp * pp * dp = {tp} * {cp} * {pp} * "
                             f"{dp} = {mesh.world_size}")
@@ -213,11 +234,30 @@ def init_topology(pp: int, dp: int, *, tp: int = 1, cp: int = 1, backend: str | 
                 dp_cp_group, dp_cp_ranks = group, ranks
     else:
         dp_cp_group = dp_group
+    # Expert parallelism's all-to-alls run inside computations, as tp's collectives: their own
+    # communicators. The expert-data-parallel group reduces the expert gradients.
+    ep_group = edp_group = None
+    ep_ranks: tuple[int, ...] = (rank,)
+    edp_ranks: tuple[int, ...] = dp_cp_ranks or (rank,)
+    if ep > 1:
+        for ranks in mesh.ep_groups():
+            group = dist.new_group(list(ranks), timeout=td)
+            if rank in ranks:
+                ep_group, ep_ranks = group, ranks
+        for ranks in mesh.edp_groups():
+            group = dist.new_group(list(ranks), timeout=td) if mesh.edp > 1 else None
+            if rank in ranks:
+                edp_group, edp_ranks = group, ranks
+    else:
+        edp_group = dp_cp_group
+    ecoords = mesh.expert_coords(rank)
     return Topology(rank, world, pp, dp, pp_rank, dp_rank, local_rank, dev, backend,
                     pp_group, dp_group, pp_ranks, dp_ranks, store, p2p_groups,
                     tp=tp, tp_rank=tp_rank, tp_group=tp_group, tp_ranks=tp_ranks,
                     cp=cp, cp_rank=cp_rank, cp_group=cp_group, cp_ranks=cp_ranks,
-                    dp_cp_group=dp_cp_group, dp_cp_ranks=dp_cp_ranks)
+                    dp_cp_group=dp_cp_group, dp_cp_ranks=dp_cp_ranks,
+                    ep=ep, ep_rank=ecoords.ep, ep_group=ep_group, ep_ranks=ep_ranks,
+                    edp_rank=ecoords.edp, edp_group=edp_group, edp_ranks=edp_ranks)
 
 
 def warm_up_channels(order: list, rank: int, device: torch.device, timeout: float) -> None:

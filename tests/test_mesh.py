@@ -3,7 +3,9 @@
 The reference is a transcription of Megatron-LM's ``generate_masked_orthogonal_rank_groups``
 (megatron/core/parallel_state.py, used by its ``RankGenerator`` with order "tp-cp-dp-pp"),
 written here independently of `pipeexec.parallel.mesh`. Torch-free: the mesh is checked before
-any process starts.
+any process starts. The expert layout is Megatron's expert ``RankGenerator``
+(``expert_decoder_rank_generator``: order "tp-ep-dp-pp" over the same world, expert tp = tp,
+expert dp = dp * cp / ep), the same masked orthogonal groups over sizes (tp, ep, edp, pp).
 """
 from __future__ import annotations
 
@@ -85,3 +87,41 @@ def test_bad_mesh_and_rank_are_named():
         Mesh(tp=2, pp=4).coords(8)
     with pytest.raises(ValueError, match="unknown dimension 'ep'"):
         Mesh().group("ep", 0)
+    with pytest.raises(ValueError, match=r"ep = 3 must divide dp \* cp = 2 \* 2 = 4"):
+        Mesh(dp=2, cp=2, ep=3)
+
+
+@settings(max_examples=80, deadline=None)
+@given(tp=sizes, cp=sizes, dp=sizes, pp=sizes, ep_index=st.integers(0, 3))
+def test_expert_groups_are_megatrons(tp, cp, dp, pp, ep_index):
+    divisors = [e for e in range(1, dp * cp + 1) if dp * cp % e == 0]
+    ep = divisors[ep_index % len(divisors)]
+    mesh = Mesh(tp=tp, cp=cp, dp=dp, pp=pp, ep=ep)
+    edp = dp * cp // ep
+    expert_sizes = [tp, ep, edp, pp]           # Megatron's "tp-ep-dp-pp", fastest first
+    assert sorted(map(list, mesh.ep_groups())) == sorted(
+        megatron_groups(expert_sizes, [False, True, False, False]))
+    assert sorted(map(list, mesh.edp_groups())) == sorted(
+        megatron_groups(expert_sizes, [False, False, True, False]))
+    for group in mesh.ep_groups():
+        # one dp x cp group's ranks, one tp rank, one pipeline position
+        dpcp = mesh.group(("dp", "cp"), group[0])
+        assert set(group) <= set(dpcp)
+        assert len({mesh.coords(r).tp for r in group}) == 1
+        assert len({mesh.coords(r).pp for r in group}) == 1
+        for e, r in enumerate(group):
+            assert mesh.ep_group(r) == group and mesh.expert_coords(r).ep == e
+    for r in range(mesh.world_size):
+        c = mesh.expert_coords(r)
+        assert mesh.expert_rank(tp=c.tp, ep=c.ep, edp=c.edp, pp=c.pp) == r
+        # an ep group and an edp group meet in this rank alone; together, its dp x cp group
+        assert set(mesh.ep_group(r)) & set(mesh.edp_group(r)) == {r}
+        assert len(mesh.ep_group(r)) * len(mesh.edp_group(r)) == dp * cp
+
+
+def test_expert_layout_by_hand():
+    mesh = Mesh(tp=2, dp=4, pp=2, ep=2)
+    assert mesh.ep_groups()[:4] == [(0, 2), (1, 3), (4, 6), (5, 7)]   # stride tp
+    assert mesh.edp_groups()[:4] == [(0, 4), (1, 5), (2, 6), (3, 7)]
+    assert Mesh(dp=4, ep=4).ep_groups() == [(0, 1, 2, 3)]
+    assert Mesh(dp=4, ep=4).edp_groups() == [(0,), (1,), (2,), (3,)]

@@ -63,7 +63,7 @@ def run_training(board: ActionBoard | None, args: WorkerArgs) -> RunOutcome:
                         "it as launch(run_training, n, (WorkerArgs(config, ...),)))")
     config, metrics_out, progress = args.config, args.metrics_out, args.progress
     checkpoint, profile = args.checkpoint, args.profile
-    topology = init_topology(config.pp, config.dp, tp=config.tp, cp=config.cp,
+    topology = init_topology(config.pp, config.dp, tp=config.tp, cp=config.cp, ep=config.ep,
                              backend=config.backend,
                              device=config.device,
                              timeout=config.collective_timeout, p2p_timeout=config.p2p_timeout)

@@ -59,11 +59,13 @@ def model_refusals(model: Any, hf_model: str | None = None) -> list[str]:
     return family_refusals(model, hf_model)
 
 
-def layer_stack(config: Any, tp: Any = None, cp: Any = None):
+def layer_stack(config: Any, tp: Any = None, cp: Any = None, ep: Any = None):
     """The `pipeexec.model.LayerStack` ``config`` (a `TrainConfig`) trains: its plan's model,
     as the built-in GPT or its Hugging Face family (weights from ``config.hf_model``); ``tp``:
     this rank's `pipeexec.parallel.regions.TensorParallel` (None: tp 1); ``cp``: its
-    `pipeexec.parallel.context.ContextParallel` (None: cp 1)."""
+    `pipeexec.parallel.context.ContextParallel` (None: cp 1); ``ep``: its
+    `pipeexec.parallel.experts.ExpertParallel` (None: ep 1; a MoE family's experts cut,
+    `hf_expert_parallel`)."""
     model = config.plan.model
     refused = model_refusals(model, config.hf_model)
     if refused:
@@ -72,7 +74,13 @@ def layer_stack(config: Any, tp: Any = None, cp: Any = None):
     from ..parallel.regions import NONE
     if model.family is not None:
         from .hf import hf_layer_stack
-        return hf_layer_stack(model, weights=config.hf_model, tp=tp or NONE,
-                              cp=cp or context.NONE)
+        stack = hf_layer_stack(model, weights=config.hf_model, tp=tp or NONE,
+                               cp=cp or context.NONE)
+        if ep is not None and ep.active:
+            from .hf_expert_parallel import expert_parallel_stack
+            stack = expert_parallel_stack(stack, model.family, ep)
+        return stack
+    if ep is not None and ep.active:
+        raise ConfigError("expert parallelism: the built-in GPT is dense (no experts)")
     from ..model import gpt_stack
     return gpt_stack(model, tp or NONE, cp or context.NONE)

@@ -52,6 +52,8 @@ from .precision import LossScaler, MasterWeights, compute_dtype
 from ..pipeline.runtime import ActionObserver, PipelineRuntime, StageHooks
 from ..pipeline.stage import build_stage
 from ..parallel.context import ContextParallel, ContextParallelBatches
+from ..parallel.experts import ExpertParallel
+from ..models.hf_expert_parallel import is_expert
 from ..parallel.regions import TensorParallel
 from ..parallel.tp_grads import TensorParallelGrads
 from ..topology import Topology
@@ -114,15 +116,18 @@ class Trainer:
         # context parallelism: each sequence cut over the cp group (`parallel.context`)
         self.cp = ContextParallel(topology.cp_group, topology.cp, topology.cp_rank,
                                   timeout=config.collective_timeout)
-        spec = spec or layer_stack(config, self.tp, self.cp)   # (ConfigError: not here)
+        # expert parallelism: a MoE layer's experts over the ep group (`parallel.experts`)
+        self.ep = ExpertParallel(topology.ep_group, topology.ep, topology.ep_rank,
+                                 timeout=config.collective_timeout)
+        spec = spec or layer_stack(config, self.tp, self.cp, self.ep)  # (ConfigError: not here)
         # The schedule is built once per rank, below (validate would build it once more).
         config.validate(world_size=topology.world_size, num_layers=spec.num_layers,
                         check_schedule=False)
-        if (config.tp, config.cp, config.pp, config.dp) != (topology.tp, topology.cp,
-                                                            topology.pp, topology.dp):
+        if (config.tp, config.cp, config.pp, config.dp, config.ep) != (
+                topology.tp, topology.cp, topology.pp, topology.dp, topology.ep):
             raise ValueError(f"config tp={config.tp} cp={config.cp} pp={config.pp} dp={config.dp} "
-                             f"but topology tp={topology.tp} cp={topology.cp} pp={topology.pp} "
-                             f"dp={topology.dp}")
+                             f"ep={config.ep} but topology tp={topology.tp} cp={topology.cp} "
+                             f"pp={topology.pp} dp={topology.dp} ep={topology.ep}")
         if schedule is not None:
             got = (schedule.pp, schedule.parts_per_rank, schedule.num_microbatches)
             if got != (config.pp, config.vpp, config.microbatches):
@@ -165,7 +170,8 @@ class Trainer:
             self.grads = None
             views = {id(p): self.sharded.grad_view(p) for _, p in named}
         else:
-            self.grads = GradBuffer({s: list(st.parameters()) for s, st in self.stages.items()}, dev)
+            self.grads = GradBuffer({s: list(st.parameters()) for s, st in self.stages.items()},
+                                    dev, is_expert=is_expert)
             views = {id(p): v for s, st in self.stages.items()
                      for p, v in zip(st.parameters(), self.grads.views[s])}
         # Parameters held more than once (a tied head, a schedule's second copy of a stage):
@@ -214,7 +220,7 @@ class Trainer:
             if topology.backend == "nccl" or config.nccl_matching:
                 check_p2p_order(self.schedule,      # NCCL's matching and streams: before start
                                 collectives=topology.tp > 1 or topology.cp > 1
-                                or config.zero >= 2)
+                                or topology.ep > 1 or config.zero >= 2)
             self.p2p = P2P(rank=topology.rank, pp_rank=topology.pp_rank,
                            groups=topology.p2p_groups, peers=topology.pp_ranks,
                            num_stages=self.schedule.num_stages,
@@ -296,7 +302,8 @@ class Trainer:
             check_channels_exist(schedule, self.topology.pp_rank, self.topology.p2p_groups)
             if self.topology.backend == "nccl" or cfg.nccl_matching:
                 check_p2p_order(schedule, collectives=self.topology.tp > 1
-                                or self.topology.cp > 1 or cfg.zero >= 2)
+                                or self.topology.cp > 1 or self.topology.ep > 1
+                                or cfg.zero >= 2)
         self.schedule = schedule
         self._custom_schedule = True
         self.runtime = self._make_runtime(schedule)
@@ -331,6 +338,9 @@ class Trainer:
         else:
             # averaged over dp x cp (with cp each rank saw other tokens of the same sequences)
             self.grads.all_reduce(topo.dp_cp_group, topo.dp_cp, cfg.collective_timeout)
+            # experts: summed over the ranks holding the same ones, / dp x cp as the dense
+            self.grads.all_reduce_experts(topo.edp_group, topo.edp, topo.dp_cp,
+                                          cfg.collective_timeout)
             self.tp_grads.reduce_sequence_parallel()
             if self.tied:
                 self.tied.reduce()
@@ -344,7 +354,13 @@ class Trainer:
             tp_duplicate_sq = self.tp_grads.duplicate_sq()
             if tp_duplicate_sq is not None:       # a replicated parameter counts once over tp
                 local_sq = local_sq - tp_duplicate_sq
-            share = local_sq / topo.dp_cp         # replicated: each replica holds all of it
+            # replicated: each dp x cp replica holds all of it; an expert's gradient is held
+            # by the dp x cp / ep ranks holding that expert
+            expert_sq = (torch.dot(self.grads.experts, self.grads.experts)
+                         if self.grads.experts.numel() else None)
+            share = local_sq / topo.dp_cp
+            if expert_sq is not None:
+                share = share + expert_sq * (1 / topo.edp - 1 / topo.dp_cp)
         # the loss is the same on every tp rank of the last stage: counted on tp rank 0; each
         # cp rank's is the mean over its tokens (as many on every cp rank): averaged over cp
         loss_sum = (torch.stack(list(out.losses.values())).sum().float()
