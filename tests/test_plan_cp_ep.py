@@ -146,12 +146,15 @@ def test_ep_prices_dispatch_and_combine_all_to_alls_in_f_and_i_and_the_expert_gr
     # attention GEMMs + top-2 of the SwiGLU experts (3 matrices); causal attention
     g = (2 * T * h * 128 + 2 * T * 64 * h + k * 3 * 2 * T * h * 128) / rate
     a = 4 * 128 * 128 * 64 / 2 / rate
-    # each token's k copies of h fp32 values sent out (dispatch) and back (combine)
+    # each token's k copies of h fp32 values sent out (dispatch) and back (combine); F first
+    # exchanges the 4 experts' int64 token counts (the variable splits)
     a2a = 2 * ring("all_to_all", T * k * h * 4)
+    counts = ring("all_to_all", 8 * 4)
     d = p.derive()
-    assert d.costs.forward[0] == pytest.approx(g + a + a2a, rel=1e-12)
+    assert d.costs.forward[0] == pytest.approx(g + a + a2a + counts, rel=1e-12)
     assert d.costs.backward_input[0] == pytest.approx(g + 2 * a + a2a, rel=1e-12)
-    assert d.stage_comm[0]["F"]["ep"] == d.stage_comm[0]["I"]["ep"] == pytest.approx(a2a)
+    assert d.stage_comm[0]["F"]["ep"] == pytest.approx(a2a + counts)
+    assert d.stage_comm[0]["I"]["ep"] == pytest.approx(a2a)
     # a rank holds half the experts; their gradients are reduced over dp * cp / ep = 1 rank
     experts = 4 * 3 * h * 128
     dense = (h * (64 + 2 * 32) + 64 * h) + 2 * h + h * 4          # attention, 2 norms, router
@@ -169,7 +172,7 @@ def test_ep_prices_dispatch_and_combine_all_to_alls_in_f_and_i_and_the_expert_gr
 def test_ep_over_dp_x_cp_and_the_dispatched_tokens_kept():
     # ep 2 carved out of cp 2 (dp 1): the tokens a cp rank holds (s / cp) are dispatched
     d = plan(MOE, cp=2, dp=1, ep=2, cp_comm="all_gather").derive()
-    assert d.stage_comm[0]["F"]["ep"] == pytest.approx(2 * ring("all_to_all", 64 * 2 * 64 * 4))
+    assert d.stage_comm[0]["I"]["ep"] == pytest.approx(2 * ring("all_to_all", 64 * 2 * 64 * 4))
     assert d.stage_params[0]["expert"] == pytest.approx(4 * 3 * 64 * 128 / 2)
     # kept per MoE layer (fp32, s/cp = 64, no dropout): norms' and inputs 4e sbh, Q K V and the
     # projection's input, and per routed copy its dispatched input e sbh and SwiGLU's 3e sf

@@ -21,8 +21,9 @@ thousands. For each stage and one microbatch on one rank of its tensor/context-p
   in F, and in I gathers them again, recomputes the attention core's forward and
   reduce-scatters dK/dV, all exposed, its attention (local queries against the gathered
   sequence under an explicit mask) computing every block, with a transient of the whole sequence's K/V and their
-  gradients (``2 * 2 e b s kv / t``) per rank. EP: two all-to-alls of the ``k`` routed copies in F and two in I per
-  MoE layer. ZeRO-3 gathers each layer's weights in F and I and reduce-scatters its gradients
+  gradients (``2 * 2 e b s kv / t``) per rank. EP: two all-to-alls of the ``k`` routed copies (dispatch, combine) in F
+  and two in I per MoE layer, and in F the per-expert counts' all-to-all (``8 E`` bytes a
+  rank) that sizes them (dropless: variable splits). ZeRO-3 gathers each layer's weights in F and I and reduce-scatters its gradients
   in W, prefetched (overlapped);
 * point-to-point: one activation ``2 b s h / sp`` bytes (Megatron sends the sequence-parallel
   shard) over the pipeline group's link;
@@ -143,7 +144,11 @@ def derive(plan) -> PlanCosts:
     # all_gather (pipeexec's): F gathers K/V; I gathers them again and reduce-scatters dK/dV
     cp_f, cp_i = ((cp_pass, cp_pass + coll.reduce_scatter(kv_bytes, cp, links["cp"]))
                   if gathered else (cp_pass, cp_pass))
+    # EP (dropless, pipeexec's and Megatron's all-to-all dispatcher): per MoE layer, F
+    # exchanges the per-expert token counts (E int64 a rank), then dispatches each token's k
+    # copies to their experts' ranks and combines the outputs back; I runs the two reverse
     ep_pass = 2 * coll.all_to_all(model.top_k * act_bytes / sp, par.ep, links["ep"]) if model.is_moe else 0.0
+    ep_f = ep_pass + (coll.all_to_all(8 * model.experts, par.ep, links["ep"]) if model.is_moe else 0.0)
     wbytes, gbytes = BYTES_PER_PARAM[par.precision][:2]
 
     def zero_gather(dense: float, expert: float) -> float:
@@ -171,7 +176,7 @@ def derive(plan) -> PlanCosts:
         # DeepSpeed: per bucket), not once a step as ZeRO-1's
         z3 = zero_gather(lp["dense"] / t, lp["expert"] / (t * par.ep)) if par.zero == 3 else 0.0
         z3_rs = zero_reduce(lp["dense"] / t, lp["expert"] / (t * par.ep)) if par.zero >= 2 else 0.0
-        ep = ep_pass if moe else 0.0
+        ep, ep_b = (ep_f, ep_pass) if moe else (0.0, 0.0)
 
         def op(compute: float, attn: float, tp_c: float, cp_c: float, extra: float, z: float) -> float:
             x = max(compute, tp_c) if par.overlap_tp_comm else compute + tp_c
@@ -196,13 +201,13 @@ def derive(plan) -> PlanCosts:
         # all_gather keeps only q, k, v: the backward recomputes the attention core's forward
         recomputed_attention = a if gathered and cp > 1 else 0.0
         f = op(comp_f, a, tp_pass, cp_f, ep, z3)
-        i = op(comp_i + recomputed_attention, a_i, tp_pass, cp_i, ep, z3)
+        i = op(comp_i + recomputed_attention, a_i, tp_pass, cp_i, ep_b, z3)
         w = max(comp_w, z3_rs)
         return {"F": f, "I": i, "W": w, "attn": a, "params": lp_rank, "achieved": achieved,
                 "attn_recompute": recomputed_attention,
                 # each group's collective seconds per pass (the exchange, whatever of it shows)
                 "comm_F": {"tp": tp_pass, "cp": cp_f, "ep": ep},
-                "comm_I": {"tp": tp_pass, "cp": cp_i, "ep": ep}}
+                "comm_I": {"tp": tp_pass, "cp": cp_i, "ep": ep_b}}
 
     kinds = {False: kind(False), True: kind(True) if model.is_moe else None}
     if per_op:
