@@ -54,6 +54,7 @@ from ..parallel.regions import NONE, TensorParallel
 from .hf_config import (HFModelError, HFModelInfo, config_for, info_from_config, plan_model_of,
                         read_hf_config)
 from .hf_context_parallel import cp_decoder_layer, cp_embedding
+from .hf_router_loss import RouterLoss, router_loss_of, split_head_output
 from .hf_tensor_parallel import cut_decoder_layer, cut_embedding, cut_head
 
 
@@ -83,6 +84,8 @@ FAMILIES = {
     "mixtral": _Family(**_LLAMA_LIKE, decoder="MixtralDecoderLayer",
                        rotary="MixtralRotaryEmbedding"),
     "qwen2": _Family(**_LLAMA_LIKE, decoder="Qwen2DecoderLayer", rotary="Qwen2RotaryEmbedding"),
+    "qwen2_moe": _Family(**_LLAMA_LIKE, decoder="Qwen2MoeDecoderLayer",
+                         rotary="Qwen2MoeRotaryEmbedding"),
     "gpt2": _Family(base="transformer", layers="h", norm="ln_f", decoder="GPT2Block",
                     rotary=None),
 }
@@ -147,6 +150,7 @@ class HFEmbedding(nn.Module):
 
     tp: TensorParallel = NONE      # set by `hf_tensor_parallel.cut_embedding`
     cp: ContextParallel = context.NONE     # set by `hf_context_parallel.cp_embedding`
+    router: RouterLoss | None = None       # the routers' aux loss: starts the statistics
 
     def __init__(self, config, model_type: str) -> None:
         super().__init__()
@@ -166,7 +170,9 @@ class HFEmbedding(nn.Module):
             positions = (context.local_positions(tokens.shape[1], self.cp, tokens.device)
                          if self.cp.active else torch.arange(tokens.shape[1], device=tokens.device))
             x = self.drop(self.wte(tokens) + self.wpe(positions.unsqueeze(0)))
-        return regions.scatter_sequence(x, self.tp) if self.tp.sequence_parallel else x
+        if self.tp.sequence_parallel:
+            x = regions.scatter_sequence(x, self.tp)
+        return x if self.router is None else self.router.start(x)
 
 
 class HFDecoderLayer(nn.Module):
@@ -177,7 +183,9 @@ class HFDecoderLayer(nn.Module):
 
     tp: TensorParallel = NONE      # set by `hf_tensor_parallel.cut_decoder_layer`
     cp: ContextParallel = context.NONE     # set by `hf_context_parallel.cp_decoder_layer`
+    router: RouterLoss | None = None       # set by `carry_router_loss`
     _cp_selective = False
+    _routed: list | None = None
 
     def __init__(self, config, model_type: str, j: int) -> None:
         super().__init__()
@@ -214,11 +222,38 @@ class HFDecoderLayer(nn.Module):
                                                               self.config._attn_implementation)
             attention.config = local
 
+    def router_module(self) -> nn.Module | None:
+        """The block's router (``mlp.gate``, a ``*TopKRouter``), or None: a dense layer."""
+        gate = getattr(getattr(self.block, "mlp", None), "gate", None)
+        return gate if type(gate).__name__.endswith("TopKRouter") else None
+
+    def carry_router_loss(self, router: RouterLoss) -> None:
+        """Take and give the packed activation of `hf_router_loss`, adding this layer's
+        router statistics (its logits recorded by a forward hook on the router, as Hugging
+        Face's ``OutputRecorder(*TopKRouter, index=0)`` records them)."""
+        self.router = router
+        gate = self.router_module()
+        if gate is not None:
+            gate.register_forward_hook(_RecordLogits(self))
+
     def attention_module(self) -> nn.Module:
         """The attention module of ``block`` (GPT-2: ``attn``, else ``self_attn``)."""
         return self.block.attn if self.model_type == "gpt2" else self.block.self_attn
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.router is None:
+            return self._forward(x)
+        x, side = self.router.unpack(x)
+        self._routed = routed = []
+        try:
+            out = self._forward(x)
+        finally:
+            self._routed = None
+        for logits in routed:
+            side = self.router.add_layer(side, logits)
+        return self.router.pack(out, side)
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
         from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
         seq = x.shape[1] * (self.tp.size if self.tp.sequence_parallel else 1)
@@ -241,8 +276,22 @@ class HFDecoderLayer(nn.Module):
         return out[0] if isinstance(out, tuple) else out
 
 
+class _RecordLogits:
+    """Forward hook on a router: its logits (output 0) into the layer's list of the call."""
+
+    def __init__(self, layer: HFDecoderLayer) -> None:
+        self.layer = layer
+
+    def __call__(self, module: nn.Module, args: Any, output: Any) -> None:
+        if self.layer._routed is not None:
+            self.layer._routed.append(output[0])
+
+
 class HFHead(nn.Module):
-    """Final norm and LM head: hidden -> logits (batch, seq, vocab)."""
+    """Final norm and LM head: hidden -> logits (batch, seq, vocab). With the routers' aux
+    loss: packed -> [logits (fp32), coef * aux] (`RouterLoss.head_output`)."""
+
+    router: RouterLoss | None = None
 
     def __init__(self, config, model_type: str) -> None:
         super().__init__()
@@ -257,7 +306,10 @@ class HFHead(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(getattr(self, self.norm_name)(x))
+        if self.router is None:
+            return self.lm_head(getattr(self, self.norm_name)(x))
+        x, side = self.router.unpack(x)
+        return self.router.head_output(self.lm_head(getattr(self, self.norm_name)(x)), side)
 
 
 # -- names and weights ----------------------------------------------------------------------
@@ -319,6 +371,17 @@ def _find(ckpt: _Checkpoint, key: str, model_type: str) -> torch.Tensor | None:
     base = FAMILIES[model_type].base + "."
     if key.startswith(base) and ckpt.has(key[len(base):]):     # GPT-2 files without the prefix
         return ckpt.get(key[len(base):])
+    if model_type == "qwen2_moe" and key.endswith((".mlp.experts.gate_up_proj",
+                                                   ".mlp.experts.down_proj")):
+        experts, e = [], 0                                      # per-expert layout on disk
+        prefix = key.rsplit(".", 1)[0]
+        while ckpt.has(f"{prefix}.{e}.down_proj.weight"):
+            w = f"{prefix}.{e}"
+            experts.append(torch.cat([ckpt.get(f"{w}.gate_proj.weight"),
+                                      ckpt.get(f"{w}.up_proj.weight")])
+                           if key.endswith("gate_up_proj") else ckpt.get(f"{w}.down_proj.weight"))
+            e += 1
+        return torch.stack(experts) if experts else None
     if model_type == "mixtral" and ".mlp." in key:             # per-expert layout on disk
         prefix, rest = key.split(".mlp.", 1)
         moe = f"{prefix}.block_sparse_moe"
@@ -385,6 +448,7 @@ def _stack(info: HFModelInfo, tp: TensorParallel = NONE,
     config = hf_config_object(info)
     n, kind = info.layers, info.model_type
     ckpt = _Checkpoint(info.checkpoint_files) if info.checkpoint_files else None
+    router = router_loss_of(config, tp, cp)
 
     def factory(index: int, gen: torch.Generator) -> nn.Module:
         if index == 0:
@@ -408,6 +472,11 @@ def _stack(info: HFModelInfo, tp: TensorParallel = NONE,
             layer = cp_embedding(layer, cp)
         elif cp.active and index != n + 1:
             layer = cp_decoder_layer(layer, kind, cp, _modeling(kind).eager_attention_forward)
+        if router is not None:
+            if index in (0, n + 1):
+                layer.router = router
+            else:
+                layer.carry_router_loss(router)
         return layer
 
     # a tied head is the embedding: one parameter across the first and last stage
@@ -422,7 +491,18 @@ def _stack(info: HFModelInfo, tp: TensorParallel = NONE,
     loss = lm_loss if not tp.active else (
         lambda logits, targets: vocab_parallel_cross_entropy(logits, targets, config.vocab_size,
                                                              tp))
+    if router is not None:
+        loss = _with_router_loss(loss)
     return LayerStack(n + 2, factory, loss, counts, kinds, tied=tied, blocks=n)
+
+
+def _with_router_loss(lm: Any) -> Any:
+    """The loss of a head that carries ``coef * aux``: the LM loss plus it (Hugging Face's
+    ``loss += router_aux_loss_coef * aux_loss``)."""
+    def loss(output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        logits, term = split_head_output(output, targets)
+        return lm(logits, targets) + term
+    return loss
 
 
 def _param_counts(config, kind: str, n: int) -> tuple[int, ...]:

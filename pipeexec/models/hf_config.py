@@ -9,7 +9,9 @@ initializer range...); what the family's config cannot say of the spec is refuse
 (`spec_differences`). ``--hf-model DIR`` makes the plan's model from DIR's config.json
 (`plan_model_of`) and loads DIR's safetensors. Everything is checked here, before any worker
 starts: a supported architecture (`SUPPORTED`), GPT-2's learned positions bounding the sequence
-length, a Mixtral whose router loss is off (a stage cannot see it).
+length, a Qwen2-MoE whose dense layers the plan's spec can say (`_moe_refusals`). The routers'
+load-balancing loss (``output_router_logits = true``) runs as Hugging Face computes it
+(`hf_router_loss`).
 """
 from __future__ import annotations
 
@@ -27,6 +29,7 @@ SUPPORTED = {
     "mistral": "MistralForCausalLM",
     "mixtral": "MixtralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
     "gpt2": "GPT2LMHeadModel",
 }
 
@@ -89,10 +92,9 @@ def info_from_config(cfg: dict, path: str, checkpoint_files: tuple[str, ...] = (
     if kind not in SUPPORTED:
         raise HFModelError(f"{file}: model_type {kind!r} is not supported; pipeexec runs "
                            + ", ".join(f"{k} ({v})" for k, v in SUPPORTED.items()))
-    if cfg.get("output_router_logits"):
-        raise HFModelError(f"{file}: output_router_logits = true adds the router's load-"
-                           "balancing loss of every layer to the head's loss, which a pipeline "
-                           "stage cannot see; set it to false")
+    refused = _moe_refusals(cfg, kind)
+    if refused:
+        raise HFModelError(f"{file}: " + "; ".join(refused))
     if kind == "gpt2":
         fields = dict(layers=_need(cfg, "n_layer", file), hidden=_need(cfg, "n_embd", file),
                       heads=_need(cfg, "n_head", file))
@@ -111,6 +113,26 @@ def info_from_config(cfg: dict, path: str, checkpoint_files: tuple[str, ...] = (
             raise HFModelError(f"{file}: {name} must be a positive integer, got {value!r}")
     return HFModelInfo(str(path), kind, fields["layers"], fields["hidden"], fields["heads"],
                        vocab, max_positions, tied, tuple(checkpoint_files), cfg)
+
+
+def _moe_refusals(cfg: dict, kind: str) -> list[str]:
+    """What of a Qwen2-MoE config the plan's `ModelSpec` cannot say (its cost model would
+    place the MoE layers elsewhere than the model does)."""
+    if kind != "qwen2_moe":
+        return []
+    out = []
+    if cfg.get("mlp_only_layers"):
+        out.append(f"mlp_only_layers = {cfg['mlp_only_layers']!r}: the plan's model "
+                   "(model.moe_layer_freq) cannot say which layers are dense; pipeexec runs "
+                   "Qwen2-MoE with mlp_only_layers = []")
+    step = int(cfg.get("decoder_sparse_step", 1) or 1)
+    if step != 1:
+        out.append(f"decoder_sparse_step = {step}: Hugging Face makes layer j sparse when "
+                   f"(j + 1) % {step} == 0, the plan's model.moe_layer_freq when j % {step} == 0 "
+                   "(Megatron's); pipeexec runs Qwen2-MoE with decoder_sparse_step = 1")
+    if int(cfg.get("num_experts", 60) or 0) < 1:
+        out.append("num_experts = 0: a dense Qwen2-MoE; use the qwen2 family")
+    return out
 
 
 def _need(cfg: dict, key: str, file: Any) -> Any:
@@ -143,7 +165,14 @@ def config_for(model: Any) -> dict:
         cfg["n_inner"] = None if model.ffn == 4 * model.hidden else model.ffn
         cfg["n_positions"] = model.max_position or model.seq_length
     else:
-        if model.is_moe:
+        if model.family == "qwen2_moe":
+            cfg["intermediate_size"] = model.ffn
+            cfg["moe_intermediate_size"] = model.moe_ffn
+            cfg["num_experts"], cfg["num_experts_per_tok"] = model.experts, model.top_k
+            cfg["shared_expert_intermediate_size"] = model.shared_expert_ffn_hidden
+            cfg["decoder_sparse_step"] = model.moe_layer_freq
+            cfg["qkv_bias"] = model.bias if model.qkv_bias is None else model.qkv_bias
+        elif model.is_moe:
             cfg["intermediate_size"] = model.moe_ffn
             cfg["num_local_experts"], cfg["num_experts_per_tok"] = model.experts, model.top_k
         else:

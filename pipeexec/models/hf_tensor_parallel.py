@@ -17,11 +17,15 @@ same names.
   - Llama / Mistral / Qwen2 / Mixtral: q, k, v (Qwen2's biases too; GQA: the kv heads cut as
     the query heads, so rank r's query heads read its own kv heads) column-parallel, o_proj
     row-parallel; gate and up column-parallel, down row-parallel;
-  - Mixtral: each expert's gate_up (two blocks, gate and up) cut by rows and down by columns,
+  - Mixtral, Qwen2-MoE (its sparse layers; the dense ones as Llama's MLP): each expert's
+    gate_up (two blocks, gate and up) cut by rows and down by columns,
     as a dense MLP without expert parallelism; the router replicated, reading the whole
     sequence, its gradient summed over tp after the backward (each rank's share of the
     experts' output gives it part of the routing weights' gradient; the mark is the one a
-    sequence-parallel norm has); the block's partial sum leaves through `regions.out_of_row`;
+    sequence-parallel norm has); Qwen2-MoE's shared expert cut as a dense MLP (gate and up
+    by rows, down by columns) whose partial output, times its replicated sigmoid gate
+    (gradient summed over tp as the router's), joins the experts' partial sum; the block's
+    partial sum leaves through `regions.out_of_row` (once);
   - GPT-2 (Conv1D: weight (in, out)): c_attn column-parallel as three blocks (q, k, v),
     c_fc column-parallel, both c_proj row-parallel (`ColumnParallelConv1D`,
     `RowParallelConv1D`);
@@ -168,12 +172,21 @@ def cut_decoder_layer(layer: nn.Module, model_type: str, tp: TensorParallel) -> 
             if hasattr(attn, name):
                 setattr(attn, name, getattr(attn, name) // size)
         mlp = block.mlp
-        if model_type == "mixtral":
+        if hasattr(mlp, "experts"):          # Mixtral, Qwen2-MoE's sparse layers
             experts = mlp.experts
             experts.gate_up_proj = _cut(experts.gate_up_proj, ShardSpec(1, 2), tp)
             experts.down_proj = _cut(experts.down_proj, ShardSpec(2), tp)
             experts.intermediate_dim //= size
             mark(mlp.gate.weight, sequence_parallel=True)   # partial gradient: summed over tp
+            shared = getattr(mlp, "shared_expert", None)
+            if shared is not None:
+                # a dense MLP whose down projection's partial sum joins the experts' (one
+                # reduction for the block); its sigmoid gate replicated, its gradient partial
+                shared.gate_proj.weight = _cut(shared.gate_proj.weight, ShardSpec(0), tp)
+                shared.up_proj.weight = _cut(shared.up_proj.weight, ShardSpec(0), tp)
+                shared.down_proj.weight = _cut(shared.down_proj.weight, ShardSpec(1), tp)
+                shared.intermediate_size //= size
+                mark(mlp.shared_expert_gate.weight, sequence_parallel=True)
             mlp.register_forward_hook(_OutOfRow(tp))
         else:
             mlp.gate_proj = ColumnParallelLinear(mlp.gate_proj, tp, entered=True)

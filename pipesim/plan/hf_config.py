@@ -77,6 +77,8 @@ def _llama(cls: type, cfg: dict, source: str, name: str, seq_length: int | None)
         dropout=float(cfg.get("attention_dropout", 0.0)) > 0,
         experts=experts, top_k=top_k, moe_ffn_hidden=moe_ffn, shared_expert_ffn_hidden=shared,
         moe_layer_freq=int(cfg.get("decoder_sparse_step", 1) or 1),
+        # Qwen2-MoE's shared expert has a sigmoid gate (hidden -> 1)
+        shared_expert_gate=bool(shared) and str(cfg.get("model_type", "")).lower() == "qwen2_moe",
     )
 
 
@@ -85,7 +87,9 @@ def _qkv_bias(cfg: dict) -> bool:
     ``attention_bias`` says in Llama and Mistral (whose o projection then has one too, which
     ``bias`` = ``mlp_bias`` does not count: hidden parameters a layer), never in the others."""
     kind = str(cfg.get("model_type", "")).lower()
-    if kind in ("qwen2", "qwen2_moe"):
+    if kind == "qwen2_moe":
+        return bool(cfg.get("qkv_bias", True))       # Qwen2MoeConfig.qkv_bias
+    if kind == "qwen2":
         return True
     return bool(cfg.get("attention_bias", False)) if kind in ("llama", "mistral") else False
 

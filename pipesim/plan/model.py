@@ -49,6 +49,7 @@ class ModelSpec:
     top_k: int = 0
     moe_ffn_hidden: int | None = None
     shared_expert_ffn_hidden: int = 0
+    shared_expert_gate: bool = False   # the shared expert's output times sigmoid(x w), w: hidden (Qwen2-MoE)
     moe_layer_freq: int = 1        # every k-th layer is MoE, from layer 0 (Megatron's moe_layer_freq)
     max_position: int | None = None  # learned position table size (default seq_length)
     # the vocabulary is padded to a multiple of this (times tp): Megatron's
@@ -170,6 +171,7 @@ class ModelSpec:
         dense += self.hidden * self.experts                      # router
         if self.shared_expert_ffn_hidden:
             dense += self.mlp_params(self.shared_expert_ffn_hidden)
+            dense += self.hidden if self.shared_expert_gate else 0
         return {"dense": dense, "expert": self.experts * self.mlp_params(self.moe_ffn)}
 
     def embedding_params(self, tp: int = 1) -> int:

@@ -214,9 +214,12 @@ def test_bad_directories_are_refused_with_the_reason(tmp_path, model_dirs):
     with pytest.raises(ConfigError, match=r"model.tied_embeddings = False: --hf-model .*gpt2 "
                                           r"has True"):
         gpt2.replace(tie_embeddings=False).validate()
-    moe_loss = write_model(tmp_path / "aux", dict(FAMILIES["mixtral"], output_router_logits=True))
-    with pytest.raises(ConfigError, match="output_router_logits"):
-        TrainConfig().with_hf_model(str(moe_loss))
+    # the router loss runs (tests/exec/test_router_loss.py); a Qwen2-MoE whose dense layers the
+    # plan's model cannot say is refused
+    dense = write_model(tmp_path / "dense", dict(_DECODER, model_type="qwen2_moe", num_experts=4,
+                                                 num_experts_per_tok=2, mlp_only_layers=[1]))
+    with pytest.raises(ConfigError, match=r"mlp_only_layers = \[1\]: the plan's model"):
+        TrainConfig().with_hf_model(str(dense))
 
 
 def test_cli_refuses_before_any_worker_starts(tmp_path, model_dirs):
