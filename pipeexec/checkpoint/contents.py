@@ -12,7 +12,10 @@ One file per pipeline rank (Megatron's key names where Megatron has one):
                             ``schedule_data``, the schedule itself: pipesim.schedule.io's dict),
                             this file's tp and pp rank, stage bounds, layer kinds, per chunk its
                             global stage and global layer indices, and ``shards``: each
-                            tensor-parallel parameter's `ShardSpec` (the others are whole)
+                            tensor-parallel parameter's `ShardSpec` (the others are whole);
+                            ``ep``, this file's ``ep_rank`` and ``experts``: the expert tensors,
+                            their dim 0 this ep rank's E / ep experts (ep > 1: one file per
+                            (tp, pp, ep) rank, `layout`)
 ``model`` / ``model0``...   per chunk: ``layers.<global layer>.<name>`` -> fp32 tensor (the fp32
                             master weights; for bf16/fp16 runs the 16-bit weights are their cast)
 ``optimizer``               ``state``: parameter name -> AdamW state (step, exp_avg, exp_avg_sq);
@@ -45,10 +48,10 @@ MODEL_FIELDS = ("layers", "hidden", "heads", "kv_heads", "ffn_hidden", "vocab", 
 # Fields whose change makes a resumed run differ from the uninterrupted one (logged, allowed).
 TRAINING_FIELDS = ("seed", "data", "lr", "min_lr", "warmup_steps", "decay_steps", "weight_decay",
                    "beta1", "beta2", "eps", "clip_grad", "precision", "micro_batch_size")
-LAYOUT_FIELDS = ("tp", "sequence_parallel", "cp", "pp", "vpp", "dp", "zero", "schedule",
+LAYOUT_FIELDS = ("tp", "sequence_parallel", "cp", "ep", "pp", "vpp", "dp", "zero", "schedule",
                  "microbatches", "partition", "boundaries")
 # not in checkpoints of older pipeexecs
-NEWER_FIELDS = ("tp", "sequence_parallel", "cp", "zero")
+NEWER_FIELDS = ("tp", "sequence_parallel", "cp", "ep", "zero")
 
 
 def layer_of(name: str) -> int:
@@ -82,12 +85,15 @@ def stage_layer_range(schedule, bounds: Sequence[int], stage: int) -> range:
 
 def layout_record(config, bounds: Sequence[int], stages: Sequence[int], pp_rank: int, *,
                   schedule: Any = None, layer_kinds: Sequence[str] | None = None,
-                  tp_rank: int = 0, shards: Mapping[str, Any] | None = None) -> dict:
+                  tp_rank: int = 0, shards: Mapping[str, Any] | None = None,
+                  ep_rank: int = 0, experts: Sequence[str] = ()) -> dict:
     """The ``layout`` entry. ``schedule``: the `pipesim.Schedule` that ran (stored as data, so
     a hand-made one is read back as itself, not rebuilt from ``config.schedule``); ``shards``:
-    name -> `ShardSpec` of this file's tensor-parallel parameters."""
+    name -> `ShardSpec` of this file's tensor-parallel parameters; ``experts``: the names of
+    its expert tensors (cut over ep along dim 0)."""
     out = {"tp": int(config.tp), "tp_rank": int(tp_rank), "cp": int(config.cp),
            "shards": {n: spec.to_dict() for n, spec in (shards or {}).items()},
+           "ep": int(config.ep), "ep_rank": int(ep_rank), "experts": sorted(experts),
            "pp": config.pp, "vpp": config.vpp, "dp": config.dp, "schedule": config.schedule,
            "pp_rank": pp_rank, "bounds": [int(b) for b in bounds],
            "stages": [int(s) for s in stages],
@@ -105,6 +111,12 @@ def tensor_parallel_shards(trainer, stages: Sequence[int]) -> dict[str, Any]:
     from ..parallel.sharding import shard_spec
     return {n: shard_spec(p) for s in stages for n, p in trainer.stages[s].named_parameters()
             if shard_spec(p) is not None}
+
+
+def expert_names(trainer, stages: Sequence[int]) -> list[str]:
+    """The expert-parallel parameters of ``stages`` (their dim 0 this rank's experts)."""
+    from ..models.hf_expert_parallel import is_expert
+    return [n for s in stages for n, p in trainer.stages[s].named_parameters() if is_expert(p)]
 
 
 def chunk_state(stage_module: torch.nn.Module, masters: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -161,7 +173,9 @@ def rank_contents(trainer, *, release: bool = False,
         "layout": layout_record(cfg, trainer.bounds, stages, trainer.topology.pp_rank,
                                 schedule=trainer.schedule, layer_kinds=trainer.spec.kinds(),
                                 tp_rank=trainer.topology.tp_rank,
-                                shards=tensor_parallel_shards(trainer, stages)),
+                                shards=tensor_parallel_shards(trainer, stages),
+                                ep_rank=getattr(trainer.topology, "ep_rank", 0),
+                                experts=expert_names(trainer, stages)),
     }
     for c, s in enumerate(stages):
         out[chunk_key(c, cfg.vpp)] = chunk_state(trainer.stages[s], masters)

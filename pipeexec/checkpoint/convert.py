@@ -1,4 +1,5 @@
-"""``pipeexec checkpoint convert``: rewrite a checkpoint for another (pp, vpp, dp, schedule).
+"""``pipeexec checkpoint convert``: rewrite a checkpoint for another (pp, vpp, dp, schedule);
+tensor- and expert-parallel shards are put together (tp 1, ep 1: whole tensors).
 
 A run can load a checkpoint of any layout directly (`load.load_checkpoint` picks entries by
 global name); converting ahead of time gives each new rank a single file of its own, and is
@@ -81,6 +82,11 @@ def convert_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, *, tag: T
         changes.update(tp=1, sequence_parallel=False)
         notes.append(f"tensor-parallel shards of tp {reader.tp} put together: the converted "
                      "checkpoint holds whole tensors (tp 1), which a run at any tp cuts on load")
+    if reader.ep > 1:       # every ep rank's experts put together: whole expert tensors
+        changes.update(ep=1)
+        notes.append(f"expert-parallel shards of ep {reader.ep} put together: the converted "
+                     "checkpoint holds every expert in each tensor (ep 1), which a run at any "
+                     "ep cuts on load")
     new_cfg = old_cfg.replace(**changes)
     num_layers = int(reader.layout["num_layers"])
     new_cfg.validate(num_layers=num_layers)

@@ -13,7 +13,7 @@ from pathlib import Path
 from ..config import legacy_flat
 from .contents import LAYOUT_FIELDS, MODEL_FIELDS, model_chunks
 from .errors import CheckpointError
-from .layout import RELEASE, Tag, all_rank_files, saved_iterations, tag_dir, tracker_path
+from .layout import RELEASE, Tag, every_rank_file, saved_iterations, tag_dir, tracker_path
 from .reader import CheckpointReader
 from .tracker import read_tracker
 
@@ -59,8 +59,9 @@ def describe(root: str | os.PathLike, tag: Tag | None = None, *, verify: bool = 
                      f"{sch['decay_steps']}); loss_scaler: scale {sc['scale']:g}, good steps "
                      f"{sc['good_steps']}{' (dynamic)' if sc.get('dynamic') else ''}")
     total = 0
-    for (t, r), path in all_rank_files(root, tag).items():      # tp rank t's shards of pp rank r
-        f = reader.shard_file(r, t)
+    # tp rank t's shards of pp rank r (and, under ep, ep rank e's experts)
+    for (t, r, e), path in every_rank_file(root, tag).items():
+        f = reader.expert_file(r, t, e or 0)
         chunks = model_chunks(f, str(path))
         params = sum(t.numel() for ch in chunks for t in ch.values())
         total += params

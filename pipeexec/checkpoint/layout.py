@@ -4,12 +4,16 @@
 DIR/latest_checkpointed_iteration.txt           "50" or "release": the tracker, written last
 DIR/iter_0000050/mp_rank_{tp_rank:02d}_{pp_rank:03d}/model_optim_rng.pt
 DIR/release/mp_rank_{tp_rank:02d}_{pp_rank:03d}/model_optim_rng.pt
+DIR/iter_0000050/mp_rank_{tp_rank:02d}_{pp_rank:03d}_{ep_rank:03d}/model_optim_rng.pt   (ep > 1)
 ```
 
 One file per (tensor-parallel rank, pipeline rank), written by data-parallel rank 0 there (the
 replicas hold the same weights); a tensor-parallel rank's file holds its shards, each with the
 `ShardSpec` that cuts it (``layout.shards``), so a loader at another tp puts them back together
-and cuts them again. The pipeline suffix is written even when pp == 1, so a path never depends
+and cuts them again. Under expert parallelism (ep > 1) each (tp, pp, ep) rank writes one, in
+Megatron's expert-parallel name ``mp_rank_TT_PPP_EEE``: its dense parameters (the same in every
+ep rank's file) and its own experts, each expert tensor listed in ``layout.experts`` (its dim 0
+is this ep rank's E / ep experts, in order). The pipeline suffix is written even when pp == 1, so a path never depends
 on the layout.
 """
 from __future__ import annotations
@@ -23,7 +27,7 @@ RELEASE = "release"
 CHECKPOINT_VERSION = 1          # bump when the file's contents change incompatibly
 
 _ITER_RE = re.compile(r"^iter_(\d{7,})$")
-_RANK_RE = re.compile(r"^mp_rank_(\d{2,})_(\d{3,})$")
+_RANK_RE = re.compile(r"^mp_rank_(\d{2,})_(\d{3,})(?:_(\d{3,}))?$")
 
 Tag = int | str                 # an iteration, or RELEASE
 
@@ -46,14 +50,17 @@ def tag_dir(root: str | Path, tag: Tag) -> Path:
     return Path(root) / tag_dir_name(tag)
 
 
-def rank_dir_name(pp_rank: int, tp_rank: int = 0) -> str:
-    return f"mp_rank_{tp_rank:02d}_{pp_rank:03d}"
+def rank_dir_name(pp_rank: int, tp_rank: int = 0, ep_rank: int | None = None) -> str:
+    """``mp_rank_TT_PPP``; with expert parallelism (``ep_rank`` given) ``mp_rank_TT_PPP_EEE``."""
+    base = f"mp_rank_{tp_rank:02d}_{pp_rank:03d}"
+    return base if ep_rank is None else f"{base}_{ep_rank:03d}"
 
 
-def state_file(root: str | Path, tag: Tag, pp_rank: int, tp_rank: int = 0) -> Path:
-    """The file (tensor-parallel rank ``tp_rank``, pipeline rank ``pp_rank``) writes for
-    checkpoint ``tag``."""
-    return tag_dir(root, tag) / rank_dir_name(pp_rank, tp_rank) / STATE_FILE_NAME
+def state_file(root: str | Path, tag: Tag, pp_rank: int, tp_rank: int = 0,
+               ep_rank: int | None = None) -> Path:
+    """The file (tensor-parallel rank ``tp_rank``, pipeline rank ``pp_rank``, expert-parallel
+    rank ``ep_rank`` when ep > 1) writes for checkpoint ``tag``."""
+    return tag_dir(root, tag) / rank_dir_name(pp_rank, tp_rank, ep_rank) / STATE_FILE_NAME
 
 
 def chunk_key(chunk: int, vpp: int) -> str:
@@ -81,13 +88,27 @@ def rank_files(root: str | Path, tag: Tag) -> dict[int, Path]:
 
 
 def all_rank_files(root: str | Path, tag: Tag) -> dict[tuple[int, int], Path]:
-    """(tp rank, pp rank) -> state file, for every rank directory of checkpoint ``tag``."""
+    """(tp rank, pp rank) -> state file, for every rank directory of checkpoint ``tag``
+    (under expert parallelism, ep rank 0's; `expert_rank_files` has every ep rank's)."""
+    return {(t, p): path for (t, p, e), path in every_rank_file(root, tag).items()
+            if e in (None, 0)}
+
+
+def expert_rank_files(root: str | Path, tag: Tag) -> dict[tuple[int, int, int], Path]:
+    """(tp rank, pp rank, ep rank) -> state file of every ``mp_rank_TT_PPP_EEE`` directory."""
+    return {(t, p, e): path for (t, p, e), path in every_rank_file(root, tag).items()
+            if e is not None}
+
+
+def every_rank_file(root: str | Path, tag: Tag) -> dict[tuple[int, int, int | None], Path]:
+    """(tp rank, pp rank, ep rank or None) -> state file, for every rank directory."""
     d = tag_dir(root, tag)
-    out: dict[tuple[int, int], Path] = {}
+    out: dict[tuple[int, int, int | None], Path] = {}
     if not d.is_dir():
         return out
     for child in d.iterdir():
         m = _RANK_RE.match(child.name)
         if m and (child / STATE_FILE_NAME).is_file():
-            out[(int(m.group(1)), int(m.group(2)))] = child / STATE_FILE_NAME
-    return dict(sorted(out.items()))
+            e = None if m.group(3) is None else int(m.group(3))
+            out[(int(m.group(1)), int(m.group(2)), e)] = child / STATE_FILE_NAME
+    return dict(sorted(out.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][2] or 0)))

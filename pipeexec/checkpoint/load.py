@@ -51,29 +51,43 @@ def expected_model_names(trainer) -> list[str]:
 
 class TensorParallelCut:
     """A whole tensor of the checkpoint cut to this rank's piece: by its parameter's
-    `ShardSpec` when the run is tensor parallel, as it is otherwise."""
+    `ShardSpec` when the run is tensor parallel, then, for an expert tensor under expert
+    parallelism, to this ep rank's experts (dim 0); as it is otherwise."""
 
     def __init__(self, trainer) -> None:
+        from ..models.hf_expert_parallel import is_expert
         from ..parallel.sharding import shard_spec
-        self.tp, self.rank = trainer.topology.tp, trainer.topology.tp_rank
-        self.specs = {n: shard_spec(p) for s in chunk_stages(trainer)
-                      for n, p in trainer.stages[s].named_parameters()}
+        topo = trainer.topology
+        self.tp, self.rank = topo.tp, topo.tp_rank
+        self.ep, self.ep_rank = getattr(topo, "ep", 1), getattr(topo, "ep_rank", 0)
+        named = [(n, p) for s in chunk_stages(trainer)
+                 for n, p in trainer.stages[s].named_parameters()]
+        self.specs = {n: shard_spec(p) for n, p in named}
+        self.experts = {n for n, p in named if is_expert(p)}
 
     def __call__(self, name: str, tensor: torch.Tensor, path: Any) -> torch.Tensor:
         from ..parallel.sharding import shard
         spec = self.specs.get(name)
-        if spec is None or self.tp == 1:
-            return tensor
-        try:
-            return shard(tensor, spec, self.rank, self.tp)
-        except ValueError as exc:
-            raise CheckpointError(f"{name!r}: {exc}", path=path, field=name) from None
+        if spec is not None and self.tp > 1:
+            try:
+                tensor = shard(tensor, spec, self.rank, self.tp)
+            except ValueError as exc:
+                raise CheckpointError(f"{name!r}: {exc}", path=path, field=name) from None
+        if name in self.experts and self.ep > 1:
+            n = tensor.shape[0]
+            if n % self.ep:
+                raise CheckpointError(f"{name!r}: {n} experts do not divide over ep = {self.ep}",
+                                      path=path, field=name)
+            k = n // self.ep
+            tensor = tensor[self.ep_rank * k: (self.ep_rank + 1) * k]
+        return tensor
 
 
 def same_layout(reader: CheckpointReader, trainer) -> bool:
     lay = reader.layout
     cfg = trainer.config
-    return (int(lay.get("tp", 1)) == cfg.tp and int(lay["pp"]) == cfg.pp
+    return (int(lay.get("tp", 1)) == cfg.tp and int(lay.get("ep", 1)) == cfg.ep
+            and int(lay["pp"]) == cfg.pp
             and int(lay["vpp"]) == cfg.vpp
             and [int(b) for b in lay["bounds"]] == [int(b) for b in trainer.bounds]
             and reader.rank_layers(trainer.topology.pp_rank) ==

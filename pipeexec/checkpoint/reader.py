@@ -24,7 +24,7 @@ from pipesim.schedule.io import schedule_from_dict
 
 from .contents import layer_of, model_chunks, saved_stages, stage_layer_range
 from .errors import CheckpointError
-from .layout import (CHECKPOINT_VERSION, RELEASE, Tag, all_rank_files,
+from .layout import (CHECKPOINT_VERSION, RELEASE, Tag, all_rank_files, expert_rank_files,
                      saved_iterations, state_file, tag_dir, tag_dir_name)
 from .tracker import read_tracker
 
@@ -155,6 +155,24 @@ class CheckpointReader:
             raise CheckpointError(f"unexpected rank directories for tensor-parallel ranks "
                                   f"{extra_tp} (the checkpoint was written with tp={tp})",
                                   path=self.dir)
+        # expert parallelism: one file per (tp, pp, ep) rank, mp_rank_TT_PPP_EEE
+        self.ep_paths = expert_rank_files(self.root, self.tag)
+        self._ep_files: dict[tuple[int, int, int], dict[str, Any]] = {}
+        ep = self.ep
+        for t in range(tp):
+            for r in range(pp):
+                for e in range(ep if ep > 1 else 0):
+                    if (t, r, e) not in self.ep_paths:
+                        raise CheckpointError(
+                            f"rank file of tensor-parallel rank {t}, pipeline rank {r}, "
+                            f"expert-parallel rank {e} is missing (the checkpoint was written "
+                            f"with tp={tp}, pp={pp}, ep={ep})",
+                            path=state_file(self.root, self.tag, r, t, e))
+        extra_ep = sorted({e for _, _, e in self.ep_paths} - set(range(ep if ep > 1 else 0)))
+        if extra_ep:
+            raise CheckpointError(f"unexpected rank directories for expert-parallel ranks "
+                                  f"{extra_ep} (the checkpoint was written with ep={ep})",
+                                  path=self.dir)
 
     @property
     def pp(self) -> int:
@@ -164,6 +182,35 @@ class CheckpointReader:
     def tp(self) -> int:
         """The checkpoint's tensor-parallel size (1 for files written before tp)."""
         return int(self.layout.get("tp", 1))
+
+    @property
+    def ep(self) -> int:
+        """The checkpoint's expert-parallel size (1 for files written before ep)."""
+        return int(self.layout.get("ep", 1))
+
+    def expert_file(self, pp_rank: int, tp_rank: int, ep_rank: int) -> dict[str, Any]:
+        """The file of (``tp_rank``, ``pp_rank``, ``ep_rank``); ep rank 0's is `shard_file`'s."""
+        if ep_rank == 0:
+            return self.shard_file(pp_rank, tp_rank)
+        key = (tp_rank, pp_rank, ep_rank)
+        if key not in self._ep_files:
+            path = self.ep_paths.get(key)
+            if path is None:
+                raise CheckpointError(f"no rank file for tp rank {tp_rank}, pp rank {pp_rank}, "
+                                      f"ep rank {ep_rank}",
+                                      path=state_file(self.root, self.tag, pp_rank, tp_rank,
+                                                      ep_rank))
+            f = read_state_file(path, verify=self.verify)
+            lay = f["layout"]
+            got = (int(lay.get("tp_rank", 0)), int(lay["pp_rank"]), int(lay.get("ep_rank", 0)))
+            if got != key:
+                raise CheckpointError(f"file says it is (tp, pp, ep) rank {got}; its directory "
+                                      f"says {key}", path=path, field="layout.ep_rank")
+            if f.get("save_id") != self.file(pp_rank).get("save_id"):
+                raise CheckpointError("save_id differs from the other rank files': files of "
+                                      "different saves are mixed", path=path, field="save_id")
+            self._ep_files[key] = f
+        return self._ep_files[key]
 
     def shard_file(self, pp_rank: int, tp_rank: int) -> dict[str, Any]:
         """The file of (``tp_rank``, ``pp_rank``); tp rank 0's is `file`'s."""
@@ -190,14 +237,21 @@ class CheckpointReader:
 
     def whole(self, pp_rank: int, name: str, pick) -> Any:
         """The whole tensor of ``name`` held by ``pp_rank``'s files: tp rank 0's, or every tp
-        rank's piece (``pick(file)`` reads it) put back together by its recorded `ShardSpec`."""
+        rank's piece (``pick(file)`` reads it) put back together by its recorded `ShardSpec`;
+        an expert tensor (``layout.experts``) is every ep rank's experts, in ep-rank order."""
         from ..parallel.sharding import ShardSpec, unshard
         f = self.file(pp_rank)
         spec = f["layout"].get("shards", {}).get(name)
-        if spec is None or self.tp == 1:
-            return pick(f)
-        return unshard([pick(self.shard_file(pp_rank, t)) for t in range(self.tp)],
-                       ShardSpec.from_dict(spec))
+        expert = self.ep > 1 and name in f["layout"].get("experts", ())
+
+        def over_tp(e: int) -> Any:
+            if spec is None or self.tp == 1:
+                return pick(self.expert_file(pp_rank, 0, e))
+            return unshard([pick(self.expert_file(pp_rank, t, e)) for t in range(self.tp)],
+                           ShardSpec.from_dict(spec))
+        if not expert:
+            return over_tp(0)
+        return torch.cat([over_tp(e) for e in range(self.ep)])
 
     def opened(self) -> list[str]:
         """Paths of the rank files read so far."""
@@ -241,12 +295,22 @@ class CheckpointReader:
                     verify_file(path, pickle_only=True)
                 f = read_state_file(path, verify=False)
             ids[key] = f.get("save_id")
+        for key, path in self.ep_paths.items():
+            f = self._ep_files.get(key)
+            if key[2] == 0:
+                continue                # the (tp, pp) file above
+            if f is None:
+                if self.verify:
+                    verify_file(path, pickle_only=True)
+                f = read_state_file(path, verify=False)
+            ids[key] = f.get("save_id")
         mine = ids[(0, min(self._files))] if self._files else ids[min(ids)]
         for key, value in ids.items():
             if value != mine:
                 raise CheckpointError(f"save_id {value!r} differs from {mine!r} of the other rank "
                                       "files: files of different saves are mixed (an interrupted "
-                                      "save over this iteration?)", path=self.all_paths[key],
+                                      "save over this iteration?)",
+                                      path=self.all_paths.get(key) or self.ep_paths.get(key),
                                       field="save_id")
 
     def schedule(self):

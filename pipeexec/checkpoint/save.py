@@ -7,7 +7,9 @@ Order of a save (``tag`` = iteration or ``"release"``):
    on its dp rank 0;
 2. dp rank 0 (and cp rank 0: context parallelism does not cut parameters, so every cp rank
    holds the same ones) of every (tp rank, pipeline rank) writes its file atomically
-   (temporary name, fsync, rename, fsync dir) into ``iter_XXXXXXX/mp_rank_TT_PPP/``;
+   (temporary name, fsync, rename, fsync dir) into ``iter_XXXXXXX/mp_rank_TT_PPP/``; under
+   expert parallelism the ep ranks of dp x cp group's first expert-data-parallel rank, each
+   into ``mp_rank_TT_PPP_EEE/`` (its experts; the dense parameters in every one);
 3. all ranks meet at a store barrier (which names the ranks that never arrive);
 4. global rank 0 points the tracker at ``tag`` (atomically) and prunes checkpoints beyond
    ``keep_last``.
@@ -37,7 +39,7 @@ import torch
 from .atomic import atomic_write, fsync_dir, remove_stale_temps
 from .contents import rank_contents
 from .errors import CheckpointError
-from .layout import (RELEASE, Tag, all_rank_files, saved_iterations, state_file, tag_dir,
+from .layout import (RELEASE, Tag, every_rank_file, saved_iterations, state_file, tag_dir,
                      tag_dir_name)
 from .rng import capture_rng_state
 from .sync import agree_on_id, gather_to_writer, store_barrier
@@ -103,14 +105,20 @@ def save_checkpoint(trainer, root: str | os.PathLike, *, release: bool = False,
     # whole tensors by name: under ZeRO the dp group gathers its shards together
     state = trainer.full_state()
     report = SaveReport(tag, 0.0)
-    if topo.dp_rank == 0 and getattr(topo, "cp_rank", 0) == 0:
+    ep, ep_rank = getattr(topo, "ep", 1), getattr(topo, "ep_rank", 0)
+    # the writers: dp x cp rank 0, or with ep the first ep ranks of dp x cp (edp rank 0)
+    writer = (topo.dp_rank * getattr(topo, "cp", 1) + getattr(topo, "cp_rank", 0)) < ep
+    if writer:
         if gathered is None:
-            raise CheckpointError("dp rank 0 did not receive the replicas' RNG states", field="rng_state")
+            if ep == 1:
+                raise CheckpointError("dp rank 0 did not receive the replicas' RNG states",
+                                      field="rng_state")
+            gathered = [rng]        # an ep rank's file: its own (the loader reads ep 0's)
         contents = rank_contents(trainer, release=release, state=state)
         contents["save_id"] = save_id
         if not release:
             contents["rng_state"] = gathered
-        path = state_file(root, tag, topo.pp_rank, topo.tp_rank)
+        path = state_file(root, tag, topo.pp_rank, topo.tp_rank, ep_rank if ep > 1 else None)
         remove_stale_temps(path.parent)
         tw = time.perf_counter()
         try:
@@ -121,7 +129,8 @@ def save_checkpoint(trainer, root: str | os.PathLike, *, release: bool = False,
             raise CheckpointError(f"cannot write the state file ({e})", path=path) from e
         report.write_seconds, report.bytes, report.path = time.perf_counter() - tw, size, str(path)
     if topo.rank == 0:
-        remove_other_layouts(root, tag, trainer.config.pp, trainer.config.tp)
+        remove_other_layouts(root, tag, trainer.config.pp, trainer.config.tp,
+                             getattr(trainer.config, "ep", 1))
     if topo.world_size > 1:
         store_barrier(store, barrier, topo.rank, topo.world_size, timeout)
     if topo.rank == 0:
@@ -137,18 +146,21 @@ def save_checkpoint(trainer, root: str | os.PathLike, *, release: bool = False,
     return report
 
 
-def remove_other_layouts(root: str | os.PathLike, tag: Tag, pp: int, tp: int = 1
+def remove_other_layouts(root: str | os.PathLike, tag: Tag, pp: int, tp: int = 1, ep: int = 1
                          ) -> list[tuple[int, int]]:
     """Delete rank directories ``mp_rank_TT_PPP`` with TT >= tp or PPP >= pp under checkpoint
-    ``tag``; returns their (tp rank, pp rank).
+    ``tag`` (and those of another expert-parallel naming: ``_EEE`` directories when ep == 1,
+    plain ones or EEE >= ep when ep > 1); returns their (tp rank, pp rank).
 
     They can only be left by an earlier save of the same iteration with more pipeline or
     tensor-parallel ranks (an abandoned run, resumed from an earlier checkpoint in another
     layout); no writer of this save touches them.
     """
-    stale = [(t, r) for (t, r) in all_rank_files(root, tag) if r >= pp or t >= tp]
-    for t, r in stale:
-        d = state_file(root, tag, r, t).parent
+    stale_dirs = [(t, r, e) for (t, r, e) in every_rank_file(root, tag)
+                  if r >= pp or t >= tp or (e is None) != (ep == 1) or (e or 0) >= ep]
+    stale = [(t, r) for t, r, _ in stale_dirs]
+    for t, r, e in stale_dirs:
+        d = state_file(root, tag, r, t, e).parent
         trash = d.with_name(f".deleting-{d.name}-{os.getpid()}")
         os.replace(d, trash)
         shutil.rmtree(trash, ignore_errors=True)
