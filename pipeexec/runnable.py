@@ -106,7 +106,7 @@ def context_parallel_refusals(model: Any, par: Any) -> list[str]:
 
 
 # the Hugging Face families pipeexec.models.hf_tensor_parallel cuts over tp
-_TENSOR_PARALLEL_FAMILIES = ("llama", "mistral", "mixtral", "qwen2", "gpt2")
+_TENSOR_PARALLEL_FAMILIES = ("llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "gpt2")
 
 
 def tensor_parallel_refusals(model: Any, par: Any) -> list[str]:
@@ -126,6 +126,9 @@ def tensor_parallel_refusals(model: Any, par: Any) -> list[str]:
             ("ffn_hidden", model.ffn, "--ffn-hidden"), ("vocab", model.vocab, "--vocab"))
     if model.experts:
         dims += (("moe_ffn_hidden", model.moe_ffn, "each expert's MLP width"),)
+    if model.experts and model.shared_expert_ffn_hidden:
+        dims += (("shared_expert_ffn_hidden", model.shared_expert_ffn_hidden,
+                  "the shared expert's MLP width"),)
     for name, value, flag in dims:
         if value % tp:
             out.append(f"model.{name} = {value} ({flag}) is not a multiple of tp = {tp}: "
