@@ -47,8 +47,8 @@ EXPERT_PARALLEL_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe")
 def expert_parallel_refusals(model: Any, par: Any, *, custom_stack: bool = False) -> list[str]:
     """What does not run over ``par.ep`` expert-parallel ranks (`pipeexec.parallel.experts`):
     ep is carved out of dp x cp (Megatron's expert layout), so it must divide dp * cp; each
-    rank holds E / ep whole experts of a MoE model; ZeRO over the expert-data-parallel group
-    is not built yet."""
+    rank holds E / ep whole experts of a MoE model (ZeRO shards them over the
+    expert-data-parallel group, `training.zero.ExpertShardedOptimizer`)."""
     ep = par.ep
     if ep == 1:
         return []
@@ -72,10 +72,6 @@ def expert_parallel_refusals(model: Any, par: Any, *, custom_stack: bool = False
             out.append(f"{flag}: expert parallelism runs the Hugging Face families "
                        f"{', '.join(EXPERT_PARALLEL_FAMILIES)}; model.family is "
                        f"{model.family!r}")
-    if par.zero and par.dp * par.cp > 1:
-        out.append(f"{flag} with parallelism.zero = {par.zero} (--zero): ZeRO does not shard "
-                   "expert parameters over the expert-data-parallel group yet; run ep with "
-                   "--zero 0")
     return out
 
 

@@ -41,7 +41,7 @@ from ..data import BatchSource
 from ..pipeline.faults import FaultInjector, parse_faults
 from .ddp import GradBuffer
 from .tied import tied_parameters
-from .zero import ShardedOptimizer
+from .zero import ExpertShardedOptimizer, ShardedOptimizer
 from ..malloc import keep_freed_memory
 from ..model import LayerStack
 from ..models import layer_stack
@@ -161,7 +161,19 @@ class Trainer:
         # a no-op), and the holder is the replicated one below.
         self.sharded: ShardedOptimizer | None = None
         # (sharded over dp x cp, the dense parameters' gradient group)
-        if config.zero and topology.dp_cp > 1:
+        hyper = dict(lr=config.lr, weight_decay=config.weight_decay,
+                     betas=(config.beta1, config.beta2), eps=config.eps,
+                     timeout=config.collective_timeout)
+        if config.zero and topology.ep > 1:
+            # experts sharded over their expert-data-parallel group, the rest over dp x cp
+            self.sharded = ExpertShardedOptimizer(
+                self.stages, is_expert=is_expert, level=config.zero, dtype=self.dtype,
+                dense_group=topology.dp_cp_group, dense_shards=topology.dp_cp,
+                dense_rank=topology.dp_cp_rank, expert_group=topology.edp_group,
+                expert_shards=topology.edp, expert_rank=topology.edp_rank, device=dev, **hyper)
+            self.grads = None
+            views = {id(p): self.sharded.grad_view(p) for _, p in named}
+        elif config.zero and topology.dp_cp > 1:
             self.sharded = ShardedOptimizer(
                 self.stages, level=config.zero, dtype=self.dtype, group=topology.dp_cp_group,
                 shards=topology.dp_cp, rank=topology.dp_cp_rank, device=dev, lr=config.lr,

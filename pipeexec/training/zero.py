@@ -57,6 +57,13 @@ and optimizer state are. Duplicated instances count once in the norm, as without
 State in and out is keyed by global parameter names with whole tensors (`full_masters`,
 `full_optimizer_state` gather the shards; `load` slices), so checkpoints written under any
 zero level and data-parallel size load under any other.
+
+Expert parallelism (`ExpertShardedOptimizer`): a rank's experts are held by the dp x cp / ep
+ranks of its expert-data-parallel group only, so they are sharded over that group (Megatron's
+expert distributed optimizer) and the dense parameters over dp x cp, by two holders side by
+side; the expert holder averages by dp x cp as the dense one (``divisor``: each expert
+gradient already sums its whole ep group's tokens). Every rank of an expert-data-parallel group
+is at the same pipeline rank, so either all of them hold experts or none does.
 """
 from __future__ import annotations
 
@@ -96,13 +103,16 @@ class ShardedOptimizer:
     def __init__(self, stages: Mapping[int, nn.Module], *, level: int, dtype: torch.dtype,
                  group: Any, shards: int, rank: int, device: torch.device, lr: float,
                  weight_decay: float, betas: tuple[float, float], eps: float,
-                 timeout: float | None = None) -> None:
+                 timeout: float | None = None, divisor: int | None = None) -> None:
+        """``divisor``: the reduced gradients are divided by it (default: ``shards``, the
+        group's average)."""
         if level not in (1, 2, 3):
             raise ValueError(f"ZeRO level must be 1, 2 or 3, got {level!r}")
         if shards > 1 and group is None:
             raise ValueError(f"{shards} shards need a process group")
         self.level, self.dtype, self.device = level, dtype, device
         self.group, self.shards, self.rank = group, shards, rank
+        self.divisor = shards if divisor is None else divisor
         self.timeout = None if timeout is None else datetime.timedelta(seconds=timeout)
         self._hyper = dict(lr=lr, weight_decay=weight_decay, betas=betas, eps=eps)
         self.params = {s: list(st.parameters()) for s, st in stages.items()}
@@ -365,9 +375,9 @@ class ShardedOptimizer:
             for s, lay in self.layouts.items():
                 for b in lay.buckets:
                     self._reduce_scatter(self.grad_full[s][b.start: b.start + b.padded], b)
-        if self.shards > 1:
+        if self.divisor > 1:
             for g in self._my_grads():
-                g.div_(self.shards)
+                g.div_(self.divisor)
         if self._tied_buf is not None:
             if self.shards > 1:
                 self._wait([dist.all_reduce(self._tied_buf, group=self.group, async_op=True)])
@@ -528,6 +538,130 @@ class ShardedOptimizer:
         if self.level == 3:
             for s in self.layouts:
                 self._release(s)
+
+
+class _Subset(nn.Module):
+    """The parameters of ``module`` that ``keep`` picks, in its order, names kept (a holder's
+    view of a stage). Not called: it only lists parameters."""
+
+    def __init__(self, module: nn.Module, keep) -> None:
+        super().__init__()
+        object.__setattr__(self, "_named", [(n, p) for n, p in module.named_parameters()
+                                            if keep(p)])
+
+    def named_parameters(self, *args, **kwargs):      # noqa: D102
+        return iter(self._named)
+
+    def parameters(self, *args, **kwargs):            # noqa: D102
+        return iter(p for _, p in self._named)
+
+
+class ExpertShardedOptimizer:
+    """ZeRO under expert parallelism: the dense parameters sharded over ``dense_group``
+    (dp x cp), the expert ones (``is_expert``) over ``expert_group`` (the expert-data-parallel
+    group, ``expert_shards`` ranks), both averaged by ``dense_shards``; the one holder the
+    Trainer sees (the `ShardedOptimizer` interface, delegated)."""
+
+    def __init__(self, stages: Mapping[int, nn.Module], *, is_expert, level: int,
+                 dtype: torch.dtype, dense_group: Any, dense_shards: int, dense_rank: int,
+                 expert_group: Any, expert_shards: int, expert_rank: int,
+                 device: torch.device, **hyper: Any) -> None:
+        dense = {s: _Subset(st, lambda p: not is_expert(p)) for s, st in stages.items()}
+        experts = {s: _Subset(st, is_expert) for s, st in stages.items()}
+        self.is_expert = is_expert
+        self.dense = ShardedOptimizer(dense, level=level, dtype=dtype, group=dense_group,
+                                      shards=dense_shards, rank=dense_rank, device=device,
+                                      **hyper)
+        has_experts = any(True for st in experts.values() for _ in st.parameters())
+        self.expert = (ShardedOptimizer(experts, level=level, dtype=dtype, group=expert_group,
+                                        shards=expert_shards, rank=expert_rank, device=device,
+                                        divisor=dense_shards, **hyper)
+                       if has_experts else None)
+        self.holders = [h for h in (self.dense, self.expert) if h is not None]
+        self.level, self.owns_grads = level, self.dense.owns_grads
+        self.grads_in_place = self.dense.grads_in_place
+        self._mask = {s: [is_expert(p) for p in st.parameters()] for s, st in stages.items()}
+
+    def _of(self, param: torch.Tensor) -> ShardedOptimizer:
+        return self.expert if self.is_expert(param) else self.dense
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        return self.dense.optimizer
+
+    def grad_view(self, param: torch.Tensor) -> torch.Tensor | None:
+        return self._of(param).grad_view(param)
+
+    def start(self, tied=None) -> None:
+        self.dense.start(tied)          # tied parameters are dense (embedding and head)
+        if self.expert is not None:
+            self.expert.start(None)
+
+    def accumulate(self, stage: int, grads: Sequence[torch.Tensor | None]) -> None:
+        mask = self._mask[stage]
+        self.dense.accumulate(stage, [g for g, e in zip(grads, mask) if not e])
+        if self.expert is not None:
+            self.expert.accumulate(stage, [g for g, e in zip(grads, mask) if e])
+
+    def before(self, action: Action) -> None:
+        for h in self.holders:
+            h.before(action)
+
+    def after(self, action: Action) -> None:
+        for h in self.holders:
+            h.after(action)
+
+    def zero(self) -> None:
+        for h in self.holders:
+            h.zero()
+
+    def reduce_gradients(self) -> None:
+        for h in self.holders:
+            h.reduce_gradients()
+
+    def grad_pieces(self, param: torch.Tensor) -> list[torch.Tensor]:
+        return self._of(param).grad_pieces(param)
+
+    def local_grad_sq(self) -> torch.Tensor:
+        """Each expert counted once: its pieces are cut over its expert-data-parallel group,
+        and the ep groups' ranks hold different experts."""
+        return sum((h.local_grad_sq() for h in self.holders[1:]), self.dense.local_grad_sq())
+
+    def poison(self) -> None:
+        self.dense.poison()
+
+    def step(self, grad_scale: float, lr: float) -> None:
+        for h in self.holders:
+            h.step(grad_scale, lr)
+
+    def full_masters(self) -> dict[str, torch.Tensor]:
+        out: dict[str, torch.Tensor] = {}
+        for h in self.holders:
+            out.update(h.full_masters())
+        return out
+
+    def full_optimizer_state(self) -> dict[str, dict[str, Any]]:
+        out: dict[str, dict[str, Any]] = {}
+        for h in self.holders:
+            out.update(h.full_optimizer_state())
+        return out
+
+    def load(self, model: Mapping[str, torch.Tensor],
+             optimizer: Mapping[str, Mapping[str, Any]] | None = None) -> None:
+        for h in self.holders:
+            h.load(model, optimizer)
+
+    def held_tensors(self) -> Iterator[torch.Tensor]:
+        for h in self.holders:
+            yield from h.held_tensors()
+
+    def gather_all(self) -> None:
+        for h in self.holders:
+            h.gather_all()
+
+    def release_all(self) -> None:
+        for h in self.holders:
+            h.release_all()
 
 
 def _split(flat: torch.Tensor, sizes: Mapping[int, int]) -> dict[int, torch.Tensor]:

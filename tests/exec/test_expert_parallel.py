@@ -11,7 +11,8 @@ Bounds as test_hf_tensor_parallel (losses rtol 1e-5, parameters rtol 1e-5 / atol
 eps 1e-5).
 
 Cases: ep 2 x pp 2 (dp 2) under 1F1B and ZB-V; ep 2 with dp 2 (expert dp 1, pp 1); dp 4 x ep 2
-(expert dp 2); tp 2 x ep 2 x pp 2 with sequence parallelism (8 ranks). Errors: ep not dividing
+(expert dp 2), also under ZeRO 1-3 (experts sharded over the expert-data-parallel group);
+ep 2 x pp 2 ZB-V under ZeRO-1; tp 2 x ep 2 x pp 2 with sequence parallelism (8 ranks). Errors: ep not dividing
 dp x cp, experts not divisible by ep, a dense model.
 """
 from __future__ import annotations
@@ -162,6 +163,21 @@ def test_dp4_ep2_expert_data_parallel_equals_the_unsplit_model(mixtral_dir):
     runs, keys = _run(mixtral_dir, 1, 1, 4, 2, [("1f1b", {"microbatches": 2})])
     for key in keys:
         check(runs, key, 1, 2, f"dp4 ep2 {key}")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("zero", [1, 2, 3])
+def test_zero_shards_experts_over_the_expert_data_parallel_group(mixtral_dir, zero):
+    """dp 4 x ep 2 under ZeRO 1-3: the dense parameters sharded over dp 4, the experts over
+    their expert-data-parallel group of 2; ep 2 x pp 2 ZB-V under ZeRO-1 (a rank holding
+    stages without experts has no expert holder; its peers in the group neither)."""
+    runs, keys = _run(mixtral_dir, 1, 1, 4, 2, [("1f1b", {"microbatches": 2, "zero": zero})])
+    for key in keys:
+        check(runs, key, 1, 2, f"dp4 ep2 zero {zero} {key}")
+    if zero == 1:
+        runs, keys = _run(mixtral_dir, 1, 2, 2, 2, [("zbv", {"zero": 1})])
+        for key in keys:
+            check(runs, key, 1, 2, f"ep2 pp2 zbv zero 1 {key}")
 
 
 @pytest.mark.slow
