@@ -39,7 +39,7 @@ from ..errors import ScheduleError
 from ..hardware import Hardware, get_hardware
 from ..plan.cluster import Cluster
 from ..plan.model import ModelSpec, get_model
-from ..plan.parallelism import RECOMPUTE, Parallelism
+from ..plan.parallelism import CP_COMM, RECOMPUTE, Parallelism
 from ..plan.plan import Plan
 from ..schedule.registry import build_schedule, schedule_info, schedule_names
 
@@ -100,6 +100,7 @@ class SearchSpace:
     recompute: tuple[str, ...] = RECOMPUTE
     zero: tuple[int, ...] = (0, 1, 2, 3)
     precision: str = "bf16"
+    cp_comm: str = "p2p"         # how cp exchanges K/V (Parallelism.cp_comm; pipeexec: all_gather)
     # filters and fixed values: dp (derived from the other sizes) and microbatches (from the
     # global batch) kept only where listed; sequence parallelism None: on wherever tp > 1;
     # recompute_layers: Megatron's --recompute-num-layers for the full-recomputation plans
@@ -143,6 +144,9 @@ class SearchSpace:
         if bad or not self.recompute:
             raise ValueError(f"search space: recompute values must be none, selective or full, "
                              f"got {self.recompute!r}")
+        if self.cp_comm not in CP_COMM:
+            raise ValueError(f"search space: cp_comm must be one of {', '.join(CP_COMM)}, got "
+                             f"{self.cp_comm!r}")
         if any(z not in (0, 1, 2, 3) for z in self.zero):
             raise ValueError(f"search space: zero values must be 0..3, got {self.zero!r}")
 
@@ -300,7 +304,8 @@ def _per_layout(space: SearchSpace, cluster: Cluster, tp: int, cp: int, pp: int,
                                           sequence_parallel=sp, zero=zero,
                                           recompute=recompute, recompute_layers=layers,
                                           micro_batch_size=mbs,
-                                          global_batch_size=gbs, precision=space.precision)
+                                          global_batch_size=gbs, precision=space.precision,
+                                          cp_comm=space.cp_comm)
                         yield Plan(model, par, cluster, schedule, efficiency=space.efficiency)
 
 
