@@ -90,8 +90,8 @@ def add_train_arguments(t: argparse.ArgumentParser) -> None:
            "as well overrides that field of the plan (the rule of every command). Without "
            "--plan the base is the built-in GPT's tiny default (2 layers, hidden 64, 4 heads, "
            "seq-len 32, vocab 256) at pp 1, dp 1, one microbatch, fp32, 1f1b. What pipeexec "
-           "cannot run (tp, cp, ep > 1, ZeRO, fp8...) is refused with the reasons before any "
-           "worker starts")
+           "cannot run (fp8, ep on a dense model or not dividing dp * cp, a layout that does "
+           "not cut...) is refused with the reasons before any worker starts")
     add_config_arguments(t)
     a("--nproc", type=int, default=None, help="local workers to start (default tp * cp * pp * dp)")
     a("--timeout", type=float, default=None,

@@ -88,6 +88,8 @@ def run_training(board: ActionBoard | None, args: WorkerArgs) -> RunOutcome:
                       if config.tp > 1 else "")
             if config.cp > 1:
                 layout += f"cp={config.cp} "
+            if config.ep > 1:
+                layout += f"ep={config.ep} "
             if config.zero:
                 layout += f"zero={config.zero} "
             _log(f"pipeexec: {config.schedule} {layout}pp={config.pp} vpp={config.vpp} dp={config.dp} "

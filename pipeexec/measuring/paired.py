@@ -40,7 +40,7 @@ class PairedJob:
 def paired_worker(board: Any, job: PairedJob) -> list[MeasuredRun | None]:
     """One rank of a paired job; returns (on rank 0) one `MeasuredRun` per config."""
     cfg0 = job.configs[0]
-    topo = init_topology(cfg0.pp, cfg0.dp, tp=cfg0.tp, cp=cfg0.cp, backend=cfg0.backend,
+    topo = init_topology(cfg0.pp, cfg0.dp, tp=cfg0.tp, cp=cfg0.cp, ep=cfg0.ep, backend=cfg0.backend,
                          device=cfg0.device, timeout=cfg0.collective_timeout)
     try:
         pairs = []

@@ -152,7 +152,10 @@ def test_ep2_dp2_equals_the_unsplit_model(mixtral_dir):
 
 @pytest.mark.slow
 def test_ep2_pp2_1f1b_and_zbv_equal_the_unsplit_model(mixtral_dir):
-    runs, keys = _run(mixtral_dir, 1, 2, 2, 2, [("1f1b", {}), ("zbv", {})])
+    """(ZB-V also under --nccl-matching: NCCL's matching emulated on gloo, the channel order
+    checked with ep's collectives before the start.)"""
+    runs, keys = _run(mixtral_dir, 1, 2, 2, 2, [("1f1b", {}), ("zbv", {}),
+                                                 ("zbv", {"nccl_matching": True})])
     for key in keys:
         check(runs, key, 1, 2, f"ep2 pp2 dp2 {key}")
 
@@ -201,3 +204,25 @@ def test_what_expert_parallelism_cannot_run_is_refused_naming_the_flag(tmp_path)
         TINY.replace(seq_len=SEQ).with_hf_model(str(three)).replace(dp=2, ep=2).validate()
     with pytest.raises(ConfigError, match=r"the model is dense .*the built-in GPT is dense"):
         TINY.replace(dp=2, ep=2).validate()
+
+
+@pytest.mark.slow
+def test_a_plan_with_ep_runs_from_the_cli(mixtral_dir, tmp_path):
+    """pipesim's plan of the Mixtral at ep 2 x dp 2 x pp 2 (--save-plan) runs as it is; the
+    first line names ep."""
+    import subprocess
+    import sys
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[2]
+    plan = tmp_path / "plan.json"
+    subprocess.run([sys.executable, "-m", "pipesim", "simulate", "1f1b", "--model",
+                    str(Path(mixtral_dir) / "config.json"), "--seq-len", str(SEQ), "--dp", "2",
+                    "--ep", "2", "--pp", "2", "--microbatches", "4", "--precision", "fp32",
+                    "--save-plan", str(plan)], check=True, capture_output=True, cwd=root,
+                   timeout=120)
+    out = subprocess.run([sys.executable, "-m", "pipeexec", "train", "--plan", str(plan),
+                          "--steps", "2", "--device", "cpu"], capture_output=True, text=True,
+                         cwd=root, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert "1f1b ep=2 pp=2 vpp=1 dp=2" in out.stdout + out.stderr
+    assert "step 1 (2 of 2)" in out.stdout + out.stderr

@@ -1,0 +1,47 @@
+"""Expert parallelism's pieces in one process: the NCCL channel model covers its all-to-alls,
+and the layer's bookkeeping (ownership, refusals).
+
+ep's all-to-alls are collectives inside F and B (and the backward's I), as tp's are, on the ep
+group's own communicators (`pipeexec.topology`), apart from every p2p channel. Every rank of an
+ep group is in one dp x cp group at one pipeline position (`Mesh`'s expert layout), so it runs
+the same pipeline rank's actions in the same order: the model of
+`pipesim.schedule.channels` (``collective_of=group_collectives``, what `check_p2p_order`
+checks with ``collectives=True``, which the Trainer asks for when ep > 1) applies as it is.
+"""
+from __future__ import annotations
+
+import pytest
+
+import pipesim
+from pipeexec.parallel.mesh import Mesh
+from pipeexec.pipeline.p2p import check_p2p_order
+
+from exec_helpers import choose_microbatches, choose_vpp
+
+
+def test_ep_groups_sit_at_one_pipeline_position():
+    """What the channel model needs of a collective's group: its members run one program."""
+    for mesh in (Mesh(dp=2, pp=2, ep=2), Mesh(tp=2, dp=2, pp=2, ep=2), Mesh(dp=2, cp=2, pp=2, ep=4)):
+        for group in mesh.ep_groups() + mesh.edp_groups():
+            assert len({mesh.coords(r).pp for r in group}) == 1, (mesh, group)
+            assert len({mesh.coords(r).tp for r in group}) == 1, (mesh, group)
+
+
+def test_channel_model_accepts_ep_collectives_for_every_builder_at_pp2():
+    checked = set()
+    for name in pipesim.schedule_names():
+        m = choose_microbatches(name, 2, 2)
+        if m is None:
+            continue
+        schedule = pipesim.build_schedule(name, pp=2, microbatches=m,
+                                          vpp=choose_vpp(name, 2, m)).validate()
+        check_p2p_order(schedule, collectives=True)
+        checked.add(name)
+    assert checked == set(pipesim.schedule_names())
+
+
+def test_local_experts_and_their_refusal():
+    from pipeexec.parallel.experts import ExpertParallel, local_experts
+    assert local_experts(8, ExpertParallel(None, 4, 3)) == range(6, 8)
+    with pytest.raises(ValueError, match="6 experts do not divide over ep = 4"):
+        local_experts(6, ExpertParallel(None, 4, 0))
