@@ -285,10 +285,12 @@ PRESETS: dict[str, ModelSpec] = {
                            experts=8, top_k=2, moe_ffn_hidden=14336),
     # Qwen1.5-MoE-A2.7B: Qwen/Qwen1.5-MoE-A2.7B config.json (hidden_size 2048, 24 layers,
     # 16 heads, 60 experts, 4 per token, moe_intermediate_size 1408, a shared expert of 5632,
-    # vocab 151936, max_position_embeddings 8192); q/k/v biases, as Qwen2's attention has.
+    # vocab 151936, max_position_embeddings 8192); q/k/v biases, as Qwen2's attention has;
+    # the shared expert's sigmoid gate (Qwen2MoeSparseMoeBlock.shared_expert_gate).
     "qwen1.5-moe-a2.7b": _llama("qwen1.5-moe-a2.7b", 24, 2048, 16, 16, 5632, 151936, 8192,
                                 experts=60, top_k=4, moe_ffn_hidden=1408,
-                                shared_expert_ffn_hidden=5632, qkv_bias=True),
+                                shared_expert_ffn_hidden=5632, shared_expert_gate=True,
+                                qkv_bias=True),
     # Qwen3-30B-A3B: Qwen/Qwen3-30B-A3B config.json (hidden_size 2048, 48 layers, 32 heads of
     # head_dim 128, 4 kv heads, 128 experts, 8 per token, moe_intermediate_size 768, vocab
     # 151936); a 4096-token training default.

@@ -15,7 +15,8 @@ expert with its sigmoid gate, ``norm_topk_prob``), 4 decoder layers, ``router_au
   under 1F1B and ZB-V, aux on and off, ZB-V with full recomputation, Qwen2-MoE under 1F1B
   (fast suite); every schedule at pp 2 with selective recomputation once, pp 2 x dp 2,
   tp 2 x pp 2 with sequence parallelism (Mixtral, Qwen2-MoE), cp 2 x pp 2 and cp 2 x tp 2 x
-  pp 2 with sp (slow).
+  pp 2 with sp (slow); expert parallelism: ep 2 x dp 2 (fast), ep 2 x pp 2 x dp 2 (ZB-V;
+  Qwen2-MoE under 1F1B; slow).
 """
 from __future__ import annotations
 
@@ -177,7 +178,7 @@ def check(entries: list[dict], key, *, whole: dict | None = None) -> None:
     info = read_hf_config(cfg.hf_model)
     what = f"{info.model_type} {key}"
     ref_losses, ref_params = reference_for(reference_config(cfg).replace(
-        tp=1, cp=1, sequence_parallel=False, recompute="none"))
+        tp=1, cp=1, ep=1, sequence_parallel=False, recompute="none"))
     losses = [e[key]["losses"] for e in entries]
     assert all(ls == losses[0] for ls in losses), f"{what}: ranks disagree on the losses"
     torch.testing.assert_close(torch.tensor(losses[0]), torch.tensor(ref_losses), rtol=1e-5,
@@ -230,7 +231,9 @@ def test_every_schedule_at_pp2_equals_hf_with_the_router_loss(model_dirs):
 
 @pytest.mark.slow
 def test_pp2_dp2_equals_hf_with_the_router_loss(model_dirs):
-    cases = [("1f1b", base(model_dirs["mixtral"]))]
+    from test_hf_tensor_parallel import ADAM_EPS as TP_EPS   # dp's summation order, as tp's
+
+    cases = [("1f1b", base(model_dirs["mixtral"], eps=TP_EPS))]
     results = launch(layouts_worker, 4, (2, 2, cases), timeout=600)
     check(results, _key(*cases[0]))
 
@@ -271,3 +274,26 @@ def test_cp2_equals_hf_with_the_router_loss(model_dirs):
     key = _key(*sp_case[0])
     ranks = [r for r in results if r[key]["cp_rank"] == 0]
     check(ranks, key, whole=whole_model(ranks, key, 2))
+
+
+def test_ep2_dp2_equals_hf_with_the_router_loss(model_dirs):
+    """Expert parallelism (`pipeexec.parallel.experts`): the router stays replicated on each
+    replica's tokens, so each replica's statistics are its own microbatch's, as Hugging Face's."""
+    from test_expert_parallel import ep_worker, whole_model as ep_whole_model
+
+    results = launch(ep_worker, 2, (1, 1, 2, 2, [("1f1b", {"hf_model": model_dirs["mixtral"]})]),
+                     timeout=600)
+    key = ("1f1b", ())
+    check(results, key, whole=ep_whole_model(results, key, 1, 2))
+
+
+@pytest.mark.slow
+def test_ep2_pp2_dp2_equals_hf_with_the_router_loss(model_dirs):
+    from test_expert_parallel import ep_worker, whole_model as ep_whole_model
+
+    cases = [("zbv", {"hf_model": model_dirs["mixtral"]}),
+             ("1f1b", {"hf_model": model_dirs["qwen2_moe"], "microbatches": 2})]
+    results = launch(ep_worker, 4, (1, 2, 2, 2, cases), timeout=900)
+    for schedule, changes in cases:
+        key = (schedule, tuple(sorted((k, v) for k, v in changes.items() if k != "hf_model")))
+        check(results, key, whole=ep_whole_model(results, key, 1, 2))
