@@ -76,3 +76,10 @@ def test_what_the_spec_cannot_say_is_refused(changes, match):
     with pytest.raises(HFModelError, match=match):
         info_from_config(dict(QWEN2_MOE, **changes), "dir")
     info_from_config(dict(QWEN2_MOE, output_router_logits=True), "dir")    # the aux loss runs
+
+
+def test_mixtral_router_jitter_is_refused():
+    mixtral = dict(QWEN2_MOE, model_type="mixtral", num_local_experts=4)
+    info_from_config(dict(mixtral, router_jitter_noise=0.0), "dir")
+    with pytest.raises(HFModelError, match=r"router_jitter_noise = 0.1: the router's input noise"):
+        info_from_config(dict(mixtral, router_jitter_noise=0.1), "dir")

@@ -116,11 +116,16 @@ def info_from_config(cfg: dict, path: str, checkpoint_files: tuple[str, ...] = (
 
 
 def _moe_refusals(cfg: dict, kind: str) -> list[str]:
-    """What of a Qwen2-MoE config the plan's `ModelSpec` cannot say (its cost model would
+    """What of a MoE config does not run as the unsplit model: Mixtral's router jitter (random
+    noise), what of a Qwen2-MoE config the plan's `ModelSpec` cannot say (its cost model would
     place the MoE layers elsewhere than the model does)."""
-    if kind != "qwen2_moe":
-        return []
     out = []
+    if kind == "mixtral" and float(cfg.get("router_jitter_noise", 0.0) or 0.0) > 0:
+        out.append(f"router_jitter_noise = {cfg['router_jitter_noise']}: the router's input "
+                   "noise would be drawn from each rank's generator (not as the unsplit model "
+                   "draws it) and drawn again by recomputation; set it to 0")
+    if kind != "qwen2_moe":
+        return out
     if cfg.get("mlp_only_layers"):
         out.append(f"mlp_only_layers = {cfg['mlp_only_layers']!r}: the plan's model "
                    "(model.moe_layer_freq) cannot say which layers are dense; pipeexec runs "
