@@ -70,7 +70,7 @@ def paired_runs(configs: Sequence[TrainConfig], first: int, stop: int, *,
     configs = list(configs)
     base = configs[0]
     for c in configs[1:]:
-        for name in ("tp", "cp", "pp", "dp", "steps", "backend", "device"):
+        for name in ("tp", "cp", "ep", "pp", "dp", "steps", "backend", "device"):
             if getattr(c, name) != getattr(base, name):
                 raise ValueError(f"paired runs share their processes: {name} must be equal, got "
                                  f"{getattr(base, name)!r} ({base.schedule}) and "

@@ -16,6 +16,7 @@ schedule; one pipeline is one timeline).
 """
 from __future__ import annotations
 
+import math
 import os
 import socket
 import time
@@ -73,8 +74,11 @@ class ProfileSession:
         probe = None
         if self.options.probe_split and not trainer.config.forward_only:
             # ZeRO-3: the stages' weights gathered (collective over dp) while dp rank 0 probes
+            # (with ep the probe's layers run the all-to-alls: whole cp and ep groups probe,
+            # the first lcm(cp, ep) ranks of dp x cp, dp rank 0's among them)
+            cp, ep = getattr(topo, "cp", 1), getattr(topo, "ep", 1)
             with trainer.whole_parameters():
-                if topo.dp_rank == 0:
+                if topo.dp_rank * cp + getattr(topo, "cp_rank", 0) < math.lcm(cp, ep):
                     probe = probe_split(trainer)
         # One pipeline's records make the trace: the one at dp rank 0, cp rank 0 and tp rank 0
         # (the other tp and cp ranks of a stage run the same actions, in step with it through
