@@ -102,7 +102,8 @@ def context_parallel_refusals(model: Any, par: Any) -> list[str]:
 
 
 # the Hugging Face families pipeexec.models.hf_tensor_parallel cuts over tp
-_TENSOR_PARALLEL_FAMILIES = ("llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "gpt2")
+_TENSOR_PARALLEL_FAMILIES = ("llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3_moe",
+                             "gpt2")
 
 
 def tensor_parallel_refusals(model: Any, par: Any) -> list[str]:

@@ -83,3 +83,26 @@ def test_mixtral_router_jitter_is_refused():
     info_from_config(dict(mixtral, router_jitter_noise=0.0), "dir")
     with pytest.raises(HFModelError, match=r"router_jitter_noise = 0.1: the router's input noise"):
         info_from_config(dict(mixtral, router_jitter_noise=0.1), "dir")
+
+
+QWEN3_MOE = dict(model_type="qwen3_moe", hidden_size=32, intermediate_size=48, num_hidden_layers=4,
+                 num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=40,
+                 num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24,
+                 max_position_embeddings=64)
+
+
+def test_qwen3_moe_parameter_count_is_the_hf_models():
+    """Qwen3-MoE: no shared expert, no q/k/v biases, per-head q and k norms (``qk_norm``:
+    2 head_dim a layer)."""
+    model = ModelSpec.from_hf_config(QWEN3_MOE, seq_length=8).with_(vocab_divisible_by=1)
+    total, layers = _hf_counts(QWEN3_MOE)
+    assert model.qk_norm and not model.shared_expert_gate and not model.shared_expert_ffn_hidden
+    assert model.num_params() == total
+    assert [sum(model.layer_params(m).values()) for m in model.moe_pattern()] == layers
+    assert model.with_(qk_norm=False).num_params() == total - 4 * 2 * 16
+    cfg = config_for(model)
+    assert (cfg["num_experts"], cfg["moe_intermediate_size"]) == (4, 24)
+    assert "num_local_experts" not in cfg and spec_differences(model) == []
+    assert spec_differences(model.with_(shared_expert_ffn_hidden=16)) != []
+    with pytest.raises(HFModelError, match="attention_bias = true: Qwen3-MoE's q, k, v and o"):
+        info_from_config(dict(QWEN3_MOE, attention_bias=True), "dir")

@@ -28,6 +28,12 @@ and then cut by `hf_tensor_parallel`; the loss is then vocab-parallel. Under seq
 parallelism the embedding keeps this rank's sequence chunk and a decoder layer makes its
 positions and mask for the whole sequence (tp chunks), the length its attention sees.
 
+The routers' load-balancing loss (a MoE config's ``output_router_logits = true``,
+`hf_router_loss`): the embedding's output, each decoder layer's input and output and the head's
+input are the hidden state with the routers' statistics appended (`RouterLoss.pack`), each MoE
+layer adding its router's; the head's output is the logits and ``coef * aux``, which the
+stack's loss adds to the LM loss.
+
 Context parallelism (``cp``, `hf_context_parallel`): the embedding reads this cp rank's two
 chunks of each sequence, a decoder layer's positions are its tokens' global ones (rotary
 follows the chunking) and its attention runs against the keys and values gathered from every
@@ -86,6 +92,8 @@ FAMILIES = {
     "qwen2": _Family(**_LLAMA_LIKE, decoder="Qwen2DecoderLayer", rotary="Qwen2RotaryEmbedding"),
     "qwen2_moe": _Family(**_LLAMA_LIKE, decoder="Qwen2MoeDecoderLayer",
                          rotary="Qwen2MoeRotaryEmbedding"),
+    "qwen3_moe": _Family(**_LLAMA_LIKE, decoder="Qwen3MoeDecoderLayer",
+                         rotary="Qwen3MoeRotaryEmbedding"),
     "gpt2": _Family(base="transformer", layers="h", norm="ln_f", decoder="GPT2Block",
                     rotary=None),
 }
@@ -371,8 +379,8 @@ def _find(ckpt: _Checkpoint, key: str, model_type: str) -> torch.Tensor | None:
     base = FAMILIES[model_type].base + "."
     if key.startswith(base) and ckpt.has(key[len(base):]):     # GPT-2 files without the prefix
         return ckpt.get(key[len(base):])
-    if model_type == "qwen2_moe" and key.endswith((".mlp.experts.gate_up_proj",
-                                                   ".mlp.experts.down_proj")):
+    if model_type in ("qwen2_moe", "qwen3_moe") and key.endswith(
+            (".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")):
         experts, e = [], 0                                      # per-expert layout on disk
         prefix = key.rsplit(".", 1)[0]
         while ckpt.has(f"{prefix}.{e}.down_proj.weight"):

@@ -30,6 +30,7 @@ SUPPORTED = {
     "mixtral": "MixtralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen2_moe": "Qwen2MoeForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
     "gpt2": "GPT2LMHeadModel",
 }
 
@@ -117,26 +118,29 @@ def info_from_config(cfg: dict, path: str, checkpoint_files: tuple[str, ...] = (
 
 def _moe_refusals(cfg: dict, kind: str) -> list[str]:
     """What of a MoE config does not run as the unsplit model: Mixtral's router jitter (random
-    noise), what of a Qwen2-MoE config the plan's `ModelSpec` cannot say (its cost model would
-    place the MoE layers elsewhere than the model does)."""
+    noise), what of a Qwen2-/Qwen3-MoE config the plan's `ModelSpec` cannot say (its cost
+    model would place the MoE layers elsewhere than the model does, or miss biases)."""
     out = []
     if kind == "mixtral" and float(cfg.get("router_jitter_noise", 0.0) or 0.0) > 0:
         out.append(f"router_jitter_noise = {cfg['router_jitter_noise']}: the router's input "
                    "noise would be drawn from each rank's generator (not as the unsplit model "
                    "draws it) and drawn again by recomputation; set it to 0")
-    if kind != "qwen2_moe":
+    if kind not in ("qwen2_moe", "qwen3_moe"):
         return out
+    if kind == "qwen3_moe" and cfg.get("attention_bias"):
+        out.append("attention_bias = true: Qwen3-MoE's q, k, v and o projections would have "
+                   "biases, which the plan's model (model.qkv_bias, model.bias) cannot say")
     if cfg.get("mlp_only_layers"):
         out.append(f"mlp_only_layers = {cfg['mlp_only_layers']!r}: the plan's model "
                    "(model.moe_layer_freq) cannot say which layers are dense; pipeexec runs "
-                   "Qwen2-MoE with mlp_only_layers = []")
+                   "it with mlp_only_layers = []")
     step = int(cfg.get("decoder_sparse_step", 1) or 1)
     if step != 1:
         out.append(f"decoder_sparse_step = {step}: Hugging Face makes layer j sparse when "
                    f"(j + 1) % {step} == 0, the plan's model.moe_layer_freq when j % {step} == 0 "
-                   "(Megatron's); pipeexec runs Qwen2-MoE with decoder_sparse_step = 1")
-    if int(cfg.get("num_experts", 60) or 0) < 1:
-        out.append("num_experts = 0: a dense Qwen2-MoE; use the qwen2 family")
+                   "(Megatron's); pipeexec runs it with decoder_sparse_step = 1")
+    if int(cfg.get("num_experts", cfg.get("num_local_experts", 1)) or 0) < 1:
+        out.append("num_experts = 0: a dense model; use the family without experts")
     return out
 
 
@@ -170,13 +174,15 @@ def config_for(model: Any) -> dict:
         cfg["n_inner"] = None if model.ffn == 4 * model.hidden else model.ffn
         cfg["n_positions"] = model.max_position or model.seq_length
     else:
-        if model.family == "qwen2_moe":
+        if model.family in ("qwen2_moe", "qwen3_moe"):
             cfg["intermediate_size"] = model.ffn
             cfg["moe_intermediate_size"] = model.moe_ffn
             cfg["num_experts"], cfg["num_experts_per_tok"] = model.experts, model.top_k
-            cfg["shared_expert_intermediate_size"] = model.shared_expert_ffn_hidden
+            cfg.pop("num_local_experts", None)          # Qwen3MoeConfig's alias of num_experts
             cfg["decoder_sparse_step"] = model.moe_layer_freq
-            cfg["qkv_bias"] = model.bias if model.qkv_bias is None else model.qkv_bias
+            if model.family == "qwen2_moe":
+                cfg["shared_expert_intermediate_size"] = model.shared_expert_ffn_hidden
+                cfg["qkv_bias"] = model.bias if model.qkv_bias is None else model.qkv_bias
         elif model.is_moe:
             cfg["intermediate_size"] = model.moe_ffn
             cfg["num_local_experts"], cfg["num_experts_per_tok"] = model.experts, model.top_k

@@ -1,6 +1,6 @@
 """The routers' load-balancing (auxiliary) loss of a Hugging Face mixture-of-experts model
-through a pipeline, exactly as the family's ``*ForCausalLM`` computes it
-(``load_balancing_loss_func`` with ``output_router_logits = true``, no padding):
+(Mixtral, Qwen2-MoE, Qwen3-MoE) through a pipeline, exactly as the family's ``*ForCausalLM``
+computes it (``load_balancing_loss_func`` with ``output_router_logits = true``, no padding):
 
     aux = E * sum_e (C[e] / R) * (P[e] / R),      loss = lm_loss + router_aux_loss_coef * aux
 

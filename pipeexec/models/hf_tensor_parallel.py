@@ -17,7 +17,8 @@ same names.
   - Llama / Mistral / Qwen2 / Mixtral: q, k, v (Qwen2's biases too; GQA: the kv heads cut as
     the query heads, so rank r's query heads read its own kv heads) column-parallel, o_proj
     row-parallel; gate and up column-parallel, down row-parallel;
-  - Mixtral, Qwen2-MoE (its sparse layers; the dense ones as Llama's MLP): each expert's
+  - Qwen3-MoE: its per-head q and k norms replicated, their gradients summed over tp;
+  - Mixtral, Qwen2-/Qwen3-MoE (sparse layers; dense ones as Llama's MLP): each expert's
     gate_up (two blocks, gate and up) cut by rows and down by columns,
     as a dense MLP without expert parallelism; the router replicated, reading the whole
     sequence, its gradient summed over tp after the backward (each rank's share of the
@@ -168,6 +169,10 @@ def cut_decoder_layer(layer: nn.Module, model_type: str, tp: TensorParallel) -> 
         for name in ("q_proj", "k_proj", "v_proj"):
             setattr(attn, name, ColumnParallelLinear(getattr(attn, name), tp, entered=True))
         attn.o_proj = RowParallelLinear(attn.o_proj, tp)
+        for name in ("q_norm", "k_norm"):    # Qwen3's per-head norms: replicated, read the
+            if hasattr(attn, name):          # local heads, so their gradients are summed
+                for p in getattr(attn, name).parameters():
+                    mark(p, sequence_parallel=True)
         for name in ("num_heads", "num_key_value_heads"):    # older versions' attributes
             if hasattr(attn, name):
                 setattr(attn, name, getattr(attn, name) // size)

@@ -79,6 +79,8 @@ def _llama(cls: type, cfg: dict, source: str, name: str, seq_length: int | None)
         moe_layer_freq=int(cfg.get("decoder_sparse_step", 1) or 1),
         # Qwen2-MoE's shared expert has a sigmoid gate (hidden -> 1)
         shared_expert_gate=bool(shared) and str(cfg.get("model_type", "")).lower() == "qwen2_moe",
+        # Qwen3's attention normalises each head's q and k (q_norm, k_norm: head_dim each)
+        qk_norm=str(cfg.get("model_type", "")).lower() in ("qwen3", "qwen3_moe"),
     )
 
 

@@ -50,6 +50,7 @@ class ModelSpec:
     moe_ffn_hidden: int | None = None
     shared_expert_ffn_hidden: int = 0
     shared_expert_gate: bool = False   # the shared expert's output times sigmoid(x w), w: hidden (Qwen2-MoE)
+    qk_norm: bool = False          # RMSNorm (weight: head_dim) on each head's q and k (Qwen3)
     moe_layer_freq: int = 1        # every k-th layer is MoE, from layer 0 (Megatron's moe_layer_freq)
     max_position: int | None = None  # learned position table size (default seq_length)
     # the vocabulary is padded to a multiple of this (times tp): Megatron's
@@ -166,6 +167,7 @@ class ModelSpec:
         """Parameters of one layer by kind: ``dense`` (attention, norms, dense or shared MLP,
         router) and ``expert`` (routed experts, all of them)."""
         dense = self.attention_params() + 2 * self.norm_params()
+        dense += 2 * self.kv_channels if self.qk_norm else 0          # q_norm, k_norm
         if not moe:
             return {"dense": dense + self.mlp_params(self.ffn), "expert": 0}
         dense += self.hidden * self.experts                      # router
@@ -295,7 +297,7 @@ PRESETS: dict[str, ModelSpec] = {
     # head_dim 128, 4 kv heads, 128 experts, 8 per token, moe_intermediate_size 768, vocab
     # 151936); a 4096-token training default.
     "qwen3-30b-a3b": _llama("qwen3-30b-a3b", 48, 2048, 32, 4, 6144, 151936, 4096, head_dim=128,
-                            experts=128, top_k=8, moe_ffn_hidden=768),
+                            experts=128, top_k=8, moe_ffn_hidden=768, qk_norm=True),
 }
 
 

@@ -1,7 +1,8 @@
 """The routers' load-balancing loss (``output_router_logits = true``) through the pipeline equals
-Hugging Face's own: Mixtral (4 experts, top-2) and Qwen2-MoE (4 experts, top-2, a shared
-expert with its sigmoid gate, ``norm_topk_prob``), 4 decoder layers, ``router_aux_loss_coef``
-0.5 (large, so that the aux term moves the parameters well beyond the bounds).
+Hugging Face's own: Mixtral (4 experts, top-2), Qwen2-MoE (4 experts, top-2, a shared expert
+with its sigmoid gate, ``norm_topk_prob``) and Qwen3-MoE (per-head q/k norms, head_dim 16),
+4 decoder layers, ``router_aux_loss_coef`` 0.5 (large, so that the aux term moves the
+parameters well beyond the bounds).
 
 * Unit (one process): the statistics each stage adds, carried in the packed activation across
   a stage boundary (detached and re-leafed, as the runtime hands it over), give Hugging Face's
@@ -12,10 +13,11 @@ expert with its sigmoid gate, ``norm_topk_prob``), 4 decoder layers, ``router_au
   ``*ForCausalLM`` trained on the same microbatches with its own ``loss`` (``labels`` given as
   ``shift_labels``: our targets are already the next tokens; the aux term included), AdamW and
   clip_grad_norm_: rtol 1e-5 (parameters atol 1e-6), as tests/exec/test_hf_models.py. pp 2
-  under 1F1B and ZB-V, aux on and off, ZB-V with full recomputation, Qwen2-MoE under 1F1B
-  (fast suite); every schedule at pp 2 with selective recomputation once, pp 2 x dp 2,
-  tp 2 x pp 2 with sequence parallelism (Mixtral, Qwen2-MoE), cp 2 x pp 2 and cp 2 x tp 2 x
-  pp 2 with sp (slow); expert parallelism: ep 2 x dp 2 (fast), ep 2 x pp 2 x dp 2 (ZB-V;
+  under 1F1B and ZB-V, aux on and off, ZB-V with full recomputation, Qwen2-MoE and Qwen3-MoE
+  under 1F1B (fast suite); every schedule at pp 2 with selective recomputation once, pp 2 x
+  dp 2, tp 2 x pp 2 with sequence parallelism (Mixtral, Qwen2-MoE, Qwen3-MoE; Qwen2-MoE
+  without sp too), cp 2 x pp 2 (all three) and cp 2 x tp 2 x pp 2 with sp (slow); bf16 and
+  fp16 ZB-V within 1e-2 of the fp32 reference (slow); expert parallelism: ep 2 x dp 2 (fast), ep 2 x pp 2 x dp 2 (ZB-V;
   Qwen2-MoE under 1F1B; slow).
 """
 from __future__ import annotations
@@ -47,6 +49,8 @@ MODELS = {
     "mixtral": dict(model_type="mixtral", num_local_experts=4, **_BASE),
     "qwen2_moe": dict(model_type="qwen2_moe", num_experts=4, moe_intermediate_size=24,
                       shared_expert_intermediate_size=40, norm_topk_prob=True, **_BASE),
+    "qwen3_moe": dict(model_type="qwen3_moe", num_experts=4, moe_intermediate_size=24,
+                      head_dim=16, norm_topk_prob=True, **_BASE),
     "mixtral-off": dict(model_type="mixtral", num_local_experts=4,
                         **dict(_BASE, output_router_logits=False)),
 }
@@ -64,7 +68,7 @@ def _modeling(model_type: str):
 
 
 # -- one process -------------------------------------------------------------------------
-@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe"])
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "qwen3_moe"])
 def test_statistics_through_two_stages_equal_hf_load_balancing_loss(model_dirs, family):
     spec = hf_dir_stack(model_dirs[family])
     layers = [spec.build_layer(i, seed=3) for i in range(spec.num_layers)]
@@ -203,7 +207,7 @@ def test_pp2_1f1b_and_zbv_equal_hf_with_the_router_loss(model_dirs):
     mixtral, off, qwen = (model_dirs[k] for k in ("mixtral", "mixtral-off", "qwen2_moe"))
     cases = [("1f1b", base(mixtral)), ("zbv", base(mixtral)),
              ("zbv", base(mixtral, recompute="full")), ("zbv", base(off)),
-             ("1f1b", base(qwen))]
+             ("1f1b", base(qwen)), ("1f1b", base(model_dirs["qwen3_moe"]))]
     results = launch(layouts_worker, 2, (2, 1, cases), timeout=600)
     last = [r for r in results if r[_key(*cases[0])]["pp_rank"] == 1]
     for schedule, changes in cases:
@@ -247,7 +251,8 @@ def test_tp2_pp2_sp_equals_hf_with_the_router_loss(model_dirs):
     sp = {"sequence_parallel": True, "eps": TP_EPS}
     cases = [("1f1b", base(model_dirs["mixtral"], **sp)),
              ("zbv", base(model_dirs["qwen2_moe"], **sp)),
-             ("1f1b", base(model_dirs["qwen2_moe"], eps=TP_EPS))]
+             ("1f1b", base(model_dirs["qwen2_moe"], eps=TP_EPS)),
+             ("zbv", base(model_dirs["qwen3_moe"], **sp))]
     results = launch(tp_worker, 4, (2, 2, 1, cases), timeout=900)
     for case in cases:
         key = _key(*case)
@@ -264,7 +269,8 @@ def test_cp2_equals_hf_with_the_router_loss(model_dirs):
     from test_hf_tensor_parallel import ADAM_EPS as TP_EPS   # another summation order, as tp's
 
     cases = [("1f1b", base(model_dirs["mixtral"], eps=TP_EPS)),
-             ("zbv", base(model_dirs["qwen2_moe"], eps=TP_EPS))]
+             ("zbv", base(model_dirs["qwen2_moe"], eps=TP_EPS)),
+             ("1f1b", base(model_dirs["qwen3_moe"], eps=TP_EPS))]
     results = launch(cp_worker, 4, (1, 2, 2, cases), timeout=900)
     for case in cases:
         check([r for r in results if r[_key(*case)]["cp_rank"] == 0], _key(*case))
