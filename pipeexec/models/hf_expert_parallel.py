@@ -47,7 +47,7 @@ class ExpertParallelExperts(nn.Module):
         self.ep = ep
         self.num_experts = full.num_experts
         mine = local_experts(full.num_experts, ep)
-        self.experts = mine
+        self.local = mine                   # the global indices of its experts
         self.hidden_dim = getattr(full, "hidden_dim", full.gate_up_proj.shape[-1])
         self.intermediate_dim = getattr(full, "intermediate_dim", full.down_proj.shape[-1])
         self.act_fn = full.act_fn

@@ -12,7 +12,8 @@ eps 1e-5).
 
 Cases: ep 2 x pp 2 (dp 2) under 1F1B and ZB-V; ep 2 with dp 2 (expert dp 1, pp 1); dp 4 x ep 2
 (expert dp 2), also under ZeRO 1-3 (experts sharded over the expert-data-parallel group);
-ep 2 x pp 2 ZB-V under ZeRO-1; tp 2 x ep 2 x pp 2 with sequence parallelism (8 ranks). Errors: ep not dividing
+ep 2 x pp 2 ZB-V under ZeRO-1; cp 2 x ep 2 x pp 2; tp 2 x ep 2 x pp 2 with sequence
+parallelism (8 ranks). Errors: ep not dividing
 dp x cp, experts not divisible by ep, a dense model.
 """
 from __future__ import annotations
@@ -52,14 +53,15 @@ def ep_config(directory: str, schedule: str, *, pp: int, dp: int, **changes):
                          **changes)
 
 
-def ep_worker(board, tp: int, pp: int, dp: int, ep: int, cases: list[tuple[str, dict]]) -> dict:
-    topo = init_topology(pp, dp, tp=tp, ep=ep, device="cpu", timeout=120)
+def ep_worker(board, tp: int, pp: int, dp: int, ep: int, cases: list[tuple[str, dict]],
+              cp: int = 1) -> dict:
+    topo = init_topology(pp, dp, tp=tp, cp=cp, ep=ep, device="cpu", timeout=120)
     out = {}
     try:
         for schedule, changes in cases:
             changes = dict(changes)
             directory = changes.pop("hf_model")
-            cfg = ep_config(directory, schedule, pp=pp, dp=dp, tp=tp, ep=ep, **changes)
+            cfg = ep_config(directory, schedule, pp=pp, dp=dp, tp=tp, cp=cp, ep=ep, **changes)
             trainer = Trainer(cfg, topo, board=board)
             res = train(trainer)
             named = {n: p for st in trainer.stages.values() for n, p in st.named_parameters()}
@@ -132,14 +134,14 @@ def _reference(cfg):
 
 
 @functools.lru_cache(maxsize=None)
-def _launch(tp: int, pp: int, dp: int, ep: int, cases: tuple) -> list[dict]:
-    return launch(ep_worker, tp * pp * dp, (tp, pp, dp, ep, [(s, dict(ch)) for s, ch in cases]),
-                  timeout=900)
+def _launch(tp: int, pp: int, dp: int, ep: int, cases: tuple, cp: int = 1) -> list[dict]:
+    return launch(ep_worker, tp * cp * pp * dp,
+                  (tp, pp, dp, ep, [(s, dict(ch)) for s, ch in cases], cp), timeout=900)
 
 
-def _run(mixtral_dir, tp, pp, dp, ep, cases):
+def _run(mixtral_dir, tp, pp, dp, ep, cases, cp=1):
     frozen = tuple((s, tuple(sorted(dict(ch, hf_model=mixtral_dir).items()))) for s, ch in cases)
-    runs = _launch(tp, pp, dp, ep, frozen)
+    runs = _launch(tp, pp, dp, ep, frozen, cp)
     return runs, [(s, tuple(sorted(ch.items()))) for s, ch in cases]
 
 
@@ -181,6 +183,15 @@ def test_zero_shards_experts_over_the_expert_data_parallel_group(mixtral_dir, ze
         runs, keys = _run(mixtral_dir, 1, 2, 2, 2, [("zbv", {"zero": 1})])
         for key in keys:
             check(runs, key, 1, 2, f"ep2 pp2 zbv zero 1 {key}")
+
+
+@pytest.mark.slow
+def test_cp2_ep2_pp2_equals_the_unsplit_model(mixtral_dir):
+    """cp 2 x ep 2 x pp 2 (dp 1): the ep group is the cp group; each rank's tokens are its
+    sequence chunks, its experts' gradients averaged by dp x cp."""
+    runs, keys = _run(mixtral_dir, 1, 2, 1, 2, [("1f1b", {})], cp=2)
+    for key in keys:
+        check(runs, key, 1, 2, f"cp2 ep2 pp2 {key}")
 
 
 @pytest.mark.slow
