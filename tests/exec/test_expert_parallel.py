@@ -61,7 +61,10 @@ def ep_worker(board, tp: int, pp: int, dp: int, ep: int, cases: list[tuple[str, 
         for schedule, changes in cases:
             changes = dict(changes)
             directory = changes.pop("hf_model")
+            label = changes.pop("label", None)
             cfg = ep_config(directory, schedule, pp=pp, dp=dp, tp=tp, cp=cp, ep=ep, **changes)
+            if label is not None:
+                changes["label"] = label
             trainer = Trainer(cfg, topo, board=board)
             res = train(trainer)
             named = {n: p for st in trainer.stages.values() for n, p in st.named_parameters()}
@@ -237,3 +240,19 @@ def test_a_plan_with_ep_runs_from_the_cli(mixtral_dir, tmp_path):
     assert out.returncode == 0, out.stderr
     assert "1f1b ep=2 pp=2 vpp=1 dp=2" in out.stdout + out.stderr
     assert "step 1 (2 of 2)" in out.stdout + out.stderr
+
+
+@pytest.mark.slow
+def test_qwen_moe_families_at_ep2_dp2_equal_the_unsplit_model(tmp_path):
+    """Qwen2-MoE (a shared expert and its gate beside the routed experts, replicated) and
+    Qwen3-MoE (per-head q/k norms): the same cut of the fused experts, ep 2 x dp 2."""
+    from test_hf_moe import MODELS
+    dirs = [str(write_model(tmp_path / name, dict(cfg, num_hidden_layers=2)))
+            for name, cfg in MODELS.items()]
+    frozen = tuple(("1f1b", (("hf_model", d), ("label", name)))
+                   for name, d in zip(MODELS, dirs))
+    runs = _launch(1, 1, 2, 2, frozen)
+    for name in MODELS:
+        key = ("1f1b", (("label", name),))
+        assert read_hf_config(runs[0][key]["config"].hf_model).model_type == name
+        check(runs, key, 1, 2, f"{name} ep2 dp2")
