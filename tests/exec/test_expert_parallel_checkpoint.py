@@ -3,7 +3,8 @@
 parameters; resume is bit-exact at ep 2, and a checkpoint reshards between ep 2 and ep 1 (the
 experts put back together and cut again: the loaded weights and AdamW moments are exactly the
 saved ones, and training goes on as from the saved state). ``checkpoint convert`` puts the
-experts together (ep 1) and ``inspect`` lists every ep rank's file.
+experts together (ep 1) and ``inspect`` lists every ep rank's file; under ZeRO-1 (experts
+sharded over the expert-data-parallel group) resume is bit-exact too.
 
 A tiny Mixtral (4 experts, top-2), dp 2 x pp 1 (2 forked gloo ranks), fp32.
 """
@@ -31,8 +32,9 @@ from test_hf_models import write_model  # noqa: E402
 pytestmark = pytest.mark.slow
 
 
-def worker(board, directory: str, ep: int, steps: int, load: str | None, save: str | None) -> dict:
-    cfg = ep_config(directory, "1f1b", pp=1, dp=2, ep=ep, steps=steps)
+def worker(board, directory: str, ep: int, steps: int, load: str | None, save: str | None,
+           zero: int = 0) -> dict:
+    cfg = ep_config(directory, "1f1b", pp=1, dp=2, ep=ep, steps=steps, zero=zero)
     topo = init_topology(cfg.pp, cfg.dp, ep=ep, device="cpu", timeout=120)
     try:
         trainer = Trainer(cfg, topo, board=board)
@@ -58,8 +60,8 @@ def worker(board, directory: str, ep: int, steps: int, load: str | None, save: s
 
 @functools.lru_cache(maxsize=None)
 def run(directory: str, ep: int, steps: int, load: str | None = None,
-        save: str | None = None) -> list[dict]:
-    return launch(worker, 2, (directory, ep, steps, load, save), timeout=300)
+        save: str | None = None, zero: int = 0) -> list[dict]:
+    return launch(worker, 2, (directory, ep, steps, load, save, zero), timeout=300)
 
 
 def whole(results: list[dict], what: str, ep: int) -> dict[str, torch.Tensor]:
@@ -136,3 +138,22 @@ def test_convert_and_inspect_understand_expert_shards(saved, tmp_path):
     want = whole(before, "params", 2)
     got, _ = reader.model_tensors(list(want))
     assert all(torch.equal(want[n], got[n]) for n in want)
+
+
+def test_zero_1_at_ep_2_resumes_bit_exact_and_loads_at_ep_1(saved, tmp_path):
+    """Under ZeRO-1 the experts' masters and moments are shards of the expert-data-parallel
+    group, gathered whole by name for the file: resume is bit-exact, and the same file loads
+    into an ep 1 run without ZeRO with exactly the saved weights and moments."""
+    root = str(tmp_path / "zero1")
+    before = run(saved["dir"], 2, 2, None, root, 1)
+    straight = run(saved["dir"], 2, 4, None, None, 1)
+    resumed = run(saved["dir"], 2, 4, root, None, 1)
+    assert resumed[0]["run"]["losses"] == straight[0]["run"]["losses"][2:]
+    a, b = whole(straight, "params", 2), whole(resumed, "params", 2)
+    assert all(torch.equal(a[n], b[n]) for n in a)
+    after = run(saved["dir"], 1, 4, root)
+    for what in ("params", "moments"):
+        want = whole(before, what, 2)
+        got = whole(after, "loaded" if what == "params" else "loaded_moments", 1)
+        assert want.keys() == got.keys()
+        assert all(torch.equal(want[n], got[n]) for n in want), what
