@@ -321,3 +321,15 @@ def test_16bit_runs_carry_the_router_loss(model_dirs, precision):
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(on), rtol=1e-2, atol=0)
     assert max(abs(a - b) for a, b in zip(losses, on)) * 10 < min(
         abs(a - b) for a, b in zip(losses, off))
+
+
+@pytest.mark.slow
+def test_cp2_ep2_pp2_equals_hf_with_the_router_loss(model_dirs):
+    """The ep group is the cp group: each rank's routers see its sequence chunks (the head
+    sums the statistics over cp), its tokens dispatched to the experts' owners."""
+    from test_expert_parallel import ep_worker, whole_model as ep_whole_model
+
+    cases = [("1f1b", {"hf_model": model_dirs["mixtral"]})]     # (ep_config: AdamW eps 1e-5)
+    results = launch(ep_worker, 4, (1, 2, 1, 2, cases, 2), timeout=900)   # tp pp dp ep, cp 2
+    key = ("1f1b", ())
+    check(results, key, whole=ep_whole_model(results, key, 1, 2))
