@@ -17,6 +17,11 @@ With ``--zero 1|2|3`` and more than one data-parallel replica the gradients, mas
 state are the ZeRO holder's (`training.zero.ShardedOptimizer`, also the runtime's stage hooks
 for ZeRO-2/3): it reduce-scatters instead of all-reducing, gives its shard's squared norm
 (summed over all ranks in the same all-reduce, not divided by dp) and steps its shard.
+
+Expert parallelism (``ep`` > 1, `parallel.experts`): a MoE layer's experts are cut over the ep
+group; their gradients are summed over the expert-data-parallel group and divided by dp x cp
+as the dense ones (`ddp.GradBuffer.all_reduce_experts`; under ZeRO the
+`zero.ExpertShardedOptimizer` shards them over that group), each counted once in the norm.
 """
 from __future__ import annotations
 
