@@ -175,15 +175,3 @@ def test_an_inherited_cpu_share_the_machine_cannot_give_says_where_it_came_from(
                     "--calibrate-from", str(calibration_run(tmp_path))]) == 2
     err = capsys.readouterr().err
     assert "the calibration run's ranks were confined to --cpus-per-rank 0.5" in err
-
-
-def test_the_plan_alone_memory_figure_says_where_it_is_known_unreliable():
-    from pipeexec.cli.compare import plan_memory_caveat
-    from pipeexec.config import TrainConfig
-
-    # the split backward's I-to-W hold is modelled as pipeexec holds it (plan_memory.executor_split)
-    assert plan_memory_caveat(TrainConfig(schedule="zb-h1", pp=2, microbatches=4, layers=4)) == ""
-    assert plan_memory_caveat(TrainConfig(schedule="1f1b", pp=2, microbatches=4, layers=4)) == ""
-    hf = plan_memory_caveat(TrainConfig(schedule="1f1b", pp=2, microbatches=4, layers=4,
-                                        hf_model="some/dir"))
-    assert hf.startswith("known unreliable here: for a Hugging Face model")

@@ -33,6 +33,7 @@ from typing import Any
 import pipesim
 from pipesim.plan.footprint import BYTES_PER_PARAM
 
+from .hf_activations import stage_extras
 from .predict import EXECUTOR_COMM
 
 
@@ -42,7 +43,7 @@ def predicted_activation_peaks(config: Any, schedule: "pipesim.Schedule | None" 
     `TrainConfig`) from its plan, on ``schedule`` (default: the one the config runs)."""
     plan = config.run_plan()
     sched = config.build_schedule() if schedule is None else schedule
-    costs = executor_split(plan.derive().costs, plan, sched)
+    costs = executor_split(as_built(plan.derive().costs, plan, config), plan, sched)
     costs = replace(costs, static_bytes=0.0, stage_static_bytes=0.0)
     if not config.deallocate_outputs:
         costs = _outputs_kept(costs, sched)
@@ -94,12 +95,23 @@ def predicted_peaks(config: Any, schedule: "pipesim.Schedule | None" = None) -> 
         transient.append(weight_bytes * largest if par.zero == 3 and d > 1 else 0.0)
         # (beside the shard accumulator, which the plan counts, as for every parameter)
         tied_extra.append(4 * tied if par.zero >= 2 and d > 1 else 0.0)
-    costs = replace(executor_split(derived.costs, plan, sched),
+    costs = replace(executor_split(as_built(derived.costs, plan, config), plan, sched),
                     static_bytes=tuple(a + b for a, b in zip(transient, tied_extra)))
     if not config.deallocate_outputs:
         costs = _outputs_kept(costs, sched)
     result = pipesim.simulate(sched, costs, comm=EXECUTOR_COMM)
     return [float(x) for x in result.peak_memory]
+
+
+def as_built(costs: "pipesim.CostModel", plan: "pipesim.Plan", config: Any) -> "pipesim.CostModel":
+    """The plan's activation bytes, plus, for a Hugging Face model, what its transformers
+    modules save beyond the formulas (`hf_activations`)."""
+    if not getattr(config, "hf_model", None):
+        return costs
+    n = len(plan.stage_layers())
+    act = costs.stage_values("activation_bytes", n)
+    return replace(costs, activation_bytes=tuple(
+        a + x for a, x in zip(act, stage_extras(plan))))
 
 
 def executor_split(costs: "pipesim.CostModel", plan: "pipesim.Plan",

@@ -382,21 +382,9 @@ def plan_memory(config: Any, measured: list[float]) -> tuple[dict[str, Any], str
         f"rank {r} {p / scale:.2f} {unit} (measured {m / scale:.2f}"
         + (f", {e:+.1%})" if e is not None else ")")
         for r, (p, m, e) in enumerate(zip(predicted, measured, errors)))
-    caveat = plan_memory_caveat(config)
-    return ({"plan_predicted_peak_memory": predicted, "plan_peak_memory_error": errors,
-             "plan_peak_memory_caveat": caveat},
+    return ({"plan_predicted_peak_memory": predicted, "plan_peak_memory_error": errors},
             f"peak activation memory predicted from the plan alone (model shape, recompute "
-            f"{config.recompute}; no calibration): {per_rank}" + (f"; {caveat}" if caveat else ""))
-
-
-def plan_memory_caveat(config: Any) -> str:
-    """Where the plan-alone activation figure is known to be unreliable, why ('' elsewhere)."""
-    why = []
-    if getattr(config, "hf_model", None):
-        why.append("for a Hugging Face model the family's own modules keep more than the "
-                   "formulas count (transformers' layers save 2-D copies of some linear "
-                   "layers' inputs: 22-25% low on a tiny Llama, 1F1B and ZB-H2 at pp 2)")
-    return ("known unreliable here: " + "; ".join(why)) if why else ""
+            f"{config.recompute}; no calibration): {per_rank}")
 
 
 def write_outputs(comparison: Comparison, *, report_out: str | None = None,
