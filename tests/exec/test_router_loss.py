@@ -15,7 +15,7 @@ parameters well beyond the bounds).
   clip_grad_norm_: rtol 1e-5 (parameters atol 1e-6), as tests/exec/test_hf_models.py. pp 2
   under 1F1B and ZB-V, aux on and off, ZB-V with full recomputation, Qwen2-MoE and Qwen3-MoE
   under 1F1B (fast suite); every schedule at pp 2 with selective recomputation once, pp 2 x
-  dp 2, tp 2 x pp 2 with sequence parallelism (Mixtral, Qwen2-MoE, Qwen3-MoE; Qwen2-MoE
+  dp 2 (and ZB-V under ZeRO-3), tp 2 x pp 2 with sequence parallelism (Mixtral, Qwen2-MoE, Qwen3-MoE; Qwen2-MoE
   without sp too), cp 2 x pp 2 (all three) and cp 2 x tp 2 x pp 2 with sp (slow); bf16 and
   fp16 ZB-V within 1e-2 of the fp32 reference (slow); expert parallelism: ep 2 x dp 2 (fast), ep 2 x pp 2 x dp 2 (ZB-V;
   Qwen2-MoE under 1F1B; slow).
@@ -235,11 +235,14 @@ def test_every_schedule_at_pp2_equals_hf_with_the_router_loss(model_dirs):
 
 @pytest.mark.slow
 def test_pp2_dp2_equals_hf_with_the_router_loss(model_dirs):
+    """pp 2 x dp 2, also ZB-V under ZeRO-3 (parameters gathered around each action)."""
     from test_hf_tensor_parallel import ADAM_EPS as TP_EPS   # dp's summation order, as tp's
 
-    cases = [("1f1b", base(model_dirs["mixtral"], eps=TP_EPS))]
+    cases = [("1f1b", base(model_dirs["mixtral"], eps=TP_EPS)),
+             ("zbv", base(model_dirs["mixtral"], eps=TP_EPS, zero=3))]
     results = launch(layouts_worker, 4, (2, 2, cases), timeout=600)
-    check(results, _key(*cases[0]))
+    for case in cases:
+        check(results, _key(*case))
 
 
 @pytest.mark.slow
