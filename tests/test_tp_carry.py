@@ -79,3 +79,52 @@ def test_compare_from_a_run_at_another_tp_asks_for_the_hardware_file(capsys):
     assert "ran at tp 1, this run at tp 2: give --hardware FILE" in err
     assert compare_main(["--hardware", "A100", "--tp", "2"]) == 2
     assert "--hardware carries a --calibrate-from run to another tp" in capsys.readouterr().err
+
+
+# -- cp and ep: the same carry, both plans priced as pipeexec runs cp (all-gather) -------------
+def layout_costs(free: bool = False, **sizes):
+    from pipeexec.analysis.tensor_parallel import as_executed
+    plan = as_executed(CFG.replace(**sizes).run_plan())
+    cluster = plan.cluster.with_(hardware=HW)
+    if free:
+        cluster = cluster.with_(intra_bandwidth=1e30, intra_latency=0.0, inter_bandwidth=1e30,
+                                inter_latency=0.0)
+    return plan, plan.with_(cluster=cluster).derive()
+
+
+def test_the_plans_own_costs_carry_to_cp_2_with_its_gathers_priced():
+    from pipeexec.analysis.tensor_parallel import carry_to_layout
+    src_plan, src = layout_costs()
+    tgt_plan, tgt = layout_costs(cp=2)
+    assert tgt_plan.parallelism.cp_comm == "all_gather"
+    carried, summary = carry_to_layout(src.costs, src_plan, tgt_plan, HW)
+    for op in OPS:
+        if getattr(src.costs, op) is not None:
+            assert carried.stage_values(op, 4) == pytest.approx(tgt.costs.stage_values(op, 4),
+                                                                rel=1e-9), op
+    cp = summary["collectives"]["cp"]
+    # per stage: F the all-gather of K/V, I the gather again and the reduce-scatter
+    assert cp["forward"] == [s["F"]["cp"] for s in tgt.stage_comm]
+    assert all(f > 0 and i > f for f, i in zip(cp["forward"], cp["backward_input"]))
+    assert summary["collectives"]["tp"]["forward"] == [0.0] * 4
+    assert summary["collectives"]["ep"]["forward"] == [0.0] * 4
+    # the collectives are what a free link takes away
+    _, free = layout_costs(free=True, cp=2)
+    assert [r - f for r, f in zip(tgt.costs.stage_values("forward", 4),
+                                  free.costs.stage_values("forward", 4))] == \
+        pytest.approx(cp["forward"], rel=1e-9)
+
+
+def test_an_ep_carry_prices_the_all_to_alls_of_a_moe_model():
+    from pipeexec.analysis.tensor_parallel import carry_to_layout, layout_note
+    moe = CFG.plan.model.with_(experts=4, top_k=2, moe_ffn_hidden=256, family=None)
+    cfg = CFG.replace(plan=CFG.plan.with_(model=moe), dp=2)
+    src_plan = cfg.run_plan()
+    tgt_plan = cfg.replace(ep=2).run_plan()
+    src = src_plan.with_(cluster=src_plan.cluster.with_(hardware=HW)).derive().costs
+    carried, summary = carry_to_layout(src, src_plan, tgt_plan, HW)
+    ep = summary["collectives"]["ep"]
+    assert all(x > 0 for x in ep["forward"] + ep["backward_input"])
+    assert ep["backward_weight"] == [0.0] * 4
+    note = layout_note(src_plan.parallelism, tgt_plan.parallelism, HW.name, summary)
+    assert note.startswith("carried from tp 1 cp 1 ep 1 to tp 1 cp 1 ep 2") and "ep [" in note

@@ -125,3 +125,46 @@ def test_pipeexec_runs_every_plan_the_planner_picks_on_8_cpu_ranks(tmp_path, mod
             cp=1, ep=1, tp=1, sequence_parallel=False, zero=0, recompute="none")
         ref_losses, _ = hf_reference_train(ref)
         assert losses == pytest.approx(ref_losses, rel=1e-5), what
+
+
+# -- compare: cp 2 and ep 2 plans predicted from a cp 1 / ep 1 run, collectives measured -------
+def _compare(tmp: Path, plan, name: str, *extra: str) -> dict:
+    from pipeexec.cli.compare import compare_main
+
+    path, report = tmp / f"{name}.json", tmp / f"{name}-report.json"
+    plan.to_json(path)
+    assert compare_main(["--plan", str(path), "--steps", "4", "--profile", "1:4",
+                         "--cpus-per-rank", "0.25", "--report-out", str(report), *extra]) == 0
+    return json.loads(report.read_text())
+
+
+@pytest.mark.slow
+def test_compare_predicts_cp_and_ep_plans_with_their_collectives_from_the_hardware_file(
+        tmp_path, model_dirs):
+    """``pipeexec compare --plan P --calibrate-from RUN --hardware FILE`` for a cp 2 plan (the
+    built-in GPT, pp 2, 4 ranks) from a cp 1 run, and an ep 2 plan (the tiny Mixtral, pp 2 x
+    dp 2) from an ep 1 run: the report holds the prediction, the carried layouts, and each
+    rank's cp (ep) collective seconds, non-zero, priced from the file; the table's
+    <group>_collectives_predicted columns per rank. No bound on the times (a shared CPU)."""
+    gpt = TrainConfig(layers=4, hidden=32, heads=4, seq_len=64, vocab=64, pp=2, microbatches=4,
+                      micro_batch_size=2).plan
+    moe = TrainConfig(pp=2, dp=2, microbatches=4, micro_batch_size=2, seq_len=32).with_hf_model(
+        str(model_dirs["mixtral"])).plan
+    for name, base, group in (("gpt", gpt, "cp"), ("mixtral", moe, "ep")):
+        trace = tmp_path / f"{name}-1-trace.json"
+        own = _compare(tmp_path, base, f"{name}-1", "--trace-out", str(trace))
+        assert own["predicted_collectives"] == {}           # its own trace holds them
+        two = _compare(tmp_path, base.with_(**{group: 2}), f"{name}-2", "--calibrate-from",
+                       str(trace), "--hardware", str(HARDWARE))
+        src = two["calibration"]["source"]
+        assert (src["carried_from"], src["carried_to"]) == (
+            "tp 1 cp 1 ep 1", f"tp 1 cp {2 if group == 'cp' else 1} ep {2 if group == 'ep' else 1}")
+        assert src["hardware"] == get_hardware(str(HARDWARE)).name
+        coll = two["predicted_collectives"]
+        assert set(coll) == {"tp", "cp", "ep"} and len(coll[group]) == 2, name
+        assert all(x > 0 for x in coll[group]), (name, coll)
+        other = "ep" if group == "cp" else "cp"
+        assert coll["tp"] == coll[other] == [0.0, 0.0], (name, coll)
+        for row in two["per_rank"]:
+            assert row[f"{group}_collectives_predicted"] == coll[group][row["rank"]]
+        assert two["predicted_step_time"] > 0 and two["measured_step_time"] > 0
