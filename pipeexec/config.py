@@ -66,14 +66,21 @@ def _ints(text: Any) -> tuple[int, ...] | None:
         raise ConfigError(f"--boundaries must be comma-separated integers, got {text!r}") from None
 
 
+# Steps a zb-auto run trains before it profiles: step 0 builds the runtime, and step 1 still
+# ran ~40% over the steady step at vpp 2 on CPU (76.7 vs 53.7 ms, ZB-V pp 2), which inflated
+# the costs the search predicts from.
+RESCHEDULE_WARMUP_STEPS = 2
+
+
 @dataclass(frozen=True)
 class LayoutConfig:
     """The executor's layout knobs that are not plan fields: zb-auto re-scheduled from the
     run's own profiled steps, and stage cuts a plan does not spell (by parameter counts, or
     explicit boundaries in the layer list)."""
 
-    # zb-auto: profile `reschedule_after` steps of ZB-H1 (after a warm-up step), search a
-    # schedule from the measured costs under `memory_limit` bytes per rank, switch to it
+    # zb-auto: profile `reschedule_after` steps of ZB-H1 (after RESCHEDULE_WARMUP_STEPS warm-up
+    # steps), search a schedule from the measured costs under `memory_limit` bytes per rank,
+    # switch to it
     memory_limit: float | None = _opt(
         None, "with --schedule zb-auto: profile --reschedule-after steps of ZB-H1, search "
         "zb-auto from the measured costs under this per-rank limit (e.g. 2GB), switch to it",
@@ -462,10 +469,12 @@ class TrainConfig:
             if not isinstance(self.reschedule_after, int) or self.reschedule_after < 1:
                 raise ConfigError(f"reschedule_after must be a positive integer, got "
                                   f"{self.reschedule_after!r}")
-            if self.steps < self.reschedule_after + 2:
-                raise ConfigError(f"steps = {self.steps}: zb-auto profiles steps 1.."
-                                  f"{self.reschedule_after} (after a warm-up step) before it "
-                                  f"searches, so it needs steps >= {self.reschedule_after + 2}")
+            first = RESCHEDULE_WARMUP_STEPS
+            need = first + self.reschedule_after + 1
+            if self.steps < need:
+                raise ConfigError(f"steps = {self.steps}: zb-auto profiles steps {first}.."
+                                  f"{first + self.reschedule_after - 1} (after {first} warm-up "
+                                  f"steps) before it searches, so it needs steps >= {need}")
         if self.placement is not None:
             if self.placement not in PLACEMENT_CHOICES:
                 raise ConfigError(f"placement must be one of {', '.join(PLACEMENT_CHOICES)}, got "

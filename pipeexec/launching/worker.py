@@ -18,7 +18,7 @@ import torch.distributed as dist
 from .board import ActionBoard
 from ..analysis.measured import MeasuredRun
 from ..checkpoint import CheckpointManager, CheckpointOptions
-from ..config import TrainConfig
+from ..config import RESCHEDULE_WARMUP_STEPS, TrainConfig
 from ..measuring.options import ProfileOptions
 from ..measuring.reschedule import (check_memory_limit, judge_switch, profiled_schedule,
                                     reschedule, trial_steps)
@@ -74,8 +74,9 @@ def run_training(board: ActionBoard | None, args: WorkerArgs) -> RunOutcome:
             raise ValueError("--profile and zb-auto's --memory-limit both profile the run; "
                              "give one of them")
         if profile is not None or auto:
-            session = ProfileSession(profile or ProfileOptions(1, config.reschedule_after + 1),
-                                     topology)
+            session = ProfileSession(profile or ProfileOptions(
+                RESCHEDULE_WARMUP_STEPS, RESCHEDULE_WARMUP_STEPS + config.reschedule_after),
+                topology)
         first = None
         if auto:
             first = profiled_schedule(config)
@@ -113,7 +114,7 @@ def run_training(board: ActionBoard | None, args: WorkerArgs) -> RunOutcome:
         if auto:
             check_memory_limit(trainer, config.memory_limit)    # before step 0
             saved, switched, times, orders = on_step, {}, {}, []
-            switch_at = config.reschedule_after + 1
+            switch_at = RESCHEDULE_WARMUP_STEPS + config.reschedule_after
             trial = trial_steps(config.steps, switch_at)
             baseline_at, judge_at = switch_at + trial, switch_at + 2 * trial
 
@@ -142,7 +143,7 @@ def run_training(board: ActionBoard | None, args: WorkerArgs) -> RunOutcome:
                        backend=topology.backend, device=str(topology.device),
                        versions=run_versions(topology.backend))
         if auto:
-            after = result.step_times[config.reschedule_after + 1:]
+            after = result.step_times[switch_at:]
             metrics["reschedule"] = dict(switched, measured_after_s=after,
                                          final_schedule=trainer.schedule.name)
             settled = result.step_times[judge_at:] if trial else after

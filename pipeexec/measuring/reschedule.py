@@ -3,7 +3,7 @@
 ``pipeexec train --schedule zb-auto --memory-limit X`` trains its first steps with a schedule
 whose split backward measures F, I and W of every stage (:func:`profiled_schedule`: ZB-H1; at
 vpp 2 ZB-V, or interleaved 1F1B with each backward run as I then W in the looped placement), profiling steps
-``1 .. reschedule_after`` (step 0 warms up). The stages are cut before the first step, so the
+``2 .. reschedule_after + 1`` (steps 0 and 1 warm up: `pipeexec.config.RESCHEDULE_WARMUP_STEPS`). The stages are cut before the first step, so the
 search keeps the profiled schedule's vpp and placement. Then, on every rank at the same step: rank 0 fits a cost model to the
 profiled steps as predictions do (:func:`pipeexec.analysis.predict.prediction_costs`: wall
 times, or CPU work and the shared cores where the ranks competed), searches zb-auto under the

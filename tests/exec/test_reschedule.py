@@ -26,7 +26,7 @@ def worker(board, config):
     (1, None, "zb-h1"), (2, None, "zbv"), (2, "looped", "interleaved (I+W)")])
 def test_zb_auto_from_the_runs_own_costs_trains_like_a_single_process(vpp, placement, profiled):
     cfg = TINY.replace(schedule="zb-auto", pp=2, vpp=vpp, placement=placement, microbatches=4,
-                       micro_batch_size=2, steps=5, memory_limit=1e9, reschedule_after=2,
+                       micro_batch_size=2, steps=6, memory_limit=1e9, reschedule_after=2,
                        layers=2 * vpp)
     results = launch(worker, 2, (cfg,), timeout=300)
     ref_losses, _, _ = reference_train(cfg.replace(pp=1, vpp=1, schedule="1f1b", placement=None,
@@ -34,10 +34,10 @@ def test_zb_auto_from_the_runs_own_costs_trains_like_a_single_process(vpp, place
     torch.testing.assert_close(torch.tensor(results[0]["losses"]), torch.tensor(ref_losses),
                                rtol=1e-5, atol=0)
     info = results[0]["reschedule"]
-    assert info["profiled"] == profiled and info["steps"] == [1, 2]
+    assert info["profiled"] == profiled and info["steps"] == [2, 3]    # after 2 warm-up steps
     assert info["predicted_s"] > 0 and max(info["predicted_peak_bytes"]) <= 1e9
-    assert len(info["measured_after_s"]) == 2          # steps 3 and 4 ran after the switch:
-    assert info["trial"]["steps"] == 1                 # 3 the searched order, 4 the replaced
+    assert len(info["measured_after_s"]) == 2          # steps 4 and 5 ran after the switch:
+    assert info["trial"]["steps"] == 1                 # 4 the searched order, 5 the replaced
     assert info["margin"] == 0.05                      # the default: a hand-made order kept
     assert info["handcrafted"] in (None, "zb-h1", "1f1b", "zb-h2", "zbv", "interleaved",
                                    "v-half", "v-min", "dualpipev")
@@ -89,16 +89,17 @@ def test_placement_needs_zb_auto_at_vpp_2():
 def test_memory_limit_needs_zb_auto_and_enough_steps():
     with pytest.raises(ConfigError, match="memory_limit applies to the zb-auto schedule"):
         TINY.replace(schedule="1f1b", pp=2, microbatches=4, memory_limit=1e9).validate()
-    with pytest.raises(ConfigError, match=r"needs steps >= 4"):
-        TINY.replace(schedule="zb-auto", pp=2, microbatches=4, steps=3, memory_limit=1e9).validate()
+    with pytest.raises(ConfigError, match=r"profiles steps 2..3 \(after 2 warm-up steps\).*"
+                                          r"needs steps >= 5"):
+        TINY.replace(schedule="zb-auto", pp=2, microbatches=4, steps=4, memory_limit=1e9).validate()
 
 
 def test_a_searched_order_measured_slower_is_switched_back():
-    """margin 0.99: nothing is measured 99% faster, so after its trial steps (3, 4) and the
-    replaced order's again (5, 6) the run stays on the profiled order, every rank alike; the
+    """margin 0.99: nothing is measured 99% faster, so after its trial steps (4, 5) and the
+    replaced order's again (6, 7) the run stays on the profiled order, every rank alike; the
     losses stay those of single-process training through the switches, and the log's figures
     are recorded."""
-    cfg = TINY.replace(schedule="zb-auto", pp=2, microbatches=4, micro_batch_size=2, steps=8,
+    cfg = TINY.replace(schedule="zb-auto", pp=2, microbatches=4, micro_batch_size=2, steps=9,
                        memory_limit=1e9, reschedule_after=2, reschedule_margin=0.99)
     results = launch(worker, 2, (cfg,), timeout=300)
     ref_losses, _, _ = reference_train(cfg.replace(pp=1, schedule="1f1b", memory_limit=None))
