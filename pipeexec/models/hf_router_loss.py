@@ -115,10 +115,8 @@ class RouterLoss:
         cpu_like = probs.device.type in ("cpu", "mps")       # histc's dtypes, as HF picks them
         counts = torch.histc(selected.reshape(-1).to(torch.float32 if cpu_like else torch.int32),
                              bins=e, min=0, max=e)
-        fixed = side[2 * e:].detach().clone()
-        fixed[0] = fixed[0] + probs.shape[0]
-        return torch.cat([side[:e] + probs.float().sum(dim=0),
-                          side[e:2 * e].detach() + counts, fixed])
+        return torch.cat([side[:e] + probs.float().sum(dim=0), side[e:2 * e].detach() + counts,
+                          side[2 * e:].detach() + probs.shape[0]])
 
     # -- the head ----------------------------------------------------------------------------
     def term(self, side: torch.Tensor) -> torch.Tensor:
@@ -127,10 +125,8 @@ class RouterLoss:
         stats = side[:2 * e + 1]
         if self.cp.active:
             stats = _SumOverGroup.apply(stats, self.cp)
+        # (rows > 0: every decoder layer is a MoE layer, `hf_config` refuses dense ones)
         probs, counts, rows = stats[:e], stats[e:2 * e].detach(), stats[2 * e].detach()
-        if float(rows) == 0:
-            raise ValueError("router aux loss: no MoE layer routed any token (no router in the "
-                             "model); set output_router_logits = false")
         aux = torch.sum((counts / rows) * (probs / rows).unsqueeze(0)) * e
         out = self.coef * aux
         return _ScaleGrad.apply(out, 1.0 / self.tp.size) if self.tp.active else out
