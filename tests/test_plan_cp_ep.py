@@ -181,3 +181,30 @@ def test_ep_over_dp_x_cp_and_the_dispatched_tokens_kept():
             + 2 * (e * s * 64 + 3 * e * s * 128))
     assert layer_activations(MOE, plan(MOE, cp=2, ep=2, cp_comm="all_gather").parallelism,
                              moe=True).total == kept
+
+
+def test_a_calibrate_hardware_file_prices_cp_and_ep_at_its_measured_figures():
+    """The file ``pipeexec calibrate-hardware`` wrote on the development VM: cp's all-gather and
+    reduce-scatter and ep's all-to-all at that file's own figure for each at p = 2, not its
+    link pair (fitted to the all-reduce)."""
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).parent / "data" / "cpu_2core_hardware.json"
+    hw = get_hardware(str(path))
+    figures = json.loads(path.read_text())["collectives"]["intra"]
+
+    def at(name: str, n: float) -> float:
+        f = figures[name]["2"]
+        return f["latency"] + 0.5 * n / f["bandwidth"]
+    cluster = Cluster(hw)
+    d = pipesim.Plan(TINY, Parallelism(cp=2, pp=2, precision="fp32", cp_comm="all_gather"),
+                     cluster, "1f1b").derive()
+    assert d.stage_comm[0]["F"]["cp"] == pytest.approx(at("all_gather", KV), rel=1e-12)
+    assert d.stage_comm[0]["I"]["cp"] == pytest.approx(
+        at("all_gather", KV) + at("reduce_scatter", KV), rel=1e-12)
+    assert at("all_gather", KV) != pytest.approx(hw.link_latency + 0.5 * KV / hw.link_bandwidth)
+    d = pipesim.Plan(MOE, Parallelism(dp=2, ep=2, pp=2, precision="fp32"), cluster,
+                     "1f1b").derive()
+    assert d.stage_comm[0]["I"]["ep"] == pytest.approx(2 * at("all_to_all", 128 * 2 * 64 * 4),
+                                                        rel=1e-12)
