@@ -335,9 +335,6 @@ def layout_carry(config: Any, source: MeasuredRun, hardware: str | None, path: s
     return LayoutCarry(source_config.run_plan(), config.run_plan(), get_hardware(hardware))
 
 
-tp_carry = layout_carry     # its name when it carried tp alone
-
-
 class LayoutCarry:
     """Calibrated costs carried from the calibration run's tp / cp / ep to the run's, both
     priced as pipeexec runs them (``note``: what was done, once it was)."""
@@ -361,9 +358,6 @@ class LayoutCarry:
         if src.tp != tgt.tp:
             carried["carried_to_tp"] = tgt.tp
         return replace(cal, costs=costs, source={**cal.source, **carried})
-
-
-TpCarry = LayoutCarry
 
 
 def plan_memory(config: Any, measured: list[float]) -> tuple[dict[str, Any], str]:
