@@ -1,4 +1,5 @@
-"""Carrying calibrated costs to another tp (`pipeexec.analysis.tensor_parallel`), torch-free.
+"""Carrying calibrated costs to another tp, cp or ep (`pipeexec.analysis.tensor_parallel`),
+torch-free.
 
 Closed forms: costs that are the plan's own at tp 1 carry to exactly the plan's costs at tp 2
 (compute by the per-operator model, collectives from the hardware's per-collective figures);
@@ -10,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 from pipesim.hardware import get_hardware
-from pipeexec.analysis.tensor_parallel import OPS, carry_to_tp
+from pipeexec.analysis.tensor_parallel import OPS, carry_to_layout as carry_to_tp
 from pipeexec.config import TrainConfig
 
 CFG = TrainConfig(pp=2, microbatches=4, micro_batch_size=4, layers=6, hidden=256, heads=4,

@@ -48,7 +48,7 @@ def predict(schedule: "pipesim.Schedule", layout: Layout, calibration_run: Measu
     ``comm``: the simulator's communication mode (``pipesim.simulate``); by default the
     executor's rendezvous, where a transfer starts when both sides have posted. ``carry``: a
     change of the calibrated costs before simulating (to another tp:
-    `pipeexec.analysis.tensor_parallel.carry_to_tp`).
+    `pipeexec.analysis.tensor_parallel.carry_to_layout`).
 
     ``contention`` (default: when the calibration run recorded CPU work, i.e. on CPU, and its
     ranks competed for cores, `contention.shares_cores`): model ranks sharing cores. Costs are

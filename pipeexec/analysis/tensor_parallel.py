@@ -94,9 +94,6 @@ def carry_to_layout(costs: Any, source_plan: Any, target_plan: Any, hardware: An
     return costs.with_(**changes), summary
 
 
-carry_to_tp = carry_to_layout       # its name when it carried tp alone
-
-
 def layout_name(par: Any) -> str:
     """``tp 2 (sp) cp 2 ep 1``: the sizes a carry changes."""
     return (f"tp {par.tp}{' (sp)' if par.sequence_parallel and par.tp > 1 else ''} "
@@ -118,14 +115,5 @@ def layout_note(source: Any, target: Any, hardware_name: str, summary: dict) -> 
             "collective figures")
 
 
-def tp_note(source_tp: int, target_tp: int, hardware_name: str, summary: dict) -> str:
-    f = summary.get("forward", {})
-    ratio = ", ".join(f"{x:.2f}" for x in f.get("compute_ratio", []))
-    coll = ", ".join(f"{x * 1e3:.2f}" for x in f.get("collective_s", []))
-    return (f"carried from tp {source_tp} to tp {target_tp}: each stage's F compute x [{ratio}] "
-            f"(the plan's per-operator model) plus tp collectives [{coll}] ms per F, priced "
-            f"from {hardware_name}'s measured collective figures")
-
-
-__all__ = ["EXECUTOR_CP_COMM", "as_executed", "carry_to_layout", "carry_to_tp", "group_collectives",
-           "layout_name", "layout_note", "tp_note"]
+__all__ = ["EXECUTOR_CP_COMM", "as_executed", "carry_to_layout", "group_collectives", "layout_name",
+           "layout_note"]
