@@ -10,7 +10,8 @@ development VM: a stored file keeps the picks deterministic), pricing cp as pipe
 the experts and dp x cp. On this CPU cp does not pay (its all-gather's latency and the
 attention recomputed in the backward cost more than the GEMMs it halves save), nor, for the
 Mixtral, does ep beat the plain layouts, so the test also takes the best plan with cp 2 (and,
-for the Mixtral, with ep 2) by the planner's own filters, as ``pipesim plan --cp 2`` would.
+for the Mixtral, with ep 2, and with cp 2 and ep 2 together) by the planner's own filters, as
+``pipesim plan --cp 2`` would.
 Every pick is checked runnable before any process starts (`TrainConfig.validate`, pipeexec's
 refusals by name).
 
@@ -55,9 +56,11 @@ def space(directory: Path, **filters) -> SearchSpace:
 
 
 def picks(directory: Path, family: str) -> list:
-    """The planner's top plans, then its best with cp 2 (and for the MoE model with ep 2)."""
+    """The planner's top plans, then its best with cp 2 (and for the MoE model with ep 2, and
+    with both: ep carved out of dp x cp)."""
     out = list(_ranked(space(directory))[:TOP])
-    forced = [dict(cp=(2,))] + ([dict(ep=(2,))] if family == "mixtral" else [])
+    forced = [dict(cp=(2,))] + ([dict(ep=(2,)), dict(cp=(2,), ep=(2,))] if family == "mixtral"
+                                else [])
     for filters in forced:
         best = _ranked(space(directory, **filters))
         assert best, f"{family}: no plan fits with {filters}"
