@@ -297,6 +297,8 @@ def compare_main(argv: list[str]) -> int:
     print(line)
     if carry is not None and carry.note:
         notes.insert(0, carry.note)
+        if carry.coupled and cpus_per_rank is not None:
+            notes.insert(1, COUPLED_NOTE)
     for note in notes:
         print(f"note: {note}")
     write_outputs(comparison, report_out=ns.report_out, table_out=ns.table_out,
@@ -335,6 +337,14 @@ def layout_carry(config: Any, source: MeasuredRun, hardware: str | None, path: s
     return LayoutCarry(source_config.run_plan(), config.run_plan(), get_hardware(hardware))
 
 
+# What a carried cp / ep prediction cannot hold on a CPU-quota run (docs/executor.md, measured
+# with benchmarks/bench_cp_ep_compare.py)
+COUPLED_NOTE = ("cp's and ep's collectives run inside the layers, each making a rank wait for its "
+                "partners; under --cpus-per-rank a partner is often throttled by its quota, a "
+                "wait the collective benchmark (no compute around it) never sees: on the "
+                "development VM such predictions ran 4-56% low")
+
+
 class LayoutCarry:
     """Calibrated costs carried from the calibration run's tp / cp / ep to the run's, both
     priced as pipeexec runs them (``note``: what was done, once it was)."""
@@ -344,6 +354,8 @@ class LayoutCarry:
         self.source_plan, self.target_plan = as_executed(source_plan), as_executed(target_plan)
         self.hardware = hardware
         self.note: str | None = None
+        par = self.target_plan.parallelism
+        self.coupled = par.cp > 1 or par.ep > 1      # collectives inside the layers' F and B
 
     def __call__(self, cal: Any) -> Any:
         from dataclasses import replace
