@@ -20,10 +20,11 @@ thousands. For each stage and one microbatch on one rank of its tensor/context-p
   shows); ``all_gather`` (pipeexec's, Transformer Engine's all-gather CP) all-gathers K and V
   in F, and in I gathers them again, recomputes the attention core's forward and
   reduce-scatters dK/dV, all exposed, its attention (local queries against the gathered
-  sequence under an explicit mask) computing every block, with a transient of the whole sequence's K/V and their
-  gradients (``2 * 2 e b s kv / t``) per rank. EP: two all-to-alls of the ``k`` routed copies (dispatch, combine) in F
-  and two in I per MoE layer, and in F the per-expert counts' all-to-all (``8 E`` bytes a
-  rank) that sizes them (dropless: variable splits). ZeRO-3 gathers each layer's weights in F and I and reduce-scatters its gradients
+  sequence under an explicit mask) computing every block, with a transient of the whole
+  sequence's K/V and their gradients (``2 * 2 e b s kv / t``) per rank. EP: two all-to-alls
+  of the ``k`` routed copies (dispatch, combine) in F and two in I per MoE layer, and in F the
+  per-expert counts' all-to-all (``8 E`` bytes a rank) that sizes them (dropless: variable
+  splits). ZeRO-3 gathers each layer's weights in F and I and reduce-scatters its gradients
   in W, prefetched (overlapped);
 * point-to-point: one activation ``2 b s h / sp`` bytes (Megatron sends the sequence-parallel
   shard) over the pipeline group's link;
