@@ -233,11 +233,14 @@ def test_cli_refuses_before_any_worker_starts(tmp_path, model_dirs):
 
 
 # -- pipelined training against the unsplit Hugging Face model -------------------------------
-def hf_reference_train(cfg: TrainConfig) -> tuple[list[float], dict[str, torch.Tensor]]:
+def hf_reference_train(cfg: TrainConfig, own_loss: bool = False
+                       ) -> tuple[list[float], dict[str, torch.Tensor]]:
     """The unsplit AutoModelForCausalLM (the layers' weights), trained in one process on the
     run's microbatches (gradients accumulated over them, as a pp 1 run): AdamW without decay on
     1-d parameters, clip_grad_norm_, the run's LR schedule. Returns the losses and the
-    parameters by Hugging Face name."""
+    parameters by Hugging Face name. ``own_loss``: the model's own ``loss`` (with the routers'
+    ``coef * aux`` when its config asks for the router logits) instead of `lm_loss` of its
+    logits."""
     model = hf_reference_model(cfg.hf_model, cfg.seed)
     params = dict(model.named_parameters())
     opt = torch.optim.AdamW(
@@ -251,7 +254,10 @@ def hf_reference_train(cfg: TrainConfig) -> tuple[list[float], dict[str, torch.T
         opt.zero_grad()
         total = 0.0
         for x, y in src.microbatches(k, 0, 1, cfg.microbatches):
-            loss = lm_loss(model(input_ids=x).logits, y) / cfg.microbatches
+            if own_loss:
+                loss = model(input_ids=x, labels=y, shift_labels=y).loss / cfg.microbatches
+            else:
+                loss = lm_loss(model(input_ids=x).logits, y) / cfg.microbatches
             loss.backward()                      # gradients accumulate over the microbatches
             total += loss.item()
         torch.nn.utils.clip_grad_norm_(list(params.values()), cfg.clip_grad)

@@ -32,13 +32,13 @@ transformers = pytest.importorskip("transformers")
 import pipesim  # noqa: E402
 from pipeexec import launch  # noqa: E402
 from pipeexec.config import TrainConfig  # noqa: E402
-from pipeexec.data import BatchSource  # noqa: E402
-from pipeexec.models.hf import hf_dir_stack, hf_name, hf_reference_model  # noqa: E402
+from pipeexec.models.hf import hf_dir_stack, hf_name  # noqa: E402
 from pipeexec.models.hf_config import read_hf_config  # noqa: E402
 from pipeexec.models.hf_router_loss import RouterLoss  # noqa: E402
 
-from exec_helpers import TINY, choose_microbatches, layouts_worker, reference_lr  # noqa: E402
-from test_hf_models import ADAM_EPS, reference_config, write_model  # noqa: E402
+from exec_helpers import TINY, choose_microbatches, layouts_worker  # noqa: E402
+from test_hf_models import (ADAM_EPS, hf_reference_train, reference_config,  # noqa: E402
+                            write_model)
 
 COEF = 0.5
 _BASE = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=4, num_attention_heads=4,
@@ -138,36 +138,9 @@ def test_a_dense_tensor_is_refused_where_a_packed_one_is_expected():
 
 
 # -- pipelined against the unsplit model ---------------------------------------------------
-def hf_loss_reference_train(cfg: TrainConfig) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """test_hf_models' reference, with the model's own ``loss`` (LM loss + coef * aux when the
-    config asks for the router logits)."""
-    model = hf_reference_model(cfg.hf_model, cfg.seed)
-    params = dict(model.named_parameters())
-    opt = torch.optim.AdamW(
-        [{"params": [p for p in params.values() if p.dim() >= 2], "weight_decay": cfg.weight_decay},
-         {"params": [p for p in params.values() if p.dim() < 2], "weight_decay": 0.0}],
-        lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
-    src = BatchSource(seed=cfg.seed, seq_len=cfg.seq_len, vocab=cfg.vocab,
-                      global_batch=cfg.global_batch)
-    losses = []
-    for k in range(cfg.steps):
-        opt.zero_grad()
-        total = 0.0
-        for x, y in src.microbatches(k, 0, 1, cfg.microbatches):
-            loss = model(input_ids=x, labels=y, shift_labels=y).loss / cfg.microbatches
-            loss.backward()
-            total += loss.item()
-        torch.nn.utils.clip_grad_norm_(list(params.values()), cfg.clip_grad)
-        for g in opt.param_groups:
-            g["lr"] = reference_lr(cfg, k)
-        opt.step()
-        losses.append(total)
-    return losses, {n: p.detach().clone() for n, p in params.items()}
-
-
 @functools.lru_cache(maxsize=None)
 def reference_for(cfg: TrainConfig):
-    return hf_loss_reference_train(cfg)
+    return hf_reference_train(cfg, own_loss=True)
 
 
 def base(directory: str, **changes) -> dict:
