@@ -42,7 +42,6 @@ what a forward-only run keeps) is ``[logits.flatten() (fp32), coef * aux]``.
 """
 from __future__ import annotations
 
-import datetime
 from dataclasses import dataclass
 
 import torch
@@ -198,8 +197,7 @@ class _SumOverGroup(torch.autograd.Function):
 
 def _all_reduce(x: torch.Tensor, cp: ContextParallel) -> torch.Tensor:
     x = x.contiguous()
-    dist.all_reduce(x, group=cp.group, async_op=True).wait(
-        datetime.timedelta(seconds=cp.timeout))
+    cp.wait(dist.all_reduce(x, group=cp.group, async_op=True))
     return x
 
 

@@ -30,7 +30,6 @@ being small under GQA).
 """
 from __future__ import annotations
 
-import datetime
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -38,19 +37,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .group import GroupView
+
 
 @dataclass(frozen=True)
-class ContextParallel:
+class ContextParallel(GroupView):
     """This rank's context-parallel group: passed to every layer that needs it."""
-
-    group: Any                  # ProcessGroup; None when size == 1
-    size: int = 1
-    rank: int = 0
-    timeout: float = 600.0
-
-    @property
-    def active(self) -> bool:
-        return self.size > 1
 
 
 NONE = ContextParallel(None)
@@ -112,10 +104,6 @@ class ContextParallelBatches:
         return getattr(self.source, name)
 
 
-def _wait(work, cp: ContextParallel) -> None:
-    work.wait(datetime.timedelta(seconds=cp.timeout))
-
-
 def _global_order(size: int) -> list[tuple[int, int]]:
     """For each of the ``2 size`` chunks in sequence order: (rank holding it, its half there)."""
     return [(j, 0) if j < size else (2 * size - 1 - j, 1) for j in range(2 * size)]
@@ -127,7 +115,7 @@ def gather_kv(kv: torch.Tensor, cp: ContextParallel) -> torch.Tensor:
     kv = kv.contiguous()
     out = torch.empty((cp.size * kv.shape[0],) + tuple(kv.shape[1:]), dtype=kv.dtype,
                       device=kv.device)
-    _wait(dist.all_gather_single(out, kv, group=cp.group, async_op=True), cp)
+    cp.wait(dist.all_gather_single(out, kv, group=cp.group, async_op=True))
     out = out.view(cp.size, *kv.shape)
     c = kv.shape[-2] // 2
     return torch.cat([out[r].narrow(-2, h * c, c) for r, h in _global_order(cp.size)],
@@ -143,7 +131,7 @@ def reduce_scatter_kv(grad: torch.Tensor, cp: ContextParallel) -> torch.Tensor:
                           for r in range(cp.size)])
     out = torch.empty(pieces.shape[1:], dtype=grad.dtype, device=grad.device)
     pieces = pieces.view(cp.size * pieces.shape[1], *pieces.shape[2:])
-    _wait(dist.reduce_scatter_single(out, pieces, group=cp.group, async_op=True), cp)
+    cp.wait(dist.reduce_scatter_single(out, pieces, group=cp.group, async_op=True))
     return out
 
 

@@ -23,28 +23,19 @@ the layer's F and B on the ep group's own communicator (`pipeexec.topology`).
 """
 from __future__ import annotations
 
-import datetime
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from .group import GroupView
 from torch.nn import functional as F
 
 
 @dataclass(frozen=True)
-class ExpertParallel:
+class ExpertParallel(GroupView):
     """This rank's expert-parallel group: passed to every MoE layer that needs it."""
-
-    group: Any                  # ProcessGroup; None when size == 1
-    size: int = 1
-    rank: int = 0
-    timeout: float = 600.0
-
-    @property
-    def active(self) -> bool:
-        return self.size > 1
 
 
 NONE = ExpertParallel(None)
@@ -65,7 +56,7 @@ def _all_to_all(x: torch.Tensor, out_rows: list[int], in_rows: list[int],
     x = x.contiguous()
     out = x.new_empty((sum(out_rows),) + tuple(x.shape[1:]))
     work = dist.all_to_all_single(out, x, out_rows, in_rows, group=ep.group, async_op=True)
-    work.wait(datetime.timedelta(seconds=ep.timeout))
+    ep.wait(work)
     return out
 
 

@@ -120,8 +120,8 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     def forward(ctx, logits, target, tp, vocab_start):
         # logits: (n, v/tp) fp32 on each rank; target: (n,) global ids
         logits_max = logits.max(dim=-1).values
-        regions.wait(torch.distributed.all_reduce(logits_max, op=torch.distributed.ReduceOp.MAX,
-                                                   group=tp.group, async_op=True), tp)
+        tp.wait(torch.distributed.all_reduce(logits_max, op=torch.distributed.ReduceOp.MAX,
+                                              group=tp.group, async_op=True))
         shifted = logits - logits_max.unsqueeze(-1)
         v_local = logits.shape[-1]
         outside = (target < vocab_start) | (target >= vocab_start + v_local)
@@ -130,7 +130,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         exp = shifted.exp()
         sum_exp = exp.sum(dim=-1)
         both = torch.stack([picked, sum_exp])
-        regions.wait(torch.distributed.all_reduce(both, group=tp.group, async_op=True), tp)
+        tp.wait(torch.distributed.all_reduce(both, group=tp.group, async_op=True))
         picked, sum_exp = both[0], both[1]
         loss = sum_exp.log() - picked
         softmax = exp.div_(sum_exp.unsqueeze(-1))

@@ -21,39 +21,27 @@ gradients that cannot be views of that buffer. The collectives are the same ones
 """
 from __future__ import annotations
 
-import datetime
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from .group import GroupView
+
 
 @dataclass(frozen=True)
-class TensorParallel:
+class TensorParallel(GroupView):
     """This rank's tensor-parallel group: passed to every layer that needs it."""
 
-    group: Any                  # ProcessGroup; None when size == 1
-    size: int = 1
-    rank: int = 0
     sequence_parallel: bool = False
-    timeout: float = 600.0
-
-    @property
-    def active(self) -> bool:
-        return self.size > 1
 
 
 NONE = TensorParallel(None)
 
 
-def wait(work, tp: TensorParallel) -> None:
-    work.wait(datetime.timedelta(seconds=tp.timeout))
-
-
 def all_reduce(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
     x = x.contiguous()
-    wait(dist.all_reduce(x, group=tp.group, async_op=True), tp)
+    tp.wait(dist.all_reduce(x, group=tp.group, async_op=True))
     return x
 
 
@@ -61,7 +49,7 @@ def all_gather_sequence(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
     """(b, s/tp, ...) on each rank -> (b, s, ...), rank r's chunk at position r."""
     x = x.contiguous()
     out = torch.empty((tp.size * x.shape[0],) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
-    wait(dist.all_gather_single(out, x, group=tp.group, async_op=True), tp)
+    tp.wait(dist.all_gather_single(out, x, group=tp.group, async_op=True))
     out = out.view(tp.size, *x.shape)
     return out.movedim(0, 1).reshape(x.shape[0], tp.size * x.shape[1], *x.shape[2:])
 
@@ -75,7 +63,7 @@ def reduce_scatter_sequence(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor
     chunks = x.reshape(b, tp.size, s // tp.size, *x.shape[2:]).movedim(1, 0).contiguous()
     out = torch.empty(chunks.shape[1:], dtype=x.dtype, device=x.device)
     chunks = chunks.view(tp.size * b, *chunks.shape[2:])
-    wait(dist.reduce_scatter_single(out, chunks, group=tp.group, async_op=True), tp)
+    tp.wait(dist.reduce_scatter_single(out, chunks, group=tp.group, async_op=True))
     return out
 
 

@@ -116,8 +116,9 @@ class Trainer:
         The runtime's observers (`pipeexec.pipeline.runtime`): the ``board``'s, fault injection's
         (``config.inject``), then ``recorder`` (shorthand for `add_observer`)."""
         self.tp = TensorParallel(topology.tp_group, topology.tp, topology.tp_rank,
-                                 bool(config.sequence_parallel) and topology.tp > 1,
-                                 timeout=config.collective_timeout)
+                                 timeout=config.collective_timeout,
+                                 sequence_parallel=bool(config.sequence_parallel)
+                                 and topology.tp > 1)
         # context parallelism: each sequence cut over the cp group (`parallel.context`)
         self.cp = ContextParallel(topology.cp_group, topology.cp, topology.cp_rank,
                                   timeout=config.collective_timeout)
