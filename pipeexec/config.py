@@ -41,11 +41,13 @@ __all__ = ["ConfigError", "TrainConfig", "DEFAULT_PLAN", "GPT_MODEL", "PRECISION
 
 PARTITIONS = ("layers", "params")
 
-# The built-in GPT's default shape and pipeexec's base plan: one process, one microbatch, fp32.
+# The built-in GPT's default shape and pipeexec's base plan: one process, one microbatch, fp32,
+# context parallelism's K/V exchanged as pipeexec.parallel.context does it (all-gathered).
 # The executor never pads the vocabulary (pipesim's default pads to 128, as Megatron does).
 GPT_MODEL = ModelSpec("pipeexec-gpt", layers=2, hidden=64, heads=4, seq_length=32, vocab=256,
                       tied_embeddings=False, dropout=False, vocab_divisible_by=1)
-DEFAULT_PLAN = Plan(GPT_MODEL, Parallelism(precision="fp32"), schedule="1f1b")
+DEFAULT_PLAN = Plan(GPT_MODEL, Parallelism(precision="fp32", cp_comm="all_gather"),
+                    schedule="1f1b")
 
 # Flat names of the plan's facts: parallelism fields by their own name, the model's by the
 # executor's (seq_len = model.seq_length, tie_embeddings = model.tied_embeddings).

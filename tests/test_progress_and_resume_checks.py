@@ -73,3 +73,17 @@ def test_the_override_flag_exists_and_needs_load():
     assert CheckpointOptions(load="d", override_opt_param_scheduler=True).validate()
     with pytest.raises(ValueError, match="--override-opt-param-scheduler needs --load"):
         CheckpointOptions(override_opt_param_scheduler=True).validate()
+
+
+def test_a_plan_priced_with_the_cp_ring_is_run_with_a_note():
+    """pipeexec all-gathers K/V: a plan priced with pipesim's ring (cp_comm p2p) runs, saying so."""
+    from dataclasses import replace
+
+    from pipeexec.launching.preflight import cp_comm_warning
+    from pipesim.plan.parallelism import Parallelism
+
+    ring = Parallelism(tp=1, pp=2, dp=1, cp=2, micro_batch_size=1, global_batch_size=4)
+    assert "pipeexec all-gathers K/V" in cp_comm_warning(ring)
+    assert "--cp-comm all_gather" in cp_comm_warning(ring)
+    assert cp_comm_warning(replace(ring, cp_comm="all_gather")) is None
+    assert cp_comm_warning(replace(ring, cp=1)) is None

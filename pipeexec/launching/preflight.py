@@ -70,6 +70,18 @@ def microbatch_warning(pp: int, microbatches: int) -> str | None:
             f"--microbatches {pp} or more (4 x pp keeps the bubble small)")
 
 
+def cp_comm_warning(par: Any) -> str | None:
+    """Why a plan's context-parallel exchange is not the one pipeexec runs, or None: pipeexec
+    all-gathers K/V (`pipeexec.parallel.context`), so a plan priced with the ring
+    (``cp_comm = "p2p"``, pipesim's default for GPU planning) predicts another run."""
+    if par.cp == 1 or par.cp_comm == "all_gather":
+        return None
+    return (f"parallelism.cp_comm = {par.cp_comm!r}: the plan prices context parallelism's "
+            "K/V exchange as a ring, pipeexec all-gathers K/V and recomputes the attention in "
+            "the backward; running it so (plan with `pipesim plan --cp-comm all_gather` for a "
+            "prediction of this run)")
+
+
 @dataclass(frozen=True)
 class Preflight:
     """What to tell the user before starting: ``warnings`` (go ahead), and ``nothing_to_train``
@@ -87,9 +99,10 @@ def check_train(config: TrainConfig, checkpoint: Any, *, nproc: int,
     w = data_warning(config.data)
     if w:
         warnings.append(w + "; training on its bytes anyway")
-    w = microbatch_warning(config.pp, config.microbatches)
-    if w:
-        warnings.append(w)
+    for w in (microbatch_warning(config.pp, config.microbatches),
+              cp_comm_warning(config.plan.parallelism)):
+        if w:
+            warnings.append(w)
     nothing = None
     if checkpoint is not None and checkpoint.load is not None and not checkpoint.finetune:
 
