@@ -96,7 +96,8 @@ def run_training(board: ActionBoard | None, args: WorkerArgs) -> RunOutcome:
             _log(f"pipeexec: {config.schedule} {layout}pp={config.pp} vpp={config.vpp} dp={config.dp} "
                  f"m={config.microbatches} b={config.micro_batch_size} precision={config.precision} "
                  f"layers={config.layers}+2 hidden={config.hidden}"
-                 + (f" hf-model={config.hf_model}" if config.hf_model else "")
+                 + (f" hf-model={config.hf_model}" if config.hf_model else
+                    f" hf-family={config.plan.model.family}" if config.plan.model.family else "")
                  + f" on {topology.backend}/"
                  f"{topology.device.type}; stage bounds {list(trainer.bounds)}")
             if config.schedule == "zb-auto" and not auto:
