@@ -193,7 +193,7 @@ class HFDecoderLayer(nn.Module):
     cp: ContextParallel = context.NONE     # set by `hf_context_parallel.cp_decoder_layer`
     router: RouterLoss | None = None       # set by `carry_router_loss`
     _cp_selective = False
-    _routed: list | None = None
+    routed_logits: list | None = None
 
     def __init__(self, config, model_type: str, j: int) -> None:
         super().__init__()
@@ -252,11 +252,11 @@ class HFDecoderLayer(nn.Module):
         if self.router is None:
             return self._forward(x)
         x, side = self.router.unpack(x)
-        self._routed = routed = []
+        self.routed_logits = routed = []
         try:
             out = self._forward(x)
         finally:
-            self._routed = None
+            self.routed_logits = None
         for logits in routed:
             side = self.router.add_layer(side, logits)
         return self.router.pack(out, side)
@@ -291,8 +291,8 @@ class _RecordLogits:
         self.layer = layer
 
     def __call__(self, module: nn.Module, args: Any, output: Any) -> None:
-        if self.layer._routed is not None:
-            self.layer._routed.append(output[0])
+        if self.layer.routed_logits is not None:
+            self.layer.routed_logits.append(output[0])
 
 
 class HFHead(nn.Module):

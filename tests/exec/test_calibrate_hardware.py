@@ -173,7 +173,7 @@ def test_calibrate_hardware_writes_measured_collectives_that_hardware_file_reads
                           text=True, timeout=300, env=env)
     assert done.returncode == 2 and "--collective-sizes '4'" in done.stdout
     done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_collectives.py"),
-                           "--groups", "2", "--sizes", "4KiB,4MiB", "--repeats", "3"],
+                           "--groups", "2", "--sizes", "4KiB,16MiB", "--repeats", "5"],
                           capture_output=True, text=True, timeout=300, env=env)
     assert done.returncode == 0, done.stdout + done.stderr[-3000:]
     assert "fit/meas" in done.stdout and "summary: 8 points, fit error median" in done.stdout
