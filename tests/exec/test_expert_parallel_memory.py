@@ -22,11 +22,11 @@ and 1 (observed within 2% at ep 1 and 5% at ep 2), falling with ep as the plan s
 from __future__ import annotations
 
 import functools
-import json
 
 import pytest
 
 from exec_helpers import TINY
+from test_hf_models import write_model
 from pipeexec.analysis.plan_memory import predicted_activation_peaks
 
 pytestmark = pytest.mark.slow
@@ -40,10 +40,7 @@ MIXTRAL = dict(model_type="mixtral", hidden_size=64, intermediate_size=96, num_h
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> str:
-    d = tmp_path_factory.mktemp("ep-mem") / "mixtral"
-    d.mkdir()
-    (d / "config.json").write_text(json.dumps(MIXTRAL))
-    return str(d)
+    return str(write_model(tmp_path_factory.mktemp("ep-mem") / "mixtral", MIXTRAL))
 
 
 def config(directory: str, ep: int, schedule: str, vpp: int):
@@ -107,10 +104,7 @@ def state_worker(board, directory: str, ep: int) -> dict:
 
 @pytest.fixture(scope="module")
 def state_dir(tmp_path_factory) -> str:
-    d = tmp_path_factory.mktemp("ep-state") / "mixtral"
-    d.mkdir()
-    (d / "config.json").write_text(json.dumps(STATE_MIXTRAL))
-    return str(d)
+    return str(write_model(tmp_path_factory.mktemp("ep-state") / "mixtral", STATE_MIXTRAL))
 
 
 @functools.lru_cache(maxsize=None)

@@ -10,11 +10,11 @@ fused and a split backward, fp32 and bf16, no recomputation and selective.
 from __future__ import annotations
 
 import functools
-import json
 
 import pytest
 
 from exec_helpers import TINY
+from test_hf_models import write_model
 from pipeexec.analysis.hf_activations import layer_extra, stage_extras
 from pipeexec.analysis.plan_memory import predicted_activation_peaks
 
@@ -32,12 +32,8 @@ CASES = [("1f1b", "fp32", "none"), ("zb-h2", "fp32", "none"), ("1f1b", "bf16", "
 
 @pytest.fixture(scope="module")
 def dirs(tmp_path_factory) -> dict[str, str]:
-    out = {}
-    for name, cfg in FAMILIES.items():
-        d = tmp_path_factory.mktemp(name)
-        (d / "config.json").write_text(json.dumps(cfg))
-        out[name] = str(d)
-    return out
+    return {name: str(write_model(tmp_path_factory.mktemp(name), cfg))
+            for name, cfg in FAMILIES.items()}
 
 
 def config(directory: str, schedule: str, precision: str, recompute: str):
