@@ -290,8 +290,8 @@ GiB = 2**30
 # The time model's figures for A100 were fitted once (benchmarks/bench_cost_model.py --fit) on
 # the two tables the issue allows: Korthikanti et al. 2022 Table 5 and Narayanan et al. 2021
 # (SC21) Table 1, both Megatron-LM on A100 80GB. Other GPUs carry them over (calibration
-# "extrapolated": a hardware file measured there replaces them) except the figures with a
-# source of their own.
+# "extrapolated": a hardware file measured there replaces them), gemm_e_max scaled by a
+# matmul microbenchmark (_MAMF below), and the figures with a source of their own.
 A100_FIT = dict(gemm_e_max=0.74, gemm_dim_half=60.0, mem_efficiency=0.70)
 _A100_SOURCES = {
     "gemm_e_max": "fitted on Korthikanti et al. 2022 Table 5 + Narayanan et al. 2021 Table 1",
@@ -315,11 +315,26 @@ def _preset(name: str, *args: float, calibration: str = "extrapolated",
     src = dict(_A100_SOURCES)
     if calibration == "extrapolated":
         src.update(_CARRIED)
+    if name in _MAMF and name != "A100":
+        kw.setdefault("gemm_e_max", round(A100_FIT["gemm_e_max"] * _MAMF[name] / _MAMF["A100"], 3))
+        src["gemm_e_max"] = (f"A100's fitted {A100_FIT['gemm_e_max']} x {name}'s measured matmul "
+                             f"efficiency over A100's, {_MAMF[name]:.1%} / {_MAMF['A100']:.1%} "
+                             "(Bekman, ml-engineering MAMF table, bf16; derived from a "
+                             "microbenchmark, not fitted)")
     src.update(sources or {})
     kw.setdefault("memory_reserve", 4 * GiB)
     return Hardware(name, *args, **{**A100_FIT, **kw}, calibration=calibration,
                     sources=tuple(src.items()))
 
+
+# GEMM efficiency of the other GPUs: A100's fitted gemm_e_max scaled by the ratio of their
+# measured best-shape matmul efficiencies (S. Bekman, "Machine Learning Engineering",
+# compute/accelerator/README.md, "Maximum Achievable Matmul FLOPS comparison table", bf16,
+# torch matmul, mean of 100 iterations; stas00/ml-engineering commit 744d01e): A100 SXM 86.9%,
+# H100 SXM 80.3% ("H200 is the same"), B200 SXM 77.6%, GB200 72.9%, MI300X 51.4%. A
+# microbenchmark, not an end-to-end run: published training runs stay checks of the model.
+_MAMF = {"A100": 0.869, "H100": 0.803, "H200": 0.803, "B200": 0.776, "GB200": 0.729,
+         "MI300X": 0.514}
 
 _PRESETS = {
     "A100": _preset("A100", 312e12, 80 * GB, 300 * GB, 25 * GB, 2.04e12, fp8_flops=0.0,
