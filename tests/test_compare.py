@@ -369,3 +369,9 @@ def test_a_cross_schedule_prediction_says_which_rank_rows_are_least_reliable():
            "head) are the least reliable" in cross.text()
     own = compare_runs(target)
     assert own.cross_schedule_edge_ranks() == [] and "another schedule's run" not in own.text()
+    # a calibration that pinned both at what the run timed them alone says so instead
+    cross.calibration.pinned = {"forward": {"embedding": 0.1, "head": 0.2}}
+    text = cross.text()
+    assert "least reliable" not in text
+    assert "rank(s) 0, 3 hold the embedding and the head, whose costs are their shares" in text
+    assert cross.report()["calibration"]["pinned_layers"] == cross.calibration.pinned

@@ -202,6 +202,45 @@ def test_repartition_fits_what_i_frees_per_layer_kind():
     assert got == pytest.approx([1.0] * 7 + [1 - 20.0 / 60.0])
 
 
+def test_repartition_takes_the_embedding_and_head_pinned_not_solved_from_the_sums():
+    # Blocks of the middle stages measured 15% slow (noise, contention): solved from the sums
+    # alone, the first and last stages' excess of a block lands on the embedding (clipped to
+    # nothing) and the head (half its cost). Pinned at what they were timed alone, the solve
+    # fits only the blocks, and each one-layer target stage gets its own layer's cost.
+    per_kind = {"embedding": 0.05, "block": 1.0, "head": 0.3}
+    stage_f = stage_sums(per_kind, SRC)
+    stage_f[1] *= 1.15
+    stage_f[2] *= 1.15
+    costs = pipesim.CostModel(forward=stage_f)
+    solved = repartition(costs, SRC, DST).costs.stage_values("forward", 8)
+    assert solved[0] < 0.01 and solved[-1] < 0.2          # what pinning is for
+    pinned = repartition(costs, SRC, DST, pinned={"forward": {"embedding": 0.05, "head": 0.3}})
+    got = pinned.costs.stage_values("forward", 8)
+    assert got[0] == pytest.approx(0.05) and got[-1] == pytest.approx(0.3)
+    # the blocks: least squares over the four stages less the pinned layers
+    block = float(np.linalg.lstsq(np.array([[1.0], [2], [2], [1]]),
+                                  np.array(stage_f) - [0.05, 0, 0, 0.3], rcond=None)[0][0])
+    np.testing.assert_allclose(got[1:-1], [block] * 6)
+    assert pinned.pinned == {"forward": {"embedding": 0.05, "head": 0.3}}
+
+
+def test_calibrate_pins_the_layers_a_run_timed_alone():
+    # A run's layer probe (pipeexec.measuring.probe.probe_layers): the embedding took 4% of
+    # stage 0's F, the head 20% of stage 1's; calibrate pins them at those shares.
+    s = pipesim.build_schedule("1f1b", pp=2, microbatches=4)
+    kinds = ["embedding", "block", "block", "head"]
+    stage_f = [1.25, 1.5]
+    run = as_measured(pipesim.simulate(s, pipesim.CostModel(forward=stage_f)), s,
+                      bounds=[0, 2, 4], kinds=kinds)
+    run.meta["layer_probe"] = {"0": {"embedding": {"share_wall": {"F": 0.04}}},
+                               "1": {"head": {"share_wall": {"F": 0.2}}}}
+    assert run.layer_shares() == {0: {"embedding": {"F": 0.04}}, 1: {"head": {"F": 0.2}}}
+    four = calibrate(run, Layout((0, 1, 2, 3, 4), tuple(kinds)))
+    f = four.costs.stage_values("forward", 4)
+    assert f[0] == pytest.approx(0.04 * 1.25) and f[3] == pytest.approx(0.2 * 1.5)
+    assert sum(f) == pytest.approx(sum(stage_f), rel=0.05)
+
+
 def test_repartition_fits_a_per_action_cost_when_stage_sizes_identify_it():
     # Stages of 2, 3, 2, 2 layers: [1 | layer counts] has full rank, so a fixed cost per
     # action is told apart from the layers' costs and charged once per target stage.
@@ -420,6 +459,23 @@ def test_measured_trace_of_a_real_run_is_well_formed(real_runs, name):
     last = probe[str(schedule.num_stages - 1)]["freed_at_I"]
     assert last >= 2 * 8 * 32 * 4
     assert all(p["freed_at_I"] >= 0 for p in probe.values())
+    # the embedding and the head timed alone, each a share of its own stage's time (the stage
+    # holds blocks too, so less than all of it), read back as the run's layer shares
+    last_stage = str(schedule.num_stages - 1)
+    layers = run.meta["layer_probe"]
+    assert sorted(layers) == ["0", last_stage]
+    assert list(layers["0"]) == ["embedding"] and list(layers[last_stage]) == ["head"]
+    bounds = run.meta["bounds"]
+    for stage, kinds in layers.items():
+        alone = bounds[int(stage) + 1] - bounds[int(stage)] == 1
+        for p in kinds.values():
+            # a stage of that layer alone (zbv here: 6 layers, 6 stages) times the same work
+            # twice, a share about 1; next to blocks, a part of the stage's time
+            lo, hi = (0.5, 2.0) if alone else (0.0, 1.0)
+            assert all(lo < p["share_cpu"][op] < hi for op in ("F", "B", "W")), (stage, p["share_cpu"])
+            assert all(p["wall"][op] > 0 for op in ("F", "B", "I", "W"))
+    shares = run.layer_shares("cpu")
+    assert shares[0]["embedding"]["F"] == layers["0"]["embedding"]["share_cpu"]["F"]
     # the measured run scores and draws like a simulated one
     result = run.result()
     assert 0 < result.bubble_fraction < 50 and 0 <= result.bubble_rate < 1

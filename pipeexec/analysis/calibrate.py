@@ -40,6 +40,13 @@ indistinguishable from a layer's share) the executor's own measured per-action w
 computation proper (posting, bookkeeping), which by construction does not depend on layers.
 What the computation proper spends per action outside its layers is then not identifiable and
 stays in the per-layer costs (``Calibration.per_action``: how the term was obtained).
+
+The embedding and the head each sit on one stage next to blocks, so solved from the stages'
+sums their costs are small differences of large numbers (stage 0 less a block's share), and
+noise in either sum lands on them whole. Where the run timed them alone
+(`pipeexec.measuring.probe.probe_layers`: each as a share of its stage's time, both timed in
+the same repeat), ``pinned_layers`` fixes them at that share of their stage's fitted cost and
+the solve fits only the blocks and the per-action term (``Calibration.pinned``).
 """
 from __future__ import annotations
 
@@ -78,6 +85,7 @@ class Calibration:
     model: str = "wall"
     cores: float | None = None
     per_action: str = "none"
+    pinned: dict[str, dict[str, float]] = field(default_factory=dict)
 
 
 def calibration_trace(run: MeasuredRun, steps: Sequence[int] | None = None) -> "pd.DataFrame":
@@ -221,13 +229,40 @@ def _nnls(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return best
 
 
+def pinned_layers(costs: CostModel, run: MeasuredRun, source: Layout, clock: str = "wall"
+                  ) -> dict[str, dict[str, float]]:
+    """``{field: {kind: seconds}}``: the embedding's and the head's F, B, I and W, each its
+    probed share (`MeasuredRun.layer_shares`) of its stage's fitted cost; a kind held by more
+    than one stage (copies), or by none of the probed stages, is left to the solve."""
+    n = source.num_stages
+    ops = {"F": "forward", "B": "backward", "I": "backward_input", "W": "backward_weight"}
+    found: dict[str, dict[str, list[float]]] = {}
+    for stage, kinds in run.layer_shares(clock).items():
+        if stage >= n:
+            continue
+        for kind, shares in kinds.items():
+            if source.layer_kinds.count(kind) != 1:
+                continue
+            for op, share in shares.items():
+                name = ops.get(op)
+                if name is None or getattr(costs, name) is None:
+                    continue
+                value = float(costs.stage_values(name, n)[stage])
+                found.setdefault(name, {}).setdefault(kind, []).append(
+                    float(np.clip(share, 0.0, 1.0)) * value)
+    return {name: {k: v[0] for k, v in kinds.items() if len(v) == 1}
+            for name, kinds in found.items()}
+
+
 def repartition(costs: CostModel, source: Layout, target: Layout,
-                overhead: dict[str, Sequence[float]] | None = None) -> Calibration:
+                overhead: dict[str, Sequence[float]] | None = None,
+                pinned: dict[str, dict[str, float]] | None = None) -> Calibration:
     """Costs of ``target``'s stages from ``costs`` fitted on ``source``'s stages.
 
     Time fields: ``per_action + counts x per_kind``, the per-action term fitted jointly when
     the source identifies it, else taken from ``overhead`` (per field, per source stage: the
-    measured per-action work, `action_overhead`), else zero. Memory: per layer only."""
+    measured per-action work, `action_overhead`), else zero; the kinds in ``pinned[field]``
+    (seconds, `pinned_layers`) fixed, not solved. Memory: per layer only."""
     if source.layer_kinds != target.layer_kinds:
         raise ValueError(f"calibration layout has {len(source.layer_kinds)} layers "
                          f"({_kinds_text(source.layer_kinds)}), the target "
@@ -256,6 +291,23 @@ def repartition(costs: CostModel, source: Layout, target: Layout,
         rows = slice(1, None) if split and name in ("backward_input", "backward_weight") \
             else slice(None)
         a_fit, fit_const, values = a_src[rows], with_const[rows], values[rows]
+        fixed = {kinds.index(k): v for k, v in ((pinned or {}).get(name) or {}).items()
+                 if k in kinds}
+        if fixed and name != "activation_bytes":
+            free = [c for c in range(len(kinds)) if c not in fixed]
+            cols = np.array(sorted(fixed))
+            values = np.clip(values - a_fit[:, cols] @ np.array([fixed[c] for c in cols]), 0.0, None)
+            per_action, x_free = _fit_free(a_fit[:, free], values, joint,
+                                           None if not overhead or name not in overhead
+                                           else np.asarray(overhead[name], float)[rows])
+            x = np.zeros(len(kinds))
+            x[free] = x_free
+            for c, v in fixed.items():
+                x[c] = v
+            per_kind[name] = dict(zip(kinds, map(float, x)))
+            per_kind[name]["per action"] = per_action
+            changes[name] = [float(v) + per_action for v in a_dst @ x]
+            continue
         per_action = 0.0
         if name == "activation_bytes":
             pass
@@ -290,7 +342,25 @@ def repartition(costs: CostModel, source: Layout, target: Layout,
     p2p = costs.stage_values("p2p_bytes", n_src)
     sent = [b for b in p2p[:-1] if b > 0]
     changes["p2p_bytes"] = float(np.mean(sent)) if sent else 0.0
-    return Calibration(costs.with_(**changes), {}, True, under, per_kind, per_action=how)
+    return Calibration(costs.with_(**changes), {}, True, under, per_kind, per_action=how,
+                       pinned={name: dict(v) for name, v in (pinned or {}).items()})
+
+
+def _fit_free(a: np.ndarray, values: np.ndarray, joint: bool, overhead: np.ndarray | None
+              ) -> tuple[float, np.ndarray]:
+    """(per-action seconds, per-kind seconds) of the kinds not pinned: the per-action term
+    jointly where the stages identify it, else the executor's measured work, else none."""
+    with_const = np.hstack((np.ones((a.shape[0], 1)), a))
+    k = a.shape[1]
+    if joint and np.linalg.matrix_rank(with_const) == k + 1:
+        x1 = _nnls(with_const, values)
+        return float(x1[0]), x1[1:]
+    per_action = 0.0
+    if overhead is not None:
+        per_action, values = float(np.mean(overhead)), np.clip(values - overhead, 0.0, None)
+    x = _nnls(a, values) if np.linalg.matrix_rank(a) >= k else np.clip(
+        np.linalg.lstsq(a, values, rcond=None)[0], 0.0, None)
+    return per_action, x
 
 
 def calibrate(run: MeasuredRun, target: Layout | None = None,
@@ -307,7 +377,8 @@ def calibrate(run: MeasuredRun, target: Layout | None = None,
             "steps": list(steps) if steps is not None else run.steps}
     if target is None or target.bounds == source.bounds:
         return Calibration(costs, info)
-    cal = repartition(costs, source, target, action_overhead(run, steps, work=work))
+    cal = repartition(costs, source, target, action_overhead(run, steps, work=work),
+                      pinned_layers(costs, run, source, clock="cpu" if work else "wall"))
     cal.source = info
     return cal
 

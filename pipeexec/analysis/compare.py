@@ -240,12 +240,19 @@ class Comparison:
         if note:
             lines.append(f"note: {note}")
         edge = self.cross_schedule_edge_ranks()
-        if edge:
+        pinned = sorted({k for v in self.calibration.pinned.values() for k in v})
+        if edge and not {"embedding", "head"} <= set(pinned):
             lines.append(f"note: predicted from another schedule's run: the rows of rank(s) "
                          f"{', '.join(map(str, edge))} (embedding, head) are the least reliable "
-                         "figures here: their costs are re-cut from another layout's stages, and "
-                         "such rows have been seen off by +170% to +480% while the step time was "
-                         "within 15%")
+                         "figures here: their costs are solved from another layout's stage sums "
+                         "(the calibration run timed them alone only where it was profiled with "
+                         "the split probe), and such rows have been seen off by +170% to +480% "
+                         "while the step time was within 15%")
+        elif edge:
+            lines.append(f"note: predicted from another schedule's run: rank(s) "
+                         f"{', '.join(map(str, edge))} hold the embedding and the head, whose "
+                         "costs are their shares of their stages as the calibration run timed "
+                         "them alone (not solved from the stage sums); the blocks are re-cut")
         return "\n".join(lines)
 
     def cross_schedule_edge_ranks(self) -> list[int]:
@@ -325,6 +332,7 @@ class Comparison:
                             "underdetermined": self.calibration.underdetermined,
                             "per_action": self.calibration.per_action,
                             "per_layer_kind": self.calibration.per_kind,
+                            "pinned_layers": self.calibration.pinned,
                             "costs": costs_summary(self.calibration.costs, n)},
             "config": None if plan.config is None else dict(plan.config),
             "note": time_sharing_note(plan),

@@ -217,6 +217,20 @@ class MeasuredRun:
             self.__dict__["_measurement_cache"] = cached
         return cached[1]
 
+    def layer_shares(self, clock: str = "wall") -> dict[int, dict[str, dict[str, float]]]:
+        """``{stage: {kind: {op: share}}}``: what the embedding or head alone cost of its stage's
+        F, B, I and W on ``clock`` ("wall" or "cpu"), from the meta's ``layer_probe``
+        (`pipeexec.measuring.probe.probe_layers`); empty for runs recorded without it. Non-finite
+        shares (a CPU clock on a GPU) are left out."""
+        out: dict[int, dict[str, dict[str, float]]] = {}
+        for s, kinds in (self.meta.get("layer_probe") or {}).items():
+            for kind, probe in kinds.items():
+                shares = {op: float(v) for op, v in (probe.get(f"share_{clock}") or {}).items()
+                          if v is not None and math.isfinite(float(v))}
+                if shares:
+                    out.setdefault(int(s), {})[kind] = shares
+        return out
+
     @property
     def schedule(self) -> "pipesim.Schedule":
         """The schedule the run ran: recorded as data (``schedule_data``), or rebuilt from its

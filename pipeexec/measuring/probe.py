@@ -9,6 +9,10 @@ through F + B and through F + I + W, outside the schedule, with another forward 
 before B, before I and between I and W, as a schedule has other work there: nothing is sent, no gradient
 reaches the gradient buffer (the passes return their gradients and they are dropped), and the
 random state is restored afterwards. All ranks probe at once, as they compute during a step.
+
+`probe_layers` times, the same way, the embedding and the head alone on the stages that hold
+them: re-cutting costs to another partition needs each layer kind's cost, and solved from the
+stages' sums they come out as small differences of large numbers (stage 0 minus a block).
 """
 from __future__ import annotations
 
@@ -21,6 +25,7 @@ import torch
 from torch.autograd.graph import get_gradient_edge, saved_tensors_hooks
 
 from ..pipeline.backward import backward_input, full_backward
+from ..pipeline.stage import Stage
 from .memory import _identity
 
 OPS = ("F", "B", "I", "W")
@@ -95,6 +100,125 @@ def _probe(trainer: Any, device: torch.device, repeats: int) -> dict:
                   "ratio_wall": _ratios(times), "ratio_cpu": _ratios(cpus),
                   "freed_at_I": statistics.median(freed)}
     return out
+
+
+def probe_layers(trainer: Any, repeats: int = 5) -> dict[int, dict[str, dict[str, Any]]]:
+    """``{stage: {kind: {"wall": {op: seconds}, "cpu": {...}, "share_wall": {op: layer/stage},
+    "share_cpu": {...}}}}`` for this rank's stages holding an embedding (their first layer) or
+    a head (their last layer), timed alone as `probe_split` times a stage (F, B, I, W; the
+    embedding's input needs no gradient, so its I is a no-op and W its whole backward).
+    ``share``: the median over repeats of the layer's time over its whole stage's, both timed
+    in the same repeat (a change of load between repeats cancels); calibration multiplies the
+    stage's scheduled cost by it. Stages whose input shape is unknown are left out."""
+    device = trainer.topology.device
+    devices = [device] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        return _probe_layers(trainer, device, repeats)
+
+
+def _probe_layers(trainer: Any, device: torch.device, repeats: int) -> dict:
+    gen = torch.Generator(device=device)
+    gen.manual_seed(trainer.config.seed)
+    tokens, targets = _first_microbatch(trainer, device)
+    kinds = trainer.spec.kinds()
+    out: dict[int, dict[str, dict[str, Any]]] = {}
+    for s in sorted(trainer.stages):
+        stage = trainer.stages[s]
+        ids = list(stage.layer_ids)
+        edges = [(kind, pos) for kind, pos, holds in (("embedding", 0, stage.is_first),
+                                                      ("head", len(ids) - 1, stage.is_last))
+                 if holds and kinds[ids[pos]] == kind]
+        x = _stage_input(trainer, stage, s, tokens, gen, device, {})
+        if not edges or x is None:
+            continue
+        params = trainer.runtime.params[s]
+        out[s] = {}
+        for kind, pos in edges:
+            layer = stage.layers[str(ids[pos])]
+            alone = Stage(s, range(ids[pos], ids[pos] + 1), [layer], is_first=pos == 0 and
+                          stage.is_first, is_last=pos == len(ids) - 1 and stage.is_last)
+            owned = {id(p) for p in layer.parameters()}
+            layer_params = [p for p in params if id(p) in owned]
+            if pos == 0:
+                y = x
+            else:
+                with torch.no_grad():
+                    y = x
+                    for i in ids[:pos]:
+                        y = stage.layers[str(i)](y)
+            whole = _Times()
+            part = _Times()
+            for _ in range(repeats):
+                _measure(trainer, stage, x, params, targets, gen, device, whole)
+                _measure(trainer, alone, y, layer_params, targets, gen, device, part)
+            out[s][kind] = {"wall": part.medians("wall"), "cpu": part.medians("cpu"),
+                            "share_wall": part.shares(whole, "wall"),
+                            "share_cpu": part.shares(whole, "cpu")}
+    return out
+
+
+class _Times:
+    """Per op, the wall and CPU seconds of each repeat, in order."""
+
+    def __init__(self) -> None:
+        self.wall: dict[str, list[float]] = {op: [] for op in OPS}
+        self.cpu: dict[str, list[float]] = {op: [] for op in OPS}
+
+    def medians(self, clock: str) -> dict[str, float]:
+        return {op: statistics.median(v) for op, v in getattr(self, clock).items()}
+
+    def shares(self, whole: "_Times", clock: str) -> dict[str, float]:
+        """Median over the repeats of this op's time over ``whole``'s in the same repeat."""
+        mine, theirs = getattr(self, clock), getattr(whole, clock)
+        return {op: statistics.median(a / b if b > 0 else float("nan")
+                                      for a, b in zip(mine[op], theirs[op])) for op in OPS}
+
+
+def _measure(trainer: Any, stage: Any, x: torch.Tensor, params: Any, targets: torch.Tensor,
+             gen: torch.Generator, device: torch.device, into: _Times) -> None:
+    """One repeat of `probe_split`'s timing on ``stage``: F + B, then F + I + W, each backward
+    after another (untimed) forward, nothing sent and the gradients dropped."""
+    for split in (False, True):
+        leaf = x.detach().requires_grad_(x.is_floating_point() and not stage.is_first)
+        (root, grad), t = _timed(device, lambda: _forward(trainer, stage, leaf, targets, gen))
+        _add(into.wall, into.cpu, "F", t)
+        edge = get_gradient_edge(root)
+        stage_input = leaf if leaf.requires_grad else None
+        _other_work(stage, leaf)
+        if not split:
+            _, t = _timed(device, lambda: full_backward(edge, grad, stage_input, params))
+            _add(into.wall, into.cpu, "B", t)
+            continue
+        (_, _, wgrad), t = _timed(device, lambda: backward_input(edge, grad, stage_input, params))
+        _add(into.wall, into.cpu, "I", t)
+        root = edge = None
+        _other_work(stage, leaf)
+        _, t = _timed(device, lambda: wgrad.compute(params))
+        _add(into.wall, into.cpu, "W", t)
+
+
+def _first_microbatch(trainer: Any, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    cfg = trainer.config
+    tokens, targets = trainer.data.microbatches(0, trainer.topology.dp_rank, cfg.dp,
+                                                cfg.microbatches)[0]
+    return tokens.to(device), targets.to(device)
+
+
+def _stage_input(trainer: Any, stage: Any, s: int, tokens: torch.Tensor, gen: torch.Generator,
+                 device: torch.device, outputs: dict[int, torch.Tensor]) -> torch.Tensor | None:
+    """What stage ``s`` computes on in a probe: the tokens on the first stage, a local previous
+    stage's output, else random values of the shape its messages had (None: none seen yet)."""
+    specs = trainer.p2p.activation_specs() if trainer.p2p is not None else {}
+    if stage.is_first:
+        x = tokens
+    elif s - 1 in outputs:
+        x = outputs[s - 1]
+    elif s - 1 in specs:
+        shape, dtype = specs[s - 1]
+        x = torch.randn(shape, generator=gen, device=device).to(dtype)
+    else:
+        return None
+    return x.to(trainer.dtype) if x.is_floating_point() else x
 
 
 class _SavedBytes:

@@ -30,7 +30,7 @@ from .clock import ClockOffset, align_clocks
 from ..analysis.measured import MeasuredRun, build_trace
 from ..analysis.measurement import Measurement, StageProbe
 from .memory import HeldTensorMeter
-from .probe import probe_split
+from .probe import probe_layers, probe_split
 from ..launching.cpu_quota import cpu_limit
 from .options import ProfileOptions, parse_step_range
 from .recorder import ActionProfiler
@@ -71,7 +71,7 @@ class ProfileSession:
         if isinstance(memory, HeldTensorMeter):
             memory.close()
         topo = self.topology
-        probe = None
+        probe = layers = None
         if self.options.probe_split and not trainer.config.forward_only:
             # ZeRO-3: the stages' weights gathered (collective over dp) while dp rank 0 probes
             # (with ep the probe's layers run the all-to-alls: whole cp and ep groups probe,
@@ -80,6 +80,7 @@ class ProfileSession:
             with trainer.whole_parameters():
                 if topo.dp_rank * cp + getattr(topo, "cp_rank", 0) < math.lcm(cp, ep):
                     probe = probe_split(trainer)
+                    layers = probe_layers(trainer)
         # One pipeline's records make the trace: the one at dp rank 0, cp rank 0 and tp rank 0
         # (the other tp and cp ranks of a stage run the same actions, in step with it through
         # their collectives).
@@ -89,7 +90,7 @@ class ProfileSession:
                    "tp_rank": tp_rank, "cp_rank": cp_rank, "offset": self.offset.offset,
                    "rtt": self.offset.rtt,
                    "records": self.profiler.records() if recorder else [],
-                   "split_probe": probe, "cpus": rank_cpus(), "host": socket.gethostname(),
+                   "split_probe": probe, "layer_probe": layers, "cpus": rank_cpus(), "host": socket.gethostname(),
                    "host_cpus": os.cpu_count()}
         if topo.world_size > 1:
             gathered: list | None = [None] * topo.world_size if topo.rank == 0 else None
@@ -117,6 +118,10 @@ class ProfileSession:
             split_probe={int(s): StageProbe.from_meta(v) for p in pipeline
                          for s, v in (p["split_probe"] or {}).items()})
         run = MeasuredRun.of_plan(trace, plan, measurement)
+        # the embedding and the head timed alone (`probe_layers`), read by `MeasuredRun.layer_probe`
+        layer_probe = {str(s): v for p in pipeline for s, v in (p.get("layer_probe") or {}).items()}
+        if layer_probe:
+            run.meta["layer_probe"] = layer_probe
         if self.options.trace_out:
             run.save(self.options.trace_out)
         return run
