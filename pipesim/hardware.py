@@ -120,6 +120,10 @@ class Hardware:
     hbm_bandwidth: float       # bytes/s, bounds the (memory-bound) optimizer step
     link_latency: float = 5e-6
     network_latency: float = 10e-6
+    # NCCL's bus bandwidth over the link's raw bandwidth, each link (1: the figure is already
+    # a bus bandwidth, as a measured file's): what a ring reaches of a link in bulk transfers
+    link_bus_efficiency: float = 1.0
+    network_bus_efficiency: float = 1.0
     nvlink_domain: int = 8           # GPUs one NVLink (scale-up) domain joins
     fp8_flops: float | None = None   # dense FP8 FLOP/s (default: twice peak_flops; 0: none)
     fp32_flops: float | None = None  # fp32 (TF32 on GPUs) FLOP/s (default: half peak_flops)
@@ -150,7 +154,8 @@ class Hardware:
                   "hbm_bandwidth"):
             if not getattr(self, f) > 0:
                 raise ValueError(f"hardware {self.name}: {f} must be > 0, got {getattr(self, f)!r}")
-        for f in ("gemm_e_max", "mem_efficiency", "flash_e_max"):
+        for f in ("gemm_e_max", "mem_efficiency", "flash_e_max", "link_bus_efficiency",
+                  "network_bus_efficiency"):
             if not 0 < getattr(self, f) <= 1:
                 raise ValueError(f"hardware {self.name}: {f} must be in (0, 1], got "
                                  f"{getattr(self, f)!r}")
@@ -292,7 +297,18 @@ GiB = 2**30
 # (SC21) Table 1, both Megatron-LM on A100 80GB. Other GPUs carry them over (calibration
 # "extrapolated": a hardware file measured there replaces them), gemm_e_max scaled by a
 # matmul microbenchmark (_MAMF below), and the figures with a source of their own.
-A100_FIT = dict(gemm_e_max=0.74, gemm_dim_half=60.0, mem_efficiency=0.70)
+A100_FIT = dict(gemm_e_max=0.74, gemm_dim_half=30.0, mem_efficiency=0.70)
+# NCCL's bus bandwidth of a link, by GPU generation (NVIDIA/nccl src/graph/topo.h, commit
+# 5067397: SM80_NVLINK_BW 20.0, SM90_NVLINK_BW 20.6, SM100_NVLINK_BW 40.1 GB/s a link; NET_BW
+# 12.0 GB/s for 100 Gbit/s) over the raw per-direction link: NVLink 3 and 4 25 GB/s a link,
+# NVLink 5 50 GB/s.
+_BUS = dict(link_bus_efficiency=0.80, network_bus_efficiency=0.96)
+_BUS_BY_GPU = {"H100": (0.824, "SM90_NVLINK_BW 20.6 GB/s a link of NVLink 4's 25"),
+               "H200": (0.824, "SM90_NVLINK_BW 20.6 GB/s a link of NVLink 4's 25"),
+               "B200": (0.802, "SM100_NVLINK_BW 40.1 GB/s a link of NVLink 5's 50"),
+               "GB200": (0.802, "SM100_NVLINK_BW 40.1 GB/s a link of NVLink 5's 50"),
+               "MI300X": (0.80, "assumed as NCCL's A100 figure (RCCL over Infinity Fabric "
+                                "has no such constant)")}
 _A100_SOURCES = {
     "gemm_e_max": "fitted on Korthikanti et al. 2022 Table 5 + Narayanan et al. 2021 Table 1",
     "gemm_dim_half": "fitted on Korthikanti et al. 2022 Table 5 + Narayanan et al. 2021 Table 1",
@@ -305,6 +321,11 @@ _A100_SOURCES = {
                       "communicators), cuBLAS / Transformer Engine workspaces: 4 GiB default",
     "fragmentation": "PyTorch caching allocator: reserved over allocated, ~5% default",
     "peaks": "vendor datasheet (see the comment above _PRESETS)",
+    "link_bus_efficiency": "NCCL's NVLink bus bandwidth over the raw link: SM80_NVLINK_BW 20.0 "
+                           "GB/s a link (NVIDIA/nccl src/graph/topo.h) of NVLink 3's 25 GB/s per "
+                           "direction, 0.80",
+    "network_bus_efficiency": "NCCL's NET_BW 12.0 GB/s for a 100 Gbit/s NIC (12.5 GB/s; "
+                              "NVIDIA/nccl src/graph/topo.h), 0.96",
 }
 _CARRIED = {k: "carried over from A100's fit (extrapolated; measure with pipeexec "
                "calibrate-hardware and pass --hardware FILE)" for k in A100_FIT}
@@ -321,9 +342,14 @@ def _preset(name: str, *args: float, calibration: str = "extrapolated",
                              f"efficiency over A100's, {_MAMF[name]:.1%} / {_MAMF['A100']:.1%} "
                              "(Bekman, ml-engineering MAMF table, bf16; derived from a "
                              "microbenchmark, not fitted)")
+    if name in _BUS_BY_GPU:
+        eff, why = _BUS_BY_GPU[name]
+        kw.setdefault("link_bus_efficiency", eff)
+        src["link_bus_efficiency"] = (f"NCCL's NVLink bus bandwidth over the raw link: {why} "
+                                      f"(NVIDIA/nccl src/graph/topo.h), {eff}")
     src.update(sources or {})
     kw.setdefault("memory_reserve", 4 * GiB)
-    return Hardware(name, *args, **{**A100_FIT, **kw}, calibration=calibration,
+    return Hardware(name, *args, **{**A100_FIT, **_BUS, **kw}, calibration=calibration,
                     sources=tuple(src.items()))
 
 

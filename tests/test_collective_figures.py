@@ -94,6 +94,34 @@ def test_per_collective_figures_round_trip_through_a_hardware_file(tmp_path):
             get_hardware(str(path))
 
 
+def test_an_all_reduce_across_nodes_takes_nccls_tree_where_it_is_faster():
+    """NCCL's tuner (NVIDIA/nccl src/graph/tuning.cc, Simple protocol), transcribed: the tree's
+    latency 2 ((ppn - 1) + log2 nodes) steps, its bandwidth 0.92 x 0.5 of the bus bandwidth
+    times treeCorrectionFactor (64 B x 2^i: 0.9 at 64 B, 0.5 at 128 KiB, 0.9 at 256 MiB)."""
+    a, bw = 10e-6, 48e9
+    one_each = Link("inter", a, bw, nodes=16)         # 16 ranks, one a node
+    small, big = 64.0, float(256 << 20)
+    tree_small = 2 * (0 + 4) * a + small / (0.46 * 0.9 * bw)
+    ring_small = 2 * 15 * a + 2 * 15 / 16 * small / bw
+    assert coll.all_reduce(small, 16, one_each) == pytest.approx(min(tree_small, ring_small))
+    assert tree_small < ring_small                     # latency-bound: the tree
+    assert coll.tree_all_reduce(128 << 10, 16, one_each) == pytest.approx(
+        8 * a + (128 << 10) / (0.46 * 0.5 * bw))
+    ring_big = 2 * 15 * a + 2 * 15 / 16 * big / bw
+    assert coll.all_reduce(big, 16, one_each) == pytest.approx(ring_big)   # bandwidth: the ring
+    # 4 ranks a node on 4 nodes: (ppn - 1) hops inside each node, log2(4) across
+    four = Link("inter", a, bw, nodes=4)
+    assert coll.tree_all_reduce(small, 16, four) == pytest.approx(2 * (3 + 2) * a + small / (0.46 * 0.9 * bw))
+    # inside one node, or with a measured all-reduce figure: the ring only
+    assert coll.all_reduce(small, 16, Link("intra", a, bw)) == pytest.approx(ring_small)
+    timed = Link("inter", a, bw, (("all_reduce", 0, a, bw),), nodes=16)
+    assert coll.all_reduce(small, 16, timed) == pytest.approx(ring_small)
+    # the cluster says how many nodes a group spans
+    cluster = pipesim.Plan.create(GPT, "H100", tp=2, dp=64, global_batch_size=64).cluster
+    assert cluster.link(2, 64, 128).nodes == 16 and cluster.link(8, 16, 128).nodes == 16
+    assert cluster.link(1, 8, 128).kind == "intra"
+
+
 def test_a_plan_prices_each_collective_with_its_own_figure_closed_form():
     hw = measured()
     base = pipesim.Plan.create(GPT, hw, tp=4, pp=4, global_batch_size=4, flash_attention=False,
@@ -110,7 +138,8 @@ def test_a_plan_prices_each_collective_with_its_own_figure_closed_form():
     a, b = FIGURES[("all_to_all", 0)]
     assert coll.all_to_all(act, 8, link) == pytest.approx(7 * a + 7 / 8 * act / b, rel=1e-12)
     # p2p has no figure of its own: the link's pair
-    assert coll.p2p(act, link) == pytest.approx(hw.link_latency + act / hw.link_bandwidth)
+    assert coll.p2p(act, link) == pytest.approx(hw.link_latency + act / (hw.link_bandwidth
+                                                                       * hw.link_bus_efficiency))
     # the stage costs: two all-reduces per layer forward (and the embedding's one on stage 0)
     free = base.with_(intra_bandwidth=math.inf, inter_bandwidth=math.inf, intra_latency=0.0,
                       inter_latency=0.0)               # an override is the link: no figures
@@ -160,7 +189,9 @@ def test_a_hardware_file_without_collectives_loads_and_prices_as_before(tmp_path
     path.write_text(json.dumps(old))
     hw = get_hardware(str(path))
     assert hw.collectives == () and "collectives" not in hw.to_dict()
-    assert hw.to_dict() == {**old, "gemm_table": [[64.0, 64.0, 64.0, 0.5]]}
+    # its links were measured: bus bandwidths already, no efficiency on them
+    assert hw.to_dict() == {**old, "gemm_table": [[64.0, 64.0, 64.0, 0.5]],
+                            "link_bus_efficiency": 1.0, "network_bus_efficiency": 1.0}
     plan = pipesim.Plan.create(GPT, str(path), tp=4, dp=2, global_batch_size=4, **CONST)
     d = plan.derive()
     link = d.links["tp"]

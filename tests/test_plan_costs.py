@@ -54,22 +54,26 @@ def test_tensor_parallel_collectives_are_alpha_beta_over_nvlink():
                                **CONST)
     free = base.with_(**FREE)
     hw = base.cluster.hardware
-    nvlink = Link("intra", hw.link_latency, hw.link_bandwidth)
+    # NVLink at NCCL's bus bandwidth (H100: SM90_NVLINK_BW 20.6 GB/s of each 25 GB/s link)
+    bus = hw.link_bandwidth * 20.6 / 25
+    assert hw.link_bus_efficiency == pytest.approx(20.6 / 25, abs=1e-3)
+    nvlink = Link("intra", hw.link_latency, bus)
+    assert base.derive().links["tp"].bandwidth == pytest.approx(bus, rel=1e-3)
     act = 2 * GPT.seq_length * GPT.hidden          # bf16 activation of one sequence
-    ar = 2 * 3 * hw.link_latency + 2 * 3 / 4 * act / hw.link_bandwidth      # ring, p = 4
+    ar = 2 * 3 * hw.link_latency + 2 * 3 / 4 * act / bus      # ring, p = 4
     assert coll.all_reduce(act, 4, nvlink) == pytest.approx(ar)
     got = [a - b for a, b in zip(base.costs().forward, free.costs().forward)]
     n = GPT.layers // 4
     # two all-reduces per layer forward; the embedding's one on stage 0
-    assert got[1] == pytest.approx(n * 2 * ar, rel=1e-9)
-    assert got[0] == pytest.approx((2 * n + 1) * ar, rel=1e-9)
+    assert got[1] == pytest.approx(n * 2 * ar, rel=1e-3)
+    assert got[0] == pytest.approx((2 * n + 1) * ar, rel=1e-3)
     # sequence parallelism: all-gather + reduce-scatter move the same bytes as one all-reduce
     sp = base.with_(sequence_parallel=True)
     assert sp.costs().forward[1] == pytest.approx(base.costs().forward[1], rel=1e-12)
     # overlapped TP communication: per layer, the longer of compute and communication
     ov = base.with_(overlap_tp_comm=True)
     layer = free.costs().forward[1] / n
-    assert ov.costs().forward[1] == pytest.approx(n * max(layer, 2 * ar), rel=1e-12)
+    assert ov.costs().forward[1] == pytest.approx(n * max(layer, 2 * ar), rel=1e-3)
     # across nodes (a 16-GPU tp group on 8-GPU nodes) the network is slower
     wide = pipesim.Plan.create(GPT, "H100", tp=16, global_batch_size=1, flash_attention=False)
     assert wide.derive().links["tp"].kind == "inter"
@@ -99,7 +103,9 @@ def test_data_parallel_tail_exposed_unless_overlapped():
     d = p.derive()
     hw = p.cluster.hardware
     params = sum(x for x in d.stage_params[0].values())
-    net = Link("inter", hw.network_latency, hw.network_bandwidth)    # dp spans 8 nodes' GPUs
+    # dp's 8 ranks (2 apart) span 2 nodes: the NIC at NCCL's bus bandwidth (NET_BW 12 of 12.5)
+    net = Link("inter", hw.network_latency, hw.network_bandwidth * 0.96, nodes=2)
+    assert d.links["dp"].nodes == 2
     assert d.links["dp"].kind == "inter"
     assert d.tail[0].dp_exposed == pytest.approx(coll.all_reduce(4 * params, 8, net), rel=1e-12)
     z = p.with_(zero=1)

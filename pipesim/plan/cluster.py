@@ -30,9 +30,14 @@ class Link:
 
     kind: str           # "intra" (NVLink domain) or "inter" (network)
     latency: float
-    bandwidth: float
+    bandwidth: float    # the bus bandwidth a ring reaches (NCCL's convention)
     # ((collective, group size or 0 = any, latency, bandwidth), ...): Hardware.collectives
     collectives: tuple = ()
+    nodes: int = 1      # NVLink domains the group spans (> 1: NCCL's tree is an option)
+
+    def measured(self, name: str) -> bool:
+        """Whether collective ``name`` has a measured figure on this link."""
+        return any(n == name for n, *_ in self.collectives)
 
     def figure(self, name: str, p: int) -> tuple[float, float]:
         """``(latency, bandwidth)`` of collective ``name`` over ``p`` ranks: the figure measured
@@ -88,25 +93,35 @@ class Cluster:
         return hw if hw > self.gpus_per_node else self.gpus_per_node
 
     def intra(self) -> Link:
+        """NVLink: the hardware's bandwidth at NCCL's bus efficiency (an override of the
+        bandwidth is taken as the bus bandwidth, as nccl-tests report it)."""
         hw = self.hardware
         own = self.intra_latency is None and self.intra_bandwidth is None
+        bw = (hw.link_bandwidth * hw.link_bus_efficiency if self.intra_bandwidth is None
+              else self.intra_bandwidth)
         return Link("intra", hw.link_latency if self.intra_latency is None else self.intra_latency,
-                    hw.link_bandwidth if self.intra_bandwidth is None else self.intra_bandwidth,
-                    hw.collective_figures("intra") if own else ())
+                    bw, hw.collective_figures("intra") if own else ())
 
-    def inter(self) -> Link:
+    def inter(self, nodes: int = 2) -> Link:
+        """The network, one NIC per GPU, at NCCL's bus efficiency; ``nodes``: the domains the
+        group spans."""
         hw = self.hardware
         own = self.inter_latency is None and self.inter_bandwidth is None
+        bw = (hw.network_bandwidth * hw.network_bus_efficiency if self.inter_bandwidth is None
+              else self.inter_bandwidth)
         return Link("inter", hw.network_latency if self.inter_latency is None else self.inter_latency,
-                    hw.network_bandwidth if self.inter_bandwidth is None else self.inter_bandwidth,
-                    hw.collective_figures("inter") if own else ())
+                    bw, hw.collective_figures("inter") if own else (), nodes=nodes)
 
     def link(self, stride: int, size: int, world: int) -> Link:
         """The link a group of ``size`` ranks ``stride`` apart crosses."""
         span = stride * size
         d = self.domain
         inside = size == 1 or world <= d or (span <= d and d % span == 0)
-        return self.intra() if inside else self.inter()
+        if inside:
+            return self.intra()
+        # ranks of the group inside one domain: those less than a domain apart
+        per_domain = max(1, min(size, d // stride)) if stride < d else 1
+        return self.inter(nodes=max(2, -(-size // per_domain)))
 
     def group_links(self, par: Parallelism) -> dict[str, Link]:
         """The link each group crosses: tp, cp, dp (with cp: the gradient group), pp, ep."""

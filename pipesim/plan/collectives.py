@@ -9,7 +9,16 @@ direction (Thakur, Rabenseifner & Gropp 2005; NCCL's "bus bandwidth" convention)
 * all-to-all ``(p-1) a + (p-1)/p * n / B`` (each rank keeps 1/p of its ``n`` bytes);
 * point-to-point ``a + n / B``.
 
-All are zero when ``p == 1`` (or ``n == 0`` for point-to-point).
+All are zero when ``p == 1`` (or ``n == 0`` for point-to-point). ``B`` is the link's bus
+bandwidth (`Cluster` applies NCCL's bus efficiency to the raw link).
+
+An all-reduce across NVLink domains (``link.nodes > 1``) may run NCCL's tree instead, and does
+where the tree is faster, as NCCL's tuner picks (NVIDIA/nccl ``src/graph/tuning.cc``, commit
+5067397, Simple protocol): latency ``2 ((ppn - 1) + log2(nodes))`` steps (``ppn`` the group's
+ranks per domain) and bandwidth ``0.92 x 0.5`` of the bus bandwidth (``busBw * .92``, then the
+tree's bus-to-algorithm ratio ``.5``), times NCCL's tree correction factor for the size
+(``treeCorrectionFactor``, Simple row: 64 B to 256 MiB in powers of two). The tree wins on
+latency (small messages across many nodes), the ring on bandwidth (large gradients).
 
 ``a`` and ``B`` are the link's pair, or the hardware's measured figure for that collective
 at that group size where it has one (:meth:`pipesim.plan.cluster.Link.figure`; a hardware
@@ -18,6 +27,7 @@ benchmark in this same convention).
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -35,13 +45,33 @@ def factors(name: str, p: int) -> tuple[float, float]:
     return k * (p - 1), k * (p - 1) / p
 
 
+# NCCL's treeCorrectionFactor, Simple protocol, for sizes 64 B x 2^i (src/graph/tuning.cc)
+TREE_CORRECTION = (.9, .9, .9, .9, .9, .9, .9, .8, .7, .6, .6, .5, .5, .5, .5, .6, .7, .8,
+                   .7, .7, .8, .9, .9, .9)
+TREE_BANDWIDTH = 0.92 * 0.5     # the tree's algorithm bandwidth over the bus bandwidth
+
+
 def collective_time(name: str, nbytes: float, p: int, link: Link) -> float:
-    """Seconds collective ``name`` of ``nbytes`` takes over ``p`` ranks on ``link``."""
+    """Seconds collective ``name`` of ``nbytes`` takes over ``p`` ranks on ``link``: the ring,
+    or for an all-reduce across domains without a measured figure the faster of ring and tree."""
     if p <= 1 or nbytes <= 0:
         return 0.0
     steps, share = factors(name, p)
     latency, bandwidth = link.figure(name, p)
-    return steps * latency + share * nbytes / bandwidth
+    ring = steps * latency + share * nbytes / bandwidth
+    if name != "all_reduce" or link.nodes <= 1 or link.measured(name):
+        return ring
+    return min(ring, tree_all_reduce(nbytes, p, link))
+
+
+def tree_all_reduce(nbytes: float, p: int, link: Link) -> float:
+    """NCCL's double binary tree all-reduce over ``p`` ranks in ``link.nodes`` domains."""
+    nodes = min(link.nodes, p)
+    ppn = max(1, p // nodes)
+    steps = 2 * ((ppn - 1) + math.ceil(math.log2(nodes)))
+    i = int(math.log2(max(nbytes, 64) / 64))
+    correction = TREE_CORRECTION[i] if i < len(TREE_CORRECTION) else 1.0
+    return steps * link.latency + nbytes / (TREE_BANDWIDTH * correction * link.bandwidth)
 
 
 def all_reduce(nbytes: float, p: int, link: Link) -> float:
