@@ -154,8 +154,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
           f"{sp.gbs}, memory limit {result.memory_limit / GiB:.1f} GiB")
     if sp.hardware.extrapolated and sp.efficiency is None:
         print(f"times extrapolated: {sp.hardware.name}'s efficiency figures are not calibrated "
-              "(carried over from A100's fit); every step time and MFU below rests on them "
-              "(pipeexec calibrate-hardware, then --hardware FILE)")
+              "(A100's fit, carried over or scaled by a microbenchmark); every step time and MFU "
+              "below rests on them (pipeexec calibrate-hardware, then --hardware FILE)")
     files = {"--out": args.out, "--plan-out": args.plan_out, "--frontier": args.frontier,
              "--gantt": args.gantt}
     ranked = result.ranked

@@ -136,8 +136,8 @@ class PlanResult:
         if not self.derived.extrapolated:
             return ""
         return (f"times extrapolated: {self.plan.cluster.hardware.name}'s efficiency figures "
-                "are not calibrated (carried over from A100's fit); measure them with pipeexec "
-                "calibrate-hardware and pass --hardware FILE")
+                "are not calibrated (A100's fit, carried over or scaled by a microbenchmark); "
+                "measure them with pipeexec calibrate-hardware and pass --hardware FILE")
 
     # -- output --------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
