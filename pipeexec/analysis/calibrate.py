@@ -290,37 +290,22 @@ def repartition(costs: CostModel, source: Layout, target: Layout,
         # target's first stage gets the same treatment below.
         rows = slice(1, None) if split and name in ("backward_input", "backward_weight") \
             else slice(None)
-        a_fit, fit_const, values = a_src[rows], with_const[rows], values[rows]
+        a_fit, values = a_src[rows], values[rows]
+        time = name != "activation_bytes"
+        # the kinds timed alone (pinned) are taken as they are; the solve fits the others
         fixed = {kinds.index(k): v for k, v in ((pinned or {}).get(name) or {}).items()
-                 if k in kinds}
-        if fixed and name != "activation_bytes":
-            free = [c for c in range(len(kinds)) if c not in fixed]
-            cols = np.array(sorted(fixed))
-            values = np.clip(values - a_fit[:, cols] @ np.array([fixed[c] for c in cols]), 0.0, None)
-            per_action, x_free = _fit_free(a_fit[:, free], values, joint,
-                                           None if not overhead or name not in overhead
-                                           else np.asarray(overhead[name], float)[rows])
-            x = np.zeros(len(kinds))
-            x[free] = x_free
-            for c, v in fixed.items():
-                x[c] = v
-            per_kind[name] = dict(zip(kinds, map(float, x)))
-            per_kind[name]["per action"] = per_action
-            changes[name] = [float(v) + per_action for v in a_dst @ x]
-            continue
-        per_action = 0.0
-        if name == "activation_bytes":
-            pass
-        elif joint and np.linalg.matrix_rank(fit_const) == len(kinds) + 1:
-            x1 = _nnls(fit_const, values)
-            per_action, values = float(x1[0]), values - x1[0]
-        elif overhead and name in overhead:
-            measured = np.asarray(overhead[name], float)[rows]
-            per_action, values = float(np.mean(measured)), np.clip(values - measured, 0.0, None)
-        x = _nnls(a_fit, values) if np.linalg.matrix_rank(a_fit) >= len(kinds) else np.clip(
-            np.linalg.lstsq(a_fit, values, rcond=None)[0], 0.0, None)
+                 if k in kinds} if time else {}
+        free = [c for c in range(len(kinds)) if c not in fixed]
+        x = np.zeros(len(kinds))
+        for c, v in fixed.items():
+            x[c] = v
+        if fixed:
+            values = np.clip(values - a_fit @ x, 0.0, None)
+        measured = (np.asarray(overhead[name], float)[rows] if time and overhead
+                    and name in overhead else None)
+        per_action, x[free] = _fit_free(a_fit[:, free], values, joint and time, measured)
         per_kind[name] = dict(zip(kinds, map(float, x)))
-        if name != "activation_bytes":
+        if time:
             per_kind[name]["per action"] = per_action
         changes[name] = [float(v) + per_action for v in a_dst @ x]
     if split:
@@ -348,15 +333,17 @@ def repartition(costs: CostModel, source: Layout, target: Layout,
 
 def _fit_free(a: np.ndarray, values: np.ndarray, joint: bool, overhead: np.ndarray | None
               ) -> tuple[float, np.ndarray]:
-    """(per-action seconds, per-kind seconds) of the kinds not pinned: the per-action term
-    jointly where the stages identify it, else the executor's measured work, else none."""
-    with_const = np.hstack((np.ones((a.shape[0], 1)), a))
+    """(per-action seconds, per-kind seconds) solved over the stages: the per-action term
+    jointly where the stages identify it (``joint`` and [1 | counts] of full rank), else the
+    executor's measured work (``overhead``, per stage), else none; the kinds by non-negative
+    least squares (clipped least squares where the stages cannot separate them)."""
     k = a.shape[1]
-    if joint and np.linalg.matrix_rank(with_const) == k + 1:
-        x1 = _nnls(with_const, values)
-        return float(x1[0]), x1[1:]
+    with_const = np.hstack((np.ones((a.shape[0], 1)), a))
     per_action = 0.0
-    if overhead is not None:
+    if joint and np.linalg.matrix_rank(with_const) == k + 1:
+        per_action = float(_nnls(with_const, values)[0])
+        values = values - per_action
+    elif overhead is not None:
         per_action, values = float(np.mean(overhead)), np.clip(values - overhead, 0.0, None)
     x = _nnls(a, values) if np.linalg.matrix_rank(a) >= k else np.clip(
         np.linalg.lstsq(a, values, rcond=None)[0], 0.0, None)

@@ -240,8 +240,8 @@ class Comparison:
         if note:
             lines.append(f"note: {note}")
         edge = self.cross_schedule_edge_ranks()
-        pinned = sorted({k for v in self.calibration.pinned.values() for k in v})
-        if edge and not {"embedding", "head"} <= set(pinned):
+        pinned = {k for v in self.calibration.pinned.values() for k in v}
+        if edge and not {"embedding", "head"} <= pinned:
             lines.append(f"note: predicted from another schedule's run: the rows of rank(s) "
                          f"{', '.join(map(str, edge))} (embedding, head) are the least reliable "
                          "figures here: their costs are solved from another layout's stage sums "

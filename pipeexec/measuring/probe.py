@@ -43,61 +43,25 @@ def probe_split(trainer: Any, repeats: int = 5) -> dict[int, dict[str, Any]]:
 
 
 def _probe(trainer: Any, device: torch.device, repeats: int) -> dict:
-    cfg = trainer.config
     gen = torch.Generator(device=device)
-    gen.manual_seed(cfg.seed)
-    tokens, targets = trainer.data.microbatches(0, trainer.topology.dp_rank, cfg.dp,
-                                                cfg.microbatches)[0]
-    tokens, targets = tokens.to(device), targets.to(device)
-    specs = trainer.p2p.activation_specs() if trainer.p2p is not None else {}
+    gen.manual_seed(trainer.config.seed)
+    tokens, targets = _first_microbatch(trainer, device)
     outputs: dict[int, torch.Tensor] = {}
     out: dict[int, dict[str, dict[str, float]]] = {}
     for s in sorted(trainer.stages):
         stage = trainer.stages[s]
-        if stage.is_first:
-            x = tokens
-        elif s - 1 in outputs:                         # the previous stage is on this rank
-            x = outputs[s - 1]
-        elif s - 1 in specs:
-            shape, dtype = specs[s - 1]
-            x = torch.randn(shape, generator=gen, device=device).to(dtype)
-        else:
+        x = _stage_input(trainer, stage, s, tokens, gen, device, outputs)
+        if x is None:
             continue                                   # shape unknown (no message seen)
-        if x.is_floating_point():
-            x = x.to(trainer.dtype)
         params = trainer.runtime.params[s]
-        times: dict[str, list[float]] = {op: [] for op in OPS}
-        cpus: dict[str, list[float]] = {op: [] for op in OPS}
+        times = _Times()
         freed: list[float] = []
         for _ in range(repeats):
-            for split in (False, True):
-                leaf = x.detach().requires_grad_(x.is_floating_point() and not stage.is_first)
-                saved = _SavedBytes(params)
-                with saved:
-                    (root, grad), t = _timed(device, lambda: _forward(trainer, stage, leaf,
-                                                                      targets, gen))
-                _add(times, cpus, "F", t)
-                edge = get_gradient_edge(root)
-                stage_input = leaf if leaf.requires_grad else None
-                _other_work(stage, leaf)
-                if not split:
-                    _, t = _timed(device, lambda: full_backward(edge, grad, stage_input, params))
-                    _add(times, cpus, "B", t)
-                    if not stage.is_last:
-                        outputs[s] = root.detach()     # the input of a local next stage
-                    continue
-                held = saved.live()
-                (_, _, wgrad), t = _timed(device, lambda: backward_input(edge, grad, stage_input,
-                                                                         params))
-                _add(times, cpus, "I", t)
-                root = edge = None      # as the runtime drops them: W keeps only its join nodes
-                freed.append(float(held - saved.live()))
-                _other_work(stage, leaf)
-                _, t = _timed(device, lambda: wgrad.compute(params))
-                _add(times, cpus, "W", t)
-        out[s] = {"wall": {op: statistics.median(v) for op, v in times.items()},
-                  "cpu": {op: statistics.median(v) for op, v in cpus.items()},
-                  "ratio_wall": _ratios(times), "ratio_cpu": _ratios(cpus),
+            y = _measure(trainer, stage, x, params, targets, gen, device, times, freed)
+            if not stage.is_last:
+                outputs[s] = y                         # the input of a local next stage
+        out[s] = {"wall": times.medians("wall"), "cpu": times.medians("cpu"),
+                  "ratio_wall": _ratios(times.wall), "ratio_cpu": _ratios(times.cpu),
                   "freed_at_I": statistics.median(freed)}
     return out
 
@@ -175,12 +139,17 @@ class _Times:
 
 
 def _measure(trainer: Any, stage: Any, x: torch.Tensor, params: Any, targets: torch.Tensor,
-             gen: torch.Generator, device: torch.device, into: _Times) -> None:
-    """One repeat of `probe_split`'s timing on ``stage``: F + B, then F + I + W, each backward
-    after another (untimed) forward, nothing sent and the gradients dropped."""
+             gen: torch.Generator, device: torch.device, into: _Times,
+             freed: list[float] | None = None) -> torch.Tensor:
+    """One repeat of the split probe's timing on ``stage``: F + B, then F + I + W, each
+    backward after another (untimed) forward, nothing sent and the gradients dropped. ``freed``
+    gets the bytes of saved activations I released; returns the first forward's output."""
+    output = None
     for split in (False, True):
         leaf = x.detach().requires_grad_(x.is_floating_point() and not stage.is_first)
-        (root, grad), t = _timed(device, lambda: _forward(trainer, stage, leaf, targets, gen))
+        saved = _SavedBytes(params)
+        with saved:
+            (root, grad), t = _timed(device, lambda: _forward(trainer, stage, leaf, targets, gen))
         _add(into.wall, into.cpu, "F", t)
         edge = get_gradient_edge(root)
         stage_input = leaf if leaf.requires_grad else None
@@ -188,13 +157,18 @@ def _measure(trainer: Any, stage: Any, x: torch.Tensor, params: Any, targets: to
         if not split:
             _, t = _timed(device, lambda: full_backward(edge, grad, stage_input, params))
             _add(into.wall, into.cpu, "B", t)
+            output = root.detach()
             continue
+        held = saved.live()
         (_, _, wgrad), t = _timed(device, lambda: backward_input(edge, grad, stage_input, params))
         _add(into.wall, into.cpu, "I", t)
-        root = edge = None
+        root = edge = None          # as the runtime drops them: W keeps only its join nodes
+        if freed is not None:
+            freed.append(float(held - saved.live()))
         _other_work(stage, leaf)
         _, t = _timed(device, lambda: wgrad.compute(params))
         _add(into.wall, into.cpu, "W", t)
+    return output
 
 
 def _first_microbatch(trainer: Any, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
