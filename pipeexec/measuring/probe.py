@@ -36,16 +36,23 @@ def probe_split(trainer: Any, repeats: int = 5) -> dict[int, dict[str, Any]]:
     W/B}, "ratio_cpu": {...}, "freed_at_I": bytes}}`` for this rank's stages whose input shape
     is known (medians over ``repeats``; CPU times are NaN on GPU). ``freed_at_I``: the bytes of
     saved activations that I releases (`_SavedBytes`), which a run without I cannot show."""
+    return _outside_training(trainer, _probe, repeats)
+
+
+def _outside_training(trainer: Any, body: Any, repeats: int) -> dict:
+    """``body(trainer, device, generator, tokens, targets, repeats)`` on the first microbatch,
+    with the random state restored afterwards (the probes must not change training)."""
     device = trainer.topology.device
     devices = [device] if device.type == "cuda" else []
     with torch.random.fork_rng(devices=devices):
-        return _probe(trainer, device, repeats)
+        gen = torch.Generator(device=device)
+        gen.manual_seed(trainer.config.seed)
+        tokens, targets = _first_microbatch(trainer, device)
+        return body(trainer, device, gen, tokens, targets, repeats)
 
 
-def _probe(trainer: Any, device: torch.device, repeats: int) -> dict:
-    gen = torch.Generator(device=device)
-    gen.manual_seed(trainer.config.seed)
-    tokens, targets = _first_microbatch(trainer, device)
+def _probe(trainer: Any, device: torch.device, gen: torch.Generator, tokens: torch.Tensor,
+           targets: torch.Tensor, repeats: int) -> dict:
     outputs: dict[int, torch.Tensor] = {}
     out: dict[int, dict[str, dict[str, float]]] = {}
     for s in sorted(trainer.stages):
@@ -74,16 +81,11 @@ def probe_layers(trainer: Any, repeats: int = 5) -> dict[int, dict[str, dict[str
     ``share``: the median over repeats of the layer's time over its whole stage's, both timed
     in the same repeat (a change of load between repeats cancels); calibration multiplies the
     stage's scheduled cost by it. Stages whose input shape is unknown are left out."""
-    device = trainer.topology.device
-    devices = [device] if device.type == "cuda" else []
-    with torch.random.fork_rng(devices=devices):
-        return _probe_layers(trainer, device, repeats)
+    return _outside_training(trainer, _probe_layers, repeats)
 
 
-def _probe_layers(trainer: Any, device: torch.device, repeats: int) -> dict:
-    gen = torch.Generator(device=device)
-    gen.manual_seed(trainer.config.seed)
-    tokens, targets = _first_microbatch(trainer, device)
+def _probe_layers(trainer: Any, device: torch.device, gen: torch.Generator,
+                  tokens: torch.Tensor, targets: torch.Tensor, repeats: int) -> dict:
     kinds = trainer.spec.kinds()
     out: dict[int, dict[str, dict[str, Any]]] = {}
     for s in sorted(trainer.stages):
