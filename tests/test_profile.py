@@ -328,6 +328,43 @@ def test_held_tensor_meter_counts_exactly_what_autograd_saves():
     torch.testing.assert_close(x.grad, x2.grad)
 
 
+def test_held_tensor_meter_drops_a_pairs_saved_tensors_when_a_late_holder_lets_go():
+    """A backward may hand a collective an unpacked input, which carries its grad_fn: until
+    the collective's worker lets go (gloo's thread, about a millisecond past ``wait()``) the
+    stage's retained graph, and every tensor it saved, stays alive. They are counted while
+    alive and dropped at the next reading after they die, not kept to the end of the step."""
+    torch.manual_seed(0)
+    b, h = 8, 16
+    stage = nn.Linear(h, h)
+    meter = HeldTensorMeter(_Runtime(), exclude=list(stage.parameters()))
+    x = torch.randn(b, h, requires_grad=True)
+    late: list[torch.Tensor] = []
+
+    class _HandsOnItsInput(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, t):
+            ctx.save_for_backward(t)
+            return t * 2
+
+        @staticmethod
+        def backward(ctx, g):
+            (t,) = ctx.saved_tensors     # carries the Linear's grad_fn
+            late.append(t)               # as a collective's worker holds its input
+            return g * 2
+
+    meter.begin(Action("F", 0, 0))
+    y = _HandsOnItsInput.apply(stage(x))
+    assert meter.finish(Action("F", 0, 0)) == 2 * 4 * b * h      # x and the Linear's output
+    y.sum().backward(retain_graph=True)                          # as I and W keep the graph
+    del y
+    meter.begin(Action("B", 0, 0))
+    assert meter.finish(Action("B", 0, 0)) == 4 * b * h          # x, saved by the held graph
+    meter.begin(Action("F", 0, 1))
+    assert meter.finish(Action("F", 0, 1)) == 4 * b * h
+    late.clear()                                                 # the worker lets go
+    assert meter.begin(Action("F", 0, 2)) == 0
+
+
 # -- a real multi-rank run -------------------------------------------------------------------------
 SKEWS = (0.0, 3.5, -2.25)      # seconds added to each rank's clock (one host shares one clock)
 

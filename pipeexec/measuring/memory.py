@@ -7,7 +7,11 @@
   (stage, microbatch); after each F/B/I/W of a pair the pair's live storages are re-read, so a
   backward that frees its graph drops them. On top come the tensors in the runtime's own
   dictionaries (stage inputs, outputs waiting to be sent or kept for backward, posted receive
-  buffers, gradients waiting, W's recorded gradients). Storages are counted once each (a view shares its base's
+  buffers, gradients waiting, W's recorded gradients). A pair whose backward has run (its B
+  or W) but whose saved storages are still alive is re-read at every later action until
+  they die: a collective may hold its input a moment past its ``wait()`` (gloo's worker
+  thread releases the work after completing it), and a pair read only at its own actions
+  would keep counting that storage to the end of the step. Storages are counted once each (a view shares its base's
   storage) and parameters are never counted: the result is activation memory, the quantity
   the schedule changes.
 * `CudaMemoryMeter` (GPU, for comparison): ``torch.cuda.memory_allocated`` minus its value at
@@ -77,6 +81,7 @@ class HeldTensorMeter:
         self._refcount: dict[int, int] = {}                    # storage -> pairs holding it
         self._sizes: dict[int, int] = {}
         self._saved_bytes = 0
+        self._lingering: set[tuple[int, int]] = set()          # backward done, storages alive
         self._hooks: saved_tensors_hooks | None = None
 
     def reset(self) -> None:
@@ -84,7 +89,9 @@ class HeldTensorMeter:
 
     def begin(self, action: Action) -> float:
         self._close_hooks()
+        self._recheck()
         if action.op == F:
+            self._lingering.discard((action.stage, action.microbatch))
             refs = self._saved.setdefault((action.stage, action.microbatch), [])
 
             def pack(t: torch.Tensor, refs: list = refs) -> torch.Tensor:
@@ -101,7 +108,11 @@ class HeldTensorMeter:
     def finish(self, action: Action) -> float:
         self._close_hooks()
         if action.op in _COMPUTE:
-            self._refresh((action.stage, action.microbatch))
+            key = (action.stage, action.microbatch)
+            self._refresh(key)
+            if action.op in (B, W) and key in self._pair_storages:
+                self._lingering.add(key)
+        self._recheck()
         return float(self.total())
 
     def close(self) -> None:
@@ -112,6 +123,13 @@ class HeldTensorMeter:
         if self._hooks is not None:
             self._hooks.__exit__(None, None, None)
             self._hooks = None
+
+    def _recheck(self) -> None:
+        """Re-read the pairs whose backward has run; forget those whose storages all died."""
+        for key in list(self._lingering):
+            self._refresh(key)
+            if key not in self._pair_storages:
+                self._lingering.discard(key)
 
     def _excluded(self) -> set[int]:
         return {t.untyped_storage().data_ptr() for t in self._exclude_tensors}

@@ -72,7 +72,10 @@ class _ChunkWeightGrad(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         (chunk,) = ctx.saved_tensors
-        full = regions.all_gather_sequence(chunk, ctx.tp)
+        # Detached: an unpacked input carries its grad_fn, and the collective's work (gloo's
+        # worker thread, NCCL's until it completes) would hold the stage's whole graph, and every
+        # tensor it saved, a while past this W.
+        full = regions.all_gather_sequence(chunk.detach(), ctx.tp)
         dw = g.reshape(-1, g.shape[-1]).t().mm(full.reshape(-1, full.shape[-1]))
         return None, dw, None, None
 
