@@ -147,7 +147,7 @@ def test_calibrate_hardware_writes_measured_collectives_that_hardware_file_reads
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     hw_file = tmp_path / "cpu.json"
     done = subprocess.run([sys.executable, "-m", "pipeexec", "calibrate-hardware", "--quick",
-                           "--collective-sizes", "4KiB,4MiB", "--out", str(hw_file)],
+                           "--collective-sizes", "4KiB,32MiB", "--out", str(hw_file)],
                           capture_output=True, text=True, timeout=600, env=env)
     assert done.returncode == 0, done.stdout + done.stderr[-3000:]
     assert "reduce_scatter  p=2:" in done.stdout
