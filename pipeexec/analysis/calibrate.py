@@ -235,23 +235,21 @@ def pinned_layers(costs: CostModel, run: MeasuredRun, source: Layout, clock: str
     probed share (`MeasuredRun.layer_shares`) of its stage's fitted cost; a kind held by more
     than one stage (copies), or by none of the probed stages, is left to the solve."""
     n = source.num_stages
-    ops = {"F": "forward", "B": "backward", "I": "backward_input", "W": "backward_weight"}
-    found: dict[str, dict[str, list[float]]] = {}
+    ops = dict(_TIME_FIELDS)
+    found: dict[str, dict[str, float]] = {}
     for stage, kinds in run.layer_shares(clock).items():
         if stage >= n:
             continue
         for kind, shares in kinds.items():
-            if source.layer_kinds.count(kind) != 1:
+            if source.layer_kinds.count(kind) != 1:     # one layer of the kind: one stage
                 continue
             for op, share in shares.items():
                 name = ops.get(op)
                 if name is None or getattr(costs, name) is None:
                     continue
                 value = float(costs.stage_values(name, n)[stage])
-                found.setdefault(name, {}).setdefault(kind, []).append(
-                    float(np.clip(share, 0.0, 1.0)) * value)
-    return {name: {k: v[0] for k, v in kinds.items() if len(v) == 1}
-            for name, kinds in found.items()}
+                found.setdefault(name, {})[kind] = float(np.clip(share, 0.0, 1.0)) * value
+    return found
 
 
 def repartition(costs: CostModel, source: Layout, target: Layout,

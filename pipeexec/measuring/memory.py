@@ -9,11 +9,11 @@
   dictionaries (stage inputs, outputs waiting to be sent or kept for backward, posted receive
   buffers, gradients waiting, W's recorded gradients). A pair whose backward has run (its B
   or W) but whose saved storages are still alive is re-read at every later action until
-  they die: a collective may hold its input a moment past its ``wait()`` (gloo's worker
-  thread releases the work after completing it), and a pair read only at its own actions
-  would keep counting that storage to the end of the step. Storages are counted once each (a view shares its base's
-  storage) and parameters are never counted: the result is activation memory, the quantity
-  the schedule changes.
+  they die: a collective may hold a tensor that pins the pair's graph a moment past its
+  ``wait()`` (gloo's worker thread releases the work after completing it), and a pair read
+  only at its own actions would keep counting those storages to the end of the step.
+  Storages are counted once each (a view shares its base's storage) and parameters are
+  never counted: the result is activation memory, the quantity the schedule changes.
 * `CudaMemoryMeter` (GPU, for comparison): ``torch.cuda.memory_allocated`` minus its value at
   the start of the step. Read at host time it runs ahead of the device (a tensor still being
   sent already counts as freed), so the profiler uses the held-tensor meter on GPUs too.

@@ -130,6 +130,11 @@ class _Times:
         self.wall: dict[str, list[float]] = {op: [] for op in OPS}
         self.cpu: dict[str, list[float]] = {op: [] for op in OPS}
 
+    def add(self, op: str, t: tuple[float, float]) -> None:
+        """One repeat's ``(wall, cpu)`` seconds of ``op``."""
+        self.wall[op].append(t[0])
+        self.cpu[op].append(t[1])
+
     def medians(self, clock: str) -> dict[str, float]:
         return {op: statistics.median(v) for op, v in getattr(self, clock).items()}
 
@@ -152,24 +157,24 @@ def _measure(trainer: Any, stage: Any, x: torch.Tensor, params: Any, targets: to
         saved = _SavedBytes(params)
         with saved:
             (root, grad), t = _timed(device, lambda: _forward(trainer, stage, leaf, targets, gen))
-        _add(into.wall, into.cpu, "F", t)
+        into.add("F", t)
         edge = get_gradient_edge(root)
         stage_input = leaf if leaf.requires_grad else None
         _other_work(stage, leaf)
         if not split:
             _, t = _timed(device, lambda: full_backward(edge, grad, stage_input, params))
-            _add(into.wall, into.cpu, "B", t)
+            into.add("B", t)
             output = root.detach()
             continue
         held = saved.live()
         (_, _, wgrad), t = _timed(device, lambda: backward_input(edge, grad, stage_input, params))
-        _add(into.wall, into.cpu, "I", t)
+        into.add("I", t)
         root = edge = None          # as the runtime drops them: W keeps only its join nodes
         if freed is not None:
             freed.append(float(held - saved.live()))
         _other_work(stage, leaf)
         _, t = _timed(device, lambda: wgrad.compute(params))
-        _add(into.wall, into.cpu, "W", t)
+        into.add("W", t)
     return output
 
 
@@ -267,6 +272,3 @@ def _timed(device: torch.device, fn: Any) -> tuple[Any, tuple[float, float]]:
     return value, (time.perf_counter() - w0, time.thread_time() - c0)
 
 
-def _add(times: dict, cpus: dict, op: str, t: tuple[float, float]) -> None:
-    times[op].append(t[0])
-    cpus[op].append(t[1])

@@ -90,8 +90,8 @@ class ProfileSession:
                    "tp_rank": tp_rank, "cp_rank": cp_rank, "offset": self.offset.offset,
                    "rtt": self.offset.rtt,
                    "records": self.profiler.records() if recorder else [],
-                   "split_probe": probe, "layer_probe": layers, "cpus": rank_cpus(), "host": socket.gethostname(),
-                   "host_cpus": os.cpu_count()}
+                   "split_probe": probe, "layer_probe": layers, "cpus": rank_cpus(),
+                   "host": socket.gethostname(), "host_cpus": os.cpu_count()}
         if topo.world_size > 1:
             gathered: list | None = [None] * topo.world_size if topo.rank == 0 else None
             dist.gather_object(payload, gathered, dst=0)
@@ -118,7 +118,7 @@ class ProfileSession:
             split_probe={int(s): StageProbe.from_meta(v) for p in pipeline
                          for s, v in (p["split_probe"] or {}).items()})
         run = MeasuredRun.of_plan(trace, plan, measurement)
-        # the embedding and the head timed alone (`probe_layers`), read by `MeasuredRun.layer_probe`
+        # the embedding and the head timed alone (`probe_layers`), read by `MeasuredRun.layer_shares`
         layer_probe = {str(s): v for p in pipeline for s, v in (p.get("layer_probe") or {}).items()}
         if layer_probe:
             run.meta["layer_probe"] = layer_probe
