@@ -105,9 +105,9 @@ def test_a_tiny_real_measurement_gives_positive_figures_that_a_hardware_file_tak
 
     from pipeexec.measuring.collectives import benchmark
 
-    b = benchmark((2,), (4 << 10, 4 << 20), repeats=3, warmup=1, timeout=60)
+    b = benchmark((2,), (4 << 10, 32 << 20), repeats=3, warmup=1, timeout=60)
     assert {(t.name, t.p, t.nbytes) for t in b.timings} == {
-        (n, 2, s) for n in COLLECTIVES for s in (4 << 10, 4 << 20)}
+        (n, 2, s) for n in COLLECTIVES for s in (4 << 10, 32 << 20)}
     assert all(t.seconds > 0 and len(t.samples) == 3 for t in b.timings)
     assert all(f.latency >= 0 and f.bandwidth > 0 for f in b.fits)
     assert len(b.rows()) == 8 and all(r[3] > 0 and r[4] > 0 for r in b.rows())
@@ -173,7 +173,7 @@ def test_calibrate_hardware_writes_measured_collectives_that_hardware_file_reads
                           text=True, timeout=300, env=env)
     assert done.returncode == 2 and "--collective-sizes '4'" in done.stdout
     done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_collectives.py"),
-                           "--groups", "2", "--sizes", "4KiB,16MiB", "--repeats", "5"],
+                           "--groups", "2", "--sizes", "4KiB,32MiB", "--repeats", "5"],
                           capture_output=True, text=True, timeout=300, env=env)
     assert done.returncode == 0, done.stdout + done.stderr[-3000:]
     assert "fit/meas" in done.stdout and "summary: 8 points, fit error median" in done.stdout
