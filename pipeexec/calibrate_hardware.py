@@ -5,8 +5,8 @@ curve by shape, the bandwidth element-wise kernels reach, attention's efficiency
 overhead and the links; a preset carries them from datasheets and fits, a hardware file from
 this machine. Measured here with torch, on the device given (CPU, or one CUDA GPU):
 
-* GEMM sweep: ``torch.matmul`` over a grid of (m, n, k), the best of timed repeats; the peak is
-  the best rate seen, each shape's efficiency its rate over that peak (the table), and the
+* GEMM sweep: ``torch.matmul`` over a grid of (m, n, k), the median of timed repeats; the peak is
+  the fastest shape's rate, each shape's efficiency its rate over that peak (the table), and the
   curve ``e_max / (1 + d (1/m + 1/n + 1/k))`` fitted to it (least median error: robust to the
   samples a busy machine slowed);
 * element-wise bandwidth: ``torch.add(x, y, out=z)`` (12 bytes an element in fp32) on tensors
@@ -48,10 +48,13 @@ def _timed(fn, sync, repeat: int) -> float:
         fn()
         sync()
         samples.append(time.perf_counter() - t0)
-    return min(samples)          # the best of the repeats: other load only slows a sample
+    # The median: a run's step sums hundreds of calls, each at the machine's typical speed, not
+    # at its luckiest (on this 2-core CPU a 512^3 matmul's best call is 10-20% above its
+    # median); and it stays robust to other load that slows fewer than half the samples.
+    return statistics.median(samples)
 
 
-def gemm_sweep(device: str, dtype, repeat: int = 5, sizes=SIZES) -> list[tuple[int, int, int, float]]:
+def gemm_sweep(device: str, dtype, repeat: int = 7, sizes=SIZES) -> list[tuple[int, int, int, float]]:
     """(m, n, k, FLOP/s) for every shape of the grid (cubes and the thin ones a layer has)."""
     import torch
 
@@ -178,7 +181,7 @@ def calibrate(device: str = "cpu", name: str | None = None, links: bool = True,
     coll, coll_what = gloo_collectives(groups, sizes, quick, repeats) if links else ({}, "")
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
     sizes = SIZES[:-1] if quick else SIZES
-    sweep = gemm_sweep(device, dtype, repeat=3 if quick else 5, sizes=sizes)
+    sweep = gemm_sweep(device, dtype, repeat=3 if quick else 7, sizes=sizes)
     peak = max(r for *_, r in sweep)
     table = tuple((m, n, k, r / peak) for m, n, k, r in sweep)
     e_max, dim = fit_gemm_curve(list(table))

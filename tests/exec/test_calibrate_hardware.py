@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -35,45 +37,82 @@ def test_the_gemm_fit_recovers_the_curve_it_was_given_and_ignores_a_slowed_sampl
     assert fit_gemm_curve(slowed) == pytest.approx(got, rel=0.05)
 
 
+def _cpu_seconds_of_others(command: list[str], env: dict) -> tuple[subprocess.CompletedProcess,
+                                                                  float]:
+    """Run ``command`` and say how many cores, on average over its run, went to anything else:
+    the machine's busy time (``/proc/stat``; steal time, a virtual machine's neighbours, counts as
+    busy) less the CPU time of the command and its children (``RUSAGE_CHILDREN``)."""
+    def busy_and_children() -> tuple[float, float]:
+        fields = [int(x) for x in Path("/proc/stat").read_text().split("\n")[0].split()[1:]]
+        idle = fields[3] + fields[4]                                  # idle + iowait
+        ticks = os.sysconf("SC_CLK_TCK")
+        used = resource.getrusage(resource.RUSAGE_CHILDREN)
+        return (sum(fields[:8]) - idle) / ticks, used.ru_utime + used.ru_stime
+
+    busy0, mine0 = busy_and_children()
+    t0 = time.perf_counter()
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
+    wall = time.perf_counter() - t0
+    busy1, mine1 = busy_and_children()
+    return done, max(0.0, (busy1 - busy0) - (mine1 - mine0)) / wall
+
+
+#: Cores other work may take while the calibration or the run is measured, for the comparison
+#: to count: more, and the run did not have the machine the calibration measured.
+QUIET_CORES = 0.3
+
+
 @pytest.mark.slow
+@pytest.mark.skipif(not Path("/proc/stat").exists(), reason="reads the machine's load in /proc")
 def test_a_cpu_run_predicted_from_the_measured_hardware_file_lands_near_it(tmp_path):
     """Calibrate this machine (GEMM sweep, element-wise bandwidth, launch overhead, attention,
     gloo all-reduce), then predict a 2-stage 1F1B run from that file alone (no trace of the
-    run) and run it: the step time near it (within 15% alone on the machine, the README's
-    figure for CPU predictions made without the run's own timings; the test's bound is wider,
-    see below). The calibration keeps the best of its
-    repeats, and the run's best step after the first is compared: other work on a shared
-    machine slows samples, and the best ones are the machine's own speed."""
-    load, cores = os.getloadavg()[0], os.cpu_count() or 1
-    if load > cores:
-        pytest.skip(f"machine busy (load {load:.1f} on {cores} cores): a timing prediction "
-                    "needs the cores the calibration measured")
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    hw_file = tmp_path / "cpu.json"
-    done = subprocess.run([sys.executable, "-m", "pipeexec", "calibrate-hardware", "--out",
-                           str(hw_file)], capture_output=True, text=True, timeout=600, env=env)
-    assert done.returncode == 0, done.stderr[-3000:]
-    hw = get_hardware(str(hw_file))
-    assert hw.calibration == "measured" and hw.gemm_table and hw.source("launch_overhead")
+    run) and run it: the best step after the first lands within 30% of the prediction.
 
+    Measured on the 2-core development machine (2026-12-02, quiet), predicted / measured was
+    0.90, 0.91 and 0.84 over three calibrate-and-run pairs: the prediction is 10-15% fast, and
+    the run itself moves by up to 20% from one job to the next (F of stage 0 took 22.6 ms in one
+    job, 28.7 ms in the next, CPU time equal to wall time in both). The bound is for a
+    calibration that is wrong (a unit, a rate off by a factor), not for that noise.
+
+    The comparison holds only where the run had the cores the calibration measured: CI once
+    measured the run 1.52x slow (0.986 s) on a calibration that was right (0.662 s), the 2
+    ranks sharing the 2 cores with one more busy process. So each attempt measures how many
+    cores other work took during its calibration and its run (steal time included); up to three
+    attempts are made, a busy one does not count, any quiet one within the bound passes, quiet
+    ones all off fail (naming each), and three busy ones skip, naming the load."""
     from pipeexec.cli.train import config_from_args, train_parser
 
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     flags = ["--schedule", "1f1b", "--pp", "2", "--microbatches", "8", "--micro-batch-size", "4",
              "--layers", "4", "--hidden", "256", "--heads", "4", "--seq-len", "128"]
-    plan = config_from_args(train_parser().parse_args(flags)).run_plan()
-    plan = plan.with_(cluster=plan.cluster.with_(hardware=hw))
-    predicted = pipesim.simulate(plan).step_time
-    out = tmp_path / "m.json"
-    done = subprocess.run([sys.executable, "-m", "pipeexec", "train", *flags, "--steps", "6",
-                           "--no-progress", "--metrics-out", str(out)],
-                          capture_output=True, text=True, timeout=600, env=env)
-    assert done.returncode == 0, done.stderr[-3000:]
-    measured = min(json.loads(out.read_text())["step_times"][1:])
-    # Alone on the machine this lands within 15% (2026-12-02: passes at load 0.2); inside the
-    # full suite, the multi-process tests before it leave the cores busier than the load
-    # average says and it was seen 19% off. The bound here is for a calibration that is wrong
-    # (a unit, a rate off by a factor), not for the machine's noise.
-    assert abs(predicted / measured - 1) <= 0.30, (predicted, measured)
+    busy, off = [], []
+    for attempt in range(3):
+        hw_file, out = tmp_path / f"cpu{attempt}.json", tmp_path / f"m{attempt}.json"
+        done, others_cal = _cpu_seconds_of_others(
+            [sys.executable, "-m", "pipeexec", "calibrate-hardware", "--out", str(hw_file)], env)
+        assert done.returncode == 0, done.stderr[-3000:]
+        hw = get_hardware(str(hw_file))
+        assert hw.calibration == "measured" and hw.gemm_table and hw.source("launch_overhead")
+        plan = config_from_args(train_parser().parse_args(flags)).run_plan()
+        predicted = pipesim.simulate(plan.with_(cluster=plan.cluster.with_(hardware=hw))).step_time
+        done, others_run = _cpu_seconds_of_others(
+            [sys.executable, "-m", "pipeexec", "train", *flags, "--steps", "6", "--no-progress",
+             "--metrics-out", str(out)], env)
+        assert done.returncode == 0, done.stderr[-3000:]
+        measured = min(json.loads(out.read_text())["step_times"][1:])
+        what = (f"attempt {attempt + 1}: predicted {predicted:.3f} s, measured {measured:.3f} s, "
+                f"other work {others_cal:.2f} cores during the calibration, {others_run:.2f} "
+                "during the run")
+        if max(others_cal, others_run) > QUIET_CORES:
+            busy.append(what)
+        elif abs(predicted / measured - 1) <= 0.30:
+            return
+        else:
+            off.append(what)
+    assert not off, "a quiet machine's run is more than 30% off its prediction: " + "; ".join(
+        off + busy)
+    pytest.skip("the machine was busy in every attempt: " + "; ".join(busy))
 
 
 # -- the collective benchmark (pipeexec.measuring.collectives) ------------------------------
