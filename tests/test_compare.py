@@ -312,25 +312,6 @@ def test_a_stalled_step_moves_neither_the_measured_mean_nor_the_costs():
     assert spans[2] > 1.4 * report["measured_step_time"]
 
 
-def test_the_all_row_is_the_busiest_and_the_slowest_ranks_figures():
-    """'all' shows no figure that no rank has: its busy time is the busiest rank's (never above
-    every rank's, as a mean of per-step maxima over different ranks can be) and its bubble is
-    the slowest rank's (the one its legend names)."""
-    c = compare_runs(jittered_run(steps=4))
-    table = c.table()
-    ranks = table.drop(index="all")
-    slow_m, slow_p = c.slowest_ranks()
-    assert table.loc["all", "busy_measured"] == pytest.approx(ranks["busy_measured"].max())
-    assert table.loc["all", "busy_predicted"] == pytest.approx(ranks["busy_predicted"].max())
-    assert table.loc["all", "bubble_measured"] == pytest.approx(
-        ranks.loc[str(slow_m), "bubble_measured"])
-    assert table.loc["all", "bubble_predicted"] == pytest.approx(
-        ranks.loc[str(slow_p), "bubble_predicted"])
-    shares = ranks["bubble_measured"] / (ranks["bubble_measured"] + ranks["busy_measured"])
-    assert slow_m == int(shares.values.argmax())
-    assert f"rank {slow_m} measured, rank {slow_p} predicted" in c.text()
-
-
 def test_an_idle_over_busy_error_without_meaning_is_not_printed():
     """A rank idle most of the step has an unbounded idle/busy ratio: its difference in points
     is shown as n/a, with a line saying why, never as hundreds of points."""

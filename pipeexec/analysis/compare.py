@@ -15,8 +15,13 @@ Definitions are pipesim's (:mod:`pipesim.metrics`), computed by the same code on
   pipeline part of the step, which is what the schedule decides; the optimizer is not in it);
 * per rank: ``finish`` (its last action's end), ``busy`` (compute time), ``bubble`` (idle time
   inside its own span) and Megatron's idle/busy ratio ``(step - busy) / busy``;
-* overall: ``bubble_fraction`` (Megatron's), ``bubble_rate`` (Zero Bubble's) and
-  ``bubble_time`` (the slowest rank's bubble);
+* the table's "all" row: the step time and one rank's figures, the rank that bounds the step
+  (the busiest: Megatron's bubble_fraction is its idle time over its busy time), each side its
+  own (`Comparison.step_ranks`): its busy time, its idle time in the step ``step - busy`` and
+  their ratio, so that busy + bubble = step and bubble_fraction = bubble / busy on the row;
+* overall (the report): ``bubble_fraction`` (Megatron's; measured: the mean of the steps' own,
+  whose busiest rank can change from step to step, so it can differ from the "all" row's),
+  ``bubble_rate`` (Zero Bubble's) and ``bubble_time`` (the slowest rank's bubble);
 * peak memory: the largest activation memory the rank held at an action boundary
   (measured by the meter, predicted by pipesim's memory model with calibrated bytes).
 
@@ -120,10 +125,21 @@ class Comparison:
         spans = [b + i for b, i in zip(m["busy"], m["bubble"])]
         return slowest_of(m["busy"], spans), self.predicted.slowest_rank
 
+    def step_ranks(self) -> tuple[int, int]:
+        """The rank the "all" row shows, measured (from the compared steps' per-rank means)
+        and predicted: the busiest (lowest on ties), the one that bounds the step, whose idle
+        time over busy time is Megatron's bubble_fraction. One rank, so that the row's busy,
+        bubble and bubble_fraction are figures of the same rank and add up."""
+        return (int(np.argmax(self._measured["busy"])),
+                int(np.argmax(self._rank_values(self.predicted)["busy"])))
+
     def table(self) -> "pd.DataFrame":
         """Rows: rank 0..p-1 and "all"; columns ``<quantity>_measured``, ``_predicted``,
-        ``_error`` (relative; in points for bubble_fraction) for finish (step time on the
-        "all" row), busy, bubble, idle_over_busy (bubble_fraction on "all") and peak_memory."""
+        ``_error`` (relative; in points for bubble_fraction) for finish, busy, bubble,
+        idle_over_busy and peak_memory. "all": the step time (finish), the `step_ranks`' busy
+        time, idle time in the step (bubble = step - busy) and their ratio (idle_over_busy:
+        bubble_fraction), and the largest rank's peak memory; ``attrs["step_ranks"]`` names
+        the ranks."""
         import pandas as pd
 
         m, p = self._measured, self._rank_values(self.predicted)
@@ -137,19 +153,20 @@ class Comparison:
                 row[f"{q}_error"] = _rel(p[q][rank], m[q][rank])
             rows.append(row)
         ps = self.predicted
-        slow_m, slow_p = self.slowest_ranks()
+        bound_m, bound_p = self.step_ranks()
+        # one rank a side (the busiest): its busy time, its idle time in the step, their ratio
+        busy_m, busy_p = m["busy"][bound_m], p["busy"][bound_p]
+        idle_m, idle_p = o["makespan"] - busy_m, ps.makespan - busy_p
+        ratio_m, ratio_p = _ratio(idle_m, busy_m), _ratio(idle_p, busy_p)
         total = {"rank": "all",
                  "finish_measured": o["makespan"], "finish_predicted": ps.makespan,
                  "finish_error": _rel(ps.makespan, o["makespan"]),
-                 # the busiest rank's busy time (bubble_fraction's ideal): at most every rank's
-                 "busy_measured": max(m["busy"]), "busy_predicted": max(p["busy"]),
-                 "busy_error": _rel(max(p["busy"]), max(m["busy"])),
-                 # the slowest rank's bubble (each side its own slowest rank)
-                 "bubble_measured": m["bubble"][slow_m], "bubble_predicted": p["bubble"][slow_p],
-                 "bubble_error": _rel(p["bubble"][slow_p], m["bubble"][slow_m]),
-                 "idle_over_busy_measured": o["bubble_fraction"],
-                 "idle_over_busy_predicted": ps.bubble_fraction,
-                 "idle_over_busy_error": ps.bubble_fraction - o["bubble_fraction"],
+                 "busy_measured": busy_m, "busy_predicted": busy_p,
+                 "busy_error": _rel(busy_p, busy_m),
+                 "bubble_measured": idle_m, "bubble_predicted": idle_p,
+                 "bubble_error": _rel(idle_p, idle_m),
+                 "idle_over_busy_measured": ratio_m, "idle_over_busy_predicted": ratio_p,
+                 "idle_over_busy_error": ratio_p - ratio_m,
                  "peak_memory_measured": max(m["peak_memory"]),
                  "peak_memory_predicted": max(p["peak_memory"]),
                  "peak_memory_error": _rel(max(p["peak_memory"]), max(m["peak_memory"]))}
@@ -158,7 +175,9 @@ class Comparison:
         for g, per_rank in coll.items():
             for row, value in zip(rows, per_rank + [max(per_rank, default=0.0)]):
                 row[f"{g}_collectives_predicted"] = value
-        return pd.DataFrame(rows).set_index("rank")
+        frame = pd.DataFrame(rows).set_index("rank")
+        frame.attrs["step_ranks"] = {"measured": bound_m, "predicted": bound_p}
+        return frame
 
     def predicted_collectives(self) -> dict[str, list[float]]:
         """Per group (tp, cp, ep), each rank's seconds per step of the layers' collectives the
@@ -188,7 +207,10 @@ class Comparison:
                 "peak act. memory (MiB) meas | pred | error |")
         lines = [head, "|" + "---:|" * (head.count("|") - 1)]
         mib = 2 ** 20
+        bound_m, bound_p = self.step_ranks()
         for rank, r in t.iterrows():
+            if rank == "all":           # the busiest rank's figures: say whose
+                rank = f"all (rank {bound_m} meas, rank {bound_p} pred)"
             lines.append(
                 f"| {rank} | {r.finish_measured * 1e3:.1f} | {r.finish_predicted * 1e3:.1f} | "
                 f"{_pct(r.finish_error)} | {r.busy_measured * 1e3:.1f} | {r.busy_predicted * 1e3:.1f} | "
@@ -224,10 +246,7 @@ class Comparison:
                     err = format(e, efmt) if math.isfinite(e) else "n/a"
                 cells.append(f" {format(m * scale, fmt):>7} {format(p * scale, fmt):>7} {err:>8} ")
             lines.append(f"{rank:>4} |" + "|".join(cells) + "|")
-        slow_m, slow_p = self.slowest_ranks()
-        lines.append("rank rows: the rank's finish time and idle/busy; 'all': the step time, the "
-                     "busiest rank's busy time, Megatron's bubble_fraction and the slowest rank's "
-                     f"bubble (rank {slow_m} measured, rank {slow_p} predicted)")
+        lines.append(self.legend())
         if any(_points(row["idle_over_busy_measured"], row["idle_over_busy_predicted"]) == "n/a"
                for _, row in t.iterrows()):
             lines.append("n/a: an idle/busy ratio above 1 (a rank idle most of the step) has no "
@@ -254,6 +273,15 @@ class Comparison:
                          "costs are their shares of their stages as the calibration run timed "
                          "them alone (not solved from the stage sums); the blocks are re-cut")
         return "\n".join(lines)
+
+    def legend(self) -> str:
+        """What the rows are, naming the rank the "all" row shows on each side."""
+        bound_m, bound_p = self.step_ranks()
+        return ("rank rows: the rank's finish, busy, bubble (idle inside its own span) and "
+                "idle/busy over the step; 'all': the step time and the busiest rank's figures "
+                f"(rank {bound_m} measured, rank {bound_p} predicted): busy, idle in the step "
+                "(step - busy) and their ratio, Megatron's bubble_fraction; peak memory: the "
+                "largest rank's")
 
     def cross_schedule_edge_ranks(self) -> list[int]:
         """The ranks holding the first or the last stage (embedding, head) when the costs come
@@ -291,7 +319,7 @@ class Comparison:
         # the host's work between steps): say so, or the two figures seem to disagree
         return (f"{s.name} pp={s.pp} vpp={s.parts_per_rank} m={s.num_microbatches}: predicted "
                 f"{self.predicted.makespan * 1e3:.1f} ms vs measured {measured * 1e3:.1f} ms "
-                f"({over}, {_rel(self.predicted.makespan, measured):+.1%}; {MAKESPAN_NOTE}); "
+                f"({over}, {_pct(_rel(self.predicted.makespan, measured))}; {MAKESPAN_NOTE}); "
                 f"calibrated from {where}")
 
     # -- report ---------------------------------------------------------------------------------
@@ -319,7 +347,7 @@ class Comparison:
             "predicted_peak_memory": [_num(x) for x in p["peak_memory"]],
             "peak_memory_error": [_num(_rel(a, b)) for a, b in zip(p["peak_memory"], m["peak_memory"])],
             "memory_measure": measurement.memory,
-            "per_rank": per_rank,
+            "per_rank": per_rank, "step_ranks": dict(t.attrs["step_ranks"]),
             "predicted_collectives": self.predicted_collectives(),
             "compared_steps": list(self.steps), "pictured_step": self.step,
             "measured_step_times": {str(k): v for k, v in self.run.makespans().items()},
@@ -346,11 +374,11 @@ class Comparison:
         # the title gives the pictured step's error, the statistic of the panels under it
         title = (f"{s.name} pp={s.pp} vpp={s.parts_per_rank} m={s.num_microbatches}: predicted "
                  f"{pred.makespan * 1e3:.1f} ms vs {what} {meas.makespan * 1e3:.1f} ms "
-                 f"({_rel(pred.makespan, meas.makespan):+.1%})")
+                 f"({_pct(_rel(pred.makespan, meas.makespan))})")
         if len(self.steps) > 1:
             mean = self._overall["makespan"]
             title += (f"; over the compared steps' mean {mean * 1e3:.1f} ms: "
-                      f"{_rel(pred.makespan, mean):+.1%}")
+                      f"{_pct(_rel(pred.makespan, mean))}")
         return overlay_figure(
             pred, meas, title=title,
             predicted_title=(f"predicted (the compared steps' mean costs): "
@@ -361,7 +389,13 @@ class Comparison:
 
 
 def _pct(x: float) -> str:
+    """A relative error in percent; "n/a" where it is not finite (a figure of 0 compared)."""
     return f"{x:+.1%}" if math.isfinite(x) else "n/a"
+
+
+def _ratio(idle: float, busy: float) -> float:
+    """Idle over busy time, as the rank rows' idle/busy (NaN without busy time)."""
+    return idle / busy if busy > 0 else math.nan
 
 
 def _points(measured: float, predicted: float) -> str:

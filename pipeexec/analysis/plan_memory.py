@@ -124,7 +124,12 @@ def executor_split(costs: "pipesim.CostModel", plan: "pipesim.Plan",
     zero-bubble fork stores in its weight-gradient store); here every block keeps all of it,
     and the head's I frees only the loss computation's saved fp32 logits, which W does not
     need. The recorded output gradients W reads come on top in the executor and are left out
-    (the memory model cannot grow a stage's bytes at its I)."""
+    (the memory model cannot grow a stage's bytes at its I).
+
+    The plan's costs are per model part: they are first spread onto ``schedule``'s stages
+    (`CostModel.for_schedule`), more than the parts where a rank holds a copy (dualpipe: 2 pp
+    stages over pp parts), so that what follows reads one value per stage."""
+    costs = costs.for_schedule(schedule)
     n = schedule.num_stages
     act = costs.stage_values("activation_bytes", n)
     model, par = plan.model, plan.parallelism
