@@ -23,6 +23,16 @@ this machine. Measured here with torch, on the device given (CPU, or one CUDA GP
   without a figure) is the all-reduce's at the smallest p, as the file held before. Measured
   first, before the GEMM sweep starts torch's thread pool: the benchmark forks its ranks.
 
+On a CUDA GPU (``--device cuda``) the sizes are a GPU's (GEMMs up to 8192, bf16; element-wise
+tensors of 1 GiB, past the L2; attention at a Llama layer's s 4096, d 128) and the figures are
+stated against a preset's datasheet (``--base``, by default the preset the device's name
+names): peak_flops stays the datasheet's dense bf16 peak, so efficiencies and MFU keep their
+meaning, the GEMM table is each shape's rate over it, ``mem_efficiency`` the measured
+bandwidth over the datasheet's HBM bandwidth; ``launch_overhead`` is a kernel's cost on the
+device (tiny kernels replayed from a CUDA graph: when the host runs ahead, as it does in a
+large model's step, its dispatch cost hides). One GPU cannot measure its links: they, the
+reserve and the FP8 / FP32 peaks stay the preset's.
+
 The file is :meth:`pipesim.hardware.Hardware.to_dict`'s JSON with ``calibration: measured``,
 each figure's method in ``sources``; ``--hardware FILE`` reads it.
 """
@@ -34,9 +44,10 @@ import statistics
 import time
 from pathlib import Path
 
-from pipesim.hardware import COLLECTIVE_NAMES, Hardware
+from pipesim.hardware import COLLECTIVE_NAMES, Hardware, get_hardware, hardware_names
 
 SIZES = (64, 128, 256, 512, 1024)
+GPU_SIZES = (256, 512, 1024, 2048, 4096, 8192)
 
 
 def _timed(fn, sync, repeat: int) -> float:
@@ -58,7 +69,8 @@ def gemm_sweep(device: str, dtype, repeat: int = 7, sizes=SIZES) -> list[tuple[i
     """(m, n, k, FLOP/s) for every shape of the grid (cubes and the thin ones a layer has)."""
     import torch
 
-    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+    cuda = device.startswith("cuda")
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
     shapes = {(s, s, s) for s in sizes}
     big = max(sizes)
     for s in sizes:
@@ -67,9 +79,52 @@ def gemm_sweep(device: str, dtype, repeat: int = 7, sizes=SIZES) -> list[tuple[i
     for m, n, k in sorted(shapes):
         a = torch.randn(m, k, device=device, dtype=dtype)
         b = torch.randn(k, n, device=device, dtype=dtype)
-        t = _timed(lambda: torch.matmul(a, b), sync, repeat)
+        if cuda:                # the device's time: its kernel alone (the host's is apart)
+            c = torch.empty(m, n, device=device, dtype=dtype)
+            t = _timed_device(lambda: torch.matmul(a, b, out=c), repeat, graph=True)
+        else:
+            t = _timed(lambda: torch.matmul(a, b), sync, repeat)
         out.append((m, n, k, 2.0 * m * n * k / t))
     return out
+
+
+def _timed_device(fn, repeat: int, batch_seconds: float = 2e-3, graph: bool = False) -> float:
+    """Seconds of one call of ``fn`` on the current CUDA stream: the median over ``repeat``
+    batches, each timed by CUDA events around enough back-to-back calls to fill
+    ``batch_seconds`` (a single small kernel is shorter than the events' resolution).
+    ``graph``: the batch is captured once as a CUDA graph and replayed, so the host's dispatch
+    (tens of microseconds a call in Python) does not hide a small kernel's device time."""
+    import torch
+
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+
+    def batch(calls: int, body=None) -> float:
+        start.record()
+        if body is not None:
+            body()
+        else:
+            for _ in range(calls):
+                fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3 / calls
+
+    batch(3)                                   # warm-up: kernel selection, allocator
+    calls = max(1, min(1000, int(batch_seconds / max(batch(3), 1e-7))))
+    body = None
+    if graph:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):          # warm-up off the capturing stream
+            fn()
+        torch.cuda.current_stream().wait_stream(side)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            for _ in range(calls):
+                fn()
+        body = g.replay
+        batch(calls, body)
+    return statistics.median(batch(calls, body) for _ in range(repeat))
 
 
 def fit_gemm_curve(table: list[tuple[float, float, float, float]]) -> tuple[float, float]:
@@ -122,7 +177,7 @@ def attention_efficiency(device: str, dtype, peak: float, b: int = 4, heads: int
     import torch
     import torch.nn.functional as F
 
-    from pipesim.plan.operators import flash_efficiency
+    from pipesim.plan.operators import FLASH_BACKWARD, flash_efficiency
 
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
     q, k, v = (torch.randn(b, heads, s, d, device=device, dtype=dtype, requires_grad=True)
@@ -133,7 +188,7 @@ def attention_efficiency(device: str, dtype, peak: float, b: int = 4, heads: int
         out.sum().backward()
 
     t = _timed(run, sync, 5)
-    flops = 3 * 4 * b * heads * s * s * d / 2           # fwd + 2x bwd, causal half
+    flops = (1 + FLASH_BACKWARD) * 4 * b * heads * s * s * d / 2   # fwd + bwd, causal half
     measured = flops / t / peak
 
     class _One:
@@ -169,14 +224,121 @@ def gloo_collectives(groups: tuple[int, ...] | None = None, sizes: tuple[int, ..
     return fields, what
 
 
-def calibrate(device: str = "cpu", name: str | None = None, links: bool = True,
-              quick: bool = False, groups: tuple[int, ...] | None = None,
-              sizes: tuple[int, ...] | None = None, repeats: int | None = None) -> Hardware:
-    """Measure this machine's figures and return them as a :class:`Hardware` (see above).
-    ``groups``, ``sizes``, ``repeats``: the collective benchmark's (default: its own sweep,
-    a smaller one with ``quick``); ``links=False`` skips it."""
+def device_bandwidth(device: str, nbytes: int, repeat: int = 7) -> float:
+    """Bytes/s of ``torch.add(x, y, out=z)`` (fp32: 12 bytes an element) on one CUDA device."""
     import torch
 
+    n = max(1, nbytes // 4)
+    x, y, z = (torch.randn(n, device=device) for _ in range(3))
+    return 12.0 * n / _timed_device(lambda: torch.add(x, y, out=z), repeat)
+
+
+def kernel_floor(device: str, kernels: int = 200, repeat: int = 7) -> float:
+    """Seconds a tiny kernel costs on the device: ``kernels`` one-element multiplies captured
+    in a CUDA graph and replayed (no host dispatch in the timing)."""
+    import torch
+
+    x = torch.ones(1, device=device)
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):                  # capture off the default stream
+        for _ in range(3):
+            y = x
+            for _ in range(kernels):
+                y = y * 1.0001
+    torch.cuda.current_stream(device).wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = x
+        for _ in range(kernels):
+            y = y * 1.0001
+    return _timed_device(graph.replay, repeat) / kernels
+
+
+def base_preset(device: str, base: str | None) -> Hardware:
+    """The preset a CUDA device's measured figures are stated against: ``base`` if given, else
+    the preset whose name the device's name contains (H100 in "NVIDIA H100 80GB HBM3")."""
+    import torch
+
+    if base is not None:
+        return get_hardware(base)
+    label = torch.cuda.get_device_name(device).upper()
+    found = [n for n in hardware_names() if n.upper() in label.replace(" ", "")
+             or n.upper() in label.split()]
+    if not found:
+        raise ValueError(f"--device {device}: {torch.cuda.get_device_name(device)!r} names no "
+                         f"preset ({', '.join(hardware_names())}): pass --base PRESET (or a "
+                         "hardware file) whose datasheet figures (peaks, HBM bandwidth, links) "
+                         "the measured efficiencies are stated against")
+    return get_hardware(max(found, key=len))      # GB200 before B200
+
+
+def calibrate_cuda(device: str = "cuda", name: str | None = None, base: str | None = None,
+                   quick: bool = False) -> Hardware:
+    """A CUDA GPU's efficiency figures, measured, stated against ``base``'s datasheet figures
+    (see the module docstring); links, reserve and the FP8 / FP32 peaks stay ``base``'s."""
+    import torch
+
+    preset = base_preset(device, base)
+    sizes = GPU_SIZES[:-1] if quick else GPU_SIZES
+    sweep = gemm_sweep(device, torch.bfloat16, repeat=3 if quick else 7, sizes=sizes)
+    best = max(r for *_, r in sweep)
+    peak = preset.peak_flops
+    table = tuple((m, n, k, min(1.0, r / peak)) for m, n, k, r in sweep)
+    e_max, dim = fit_gemm_curve(list(table))
+    bw_l2 = device_bandwidth(device, 32 << 20)
+    bw = device_bandwidth(device, (256 << 20) if quick else (1 << 30))
+    floor = kernel_floor(device)
+    eager = launch_overhead(device)
+    # attention's efficiency against the datasheet peak, at a Llama layer's shape
+    flash = attention_efficiency(device, torch.bfloat16, peak, b=1, heads=8 if quick else 32,
+                                 s=2048 if quick else 4096, d=128)
+    free, total = torch.cuda.mem_get_info(device)
+    context = total - free - torch.cuda.memory_reserved(device)
+    gpu = torch.cuda.get_device_name(device)
+    label = name or f"{preset.name}-measured"
+    where = (f"measured by pipeexec calibrate-hardware on {gpu} (torch {torch.__version__}, "
+             f"CUDA {torch.version.cuda}), {time.strftime('%Y-%m-%d')}")
+    sources = dict(preset.sources)
+    sources.update({
+        "peaks": f"{preset.name}'s datasheet (the preset): the best GEMM of the sweep reached "
+                 f"{best / 1e12:.0f} TFLOP/s bf16, {best / peak:.1%} of it",
+        "gemm_e_max": f"{where}: median fit to gemm_table (bf16 torch.matmul on random data, "
+                      f"{len(table)} shapes, {min(sizes)} to {max(sizes)}, replayed from CUDA "
+                      "graphs; each shape's rate over the datasheet peak)",
+        "gemm_dim_half": f"{where}: median fit to gemm_table",
+        "mem_efficiency": f"{where}: torch.add on 1 GiB fp32 tensors, {bw / 1e12:.2f} TB/s over "
+                          f"the datasheet's {preset.hbm_bandwidth / 1e12:.2f} TB/s ({bw_l2 / 1e12:.2f}"
+                          " TB/s on 32 MiB, partly in L2)",
+        "flash_e_max": f"{where}: scaled_dot_product_attention (causal) fwd+bwd at b1 "
+                       f"h{8 if quick else 32} s{2048 if quick else 4096} d128, over the "
+                       "datasheet peak, scaled to the model's long-sequence figure",
+        "launch_overhead": f"{where}: one-element kernels replayed from a CUDA graph, per kernel "
+                           f"(eager dispatch with autograd costs the host {eager * 1e6:.1f} us an "
+                           "op, hidden while the host runs ahead of the device)",
+        "memory_reserve": f"{preset.source('memory_reserve')} (measured here: the CUDA context "
+                          f"and cuBLAS workspace hold {context / 2**30:.2f} GiB before NCCL)",
+        "links": f"{preset.name}'s (one GPU measures no link)",
+    })
+    return preset.with_(name=label, memory_bytes=float(total), gemm_e_max=e_max,
+                        gemm_dim_half=dim, gemm_table=table,
+                        mem_efficiency=min(1.0, bw / preset.hbm_bandwidth),
+                        flash_e_max=flash, launch_overhead=floor, calibration="measured",
+                        sources=tuple(sources.items()))
+
+
+def calibrate(device: str = "cpu", name: str | None = None, links: bool = True,
+              quick: bool = False, groups: tuple[int, ...] | None = None,
+              sizes: tuple[int, ...] | None = None, repeats: int | None = None,
+              base: str | None = None) -> Hardware:
+    """Measure this machine's figures and return them as a :class:`Hardware` (see above).
+    ``groups``, ``sizes``, ``repeats``: the collective benchmark's (default: its own sweep,
+    a smaller one with ``quick``); ``links=False`` skips it. On CUDA: :func:`calibrate_cuda`
+    against ``base``."""
+    import torch
+
+    if device.startswith("cuda"):
+        return calibrate_cuda(device, name, base=base, quick=quick)
     # first, while this process has no threads: the benchmark forks its ranks
     coll, coll_what = gloo_collectives(groups, sizes, quick, repeats) if links else ({}, "")
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
@@ -245,6 +407,10 @@ def add_command(sub) -> None:
                         "4KiB,256KiB,4MiB with --quick)")
     p.add_argument("--collective-repeats", type=int, default=None, metavar="N",
                    help="timed repeats per point, the median kept (default: 9; 3 with --quick)")
+    p.add_argument("--base", default=None, metavar="PRESET",
+                   help="on a CUDA device: the preset (or hardware file) whose datasheet peaks, "
+                        "HBM bandwidth and links the measured efficiencies are stated against "
+                        "(default: the preset the device's name names)")
     p.add_argument("--quick", action="store_true", help="a smaller sweep (tests)")
 
 
@@ -284,12 +450,19 @@ def run(ns: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"calibrate-hardware: {exc}")
         return 2
+    if ns.base is not None and not ns.device.startswith("cuda"):
+        print(f"calibrate-hardware: --base {ns.base}: only for a CUDA device (a CPU's figures "
+              "are its own)")
+        return 2
     try:
         hw = calibrate(ns.device, ns.name, links=not ns.no_links, quick=ns.quick, groups=groups,
-                       sizes=sizes, repeats=ns.collective_repeats)
+                       sizes=sizes, repeats=ns.collective_repeats, base=ns.base)
     except CollectiveBenchmarkError as exc:
         print(f"calibrate-hardware: {exc}")
         return 1
+    except ValueError as exc:
+        print(f"calibrate-hardware: {exc}")
+        return 2
     hw.save(Path(ns.out))
     print(f"{hw.name}: peak {hw.peak_flops / 1e9:.1f} GFLOP/s, GEMM eff = {hw.gemm_e_max:.3f} / "
           f"(1 + {hw.gemm_dim_half:.1f} (1/m + 1/n + 1/k)), element-wise {hw.hbm_bandwidth / 1e9:.1f} "

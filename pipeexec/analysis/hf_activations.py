@@ -72,7 +72,14 @@ def stage_extras(plan: Any) -> list[float]:
                 total += layer_extra(model, par, moe)
         out.append(total)
         start += count
-    if model.norm == "rmsnorm" and out:         # the head's final norm
-        b, s = par.micro_batch_size, model.seq_length / par.cp
-        out[-1] += (4 * s * b * model.hidden + 4 * s * b) / par.sp
+    if out:
+        out[-1] += head_extra(model, par)
     return out
+
+
+def head_extra(model: Any, par: Any) -> float:
+    """Bytes the head's final norm saves beyond the formulas (an RMSNorm's, as a layer's)."""
+    if model.norm != "rmsnorm":
+        return 0.0
+    b, s = par.micro_batch_size, model.seq_length / par.cp
+    return (4 * s * b * model.hidden + 4 * s * b) / par.sp

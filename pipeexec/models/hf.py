@@ -42,7 +42,7 @@ cp rank, with the causal mask at the global positions.
 from __future__ import annotations
 
 import copy
-
+import inspect
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -183,6 +183,13 @@ class HFEmbedding(nn.Module):
         return x if self.router is None else self.router.start(x)
 
 
+def cache_keyword(make_mask: Any) -> str:
+    """The name of the masks' cache argument: ``cache`` in transformers 5.2x,
+    ``past_key_values`` before (5.0-5.1x; later releases keep it as a keyword alias)."""
+    params = inspect.signature(make_mask).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
 class HFDecoderLayer(nn.Module):
     """One Hugging Face decoder layer (``block``) that makes its own position ids, rotary
     embedding and causal mask from its input: hidden -> hidden. Sequence parallel: the input
@@ -275,7 +282,7 @@ class HFDecoderLayer(nn.Module):
             whole = x if seq == x.shape[1] else x[:, :1].expand(x.shape[0], seq, x.shape[2])
             make_mask = create_sliding_window_causal_mask if self.sliding else create_causal_mask
             mask = make_mask(config=self.config, inputs_embeds=whole, attention_mask=None,
-                             cache=None, position_ids=positions)
+                             position_ids=positions, **{cache_keyword(make_mask): None})
         if self.rotary is None:
             out = self.block(x, attention_mask=mask, position_ids=positions)
         else:

@@ -216,3 +216,30 @@ def test_calibrate_hardware_writes_measured_collectives_that_hardware_file_reads
                           capture_output=True, text=True, timeout=300, env=env)
     assert done.returncode == 0, done.stdout + done.stderr[-3000:]
     assert "fit/meas" in done.stdout and "summary: 8 points, fit error median" in done.stdout
+
+
+def test_a_cuda_device_is_stated_against_the_preset_its_name_names(monkeypatch):
+    """On a GPU the measured efficiencies are fractions of a datasheet's peak: the preset named
+    by the device (GB200 before B200), or --base; a name that names none is refused, saying
+    what to pass."""
+    import torch
+
+    from pipeexec.calibrate_hardware import base_preset
+
+    for device_name, preset in (("NVIDIA H200", "H200"), ("NVIDIA H100 80GB HBM3", "H100"),
+                                ("NVIDIA A100-SXM4-80GB", "A100"), ("NVIDIA GB200", "GB200"),
+                                ("NVIDIA B200", "B200")):
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda d=None, n=device_name: n)
+        assert base_preset("cuda", None).name == preset, device_name
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda d=None: "Tesla V100-SXM2-32GB")
+    with pytest.raises(ValueError, match="names no preset.*--base"):
+        base_preset("cuda", None)
+    assert base_preset("cuda", "H100").name == "H100"
+
+
+def test_base_is_refused_on_a_cpu(tmp_path):
+    done = subprocess.run([sys.executable, "-m", "pipeexec", "calibrate-hardware", "--out",
+                           str(tmp_path / "x.json"), "--base", "H200"], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 2 and "--base H200: only for a CUDA device" in done.stdout
+    assert not (tmp_path / "x.json").exists()

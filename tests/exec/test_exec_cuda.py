@@ -12,7 +12,8 @@ import torch
 import pipesim
 from pipeexec import launch
 
-from exec_helpers import (GLOBAL_BATCH, MICROBATCHES, TINY, layouts_worker, reference_train)
+from exec_helpers import (GLOBAL_BATCH, MICROBATCHES, TINY, choose_microbatches, layouts_worker,
+                          reference_train)
 
 pytestmark = [pytest.mark.cuda, pytest.mark.slow,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -42,8 +43,15 @@ def _check(results, dp, reference, label_prefix):
                                        msg=lambda m: f"{label}: {n}: {m}")
 
 
+def runnable(pp: int, dp: int) -> list[str]:
+    """The schedules that build at this layout with the fixed global batch (DualPipe needs an
+    even pp: it is left out at pp 1)."""
+    return [name for name in pipesim.schedule_names() if choose_microbatches(name, pp, dp)]
+
+
 def test_every_schedule_on_one_gpu(reference):
-    cases = [(name, {}) for name in pipesim.schedule_names()]
+    assert set(pipesim.schedule_names()) - set(runnable(1, 1)) == {"dualpipe"}
+    cases = [(name, {}) for name in runnable(1, 1)]
     results = launch(layouts_worker, 1, (1, 1, cases, "cuda"), timeout=600, start_method="spawn")
     _check(results, 1, reference, "pp=1 cuda")
 
@@ -56,7 +64,7 @@ def test_layouts_over_nccl(pp, dp, reference):
     if torch.cuda.device_count() < pp * dp:
         pytest.skip(f"needs {pp * dp} GPUs, have {torch.cuda.device_count()}")
     print(f"torch {torch.__version__}, NCCL {torch.cuda.nccl.version()}")
-    cases = [(name, {"recv_lookahead": la}) for name in pipesim.schedule_names() for la in (1, 2)]
+    cases = [(name, {"recv_lookahead": la}) for name in runnable(pp, dp) for la in (1, 2)]
     results = launch(layouts_worker, pp * dp, (pp, dp, cases, "cuda"), timeout=600,
                      start_method="spawn")
     _check(results, dp, reference, f"pp={pp} dp={dp} nccl")
