@@ -276,6 +276,7 @@ class Hardware:
 
 GB = 1e9
 GiB = 2**30
+H200_CUDA_BYTES = 150_109_880_320.0      # total_memory of an H200 (measured, see below)
 
 # A100 SXM 80GB: 312 TFLOP/s bf16 dense, NVLink3 600 GB/s total (300 per direction), HDR 200 Gb/s,
 #   HBM2e 2.04 TB/s; no FP8 (Ampere's tensor cores stop at bf16/fp16/tf32 and int8).
@@ -292,6 +293,12 @@ GiB = 2**30
 # MI300X (AMD Instinct MI300X data sheet, 2023): 1,307.4 TFLOP/s bf16 and 2,614.9 TFLOP/s
 #   fp8 dense; 192 GB HBM3 at 5.3 TB/s; 7 Infinity Fabric links of 128 GB/s (64 per
 #   direction) to the other 7 GPUs of the node, 448 GB/s per direction in all; 400 Gb/s NICs.
+# Memory: an HBM stack's "GB" is a binary gigabyte (A100's and H100's 80 GB are five 16 GiB
+#   stacks; nvidia-smi shows 81,920 MiB on an A100 80GB), so capacities are read as GiB; the
+#   H200's is what CUDA reports on one (torch.cuda.get_device_properties().total_memory,
+#   measured by pipeexec calibrate-hardware, 2026-12-04: 139.8 GiB of its 141, the driver
+#   keeping the rest). The 4 GiB reserve covers the CUDA context (0.75 GiB measured on that
+#   H200), NCCL's buffers and the workspaces.
 # The time model's figures for A100 were fitted once (benchmarks/bench_cost_model.py --fit) on
 # the two tables the issue allows: Korthikanti et al. 2022 Table 5 and Narayanan et al. 2021
 # (SC21) Table 1, both Megatron-LM on A100 80GB. Other GPUs carry them over (calibration
@@ -363,19 +370,19 @@ _MAMF = {"A100": 0.869, "H100": 0.803, "H200": 0.803, "B200": 0.776, "GB200": 0.
          "MI300X": 0.514}
 
 _PRESETS = {
-    "A100": _preset("A100", 312e12, 80 * GB, 300 * GB, 25 * GB, 2.04e12, fp8_flops=0.0,
+    "A100": _preset("A100", 312e12, 80 * GiB, 300 * GB, 25 * GB, 2.04e12, fp8_flops=0.0,
                     calibration="fitted"),
-    "H100": _preset("H100", 989e12, 80 * GB, 450 * GB, 50 * GB, 3.35e12, flash_e_max=0.55,
+    "H100": _preset("H100", 989e12, 80 * GiB, 450 * GB, 50 * GB, 3.35e12, flash_e_max=0.55,
                     sources={"flash_e_max": "Shah et al. 2024, FlashAttention-3: FA2 reaches "
                              "35-40% of H100's peak, FA3 bf16 forward up to 75%; backward "
                              "lower: 55% assumed for fwd+bwd"}),
-    "H200": _preset("H200", 989e12, 141 * GB, 450 * GB, 50 * GB, 4.8e12, flash_e_max=0.55,
+    "H200": _preset("H200", 989e12, H200_CUDA_BYTES, 450 * GB, 50 * GB, 4.8e12, flash_e_max=0.55,
                     sources={"flash_e_max": "as H100 (same SMs and clocks)"}),
-    "B200": _preset("B200", 2.25e15, 180 * GB, 900 * GB, 50 * GB, 8e12, fp8_flops=4.5e15,
+    "B200": _preset("B200", 2.25e15, 180 * GiB, 900 * GB, 50 * GB, 8e12, fp8_flops=4.5e15,
                     flash_e_max=0.55, sources={"flash_e_max": "as H100 (assumed)"}),
-    "GB200": _preset("GB200", 2.5e15, 186 * GB, 900 * GB, 50 * GB, 8e12, nvlink_domain=72,
+    "GB200": _preset("GB200", 2.5e15, 186 * GiB, 900 * GB, 50 * GB, 8e12, nvlink_domain=72,
                      fp8_flops=5e15, flash_e_max=0.55, sources={"flash_e_max": "as H100 (assumed)"}),
-    "MI300X": _preset("MI300X", 1307.4e12, 192 * GB, 448 * GB, 50 * GB, 5.3e12,
+    "MI300X": _preset("MI300X", 1307.4e12, 192 * GiB, 448 * GB, 50 * GB, 5.3e12,
                       fp8_flops=2614.9e12, flash_e_max=0.45,
                       sources={"flash_e_max": "assumed below H100's (ROCm flash attention)"}),
 }

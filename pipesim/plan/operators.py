@@ -13,8 +13,9 @@ with the hardware's figures (:class:`pipesim.hardware.Hardware`). Per pass:
 
 * F: every operator's forward;
 * I (input gradient): each GEMM's data gradient (same FLOPs, ``m x k`` output), the attention
-  core's backward (twice its forward matmuls), the element-wise backward (more bytes: it reads
-  the saved input and the incoming gradient);
+  core's backward (flash attention: five matmuls to the forward's two, 2.5x its FLOPs, as Dao's
+  FlashAttention-2 paper counts them; without it, twice its two batched GEMMs), the element-wise
+  backward (more bytes: it reads the saved input and the incoming gradient);
 * W (weight gradient): each GEMM with weights once more, ``k x n`` output over the ``m`` tokens.
 
 GEMM FLOPs equal :mod:`pipesim.plan.flops` term by term (QKV with GQA, output projection, the
@@ -35,6 +36,12 @@ from dataclasses import dataclass
 
 from .model import ModelSpec
 from .parallelism import Parallelism
+
+
+# Flash attention's backward over its forward, in FLOPs: it recomputes the scores and runs
+# five matmuls to the forward's two (Dao 2023, FlashAttention-2, section 4: "the backward pass
+# ... 2.5x the forward"). MFU still counts the backward as twice the forward (Megatron's).
+FLASH_BACKWARD = 2.5
 
 
 @dataclass(frozen=True)
@@ -187,7 +194,7 @@ def pass_times(ops: list[Op], hw, precision: str) -> PassTimes:
                 rate = bf16 * flash_efficiency(hw, o.shape[1], o.shape[2])
                 tf = max(o.flops / rate, o.bytes / mem_rate) + launch
                 F += tf
-                I += max(2 * o.flops / rate, 2 * o.bytes / mem_rate) + launch
+                I += max(FLASH_BACKWARD * o.flops / rate, 2 * o.bytes / mem_rate) + launch
             else:                       # batched GEMM over the scores
                 m, n, k = o.shape
                 rate = bf16 * hw.gemm_efficiency(m, n, k)
