@@ -328,6 +328,15 @@ _A100_SOURCES = {
                       "communicators), cuBLAS / Transformer Engine workspaces: 4 GiB default",
     "fragmentation": "PyTorch caching allocator: reserved over allocated, ~5% default",
     "peaks": "vendor datasheet (see the comment above _PRESETS)",
+    "memory_bytes": "vendor datasheet, the HBM's GB read as GiB (H200: what CUDA reports on "
+                    "one, measured)",
+    "fp8_flops": "vendor datasheet, dense (A100: none; the default is twice the bf16 peak)",
+    "fp32_flops": "TF32 dense: half the bf16 dense peak on every datasheet listed",
+    "nvlink_domain": "8 GPUs an HGX / DGX node's NVSwitches join (GB200: its NVL72 rack, 72)",
+    "link_latency": "assumed, not measured: 5 us a ring step inside a node (the order of "
+                    "NCCL's per-step latency over NVLink)",
+    "network_latency": "assumed, not measured: 10 us a ring step across nodes (InfiniBand RDMA "
+                       "and NCCL's network proxy)",
     "link_bus_efficiency": "NCCL's NVLink bus bandwidth over the raw link: SM80_NVLINK_BW 20.0 "
                            "GB/s a link (NVIDIA/nccl src/graph/topo.h) of NVLink 3's 25 GB/s per "
                            "direction, 0.80",

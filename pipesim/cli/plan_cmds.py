@@ -18,7 +18,8 @@ from ..plan.options import DESTS, apply_flags, load_model
 _PLAN_ONLY = ("plan", "tp", "cp", "ep", "global_batch_size", "seq_len", "recompute",
               "recompute_layers", "sequence_parallel", "distributed_optimizer", "zero",
               "precision", "gpus_per_node", "report_out", "save_plan", "no_flash_attention",
-              "overlap_tp_comm", "no_overlap", "pipeline_layout", "layers", "hidden", "heads",
+              "overlap_tp_comm", "no_overlap", "no_overlap_grad_reduce",
+              "no_overlap_param_gather", "pipeline_layout", "layers", "hidden", "heads",
               "kv_heads", "ffn_hidden", "vocab", "tie_embeddings")
 _LEGACY_MODELS = ("tiny", "gpt3-1.3b", "gpt3-2.7b", "gpt3-6.7b", "gpt3-13b", "gpt3-175b")
 PLAN_RULE = ("--plan FILE is the base; every layout, batch or model flag given on the "
@@ -40,7 +41,14 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--overlap-tp-comm", action="store_true", default=None,
                    help="overlap tensor-parallel communication with the GEMMs")
     g.add_argument("--no-overlap", action="store_true", default=None,
-                   help="expose the data-parallel gradient reduce and parameter gather")
+                   help="expose the data-parallel gradient reduce and parameter gather (both "
+                        "of the next two)")
+    g.add_argument("--no-overlap-grad-reduce", action="store_true", default=None,
+                   help="expose the gradient reduce(-scatter): Megatron without "
+                        "--overlap-grad-reduce (overlapped bucket by bucket by default)")
+    g.add_argument("--no-overlap-param-gather", action="store_true", default=None,
+                   help="expose the distributed optimizer's parameter all-gather: Megatron "
+                        "without --overlap-param-gather")
     g.add_argument("--pipeline-layout", metavar="LAYOUT",
                    help="Megatron's --pipeline-model-parallel-layout, e.g. 'Et*3|(tt|)*29,m|L'")
     g.add_argument("--report-out", metavar="REPORT.json", help="write the report as JSON")
@@ -95,8 +103,10 @@ def plan_from_args(args: argparse.Namespace, given: set[str]):
         changes["flash_attention"] = False
     if args.overlap_tp_comm:
         changes["overlap_tp_comm"] = True
-    if args.no_overlap:
-        changes.update(overlap_grad_reduce=False, overlap_param_gather=False)
+    if args.no_overlap or args.no_overlap_grad_reduce:
+        changes["overlap_grad_reduce"] = False
+    if args.no_overlap or args.no_overlap_param_gather:
+        changes["overlap_param_gather"] = False
     if args.efficiency is not None:
         changes["efficiency"] = args.efficiency
     if args.pipeline_layout:
