@@ -179,7 +179,7 @@ class PlanResult:
                  f"HFU {self.hfu:.1%}   efficiency {self.derived.efficiency:.3f}   "
                  f"bubble_fraction {self.sim.bubble_fraction:.4f}",
                  f"{'rank':>4} {'layers':>7} {'weights':>8} {'grads':>8} {'optim':>8} "
-                 f"{'activ':>8} {'buffers':>8} {'peak GiB':>9} {'dp exposed s':>13} {'optim s':>8}"]
+                 f"{'activ':>8} {'buffers':>8} {'peak GiB':>9} {'dp exposed ms':>14} {'optim ms':>9}"]
         stages = self._rank_parts()
         for r, row in enumerate(self.memory_breakdown):
             nl = sum(self.derived.stage_layers[s] for s in stages[r])
@@ -187,7 +187,7 @@ class PlanResult:
             lines.append(f"{r:>4} {nl:>7} " + " ".join(
                 f"{row[k] / GiB:>8.2f}" for k in ("weights", "gradients", "optimizer",
                                                  "activations", "buffers"))
-                + f" {row['total'] / GiB:>9.2f} {t.dp_exposed:>13.4g} {t.optimizer:>8.4g}")
+                + f" {row['total'] / GiB:>9.2f} {t.dp_exposed * 1e3:>14.2f} {t.optimizer * 1e3:>9.2f}")
         lines.append(self.fit_message)
         if self.extrapolated_note:
             lines.append(self.extrapolated_note)
