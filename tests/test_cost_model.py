@@ -29,9 +29,10 @@ def _bench():
     return mod
 
 
-def test_the_fit_tables_meet_the_issue_targets():
+def test_the_fit_tables_are_within_4_percent_median_8_percent_worst():
     """Korthikanti et al. 2022 Table 5 (8 runs) and Narayanan et al. 2021 Table 1 (10 runs),
-    both transcribed with their sources in benchmarks/: median |error| <= 5%, worst <= 15%."""
+    both transcribed with their sources in benchmarks/: median |error| <= 4%, worst <= 8%, the
+    bounds the README and docs/planning.md state (measured 3.8% / 7.8%; targets 5% / 15%)."""
     bench = _bench()
     # the transcriptions themselves (SC21 Table 1's first and last rows)
     assert bench.NARAYANAN_TABLE1[0] == ("1.7B", 24, 2304, 24, 1, 1, 32, 512, 137)
@@ -39,7 +40,7 @@ def test_the_fit_tables_meet_the_issue_targets():
     rows = bench.fit_rows()
     assert len(rows) == 18
     errs = [abs(e) for e in bench.errors(bench.predict(rows))]
-    assert statistics.median(errs) <= 0.05 and max(errs) <= 0.15, errs
+    assert statistics.median(errs) <= 0.04 and max(errs) <= 0.08, errs
 
 
 def test_llama3_405b_at_table4_layouts_is_checked_not_fitted():

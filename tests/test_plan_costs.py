@@ -179,20 +179,19 @@ def _benchmark():
     return module
 
 
-def test_korthikanti_table5_iteration_times_within_10_percent():
+def test_korthikanti_table5_iteration_times_within_8_percent():
     """The eight runs of Korthikanti et al. 2022 (Table 3 configs, Table 5 times, transcribed
     in benchmarks/plan_vs_published.py), with the per-operator model and A100's fitted figures
-    (pipesim.hardware): every predicted iteration time within 10%, the first target. This test
-    pinned 2.5% for the one-curve model fitted on these eight rows alone; issue 25 fits one
-    per-operator model on these and Narayanan et al. 2021 Table 1 together, to median <= 5%
-    and worst <= 15% (tests/test_cost_model.py), and Table 5's worst row is now 8%."""
+    (pipesim.hardware): every predicted iteration time within 8%, the worst-row bound stated for
+    this table and Narayanan et al. 2021 Table 1 together (tests/test_cost_model.py; this
+    table's worst row measures 6.6%)."""
     bench = _benchmark()
     assert bench.TABLE5["175B"] == (18.13, 13.75) and bench.TABLE5["1T"] == (94.42, 71.49)
     rows = bench.predict()
     assert len(rows) == 8
     errors = {(name, method): predicted / published - 1
               for name, method, published, predicted, _, _ in rows}
-    assert max(abs(e) for e in errors.values()) < 0.10, errors
+    assert max(abs(e) for e in errors.values()) <= 0.08, errors
 
 
 def test_context_parallel_halves_tokens_and_overlaps_the_kv_gather():

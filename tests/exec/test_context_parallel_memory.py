@@ -1,7 +1,8 @@
 """Activation memory under context parallelism: each rank's measured peak of held tensors
 against the plan's prediction from the model's shape alone (`predicted_activation_peaks`:
-pipesim's footprint at ``s / cp``), within 10% at cp 1 and cp 2, and the peak falling from cp 1
-to cp 2 by the factor the plan predicts.
+pipesim's footprint at ``s / cp``), within 1% at cp 1 and cp 2 (measured 0.53% at most: the
+norms' statistics and the labels the formulas omit, at hidden 64), and the peak falling from
+cp 1 to cp 2 by the factor the plan predicts.
 
 It matches because the context-parallel attention keeps this rank's q, k and v (``s / cp``
 tokens), not the gathered K/V, and gathers them again in its backward
@@ -42,7 +43,7 @@ def test_measured_peaks_match_the_plan(cp, schedule, vpp):
     want = predicted_activation_peaks(config(cp, schedule, vpp))
     assert len(got) == len(want) == 2
     for rank, (m, p) in enumerate(zip(got, want)):
-        assert p == pytest.approx(m, rel=0.10), (cp, schedule, rank, got, want)
+        assert p == pytest.approx(m, rel=0.01), (cp, schedule, rank, got, want)
 
 
 @pytest.mark.parametrize("schedule,vpp", SCHEDULES, ids=[s for s, _ in SCHEDULES])

@@ -10,13 +10,23 @@ of the F that just ran (until sent) and the posted receive buffers; parameters l
   size, plus the two terms the formulas leave out and name (the LayerNorms' mean and 1/std,
   and under selective recomputation the fused attention's log-sum-exp, which the executor
   recomputes and pipesim keeps); for any block shape in fp32 and bf16 (hypothesis).
-* Forked gloo workers, pp 2, every case in one job (`paired_runs`): measured peak per rank within 10% of `predicted_activation_peaks`
-  for none / selective / full (all blocks, and the first block of each stage) x 1F1B,
-  interleaved, ZB-V (the issue's tolerance), in fp32, and
-  1F1B in bf16 (2-byte activations, fp32 logits), and interleaved with the outputs kept until
-  their backward (``--no-deallocate-outputs``).
+* Forked gloo workers at the width of the README's table (hidden 256, where the norms'
+  statistics and the labels the formulas omit weigh about 0.1%), every case of a pipeline size
+  in one job (`paired_runs`): each rank's measured peak within 0.5% (the README's figure) of
+  `predicted_activation_peaks`, for none / selective / full (all blocks, and the first block of
+  each stage) x 1F1B, interleaved, ZB-V and ZB-H1 at pp 2 in fp32, 1F1B in bf16 (2-byte
+  activations, fp32 logits), interleaved with the outputs kept until their backward
+  (``--no-deallocate-outputs``), and 1F1B, interleaved, ZB-V at pp 4 (measured 0.39% and
+  0.45% at most).
+* A known gap, kept as a strict xfail: the output ZB-V's turn rank hands from its first stage
+  to its second stays held until the second's F, which pipesim's memory model does not count
+  (it counts an output only while sent to another rank). It sets the rank's peak when the
+  first stage holds more blocks (pp 2 with 6 blocks, split 2 / 2 / 1 / 1): the prediction
+  1.8% low, 11% under full recomputation (that one output).
 """
 from __future__ import annotations
+
+import functools
 
 import pytest
 import torch
@@ -113,37 +123,71 @@ def test_any_block_shape_keeps_what_the_formulas_say(b, s, heads, head_dim, ffn_
 
 CASES = [(n, v, p) for n, v in SCHEDULES for p in ("fp32",)] + [("1f1b", 1, "bf16"),
                                                                  ("interleaved", 2, "kept outputs")]
+PP4_CASES = [("1f1b", 1, "fp32"), ("interleaved", 2, "fp32"), ("zbv", 2, "fp32")]
 RECOMPUTE = ({"recompute": "none"}, {"recompute": "selective"}, {"recompute": "full"},
              {"recompute": "full", "recompute_layers": 1})
+WIDTH = dict(hidden=256, heads=4, seq_len=16, vocab=128)
+BOUND = 0.005                   # the README's "within 0.5%"
 
 
-def case_config(name: str, vpp: int, precision: str, mode: dict) -> TrainConfig:
+def case_config(name: str, vpp: int, precision: str, mode: dict, pp: int = 2,
+                layers: int = 4) -> TrainConfig:
     kept = precision == "kept outputs"              # --no-deallocate-outputs
-    return TINY.replace(layers=4, steps=2, pp=2, microbatches=4, micro_batch_size=2,
+    return TINY.replace(layers=layers, steps=2, pp=pp, microbatches=4, micro_batch_size=2,
                         backend="gloo", schedule=name, vpp=vpp,
                         precision="fp32" if kept else precision, deallocate_outputs=not kept,
-                        **mode)
+                        **WIDTH, **mode)
 
 
-@pytest.fixture(scope="module")
-def measured_peaks():
-    """Every case's measured peaks per rank, from one job: the configs train side by side in
-    the same two workers (`paired_runs`), each with its own runtime and meter."""
+def _key(cfg: TrainConfig) -> tuple:
+    return (cfg.pp, cfg.layers, cfg.schedule, cfg.vpp, cfg.precision, cfg.deallocate_outputs,
+            cfg.recompute, cfg.recompute_layers)
+
+
+def _configs(pp: int) -> list[TrainConfig]:
+    if pp == 4:                                     # 6 blocks: a unit for each of 8 stages
+        return [case_config(*case, mode, pp=4, layers=6) for case in PP4_CASES
+                for mode in RECOMPUTE]
+    return ([case_config(*case, mode) for case in CASES for mode in RECOMPUTE]
+            + [case_config("zbv", 2, "fp32", mode, layers=6) for mode in RECOMPUTE])
+
+
+@functools.lru_cache(maxsize=None)
+def measured_peaks(pp: int) -> dict:
+    """Every case's measured peaks per rank at this pp, from one job: the configs train side
+    by side in the same workers (`paired_runs`), each with its own runtime and meter."""
     from pipeexec.measuring.paired import paired_runs
 
-    configs = [case_config(*case, mode) for case in CASES for mode in RECOMPUTE]
-    runs = paired_runs(configs, 1, 2, timeout=300)
-    return {(c.schedule, c.vpp, c.precision, c.deallocate_outputs, c.recompute,
-             c.recompute_layers): run.result(1).peak_memory for c, run in zip(configs, runs)}
+    configs = _configs(pp)
+    runs = paired_runs(configs, 1, pp, timeout=300)
+    return {_key(c): run.result(1).peak_memory for c, run in zip(configs, runs)}
+
+
+def _check(cfg: TrainConfig) -> None:
+    measured = measured_peaks(cfg.pp)[_key(cfg)]
+    predicted = predicted_activation_peaks(cfg)
+    assert len(measured) == len(predicted) == cfg.pp
+    for rank, (m, p) in enumerate(zip(measured, predicted)):
+        assert p == pytest.approx(m, rel=BOUND), (_key(cfg), rank, measured, predicted)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name,vpp,precision", CASES)
-def test_measured_peak_activation_memory_matches_pipesim(measured_peaks, name, vpp, precision):
+def test_measured_peak_activation_memory_matches_pipesim(name, vpp, precision):
     for mode in RECOMPUTE:
-        cfg = case_config(name, vpp, precision, mode)
-        measured = measured_peaks[(cfg.schedule, cfg.vpp, cfg.precision, cfg.deallocate_outputs,
-                                   cfg.recompute, cfg.recompute_layers)]
-        predicted = predicted_activation_peaks(cfg)
-        for rank, (m, p) in enumerate(zip(measured, predicted)):
-            assert p == pytest.approx(m, rel=0.10), (name, mode, rank, measured, predicted)
+        _check(case_config(name, vpp, precision, mode))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name,vpp,precision", PP4_CASES)
+def test_measured_peak_activation_memory_matches_pipesim_at_pp4(name, vpp, precision):
+    for mode in RECOMPUTE:
+        _check(case_config(name, vpp, precision, mode, pp=4, layers=6))
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(strict=True, reason="an output handed to the next stage on the same rank is "
+                   "held until that stage's F; pipesim's memory model does not count it")
+@pytest.mark.parametrize("mode", RECOMPUTE, ids=["none", "selective", "full", "full-first"])
+def test_zbv_turn_rank_with_two_block_stages(mode):
+    _check(case_config("zbv", 2, "fp32", mode, layers=6))

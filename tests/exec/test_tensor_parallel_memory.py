@@ -1,8 +1,9 @@
 """Activation memory under tensor (and sequence) parallelism: each rank's measured peak of held
 tensors against the plan's prediction from the model's shape alone (`predicted_activation_peaks`:
 Korthikanti et al.'s per-layer bytes at tp, with sequence parallelism ``34 sbh / t`` in 16 bits),
-within 10% (the issue's bound; observed under 1%), and the peak falls from tp 1 to tp 2 (and
-again with sequence parallelism) by the factor the plan predicts.
+within 1% (measured 0.79% at most: the norms' statistics and the labels the formulas omit, at
+hidden 64), and the peak falls from tp 1 to tp 2 (and again with sequence parallelism) by the
+factor the plan predicts.
 
 Sequence parallelism matches only because a column-parallel layer keeps this rank's sequence
 chunk, not the gathered sequence, for its weight gradient (`ColumnParallelLinear`, as Megatron);
@@ -45,7 +46,7 @@ def test_measured_peaks_match_the_plan(tp, sp, schedule, vpp):
     want = predicted_activation_peaks(config(tp, sp, schedule, vpp))
     assert len(got) == len(want) == 2
     for rank, (m, p) in enumerate(zip(got, want)):
-        assert p == pytest.approx(m, rel=0.10), (tp, sp, schedule, rank, got, want)
+        assert p == pytest.approx(m, rel=0.01), (tp, sp, schedule, rank, got, want)
 
 
 @pytest.mark.parametrize("schedule,vpp", SCHEDULES, ids=[s for s, _ in SCHEDULES])

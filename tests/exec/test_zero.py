@@ -313,7 +313,8 @@ def test_measured_peak_matches_the_plan_and_falls_with_zero(schedule, vpp):
             cfg = memory_config(schedule, vpp, zero)
             measured, state, act = r[(schedule, zero)]
             predicted = predicted_peaks(cfg)[rank]
-            assert predicted == pytest.approx(measured, rel=0.10), (schedule, zero, rank)
+            # docs/DESIGN.md's "within 1%" (measured 0.2% at most)
+            assert predicted == pytest.approx(measured, rel=0.01), (schedule, zero, rank)
             peaks[zero] = measured
         # 0 -> 1 -> 2: the plan's bytes a parameter (fp32: 16, 8 + 8/d, 4 + 12/d), its own
         # static bytes, measured within 10%
