@@ -158,7 +158,7 @@ def test_no_valid_plan_lists_the_refusals(tmp_path, capsys):
     err = captured.err
     assert "no valid plan" in err and "not a whole number of 8-GPU nodes" in err
     summary = next(line for line in captured.out.splitlines() if "plans enumerated" in line)
-    assert summary.startswith("0 plans enumerated (1 combinations refused), 0 simulated; search ")
+    assert summary.startswith("0 plans enumerated (1 combination refused), 0 simulated; search ")
     assert ", ;" not in captured.out and "no files written" in captured.out
 
 
@@ -228,7 +228,7 @@ def test_plan_help_lists_the_flags():
                          text=True, check=True).stdout
     for flag in ("--model", "--gpus", "--hardware", "--gbs", "--seq", "--memory-limit",
                  "--schedules", "--top", "--out", "--plan-out", "--no-progress", "--workers",
-                 "--dask", "--jitter"):
+                 "--dask", "--jitter", "--rate", "--compare", "--robust"):
         assert flag in out
 
 
@@ -254,3 +254,114 @@ def test_gantt_titles_say_vpp_as_simulate_does():
                          pipesim.CostModel.uniform())
     title = r.gantt().axes[0].get_title(loc="left")
     assert "pp=4 vpp=1 (and a copy a rank) m=8" in title
+
+
+def test_counts_in_the_summary_take_the_noun_in_the_right_number():
+    from pipesim.cli.plan_output import counted
+
+    assert [counted(n, "plan") for n in (0, 1, 2, 1234)] == ["0 plans", "1 plan", "2 plans",
+                                                            "1,234 plans"]
+
+
+# -- --rate / --compare and --robust, from the command line --------------------------------------
+LIMIT = ["--memory-limit", "0.5GiB"]
+RATED_KNOBS = ("schedule", "tp", "cp", "pp", "micro_batch_size", "recompute", "zero",
+               "sequence_parallel", "ep")
+
+
+def one_knob(mine: Plan, best: Plan, knob: str) -> Plan:
+    """``mine`` with ``knob`` at the best plan's value: tp, cp and pp keep the 4 GPUs by dp."""
+    if knob == "schedule":
+        return mine.with_(schedule=best.schedule_name, vpp=best.parallelism.vpp)
+    value = getattr(best.parallelism, knob)
+    if knob in ("tp", "cp", "pp"):
+        sizes = {k: getattr(mine.parallelism, k) for k in ("tp", "cp", "pp")} | {knob: value}
+        return mine.with_(**{knob: value, "dp": 4 // (sizes["tp"] * sizes["cp"] * sizes["pp"])})
+    return mine.with_(**{knob: value})
+
+
+def knob_value(plan: Plan, knob: str):
+    if knob == "schedule":                        # the schedule and its vpp move together
+        return plan.schedule_name, plan.parallelism.vpp
+    return getattr(plan.parallelism, knob)
+
+
+def rating_block(out: str) -> list[str]:
+    start = out.index("your plan: ")
+    return out[start:].split("\n\n")[0].splitlines()
+
+
+def test_rate_prints_your_plan_against_the_best_and_each_knob_changed_alone(tmp_path, capsys):
+    import re
+
+    mine = Plan.create("tiny", "A100", schedule="1f1b", tp=1, pp=4, dp=1, global_batch_size=16,
+                       micro_batch_size=1, recompute="full")
+    mine.to_json(tmp_path / "mine.json")
+    best_file = tmp_path / "best.json"
+    assert main(BASE + LIMIT + ["--plan-out", str(best_file), "--rate",
+                                str(tmp_path / "mine.json")]) == 0
+    out = capsys.readouterr().out
+    best = Plan.from_json(best_file)
+    mine_r, best_t = simulate_plan(mine), simulate_plan(best).step_time
+    head, title, *changes = rating_block(out)
+    assert head.startswith(f"your plan: {mine_r.step_time:.4g} s a step, "
+                           f"{best_t / mine_r.step_time:.2f}x the best plan's throughput "
+                           f"({best_t:.4g} s); ")
+    peak = max(mine_r.peak_memory)           # against the search's limit, not the GPU's
+    assert ("; fits: " if peak <= 2 ** 29 else "; does not fit: ") in head
+    assert f"peak {peak / 2 ** 30:.2f} GiB on rank" in head and "search's 0.50 GiB limit" in head
+    assert title.startswith("one knob at a time")
+    differ = [k for k in RATED_KNOBS if knob_value(mine, k) != knob_value(best, k)]
+    assert len(differ) >= 3, "mine is too close to the best: the test shows little"
+    printed, invalid = {}, []
+    for line in changes:
+        m = re.match(r"  (\w+) .+ -> .+: ([\d.e+-]+) s, ([\d.]+)% (faster|slower)", line)
+        if m is None:                                  # listed last, with the reason
+            assert "not valid alone" in line, line
+            invalid.append(re.match(r"  (\w+) ", line)[1])
+            continue
+        assert not invalid, "a valid change listed after an invalid one"
+        printed[m[1]] = (float(m[2]), float(m[3]) * (1 if m[4] == "faster" else -1))
+    assert sorted([*printed, *invalid]) == sorted(differ)
+    for knob, (t, gain) in printed.items():
+        want = simulate_plan(one_knob(mine, best, knob)).step_time
+        assert t == pytest.approx(want, rel=1e-3), knob
+        assert gain == pytest.approx(100 * (1 - want / mine_r.step_time), abs=0.06), knob
+    for knob in invalid:
+        with pytest.raises(ValueError):                # PlanError is one
+            simulate_plan(one_knob(mine, best, knob))
+    times = [t for t, _ in printed.values()]
+    assert times == sorted(times)                     # the largest saving first
+    # --compare is the same flag
+    assert main(BASE + LIMIT + ["--compare", str(tmp_path / "mine.json")]) == 0
+    assert rating_block(capsys.readouterr().out) == [head, title, *changes]
+
+
+def test_rate_refuses_a_plan_of_another_cluster_size_before_searching(tmp_path, capsys):
+    Plan.create("tiny", "A100", tp=1, pp=2, dp=4, global_batch_size=16).to_json(
+        tmp_path / "eight.json")
+    assert main(BASE + ["--rate", str(tmp_path / "eight.json")]) == 2
+    captured = capsys.readouterr()
+    assert "--rate " in captured.err and "uses 8 GPUs, the search 4: give --gpus 8" in captured.err
+    assert "plans enumerated" not in captured.out
+    assert main(BASE + ["--compare", str(tmp_path / "missing.json")]) == 2
+    assert "--rate " in capsys.readouterr().err
+
+
+def test_robust_re_ranks_the_tables_top_k_and_zero_turns_it_off(capsys):
+    from pipesim.planner.enumerate import SearchSpace
+    from pipesim.planner.robustness import robustness_check
+    from pipesim.planner.search import search
+
+    result = search(SearchSpace("tiny", 4, 16, hardware="A100", mbs=(1, 2),
+                                recompute=("none", "full"), cp=(1,)),
+                    memory_limit=2 ** 29, workers=1)
+    assert main(BASE + LIMIT + ["--robust", "2"]) == 0            # the default is 3
+    out = capsys.readouterr().out
+    top = result.ranked.head(2)
+    want = robustness_check([result.plans[key] for key in top["key"]], list(top["key"]))
+    assert want.text() in out
+    assert "robustness: the top 2 plans under efficiency +-10% and links +-20% (4 scenarios): " \
+        in out
+    assert main(BASE + LIMIT + ["--robust", "0"]) == 0
+    assert "robustness:" not in capsys.readouterr().out

@@ -1,10 +1,12 @@
 """The planner's defaults find plans where layers do not divide (issue 25: Llama 3 405B on
 16384 H100s found none), and a search that fits nothing names every knob that would widen it."""
+import dataclasses
+
 import pytest
 
 from pipesim.plan.model import PRESETS
 from pipesim.planner.enumerate import SearchSpace, enumerate_plans
-from pipesim.planner.hints import fit_hints
+from pipesim.planner.hints import narrowed_hints
 
 
 def test_405b_defaults_enumerate_uneven_stages_and_every_zero_stage():
@@ -25,15 +27,18 @@ def test_405b_defaults_enumerate_uneven_stages_and_every_zero_stage():
 
 
 def test_the_hint_names_each_narrowed_knob_and_only_those():
-    narrow = SearchSpace(PRESETS["llama3-8b"], 8, 16, zero=(0, 1), recompute=("none",),
+    narrow = SearchSpace(PRESETS["llama3-8b"], 16, 32, zero=(0, 1), recompute=("none",),
                          mbs=(2, 4), uneven=False, tp=(1, 2))
-    hints = " | ".join(fit_hints(narrow))
+    hints = " | ".join(narrowed_hints(narrow))
     for flag in ("--zero 0,1,2,3", "--recompute full", "--mbs 1", "--uneven", "--tp ",
-                 "--tp-across-nodes", "--memory-limit"):
+                 "--tp-across-nodes"):
         assert flag in hints, flag
-    wide = " | ".join(fit_hints(SearchSpace(PRESETS["llama3-8b"], 8, 16)))
+    wide = " | ".join(narrowed_hints(SearchSpace(PRESETS["llama3-8b"], 16, 32)))
     for flag in ("--zero", "--recompute", "--mbs", "--uneven", "--tp "):
         assert flag not in wide, flag
+    # on one NVLink domain tp already reaches every GPU: across nodes would add nothing
+    one_node = dataclasses.replace(narrow, gpus=8, gbs=16)
+    assert "--tp-across-nodes" not in " | ".join(narrowed_hints(one_node))
 
 
 @pytest.mark.slow

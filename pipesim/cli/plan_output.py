@@ -25,10 +25,16 @@ def summary_text(result: "SearchResult") -> str:
     simulated = counts.pop("simulated", 0)
     parts = [f"{simulated:,} simulated"] + [f"{n:,} {status}" for status, n in counts.items()]
     refused = sum(result.refused.values())
-    lines = [f"{len(result.rows):,} plans enumerated ({refused:,} combinations refused), "
+    lines = [f"{counted(len(result.rows), 'plan')} enumerated "
+             f"({counted(refused, 'combination')} refused), "
              + ", ".join(parts) + f"; search {result.timing['wall']:.1f} s"]
     lines += refusals_lines(result.refused)
     return "\n".join(lines)
+
+
+def counted(n: int, noun: str) -> str:
+    """``1 plan``, ``2 plans``, ``1,024 plans``: a count with its noun in the right number."""
+    return f"{n:,} {noun}" + ("" if n == 1 else "s")
 
 
 def refusals_lines(refused: Counter, shown: int = REFUSALS_SHOWN) -> list[str]:

@@ -58,8 +58,10 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                         "with it)")
     g.add_argument("--efficiency", type=float, help="constant achieved/peak FLOP/s (default: "
                    "the per-operator model's, from the hardware's figures)")
-    g.add_argument("--rate", metavar="PLAN.json", help="rate this plan (yours) against the "
-                   "best found, with the one-knob differences that cost the most (default: none)")
+    g.add_argument("--rate", "--compare", dest="rate", metavar="PLAN.json",
+                   help="rate this plan (yours) against the best found, with the one-knob "
+                        "differences that cost the most (--compare is the same flag; default: "
+                        "none)")
     o = p.add_argument_group("output")
     o.add_argument("--top", type=int, default=10, help="rows of the ranked table (default 10)")
     o.add_argument("--out", metavar="FILE",
@@ -137,6 +139,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if out is not None and out.suffix == ".parquet" and not _has_pyarrow():
         raise ValueError(f"--out {args.out}: Parquet needs pyarrow (pip install pyarrow), or "
                          "name a .csv file")
+    mine = _rated_plan(args.rate, space.gpus) if args.rate else None
     executor, client, workers = None, None, args.workers
     if args.dask:
         executor, client = _dask_executor(args.dask)
@@ -176,7 +179,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         from ..planner.hints import fit_hints
 
         print("what would search plans keeping less memory:", file=sys.stderr)
-        for hint in fit_hints(space):
+        for hint in fit_hints(space, result.memory_limit, workers=args.workers):
             print(f"  {hint}", file=sys.stderr)
         return 1
     print()
@@ -186,12 +189,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
     print()
     print(explain_text(explain(result), best_row["key"], best_row["step_time"],
                        best_row["peak_memory"]))
-    if args.rate:
-        from ..plan.plan import Plan
+    if mine is not None:
         from ..planner.rate import rate_plan
 
         print()
-        print(rate_plan(Plan.from_json(args.rate), best, result.memory_limit).text())
+        print(rate_plan(mine, best, result.memory_limit).text())
     if args.zb_auto:
         from ..planner.refine import refine_with_zb_auto, refinement_text
 
@@ -242,6 +244,22 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if not any(files.values()):
         print(nothing_written_text(files))
     return 0
+
+
+def _rated_plan(path: str, gpus: int):
+    """The plan ``--rate`` names, read before the search so a bad file fails at once."""
+    from ..errors import PlanError
+    from ..plan.plan import Plan
+
+    try:
+        mine = Plan.from_json(path)
+    except PlanError as exc:
+        raise ValueError(f"--rate {path}: {exc} (a plan file: pipesim simulate --save-plan or "
+                         "pipesim plan --plan-out writes one)") from None
+    if mine.world_size != gpus:
+        raise ValueError(f"--rate {path}: the plan uses {mine.world_size} GPUs, the search "
+                         f"{gpus}: give --gpus {mine.world_size}")
+    return mine
 
 
 def ranking_text(ranked) -> str:
