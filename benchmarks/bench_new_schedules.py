@@ -20,7 +20,7 @@ schedule file. When its order is a handcrafted one's, the table says which. ``--
 (default 5%, about the accuracy of the own-trace predictions): zb-auto keeps the fastest
 hand-made order unless a searched one is predicted faster by more than that.
 
-Target (issue 16): zb-auto at the ZB-2p limit measures no slower than every hand-made schedule
+Target: zb-auto at the ZB-2p limit measures no slower than every hand-made schedule
 of the same or lower measured peak memory. For each such rival the last lines give the median
 and interquartile range of zb-auto's step over the rival's step of the same round, and say
 "met" (median <= 1), "within noise" (median > 1, the quartile range reaches 1) or "NOT met";

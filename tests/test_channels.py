@@ -6,7 +6,7 @@ sends.
   runtime's deferral of a boundary's first activation: every builder, a grid of pp / vpp / m /
   lookahead, two steps: no mismatch and no deadlock.
 * the model can fail: a whole-pipeline communicator per (kind, direction) (torch >= 2.8 with
-  device_id) deadlocks the configurations issue 12's stream model found, and a receive order
+  device_id) deadlocks the configurations the NCCL stream model found, and a receive order
   swapped against the send order is a mismatch naming rank, action and peer.
 """
 from __future__ import annotations
@@ -91,7 +91,7 @@ def test_pipeexec_layout_property(name, pp, vpp, m, la):
         check_channels(s, one_way_pairs, defer_first_activation=True)
 
 
-# Found by issue 12's stream model with one communicator per group over the whole pipeline.
+# Found by the NCCL stream model with one communicator per group over the whole pipeline.
 @pytest.mark.parametrize("name,pp,vpp,m,la", [("looped-bfs", 8, 2, 4, 1),
                                               ("interleaved", 4, 2, 8, 2),
                                               ("zbv", 8, 2, 16, 2)])
@@ -106,7 +106,7 @@ def test_shared_pipeline_communicator_deadlocks(name, pp, vpp, m, la):
 
 def test_lazy_communicator_creation_needs_the_warm_up():
     # torch 2.6-2.7: a communicator is created at its first transfer, the host blocking until the
-    # peer arrives; issue 12 saw gpipe pp 4 m 4 lookahead 1 deadlock in the first step that way.
+    # peer arrives; gpipe pp 4 m 4 lookahead 1 was seen to deadlock in the first step that way.
     s = _build("gpipe", 4, 1, 4, 1)
     with pytest.raises(ChannelError, match="creates the communicator of channel"):
         check_channels(s, one_way_pairs, defer_first_activation=True, lazy_communicators=True)

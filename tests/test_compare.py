@@ -151,7 +151,7 @@ def test_compare_command_end_to_end(tmp_path, capsys):
     data = json.loads(report.read_text())
     assert set(REPORT_KEYS) <= set(data) and data["compared_steps"] == [1, 2] and data["pictured_step"] in (1, 2)
     assert len(data["measured_peak_memory"]) == 2 and min(data["measured_peak_memory"]) > 0
-    # and predicted from the plan alone (no calibration), within the 10%
+    # and predicted from the plan alone (no calibration), within 10%
     assert "predicted from the plan alone" in out
     assert max(abs(e) for e in data["plan_peak_memory_error"]) < 0.10
     for suffix in (".json", ".csv", ".meta.json"):

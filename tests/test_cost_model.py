@@ -113,9 +113,10 @@ def test_each_operator_is_a_roofline_plus_a_launch():
 
 
 def test_one_width_two_speeds_memory_bound_work_separates_small_tp1_from_wide_tp8():
-    """The issue's case: hidden/tp equal, the tp-1 small model spends a larger share in norms,
-    dropout and residuals (not split over tp without sequence parallelism; they scale with h
-    while GEMMs scale with h^2 / tp): its achieved fraction of peak is lower."""
+    """What the one-curve model could not tell apart: hidden/tp equal, the tp-1 small model
+    spends a larger share in norms, dropout and residuals (not split over tp without sequence
+    parallelism; they scale with h while GEMMs scale with h^2 / tp): its achieved fraction of
+    peak is lower."""
     small = pipesim.Plan.create(ModelSpec("s", 4, 2048, 16, 2048, 51200), "A100", tp=1,
                                 global_batch_size=1, flash_attention=False)
     wide = pipesim.Plan.create(ModelSpec("w", 4, 16384, 128, 2048, 51200), "A100", tp=8,

@@ -14,7 +14,7 @@ from pipesim.plan.cluster import Link
 from pipesim.plan.model import ModelSpec
 
 FREE = dict(intra_bandwidth=math.inf, inter_bandwidth=math.inf, intra_latency=0.0, inter_latency=0.0)
-# Issue 25 replaced the one-curve time model by per-operator rooflines (memory-bound operators
+# The per-operator rooflines replaced the one-curve time model (memory-bound operators
 # and launches are not proportional to FLOPs); the FLOP closed forms below hold for a plan's
 # constant efficiency, which keeps the FLOPs / (peak * efficiency) model: these tests pin it.
 CONST = dict(efficiency=0.5)

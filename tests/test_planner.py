@@ -15,7 +15,7 @@ from pipesim.planner.bounds import plan_bounds
 from pipesim.planner.enumerate import plan_key
 
 GiB = 2 ** 30
-# issue 25 widened SearchSpace's defaults (zero 0-3, uneven stages); these tests were written
+# SearchSpace's defaults were widened later (zero 0-3, uneven stages); these tests were written
 # for, and keep, the narrower space: zero 0 and 1, Megatron's even split only
 SMALL = dict(mbs=(1, 2), recompute=("none", "full"), cp=(1, 2), vpp=(2, 4), zero=(0, 1),
              uneven=False)
@@ -268,7 +268,7 @@ def test_zb_auto_refinement_never_loses_to_a_handcrafted_order_of_its_layout(tmp
                 hand = simulate_plan(dataclasses.replace(r.base, schedule=name))
             except ValueError:                       # its constraints exclude this layout
                 continue
-            # "fits": under the search's limit, not the hardware's (issue 25's costs made a
+            # "fits": under the search's limit, not the hardware's (the per-operator costs made a
             # faster zb-h1 at 0.46 GiB, over this 0.45 GiB limit, that zb-auto rightly skips)
             if hand.fits and max(hand.peak_memory) <= limit:
                 assert r.searched_step <= hand.step_time * (1 + 1e-9), (r.base_key, name)

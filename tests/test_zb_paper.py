@@ -8,8 +8,8 @@ span, pipesim's ``bubble_rate``) and Table 3 (each model's hidden size h, heads 
 Memory as the paper's code counts it: an F holds 34h + 5as (per layer per token), of which 32h
 stay from its B (pipesim's I) to its W. The rows' costs and the 1F1B column were checked by
 simulating 1F1B (it reproduces the column's 0.2431, 0.1985, 0.2347, 0.2552, 0.2082); the
-ZB-2p values of the 1.5B rows are the ones quoted in issue 26 (which also bounds the
-other m = 3p rows at 0.003-0.007); the other rows' ZB-2p values could not be checked against
+ZB-2p values of the 1.5B rows are as quoted second-hand (the quotation also bounds the other
+m = 3p rows at 0.003-0.007); the other rows' ZB-2p values could not be checked against
 the PDF on the machine that wrote this test: re-check them against the paper when it is at hand.
 """
 import pytest

@@ -7,8 +7,9 @@ Plans are now timed per operator (:mod:`pipesim.plan.operators`, with the hardwa
 
 (``e_max = 0.80``, ``w_half = 470``, fitted on Korthikanti et al. 2022 Table 5 alone) is what
 ``benchmarks/plan_vs_published.py --fit`` refits and what a plan used before; it cannot tell a
-tp-1 model of hidden 2k from a tp-8 one of the same ``w`` (issue 25). A plan's constant
-``efficiency`` still replaces the per-operator model with FLOPs / (peak * efficiency).
+tp-1 model of hidden 2k from a tp-8 one of the same ``w`` (the per-operator model,
+:mod:`pipesim.plan.operators`, can). A plan's constant ``efficiency`` still replaces the
+per-operator model with FLOPs / (peak * efficiency).
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Model and optimizer state are keyed by global parameter name, so state written from one
 layout loads into another: 2 steps on pp=2 (1f1b), then the 3rd step on pp=4 x dp=2 (zbv), gives
-the 3-step single-process reference (the seam issue 5's checkpointing builds on)."""
+the 3-step single-process reference (the seam checkpoints' resharding builds on)."""
 from __future__ import annotations
 
 import pytest

@@ -10,7 +10,7 @@ tag): every schedule, pp 2 and 4, dp 1 and 2, receive lookahead 0, 1 and 2, fp32
 
 Before the fix (receives of a boundary's first activation deferred, later ones posted at once)
 gpipe and looped-bfs at pp 2, lookahead 1 gave losses [3.466205, 3.472553] and
-[3.466205, 3.470194] against the reference [3.473182, 3.466463] (issue 12).
+[3.466205, 3.470194] against the reference [3.473182, 3.466463].
 One launch per layout runs every case, so the grid takes about a minute on 2 cores.
 """
 from __future__ import annotations

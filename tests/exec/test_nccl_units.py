@@ -1,4 +1,4 @@
-"""The NCCL path's pieces that a CPU can show, with what only CUDA has mocked (issue 12):
+"""The NCCL path's pieces that a CPU can show, with what only CUDA has mocked:
 posting order of deferred receives, stream waits with the end-of-step timeout, AdamW's ``step``
 placement, device selection and duplicate GPUs, spawn for CUDA, --cpus-per-rank refused with
 CUDA, versions in the metrics."""
@@ -67,7 +67,7 @@ def _p2p(pp_rank=1, timeout=5.0, **kw):
 
 
 def test_deferred_receives_are_posted_in_channel_order(fake_dist):
-    """The bug of issue 12: mb 1's receive deferred (shape unknown), mb 2's posted at once after
+    """The bug this fixed: mb 1's receive deferred (shape unknown), mb 2's posted at once after
     F(mb 0) had read the header. Now every receive waits behind the deferred ones."""
     p2p = _p2p(nccl_matching=True)
     log = p2p.record_posting()

@@ -1,6 +1,6 @@
-"""The issue's "done when": ``pipeexec train --plan`` runs the plans ``pipesim plan`` picks for a
-tiny Llama and a tiny Mixtral on 8 CPU ranks, with context and expert parallelism in the
-search space, each equal to one process.
+"""``pipeexec train --plan`` runs the plans ``pipesim plan`` picks for a tiny Llama and a tiny
+Mixtral on 8 CPU ranks, with context and expert parallelism in the search space, each equal to
+one process.
 
 The search is the one ``pipesim plan`` runs (`pipesim.planner.search` over a `SearchSpace`, as
 `pipesim.cli.planner_cmds.space_from_args` builds it) on this machine's measured hardware file

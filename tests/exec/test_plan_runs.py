@@ -1,7 +1,7 @@
-"""Issue 22's test: a plan that ``pipesim simulate --save-plan`` or ``pipesim plan --plan-out``
-writes runs with ``pipeexec train --plan P`` and ``pipeexec compare --plan P`` and nothing else,
-for the built-in GPT and each Hugging Face family (tiny configs written here), and what runs is
-the plan: its layout, batch and model.
+"""A plan that ``pipesim simulate --save-plan`` or ``pipesim plan --plan-out`` writes runs with
+``pipeexec train --plan P`` and ``pipeexec compare --plan P`` and nothing else, for the built-in
+GPT and each Hugging Face family (tiny configs written here), and what runs is the plan: its
+layout, batch and model.
 
 The fast tests check the configuration and the built model against pipesim's own numbers
 (parameter counts from `ModelSpec`, the cut from `Plan.stage_layers`); the slow ones run both

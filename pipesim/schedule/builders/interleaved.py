@@ -22,9 +22,9 @@ forwards before any backward (``all_warmup_microbatches``). Megatron-Core droppe
 when it introduced microbatch groups: it only caps ``w`` at the total, so for m == pp the ranks
 with ``2*(pp - r - 1) < pp`` still start 1F1B early. Everywhere else the two agree (m a multiple
 of pp, g == pp), and m == pp forces g == pp in Core (g must lie in [pp, m]), so the rules meet
-only on that one case. The builder follows legacy there by default (the issue asks for the
-all-warm-up order) and gives Core's order with ``legacy_all_warmup=False``; for every other
-accepted parameter set the option changes nothing.
+only on that one case. The builder follows legacy there by default (the all-warm-up order) and
+gives Core's order with ``legacy_all_warmup=False``; for every other accepted parameter set the
+option changes nothing.
 
 **Accepted parameters** (the checks of Core's ``forward_backward_pipelining_with_interleaving``):
 ``pp <= g <= m`` (so m >= pp with the default g) and ``m % g`` either 0 or at least pp (a last
