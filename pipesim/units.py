@@ -66,3 +66,15 @@ def format_count(n: float) -> str:
 def format_number(x: float, *, zero_below: float = 0.0) -> str:
     """``x`` to 6 significant digits, rounding-noise (``|x| <= zero_below``) shown as ``0``."""
     return "0" if abs(x) <= zero_below else f"{x:.6g}"
+
+
+def column_decimals(values, significant: int = 4, least: int = 3) -> int:
+    """Decimals one column of numbers is printed with: enough for its smallest non-zero value
+    to show ``significant`` digits, ``least`` at the least (7.189, 7.600 and 24.940 in one
+    column, not 7.189, 7.6 and 24.94; 0.01450 when a step takes 14.5 ms)."""
+    import math
+
+    small = [abs(v) for v in values if v and math.isfinite(v)]
+    if not small:
+        return least
+    return max(least, significant - 1 - math.floor(math.log10(min(small))))

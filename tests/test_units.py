@@ -93,3 +93,20 @@ def test_a_model_spec_prints_its_parameters_for_people():
 
     assert "params=41.9M" in repr(get_model("tiny"))
     assert "params=70.6B" in repr(get_model("llama3-70b"))
+
+
+def test_a_column_of_step_times_prints_at_one_precision():
+    from pipesim.cli.planner_cmds import ranking_text
+    from pipesim.units import column_decimals
+
+    assert column_decimals([7.189, 7.6, 24.94]) == 3
+    assert column_decimals([0.0145, 0.02]) == 5          # 14.5 ms: 0.01450
+    assert column_decimals([]) == 3 and column_decimals([0.0]) == 3
+    import pandas as pd
+
+    ranked = pd.DataFrame({"tokens_per_s_per_gpu": [1000.0, 900.0], "mfu": [0.5, 0.45],
+                           "step_time": [7.189, 7.6], "bubble_fraction": [0.01, 0.02],
+                           "peak_memory": [2.0 ** 30, 2.0 ** 31], "headroom": [2.0 ** 30] * 2,
+                           "key": ["a", "b"]})
+    rows = ranking_text(ranked).splitlines()[1:]
+    assert [r.split()[3] for r in rows] == ["7.189", "7.600"]

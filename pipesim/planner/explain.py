@@ -101,13 +101,16 @@ def _simulated(result: "SearchResult", row):
 
 def explain_text(table: "pd.DataFrame", winner_key: str, winner_step: float,
                  winner_peak: float) -> str:
+    from ..units import column_decimals
+
     width = max([28, *(len(c) for c in table["change"])])
-    lines = [f"why {winner_key} ({winner_step:.4g} s, peak {winner_peak / GiB:.1f} GiB): each "
+    d = column_decimals([winner_step, *table["step_time"]])
+    lines = [f"why {winner_key} ({winner_step:.{d}f} s, peak {winner_peak / GiB:.1f} GiB): each "
              "row changes the knobs it names",
              f"  {'vs':<10} {'change':<{width}} {'step s':>9} {'d step':>8} {'peak GiB':>9} "
              f"{'d GiB':>7}  fits"]
     for _, r in table.iterrows():
-        lines.append(f"  {r['kind']:<10} {r['change']:<{width}} {r['step_time']:>9.4g} "
+        lines.append(f"  {r['kind']:<10} {r['change']:<{width}} {r['step_time']:>9.{d}f} "
                      f"{r['d_step']:>+8.1%} {r['peak_memory'] / GiB:>9.1f} "
                      f"{r['d_memory'] / GiB:>+7.1f}  {'yes' if r['fits'] else 'no'}")
     return "\n".join(lines)

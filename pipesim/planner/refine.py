@@ -119,13 +119,17 @@ def refinement_text(refinements: list[Refinement]) -> str:
     lines = [f"zb-auto on the best {len(refinements)} layouts (its order searched from each "
              "plan's costs under the same limit):",
              f"  {'plan':<58} {'step s':>8} {'zb-auto s':>9} {'gain':>7} {'peak GiB':>8}  order"]
+    from ..units import column_decimals
+
+    d = column_decimals([x for r in refinements for x in (r.base_step, r.searched_step)
+                         if x is not None])
     for r in refinements:
         if r.searched is None:
-            lines.append(f"  {r.base_key:<58} {r.base_step:>8.4g} {'-':>9} {'-':>7} "
+            lines.append(f"  {r.base_key:<58} {r.base_step:>8.{d}f} {'-':>9} {'-':>7} "
                          f"{'-' if r.searched_peak is None else f'{r.searched_peak / GiB:.1f}':>8}"
                          f"  {r.reason}")
             continue
         order = f"{r.handcrafted}'s" if r.handcrafted else "searched"
-        lines.append(f"  {r.base_key:<58} {r.base_step:>8.4g} {r.searched_step:>9.4g} "
+        lines.append(f"  {r.base_key:<58} {r.base_step:>8.{d}f} {r.searched_step:>9.{d}f} "
                      f"{r.gain:>+7.1%} {r.searched_peak / GiB:>8.1f}  {order}")
     return "\n".join(lines)
