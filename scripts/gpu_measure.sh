@@ -12,6 +12,10 @@ cd "$(dirname "$0")/.."
 out=${1:-out/gpu}
 mkdir -p "$out"
 export OMP_NUM_THREADS=1 PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+if ! python -c "import torch" 2>/dev/null; then
+  echo "gpu_measure: $(command -v python) has no torch: install the project first (README)" >&2
+  exit 2
+fi
 if ! python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
   echo "gpu_measure: no CUDA device (torch.cuda.is_available() is False); nothing measured" >&2
   exit 2

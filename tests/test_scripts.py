@@ -21,3 +21,16 @@ def test_gpu_check_without_a_gpu_says_so_once_and_fails():
     assert out.returncode != 0
     assert text.count("no CUDA device") == 1, text
     assert "Traceback" not in text and "CalledProcessError" not in text, text
+
+
+def test_gpu_measure_without_a_gpu_says_so_once_and_fails(tmp_path):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is here: the script measures it")
+    out = subprocess.run(["bash", "scripts/gpu_measure.sh", str(tmp_path / "gpu")], cwd=ROOT,
+                         capture_output=True, text=True, timeout=300)
+    text = out.stdout + out.stderr
+    assert out.returncode == 2
+    assert text.count("no CUDA device") == 1 and "Traceback" not in text, text
+    assert not list((tmp_path / "gpu").glob("*.json"))
