@@ -16,6 +16,7 @@ from .engine import simulate
 from .errors import ScheduleError
 from .progress import progress_bar
 from .schedule.registry import build_schedule, schedule_names
+from .units import format_bytes
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -25,14 +26,6 @@ CostFactory = Callable[[int, int], CostModel]   # (num_stages, micro_batch_size)
 SWEEP_COLUMNS = ("schedule", "pp", "vpp", "microbatches", "micro_batch_size", "status", "reason",
                  "makespan", "bubble_fraction", "bubble_rate", "peak_memory", "peak_memory_rank",
                  "peak_inflight", "samples_per_s")
-
-
-def _fmt_bytes(x: float) -> str:
-    """Decimal units, as accelerator datasheets state memory (an "80 GB" A100 holds 80e9 bytes)."""
-    for unit, size in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if x >= size:
-            return f"{x / size:.4g} {unit}"
-    return f"{x:.4g} bytes"
 
 
 def sweep(schedules: Sequence[str], pp: Iterable[int], vpp: Iterable[int],
@@ -84,8 +77,9 @@ def sweep(schedules: Sequence[str], pp: Iterable[int], vpp: Iterable[int],
                    samples_per_s=m * b / result.makespan if result.makespan > 0 else float("inf"))
         failed = []
         if memory_limit is not None and mem[worst] > memory_limit:
-            failed.append(f"memory limit: rank {worst} peaks at {_fmt_bytes(mem[worst])} > "
-                          f"{_fmt_bytes(memory_limit)}")
+            # binary units, as `pipesim plan` and `simulate --plan` state memory
+            failed.append(f"memory limit: rank {worst} peaks at {format_bytes(mem[worst])} > "
+                          f"{format_bytes(memory_limit)}")
         if inflight_limit is not None and max(result.peak_inflight) > inflight_limit:
             r = max(range(p), key=result.peak_inflight.__getitem__)
             failed.append(f"in-flight limit: rank {r} holds {result.peak_inflight[r]} "

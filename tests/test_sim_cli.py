@@ -1,5 +1,6 @@
 """`pipesim simulate` and `pipesim sweep` through pipesim.cli.main."""
 import json
+import re
 
 import pandas as pd
 import pytest
@@ -147,3 +148,39 @@ def test_sweep_leaves_no_thread_behind(tmp_path):
     assert main(["sweep", "--schedules", "1f1b", "--pp", "2", "--microbatches", "4",
                  "--out", str(tmp_path / "s.csv")]) == 0
     assert {t.name for t in threading.enumerate()} <= before
+
+
+def test_sweep_with_a_model_holds_the_limit_plan_holds(tmp_path, capsys):
+    """With --model and no --memory-limit, a configuration fits under the memory `pipesim plan`
+    holds a plan to (the capacity less the reserve, over the fragmentation), stated in GiB."""
+    import pipesim
+    from pipesim.hardware import get_hardware
+
+    gib = 2 ** 30
+    hw = get_hardware("H100")
+    usable = (hw.memory_bytes - hw.reserve) / hw.fragmentation
+    plan = pipesim.Plan.create("tiny", "H100", global_batch_size=8)
+    assert pipesim.simulate(plan).usable_memory == pytest.approx(usable, rel=1e-12)
+    # ZB-H2 at pp 4, m 8 peaks between the usable memory and the capacity: the default decides
+    schedule = pipesim.build_schedule("zb-h2", pp=4, microbatches=8)
+    peak = max(pipesim.simulate(schedule, CostModel.transformer("gpt3-6.7b", "H100", num_stages=4))
+               .peak_memory)
+    assert usable < peak < hw.memory_bytes
+    argv = ["sweep", "--schedules", "zb-h2", "--pp", "4", "-m", "8", "--model", "gpt3-6.7b",
+            "--out", str(tmp_path / "s.csv"), "--no-progress"]
+    assert main(argv) == 1
+    captured = capsys.readouterr()
+    assert f"memory limit {usable / gib:.3g} GiB: H100's usable memory" in captured.out
+    assert f"rank 0 peaks at {peak / gib:.3g} GiB > {usable / gib:.3g} GiB" in captured.err
+    assert main([*argv, "--memory-limit", "80GiB"]) == 0
+
+
+def test_sweep_help_shows_list_defaults_as_typed(capsys):
+    with pytest.raises(SystemExit):
+        main(["sweep", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    flags = text.split("parallel layout:", 1)[1]          # past the usage line
+    for flag, default in (("--pp", 4), ("--vpp", 1), ("--microbatches", 8), ("--micro-batch-size", 1)):
+        shown = re.search(rf"{flag} A,B \[A,B \.\.\.\].*?\(default: ([^)]*)\)", flags)
+        assert shown and shown.group(1) == str(default), flag
+    assert "[(" not in text

@@ -8,7 +8,7 @@ from ..costs import CostModel
 from ..hardware import hardware_names
 from ..schedule.placement import PLACEMENTS
 from ..plan.options import DESTS, add_plan_flags, flatten, given_dests
-from ..units import UNITS_HELP, byte_unit, bytes_arg
+from ..units import UNITS_HELP, byte_unit, bytes_arg, format_bytes
 from .lists import SCHEDULES_HELP, names
 from .plan_cmds import add_plan_args, cmd_simulate_plan, wants_plan
 
@@ -16,6 +16,14 @@ from .plan_cmds import add_plan_args, cmd_simulate_plan, wants_plan
 SIMULATE_DEFAULTS = {"pp": 4, "vpp": 1, "dp": 1, "microbatches": 8, "micro_batch_size": 1}
 # the table's flags `pipesim sweep` takes (several values each but dp, which --step-tail reads)
 SWEEP_DESTS = ("pp", "vpp", "dp", "microbatches", "micro_batch_size", "model")
+
+
+class _Typed(list):
+    """A several-values flag's default, shown in --help as it is typed (``4``, not ``[(4,)]``)."""
+
+    def __str__(self) -> str:
+        return " ".join(",".join(map(str, t)) if isinstance(t, tuple) else str(t) for t in self)
+
 
 def _add_cost_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("costs (default: uniform F=1, B=2 (I=W=1), zero communication)")
@@ -87,14 +95,16 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("sweep", help="simulate schedules x pp x vpp x microbatches, write CSV")
     p.add_argument("--schedules", type=names, nargs="+", required=True, metavar="A,B",
                    help=SCHEDULES_HELP)
-    add_plan_flags(p, defaults={"pp": [(4,)], "vpp": [(1,)], "microbatches": [(8,)],
-                                "micro_batch_size": [(1,)], "dp": 1},
+    add_plan_flags(p, defaults={"pp": _Typed([(4,)]), "vpp": _Typed([(1,)]),
+                                "microbatches": _Typed([(8,)]),
+                                "micro_batch_size": _Typed([(1,)]), "dp": 1},
                    several=("pp", "vpp", "microbatches", "micro_batch_size"),
                    omit=tuple(d for d in DESTS if d not in SWEEP_DESTS))
     _add_cost_args(p)
     p.add_argument("--memory-limit", type=bytes_arg, default=None,
                    help=f"per-rank peak memory limit with its unit, e.g. 80GB, 72GiB ({UNITS_HELP}; "
-                        "default with --model: the hardware's memory)")
+                        "default with --model: the hardware's usable memory, as `pipesim plan` "
+                        "reads it: its capacity less the reserve, over the fragmentation)")
     p.add_argument("--inflight-limit", type=int, default=None,
                    help="per-rank limit on microbatches in flight")
     p.add_argument("--out", metavar="OUT.csv", required=True, help="CSV of every configuration")
@@ -176,8 +186,12 @@ def cmd_sweep(args: argparse.Namespace) -> int:
 
     source = _cost_source(args)
     limit = args.memory_limit
-    if limit is None and args.model:
-        limit = get_hardware(args.hardware or "H100").memory_bytes
+    if limit is None and args.model:            # the limit `pipesim plan` holds a plan to
+        hw = get_hardware(args.hardware or "H100")
+        limit = hw.usable_memory
+        print(f"memory limit {format_bytes(limit)}: {hw.name}'s usable memory, "
+              f"{format_bytes(hw.memory_bytes)} less a {format_bytes(hw.reserve)} reserve, over "
+              f"fragmentation x{hw.fragmentation:g} (--memory-limit to change)")
     table = sweep(flatten(args.schedules), flatten(args.pp), flatten(args.vpp),
                   flatten(args.microbatches), flatten(args.micro_batch_size),
                   costs=source, memory_limit=limit, inflight_limit=args.inflight_limit,
