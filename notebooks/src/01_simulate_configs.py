@@ -8,7 +8,7 @@
 # 1. checks the simulator against the closed-form bubble formulas on uniform stages,
 # 2. sweeps a real model size (GPT-3 6.7B on H100 presets) into a pandas DataFrame,
 #    with bubble and per-rank peak memory for each schedule,
-# 3. picks the fastest configuration of a 32-GPU job that fits in 80 GB per GPU,
+# 3. picks the fastest configuration of a 32-GPU job that fits in an H100's usable memory,
 # 4. plans a real training run, Llama-3 70B on 256 H100s, as `pipesim.Plan` values: tensor,
 #    sequence and pipeline parallelism, recomputation and the distributed optimizer in one sweep.
 #
@@ -28,6 +28,7 @@ import pandas as pd
 
 import pipesim
 from pipesim import CostModel
+from pipesim.hardware import get_hardware
 from pipesim.sweep import sweep
 
 pd.set_option("display.width", 160)
@@ -122,8 +123,14 @@ fig.tight_layout()
 # the embedding, the last the LM head over a 50k vocabulary.
 
 # %%
-MODEL, HW, LIMIT = "gpt3-6.7b", "H100", 80e9
-GB = 1e9
+MODEL, HW = "gpt3-6.7b", "H100"
+GiB = 2 ** 30
+HARDWARE = get_hardware(HW)
+# What `pipesim plan` holds a plan to: the capacity less the reserve (CUDA context, NCCL's
+# buffers, workspaces), over the caching allocator's fragmentation.
+LIMIT = HARDWARE.usable_memory
+CAPACITY = f"{LIMIT / GiB:.1f} GiB usable of {HW}'s {HARDWARE.memory_bytes / GiB:.0f} GiB"
+print(CAPACITY)
 
 
 def costs_7b(num_stages, micro_batch_size=1):
@@ -134,8 +141,8 @@ c4 = costs_7b(4)
 t = c4.compute_times(4)
 pd.DataFrame({"F (ms)": [x * 1e3 for x in t["F"]], "I (ms)": [x * 1e3 for x in t["I"]],
               "W (ms)": [x * 1e3 for x in t["W"]],
-              "activations / microbatch (GB)": [x / GB for x in c4.stage_values("activation_bytes", 4)],
-              "weights + grads + Adam (GB)": [x / GB for x in c4.stage_values("stage_static_bytes", 4)]},
+              "activations / microbatch (GiB)": [x / GiB for x in c4.stage_values("activation_bytes", 4)],
+              "weights + grads + Adam (GiB)": [x / GiB for x in c4.stage_values("stage_static_bytes", 4)]},
              index=pd.Index(range(4), name="stage (pp=4)"))
 
 # %%
@@ -152,8 +159,8 @@ print(table["status"].value_counts().to_string())
 shown = ["schedule", "pp", "vpp", "microbatches", "status", "makespan", "bubble_fraction",
          "bubble_rate", "peak_memory", "peak_inflight", "samples_per_s"]
 pp4 = table[(table["pp"] == 4) & (table["status"] != "invalid")]
-pp4[shown].assign(peak_memory=pp4["peak_memory"] / GB).rename(
-    columns={"peak_memory": "peak_memory (GB)"}).sort_values(["microbatches", "makespan"]).head(16)
+pp4[shown].assign(peak_memory=pp4["peak_memory"] / GiB).rename(
+    columns={"peak_memory": "peak_memory (GiB)"}).sort_values(["microbatches", "makespan"]).head(16)
 
 # %%
 fig, ax = plt.subplots(figsize=(7.5, 4.2))
@@ -198,14 +205,14 @@ dev[dev["microbatches"] == 16].set_index("schedule")[["vpp", "bubble_fraction", 
 peaks = {}
 for name, v in VPP.items():
     s = pipesim.build_schedule(name, pp=4, microbatches=16, vpp=v)
-    peaks[f"{name} (v={v})"] = [b / GB for b in pipesim.simulate(s, costs_7b(4 * v)).peak_memory]
+    peaks[f"{name} (v={v})"] = [b / GiB for b in pipesim.simulate(s, costs_7b(4 * v)).peak_memory]
 peaks = pd.DataFrame(peaks, index=[f"rank {r}" for r in range(4)]).T
-ax = peaks.plot.bar(figsize=(9, 4), rot=0, width=0.8)
-ax.axhline(LIMIT / GB, color="red", lw=1, ls="--", label="80 GB (H100)")
+ax = peaks.plot.bar(figsize=(10.5, 4), rot=0, width=0.8)
+ax.axhline(LIMIT / GiB, color="red", lw=1, ls="--", label=CAPACITY)
 ax.set_xticklabels(peaks.index, rotation=15)
-ax.set_ylabel("peak memory (GB)")
+ax.set_ylabel("peak memory (GiB)")
 ax.set_title(f"{MODEL}, {HW}, pp=4, m=16: simulated peak memory per rank", fontsize=10)
-ax.legend(fontsize=8, ncol=5)
+ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5))
 ax.figure.tight_layout()
 assert peaks.loc["gpipe (v=1)"].max() > peaks.loc["1f1b (v=1)"].max()
 assert peaks.loc["1f1b (v=1)", "rank 0"] > peaks.loc["1f1b (v=1)", "rank 1"] > peaks.loc["1f1b (v=1)", "rank 2"]
@@ -218,7 +225,7 @@ peaks.round(1)
 # depth `pp`, the other `32 / pp` GPUs are data-parallel replicas, and each replica runs
 # `128 / (dp * micro_batch_size)` microbatches per step. The step now includes its tail:
 # the data-parallel gradient all-reduce and the optimizer step (`step_tail=True`). A
-# configuration is feasible when every rank's peak stays under the memory limit.
+# configuration is feasible when every rank's peak stays under the usable memory.
 
 # %%
 GPUS, GLOBAL_BATCH = 32, 128
@@ -237,37 +244,39 @@ job = job[job["status"] != "invalid"].copy()
 job["peak_memory_rank"] = job["peak_memory_rank"].astype(int)
 job["tokens_per_s_per_gpu"] = GLOBAL_BATCH * 2048 / job["makespan"] / GPUS
 print(f"{len(job)} valid configurations in {time.perf_counter() - t0:.1f} s: "
-      f"{(job['status'] == 'ok').sum()} fit in 80 GB, {(job['status'] == 'infeasible').sum()} do not")
+      f"{(job['status'] == 'ok').sum()} fit in {LIMIT / GiB:.1f} GiB, "
+      f"{(job['status'] == 'infeasible').sum()} do not")
 cols = ["schedule", "pp", "vpp", "dp", "microbatches", "micro_batch_size", "makespan",
         "tokens_per_s_per_gpu", "peak_memory", "status"]
-ranked = job.sort_values("makespan")[cols].assign(peak_memory=lambda d: d["peak_memory"] / GB)
-ranked.rename(columns={"peak_memory": "peak_memory (GB)"}).head(12)
+ranked = job.sort_values("makespan")[cols].assign(peak_memory=lambda d: d["peak_memory"] / GiB)
+ranked.rename(columns={"peak_memory": "peak_memory (GiB)"}).head(12)
 
 # %% [markdown]
-# The best configuration depends on the memory budget (e.g. what is left after the CUDA
-# context, the allocator's fragmentation and the communication buffers). For each limit,
-# the fastest configuration whose every rank fits:
+# The best configuration depends on the memory budget (the usable memory above is one guess
+# at what the CUDA context, the communication buffers and the allocator's fragmentation
+# leave). For each limit, up to the whole card, the fastest configuration whose every rank
+# fits:
 
 # %%
 best_rows = []
-for limit_gb in (40, 48, 56, 64, 72, 80):
-    fits = job[job["peak_memory"] <= limit_gb * GB].sort_values("makespan")
+for limit in (40 * GiB, 48 * GiB, 56 * GiB, 64 * GiB, LIMIT, HARDWARE.memory_bytes):
+    fits = job[job["peak_memory"] <= limit].sort_values("makespan")
     if len(fits) == 0:
-        best_rows.append({"memory limit (GB)": limit_gb, "schedule": "nothing fits"})
+        best_rows.append({"memory limit (GiB)": round(limit / GiB, 1), "schedule": "nothing fits"})
         continue
     r = fits.iloc[0]
-    best_rows.append({"memory limit (GB)": limit_gb, "schedule": r["schedule"], "pp": r["pp"],
+    best_rows.append({"memory limit (GiB)": round(limit / GiB, 1), "schedule": r["schedule"], "pp": r["pp"],
                       "vpp": r["vpp"], "dp": r["dp"], "m": r["microbatches"],
                       "micro_batch_size": r["micro_batch_size"], "step (s)": r["makespan"],
                       "tokens/s/GPU": r["tokens_per_s_per_gpu"],
-                      "peak (GB)": r["peak_memory"] / GB, "on rank": r["peak_memory_rank"]})
-best_table = pd.DataFrame(best_rows).set_index("memory limit (GB)").astype(
+                      "peak (GiB)": r["peak_memory"] / GiB, "on rank": r["peak_memory_rank"]})
+best_table = pd.DataFrame(best_rows).set_index("memory limit (GiB)").astype(
     {c: "Int64" for c in ("pp", "vpp", "dp", "m", "micro_batch_size", "on rank")})
 best = job[job["status"] == "ok"].sort_values("makespan").iloc[0]
-print(f"best under {LIMIT / GB:.0f} GB: {best['schedule']} pp={best['pp']} vpp={best['vpp']} "
+print(f"best under {LIMIT / GiB:.1f} GiB: {best['schedule']} pp={best['pp']} vpp={best['vpp']} "
       f"dp={best['dp']} m={best['microbatches']} micro_batch_size={best['micro_batch_size']}: "
       f"step {best['makespan']:.3f} s, {best['tokens_per_s_per_gpu']:.0f} tokens/s/GPU, peak "
-      f"{best['peak_memory'] / GB:.1f} GB on rank {best['peak_memory_rank']}")
+      f"{best['peak_memory'] / GiB:.1f} GiB on rank {best['peak_memory_rank']}")
 assert best["peak_memory"] <= LIMIT
 # A tighter budget never buys a faster step.
 steps = best_table["step (s)"].dropna()
@@ -280,7 +289,7 @@ best_table
 #
 # Pipelining alone cannot train a 70B model: at `pp = 8` without tensor parallelism or
 # optimizer sharding each GPU would hold 10 layers' weights, fp32 gradients and Adam state
-# (18 bytes a parameter), over 150 GB before a single activation. A `pipesim.Plan` holds the
+# (18 bytes a parameter), over 140 GiB before a single activation. A `pipesim.Plan` holds the
 # whole configuration (model, parallelism, cluster, schedule), validates it (`PlanError`
 # naming the field and rule) and derives its per-stage costs: FLOPs split F / I / W, tensor-
 # and sequence-parallel collectives over NVLink, pipeline and data-parallel traffic over the
@@ -303,8 +312,9 @@ except pipesim.PlanError as exc:
 # Megatron's interleaved schedule with 5 chunks per rank; tensor parallel 4 or 8 (inside a
 # node), pipeline 4 or 8, the rest data parallel; three memory strategies (no SP and no
 # recomputation; SP with selective recomputation; full recomputation), each with and without
-# the distributed optimizer. Efficiency follows the A100-fitted curve of `pipesim.plan.efficiency`
-# (an H100 usually reaches a lower fraction: these are optimistic, but they rank plans).
+# the distributed optimizer. Times follow the per-operator model (`pipesim.plan.operators`) on
+# A100's fitted figures, H100's GEMM efficiency scaled by its measured matmul efficiency:
+# extrapolated, they rank plans; calibrate a GPU before trusting their absolute values.
 
 # %%
 t0 = time.perf_counter()
@@ -323,13 +333,14 @@ for tp in (4, 8):
                 rows.append({"tp": tp, "pp": pp, "dp": plan.parallelism.dp, "m": plan.microbatches,
                              "memory": strategy, "dist. optimizer": bool(zero),
                              "step (s)": res.step_time, "tokens/s/GPU": res.tokens_per_s_per_gpu,
-                             "MFU": res.mfu, "HFU": res.hfu, "peak (GiB)": max(res.peak_memory) / 2**30,
-                             "static (GiB)": (b["weights"] + b["gradients"] + b["optimizer"]) / 2**30,
-                             "activations (GiB)": b["activations"] / 2**30, "fits": res.fits})
+                             "MFU": res.mfu, "HFU": res.hfu, "peak (GiB)": max(res.peak_memory) / GiB,
+                             "static (GiB)": (b["weights"] + b["gradients"] + b["optimizer"]) / GiB,
+                             "activations (GiB)": b["activations"] / GiB, "fits": res.fits})
                 plans.append((plan, res))
 plan_table = pd.DataFrame(rows)
 print(f"{len(plan_table)} plans derived and simulated in {time.perf_counter() - t0:.1f} s; "
-      f"{plan_table['fits'].sum()} fit in 80 GB")
+      f"{plan_table['fits'].sum()} fit in the {plans[0][1].usable_memory / GiB:.1f} GiB usable")
+assert plans[0][1].usable_memory == LIMIT                  # the plans' limit is the sweep's
 plan_table.sort_values("step (s)").head(12)
 
 # %%
@@ -339,7 +350,7 @@ for (strategy, zero), group in plan_table.groupby(["memory", "dist. optimizer"])
     ax.scatter(group["peak (GiB)"], group["tokens/s/GPU"], marker=markers[strategy],
                c="C0" if zero else "C1", s=45,
                label=f"{strategy}, {'distributed optimizer' if zero else 'replicated optimizer'}")
-ax.axvline(80e9 / 2**30, color="red", lw=1, ls="--", label="80 GB = 74.5 GiB (H100)")
+ax.axvline(LIMIT / GiB, color="red", lw=1, ls="--", label=CAPACITY)
 ax.set_xlabel("peak memory, worst rank (GiB)")
 ax.set_ylabel("tokens/s per GPU")
 ax.set_title("Llama-3 70B, 256 H100s, interleaved (vpp=5): simulated plans", fontsize=10)
@@ -349,10 +360,10 @@ fig.tight_layout()
 
 # %% [markdown]
 # Without sequence parallelism or recomputation no plan fits; full recomputation cuts the
-# activations to about 12 GiB a rank but pays a fourth pass over every layer (HFU above
-# MFU, steps a third longer); sequence parallelism with selective recomputation fits at the
-# speed of no recomputation, Korthikanti et al.'s result. The distributed optimizer shards 12
-# of the 18 bytes a parameter over the data-parallel ranks. The fastest plan that fits, and
+# activations to about 12 GiB a rank but pays a fourth pass over every layer (HFU above MFU,
+# steps about 40% longer than selective recomputation's); sequence parallelism with selective
+# recomputation fits at the speed of no recomputation, Korthikanti et al.'s result. The
+# distributed optimizer shards 12 of the 18 bytes a parameter over the data-parallel ranks. The fastest plan that fits, and
 # where its memory goes (simulated):
 
 # %%
@@ -360,9 +371,9 @@ fitting = [(p, r) for p, r in plans if r.fits]
 best_plan, best_res = min(fitting, key=lambda pr: pr[1].step_time)
 print(best_plan)
 print(best_res.summary_text().split("\n", 1)[1])
-breakdown = pd.DataFrame(best_res.memory_breakdown).drop(columns="total") / 2**30
+breakdown = pd.DataFrame(best_res.memory_breakdown).drop(columns="total") / GiB
 ax = breakdown.plot.bar(stacked=True, figsize=(8, 3.5), rot=0)
-ax.axhline(80e9 / 2**30, color="red", lw=1, ls="--", label="80 GB (H100)")
+ax.axhline(LIMIT / GiB, color="red", lw=1, ls="--", label=CAPACITY)
 ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5))
 ax.set_xlabel("pipeline rank")
 ax.set_ylabel("GiB")
@@ -373,6 +384,8 @@ sel = plan_table[(plan_table["memory"] == "sp+selective")].set_index(["tp", "pp"
 full = plan_table[(plan_table["memory"] == "full recompute")].set_index(["tp", "pp", "dist. optimizer"])
 assert not plain_fits.any()
 assert (sel["step (s)"] < full["step (s)"]).all()          # selective beats full recomputation
+assert (full["activations (GiB)"] < 13).all() and (1.3 < full["step (s)"] / sel["step (s)"]).all() \
+    and (full["step (s)"] / sel["step (s)"] < 1.6).all()
 assert (full["HFU"] > full["MFU"]).all()
 assert best_res.fits and best_plan.parallelism.sequence_parallel
 
@@ -406,8 +419,8 @@ print(f"pipesim plan: {time.perf_counter() - t0:.1f} s, exit {code}")
 display(Image(str(out / "frontier.png")))
 
 # %% [markdown]
-# Every dot is a simulated plan (hollow: over the 74.5 GiB of an H100); the star is the
-# chosen one. The planner's winner beats the best hand-picked plan of section 4, and its plan
+# Every dot is a simulated plan (hollow: over the memory limit printed above, an H100's usable
+# memory); the star is the chosen one. The planner's winner beats the best hand-picked plan of section 4, and its plan
 # file simulates to the same step time:
 
 # %%
