@@ -1,5 +1,6 @@
-"""The planner's defaults find plans where layers do not divide (issue 25: Llama 3 405B on
-16384 H100s found none), and a search that fits nothing names every knob that would widen it."""
+"""The planner's defaults find plans where layers do not divide (Llama 3 405B on 16384 H100s
+once found none: 126 layers divide no power-of-two pp > 2), and a search that fits nothing names
+every knob that would widen it."""
 import dataclasses
 
 import pytest
@@ -43,7 +44,7 @@ def test_the_hint_names_each_narrowed_knob_and_only_those():
 
 @pytest.mark.slow
 def test_pipesim_plan_405b_on_16384_h100_finds_a_plan_with_its_defaults(capsys):
-    """The issue's command, as given (a few minutes)."""
+    """The 405B search docs/planning.md reports, with every default (a few minutes)."""
     from pipesim.cli import main
 
     code = main(["plan", "--model", "llama3-405b", "--gpus", "16384", "--hardware", "H100",
