@@ -300,7 +300,7 @@ H200_CUDA_BYTES = 150_109_880_320.0      # total_memory of an H200 (measured, se
 #   keeping the rest). The 4 GiB reserve covers the CUDA context (0.75 GiB measured on that
 #   H200), NCCL's buffers and the workspaces.
 # The time model's figures for A100 were fitted once (benchmarks/bench_cost_model.py --fit) on
-# the two tables the issue allows: Korthikanti et al. 2022 Table 5 and Narayanan et al. 2021
+# the two tables kept for fitting (every other published run is a check): Korthikanti et al. 2022 Table 5 and Narayanan et al. 2021
 # (SC21) Table 1, both Megatron-LM on A100 80GB. Other GPUs carry them over (calibration
 # "extrapolated": a hardware file measured there replaces them), gemm_e_max scaled by a
 # matmul microbenchmark (_MAMF below), and the figures with a source of their own.

@@ -1,6 +1,6 @@
 """What would have made something fit: every knob a search held narrower than its widest.
 
-Why: a search that finds nothing should name the flags that widen it (the issue's case: no
+Why: a search that finds nothing should name the flags that widen it (once: no
 plan for Llama 3 405B on 16384 H100s, and the hint never said ``--uneven``), not a fixed
 list. Each knob of the :class:`~pipesim.planner.enumerate.SearchSpace` whose values leave out
 a memory-saving choice is named with the flag that adds it. The schedules, vpp and precision
