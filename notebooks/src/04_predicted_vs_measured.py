@@ -201,13 +201,13 @@ ax.bar([i + 0.27 for i in x], table["measured step (ms)"], 0.27, label="measured
 ax.set_xticks(list(x), table.index)
 ax.set_ylabel("step time (ms)")
 ax.set_title(f"pipeline step time, pp={PP}, m={M}, 2 shared CPU cores", fontsize=10)
-ax.legend(fontsize=8)
+ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=3, frameon=False)
 ax2.bar([i - 0.2 for i in x], table["predicted peak act. (MiB)"], 0.4, label="predicted", color="#93c47d")
 ax2.bar([i + 0.2 for i in x], table["measured peak act. (MiB)"], 0.4, label="measured", color="#4a9a52")
 ax2.set_xticks(list(x), table.index)
 ax2.set_ylabel("peak activation memory (MiB, worst rank)")
 ax2.set_title("peak activation memory", fontsize=10)
-ax2.legend(fontsize=8)
+ax2.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=2, frameon=False)
 fig.tight_layout()
 
 # %% [markdown]
