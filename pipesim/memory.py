@@ -24,6 +24,15 @@ Send buffers (same condition): an F whose output goes to another rank holds that
 activation the backward needs (the next stage keeps its own copy as its input), and it is
 freed once sent (Megatron's ``deallocate_output_tensor``). A B or I's input gradient is not
 added: it is made as the backward frees the stage's activations, which already count more.
+
+Local hand-offs (same condition): between two stages on the same rank (the turn of a V, every
+boundary at pp 1) nothing is sent, so nothing frees what one stage hands the other early. An
+F's output feeding the next stage here is held from that F's start until the next stage's F of
+the microbatch starts (from then on it is that stage's input, in its ``activation_bytes``); a B
+or I's input gradient feeding the previous stage here is held from its end until the end of the
+previous stage's B or I of the microbatch, which consumes it. On ZB-V at pp 2 the turn rank
+holds both across other work (the prediction was 1.8% low without them, 11% under full
+recomputation).
 """
 from __future__ import annotations
 
@@ -132,6 +141,7 @@ def memory_events(rows: ComputeRows, t0: float, costs: "CostModel", num_stages: 
             deltas = np.concatenate((deltas, size, -size))
             prio = np.concatenate((prio, np.full(m.sum(), 1), np.full(m.sum(), 0)))
             ranks = np.concatenate((ranks, rank[m], rank[m]))
+        extra += _local_handoffs(rows, schedule, nbytes, num_stages)
         if extra:
             r, t, d, p = (np.asarray(x) for x in zip(*extra))
             times, deltas = np.concatenate((times, t)), np.concatenate((deltas, d))
@@ -168,6 +178,37 @@ def _send_buffers(rows: ComputeRows, schedule: "Schedule", nbytes: Sequence[floa
     if not mask.any():
         return None
     return mask, size[rows.stage[mask]]
+
+
+def _local_handoffs(rows: ComputeRows, schedule: "Schedule", nbytes: Sequence[float],
+                    num_stages: int) -> list[tuple[int, float, float, int]]:
+    """(rank, time, +/- bytes, priority) of what a stage hands the next (forward) or the
+    previous (backward) stage on its own rank: see the module docstring."""
+    if schedule.num_stages != num_stages:
+        return []
+    m = schedule.num_microbatches
+    sent = lower(schedule).sent_forward()
+    f_start: dict = {}
+    back_end: dict = {}
+    for r, o, s, b, t0, t1 in zip(rows.rank.tolist(), rows.op.tolist(), rows.stage.tolist(),
+                                  rows.microbatch.tolist(), rows.start.tolist(),
+                                  rows.end.tolist()):
+        if o == "F":
+            f_start[(r, s, b)] = t0
+        elif o in ("B", "I"):
+            back_end[(r, s, b)] = t1
+    out: list[tuple[int, float, float, int]] = []
+    for (r, s, b), t in f_start.items():
+        if s + 1 >= num_stages or not 0 <= b < m or sent[s * m + b] or nbytes[s] <= 0:
+            continue
+        size = float(nbytes[s])
+        use = f_start.get((r, s + 1, b))
+        if use is not None and use >= t:               # the output, until the next stage's F
+            out += [(r, t, size, 1), (r, use, -size, 0)]
+        made, used = back_end.get((r, s + 1, b)), back_end.get((r, s, b))
+        if made is not None and used is not None and used >= made:   # the input gradient
+            out += [(r, made, size, 1), (r, used, -size, 0)]
+    return out
 
 
 def _receive_buffers(rows: ComputeRows, schedule: "Schedule", nbytes: Sequence[float]

@@ -115,13 +115,15 @@ def test_an_output_is_held_while_its_forward_runs_until_sent():
     # A = 100 bytes of activations per (stage, microbatch), P = 10-byte messages. 1F1B, pp 2,
     # m 4: rank 0 holds 2 microbatches and, during its second F, that F's output (2A + P);
     # rank 1 (the last stage) sends no activation: A. ZB-V, pp 2: at the peak, 4A plus the
-    # output of the F running then (stage 0's on rank 0, stage 2's on rank 1), on both ranks.
+    # output of the F running then on rank 0 (stage 0's, sent); rank 1, the V's turn, holds
+    # 4A during F(1, 2) plus what its two stages hand each other: that F's output (for
+    # F(2, 2)) and I(2, 0)'s input gradient (for I(1, 0)), nothing sent.
     costs = CostModel(forward=1.0, backward=2.0, activation_bytes=100.0, p2p_bytes=10.0)
     one = pipesim.build_schedule("1f1b", pp=2, microbatches=4)
     assert simulate(one, costs).peak_memory == [210.0, 100.0]
     assert simulate(one, costs.with_(p2p_bytes=0.0)).peak_memory == [200.0, 100.0]
     zbv = pipesim.build_schedule("zbv", pp=2, microbatches=4, vpp=2)
-    assert simulate(zbv, costs).peak_memory == [410.0, 410.0]
+    assert simulate(zbv, costs).peak_memory == [410.0, 420.0]
 
 
 def test_a_routes_last_stage_holds_no_output_to_send():

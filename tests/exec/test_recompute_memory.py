@@ -18,11 +18,10 @@ of the F that just ran (until sent) and the posted receive buffers; parameters l
   activations, fp32 logits), interleaved with the outputs kept until their backward
   (``--no-deallocate-outputs``), and 1F1B, interleaved, ZB-V at pp 4 (measured 0.39% and
   0.45% at most).
-* A known gap, kept as a strict xfail: the output ZB-V's turn rank hands from its first stage
-  to its second stays held until the second's F, which pipesim's memory model does not count
-  (it counts an output only while sent to another rank). It sets the rank's peak when the
-  first stage holds more blocks (pp 2 with 6 blocks, split 2 / 2 / 1 / 1): the prediction
-  1.8% low, 11% under full recomputation (that one output).
+* ZB-V's turn rank at pp 2 with 6 blocks (split 2 / 2 / 1 / 1), where what its two stages
+  hand each other (the first's output until the second's F, the second's input gradient until
+  the first's backward) is held across other work and sets the rank's peak: 1.8% low, 11% under
+  full recomputation, before the memory model counted local hand-offs.
 """
 from __future__ import annotations
 
@@ -186,8 +185,6 @@ def test_measured_peak_activation_memory_matches_pipesim_at_pp4(name, vpp, preci
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="an output handed to the next stage on the same rank is "
-                   "held until that stage's F; pipesim's memory model does not count it")
 @pytest.mark.parametrize("mode", RECOMPUTE, ids=["none", "selective", "full", "full-first"])
 def test_zbv_turn_rank_with_two_block_stages(mode):
     _check(case_config("zbv", 2, "fp32", mode, layers=6))
