@@ -50,6 +50,13 @@ SIZES = (64, 128, 256, 512, 1024)
 GPU_SIZES = (256, 512, 1024, 2048, 4096, 8192)
 
 
+def _sync(device: str):
+    """What waits for ``device``'s queued work (nothing on a CPU)."""
+    import torch
+
+    return torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+
+
 def _timed(fn, sync, repeat: int) -> float:
     fn()
     sync()
@@ -70,7 +77,6 @@ def gemm_sweep(device: str, dtype, repeat: int = 7, sizes=SIZES) -> list[tuple[i
     import torch
 
     cuda = device.startswith("cuda")
-    sync = torch.cuda.synchronize if cuda else (lambda: None)
     shapes = {(s, s, s) for s in sizes}
     big = max(sizes)
     for s in sizes:
@@ -83,7 +89,7 @@ def gemm_sweep(device: str, dtype, repeat: int = 7, sizes=SIZES) -> list[tuple[i
             c = torch.empty(m, n, device=device, dtype=dtype)
             t = _timed_device(lambda: torch.matmul(a, b, out=c), repeat, graph=True)
         else:
-            t = _timed(lambda: torch.matmul(a, b), sync, repeat)
+            t = _timed(lambda: torch.matmul(a, b), _sync(device), repeat)
         out.append((m, n, k, 2.0 * m * n * k / t))
     return out
 
@@ -146,12 +152,15 @@ def fit_gemm_curve(table: list[tuple[float, float, float, float]]) -> tuple[floa
 
 
 def elementwise_bandwidth(device: str, nbytes: int, repeat: int = 7) -> float:
+    """Bytes/s of ``torch.add(x, y, out=z)`` (fp32: 12 bytes an element) on ``device`` (on a
+    GPU timed by CUDA events, `_timed_device`)."""
     import torch
 
-    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
     n = max(1, nbytes // 4)
     x, y, z = (torch.randn(n, device=device) for _ in range(3))
-    t = _timed(lambda: torch.add(x, y, out=z), sync, repeat)
+    add = lambda: torch.add(x, y, out=z)        # noqa: E731
+    t = (_timed_device(add, repeat) if device.startswith("cuda")
+         else _timed(add, _sync(device), repeat))
     return 12.0 * n / t
 
 
@@ -159,7 +168,6 @@ def launch_overhead(device: str, repeat: int = 200) -> float:
     """Seconds one tiny element-wise op costs, forward and backward, per op (autograd)."""
     import torch
 
-    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
     x = torch.ones(1, device=device, requires_grad=True)
 
     def run():
@@ -168,7 +176,7 @@ def launch_overhead(device: str, repeat: int = 200) -> float:
             y = y * 1.0001
         y.backward()
 
-    return _timed(run, sync, max(5, repeat // 20)) / 40        # 20 forwards + 20 backwards
+    return _timed(run, _sync(device), max(5, repeat // 20)) / 40   # 20 forwards + 20 backwards
 
 
 def attention_efficiency(device: str, dtype, peak: float, b: int = 4, heads: int = 4,
@@ -179,7 +187,6 @@ def attention_efficiency(device: str, dtype, peak: float, b: int = 4, heads: int
 
     from pipesim.plan.operators import FLASH_BACKWARD, flash_efficiency
 
-    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
     q, k, v = (torch.randn(b, heads, s, d, device=device, dtype=dtype, requires_grad=True)
                for _ in range(3))
 
@@ -187,7 +194,7 @@ def attention_efficiency(device: str, dtype, peak: float, b: int = 4, heads: int
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         out.sum().backward()
 
-    t = _timed(run, sync, 5)
+    t = _timed(run, _sync(device), 5)
     flops = (1 + FLASH_BACKWARD) * 4 * b * heads * s * s * d / 2   # fwd + bwd, causal half
     measured = flops / t / peak
 
@@ -224,35 +231,19 @@ def gloo_collectives(groups: tuple[int, ...] | None = None, sizes: tuple[int, ..
     return fields, what
 
 
-def device_bandwidth(device: str, nbytes: int, repeat: int = 7) -> float:
-    """Bytes/s of ``torch.add(x, y, out=z)`` (fp32: 12 bytes an element) on one CUDA device."""
-    import torch
-
-    n = max(1, nbytes // 4)
-    x, y, z = (torch.randn(n, device=device) for _ in range(3))
-    return 12.0 * n / _timed_device(lambda: torch.add(x, y, out=z), repeat)
-
-
 def kernel_floor(device: str, kernels: int = 200, repeat: int = 7) -> float:
-    """Seconds a tiny kernel costs on the device: ``kernels`` one-element multiplies captured
-    in a CUDA graph and replayed (no host dispatch in the timing)."""
+    """Seconds a tiny kernel costs on the device: a chain of ``kernels`` one-element multiplies
+    replayed from a CUDA graph (`_timed_device`: no host dispatch in the timing)."""
     import torch
 
     x = torch.ones(1, device=device)
-    stream = torch.cuda.Stream(device)
-    stream.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(stream):                  # capture off the default stream
-        for _ in range(3):
-            y = x
-            for _ in range(kernels):
-                y = y * 1.0001
-    torch.cuda.current_stream(device).wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+
+    def chain():
         y = x
         for _ in range(kernels):
             y = y * 1.0001
-    return _timed_device(graph.replay, repeat) / kernels
+
+    return _timed_device(chain, repeat, graph=True) / kernels
 
 
 def base_preset(device: str, base: str | None) -> Hardware:
@@ -286,8 +277,8 @@ def calibrate_cuda(device: str = "cuda", name: str | None = None, base: str | No
     peak = preset.peak_flops
     table = tuple((m, n, k, min(1.0, r / peak)) for m, n, k, r in sweep)
     e_max, dim = fit_gemm_curve(list(table))
-    bw_l2 = device_bandwidth(device, 32 << 20)
-    bw = device_bandwidth(device, (256 << 20) if quick else (1 << 30))
+    bw_l2 = elementwise_bandwidth(device, 32 << 20)
+    bw = elementwise_bandwidth(device, (256 << 20) if quick else (1 << 30))
     floor = kernel_floor(device)
     eager = launch_overhead(device)
     # attention's efficiency against the datasheet peak, at a Llama layer's shape

@@ -186,20 +186,27 @@ def _local_handoffs(rows: ComputeRows, schedule: "Schedule", nbytes: Sequence[fl
     previous (backward) stage on its own rank: see the module docstring."""
     if schedule.num_stages != num_stages:
         return []
+    # the boundaries whose two stages share a rank: most schedules have none (pp > 1, looped)
+    local = [s for s in range(num_stages - 1)
+             if schedule.stage_rank(s) == schedule.stage_rank(s + 1) and nbytes[s] > 0]
+    if not local:
+        return []
     m = schedule.num_microbatches
     sent = lower(schedule).sent_forward()
+    near = np.isin(rows.stage, local + [s + 1 for s in local])
     f_start: dict = {}
     back_end: dict = {}
-    for r, o, s, b, t0, t1 in zip(rows.rank.tolist(), rows.op.tolist(), rows.stage.tolist(),
-                                  rows.microbatch.tolist(), rows.start.tolist(),
-                                  rows.end.tolist()):
+    for r, o, s, b, t0, t1 in zip(rows.rank[near].tolist(), rows.op[near].tolist(),
+                                  rows.stage[near].tolist(), rows.microbatch[near].tolist(),
+                                  rows.start[near].tolist(), rows.end[near].tolist()):
         if o == "F":
             f_start[(r, s, b)] = t0
         elif o in ("B", "I"):
             back_end[(r, s, b)] = t1
     out: list[tuple[int, float, float, int]] = []
+    local_set = set(local)
     for (r, s, b), t in f_start.items():
-        if s + 1 >= num_stages or not 0 <= b < m or sent[s * m + b] or nbytes[s] <= 0:
+        if s not in local_set or not 0 <= b < m or sent[s * m + b]:
             continue
         size = float(nbytes[s])
         use = f_start.get((r, s + 1, b))

@@ -7,6 +7,7 @@ and it must be positive. Numbers given from Python (``int`` / ``float``) are byt
 from __future__ import annotations
 
 import argparse
+import math
 import re
 
 _UNITS = {"b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12,
@@ -72,8 +73,6 @@ def column_decimals(values, significant: int = 4, least: int = 3) -> int:
     """Decimals one column of numbers is printed with: enough for its smallest non-zero value
     to show ``significant`` digits, ``least`` at the least (7.189, 7.600 and 24.940 in one
     column, not 7.189, 7.6 and 24.94; 0.01450 when a step takes 14.5 ms)."""
-    import math
-
     small = [abs(v) for v in values if v and math.isfinite(v)]
     if not small:
         return least
