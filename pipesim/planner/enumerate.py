@@ -46,7 +46,8 @@ from ..schedule.registry import build_schedule, schedule_info, schedule_names
 ALL_SCHEDULES = ("gpipe", "1f1b", "interleaved", "looped-bfs", "zb-h1", "zb-h2", "zbv",
                  "dualpipev", "v-half", "v-min", "dualpipe")
 _VPP_ONE = ("gpipe", "1f1b", "zb-h1", "zb-h2")
-_VPP_MANY = ("interleaved", "looped-bfs")
+VPP_MANY = ("interleaved", "looped-bfs")   # the schedules whose vpp is searched
+DEFAULT_VPPS = tuple(range(2, 9))           # the vpp values searched unless --vpp is given
 _VPP_TWO = ("zbv", "dualpipev", "v-half", "v-min")
 _COPIES = ("dualpipe",)                  # vpp 1: pp model parts, a copy of another on each rank
 _NOT_ENUMERATED = {"zb-auto": "zb-auto's order is searched from one plan's costs under that "
@@ -167,7 +168,7 @@ class SearchSpace:
         if knob == "pp":
             return tuple(d for d in range(1, self.gpus + 1) if self.gpus % d == 0)
         if knob == "vpp":
-            return tuple(range(2, 9))
+            return DEFAULT_VPPS
         if knob == "ep":
             e = self.model.experts
             return tuple(d for d in range(1, e + 1) if e % d == 0) if e else (1,)
@@ -321,7 +322,7 @@ def _schedule_vpps(space: SearchSpace, schedules: list[str], pp: int,
             yield schedule, 2
         elif schedule in _COPIES:
             yield schedule, 1
-        elif schedule in _VPP_MANY:
+        elif schedule in VPP_MANY:
             for vpp in space.values("vpp"):
                 if vpp < 2:
                     refused[f"{schedule} with vpp = 1 is 1f1b / gpipe"] += 1

@@ -15,10 +15,9 @@ import dataclasses
 
 from ..plan.footprint import ACTIVATION_BYTES, BYTES_PER_PARAM
 from ..plan.parallelism import PRECISIONS
-from .enumerate import _VPP_MANY, ALL_SCHEDULES, SearchSpace
+from .enumerate import ALL_SCHEDULES, DEFAULT_VPPS, VPP_MANY, SearchSpace
 
 GiB = 2 ** 30
-VPPS = tuple(range(2, 9))        # SearchSpace's default vpp values: the widest searched
 
 
 def fit_hints(space: SearchSpace, memory_limit: float | None = None, *,
@@ -78,10 +77,10 @@ def _left_out(space: SearchSpace) -> list[tuple[str, SearchSpace, str]]:
         out.append((f"--schedules {','.join(ALL_SCHEDULES)}",
                     dataclasses.replace(space, schedules=others),
                     f"restricted to {','.join(space.schedules)}"))
-    many = tuple(s for s in space.schedules if s in _VPP_MANY)
-    more = tuple(v for v in VPPS if v not in space.values("vpp"))
+    many = tuple(s for s in space.schedules if s in VPP_MANY)
+    more = tuple(v for v in DEFAULT_VPPS if v not in space.values("vpp"))
     if space.vpp is not None and many and more:
-        out.append((f"--vpp {','.join(map(str, sorted({*space.vpp, *VPPS})))}",
+        out.append((f"--vpp {','.join(map(str, sorted({*space.vpp, *DEFAULT_VPPS})))}",
                     dataclasses.replace(space, schedules=many, vpp=more),
                     f"restricted to {','.join(map(str, space.vpp))}"))
     for precision in _precisions_keeping_less(space):
