@@ -267,7 +267,7 @@ def ranking_text(ranked) -> str:
 
     lines = [f"{'#':>3} {'tokens/s/GPU':>12} {'MFU':>6} {'step s':>8} {'bubble':>7} "
              f"{'peak GiB':>8} {'headroom':>8}  config"]
-    d = column_decimals(ranked["step_time"]) if len(ranked) else 3
+    d = column_decimals(ranked["step_time"])
     for i, r in ranked.iterrows():
         lines.append(f"{i + 1:>3} {r['tokens_per_s_per_gpu']:>12,.0f} {r['mfu']:>6.1%} "
                      f"{r['step_time']:>8.{d}f} {r['bubble_fraction']:>7.3f} "
