@@ -102,7 +102,9 @@ def compare_parser() -> argparse.ArgumentParser:
            "file `pipeexec calibrate-hardware` writes, whose collectives are measured)")
     a("--trace-out", default=None, metavar="FILE.json",
       help="keep the measured trace: Chrome/Perfetto JSON, with .csv and .meta.json beside it")
-    a("--report-out", default=None, metavar="FILE.json", help="write the report as JSON")
+    a("--report-out", default=None, metavar="FILE.json",
+      help="write the report as JSON, and (unless --plot-out names another file) the "
+           "predicted-above-measured picture beside it as FILE.png")
     a("--table-out", default=None, metavar="FILE.csv|FILE.md",
       help="write the table as CSV, or as markdown for a .md name")
     a("--plot-out", default=None, metavar="FILE.png",
@@ -136,6 +138,21 @@ def compare_defaults(config: Any, given: set[str], calibration: MeasuredRun | No
     changes = {k: v for k, v in changes.items() if getattr(config, k) != v}
     said = [f"{k.replace('_', '-')} {v}" for k, v in changes.items()]
     return config.replace(**changes), said
+
+
+def layout_notes(config: Any, profiled: int) -> list[str]:
+    """What makes this run's comparison weak, said before it runs: few microbatches for the
+    pipeline's depth (a step that is mostly ramp-up and ramp-down; no pipeline at pp 1), and
+    few profiled steps."""
+    notes = []
+    if config.pp > 1 and config.microbatches < 2 * config.pp:
+        notes.append(f"m = {config.microbatches} < 2 pp = {2 * config.pp}: a step is "
+                     "mostly ramp-up and ramp-down")
+    if profiled < 3:
+        notes.append(f"{profiled} profiled step(s): single steps move by 10% and more on "
+                     f"a shared machine; --steps {DEFAULT_STEPS} (the default) profiles "
+                     f"{DEFAULT_STEPS - 1} and compares the central 3")
+    return notes
 
 
 def calibration_spread_note(source: MeasuredRun, threshold: float = 0.10) -> list[str]:
@@ -220,14 +237,8 @@ def compare_main(argv: list[str]) -> int:
             defaulted = [d for d in defaulted if not d.startswith("steps")]
         if defaulted:
             print(f"compare defaults: {', '.join(defaulted)} (set them to change)", flush=True)
-        if config.microbatches < 2 * config.pp:
-            notes.append(f"m = {config.microbatches} < 2 pp = {2 * config.pp}: a step is "
-                         "mostly ramp-up and ramp-down")
         first, stop = parse_step_range(ns.profile) if ns.profile else (1, config.steps)
-        if stop - first < 3:
-            notes.append(f"{stop - first} profiled step(s): single steps move by 10% and more on "
-                         f"a shared machine; --steps {DEFAULT_STEPS} (the default) profiles "
-                         f"{DEFAULT_STEPS - 1} and compares the central 3")
+        notes += layout_notes(config, stop - first)
         check_cpus_per_rank(cpus_per_rank, config.world_size)
         # train's generated profiling flags (clock alignment, split probe); the steps and the
         # trace file are compare's own --profile and --trace-out
