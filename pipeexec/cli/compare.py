@@ -95,7 +95,10 @@ def compare_parser() -> argparse.ArgumentParser:
            "compared one, and predict the compared schedule from its steps alone: calibration "
            "and measurement meet the same machine seconds apart (not with --calibrate-from)")
     a("--hardware", default=None, metavar="PRESET|FILE",
-      help="with --calibrate-from a run at another tp (or sequence parallelism), cp or ep: "
+      help="without --calibrate-from: predict the run from this hardware file (or preset) "
+           "alone before it starts, as the run is confined (--cpus-per-rank, or the ranks "
+           "sharing the cores), and print it beside the measured step; "
+           "with --calibrate-from a run at another tp (or sequence parallelism), cp or ep: "
            "carry its measured compute to this run's layout by the plan's per-operator model "
            "on this hardware, and price the layers' collectives (tp's, cp's K/V all-gathers "
            "and reduce-scatters, ep's all-to-alls) from its figures (on this machine: the "
@@ -260,12 +263,18 @@ def compare_main(argv: list[str]) -> int:
                 raise ValueError("give --calibrate-from (a run made before) or --alongside (a "
                                  "calibration run in the same job), not both")
             partner = alongside_config(config, ns.alongside)
-        carry = None
+        carry, from_hw = None, None
         if source is not None:
             carry = layout_carry(config, source, ns.hardware, ns.calibrate_from)
         elif ns.hardware:
-            raise ValueError("--hardware carries a --calibrate-from run to another tp; give "
-                             "--calibrate-from too")
+            from ..analysis.from_hardware import hardware_prediction
+            from ..launching.cpu_quota import cpu_limit
+
+            from_hw = hardware_prediction(config, ns.hardware, cpus_per_rank=cpus_per_rank,
+                                          host_cpus=cpu_limit())
+            print(f"prediction before running, {from_hw.describe()}: "
+                  f"{from_hw.makespan * 1e3:.1f} ms, bubble_fraction "
+                  f"{from_hw.result.bubble_fraction:.3f}", flush=True)
         if source is not None:
             layout = layout_of(config)
             predicted, cal = predict(config.build_schedule(), layout, source, carry=carry)
@@ -306,6 +315,17 @@ def compare_main(argv: list[str]) -> int:
     print(comparison.text())
     extra, line = plan_memory(config, comparison.report()["measured_peak_memory"])
     print(line)
+    if from_hw is not None:
+        measured = comparison.report()["measured_step_time"]
+        extra["hardware_prediction"] = {
+            "hardware": from_hw.hardware, "cpus_per_rank": from_hw.share,
+            "shared_cores": from_hw.cores, "predicted_step_time": from_hw.makespan,
+            "measured_step_time": measured,
+            "step_time_error": (from_hw.makespan - measured) / measured}
+        print(f"{from_hw.describe()}: predicted {from_hw.makespan * 1e3:.1f} ms before running, "
+              f"measured {measured * 1e3:.1f} ms "
+              f"({(from_hw.makespan - measured) / measured:+.1%}); the table above predicts "
+              "from the run's own trace")
     if carry is not None and carry.note:
         notes.insert(0, carry.note)
         if carry.coupled and cpus_per_rank is not None:
