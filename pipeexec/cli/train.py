@@ -82,8 +82,9 @@ def add_config_arguments(t: argparse.ArgumentParser) -> None:
         add_arguments(t, cls, getattr(d, name))
 
 
-def add_train_arguments(t: argparse.ArgumentParser) -> None:
-    """Every flag of ``pipeexec train`` (``compare`` reuses them all)."""
+def add_train_arguments(t: argparse.ArgumentParser, *, monitor: bool = True) -> None:
+    """Every flag of ``pipeexec train`` (``compare`` reuses them all but validation and
+    metrics logging: ``monitor=False``)."""
     a = t.add_argument
     a("--plan", default=None, metavar="PLAN.json",
       help="run this pipesim plan (pipesim simulate --save-plan, pipesim plan --plan-out): its "
@@ -105,17 +106,20 @@ def add_train_arguments(t: argparse.ArgumentParser) -> None:
     a("--no-progress", action="store_true", help="no progress bar")
     add_train_flags(t)
     add_profile_flags(t)
-    add_monitor_flags(t)
+    if monitor:
+        add_monitor_flags(t)
 
 
 TRAIN_HELP = "train the built-in GPT (or a Hugging Face model) with a pipeline schedule"
 
 
-def train_parser(prog: str = "pipeexec train") -> argparse.ArgumentParser:
-    """``pipeexec train``'s own parser: its usage and errors name train's flags."""
+def train_parser(prog: str = "pipeexec train", *, monitor: bool = True
+                 ) -> argparse.ArgumentParser:
+    """``pipeexec train``'s own parser: its usage and errors name train's flags (``monitor``:
+    with the validation and logging flags, which ``compare`` has not)."""
     t = argparse.ArgumentParser(prog=prog, description=TRAIN_HELP,
                                 formatter_class=DefaultsHelpFormatter)
-    add_train_arguments(t)
+    add_train_arguments(t, monitor=monitor)
     return t
 
 

@@ -2,8 +2,8 @@
 
 ``--tensorboard-dir DIR`` writes scalars every ``--log-interval`` iterations with
 ``torch.utils.tensorboard.SummaryWriter`` (the ``tensorboard`` package, not tensorflow: the
-``monitor`` extra); ``--wandb-project NAME`` logs the same scalars to a W&B run in offline
-mode (``WANDB_MODE=offline`` unless the environment sets another mode; ``wandb sync`` uploads
+``monitor`` extra); ``--wandb-project NAME`` logs the same scalars to a W&B run (the ``wandb``
+extra) in offline mode (``WANDB_MODE=offline`` unless the environment sets another mode; ``wandb sync`` uploads
 it later). A missing package is refused before any process starts (`LogOptions.validate`).
 
 One rank writes: the one that holds the loss, i.e. the last pipeline stage's rank that is
@@ -79,7 +79,7 @@ class LogOptions:
             if _missing("wandb"):
                 raise ConfigError(f"--wandb-project {self.wandb_project} needs the wandb "
                                   "package: pip install wandb (or pip install "
-                                  "'pipesim[monitor]')")
+                                  "'pipesim[wandb]')")
         elif self.wandb_dir is not None:
             raise ConfigError("--wandb-dir needs --wandb-project")
         return self
