@@ -31,10 +31,19 @@ from pipeexec.training.train import Trainer  # noqa: E402
 _DECODER = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
                 num_key_value_heads=2, vocab_size=64, max_position_embeddings=64,
                 bos_token_id=1, eos_token_id=2)
+_MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24)
 FAMILIES = {
     "llama": dict(model_type="llama", **_DECODER),
     "mixtral": dict(model_type="mixtral", **_DECODER, num_local_experts=4,
                     num_experts_per_tok=2),
+    "mistral": dict(model_type="mistral", **_DECODER, sliding_window=4),
+    "qwen2": dict(model_type="qwen2", **_DECODER),
+    "qwen2_moe": dict(model_type="qwen2_moe", **_DECODER, **_MOE,
+                      shared_expert_intermediate_size=40, norm_topk_prob=True),
+    "qwen3_moe": dict(model_type="qwen3_moe", **_DECODER, **_MOE, head_dim=16),
+    "gpt2": dict(model_type="gpt2", n_embd=32, n_layer=2, n_head=4, vocab_size=64,
+                 n_positions=16, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0),
+    "llama-tied": dict(model_type="llama", **_DECODER, tie_word_embeddings=True),
 }
 BASE = dict(seq_len=8, steps=1, lr=1e-2, microbatches=2, micro_batch_size=2, seed=3,
             device="cpu", p2p_timeout=60.0, collective_timeout=120.0)
@@ -212,6 +221,16 @@ def test_family_export_from_two_ranks_matches_pipeexecs_forward(family, layout, 
     train_and_save(cfg, tmp_path / "ckpt")
     check_export(tmp_path / "ckpt", tmp_path / "hf")
     assert_hf_model_resumes(tmp_path / "ckpt", tmp_path / "hf")
+
+
+@pytest.mark.parametrize("family", ["mistral", "qwen2", "qwen2_moe", "qwen3_moe", "gpt2",
+                                    "llama-tied"])
+def test_every_family_exports_as_itself(family, tmp_path):
+    cfg = family_config(family, tmp_path, pp=2)
+    train_and_save(cfg, tmp_path / "ckpt")
+    check_export(tmp_path / "ckpt", tmp_path / "hf")
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert config["model_type"] == FAMILIES[family]["model_type"]
 
 
 @pytest.mark.slow
