@@ -158,6 +158,7 @@ def cli_status(argv: list[str]) -> int:
     (["--eval-only", "--forward-only"], "drop --forward-only"),
     (["--log-interval", "0"], "--log-interval must be a positive integer"),
     (["--wandb-dir", "w"], "--wandb-dir needs --wandb-project"),
+    (["--eval-only", "--profile", "0:1"], "--eval-only trains no step for --profile"),
 ])
 def test_bad_flags_are_refused_before_any_process_starts(argv, message, capsys):
     assert cli_status(["--steps", "1", *argv]) == 2

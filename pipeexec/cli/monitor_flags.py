@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import argparse
 
-from ..config import TrainConfig
+from ..config import ConfigError, TrainConfig
 from ..options import add_arguments, values_from_args
 from ..training.metrics_log import LogOptions
 from ..training.validation import EvalOptions
@@ -19,7 +19,14 @@ def add_monitor_flags(parser: argparse.ArgumentParser) -> None:
 
 def evaluation_from_args(ns: argparse.Namespace, config: TrainConfig) -> EvalOptions:
     """The validation options ``ns`` spells, checked against the run (ConfigError)."""
-    return EvalOptions(**values_from_args(EvalOptions, ns)).validate(config)
+    options = EvalOptions(**values_from_args(EvalOptions, ns)).validate(config)
+    if options.eval_only:
+        for flag, given in (("--profile", getattr(ns, "profile", None) is not None),
+                            ("--memory-limit", config.memory_limit is not None)):
+            if given:
+                raise ConfigError(f"--eval-only trains no step for {flag} to profile; drop "
+                                  f"one of them")
+    return options
 
 
 def logging_from_args(ns: argparse.Namespace) -> LogOptions:

@@ -14,7 +14,9 @@ plugs into; an indexed dataset's validation split plugs in here by returning its
 
 * ``--data synthetic``: the same generator as training, on a stream of its own: validation
   batch ``i`` is the synthetic batch of step ``-1 - i``, which no training step reads (training
-  steps are ``0, 1, ...``); the held-out sequences follow the training sequences' rule.
+  steps are ``0, 1, ...``); the held-out sequences follow the training sequences' rule (a
+  rule with few distinct sequences at a small vocabulary: the stream's draws are new, its
+  sequences may not be, so the loss measures how well the rule is learnt).
 * ``--data FILE`` (byte text): a held-out text file, ``--valid-data FILE``, read as the
   training file is (random windows, vocabulary 256). Without one, validation of a text run is
   refused before any process starts: windows of the training file are training data.
@@ -43,7 +45,7 @@ class EvalOptions:
     eval_iters: int = option(1, "validation global batches per evaluation (the same ones at "
                              "every evaluation)", type=int, metavar="K")
     eval_only: bool = option(False, "evaluate once (with --load: the checkpoint's weights) and "
-                             "train nothing", action="store_true")
+                             "train nothing (nor save)", action="store_true")
     valid_data: str | None = option(
         None, "held-out text file for validation when --data is a text file (byte-level "
         "tokens, read as --data is); synthetic data validates on a stream of its own",
