@@ -223,14 +223,29 @@ def write_safetensors(directory: Path, tensors: dict[str, torch.Tensor], order: 
     files = ([SINGLE_FILE] if len(shards) == 1 else
              [f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors" for k in range(len(shards))])
     for names, file in zip(shards, files):
-        save_file({n: tensors[n].detach().contiguous().clone() for n in names},
-                  str(directory / file), metadata={"format": "pt"})
+        save_file(_unshared({n: tensors[n] for n in names}), str(directory / file),
+                  metadata={"format": "pt"})
     if len(shards) > 1:
         index = {"metadata": {"total_size": sum(sizes.values())},
                  "weight_map": {n: file for names, file in zip(shards, files) for n in names}}
         (directory / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
         files.append(INDEX_FILE)
     return files
+
+
+def _unshared(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Contiguous tensors, none sharing memory with another (safetensors refuses shared
+    storage): a copy only where two would share it."""
+    seen: set[int] = set()
+    out = {}
+    for name, t in tensors.items():
+        t = t.detach().contiguous()
+        ptr = t.untyped_storage().data_ptr()
+        if ptr in seen:
+            t = t.clone()
+        seen.add(t.untyped_storage().data_ptr())
+        out[name] = t
+    return out
 
 
 def copy_tokenizer(source: str | Path, directory: Path) -> list[str]:
