@@ -239,8 +239,11 @@ def test_every_family_exports_as_itself(family, tmp_path):
     ("mixtral", dict(tp=2, pp=2)),
     ("llama", dict(pp=2, dp=2, zero=1)),
     ("mixtral", dict(pp=2, dp=2, zero=1)),
+    ("llama", dict(cp=2)),
+    ("mixtral", dict(dp=2, zero=3)),
+    ("llama", dict(tp=2, sequence_parallel=True, pp=2, vpp=2, schedule="zbv")),
 ])
-def test_family_export_from_four_ranks_matches_pipeexecs_forward(family, layout, tmp_path):
+def test_family_export_from_more_layouts_matches_pipeexecs_forward(family, layout, tmp_path):
     cfg = family_config(family, tmp_path, **layout)
     train_and_save(cfg, tmp_path / "ckpt")
     check_export(tmp_path / "ckpt", tmp_path / "hf")
