@@ -81,15 +81,19 @@ def one_process_logits(ckpt: Path) -> tuple[torch.Tensor, torch.Tensor, float]:
     return tokens, out.outputs[0], out.losses[0].item()
 
 
-def hf_logits(out_dir: Path, tokens: torch.Tensor) -> torch.Tensor:
-    # no loading bar: its tqdm monitor thread would stay, and a later launch refuses to fork
+def load_hf(out_dir: Path, **kwargs):
+    """``from_pretrained`` without its loading bar: the bar's tqdm monitor thread would stay,
+    and a later launch refuses to fork."""
     bars = transformers.utils.logging
     bars.disable_progress_bar()
     try:
-        model = transformers.AutoModelForCausalLM.from_pretrained(str(out_dir),
-                                                                  dtype=torch.float32)
+        return transformers.AutoModelForCausalLM.from_pretrained(str(out_dir), **kwargs)
     finally:
         bars.enable_progress_bar()
+
+
+def hf_logits(out_dir: Path, tokens: torch.Tensor) -> torch.Tensor:
+    model = load_hf(out_dir, dtype=torch.float32)
     model.eval()
     with torch.no_grad():
         return model(tokens).logits
@@ -164,6 +168,20 @@ def test_sharded_export_writes_an_index_that_transformers_loads(gpt_checkpoint, 
         with safe_open(str(out / f), "pt") as h:
             total += sum(h.get_tensor(k).numel() * 4 for k in h.keys())
     assert index["metadata"]["total_size"] == total
+
+
+def test_bfloat16_export_is_the_fp32_export_rounded(gpt_checkpoint, tmp_path):
+    from safetensors.torch import load_file
+    export_hf(gpt_checkpoint, tmp_path / "fp32")
+    assert cli_main_status(["checkpoint", "export-hf", str(gpt_checkpoint),
+                            str(tmp_path / "bf16"), "--dtype", "bfloat16"]) == 0
+    full, half = (load_file(str(tmp_path / d / SINGLE_FILE)) for d in ("fp32", "bf16"))
+    assert full.keys() == half.keys()
+    for k in full:
+        assert half[k].dtype == torch.bfloat16 and torch.equal(half[k], full[k].bfloat16())
+    assert json.loads((tmp_path / "bf16" / "config.json").read_text())["dtype"] == "bfloat16"
+    model = load_hf(tmp_path / "bf16")
+    assert next(model.parameters()).dtype == torch.bfloat16
 
 
 def test_shard_plan_packs_in_order_and_keeps_a_big_tensor_alone():

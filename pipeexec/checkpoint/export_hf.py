@@ -42,6 +42,7 @@ from .errors import CheckpointError
 from .layout import Tag, tag_dir_name
 from .reader import CheckpointReader
 
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DEFAULT_MAX_SHARD_BYTES = 5 * 1024 ** 3        # save_pretrained's default shard size: 5 GB
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -267,9 +268,10 @@ def copy_tokenizer(source: str | Path, directory: Path) -> list[str]:
 
 def export_hf(ckpt: str | Path, out_dir: str | Path, *, tag: Tag | None = None,
               force: bool = False, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
-              log: Callable[[str], None] | None = None) -> ExportReport:
+              dtype: str = "float32", log: Callable[[str], None] | None = None) -> ExportReport:
     """Write checkpoint ``tag`` of ``ckpt`` (default: the tracker's) as the Hugging Face model
-    directory ``out_dir`` (see the module docstring)."""
+    directory ``out_dir`` (see the module docstring); ``dtype``: the written tensors' (the
+    checkpoint's fp32 weights, rounded to bfloat16 or float16 when asked)."""
     out = Path(out_dir)
     if out.exists() and not force:
         raise CheckpointError("the target exists; give another directory, or --force to "
@@ -280,6 +282,8 @@ def export_hf(ckpt: str | Path, out_dir: str | Path, *, tag: Tag | None = None,
             or max_shard_bytes < 1:
         raise CheckpointError(f"--max-shard-size must be a positive number of bytes, got "
                               f"{max_shard_bytes!r}")
+    if dtype not in DTYPES:
+        raise CheckpointError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     _require("safetensors", "model.safetensors is written with it")
     reader = CheckpointReader(ckpt, tag)
     config, notes = config_from_dict(reader.config, path=str(reader.path(0)))
@@ -294,6 +298,9 @@ def export_hf(ckpt: str | Path, out_dir: str | Path, *, tag: Tag | None = None,
         named = family_tensors(model, tensors)
     hf_config, order = _check_against_transformers(config_json, named)
     hf_config.architectures = list(config_json["architectures"])
+    if dtype != "float32":
+        named = {k: t.to(DTYPES[dtype]) for k, t in named.items()}
+    hf_config.dtype = dtype
     tokenizer = reader.config.get("tokenizer")
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".{out.name}.tmp-{uuid.uuid4().hex[:8]}"

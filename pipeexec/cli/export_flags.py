@@ -27,6 +27,8 @@ def add_export_command(sub, fmt: type, tag: Callable[[str], object]) -> None:
     e.add_argument("--max-shard-size", type=bytes_arg, default=None, metavar="BYTES",
                    help="largest safetensors file (e.g. 2GB); above it the weights are "
                    "sharded with model.safetensors.index.json (default 5GiB)")
+    e.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
+                   help="the written tensors' type (the checkpoint's fp32 weights, rounded)")
 
 
 def run_export(ns: argparse.Namespace, log: Callable[[str], None]) -> None:
@@ -37,4 +39,4 @@ def run_export(ns: argparse.Namespace, log: Callable[[str], None]) -> None:
         raise CheckpointError(f"--max-shard-size must be a positive whole number of bytes, "
                               f"got {ns.max_shard_size!r}")
     export_hf(ns.ckpt, ns.out_dir, tag=ns.iteration, force=ns.force,
-              max_shard_bytes=int(size), log=log)
+              max_shard_bytes=int(size), dtype=ns.dtype, log=log)
