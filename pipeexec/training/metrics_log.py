@@ -15,7 +15,7 @@ Scalars (`step_scalars`; a NaN, e.g. CUDA memory on CPU, is left out): ``train/l
 ``train/tokens_per_s``, ``train/mfu`` (model FLOPs, pipesim's `model_flops`, over the step
 time times world size times the plan's hardware peak: ``--hardware``), memory
 (``train/max_memory_allocated_bytes`` and ``..._reserved_bytes`` on CUDA, the writer's peak
-RSS ``train/max_rss_bytes`` on CPU), ``train/skipped_steps`` (fp16 overflows so far); and at
+RSS ``train/max_rss_bytes`` on CPU), ``train/skipped_steps`` (fp16 overflows so far in this run); and at
 each evaluation ``valid/loss`` and ``valid/ppl``. The x axis is the iteration count after the
 step (the checkpoints' numbering: iteration 1 is the first step's).
 """
