@@ -39,7 +39,8 @@ def test_the_sections_have_lines_and_every_pipeexec_line_parses():
     from pipeexec.cli.train import train_parser
 
     argvs = pipeexec_argvs()
-    assert sum(a[0] == "train" for a in argvs) >= 5 and sum(a[0] == "checkpoint" for a in argvs) >= 2
+    assert sum(a[0] == "train" for a in argvs) >= 5
+    assert sum(a[0] == "checkpoint" for a in argvs) >= 2
     for argv in argvs:
         if argv[0] == "train":
             train_parser().parse_args(argv[1:])
@@ -53,7 +54,8 @@ def test_the_sections_run_in_order(tmp_path):
     pytest.importorskip("transformers")
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     for line in lines():
-        line = line.replace("python3 ", f"{sys.executable} ", 1) if line.startswith("python3 ") else line
+        if line.startswith("python3 "):
+            line = line.replace("python3 ", f"{sys.executable} ", 1)
         out = subprocess.run(["bash", "-c", line], cwd=tmp_path, env=env, capture_output=True,
                              text=True, timeout=300)
         assert out.returncode == 0, f"{line}\n{out.stdout[-2000:]}\n{out.stderr[-2000:]}"

@@ -72,7 +72,8 @@ def test_synthetic_validation_batches_are_no_training_batches():
                 for x, _ in src.microbatches(i, 0, 1, 4)]
     assert not trainer_batches & set(held_out)
     # the same batches at every evaluation
-    again = [tuple(x.flatten().tolist()) for i in range(10) for x, _ in src.microbatches(i, 0, 1, 4)]
+    again = [tuple(x.flatten().tolist()) for i in range(10)
+             for x, _ in src.microbatches(i, 0, 1, 4)]
     assert held_out == again
 
 
@@ -205,7 +206,9 @@ def test_tensorboard_scalars_are_the_runs_metrics(tmp_path):
     assert len(list(tb.glob("events.out.tfevents.*"))) == 1      # one writer: the last stage
     m = results[1].metrics          # the writer's: rank 1 holds the last stage
     s = read_scalars(tb)
-    f32 = lambda xs: pytest.approx([float(torch.tensor(x, dtype=torch.float32)) for x in xs])  # noqa: E731
+
+    def f32(xs):        # TensorBoard stores float32
+        return pytest.approx([float(torch.tensor(x, dtype=torch.float32)) for x in xs])
     assert [k for k, _ in s["train/loss"]] == [1, 2, 3]
     assert [v for _, v in s["train/loss"]] == f32(m["losses"])
     assert [v for _, v in s["train/lr"]] == f32(m["lrs"])

@@ -2,9 +2,10 @@
 
 ``--tensorboard-dir DIR`` writes scalars every ``--log-interval`` iterations with
 ``torch.utils.tensorboard.SummaryWriter`` (the ``tensorboard`` package, not tensorflow: the
-``monitor`` extra); ``--wandb-project NAME`` logs the same scalars to a W&B run (the ``wandb``
-extra) in offline mode (``WANDB_MODE=offline`` unless the environment sets another mode; ``wandb sync`` uploads
-it later). A missing package is refused before any process starts (`LogOptions.validate`).
+``monitor`` extra); ``--wandb-project NAME`` logs the same scalars to a W&B run (the
+``wandb`` extra) in offline mode (``WANDB_MODE=offline`` unless the environment sets another
+mode; ``wandb sync`` uploads it later). A missing package is refused before any process
+starts (`LogOptions.validate`).
 
 One rank writes: the one that holds the loss, i.e. the last pipeline stage's rank that is
 first of its data-, context- and tensor-parallel groups (`writes_metrics`); the loss, the
@@ -13,10 +14,11 @@ gradient norm and the validation loss are all-reduced, so its values are the run
 Scalars (`step_scalars`; a NaN, e.g. CUDA memory on CPU, is left out): ``train/loss``,
 ``train/lr``, ``train/grad_norm``, ``train/loss_scale``, ``train/step_time_s``,
 ``train/tokens_per_s``, ``train/mfu`` (model FLOPs, pipesim's `model_flops`, over the step
-time times world size times the plan's hardware peak: ``--hardware``), memory
+time times world size times the peak of the plan's hardware: ``--plan``'s cluster, H100 by
+default), memory
 (``train/max_memory_allocated_bytes`` and ``..._reserved_bytes`` on CUDA, the writer's peak
-RSS ``train/max_rss_bytes`` on CPU), ``train/skipped_steps`` (fp16 overflows so far in this run); and at
-each evaluation ``valid/loss`` and ``valid/ppl``. The x axis is the iteration count after the
+RSS ``train/max_rss_bytes`` on CPU), ``train/skipped_steps`` (fp16 overflows so far in this
+run); and at each evaluation ``valid/loss`` and ``valid/ppl``. The x axis is the iteration count after the
 step (the checkpoints' numbering: iteration 1 is the first step's).
 """
 from __future__ import annotations
