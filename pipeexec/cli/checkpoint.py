@@ -11,6 +11,7 @@ from pipesim.cli.help import DefaultsHelpFormatter
 from ..config import ConfigError
 from ..options import add_arguments, values_from_args
 from ..checkpoint.convert import convert_checkpoint
+from .export_flags import add_export_command, run_export
 from ..checkpoint.errors import CheckpointError
 from ..checkpoint.inspect import describe
 from ..checkpoint.layout import RELEASE
@@ -63,6 +64,7 @@ def add_commands(subparsers) -> None:
                    help="how layers are cut into stages" + keep)
     v.add_argument("--boundaries", default=None,
                    help="first layer of stages 1..S-1, comma separated" + keep)
+    add_export_command(sub, fmt, _tag)
 
 
 def run_command(ns: argparse.Namespace) -> int:
@@ -70,6 +72,8 @@ def run_command(ns: argparse.Namespace) -> int:
     try:
         if ns.checkpoint_command == "inspect":
             print(describe(ns.dir, ns.iteration, verify=not ns.no_verify))
+        elif ns.checkpoint_command == "export-hf":
+            run_export(ns, log=print)
         else:
             boundaries = None
             if ns.boundaries:

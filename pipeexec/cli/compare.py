@@ -195,7 +195,7 @@ def compare_main(argv: list[str]) -> int:
     from ..measuring.session import parse_step_range
 
     ns, rest = compare_parser().parse_known_args(argv)
-    parser = train_parser(prog="pipeexec compare")
+    parser = train_parser(prog="pipeexec compare", monitor=False)
     if ns.help:
         compare_parser().print_help()
         print("\ntrain flags (pipeexec train --help):")

@@ -22,6 +22,7 @@ from .checkpoint import add_train_flags, options_from_args
 from ..config import DEFAULT_PLAN, PLAN_VIEWS, SECTIONS, ConfigError, TrainConfig
 from ..models.hf_config import HF_FIELDS
 from ..options import add_arguments, values_from_args
+from .monitor_flags import add_monitor_flags, evaluation_from_args, logging_from_args
 from .profile_flags import add_profile_flags, profile_from_args
 
 # train's own plan flags (not in pipesim's table: pipesim simulate names its schedule as an
@@ -81,8 +82,9 @@ def add_config_arguments(t: argparse.ArgumentParser) -> None:
         add_arguments(t, cls, getattr(d, name))
 
 
-def add_train_arguments(t: argparse.ArgumentParser) -> None:
-    """Every flag of ``pipeexec train`` (``compare`` reuses them all)."""
+def add_train_arguments(t: argparse.ArgumentParser, *, monitor: bool = True) -> None:
+    """Every flag of ``pipeexec train`` (``compare`` reuses them all but validation and
+    metrics logging: ``monitor=False``)."""
     a = t.add_argument
     a("--plan", default=None, metavar="PLAN.json",
       help="run this pipesim plan (pipesim simulate --save-plan, pipesim plan --plan-out): its "
@@ -104,16 +106,20 @@ def add_train_arguments(t: argparse.ArgumentParser) -> None:
     a("--no-progress", action="store_true", help="no progress bar")
     add_train_flags(t)
     add_profile_flags(t)
+    if monitor:
+        add_monitor_flags(t)
 
 
 TRAIN_HELP = "train the built-in GPT (or a Hugging Face model) with a pipeline schedule"
 
 
-def train_parser(prog: str = "pipeexec train") -> argparse.ArgumentParser:
-    """``pipeexec train``'s own parser: its usage and errors name train's flags."""
+def train_parser(prog: str = "pipeexec train", *, monitor: bool = True
+                 ) -> argparse.ArgumentParser:
+    """``pipeexec train``'s own parser: its usage and errors name train's flags (``monitor``:
+    with the validation and logging flags, which ``compare`` has not)."""
     t = argparse.ArgumentParser(prog=prog, description=TRAIN_HELP,
                                 formatter_class=DefaultsHelpFormatter)
-    add_train_arguments(t)
+    add_train_arguments(t, monitor=monitor)
     return t
 
 
@@ -189,6 +195,8 @@ def train_main(args: list[str]) -> None:
         if checkpoint.load is not None:
             read_tracker(checkpoint.load)       # a bad --load fails before any worker starts
         profile = profile_from_args(ns)
+        evaluation = evaluation_from_args(ns, config)
+        logging = logging_from_args(ns)
         if under_torchrun and ns.cpus_per_rank is not None:
             raise ConfigError("--cpus-per-rank confines the workers of a local run; under "
                               "torchrun, set CPU limits where the processes are started")
@@ -204,12 +212,13 @@ def train_main(args: list[str]) -> None:
         first = not under_torchrun or os.environ.get("RANK") == "0"
         for warning in checks.warnings if first else ():
             print(f"pipeexec: warning: {warning}", file=sys.stderr, flush=True)
-        if checks.nothing_to_train:
+        if checks.nothing_to_train and not evaluation.eval_only:
             if first:
                 print(f"pipeexec: {checks.nothing_to_train}", flush=True)
             sys.exit(0)
         args = WorkerArgs(config, ns.metrics_out, progress=not ns.no_progress,
-                          checkpoint=checkpoint, profile=profile)
+                          checkpoint=checkpoint, profile=profile, evaluation=evaluation,
+                          logging=logging)
         if under_torchrun:
             run_training(None, args)
         else:

@@ -24,7 +24,9 @@ from ..measuring.reschedule import (check_memory_limit, judge_switch, profiled_s
                                     reschedule, trial_steps)
 from ..measuring.session import ProfileSession
 from ..topology import destroy_topology, init_topology
+from ..training.metrics_log import LogOptions
 from ..training.train import Trainer, train
+from ..training.validation import EvalOptions
 from ..versions import run_versions
 
 
@@ -32,13 +34,17 @@ from ..versions import run_versions
 class WorkerArgs:
     """What every rank of a run is given. ``metrics_out``: rank 0 writes the metrics there;
     ``checkpoint``: load before the loop and save from it (``--load``, ``--save`` ...);
-    ``profile``: time the actions of a step range (``--profile A:B``)."""
+    ``profile``: time the actions of a step range (``--profile A:B``); ``evaluation``: the
+    validation loss (``--eval-interval``, ``--eval-only``); ``logging``: the step lines'
+    interval and TensorBoard / W&B scalars (``--log-interval``, ``--tensorboard-dir``)."""
 
     config: TrainConfig
     metrics_out: str | None = None
     progress: bool = True
     checkpoint: CheckpointOptions | None = None
     profile: ProfileOptions | None = None
+    evaluation: EvalOptions | None = None
+    logging: LogOptions | None = None
 
 
 @dataclass(frozen=True)
@@ -134,8 +140,10 @@ def run_training(board: ActionBoard | None, args: WorkerArgs) -> RunOutcome:
                     judge_switch(trainer, switched,
                                  [times[k] for k in range(switch_at, baseline_at)],
                                  [times[k] for k in range(baseline_at, judge_at)], *orders, _log)
-        result = train(trainer, log=_log, progress=progress, on_step=on_step)
-        if manager is not None:
+        evaluation = args.evaluation
+        result = train(trainer, log=_log, progress=progress, on_step=on_step,
+                       evaluation=evaluation, logging=args.logging)
+        if manager is not None and not (evaluation is not None and evaluation.eval_only):
             manager.finish(trainer)
         metrics = result.to_dict()
         if manager is not None:

@@ -45,7 +45,10 @@ from ..config import TrainConfig
 from ..data import BatchSource
 from ..pipeline.faults import FaultInjector, parse_faults
 from .ddp import GradBuffer
+from .metrics_log import (LogOptions, model_flops_per_step, open_sinks, step_scalars,
+                          valid_scalars, writes_metrics)
 from .tied import tied_parameters
+from .validation import EvalOptions, Evaluation, valid_batches
 from .zero import ExpertShardedOptimizer, ShardedOptimizer
 from ..malloc import keep_freed_memory
 from ..model import LayerStack
@@ -91,6 +94,8 @@ class TrainResult:
     tokens_per_s: list[float] = field(default_factory=list)
     max_memory_allocated: list[float] = field(default_factory=list)
     max_memory_reserved: list[float] = field(default_factory=list)
+    # each evaluation's `validation.Evaluation.to_dict` (iteration, loss, iters, seconds)
+    validation: list[dict] = field(default_factory=list)
 
     def add(self, s: StepStats) -> None:
         self.max_memory_allocated.append(s.max_memory_allocated)
@@ -429,6 +434,42 @@ class Trainer:
     # -- forward only -----------------------------------------------------------------------
     def forward(self, step: int, keep_outputs: bool = False):
         """Forward-only pass over the batch of ``step``; returns this rank's StepOutput."""
+        mbs = pinned(self.data.microbatches(step, self.topology.dp_rank, self.config.dp,
+                                            self.config.microbatches), self.topology.device)
+        return self._forward_runtime().run(mbs, step=step, forward_only=True,
+                                           keep_outputs=keep_outputs)
+
+    @torch.no_grad()
+    def evaluate(self, data, iters: int) -> float:
+        """The mean loss of validation batches ``0 .. iters - 1`` of ``data`` (a
+        `training.validation.ValidationData`), each cut into this run's replicas and
+        microbatches, through the forward-only schedule with the stages in eval mode (no
+        dropout); the weights and the training state are untouched. Collective: every rank
+        calls it; all get the same value."""
+        cfg, topo = self.config, self.topology
+        if self.cp.active:
+            data = ContextParallelBatches(data, self.cp)
+        runtime = self._forward_runtime()
+        modes = {s: st.training for s, st in self.stages.items()}
+        total = torch.zeros((), dtype=torch.float64, device=topo.device)
+        try:
+            for st in self.stages.values():
+                st.eval()
+            for i in range(iters):
+                mbs = pinned(data.microbatches(i, topo.dp_rank, cfg.dp, cfg.microbatches),
+                             topo.device)
+                out = runtime.run(mbs, step=self.iteration, forward_only=True)
+                if out.losses and topo.tp_rank == 0:   # tp ranks of the last stage: one loss
+                    total += torch.stack(list(out.losses.values())).double().sum()
+        finally:
+            for s, st in self.stages.items():
+                st.train(modes[s])
+        if topo.world_size > 1:
+            dist.all_reduce(total)
+        return total.item() / (iters * cfg.microbatches * cfg.dp * cfg.cp)
+
+    def _forward_runtime(self) -> PipelineRuntime:
+        """The runtime of the forward-only variant of this run's schedule (built once)."""
         if self._fwd_runtime is None:
             cfg = self.config
             if self._custom_schedule:
@@ -446,9 +487,7 @@ class Trainer:
                                                 observers=[o for o in (self._board_observer,)
                                                            if o is not None],
                                                 stage_hooks=self.stage_hooks)
-        mbs = pinned(self.data.microbatches(step, self.topology.dp_rank, self.config.dp,
-                                            self.config.microbatches), self.topology.device)
-        return self._fwd_runtime.run(mbs, step=step, forward_only=True, keep_outputs=keep_outputs)
+        return self._fwd_runtime
 
     # -- state, keyed by global parameter names ---------------------------------------------
     def named_parameters(self) -> dict[str, torch.Tensor]:
@@ -549,20 +588,68 @@ def pinned(microbatches, device: torch.device):
 
 
 def train(trainer: Trainer, *, on_step: Callable[[Trainer, StepStats], None] | None = None,
-          log: Callable[[str], None] | None = None, progress: bool = False) -> TrainResult:
-    """Run steps until ``trainer.iteration == config.steps``; log on global rank 0."""
+          log: Callable[[str], None] | None = None, progress: bool = False,
+          evaluation: EvalOptions | None = None, logging: LogOptions | None = None
+          ) -> TrainResult:
+    """Run steps until ``trainer.iteration == config.steps``; log on global rank 0: a line per
+    ``logging.log_interval`` steps, or, with ``progress`` and stdout a terminal, a progress bar
+    with its ETA. ``evaluation``: the validation loss every ``eval_interval`` iterations and at
+    the end (`training.validation`; ``eval_only``: once, no training); ``logging``: its
+    TensorBoard / W&B scalars, written by the rank holding the loss (`training.metrics_log`)."""
     cfg = trainer.config
     result = TrainResult()
     is_logger = trainer.topology.rank == 0
+    interval = logging.log_interval if logging is not None else 1
+    valid = (valid_batches(cfg, evaluation)
+             if evaluation is not None and evaluation.active else None)
+    sinks = (open_sinks(logging, cfg)
+             if logging is not None and logging.active
+             and writes_metrics(trainer.topology, trainer.holds_last_stage) else [])
+    flops = model_flops_per_step(cfg) if sinks else 0.0
+    skipped = 0
     bar = None
     if progress and is_logger:
         bar = progress_bar(total=cfg.steps, initial=trainer.iteration, desc="train", unit="step",
-                   file=sys.stderr, leave=False)
+                           file=sys.stdout, dynamic_ncols=True)
+        if bar.disable:             # not a terminal: the step lines instead
+            bar.close()
+            bar = None
+
+    def say(msg: str) -> None:
+        if not is_logger or log is None:
+            return
+        if bar is not None:
+            bar.write(msg)
+        else:
+            log(msg)
+
+    def validate() -> None:
+        t0 = time.perf_counter()
+        loss = trainer.evaluate(valid, evaluation.eval_iters)
+        done = Evaluation(trainer.iteration, loss, evaluation.eval_iters,
+                          time.perf_counter() - t0)
+        result.validation.append(done.to_dict())
+        say(f"validation iteration {done.iteration} loss {loss:.4f} ppl {done.perplexity:.3f} "
+            f"({done.iters} batch{'es' if done.iters != 1 else ''}, "
+            f"{done.seconds * 1e3:.1f} ms)")
+        if bar is not None:
+            bar.set_postfix_str(f"loss {result.losses[-1]:.4f} valid {loss:.4f}"
+                                if result.losses else f"valid {loss:.4f}")
+        for sink in sinks:
+            sink.scalars(trainer.iteration, valid_scalars(loss))
+
     try:
+        if evaluation is not None and evaluation.eval_only:
+            validate()
+            return result
+        evaluated_at = None
         while trainer.iteration < cfg.steps:
             stats = trainer.step()
             result.add(stats)
-            if is_logger and log is not None:
+            skipped += stats.skipped
+            done = stats.iteration + 1
+            due = done % interval == 0 or done == cfg.steps
+            if bar is None and due:
                 # Steps are numbered from 0 everywhere (--profile A:B, traces, reports,
                 # errors); "k of N" counts iterations done, as the checkpoint names do.
                 msg = (f"step {stats.iteration} ({stats.iteration + 1} of {cfg.steps}) "
@@ -571,15 +658,24 @@ def train(trainer: Trainer, *, on_step: Callable[[Trainer, StepStats], None] | N
                        f"lr {stats.lr:.2e} grad_norm {stats.grad_norm:.3f}")
                 if trainer.scaler.dynamic:
                     msg += f" loss_scale {stats.loss_scale:g}" + (" SKIPPED" if stats.skipped else "")
-                if bar is not None:
-                    bar.write(msg)
-                else:
-                    log(msg)
+                say(msg)
             if bar is not None:
+                bar.set_postfix_str(f"loss {stats.loss:.4f} lr {stats.lr:.2e} "
+                                    f"{stats.tokens_per_s:,.0f} tok/s")
                 bar.update(1)
+            if due:
+                for sink in sinks:
+                    sink.scalars(done, step_scalars(stats, cfg, flops, skipped))
             if on_step is not None:
                 on_step(trainer, stats)
+            if valid is not None and trainer.iteration % evaluation.eval_interval == 0:
+                validate()
+                evaluated_at = trainer.iteration
+        if valid is not None and result.losses and evaluated_at != trainer.iteration:
+            validate()              # the end of training, as Megatron's last evaluation
     finally:
         if bar is not None:
             bar.close()
+        for sink in sinks:
+            sink.close()
     return result
