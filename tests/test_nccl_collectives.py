@@ -219,3 +219,17 @@ def test_a_measured_file_keeps_its_own_figures_and_the_tuner_class_round_trips(t
     plain = Cluster(hw, intra_bandwidth=100e9, intra_latency=1e-6).intra()
     assert plain.arch == "" and coll.all_reduce(1e8, 8, plain) == pytest.approx(
         14e-6 + 14 / 8 * 1e8 / 100e9)
+
+
+def test_the_benchmark_prints_the_model_beside_the_published_figures(capsys):
+    import importlib.util
+    import pathlib
+    path = pathlib.Path(__file__).parent.parent / "benchmarks" / "bench_nccl_model.py"
+    spec = importlib.util.spec_from_file_location("bench_nccl_model", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert bench.main() == 0
+    out = capsys.readouterr().out
+    assert "summary: 9 published points" in out
+    rows = [ln for ln in out.splitlines() if "NVIDIA/nccl-tests#212" in ln]
+    assert len(rows) == 3 and all(0.98 <= float(ln.split()[-2]) <= 1.02 for ln in rows)
