@@ -15,9 +15,12 @@ thousands. For each stage and one microbatch on one rank of its tensor/context-p
   (:mod:`pipesim.plan.collectives`, :class:`pipesim.plan.cluster.Cluster`): TP two all-reduces
   of ``2 b s h`` bytes in F and two in I, or with sequence parallelism two all-gathers and two
   reduce-scatters (same bytes); added to the compute, or overlapped with it
-  (``overlap_tp_comm``: the longer of the two). CP (``cp_comm``): ``p2p``, the ring, moves
-  K and V in F and their gradients in I overlapped with the attention matmuls (only the excess
-  shows); ``all_gather`` (pipeexec's, Transformer Engine's all-gather CP) all-gathers K and V
+  (``overlap_tp_comm``, Megatron's --tp-comm-overlap: with sequence parallelism each
+  all-gather / reduce-scatter in tp chunks under its GEMM, :mod:`pipesim.plan.overlap`;
+  without, the longer of the two). Hidden communication slows the compute it hides under by
+  the hardware's processor usage (Calculon's model, :mod:`pipesim.plan.overlap`). CP
+  (``cp_comm``): ``p2p``, the ring, moves K and V in F and their gradients in I overlapped
+  with the attention matmuls (only the excess shows); ``all_gather`` (pipeexec's, Transformer Engine's all-gather CP) all-gathers K and V
   in F, and in I gathers them again, recomputes the attention core's forward and
   reduce-scatters dK/dV, all exposed, its attention (local queries against the gathered
   sequence under an explicit mask) computing every block, with a transient of the whole
