@@ -133,3 +133,12 @@ def test_the_flags_set_the_plan_fields_in_every_command():
                         schedules=("1f1b",), overlap_tp_comm=True)
     plans = enumerate_plans(space).plans
     assert plans and all(p.parallelism.overlap_tp_comm for p in plans)
+
+
+def test_pipeexec_warns_that_it_runs_the_tensor_parallel_collectives_exposed():
+    from pipeexec.launching.preflight import tp_comm_overlap_warning
+    par = pipesim.Plan.create(GPT, "H100", tp=2, sequence_parallel=True, overlap_tp_comm=True,
+                              global_batch_size=1).parallelism
+    assert "--no-tp-comm-overlap" in tp_comm_overlap_warning(par)
+    assert tp_comm_overlap_warning(par.with_(overlap_tp_comm=False)) is None
+    assert tp_comm_overlap_warning(par.with_(tp=1)) is None
