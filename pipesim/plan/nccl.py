@@ -159,7 +159,7 @@ def nccl_time(name: str, nbytes: float, p: int, *, arch: str, bus: float, local_
         else:
             bw = min(B * 0.92, channels * PER_CHANNEL_RING_LL128[arch][idx2])
         intra = NVLINK_LATENCY["ring"][i]
-        inter = NET_LATENCY["tree" if ppn == 1 else "ring"][i]
+        inter = NET_LATENCY["tree" if p == nodes else "ring"][i]     # ppn = p / nodes = 1
         if nodes > 1:
             intra = max(intra, NET_OVERHEAD * (3 if proto == "Simple" else 1))
         lat = BASE_LATENCY["ring"][i] + (nsteps - n_inter) * intra + n_inter * inter
