@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import PlanError
-from ..fields import known_fields
+from ..fields import typed_fields
 from ..units import format_count
 
 MLP_KINDS = ("gelu", "swiglu")
@@ -208,7 +208,7 @@ class ModelSpec:
 
     @classmethod
     def from_dict(cls, data: dict, source: str = "model") -> "ModelSpec":
-        known_fields(cls, data, "model", source, PlanError)
+        typed_fields(cls, data, "model", source, PlanError)
         try:
             return cls(**data)
         except TypeError as exc:
