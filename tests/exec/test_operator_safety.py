@@ -162,3 +162,81 @@ def test_an_address_not_of_this_host_is_refused_naming_it():
     from pipeexec.topology import TopologyError
     with pytest.raises(TopologyError, match="MASTER_ADDR='192.0.2.1'"):
         open_store("192.0.2.1", 29999, 1, True, datetime.timedelta(seconds=5))
+
+
+# -- resuming another model ----------------------------------------------------------------------
+MIXTRAL = dict(model_type="mixtral", hidden_size=16, intermediate_size=24, num_hidden_layers=2,
+               num_attention_heads=2, num_key_value_heads=1, vocab_size=32,
+               max_position_embeddings=64, num_local_experts=4, num_experts_per_tok=2,
+               rope_theta=1e6, hidden_act="silu", bos_token_id=1, eos_token_id=2)
+
+
+def _hf_config(directory, **changes):
+    import json
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps({**MIXTRAL, **changes}))
+    return TrainConfig(seq_len=8, steps=2, decay_steps=4, microbatches=2, micro_batch_size=2, seed=3,
+                       device="cpu").with_hf_model(str(directory))
+
+
+@pytest.fixture(scope="module")
+def mixtral_checkpoint(tmp_path_factory):
+    pytest.importorskip("transformers")
+    root = tmp_path_factory.mktemp("mixtral")
+    cfg = _hf_config(root / "model").replace(steps=1)
+    t = alone(cfg)
+    train(t)
+    save_checkpoint(t, root / "ckpt")
+    return root
+
+
+# (config.json change, the key the refusal names, the checkpoint's value, this run's)
+CHANGES = [({"num_experts_per_tok": 1}, "model.hf_config.num_experts_per_tok", 2, 1),
+           ({"rope_theta": 1e4}, "model.hf_config.rope_theta", 1e6, 1e4),
+           ({"hidden_act": "gelu"}, "model.hf_config.hidden_act", "silu", "gelu")]
+
+
+@pytest.mark.parametrize("change,key,saved,now", CHANGES, ids=[k for _, k, _, _ in CHANGES])
+def test_resuming_a_changed_hf_model_is_refused_before_any_worker(mixtral_checkpoint, change,
+                                                                   key, saved, now):
+    from pipeexec.checkpoint import CheckpointOptions
+    from pipeexec.launching.preflight import check_train
+    cfg = _hf_config(mixtral_checkpoint / "changed", **change)
+    options = CheckpointOptions(load=str(mixtral_checkpoint / "ckpt"))
+    with pytest.raises(CheckpointError) as info:
+        check_train(cfg, options, nproc=1, cpus_per_rank=None)
+    msg = str(info.value)
+    assert f"{key}={saved!r}" in msg and f"{key}={now!r}" in msg, msg
+    assert f"--allow-model-change {key}" in msg and "mp_rank_00_000" in msg
+    # the override lets it through (the preflight, then the load itself)
+    allowed = CheckpointOptions(load=options.load, allow_model_change=(key,))
+    check_train(cfg, allowed, nproc=1, cpus_per_rank=None)
+
+
+def test_the_load_itself_refuses_a_changed_model_and_takes_the_override(mixtral_checkpoint):
+    cfg = _hf_config(mixtral_checkpoint / "topk1", num_experts_per_tok=1)
+    ckpt = mixtral_checkpoint / "ckpt"
+    with pytest.raises(CheckpointError, match="model.hf_config.num_experts_per_tok"):
+        load_checkpoint(alone(cfg), ckpt)
+    report = load_checkpoint(alone(cfg), ckpt, allow_model_change=("num_experts_per_tok",))
+    assert report.iteration == 1
+    assert any("num_experts_per_tok 2 -> 1" in n for n in report.notes)
+    # finetuning (weights only) a changed top-k is allowed and noted
+    tuned = load_checkpoint(alone(cfg), ckpt, finetune=True)
+    assert tuned.iteration == 0 and any("num_experts_per_tok 2 -> 1" in n for n in tuned.notes)
+
+
+def test_an_unchanged_model_resumes(mixtral_checkpoint):
+    cfg = _hf_config(mixtral_checkpoint / "same")
+    report = load_checkpoint(alone(cfg), mixtral_checkpoint / "ckpt")
+    assert report.iteration == 1 and not any("model changed" in n for n in report.notes)
+
+
+def test_allow_model_change_is_a_flag_of_train():
+    from pipeexec.cli.checkpoint import options_from_args
+    from pipeexec.cli.train import train_parser
+    ns = train_parser().parse_args(["--load", "x", "--allow-model-change",
+                                    "model.hf_config.rope_theta,top_k"])
+    assert options_from_args(ns).allow_model_change == ("model.hf_config.rope_theta", "top_k")
+    with pytest.raises(ValueError, match="--allow-model-change needs --load"):
+        options_from_args(train_parser().parse_args(["--allow-model-change", "top_k"]))
