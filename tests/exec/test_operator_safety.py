@@ -4,6 +4,7 @@ that lead a save (or its clean-up) outside the checkpoint through a symbolic lin
 from __future__ import annotations
 
 import datetime
+import math
 import os
 import shutil
 import socket
@@ -240,3 +241,48 @@ def test_allow_model_change_is_a_flag_of_train():
     assert options_from_args(ns).allow_model_change == ("model.hf_config.rope_theta", "top_k")
     with pytest.raises(ValueError, match="--allow-model-change needs --load"):
         options_from_args(train_parser().parse_args(["--allow-model-change", "top_k"]))
+
+
+# -- a run that no longer trains stops ----------------------------------------------------------
+def test_a_diverged_fp32_run_stops_naming_the_step(tmp_path, capsys):
+    """lr 1e30 makes step 0's update blow the weights up, so step 1's loss is NaN: the 2-rank
+    run stops there with exit code 1 and one line naming step 1, its last checkpoint the one
+    of step 0 (iteration 1), none written after it; the one-process reference stops alike."""
+    from pipeexec.cli.train import train_main
+    from pipeexec.training.divergence import TrainingDiverged
+    ckpt = tmp_path / "ckpt"
+    with pytest.raises(SystemExit) as info:
+        train_main(["--pp", "2", "--microbatches", "2", "--lr", "1e30", "--steps", "4",
+                    "--save", str(ckpt), "--save-interval", "1", "--no-progress"])
+    assert info.value.code == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "TrainingDiverged: step 1: the loss is nan" in err[0], err
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "1"
+    assert sorted(p.name for p in ckpt.glob("iter_*")) == ["iter_0000001"]
+    # the reference: the same model and batch in one process
+    ref = alone(TrainConfig(microbatches=2, lr=1e30, steps=4, device="cpu"))
+    assert math.isfinite(ref.step().loss)
+    with pytest.raises(TrainingDiverged, match="step 1: the loss is nan") as stopped:
+        ref.step()
+    assert stopped.value.step == 1 and ref.iteration == 1 and ref.updates == 1
+
+
+def test_fp16_stops_after_too_many_skipped_steps():
+    from pipeexec.training.divergence import TrainingDiverged
+    cfg = TINY.replace(precision="fp16", steps=5, max_skipped_steps=2,
+                       inject=("overflow:0", "overflow:1", "overflow:2", "overflow:3"))
+    t = alone(cfg)
+    assert [t.step().skipped for _ in range(2)] == [True, True]     # the scale backs off
+    with pytest.raises(TrainingDiverged, match="step 2: 3 consecutive fp16 steps overflowed"):
+        t.step()
+    assert t.updates == 0
+    # a finite step in between starts the count again
+    t = alone(cfg.replace(inject=("overflow:0", "overflow:1", "overflow:3", "overflow:4")))
+    assert [t.step().skipped for _ in range(5)] == [True, True, False, True, True]
+
+
+def test_max_skipped_steps_is_checked():
+    from pipeexec.config import ConfigError
+    assert TrainConfig().max_skipped_steps == 100
+    with pytest.raises(ConfigError, match="max_skipped_steps must be an integer >= 1, got 0"):
+        TrainConfig(max_skipped_steps=0).validate()
