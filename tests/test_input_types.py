@@ -200,3 +200,24 @@ def test_pipeexec_refuses_an_hf_config_of_the_wrong_type(tmp_path, capsys):
     (tmp_path / "config.json").write_text(json.dumps({**LLAMA, "tie_word_embeddings": "false"}))
     code, err = _train(["--hf-model", str(tmp_path), "--seq-len", "8"], capsys)
     assert code == 2 and "tie_word_embeddings must be true or false" in err
+
+
+# -- model values out of range -----------------------------------------------------------------
+@pytest.mark.parametrize("change,message", [
+    ({"heads": 5}, "model.heads: hidden (64) is not a multiple of heads (5)"),
+    ({"head_dim": 7, "position": "rotary"}, "model.head_dim: 7 is odd"),
+    ({"hidden": 0}, "model.hidden: must be a positive integer, got 0"),
+    ({"kv_heads": -2}, "model.kv_heads: must be a positive integer, got -2"),
+    ({"vocab": 0}, "model.vocab: must be a positive integer"),
+])
+def test_a_model_shape_that_cannot_be_is_refused_naming_the_field(change, message):
+    data = ModelSpec("m", layers=2, hidden=64, heads=4, seq_length=32, vocab=256).to_dict()
+    with pytest.raises(PlanError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        ModelSpec.from_dict({**data, **change})
+
+
+def test_a_head_dim_of_its_own_still_reads():
+    # Qwen3-style heads wider than hidden / heads (given as head_dim) are a model, not an error
+    spec = ModelSpec("m", layers=2, hidden=64, heads=4, seq_length=32, vocab=256, head_dim=32,
+                     position="rotary")
+    assert spec.q_size == 128
