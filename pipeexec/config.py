@@ -575,8 +575,9 @@ def _schedule_json(path: str):
 
 
     try:
-        data = json.loads(open(path).read())
-    except (OSError, json.JSONDecodeError):
+        with open(path, encoding="utf-8") as f:
+            data = json.loads(f.read())
+    except (OSError, ValueError):              # unreadable, not UTF-8, not JSON
         return schedule_from_json(path)          # its own error, naming the file
     if isinstance(data, dict) and str(data.get("format", "")).startswith("pipesim.plan"):
         if not isinstance(data.get("schedule"), dict):

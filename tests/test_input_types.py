@@ -221,3 +221,20 @@ def test_a_head_dim_of_its_own_still_reads():
     spec = ModelSpec("m", layers=2, hidden=64, heads=4, seq_length=32, vocab=256, head_dim=32,
                      position="rotary")
     assert spec.q_size == 128
+
+
+@pytest.mark.parametrize("suffix", [".json", ".csv"])
+def test_a_binary_schedule_file_is_refused_naming_it(tmp_path, suffix):
+    from pipesim.schedule.io import schedule_from_csv, schedule_from_json
+    path = tmp_path / f"schedule{suffix}"
+    path.write_bytes(b"\xff\xfe" + bytes(range(256)))
+    read = schedule_from_json if suffix == ".json" else schedule_from_csv
+    with pytest.raises(ScheduleError, match=f"{path}: not a schedule file: byte 0 is 0xff"):
+        read(path)
+
+
+def test_pipeexec_refuses_a_binary_schedule_file_naming_it(tmp_path, capsys):
+    path = tmp_path / "schedule.json"
+    path.write_bytes(bytes(range(128, 256)))
+    code, err = _train(["--schedule", str(path)], capsys)
+    assert code == 2 and f"{path}: not a schedule file" in err
