@@ -227,9 +227,18 @@ def model_description(config: Mapping[str, Any]) -> dict[str, Any] | None:
     model = plan.get("model") if isinstance(plan, dict) else None
     if not isinstance(model, dict):
         return None
-    if model.get("family") is None:
-        return {f"model.{k}": v for k, v in model.items() if k not in _NOT_MODEL}
     from pipesim.plan.model import ModelSpec
+    if model.get("family") is None:
+        out = {f"model.{k}": v for k, v in model.items() if k not in _NOT_MODEL}
+        try:                 # defaults resolved: kv_heads None and kv_heads = heads are one model
+            spec = ModelSpec.from_dict(model)
+            out.update({"model.kv_heads": spec.num_kv_heads, "model.head_dim": spec.kv_channels,
+                        "model.ffn_hidden": spec.ffn, "model.moe_ffn_hidden": spec.moe_ffn,
+                        "model.qkv_bias": spec.bias if spec.qkv_bias is None else spec.qkv_bias,
+                        "model.max_position": spec.max_position or spec.seq_length})
+        except Exception:    # noqa: BLE001  (an odd stored model: compare it as stored)
+            pass
+        return out
     from ..models.hf_config import config_for
     try:
         built = config_for(ModelSpec.from_dict(model))

@@ -286,3 +286,12 @@ def test_max_skipped_steps_is_checked():
     assert TrainConfig().max_skipped_steps == 100
     with pytest.raises(ConfigError, match="max_skipped_steps must be an integer >= 1, got 0"):
         TrainConfig(max_skipped_steps=0).validate()
+
+
+def test_the_built_in_gpt_compares_its_resolved_shape():
+    from pipeexec.checkpoint.contents import check_model, model_changes
+    base = TrainConfig(hidden=64, heads=4)
+    same = TrainConfig(hidden=64, heads=4, kv_heads=4, ffn_hidden=256)   # the defaults, spelt
+    assert model_changes(base.to_dict(), same.to_dict()) == []
+    with pytest.raises(CheckpointError, match="heads=4, this run has heads=8"):
+        check_model(base.to_dict(), TrainConfig(hidden=64, heads=8).to_dict())
