@@ -24,7 +24,7 @@ FAULT_ENV = "PIPEEXEC_CHECKPOINT_FAULT"
 
 
 def _keys(text: object) -> tuple[str, ...]:
-    """``--allow-model-change`` read: comma-separated keys (repeatable), as a tuple."""
+    """``--allow-model-change`` read: its comma-separated keys, as a tuple."""
     if text is None or isinstance(text, tuple):
         return text or ()
     return tuple(k.strip() for k in str(text).split(",") if k.strip())
@@ -65,7 +65,7 @@ class CheckpointOptions:
         (), "on a resume, accept these keys of the model description differing from the "
         "checkpoint's (comma separated, as the refusal names them, e.g. "
         "model.hf_config.rope_theta); without it a resume of another model is refused",
-        metavar="KEY[,KEY]", parse=lambda text: _keys(text))
+        metavar="KEY[,KEY]", parse=_keys)
     timeout: float = option(600.0, "seconds a rank waits for the others to finish writing a "
                             "checkpoint", flag="--checkpoint-timeout", type=float, metavar="S")
     verify: bool = option(True, "CRC-check every file before loading it", flag=None)
