@@ -69,7 +69,8 @@ def build_schedule(name: str, pp: int, microbatches: int, vpp: int = 1, *,
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ScheduleError(f"{name}: {field} must be a positive integer, got {value!r}")
     check_size(name, vpp, microbatches)
-    check_options(info, options)
+    if options:
+        check_options(info, options)
     if options or not isinstance(recv_lookahead, int):   # costs, limits, group sizes: afresh
         schedule = info.builder(pp, vpp, microbatches, forward_only=forward_only, **options)
         return schedule.with_recv_lookahead(recv_lookahead)
