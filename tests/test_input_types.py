@@ -238,3 +238,17 @@ def test_pipeexec_refuses_a_binary_schedule_file_naming_it(tmp_path, capsys):
     path.write_bytes(bytes(range(128, 256)))
     code, err = _train(["--schedule", str(path)], capsys)
     assert code == 2 and f"{path}: not a schedule file" in err
+
+
+def test_pipeexec_refuses_a_plan_whose_hf_config_is_out_of_range(tmp_path, capsys):
+    """A plan made from a config.json carries it (model.hf_config): a bad value there is
+    refused before any worker, not as transformers' validator line inside one."""
+    from pipeexec.config import TrainConfig
+    model = ModelSpec.from_hf_config({**LLAMA, "rms_norm_eps": 1e-5}, seq_length=8)
+    data = TrainConfig(pp=1).plan.to_dict()
+    data["model"] = {**model.to_dict(), "vocab_divisible_by": 1,
+                     "hf_config": {**model.hf_config, "rms_norm_eps": -1.0}}
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(data))
+    code, err = _train(["--plan", str(path)], capsys)
+    assert code == 2 and "rms_norm_eps must be > 0, got -1.0" in err, err
