@@ -150,6 +150,10 @@ class PrecisionConfig:
                                      type=float)
     loss_scale_growth: float = _opt(2.0, "fp16: factor the loss scale grows by", type=float)
     min_loss_scale: float = _opt(1.0, "fp16: the loss scale never goes below this", type=float)
+    max_skipped_steps: int = _opt(
+        100, "fp16: stop with an error after more than this many consecutive steps skipped for "
+        "overflow (the default scale reaches its floor in 16; fp32 and bf16 stop at the first "
+        "non-finite loss or gradient)", type=int, metavar="N")
 
 
 @dataclass(frozen=True)
@@ -520,9 +524,9 @@ class TrainConfig:
         number("min_loss_scale", strict=True)
         number("loss_scale_backoff", strict=True, high=1.0)
         number("loss_scale_growth", low=1.0)
-        for name in ("warmup_steps", "loss_scale_growth_interval"):
+        for name in ("warmup_steps", "loss_scale_growth_interval", "max_skipped_steps"):
             v = getattr(self, name)
-            low = 1 if name == "loss_scale_growth_interval" else 0
+            low = 0 if name == "warmup_steps" else 1
             if not isinstance(v, int) or isinstance(v, bool) or v < low:
                 raise ConfigError(f"{name} must be an integer >= {low}, got {v!r}")
         if self.decay_steps is not None and (not isinstance(self.decay_steps, int)
@@ -571,8 +575,9 @@ def _schedule_json(path: str):
 
 
     try:
-        data = json.loads(open(path).read())
-    except (OSError, json.JSONDecodeError):
+        with open(path, encoding="utf-8") as f:
+            data = json.loads(f.read())
+    except (OSError, ValueError):              # unreadable, not UTF-8, not JSON
         return schedule_from_json(path)          # its own error, naming the file
     if isinstance(data, dict) and str(data.get("format", "")).startswith("pipesim.plan"):
         if not isinstance(data.get("schedule"), dict):

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import socket
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -143,6 +144,58 @@ def env_rank_info() -> tuple[int, int, int, str, int]:
     return rank, world, local, os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
 
 
+def listen_socket(addr: str, port: int) -> socket.socket:
+    """A TCP socket listening on ``addr`` (MASTER_ADDR) alone, port ``port``.
+
+    torch's TCPStore server binds every interface (``*:PORT``) whatever host it is given, and
+    answers anyone who connects, unauthenticated: any machine that reaches this one could read
+    and write the run's keys. Bound here to the address the run names instead (127.0.0.1 for a
+    local run, so only this machine reaches it; rank 0's address in a multi-node run), and
+    handed to the store as its listening socket."""
+    try:
+        infos = socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as exc:
+        raise TopologyError(f"MASTER_ADDR={addr!r} does not resolve ({exc}): give an address of "
+                            "rank 0's host") from None
+    errors = []
+    for family, kind, proto, _, sockaddr in infos:
+        sock = socket.socket(family, kind, proto)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind(sockaddr)
+            sock.listen(max(128, socket.SOMAXCONN))
+            return sock
+        except OSError as exc:
+            sock.close()
+            errors.append(f"{sockaddr[0]}: {exc.strerror or exc}")
+    raise TopologyError(f"rank 0 cannot listen on MASTER_ADDR={addr!r} port {port} "
+                        f"({'; '.join(errors) or 'no address'}): MASTER_ADDR must be an address "
+                        "of rank 0's host, and MASTER_PORT free")
+
+
+def open_store(addr: str, port: int, world: int, is_master: bool,
+               timeout: datetime.timedelta) -> Any:
+    """The run's TCPStore; hosted (``is_master``) on a socket bound to MASTER_ADDR alone
+    (`listen_socket`), never on every interface."""
+    if not is_master:
+        return dist.TCPStore(addr, port, world, is_master=False, timeout=timeout,
+                             wait_for_workers=False)
+    for use_libuv in (True, False):      # a torch whose libuv server takes no socket: the other
+        fd = listen_socket(addr, port).detach()      # the store owns it from here
+        try:
+            return dist.TCPStore(addr, port, world, is_master=True, timeout=timeout,
+                                 wait_for_workers=False, master_listen_fd=fd,
+                                 use_libuv=use_libuv)
+        except (RuntimeError, ValueError):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+            if not use_libuv:
+                raise
+    raise AssertionError("unreachable")
+
+
 def init_topology(pp: int, dp: int, *, tp: int = 1, cp: int = 1, ep: int = 1,
                   backend: str | None = None,
                   device: str | None = None, timeout: float = 600.0,
@@ -173,8 +226,7 @@ def init_topology(pp: int, dp: int, *, tp: int = 1, cp: int = 1, ep: int = 1,
     # torchrun's agent hosts a store at MASTER_PORT; the local launcher makes rank 0 host it.
     agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
     td = datetime.timedelta(seconds=timeout)
-    store = dist.TCPStore(addr, port, world, is_master=(rank == 0 and not agent_store), timeout=td,
-                          wait_for_workers=False)
+    store = open_store(addr, port, world, rank == 0 and not agent_store, td)
     store = dist.PrefixStore("pipeexec", store)
     if dev.type == "cuda" and backend == "nccl":
         check_unique_gpus(store, rank, world, gpu_uuid(dev), timeout)

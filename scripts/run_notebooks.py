@@ -80,6 +80,18 @@ def execute(nb: nbformat.NotebookNode, cwd: Path, timeout: int = 600) -> None:
                    resources={"metadata": {"path": str(cwd)}}).execute()
 
 
+def write_failed(nb: nbformat.NotebookNode, stem: str) -> Path:
+    """Save a notebook that failed, as far as it ran, in a private folder of its own
+    (``tempfile.mkdtemp``: mode 0700, an unpredictable name), never at a fixed path under
+    /tmp, where another user could have planted a symlink to a file of ours. Returns the file."""
+    import tempfile
+
+    folder = Path(tempfile.mkdtemp(prefix=f"notebook-{stem}-"))
+    failed = folder / f"{stem}.failed.ipynb"
+    nbformat.write(nb, str(failed))
+    return failed
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("names", nargs="*", help="notebook name prefixes (default: all)")
@@ -99,10 +111,7 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 execute(nb, NOTEBOOKS)
             except Exception as exc:
-                import tempfile
-
-                failed = Path(tempfile.gettempdir()) / f"{src.stem}.failed.ipynb"
-                nbformat.write(nb, failed)
+                failed = write_failed(nb, src.stem)
                 print(f"{src.name}: {type(exc).__name__}; the notebook as far as it ran: {failed}",
                       file=sys.stderr)
                 print(str(exc)[-3000:], file=sys.stderr)

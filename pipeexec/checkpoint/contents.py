@@ -201,18 +201,109 @@ def model_chunks(contents: Mapping[str, Any], path: str | None = None) -> list[d
     return out
 
 
-def check_config(saved: Mapping[str, Any], current: Mapping[str, Any], *, path: str | None = None
-                 ) -> list[str]:
-    """Raise on a model-defining difference; return notes on the others (for the log).
-    ``saved`` may be the flat form of an older pipeexec (`legacy_flat` reads it)."""
+# Of a stored plan's model: fields that are no part of the model trained (its label, the cost
+# model's vocabulary padding; hf_config is compared as the config the family builds from).
+_NOT_MODEL = ("name", "vocab_divisible_by", "hf_config")
+# Of a Hugging Face config.json: keys that do not change the model a step trains.
+_NOT_MODEL_HF = ("transformers_version", "_name_or_path", "name_or_path", "architectures",
+                 "torch_dtype", "dtype", "use_cache", "bos_token_id", "eos_token_id",
+                 "pad_token_id", "_attn_implementation_autoset", "return_dict")
+_ABSENT = "<absent>"
+# the flat model fields' names in the stored model description
+_FLAT_IN_MODEL = {"layers": "model.layers", "hidden": "model.hidden", "heads": "model.heads",
+                  "kv_heads": "model.kv_heads", "ffn_hidden": "model.ffn_hidden",
+                  "vocab": "model.vocab", "seq_len": "model.seq_length",
+                  "tie_embeddings": "model.tied_embeddings"}
 
+
+def model_description(config: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The model a stored config trains, flat: for the built-in GPT ``model.<field>`` of its
+    plan's `ModelSpec`; for a Hugging Face family ``model.family`` and ``model.hf_config.<key>``
+    of the config.json the family is built from (`config_for`: the spec's shape written in,
+    and what the spec does not say: rope theta, norm epsilon, activation...), which is the
+    whole model. None for a config written before configs held a plan (its flat model fields
+    are all there is)."""
+    plan = config.get("plan")
+    model = plan.get("model") if isinstance(plan, dict) else None
+    if not isinstance(model, dict):
+        return None
+    from pipesim.plan.model import ModelSpec
+    if model.get("family") is None:
+        out = {f"model.{k}": v for k, v in model.items() if k not in _NOT_MODEL}
+        try:                 # defaults resolved: kv_heads None and kv_heads = heads are one model
+            spec = ModelSpec.from_dict(model)
+            out.update({"model.kv_heads": spec.num_kv_heads, "model.head_dim": spec.kv_channels,
+                        "model.ffn_hidden": spec.ffn, "model.moe_ffn_hidden": spec.moe_ffn,
+                        "model.qkv_bias": spec.bias if spec.qkv_bias is None else spec.qkv_bias,
+                        "model.max_position": spec.max_position or spec.seq_length})
+        except Exception:    # noqa: BLE001  (an odd stored model: compare it as stored)
+            pass
+        return out
+    from ..models.hf_config import config_for
+    try:
+        built = config_for(ModelSpec.from_dict(model))
+    except Exception:              # noqa: BLE001  (an odd stored model: compare it as stored)
+        built = {**(model.get("hf_config") or {}), **{k: v for k, v in model.items()
+                                                      if k not in _NOT_MODEL}}
+    return {"model.family": model["family"],
+            **{f"model.hf_config.{k}": v for k, v in built.items() if k not in _NOT_MODEL_HF}}
+
+
+def _allowed(key: str, allow: Sequence[str]) -> bool:
+    """``key`` (``model.hf_config.rope_theta``, ``layers``) is among ``allow``, written whole,
+    without ``model.``, or as its last part (``rope_theta``)."""
+    return any(a in (key, key.removeprefix("model."), key.rsplit(".", 1)[-1]) for a in allow)
+
+
+def model_changes(saved: Mapping[str, Any], current: Mapping[str, Any], *,
+                  whole: bool = True) -> list[tuple[str, Any, Any]]:
+    """(key, the checkpoint's value, this run's) of every difference in the model: the flat
+    model fields (`MODEL_FIELDS`), and with ``whole`` the stored model description
+    (`model_description`) key by key, when both configs hold one."""
     saved = legacy_flat(saved)
-    for name in MODEL_FIELDS:
-        if name in saved and name in current and saved[name] != current[name]:
-            raise CheckpointError(
-                f"config mismatch in {name!r}: the checkpoint was written with {name}="
-                f"{saved[name]!r}, this run has {name}={current[name]!r}", path=path, field=name)
-    notes = []
+    out = [(name, saved[name], current[name]) for name in MODEL_FIELDS
+           if name in saved and name in current and saved[name] != current[name]]
+    ours, theirs = model_description(saved), model_description(current)
+    if whole and ours is not None and theirs is not None:
+        named = {_FLAT_IN_MODEL[name] for name, _, _ in out}
+        for key in sorted(set(ours) | set(theirs)):
+            a, b = ours.get(key, _ABSENT), theirs.get(key, _ABSENT)
+            if a != b and key not in named:
+                out.append((key, a, b))
+    return out
+
+
+def check_model(saved: Mapping[str, Any], current: Mapping[str, Any], *,
+                allow: Sequence[str] = (), resume: bool = True, path: str | None = None
+                ) -> list[str]:
+    """Refuse a checkpoint whose model differs from this run's, naming every key that differs
+    with both values (CheckpointError), unless each is in ``allow`` (``--allow-model-change``);
+    return notes on the others. A resume compares the model whole; a finetune (weights only:
+    ``resume`` False) the flat shape fields alone and notes the rest (a new rope theta or top-k
+    on purpose is what finetuning is for)."""
+    changes = model_changes(saved, current)
+    shape = {k for k, _, _ in model_changes(saved, current, whole=False)}
+    refused = [(k, a, b) for k, a, b in changes
+               if not _allowed(k, allow) and (resume or k in shape)]
+    if refused:
+        what = "; ".join(f"{k}: the checkpoint was written with {k}={a!r}, this run has "
+                         f"{k}={b!r}" for k, a, b in refused)
+        keys = ",".join(k for k, _, _ in refused)
+        raise CheckpointError(
+            f"config mismatch: the checkpoint's model differs from this run's: {what}. Loading it would train "
+            "another model than the one saved: restore the model's settings (its config.json, "
+            f"the plan or the flags), or pass --allow-model-change {keys} to accept the change",
+            path=path, field=refused[0][0])
+    return [f"model changed: {k} {a!r} -> {b!r}" for k, a, b in changes]
+
+
+def check_config(saved: Mapping[str, Any], current: Mapping[str, Any], *, path: str | None = None,
+                 allow_model_change: Sequence[str] = (), resume: bool = True) -> list[str]:
+    """Raise on a model-defining difference (`check_model`); return notes on the others (for
+    the log). ``saved`` may be the flat form of an older pipeexec (`legacy_flat` reads it)."""
+
+    notes = check_model(saved, current, allow=allow_model_change, resume=resume, path=path)
+    saved = legacy_flat(saved)
     for name in TRAINING_FIELDS + LAYOUT_FIELDS + ("hf_model",):   # its tensors' names and
         if name in NEWER_FIELDS and name not in saved:            # shapes are checked on load
             continue                    # written before the field existed: its default ran

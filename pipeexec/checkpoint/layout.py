@@ -18,8 +18,11 @@ on the layout.
 """
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
+
+from .errors import CheckpointError
 
 TRACKER_NAME = "latest_checkpointed_iteration.txt"
 STATE_FILE_NAME = "model_optim_rng.pt"
@@ -68,15 +71,32 @@ def chunk_key(chunk: int, vpp: int) -> str:
     return "model" if vpp == 1 else f"model{chunk}"
 
 
+def refuse_symlink(path: str | Path) -> Path:
+    """``path`` itself, unless it is a symbolic link: an iteration or rank folder of a
+    checkpoint must be a real folder inside it. Through a link a save would write its files,
+    remove stale temporaries, and prune or replace old layouts in whatever folder the link
+    names, outside the checkpoint; a load would read files it does not own. The checkpoint
+    folder itself (``--save DIR``) may be a link: the user names it."""
+    path = Path(path)
+    if path.is_symlink():
+        raise CheckpointError(
+            f"is a symbolic link (to {os.readlink(path)!r}); a checkpoint's iteration and rank "
+            "folders must be real folders inside it, so that saving and pruning never write or "
+            "delete outside it: replace the link with a copy of the folder", path=path,
+            field="layout")
+    return path
+
+
 def saved_iterations(root: str | Path) -> list[int]:
-    """Iterations with a directory under ``root`` (complete or not), ascending."""
+    """Iterations with a directory under ``root`` (complete or not), ascending; a symlinked
+    one is refused (`refuse_symlink`)."""
     root = Path(root)
     if not root.is_dir():
         return []
     out = []
     for child in root.iterdir():
         m = _ITER_RE.match(child.name)
-        if m and child.is_dir():
+        if m and refuse_symlink(child).is_dir():
             out.append(int(m.group(1)))
     return sorted(out)
 
@@ -101,14 +121,15 @@ def expert_rank_files(root: str | Path, tag: Tag) -> dict[tuple[int, int, int], 
 
 
 def every_rank_file(root: str | Path, tag: Tag) -> dict[tuple[int, int, int | None], Path]:
-    """(tp rank, pp rank, ep rank or None) -> state file, for every rank directory."""
-    d = tag_dir(root, tag)
+    """(tp rank, pp rank, ep rank or None) -> state file, for every rank directory (a
+    symlinked iteration or rank folder is refused: `refuse_symlink`)."""
+    d = refuse_symlink(tag_dir(root, tag))
     out: dict[tuple[int, int, int | None], Path] = {}
     if not d.is_dir():
         return out
     for child in d.iterdir():
         m = _RANK_RE.match(child.name)
-        if m and (child / STATE_FILE_NAME).is_file():
+        if m and refuse_symlink(child).is_dir() and (child / STATE_FILE_NAME).is_file():
             e = None if m.group(3) is None else int(m.group(3))
             out[(int(m.group(1)), int(m.group(2)), e)] = child / STATE_FILE_NAME
     return dict(sorted(out.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][2] or 0)))

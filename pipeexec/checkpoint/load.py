@@ -98,15 +98,19 @@ def same_layout(reader: CheckpointReader, trainer) -> bool:
 @torch.no_grad()
 def load_checkpoint(trainer, root: str | os.PathLike, *, tag: Tag | None = None,
                     finetune: bool = False, load_optim: bool = True, load_rng: bool = True,
-                    verify: bool = True, log: Callable[[str], None] | None = None) -> LoadReport:
-    """Load checkpoint ``tag`` (default: the tracker's) from ``root`` into ``trainer``."""
+                    verify: bool = True, log: Callable[[str], None] | None = None,
+                    allow_model_change: tuple[str, ...] = ()) -> LoadReport:
+    """Load checkpoint ``tag`` (default: the tracker's) from ``root`` into ``trainer``.
+    ``allow_model_change``: keys of the model description that may differ from the
+    checkpoint's on a resume (`contents.check_model`; ``--allow-model-change``)."""
     t0 = time.perf_counter()
     topo, cfg = trainer.topology, trainer.config
     reader = CheckpointReader(root, tag, verify=verify, home=topo.pp_rank)
     home = topo.pp_rank if topo.pp_rank < reader.pp else 0
-    notes = check_config(reader.config, cfg.to_dict(), path=str(reader.path(home)))
-    resharded = not same_layout(reader, trainer)
     weights_only = finetune or reader.release
+    notes = check_config(reader.config, cfg.to_dict(), path=str(reader.path(home)),
+                         allow_model_change=allow_model_change, resume=not weights_only)
+    resharded = not same_layout(reader, trainer)
 
     # -- model: every expected key, nothing else, right shapes --------------------------------
     names = expected_model_names(trainer)

@@ -23,6 +23,13 @@ from .save import SaveReport, parse_fault, save_checkpoint
 FAULT_ENV = "PIPEEXEC_CHECKPOINT_FAULT"
 
 
+def _keys(text: object) -> tuple[str, ...]:
+    """``--allow-model-change`` read: its comma-separated keys, as a tuple."""
+    if text is None or isinstance(text, tuple):
+        return text or ()
+    return tuple(k.strip() for k in str(text).split(",") if k.strip())
+
+
 def _env_fault() -> str | None:
     return os.environ.get(FAULT_ENV) or None
 
@@ -54,6 +61,11 @@ class CheckpointOptions:
         "--warmup-steps, --decay-steps, or --steps without it) where it differs from the "
         "checkpoint's; without it such a resume is refused (Megatron's "
         "--override-opt_param-scheduler)", action="store_true")
+    allow_model_change: tuple[str, ...] = option(
+        (), "on a resume, accept these keys of the model description differing from the "
+        "checkpoint's (comma separated, as the refusal names them, e.g. "
+        "model.hf_config.rope_theta); without it a resume of another model is refused",
+        metavar="KEY[,KEY]", parse=_keys)
     timeout: float = option(600.0, "seconds a rank waits for the others to finish writing a "
                             "checkpoint", flag="--checkpoint-timeout", type=float, metavar="S")
     verify: bool = option(True, "CRC-check every file before loading it", flag=None)
@@ -73,6 +85,7 @@ class CheckpointOptions:
         for flag, value in (("--finetune", self.finetune), ("--no-load-optim", self.no_load_optim),
                             ("--no-load-rng", self.no_load_rng),
                             ("--ckpt-step", self.ckpt_step is not None),
+                            ("--allow-model-change", bool(self.allow_model_change)),
                             ("--override-opt-param-scheduler", self.override_opt_param_scheduler)):
             if value and self.load is None:
                 raise ValueError(f"{flag} needs --load")
@@ -105,7 +118,8 @@ class CheckpointManager:
             return None
         self.loaded = load_checkpoint(trainer, o.load, tag=o.ckpt_step, finetune=o.finetune,
                                       load_optim=not o.no_load_optim, load_rng=not o.no_load_rng,
-                                      verify=o.verify, log=self.log)
+                                      verify=o.verify, log=self.log,
+                                      allow_model_change=tuple(o.allow_model_change))
         if o.save is not None and Path(o.save).resolve() == Path(o.load).resolve():
             self._last_saved = self.loaded.iteration     # already on disk
         return self.loaded

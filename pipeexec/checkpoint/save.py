@@ -39,8 +39,8 @@ import torch
 from .atomic import atomic_write, fsync_dir, remove_stale_temps
 from .contents import rank_contents
 from .errors import CheckpointError
-from .layout import (RELEASE, Tag, every_rank_file, saved_iterations, state_file, tag_dir,
-                     tag_dir_name)
+from .layout import (RELEASE, Tag, every_rank_file, refuse_symlink, saved_iterations,
+                     state_file, tag_dir, tag_dir_name)
 from .rng import capture_rng_state
 from .sync import agree_on_id, gather_to_writer, store_barrier
 from .tracker import write_tracker
@@ -98,6 +98,12 @@ def save_checkpoint(trainer, root: str | os.PathLike, *, release: bool = False,
     if topo.world_size > 1 and store is None:
         raise CheckpointError("a multi-rank save needs the topology's store for its barrier",
                               field="store")
+    # every rank, before anything is written: no symlinked iteration or rank folder (the save
+    # would write, and its cleanup delete, wherever the link points)
+    refuse_symlink(tag_dir(root, tag))
+    every_rank_file(root, tag)
+    if keep_last is not None and not release:
+        saved_iterations(root)
     barrier = f"checkpoint/{sequence}/{tag_dir_name(tag)}"
     save_id = agree_on_id(store, barrier + "/id", topo.rank, topo.world_size, timeout)
     rng = capture_rng_state(topo.device)
@@ -119,6 +125,7 @@ def save_checkpoint(trainer, root: str | os.PathLike, *, release: bool = False,
         if not release:
             contents["rng_state"] = gathered
         path = state_file(root, tag, topo.pp_rank, topo.tp_rank, ep_rank if ep > 1 else None)
+        refuse_symlink(path.parent)
         remove_stale_temps(path.parent)
         tw = time.perf_counter()
         try:

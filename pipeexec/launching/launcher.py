@@ -48,6 +48,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def loopback_interface() -> str | None:
+    """The loopback interface's name (``lo`` on Linux), or None where there is none: a local
+    run's gloo transport listens there, not on an address other machines reach."""
+    try:
+        names = {name for _, name in socket.if_nameindex()}
+    except OSError:
+        return None
+    return next((n for n in ("lo", "lo0") if n in names), None)
+
+
 def _die_with_parent() -> None:
     """Linux: have the kernel kill this worker if the launcher dies (no orphaned ranks)."""
     try:
@@ -73,6 +83,9 @@ def _worker(fn: Callable, rank: int, nproc: int, port: int, workdir: str, board:
                 f"{time.time()!r}\nrank {rank} could not join its CPU quota cgroup: {exc}\n")
             os._exit(1)
     os.environ.update(env)
+    loopback = loopback_interface()
+    if loopback is not None:        # gloo's listening sockets on this machine alone, as the store's
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", loopback)
     os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(nproc), "LOCAL_RANK": str(rank),
                        "LOCAL_WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1",
                        "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"})

@@ -11,6 +11,7 @@ from typing import Any
 from ..config import ConfigError, TrainConfig
 from .cpu_quota import cpu_limit
 from ..checkpoint import CheckpointError, read_tracker
+from ..checkpoint.contents import check_model
 from ..checkpoint.layout import RELEASE, tag_dir
 from ..checkpoint.reader import CheckpointReader, missing_checkpoint
 
@@ -128,14 +129,17 @@ def check_train(config: TrainConfig, checkpoint: Any, *, nproc: int,
                        f"{tag} and --steps {config.steps} counts iterations in total (like "
                        f"Megatron's --train-iters); pass --steps {int(tag) + config.steps} to "
                        f"train {config.steps} more")
-        elif tag != RELEASE and not (checkpoint.override_opt_param_scheduler
-                                     or config.forward_only):
-
+        elif tag != RELEASE:
             try:
-                first = CheckpointReader(checkpoint.load, tag, verify=False).file(0)
+                reader = CheckpointReader(checkpoint.load, tag, verify=False)
+                first, where = reader.file(0), str(reader.path(0))
             except CheckpointError:
-                first = {}               # the workers' load names what is wrong with the files
-            check_lr_schedule(config, first.get("opt_param_scheduler"), checkpoint.load)
+                first, where = {}, None   # the workers' load names what is wrong with the files
+            if isinstance(first.get("config"), dict):     # another model: refused here, first
+                check_model(first["config"], config.to_dict(), path=where,
+                            allow=tuple(getattr(checkpoint, "allow_model_change", ()) or ()))
+            if not (checkpoint.override_opt_param_scheduler or config.forward_only):
+                check_lr_schedule(config, first.get("opt_param_scheduler"), checkpoint.load)
     return Preflight(tuple(warnings), nothing)
 
 

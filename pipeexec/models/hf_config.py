@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from pipesim.errors import PlanError
+from pipesim.plan.hf_config import check_hf_config
 from pipesim.plan.hf_config import hf_config_for as config_for
 from pipesim.plan.model import ModelSpec
 
@@ -90,6 +91,10 @@ def info_from_config(cfg: dict, path: str, checkpoint_files: tuple[str, ...] = (
     ``path``: the directory it came from (or the plan naming it), ``checkpoint_files``: its
     weights (none: random init)."""
     file = source if source is not None else f"{path}: model.hf_config"
+    try:
+        check_hf_config(cfg, str(file))        # JSON types, ranges, a shape the family builds
+    except PlanError as exc:
+        raise HFModelError(str(exc)) from None
     kind = str(cfg.get("model_type", ""))
     if kind not in SUPPORTED:
         raise HFModelError(f"{file}: model_type {kind!r} is not supported; pipeexec runs "

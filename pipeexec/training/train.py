@@ -56,6 +56,7 @@ from ..models import layer_stack
 from .optim import adamw_state_for, build_adamw, clip_coefficient, lr_at, set_lr
 from ..pipeline.p2p import P2P, check_channels_exist, check_p2p_order
 from ..partition import stage_bounds
+from .divergence import DivergenceGuard
 from .precision import LossScaler, MasterWeights, compute_dtype
 from ..pipeline.runtime import ActionObserver, PipelineRuntime, StageHooks
 from ..pipeline.stage import build_stage
@@ -231,6 +232,9 @@ class Trainer:
                                  growth=config.loss_scale_growth, backoff=config.loss_scale_backoff,
                                  growth_interval=config.loss_scale_growth_interval,
                                  min_scale=config.min_loss_scale)
+        self.divergence = DivergenceGuard(dynamic_scale=self.scaler.dynamic,
+                                          precision=config.precision,
+                                          max_skipped_steps=config.max_skipped_steps)
         faults, self._overflow = parse_faults(config.inject, topology.rank)
         self.board = board
         self._board_observer = None if board is None else BoardObserver(board, topology.rank)
@@ -394,6 +398,8 @@ class Trainer:
         sq, loss_total = vec.tolist()
         found_inf = not math.isfinite(sq)
         scale = self.scaler.scale
+        # a diverged run stops here, on every rank alike, before the optimizer step
+        self.divergence.check(k, loss_total / (cfg.microbatches * cfg.dp * cfg.cp), sq, scale)
         lr = lr_at(self.updates, lr=cfg.lr, min_lr=cfg.min_lr, warmup=cfg.warmup_steps,
                    decay_steps=cfg.decay_steps or cfg.steps)
         norm = math.sqrt(sq) / scale if not found_inf else float("inf")

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import PlanError
+from ..fields import json_value
 
 _LLAMA_FAMILY = ("llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe")
 _GELU = ("gelu", "gelu_new", "gelu_pytorch_tanh", "gelu_fast")
@@ -37,6 +38,7 @@ def spec_from_hf_config(cls: type, path: "str | Path | dict", *, name: str | Non
             raise PlanError(f"{source}: not valid JSON: {exc}") from None
         if not isinstance(cfg, dict):
             raise PlanError(f"{source}: a config.json holds a JSON object")
+    check_hf_config(cfg, source)
     kind = str(cfg.get("model_type", "")).lower()
     # the family and the whole config ride along: an executor builds that family's modules
     # from them (what the shape does not hold: rope theta, norm epsilon, init range...)
@@ -47,6 +49,78 @@ def spec_from_hf_config(cls: type, path: "str | Path | dict", *, name: str | Non
         return replace(_llama(cls, cfg, source, name or kind or "hf-model", seq_length), **origin)
     raise PlanError(f"{source}: model_type {kind!r} is not supported; from_hf_config reads "
                     f"Llama-family ({', '.join(_LLAMA_FAMILY)}) and GPT-2 configs")
+
+
+# config.json keys read here or by the families' modules, and the JSON type and range each
+# must have (key -> (kind, low, strict)): a value of another type is refused rather than read
+# as another model (``"tie_word_embeddings": "false"`` is a string, which would tie).
+_POSITIVE = ("int", 1, False)
+_COUNT = ("int", 0, False)
+_FLAG = ("bool", None, False)
+_ABOVE_ZERO = ("number", 0, True)
+_NON_NEGATIVE = ("number", 0, False)
+HF_KEYS: dict[str, tuple[str, float | None, bool]] = {
+    **{k: _POSITIVE for k in ("hidden_size", "num_attention_heads", "num_hidden_layers",
+                              "vocab_size", "intermediate_size", "num_key_value_heads",
+                              "head_dim", "max_position_embeddings", "moe_intermediate_size",
+                              "num_experts_per_tok", "decoder_sparse_step", "n_embd", "n_layer", "n_head", "n_positions", "n_inner")},
+    # (a sliding window of 0 is none: Qwen2-MoE writes it with use_sliding_window false)
+    **{k: _COUNT for k in ("num_local_experts", "num_experts", "max_window_layers",
+                           "shared_expert_intermediate_size", "sliding_window")},
+    **{k: _FLAG for k in ("tie_word_embeddings", "mlp_bias", "attention_bias", "qkv_bias",
+                          "use_sliding_window", "output_router_logits", "norm_topk_prob",
+                          "scale_attn_weights", "scale_attn_by_inverse_layer_idx",
+                          "reorder_and_upcast_attn")},
+    **{k: _ABOVE_ZERO for k in ("rms_norm_eps", "layer_norm_epsilon", "rope_theta")},
+    **{k: _NON_NEGATIVE for k in ("initializer_range", "attention_dropout", "resid_pdrop",
+                                  "embd_pdrop", "attn_pdrop", "router_aux_loss_coef",
+                                  "router_jitter_noise", "partial_rotary_factor")},
+    **{k: ("str", None, False) for k in ("model_type", "hidden_act", "activation_function")},
+}
+# transformers' activation names (transformers.activations.ACT2FN, 5.x)
+HF_ACTIVATIONS = ("gelu", "gelu_10", "gelu_accurate", "gelu_fast", "gelu_new", "gelu_python",
+                  "gelu_python_tanh", "gelu_pytorch_tanh", "hardswish", "laplace", "leaky_relu",
+                  "linear", "mish", "prelu", "quick_gelu", "relu", "relu2", "relu6", "sigmoid",
+                  "silu", "sqrtsoftplus", "swish", "tanh", "xielu")
+# keys a value null stands for "the family's default" (the others need a value when present)
+_NULLABLE = ("num_key_value_heads", "head_dim", "sliding_window", "n_inner", "num_experts_per_tok",
+             "moe_intermediate_size", "shared_expert_intermediate_size", "num_local_experts",
+             "num_experts", "max_window_layers", "decoder_sparse_step", "rope_theta")
+
+
+def check_hf_config(cfg: dict, source: str) -> None:
+    """Refuse a config.json value of the wrong JSON type or out of range, and a shape its
+    family cannot build, naming the key: here, before any process starts, rather than as a
+    model other than the one written (a string "false" that ties, 0 kv heads read as "all")
+    or as transformers' validator failing inside a worker."""
+    for key, (kind, low, strict) in HF_KEYS.items():
+        if key in cfg:
+            json_value(cfg[key], kind, key, source, PlanError, optional=key in _NULLABLE,
+                       low=low, strict=strict)
+    rope = cfg.get("rope_parameters", cfg.get("rope_scaling"))
+    if isinstance(rope, dict) and "rope_theta" in rope:
+        json_value(rope["rope_theta"], "number", "rope_parameters.rope_theta", source,
+                   PlanError, low=0, strict=True)
+    for key in ("hidden_act", "activation_function"):
+        if key in cfg and cfg[key].lower() not in HF_ACTIVATIONS:
+            raise PlanError(f"{source}: {key} {cfg[key]!r} is not an activation transformers "
+                            f"knows ({', '.join(HF_ACTIVATIONS)})")
+    gpt2 = str(cfg.get("model_type", "")).lower() == "gpt2" or "n_embd" in cfg
+    hidden, heads = (("n_embd", "n_head") if gpt2 else ("hidden_size", "num_attention_heads"))
+    if isinstance(cfg.get(hidden), int) and isinstance(cfg.get(heads), int):
+        h, n = cfg[hidden], cfg[heads]
+        if h % n:
+            raise PlanError(f"{source}: {hidden} = {h} is not a multiple of {heads} = {n} "
+                            "(each attention head is hidden / heads wide)")
+        kv = cfg.get("num_key_value_heads")
+        if not gpt2 and kv is not None and n % kv:
+            raise PlanError(f"{source}: num_attention_heads = {n} is not a multiple of "
+                            f"num_key_value_heads = {kv} (grouped-query attention shares each "
+                            "key/value head among heads / kv_heads query heads)")
+        dim = cfg.get("head_dim") or h // n
+        if not gpt2 and dim % 2:
+            raise PlanError(f"{source}: head_dim = {dim} is odd; rotary position embeddings "
+                            "rotate pairs of channels, so each head needs an even width")
 
 
 def _need(cfg: dict, key: str, source: str) -> Any:
@@ -68,7 +142,7 @@ def _llama(cls: type, cfg: dict, source: str, name: str, seq_length: int | None)
         name=name, layers=_need(cfg, "num_hidden_layers", source), hidden=hidden, heads=heads,
         seq_length=int(seq_length or cfg.get("max_position_embeddings", 4096)),
         vocab=_need(cfg, "vocab_size", source),
-        kv_heads=cfg.get("num_key_value_heads") or heads,
+        kv_heads=heads if cfg.get("num_key_value_heads") is None else cfg["num_key_value_heads"],
         head_dim=None if cfg.get("head_dim") in (None, hidden // heads) else cfg["head_dim"],
         ffn_hidden=ffn, mlp="gelu" if act in _GELU else "swiglu", norm="rmsnorm",
         position="rotary", tied_embeddings=bool(cfg.get("tie_word_embeddings", False)),

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import PlanError
-from ..fields import known_fields
+from ..fields import typed_fields
 from ..units import format_count
 
 MLP_KINDS = ("gelu", "swiglu")
@@ -80,6 +80,13 @@ class ModelSpec:
         if self.heads % self.num_kv_heads:
             raise PlanError(f"model.kv_heads: heads ({self.heads}) must be a multiple of kv_heads "
                             f"({self.num_kv_heads})")
+        if self.head_dim is None and self.hidden % self.heads:
+            raise PlanError(f"model.heads: hidden ({self.hidden}) is not a multiple of heads "
+                            f"({self.heads}): each head is hidden / heads wide unless head_dim "
+                            "gives its width")
+        if self.position == "rotary" and self.kv_channels % 2:
+            raise PlanError(f"model.head_dim: {self.kv_channels} is odd; rotary position "
+                            "embeddings rotate pairs of channels, so a head needs an even width")
         if self.experts < 0 or self.top_k < 0 or self.shared_expert_ffn_hidden < 0:
             raise PlanError("model: experts, top_k and shared_expert_ffn_hidden must be >= 0")
         if self.experts and not 1 <= self.top_k <= self.experts:
@@ -208,7 +215,7 @@ class ModelSpec:
 
     @classmethod
     def from_dict(cls, data: dict, source: str = "model") -> "ModelSpec":
-        known_fields(cls, data, "model", source, PlanError)
+        typed_fields(cls, data, "model", source, PlanError)
         try:
             return cls(**data)
         except TypeError as exc:

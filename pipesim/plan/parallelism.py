@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from ..errors import PlanError
-from ..fields import known_fields
+from ..fields import typed_fields
 
 RECOMPUTE = ("none", "selective", "full")
 PRECISIONS = ("bf16", "fp16", "fp8", "fp32")
@@ -106,7 +106,7 @@ class Parallelism:
 
     @classmethod
     def from_dict(cls, data: dict, source: str = "parallelism") -> "Parallelism":
-        return cls(**known_fields(cls, data, "parallelism", source, PlanError))
+        return cls(**typed_fields(cls, data, "parallelism", source, PlanError))
 
     def short(self) -> str:
         parts = [f"tp={self.tp}" + ("+sp" if self.sequence_parallel and self.tp > 1 else ""),

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..errors import PlanError, ScheduleError
-from ..fields import known_fields
+from ..fields import json_value, typed_fields
 from ..hardware import Hardware, get_hardware
 from ..schedule.io import schedule_from_dict, schedule_to_dict
 from ..schedule.registry import build_schedule
@@ -215,7 +215,9 @@ class Plan:
         fmt = data.pop("format", PLAN_FORMAT)
         if fmt != PLAN_FORMAT:
             raise PlanError(f"{source}: format {fmt!r} is not {PLAN_FORMAT!r}")
-        known_fields(cls, data, "plan", source, PlanError)
+        typed_fields(cls, data, "plan", source, PlanError, kinds={"schedule_options": "object"})
+        for i, n in enumerate(data.get("partition") or ()):
+            json_value(n, "int", f"plan.partition[{i}]", source, PlanError, low=0)
         if "model" not in data:
             raise PlanError(f"{source}: a plan needs a 'model'")
         model = data.pop("model")
@@ -241,9 +243,17 @@ class Plan:
         if not text.lstrip().startswith("{"):
             path = Path(source)
             try:
-                text = path.read_text()
+                raw = path.read_bytes()
             except FileNotFoundError:
                 raise PlanError(f"plan: no such file {str(path)!r}") from None
+            except OSError as exc:
+                raise PlanError(f"{path}: cannot read the plan file ({exc.strerror or exc})") from None
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise PlanError(f"{path}: not a plan file: byte {exc.start} is {raw[exc.start]:#04x}, "
+                                "not UTF-8 text (a plan is JSON: pipesim simulate --save-plan "
+                                "writes one)") from None
             name = str(path)
         try:
             data = json.loads(text)

@@ -163,6 +163,13 @@ def _read(source: str | os.PathLike, marker: str) -> tuple[str, str]:
         return source, "schedule text"
     path = Path(source)
     try:
-        return path.read_text(), str(path)
+        raw = path.read_bytes()
     except FileNotFoundError:
         raise ScheduleError(f"{path}: no such file") from None
+    except OSError as exc:
+        raise ScheduleError(f"{path}: cannot read the schedule file ({exc.strerror or exc})") from None
+    try:
+        return raw.decode("utf-8"), str(path)
+    except UnicodeDecodeError as exc:
+        raise ScheduleError(f"{path}: not a schedule file: byte {exc.start} is "
+                            f"{raw[exc.start]:#04x}, not UTF-8 text") from None

@@ -5,6 +5,7 @@ The registry is filled once, at import, by the builder modules; nothing mutates 
 """
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache
@@ -67,10 +68,50 @@ def build_schedule(name: str, pp: int, microbatches: int, vpp: int = 1, *,
     for field, value in (("pp", pp), ("vpp", vpp), ("microbatches", microbatches)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ScheduleError(f"{name}: {field} must be a positive integer, got {value!r}")
+    check_size(name, vpp, microbatches)
+    if options:
+        check_options(info, options)
     if options or not isinstance(recv_lookahead, int):   # costs, limits, group sizes: afresh
         schedule = info.builder(pp, vpp, microbatches, forward_only=forward_only, **options)
         return schedule.with_recv_lookahead(recv_lookahead)
     return _built(name, pp, vpp, microbatches, bool(forward_only), recv_lookahead)
+
+
+# The most computations one rank's order may hold: 2**18. Building, checking and simulating
+# take time and memory in proportion (about 0.1 ms and a few hundred bytes each here), so the
+# bound keeps a mistyped size (--microbatches 100000000) from running for minutes before it
+# says anything. Real steps are far below it: Megatron's largest published runs have
+# microbatches x vpp in the thousands (GPT-3 175B: global batch 1536 over dp 8, m = 192,
+# vpp up to 12: 2,304), and the bound allows 87,381 (F, B and W of each).
+MAX_ACTIONS_PER_RANK = 2 ** 18
+
+
+def check_size(name: str, vpp: int, microbatches: int) -> None:
+    """Refuse, before building anything, a schedule whose ranks would each run more than
+    `MAX_ACTIONS_PER_RANK` computations (counted as a split backward's three a microbatch and
+    model chunk: F, B and W)."""
+    per_rank = 3 * microbatches * vpp
+    if per_rank > MAX_ACTIONS_PER_RANK:
+        raise ScheduleError(
+            f"{name}: {microbatches:,} microbatches x vpp {vpp} make up to {per_rank:,} "
+            f"computations a rank, beyond pipesim's bound of {MAX_ACTIONS_PER_RANK:,} "
+            "(MAX_ACTIONS_PER_RANK): the schedule alone would take minutes and gigabytes to "
+            "build; give fewer microbatches (a smaller global batch, a larger micro-batch size)")
+
+
+def check_options(info: BuilderInfo, options: dict) -> None:
+    """Refuse option names ``info``'s builder does not take, naming those it does (a builder
+    with ``**`` options checks its own)."""
+    params = inspect.signature(info.builder).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return
+    known = [n for n, p in params.items()
+             if p.kind is inspect.Parameter.KEYWORD_ONLY and n != "forward_only"]
+    unknown = sorted(set(options) - set(known))
+    if unknown:
+        raise ScheduleError(f"{info.name}: unknown schedule option(s) {', '.join(unknown)}; "
+                            + (f"known options: {', '.join(known)}" if known else
+                               "it takes no options"))
 
 
 @lru_cache(maxsize=128)
