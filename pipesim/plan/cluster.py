@@ -26,7 +26,7 @@ from dataclasses import dataclass, fields, replace
 from typing import Any
 
 from ..errors import PlanError
-from ..fields import known_fields
+from ..fields import typed_fields
 from ..hardware import Hardware, get_hardware
 from .parallelism import Parallelism
 
@@ -202,7 +202,7 @@ class Cluster:
 
     @classmethod
     def from_dict(cls, data: dict, source: str = "cluster") -> "Cluster":
-        known_fields(cls, data, "cluster", source, PlanError)
+        typed_fields(cls, data, "cluster", source, PlanError)
         if "hardware" not in data:
             raise PlanError(f"{source}: cluster has no 'hardware'")
         hw = data["hardware"]
