@@ -1,9 +1,11 @@
 """Checks of a ``pipeexec train`` command that need the machine or the files, made before any
 worker starts (`TrainConfig.validate` checks the config itself): the CPU share asked for, the
-data file, whether a resumed run has anything left to train and whether it keeps the
-checkpoint's learning-rate schedule."""
+data file, the run's time limit, whether a checkpoint to load was written by the same model,
+whether a resumed run has anything left to train and whether it keeps the checkpoint's
+learning-rate schedule."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -11,6 +13,7 @@ from typing import Any
 from ..config import ConfigError, TrainConfig
 from .cpu_quota import cpu_limit
 from ..checkpoint import CheckpointError, read_tracker
+from ..checkpoint.contents import check_config
 from ..checkpoint.layout import RELEASE, tag_dir
 from ..checkpoint.reader import CheckpointReader, missing_checkpoint
 
@@ -34,6 +37,16 @@ def check_cpus_per_rank(cpus_per_rank: float | None, nproc: int,
             f"{cpus_per_rank * nproc:g} CPUs, but this process may use {have:g} (CPU affinity "
             f"and cgroup quota): at most --cpus-per-rank {have / nproc:g}, so that every rank "
             "has its share to itself")
+
+
+def check_timeout(timeout: float | None) -> None:
+    """Refuse a ``--timeout`` that means nothing: nan (no limit at all), inf, or not above
+    zero (the run would start, then time out at once)."""
+    if timeout is None:
+        return
+    if not (math.isfinite(timeout) and timeout > 0):
+        raise ConfigError(f"--timeout must be a finite number of seconds > 0 (the whole local "
+                          f"run's limit; leave it out for none), got {timeout:g}")
 
 
 def data_warning(data: str) -> str | None:
@@ -92,9 +105,10 @@ class Preflight:
 
 
 def check_train(config: TrainConfig, checkpoint: Any, *, nproc: int,
-                cpus_per_rank: float | None) -> Preflight:
+                cpus_per_rank: float | None, timeout: float | None = None) -> Preflight:
     """All machine- and file-level checks of a local or torchrun ``train`` command."""
     check_cpus_per_rank(cpus_per_rank, nproc)
+    check_timeout(timeout)
     warnings = []
     w = data_warning(config.data)
     if w:
@@ -104,13 +118,16 @@ def check_train(config: TrainConfig, checkpoint: Any, *, nproc: int,
         if w:
             warnings.append(w)
     nothing = None
-    if checkpoint is not None and checkpoint.load is not None and not checkpoint.finetune:
-
-
+    if checkpoint is not None and checkpoint.load is not None:
         tag = checkpoint.ckpt_step if checkpoint.ckpt_step is not None else read_tracker(checkpoint.load)
         if not tag_dir(checkpoint.load, tag).is_dir():
             raise CheckpointError(missing_checkpoint(Path(checkpoint.load), tag,
                                                      asked=checkpoint.ckpt_step is not None))
+        # the header of pipeline rank 0's file (not CRC-checked: the workers' load does that):
+        # a checkpoint of another model is refused here, not in every worker after start-up
+        reader = CheckpointReader(checkpoint.load, tag, verify=False)
+        check_config(reader.config, config.to_dict(), path=str(reader.path(0)))
+    if checkpoint is not None and checkpoint.load is not None and not checkpoint.finetune:
         if tag != RELEASE and int(tag) >= config.steps and not config.forward_only:
             nothing = (f"nothing to train: the checkpoint in {checkpoint.load} is at iteration "
                        f"{tag} and --steps {config.steps} counts iterations in total (like "
@@ -119,11 +136,7 @@ def check_train(config: TrainConfig, checkpoint: Any, *, nproc: int,
         elif tag != RELEASE and not (checkpoint.override_opt_param_scheduler
                                      or config.forward_only):
 
-            try:
-                first = CheckpointReader(checkpoint.load, tag, verify=False).file(0)
-            except CheckpointError:
-                first = {}               # the workers' load names what is wrong with the files
-            check_lr_schedule(config, first.get("opt_param_scheduler"), checkpoint.load)
+            check_lr_schedule(config, reader.file(0).get("opt_param_scheduler"), checkpoint.load)
     return Preflight(tuple(warnings), nothing)
 
 
