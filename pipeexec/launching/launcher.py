@@ -272,13 +272,10 @@ def _failure(procs: list, failed: list[int], board: ActionBoard, workdir: Path) 
     else:
         r = silent[0] if silent else failed[0]
         msg = _death(procs[r], r, board)
-    others = sorted(r2 for _, _, r2, _ in reports if r2 != r)
-    lost = sorted(r2 for peer, _, r2, _ in reports if r2 != r and peer)
+    others = sorted((r2, peer) for peer, _, r2, _ in reports if r2 != r)
     if others:
-        msg += (f" (also failed after it: rank{'s' if len(others) > 1 else ''} "
-                f"{', '.join(map(str, others))}"
-                + (f"; {', '.join(map(str, lost))} only lost {'their' if len(lost) > 1 else 'its'}"
-                   " connection" if lost else "") + ")")
+        msg += " (also failed: " + ", ".join(
+            f"rank {r2}" + (" (lost its connection)" if peer else "") for r2, peer in others) + ")"
     return WorkerFailed(msg, r, procs[r].exitcode)
 
 
