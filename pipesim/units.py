@@ -2,7 +2,9 @@
 
 One parser for every command line and config: a size needs its unit, since a bare ``80``
 (bytes, or GB?) has cost users a run (`pipesim sweep --memory-limit 80` once meant 80 bytes),
-and it must be positive. Numbers given from Python (``int`` / ``float``) are bytes.
+and it must be positive, finite and at least a byte; ``Gb`` / ``Mb`` (bits, as network speeds
+are written) are refused rather than read as bytes. Numbers given from Python (``int`` /
+``float``) are bytes.
 """
 from __future__ import annotations
 

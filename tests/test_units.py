@@ -110,3 +110,14 @@ def test_a_column_of_step_times_prints_at_one_precision():
                            "key": ["a", "b"]})
     rows = ranking_text(ranked).splitlines()[1:]
     assert [r.split()[3] for r in rows] == ["7.189", "7.600"]
+
+
+@pytest.mark.parametrize("text,why", [("10Gb", "'Gb' is bits; write 10GB for bytes"),
+                                      ("512Mb", "'Mb' is bits; write 512MB for bytes"),
+                                      ("1e400GB", "must be finite"), (float("inf"), "must be finite"),
+                                      ("1e-9B", "less than one byte"), (0.5, "less than one byte")])
+def test_parse_bytes_refuses_bits_infinity_and_fractions_of_a_byte(text, why):
+    """A size in bits (network notation: capital prefix, small b) is not read as bytes, 8x too
+    much; an infinite size or one below a byte means no limit, or nothing."""
+    with pytest.raises(ValueError, match=why):
+        parse_bytes(text)
