@@ -15,6 +15,7 @@ before any process starts, with every reason.
 from __future__ import annotations
 
 import dataclasses
+import math
 from argparse import SUPPRESS, BooleanOptionalAction
 from dataclasses import dataclass
 from typing import Any
@@ -440,6 +441,9 @@ class TrainConfig:
         self._validate_optimisation()
         if self.data != "synthetic":
             import os
+            if os.path.isdir(self.data):
+                raise ConfigError(f"data: {self.data!r} is a directory; --data takes "
+                                  "'synthetic' or a text file")
             if not os.path.isfile(self.data):
                 raise ConfigError(f"data: file {self.data!r} does not exist ('synthetic' or a "
                                   "text file)")
@@ -455,14 +459,29 @@ class TrainConfig:
             raise ConfigError("nccl_matching emulates NCCL's matching on gloo (CPU); with "
                               f"backend={self.backend!r} device={self.device!r} it does not apply: "
                               "drop --nccl-matching, or run with --device cpu")
-        if self.p2p_timeout <= 0 or self.collective_timeout <= 0:
-            raise ConfigError("timeouts must be positive")
+        for name in ("p2p_timeout", "collective_timeout"):
+            v = getattr(self, name)        # nan passes "<= 0"; inf overflows a timedelta
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not (
+                    math.isfinite(v) and v > 0):
+                raise ConfigError(f"{name} ({self.flag(name)}) must be a finite number of "
+                                  f"seconds > 0, got {v!r}")
         if self.memory_limit is not None:
             if self.schedule != "zb-auto":
                 raise ConfigError(f"memory_limit applies to the zb-auto schedule (a search under "
                                   f"it), got schedule {self.schedule!r}")
-            if not self.memory_limit > 0:
-                raise ConfigError(f"memory_limit must be > 0 bytes, got {self.memory_limit!r}")
+            if isinstance(self.memory_limit, bool) or not isinstance(
+                    self.memory_limit, (int, float)) or not (
+                    math.isfinite(self.memory_limit) and self.memory_limit > 0):
+                raise ConfigError(f"memory_limit (--memory-limit) must be a finite number of "
+                                  f"bytes > 0, got {self.memory_limit!r}")
+            floor = self.micro_batch_size * self.seq_len * self.hidden * (
+                4 if self.precision == "fp32" else 2)
+            if self.memory_limit < floor:   # the workers' check_memory_limit, before start-up
+                raise ConfigError(
+                    f"memory_limit (--memory-limit) {self.memory_limit:g} bytes is below what "
+                    f"one microbatch needs on a rank (at least {floor:g} bytes: its input "
+                    "activation, micro_batch_size x seq_len x hidden values of the compute "
+                    "dtype); raise --memory-limit")
             if self.vpp not in (1, 2) or self.forward_only:
                 raise ConfigError(f"zb-auto with a memory_limit trains with vpp = 1 or 2 and a "
                                   f"backward, got vpp = {self.vpp}"

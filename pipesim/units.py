@@ -2,7 +2,9 @@
 
 One parser for every command line and config: a size needs its unit, since a bare ``80``
 (bytes, or GB?) has cost users a run (`pipesim sweep --memory-limit 80` once meant 80 bytes),
-and it must be positive. Numbers given from Python (``int`` / ``float``) are bytes.
+and it must be positive, finite and at least a byte; ``Gb`` / ``Mb`` (bits, as network speeds
+are written) are refused rather than read as bytes. Numbers given from Python (``int`` /
+``float``) are bytes.
 """
 from __future__ import annotations
 
@@ -30,9 +32,19 @@ def parse_bytes(text: "str | float | int") -> float:
             raise ValueError(f"memory size {text!r}: "
                              + ("a size needs its unit" if missing else "not a size")
                              + f", e.g. 80GiB or 80GB (units: {UNITS_HELP})")
+        written = match.group(2)
+        if len(written) > 1 and written.endswith("b") and written != written.lower():
+            # Gb, Mb, Kb: bits by convention (network speeds); a memory size is in bytes
+            raise ValueError(f"memory size {text!r}: {written!r} is bits; write "
+                             f"{match.group(1)}{written[:-1].upper()}B for bytes (units: "
+                             f"{UNITS_HELP})")
         value = float(match.group(1)) * _UNITS[unit]
     if not value > 0:
         raise ValueError(f"memory size {text!r}: must be > 0 (e.g. 80GiB)")
+    if not math.isfinite(value):
+        raise ValueError(f"memory size {text!r}: must be finite (e.g. 80GiB)")
+    if value < 1:
+        raise ValueError(f"memory size {text!r}: less than one byte (e.g. 80GiB)")
     return value
 
 

@@ -110,3 +110,18 @@ def test_bad_json(tmp_path):
         schedule_from_json('{"format": "pipesim.schedule", "version": 1}')
     with pytest.raises(ScheduleError, match="no such file"):
         schedule_from_json(tmp_path / "missing.json")
+
+
+@pytest.mark.parametrize("name", [n for n in pipesim.schedule_names() if n != "dualpipe"])
+def test_torch_csv_with_comms_exports_a_receive_lookahead(name):
+    """pipeexec runs with its receives posted one computation early (recv_lookahead 1); the
+    torch export of that schedule orders the receives for torch's one-channel matching, so it
+    is the export of the same compute order without the lookahead (a lookahead says where
+    *inserted* receives go; the exported ones are placed for torch)."""
+    vpp = 2 if name in ("interleaved", "zbv", "dualpipev", "v-min", "v-half", "looped-bfs") else 1
+    s = pipesim.build_schedule(name, pp=2, vpp=vpp, microbatches=4)
+    early = schedule_to_csv(s.with_recv_lookahead(1), with_comms=True)
+    assert early == schedule_to_csv(s, with_comms=True)
+    back = schedule_from_csv(early)
+    assert back.has_explicit_comms and back.recv_lookahead == 0
+    back.validate(single_channel=True)

@@ -130,3 +130,14 @@ def test_the_ranking_counts_twins_and_prints_memory_in_a_unit_that_fits():
     assert rows[0].split()[5] == "3.0" and "(+2 twins of the same time and memory: cp2 mbs2, cp4 mbs4)" in rows[0]
     assert rows[1].split()[0] == "2" and rows[1].endswith("other")
     assert len(ranking_text(ranked, top=1).splitlines()) == 2
+
+
+@pytest.mark.parametrize("text,why", [("10Gb", "'Gb' is bits; write 10GB for bytes"),
+                                      ("512Mb", "'Mb' is bits; write 512MB for bytes"),
+                                      ("1e400GB", "must be finite"), (float("inf"), "must be finite"),
+                                      ("1e-9B", "less than one byte"), (0.5, "less than one byte")])
+def test_parse_bytes_refuses_bits_infinity_and_fractions_of_a_byte(text, why):
+    """A size in bits (network notation: capital prefix, small b) is not read as bytes, 8x too
+    much; an infinite size or one below a byte means no limit, or nothing."""
+    with pytest.raises(ValueError, match=why):
+        parse_bytes(text)

@@ -116,6 +116,7 @@ class CheckpointManager:
         o = self.options
         if o.load is None:
             return None
+        _on_board(trainer, 0, load=True)
         self.loaded = load_checkpoint(trainer, o.load, tag=o.ckpt_step, finetune=o.finetune,
                                       load_optim=not o.no_load_optim, load_rng=not o.no_load_rng,
                                       verify=o.verify, log=self.log,
@@ -126,6 +127,7 @@ class CheckpointManager:
 
     def save(self, trainer, *, release: bool = False) -> SaveReport:
         o = self.options
+        _on_board(trainer, int(trainer.iteration))
         report = save_checkpoint(trainer, o.save, release=release, keep_last=o.keep_last,
                                  timeout=o.timeout, sequence=len(self.saves), fault=o.fault,
                                  log=self.log)
@@ -155,3 +157,11 @@ class CheckpointManager:
                 "load_time": None if self.loaded is None else self.loaded.seconds,
                 "loaded_iteration": None if self.loaded is None else self.loaded.iteration,
                 "resharded": None if self.loaded is None else self.loaded.resharded}
+
+
+def _on_board(trainer, iteration: int, *, load: bool = False) -> None:
+    """Tell the local launcher's board (when there is one) that this rank is in a checkpoint
+    save or load, so that a worker killed there is reported in it."""
+    board = getattr(trainer, "board", None)
+    if board is not None:
+        board.set_checkpoint(trainer.topology.rank, iteration, load=load)

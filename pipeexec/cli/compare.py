@@ -191,7 +191,7 @@ def compare_main(argv: list[str]) -> int:
     """``pipeexec compare ...``; returns the exit status (2: bad arguments, 1: run failed)."""
     from ..launching.cpu_quota import QuotaUnavailable
     from ..launching.launcher import WorkerFailed
-    from ..launching.preflight import check_cpus_per_rank
+    from ..launching.preflight import check_cpus_per_rank, check_timeout
     from ..measuring.session import parse_step_range
 
     ns, rest = compare_parser().parse_known_args(argv)
@@ -243,6 +243,7 @@ def compare_main(argv: list[str]) -> int:
         first, stop = parse_step_range(ns.profile) if ns.profile else (1, config.steps)
         notes += layout_notes(config, stop - first)
         check_cpus_per_rank(cpus_per_rank, config.world_size)
+        check_timeout(getattr(tns, "timeout", None))
         # train's generated profiling flags (clock alignment, split probe); the steps and the
         # trace file are compare's own --profile and --trace-out
         profile = ProfileOptions(**{k: v for k, v in values_from_args(ProfileOptions, tns).items()
@@ -295,11 +296,12 @@ def compare_main(argv: list[str]) -> int:
                                timeout=getattr(tns, "timeout", None),
                                cpus_per_rank=cpus_per_rank, profile=profile)
         comparison = compare_runs(run, source, carry=carry)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as exc:     # Ctrl-C, or the launcher's Stopped (SIGTERM, SIGHUP)
         workers = tns.tp * tns.cp * tns.pp * tns.dp
-        print(f"\npipeexec compare: interrupted: stopped {workers} workers",
+        how = f"stopped by {exc.signal_name}" if hasattr(exc, "signal_name") else "interrupted"
+        print(f"\npipeexec compare: {how}: stopped {workers} workers",
               file=sys.stderr, flush=True)
-        return 130
+        return getattr(exc, "exit_status", 130)
     except WorkerFailed as exc:
         print(f"pipeexec compare: error: {exc}", file=sys.stderr)
         return 1

@@ -4,6 +4,7 @@ raises exceptions."""
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from pipesim.cli.help import DefaultsHelpFormatter, VersionAction, package_version
@@ -38,7 +39,27 @@ def _version() -> str:
     return f"pipeexec {package_version()} (torch {torch.__version__})"
 
 
+# exit status after a closed stdout (``pipeexec ... | head``): a shell's for SIGPIPE, 128 + 13
+CLOSED_PIPE_STATUS = 141
+
+
 def main(argv: list[str] | None = None) -> None:
+    """Run one command; a reader that closed stdout early (``| head``) ends it quietly with
+    status 141, as a command killed by SIGPIPE does, instead of a BrokenPipeError traceback."""
+    try:
+        try:
+            _main(argv)
+        finally:
+            sys.stdout.flush()         # what is still buffered meets the closed pipe here
+    except BrokenPipeError:
+        # Python's advice (signal module docs, "Note on SIGPIPE"): point stdout at devnull, so
+        # that the interpreter's own flush at exit does not raise again
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        sys.exit(CLOSED_PIPE_STATUS)
+
+
+def _main(argv: list[str] | None) -> None:
     args = sys.argv[1:] if argv is None else list(argv)
     if args[:1] == ["compare"]:
         sys.exit(compare_main(args[1:]))

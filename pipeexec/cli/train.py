@@ -208,7 +208,8 @@ def train_main(args: list[str]) -> None:
             raise ConfigError("--cpus-per-rank is for CPU runs: on CUDA it would throttle the "
                               "threads that launch kernels and drive NCCL (drop it, or use "
                               "--device cpu)")
-        checks = check_train(config, checkpoint, nproc=world, cpus_per_rank=ns.cpus_per_rank)
+        checks = check_train(config, checkpoint, nproc=world, cpus_per_rank=ns.cpus_per_rank,
+                             timeout=ns.timeout)
         first = not under_torchrun or os.environ.get("RANK") == "0"
         for warning in checks.warnings if first else ():
             print(f"pipeexec: warning: {warning}", file=sys.stderr, flush=True)
@@ -224,11 +225,13 @@ def train_main(args: list[str]) -> None:
         else:
             launch(run_training, world, (args,), timeout=ns.timeout, cpus_per_rank=ns.cpus_per_rank,
                    start_method=start_method_for(config.device, config.backend))
-    except KeyboardInterrupt:
-        # The launcher's cleanup has run (every worker stopped, quotas removed) on the way here.
+    except KeyboardInterrupt as exc:
+        # The launcher's cleanup has run (every worker stopped, quotas removed) on the way here;
+        # SIGTERM / SIGHUP arrive as its Stopped, Ctrl-C as a plain KeyboardInterrupt.
         stopped = "" if under_torchrun else f": stopped {world} worker{'s' if world != 1 else ''}"
-        print(f"\npipeexec: interrupted{stopped}", file=sys.stderr, flush=True)
-        sys.exit(130)
+        how = f"stopped by {exc.signal_name}" if hasattr(exc, "signal_name") else "interrupted"
+        print(f"\npipeexec: {how}{stopped}", file=sys.stderr, flush=True)
+        sys.exit(getattr(exc, "exit_status", 130))
     except (ConfigError, pipesim.ScheduleError, ValueError, QuotaUnavailable) as exc:
         print(f"pipeexec: error: {exc}", file=sys.stderr)
         sys.exit(2)

@@ -12,6 +12,8 @@ import multiprocessing
 from pipesim.schedule.op import Op
 
 _FIELDS = 4   # step, op code (pipesim's Op.code), stage, microbatch
+# phases outside the schedule's actions, in the op slot (pipesim's op codes are >= 0)
+_CHECKPOINT_SAVE, _CHECKPOINT_LOAD = -2, -3
 
 
 class ActionBoard:
@@ -28,9 +30,23 @@ class ActionBoard:
         s[base + 2] = stage
         s[base + 3] = microbatch
 
+    def set_checkpoint(self, rank: int, iteration: int, *, load: bool = False) -> None:
+        """The rank is saving (or loading) the checkpoint of ``iteration``: a worker killed
+        there (out of memory, a full disk's stall) is reported as such, not in the action
+        before."""
+        base = rank * _FIELDS
+        s = self._slots
+        s[base] = iteration
+        s[base + 1] = _CHECKPOINT_LOAD if load else _CHECKPOINT_SAVE
+        s[base + 2] = s[base + 3] = -1
+
     def describe(self, rank: int) -> str:
         base = rank * _FIELDS
         step, op, stage, mb = self._slots[base: base + _FIELDS]
+        if op == _CHECKPOINT_SAVE:
+            return f"the checkpoint save of iteration {step}"
+        if op == _CHECKPOINT_LOAD:
+            return "the checkpoint load, before any action"
         if step < 0:
             return "its start-up, before any action"
         op = Op.of_code(op)

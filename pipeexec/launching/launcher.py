@@ -10,9 +10,17 @@ and one intra-op thread (OMP_NUM_THREADS=1 semantics), so code written for torch
 
 Failure: a worker that raises writes its error (which names its rank and action) to a file and
 exits non-zero; a worker that dies silently is seen through its exit code, and the shared
-`ActionBoard` says which action it was in. Either way the launcher then stops every other
-worker (SIGTERM, then SIGKILL) and raises `WorkerFailed` naming the rank and the action: the
-run ends in bounded time. An overall ``timeout`` bounds the whole run too.
+`ActionBoard` says which action it was in. After the first failure the launcher gives the
+others a short bounded wait (``report_wait``) to fail and report too, then stops the rest
+(SIGTERM, then SIGKILL) and raises `WorkerFailed` naming the cause: a rank killed from outside,
+else the earliest rank's own error, a peer's lost connection only when no rank has its own
+(a rank that fails tears its process group down before its report is written, so its peers'
+"Connection closed by peer" often comes first). The run ends in bounded time; an overall
+``timeout`` bounds it too.
+
+SIGTERM and SIGHUP to the launcher end the run as Ctrl-C does (`Stopped`, a KeyboardInterrupt:
+workers stopped, temporary folder removed), where Python would otherwise die at once and leave
+both behind.
 """
 from __future__ import annotations
 
@@ -32,6 +40,25 @@ from typing import Any
 
 from .board import ActionBoard
 from .cpu_quota import RankQuotas
+
+
+class Stopped(KeyboardInterrupt):
+    """The launcher was sent ``signum`` (SIGTERM, SIGHUP): the workers were stopped and the
+    run's files removed on the way out. ``exit_status``: the shell's 128 + signal number."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+        self.signal_name = signal.Signals(signum).name
+        self.exit_status = 128 + signum
+
+
+# signals handled as Ctrl-C while workers run (SIGINT is Python's KeyboardInterrupt already)
+_STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
+# what a rank reports when a peer went away first: a consequence, not the cause
+_PEER_LOST = ("connection closed by peer", "connection reset by peer", "broken pipe",
+              "connection refused", "socket closed", "connection closed",
+              "no route to host", "peer closed")
 
 
 class WorkerFailed(RuntimeError):
@@ -73,8 +100,11 @@ def _worker(fn: Callable, rank: int, nproc: int, port: int, workdir: str, board:
     _die_with_parent()
     if os.getppid() != parent:     # the launcher died before prctl took effect
         os._exit(1)
-    # Ctrl-C reaches the whole process group: the launcher alone handles it, stopping workers.
+    # Ctrl-C and a hang-up reach the whole process group: the launcher alone handles them,
+    # stopping workers; SIGTERM (the launcher's stop) ends a worker at once.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     if quotas is not None:
         try:
             quotas.join(rank)
@@ -115,11 +145,13 @@ def _worker(fn: Callable, rank: int, nproc: int, port: int, workdir: str, board:
 
 def launch(fn: Callable[..., Any], nproc: int, args: tuple = (), *, timeout: float | None = None,
            start_method: str = "fork", env: dict | None = None, grace: float = 2.0,
-           cpus_per_rank: float | None = None) -> list[Any]:
+           cpus_per_rank: float | None = None, report_wait: float = 2.0) -> list[Any]:
     """Run ``fn(board, *args)`` in ``nproc`` workers; return their results by rank.
 
-    Raises `WorkerFailed` (naming the first failed rank, its action and its error) as soon as a
-    worker fails, after stopping the others; or when ``timeout`` seconds pass.
+    Raises `WorkerFailed` (naming the failed rank that caused it, its action and its error)
+    when a worker fails, after at most ``report_wait`` seconds for the others' reports and
+    stopping the rest; or when ``timeout`` seconds pass. Raises `Stopped` on SIGTERM or SIGHUP
+    (from the main thread, whose handlers it sets while the workers run).
     ``cpus_per_rank``: confine each worker to that many CPUs (`pipeexec.launching.cpu_quota.RankQuotas`;
     raises `QuotaUnavailable` before starting any worker when the machine does not allow it).
     """
@@ -132,17 +164,37 @@ def launch(fn: Callable[..., Any], nproc: int, args: tuple = (), *, timeout: flo
         if torch is not None and torch.cuda.is_initialized():
             raise RuntimeError("refusing to fork: CUDA is initialised in the parent (children "
                                "could not use it); use start_method='spawn'")
-    quotas = RankQuotas(nproc, cpus_per_rank) if cpus_per_rank is not None else None
+    if timeout is not None and not (timeout > 0 and timeout < float("inf")):
+        raise ValueError(f"launch: timeout must be a finite number of seconds > 0, got {timeout!r}")
+    previous = _catch_stop_signals()
     try:
-        return _launch(fn, nproc, args, timeout, start_method, env, grace, quotas)
+        quotas = RankQuotas(nproc, cpus_per_rank) if cpus_per_rank is not None else None
+        try:
+            return _launch(fn, nproc, args, timeout, start_method, env, grace, quotas,
+                           report_wait)
+        finally:
+            if quotas is not None:
+                quotas.close()
     finally:
-        if quotas is not None:
-            quotas.close()
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
+def _catch_stop_signals() -> dict:
+    """Raise `Stopped` on SIGTERM / SIGHUP while the workers run (main thread only: elsewhere
+    Python cannot set handlers, and the caller's own stay). Returns the handlers replaced."""
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+
+    def stop(signum, frame):
+        raise Stopped(signum)
+
+    return {signum: signal.signal(signum, stop) for signum in _STOP_SIGNALS}
 
 
 def _launch(fn: Callable[..., Any], nproc: int, args: tuple, timeout: float | None,
             start_method: str, env: dict | None, grace: float,
-            quotas: RankQuotas | None) -> list[Any]:
+            quotas: RankQuotas | None, report_wait: float) -> list[Any]:
     ctx = multiprocessing.get_context(start_method)
     board = ActionBoard(nproc, ctx)
     port = free_port()
@@ -157,22 +209,29 @@ def _launch(fn: Callable[..., Any], nproc: int, args: tuple, timeout: float | No
         running = {p.sentinel: r for r, p in enumerate(procs)}
         failed: list[int] = []
         timed_out: WorkerFailed | None = None
+        settle: float | None = None       # after the first failure: when to stop waiting
         try:
             while running:
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
+                now = time.monotonic()
+                left = None if deadline is None else deadline - now
+                if left is not None and left <= 0 and settle is None:
                     where = "; ".join(f"rank {r}: {board.describe(r)}" for r in sorted(running.values()))
                     timed_out = WorkerFailed(f"run timed out after {timeout:g} s ({where})",
                                              min(running.values()), None)
                     break
+                if settle is not None:
+                    left = settle - now
+                    if left <= 0:
+                        break
                 ready = wait_sentinels(list(running), timeout=0.5 if left is None else min(0.5, left))
                 for sentinel in ready:
                     r = running.pop(sentinel)
                     procs[r].join()
                     if procs[r].exitcode != 0:
                         failed.append(r)
-                if failed:
-                    break
+                if failed and settle is None:
+                    # the others' reports: the first to exit is often a peer of the cause
+                    settle = time.monotonic() + report_wait
         finally:
             if running:
                 _stop([procs[r] for r in running.values()], grace)
@@ -201,27 +260,36 @@ def _stop(procs: list, grace: float) -> None:
             p.join(5)
 
 
+def lost_peer(message: str) -> bool:
+    """Whether a rank's error says only that a peer went away (its connection closed or
+    reset): what the peers of a failed rank report, not a cause."""
+    low = message.lower()
+    return any(sign in low for sign in _PEER_LOST)
+
+
 def _failure(procs: list, failed: list[int], board: ActionBoard, workdir: Path) -> WorkerFailed:
-    """Name the root cause: the earliest reported error, else the first rank that died."""
+    """Name the root cause from every report: a rank killed from outside (no report) before
+    its peers, which only noticed it; else the earliest rank's own error; else the earliest
+    lost connection; else the first rank that died. The others are named after it."""
     reports = []
     for r in range(len(procs)):
         f = workdir / f"error-{r}.txt"
         if f.exists():
             when, msg, *_ = f.read_text().split("\n", 2) + [""]
-            reports.append((float(when), r, msg))
-    if reports:
-        # A rank that died without a report (killed) is more likely the root than its peers,
-        # which only noticed it.
-        silent = [r for r in failed if not (workdir / f"error-{r}.txt").exists()]
-        if silent:
-            r = silent[0]
-            return WorkerFailed(_death(procs[r], r, board), r, procs[r].exitcode)
-        _, r, msg = min(reports)
+            reports.append((lost_peer(msg), float(when), r, msg))
+    silent = [r for r in failed if not (workdir / f"error-{r}.txt").exists()]
+    if reports and not silent:
+        _, _, r, msg = min(reports)
         if not msg.startswith(f"rank {r} "):
             msg = f"rank {r} failed in {board.describe(r)}: {msg}"
-        return WorkerFailed(msg, r, procs[r].exitcode)
-    r = failed[0]
-    return WorkerFailed(_death(procs[r], r, board), r, procs[r].exitcode)
+    else:
+        r = silent[0] if silent else failed[0]
+        msg = _death(procs[r], r, board)
+    others = sorted((r2, peer) for peer, _, r2, _ in reports if r2 != r)
+    if others:
+        msg += " (also failed: " + ", ".join(
+            f"rank {r2}" + (" (lost its connection)" if peer else "") for r2, peer in others) + ")"
+    return WorkerFailed(msg, r, procs[r].exitcode)
 
 
 def _death(proc, rank: int, board: ActionBoard) -> str:

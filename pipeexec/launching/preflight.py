@@ -1,9 +1,11 @@
 """Checks of a ``pipeexec train`` command that need the machine or the files, made before any
 worker starts (`TrainConfig.validate` checks the config itself): the CPU share asked for, the
-data file, whether a resumed run has anything left to train and whether it keeps the
-checkpoint's learning-rate schedule."""
+data file, the run's time limit, whether a checkpoint to load was written by the same model,
+whether a resumed run has anything left to train and whether it keeps the checkpoint's
+learning-rate schedule."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,6 +37,16 @@ def check_cpus_per_rank(cpus_per_rank: float | None, nproc: int,
             f"{cpus_per_rank * nproc:g} CPUs, but this process may use {have:g} (CPU affinity "
             f"and cgroup quota): at most --cpus-per-rank {have / nproc:g}, so that every rank "
             "has its share to itself")
+
+
+def check_timeout(timeout: float | None) -> None:
+    """Refuse a ``--timeout`` that means nothing: nan (no limit at all), inf, or not above
+    zero (the run would start, then time out at once)."""
+    if timeout is None:
+        return
+    if not (math.isfinite(timeout) and timeout > 0):
+        raise ConfigError(f"--timeout must be a finite number of seconds > 0 (the whole local "
+                          f"run's limit; leave it out for none), got {timeout:g}")
 
 
 def data_warning(data: str) -> str | None:
@@ -104,9 +116,10 @@ class Preflight:
 
 
 def check_train(config: TrainConfig, checkpoint: Any, *, nproc: int,
-                cpus_per_rank: float | None) -> Preflight:
+                cpus_per_rank: float | None, timeout: float | None = None) -> Preflight:
     """All machine- and file-level checks of a local or torchrun ``train`` command."""
     check_cpus_per_rank(cpus_per_rank, nproc)
+    check_timeout(timeout)
     warnings = []
     w = data_warning(config.data)
     if w:
@@ -117,13 +130,12 @@ def check_train(config: TrainConfig, checkpoint: Any, *, nproc: int,
         if w:
             warnings.append(w)
     nothing = None
-    if checkpoint is not None and checkpoint.load is not None and not checkpoint.finetune:
-
-
+    if checkpoint is not None and checkpoint.load is not None:
         tag = checkpoint.ckpt_step if checkpoint.ckpt_step is not None else read_tracker(checkpoint.load)
         if not tag_dir(checkpoint.load, tag).is_dir():
             raise CheckpointError(missing_checkpoint(Path(checkpoint.load), tag,
                                                      asked=checkpoint.ckpt_step is not None))
+    if checkpoint is not None and checkpoint.load is not None and not checkpoint.finetune:
         if tag != RELEASE and int(tag) >= config.steps and not config.forward_only:
             nothing = (f"nothing to train: the checkpoint in {checkpoint.load} is at iteration "
                        f"{tag} and --steps {config.steps} counts iterations in total (like "

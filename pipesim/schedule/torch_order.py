@@ -42,7 +42,8 @@ def check_single_channel(schedule: "Schedule", lists: list[list[Action]] | None 
     (``lists``: per-rank actions; default ``schedule.actions``): `check_channels` over
     `torch_channel`."""
     if lists is not None:
-        schedule = schedule.with_orders(lists)
+        # the lists carry their receives: a lookahead (where inserted receives go) has no say
+        schedule = schedule.with_orders(lists, recv_lookahead=0)
     try:
         check_channels(schedule, torch_channel)
     except ChannelError as exc:

@@ -5,6 +5,7 @@ worker functions run in forked ranks by `pipeexec.launch`.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -90,8 +91,24 @@ def reference_model(cfg: TrainConfig) -> tuple[nn.Sequential, list[str]]:
     return model, names
 
 
-def reference_train(cfg: TrainConfig, steps: int | None = None, dtype: torch.dtype = torch.float32):
-    """Plain single-process training on the whole global batch; returns losses, params, model."""
+@dataclass(frozen=True)
+class ReferenceRun:
+    """What the single-process reference gives: per step the loss and the global gradient
+    norm before clipping (`torch.nn.utils.clip_grad_norm_`'s return; AdamW with clipping
+    cancels a uniform scale of the gradients, the norm does not), the final parameters by
+    name, the model, and per step the unclipped gradients by name."""
+
+    losses: list[float]
+    params: dict[str, torch.Tensor]
+    model: nn.Module
+    grad_norms: list[float]
+    grads: list[dict[str, torch.Tensor]]
+
+
+def reference_run(cfg: TrainConfig, steps: int | None = None,
+                  dtype: torch.dtype = torch.float32) -> ReferenceRun:
+    """Plain single-process training on the whole global batch (``cfg.clip_grad`` 0: no
+    clipping, as the Trainer reads it)."""
     model, names = reference_model(cfg)
     params = list(model.parameters())
     masters = [p.detach().clone() for p in params]
@@ -105,7 +122,7 @@ def reference_train(cfg: TrainConfig, steps: int | None = None, dtype: torch.dty
         lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
     src = BatchSource(seed=cfg.seed, seq_len=cfg.seq_len, vocab=cfg.vocab,
                       global_batch=cfg.global_batch)
-    losses = []
+    losses, norms, step_grads = [], [], []
     for k in range(cfg.steps if steps is None else steps):
         x, y = src.global_batch_at(k)
         logits = model(x)
@@ -113,7 +130,13 @@ def reference_train(cfg: TrainConfig, steps: int | None = None, dtype: torch.dty
         grads = torch.autograd.grad(loss, params)
         for mp, g in zip(masters, grads):
             mp.grad = g.float()
-        torch.nn.utils.clip_grad_norm_(masters, cfg.clip_grad)
+        step_grads.append({n: mp.grad.clone() for n, mp in zip(names, masters)})
+        if cfg.clip_grad > 0:
+            norm = torch.nn.utils.clip_grad_norm_(masters, cfg.clip_grad)
+        else:
+            norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(mp.grad)
+                                                         for mp in masters]))
+        norms.append(norm.item())
         for g in opt.param_groups:
             g["lr"] = reference_lr(cfg, k)
         opt.step()
@@ -121,7 +144,24 @@ def reference_train(cfg: TrainConfig, steps: int | None = None, dtype: torch.dty
             for p, mp in zip(params, masters):
                 p.copy_(mp)
         losses.append(loss.item())
-    return losses, dict(zip(names, masters)), model
+    return ReferenceRun(losses, dict(zip(names, masters)), model, norms, step_grads)
+
+
+def reference_train(cfg: TrainConfig, steps: int | None = None, dtype: torch.dtype = torch.float32):
+    """Plain single-process training on the whole global batch; returns losses, params, model
+    (`reference_run` gives the gradient norms and gradients too)."""
+    ref = reference_run(cfg, steps, dtype)
+    return ref.losses, ref.params, ref.model
+
+
+def assert_grad_norms(got, want, label: str = "", rtol: float = 1e-5) -> None:
+    """The run's logged global gradient norm per step equals the reference's: catches a
+    gradient scaled uniformly (summed instead of averaged over replicas), which losses and
+    parameters cannot show once AdamW and clipping cancel the scale."""
+    torch.testing.assert_close(torch.tensor(list(got), dtype=torch.float64),
+                               torch.tensor(list(want), dtype=torch.float64), rtol=rtol, atol=0,
+                               msg=lambda m: f"{label}: grad norms {list(got)} vs the "
+                                             f"reference's {list(want)}: {m}")
 
 
 def reference_logits(cfg: TrainConfig, model: nn.Module, step: int) -> torch.Tensor:
@@ -147,6 +187,7 @@ def layouts_worker(board, pp: int, dp: int, cases: list[tuple[str, dict]], devic
             fwd = trainer.forward(cfg.steps, keep_outputs=True)
             out[(schedule, tuple(sorted(changes.items())))] = {
                 "losses": res.losses, "skipped": res.skipped, "loss_scales": res.loss_scales,
+                "grad_norms": res.grad_norms,
                 "params": {n: p.detach().cpu().clone() for n, p in trainer.named_parameters().items()},
                 "fwd_outputs": {mb: t.cpu().clone() for mb, t in fwd.outputs.items()},
                 "fwd_losses": {mb: t.item() for mb, t in fwd.losses.items()},

@@ -15,7 +15,8 @@ import pipesim
 from pipesim.schedule.io import schedule_to_csv, schedule_to_json
 from pipeexec import launch
 
-from exec_helpers import GLOBAL_BATCH, MICROBATCHES, TINY, layouts_worker, reference_train
+from exec_helpers import (GLOBAL_BATCH, MICROBATCHES, TINY, assert_grad_norms, layouts_worker,
+                          reference_run, reference_train)
 
 pytestmark = pytest.mark.slow
 REF_CFG = TINY.replace(microbatches=MICROBATCHES, micro_batch_size=GLOBAL_BATCH // MICROBATCHES)
@@ -31,7 +32,10 @@ def reference():
 def test_dualpipe_trains_as_one_process(pp):
     results = launch(layouts_worker, pp, (pp, 1, [("dualpipe", {})]), timeout=600)
     ref_losses, ref_params = reference()
+    reference_norms = reference_run(REF_CFG).grad_norms
     (key,) = results[0].keys()
+    for r in results:          # each part's two copies summed, counted once in the norm
+        assert_grad_norms(r[key]["grad_norms"], reference_norms, f"pp={pp}")
     cfg = results[0][key]["config"]
     m = cfg.microbatches
     schedule = cfg.build_schedule()

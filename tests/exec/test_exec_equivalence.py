@@ -20,8 +20,9 @@ import torch
 import pipesim
 from pipeexec import launch
 
-from exec_helpers import (GLOBAL_BATCH, MICROBATCHES, TINY, choose_microbatches, layouts_worker,
-                          reference_logits, reference_model, reference_train)
+from exec_helpers import (GLOBAL_BATCH, MICROBATCHES, TINY, assert_grad_norms, choose_microbatches,
+                          layouts_worker, reference_logits, reference_model, reference_run,
+                          reference_train)
 
 pytestmark = pytest.mark.slow
 
@@ -36,6 +37,17 @@ def reference(precision: str = "fp32"):
     losses, params, model = reference_train(REF_CFG, dtype=dtype)
     logits = reference_logits(REF_CFG, model, REF_CFG.steps)
     return losses, params, logits
+
+
+@functools.lru_cache(maxsize=None)
+def reference_norms(precision: str = "fp32") -> list[float]:
+    """The reference's global gradient norm per step, before clipping."""
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[precision]
+    return reference_run(REF_CFG, dtype=dtype).grad_norms
+
+
+# bf16 compute (fp32 master weights and gradient buffer): the norm's bound, as the losses'
+BF16_NORM_RTOL = 2e-2
 
 
 @functools.lru_cache(maxsize=None)
@@ -105,7 +117,11 @@ def test_schedules_match_single_process(pp, dp):
         assert params.keys() == ref_params.keys(), label
         losses = [r[key]["losses"] for r in results]
         assert all(ls == losses[0] for ls in losses), f"{label}: ranks disagree on the losses"
-        if changes.get("precision") == "bf16":
+        bf16 = changes.get("precision") == "bf16"
+        for r in results:      # every rank logs the global norm; a summed dp doubles it
+            assert_grad_norms(r[key]["grad_norms"], reference_norms("bf16" if bf16 else "fp32"),
+                              label, rtol=BF16_NORM_RTOL if bf16 else 1e-5)
+        if bf16:
             torch.testing.assert_close(torch.tensor(losses[0]), torch.tensor(ref_losses),
                                        rtol=1e-3, atol=0, msg=label)
             assert update_error(params, ref_params, init) < 0.2, label

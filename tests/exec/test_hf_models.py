@@ -43,7 +43,7 @@ from pipeexec.model import lm_loss  # noqa: E402
 from pipeexec.models.hf import hf_dir_stack, hf_name, hf_reference_model  # noqa: E402
 from pipeexec.models.hf_config import read_hf_config  # noqa: E402
 
-from exec_helpers import (TINY, choose_microbatches, layouts_worker,  # noqa: E402
+from exec_helpers import (TINY, assert_grad_norms, choose_microbatches, layouts_worker,  # noqa: E402
                           reference_lr)
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -235,6 +235,13 @@ def test_cli_refuses_before_any_worker_starts(tmp_path, model_dirs):
 # -- pipelined training against the unsplit Hugging Face model -------------------------------
 def hf_reference_train(cfg: TrainConfig, own_loss: bool = False
                        ) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """`hf_reference_run`'s losses and parameters."""
+    losses, params, _ = hf_reference_run(cfg, own_loss)
+    return losses, params
+
+
+def hf_reference_run(cfg: TrainConfig, own_loss: bool = False
+                     ) -> tuple[list[float], dict[str, torch.Tensor], list[float]]:
     """The unsplit AutoModelForCausalLM (the layers' weights), trained in one process on the
     run's microbatches (gradients accumulated over them, as a pp 1 run): AdamW without decay on
     1-d parameters, clip_grad_norm_, the run's LR schedule. Returns the losses and the
@@ -249,7 +256,7 @@ def hf_reference_train(cfg: TrainConfig, own_loss: bool = False
         lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
     src = BatchSource(seed=cfg.seed, seq_len=cfg.seq_len, vocab=cfg.vocab,
                       global_batch=cfg.global_batch)
-    losses = []
+    losses, norms = [], []          # norms: the global gradient norm before clipping
     for k in range(cfg.steps):
         opt.zero_grad()
         total = 0.0
@@ -260,17 +267,22 @@ def hf_reference_train(cfg: TrainConfig, own_loss: bool = False
                 loss = lm_loss(model(input_ids=x).logits, y) / cfg.microbatches
             loss.backward()                      # gradients accumulate over the microbatches
             total += loss.item()
-        torch.nn.utils.clip_grad_norm_(list(params.values()), cfg.clip_grad)
+        norms.append(torch.nn.utils.clip_grad_norm_(list(params.values()), cfg.clip_grad).item())
         for g in opt.param_groups:
             g["lr"] = reference_lr(cfg, k)
         opt.step()
         losses.append(total)
-    return losses, {n: p.detach().clone() for n, p in params.items()}
+    return losses, {n: p.detach().clone() for n, p in params.items()}, norms
 
 
 @functools.lru_cache(maxsize=None)
 def reference_for(cfg: TrainConfig):
     return hf_reference_train(cfg)
+
+
+@functools.lru_cache(maxsize=None)
+def reference_norms_for(cfg: TrainConfig) -> list[float]:
+    return hf_reference_run(cfg)[2]
 
 
 def cases(model_dirs: dict[str, str], pp: int, fast: bool) -> list[tuple[str, dict]]:
@@ -299,6 +311,9 @@ def check_against_reference(results: list[dict], run_cases: list[tuple[str, dict
         what = f"{info.model_type} {name} pp={cfg.pp} vpp={cfg.vpp}"
         losses = next(r[key]["losses"] for r in results if r[key]["pp_rank"] == cfg.pp - 1)
         assert losses == pytest.approx(ref_losses, rel=1e-5), what
+        for r in results:       # a uniformly scaled gradient shows in the logged norm only
+            assert_grad_norms(r[key]["grad_norms"], reference_norms_for(reference_config(cfg)),
+                              what)
         spec = hf_dir_stack(cfg.hf_model)
         seen = set()
         for r in results:

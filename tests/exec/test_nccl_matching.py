@@ -27,8 +27,8 @@ from pipeexec.config import ConfigError
 from pipeexec.topology import channel_keys, destroy_topology, init_topology
 from pipeexec.training.train import Trainer, train
 
-from exec_helpers import (GLOBAL_BATCH, MICROBATCHES, TINY, choose_microbatches, layout_config,
-                          reference_train)
+from exec_helpers import (GLOBAL_BATCH, MICROBATCHES, TINY, assert_grad_norms, choose_microbatches,
+                          layout_config, reference_run, reference_train)
 
 pytestmark = pytest.mark.slow
 
@@ -52,7 +52,7 @@ def matching_worker(board, pp: int, dp: int, cases: list[tuple[str, int]]) -> di
             log = trainer.p2p.record_posting()
             res = train(trainer)
             out[(schedule, lookahead)] = {
-                "losses": res.losses, "vpp": cfg.vpp, "schedule": trainer.schedule, "dp_rank": topo.dp_rank,
+                "losses": res.losses, "grad_norms": res.grad_norms, "vpp": cfg.vpp, "schedule": trainer.schedule, "dp_rank": topo.dp_rank,
                 "pp_rank": topo.pp_rank, "posted": {k: list(v) for k, v in log.items()},
                 "params": {n: p.detach().clone() for n, p in trainer.named_parameters().items()},
             }
@@ -65,6 +65,11 @@ def matching_worker(board, pp: int, dp: int, cases: list[tuple[str, int]]) -> di
 def reference():
     losses, params, _ = reference_train(REF_CFG)
     return losses, params
+
+
+@functools.lru_cache(maxsize=None)
+def reference_norms() -> list[float]:
+    return reference_run(REF_CFG).grad_norms
 
 
 def runnable(pp: int, dp: int) -> list[str]:
@@ -111,6 +116,8 @@ def test_nccl_matching_equals_single_process(pp, dp):
         assert all(ls == losses[0] for ls in losses), f"{label}: ranks disagree on the losses"
         torch.testing.assert_close(torch.tensor(losses[0]), torch.tensor(ref_losses), rtol=1e-5,
                                    atol=0, msg=lambda m: f"{label}: losses: {m}")
+        for r in results:
+            assert_grad_norms(r[key]["grad_norms"], reference_norms(), label)
         params = {}
         for r in results:
             if r[key]["dp_rank"] == 0:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from exec_helpers import TINY, layouts_worker, reference_train
+from exec_helpers import TINY, assert_grad_norms, layouts_worker, reference_run
 from pipeexec import launch
 from pipeexec.config import ConfigError
 from pipeexec.models import layer_stack
@@ -73,10 +73,12 @@ def test_losses_and_parameters_unchanged_by_recomputation():
     for name, mode in cases:
         key = (name, tuple(sorted(mode.items())))
         cfg = results[0][key]["config"]
-        ref_losses, ref_params, _ = reference_train(cfg)
+        ref = reference_run(cfg)
+        ref_losses, ref_params = ref.losses, ref.params
         losses = next(r[key]["losses"] for r in results if r[key]["pp_rank"] == cfg.pp - 1)
         assert losses == pytest.approx(ref_losses, rel=1e-5), (name, mode)
         for r in results:
+            assert_grad_norms(r[key]["grad_norms"], ref.grad_norms, f"{name} {mode}")
             for n, p in r[key]["params"].items():
                 torch.testing.assert_close(p, ref_params[n], rtol=1e-5, atol=1e-6,
                                            msg=f"{name} {mode} {n}")

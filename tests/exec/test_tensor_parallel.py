@@ -20,7 +20,8 @@ from pipeexec.parallel.sharding import ShardSpec, shard, shard_spec, unshard
 from pipeexec.topology import destroy_topology, init_topology
 from pipeexec.training.train import Trainer, train
 
-from exec_helpers import TINY, layout_config, reference_model, reference_train
+from exec_helpers import (TINY, assert_grad_norms, layout_config, reference_model, reference_run,
+                          reference_train)
 
 GLOBAL_BATCH = 8
 
@@ -36,7 +37,7 @@ def tp_worker(board, tp: int, pp: int, dp: int, cases: list[tuple[str, dict]]) -
             specs = {n: shard_spec(p) for st in trainer.stages.values()
                      for n, p in st.named_parameters()}
             out[(schedule, tuple(sorted(changes.items())))] = {
-                "losses": res.losses, "config": cfg,
+                "losses": res.losses, "config": cfg, "grad_norms": res.grad_norms,
                 "params": {n: p.detach().clone() for n, p in trainer.named_parameters().items()},
                 "specs": specs, "tp_rank": topo.tp_rank, "dp_rank": topo.dp_rank}
     finally:
@@ -51,6 +52,12 @@ def reference(tie: bool = False, dtype: torch.dtype = torch.float32):
     model, names = reference_model(cfg)
     init = {n: p.detach().clone() for n, p in zip(names, model.parameters())}
     return losses, params, init
+
+
+@functools.lru_cache(maxsize=None)
+def reference_norms(tie: bool = False) -> list[float]:
+    return reference_run(TINY.replace(microbatches=1, micro_batch_size=GLOBAL_BATCH,
+                                      tie_embeddings=tie)).grad_norms
 
 
 def whole_model(results: list[dict], key, tp: int) -> dict[str, torch.Tensor]:
@@ -103,6 +110,9 @@ def check(results: list[dict], key, tp: int) -> None:
         return
     torch.testing.assert_close(torch.tensor(losses[0]), torch.tensor(ref_losses), rtol=1e-5,
                                atol=0, msg=lambda m: f"{label}: losses: {m}")
+    for r in results:      # a replicated parameter counted once over tp, shards summed
+        assert_grad_norms(r[key]["grad_norms"], reference_norms(bool(changes.get("tie_embeddings"))),
+                          label)
     for n in ref_params:
         torch.testing.assert_close(params[n], ref_params[n], rtol=1e-5, atol=1e-6,
                                    msg=lambda m: f"{label}: {n}: {m}")

@@ -14,7 +14,7 @@ from pipeexec.config import GPT_MODEL
 from pipeexec.model import gpt_stack
 from pipeexec.training.tied import TiedParameters, TiedSet, find_tied
 
-from exec_helpers import GLOBAL_BATCH, TINY, layouts_worker, reference_train
+from exec_helpers import GLOBAL_BATCH, TINY, assert_grad_norms, layouts_worker, reference_run
 
 HEAD = f"layers.{TINY.layers + 1}.lm_head.weight"
 
@@ -67,7 +67,7 @@ def test_the_spec_names_the_head_an_alias_of_the_embedding():
 
 
 def _check(results, reference):
-    ref_losses, ref_params = reference
+    ref_losses, ref_params, ref_norms = reference
     for key in results[0]:
         case = key[0]
         merged = {}
@@ -75,6 +75,8 @@ def _check(results, reference):
             merged.update(r[key]["params"])
         losses = results[0][key]["losses"]
         assert losses == pytest.approx(ref_losses, rel=1e-5), case
+        for r in results:      # the tied gradient summed over its instances, counted once
+            assert_grad_norms(r[key]["grad_norms"], ref_norms, case)
         # both instances equal the one reference parameter
         for name in ("layers.0.tok", HEAD):
             torch.testing.assert_close(merged[name], ref_params["layers.0.tok"], rtol=1e-5,
@@ -88,8 +90,8 @@ REF = TINY.replace(tie_embeddings=True, microbatches=4, micro_batch_size=GLOBAL_
 
 
 def _reference():
-    losses, params, _ = reference_train(REF)
-    return losses, params
+    ref = reference_run(REF)
+    return ref.losses, ref.params, ref.grad_norms
 
 
 def test_tied_head_across_two_ranks_equals_one_parameter():

@@ -42,7 +42,9 @@ from pipesim.plan.footprint import BYTES_PER_PARAM
 from pipesim.schedule.action import Action
 
 from exec_helpers import TINY, layout_config
-from test_exec_equivalence import initial_params, merged_params, reference, update_error
+from test_exec_equivalence import (BF16_NORM_RTOL, initial_params, merged_params, reference,
+                                   reference_norms, update_error)
+from exec_helpers import assert_grad_norms
 
 
 # -- the layout ----------------------------------------------------------------------------
@@ -177,6 +179,7 @@ def shards_worker(board, cases):
             fwd = trainer.forward(cfg.steps, keep_outputs=True)
             out[(schedule, tuple(sorted(changes.items())))] = {
                 "losses": res.losses, "config": cfg, "dp_rank": topo.dp_rank,
+                "grad_norms": res.grad_norms,
                 "skipped": res.skipped, "scale": trainer.scaler.scale,
                 "params": {n: p.detach().clone() for n, p in trainer.named_parameters().items()},
                 "fwd_outputs": {mb: t.clone() for mb, t in fwd.outputs.items()}}
@@ -220,6 +223,9 @@ def test_zero_matches_single_process(schedule, changes):
     assert params.keys() == ref_params.keys()
     losses = [r[key]["losses"] for r in results]
     assert all(ls == losses[0] for ls in losses), "ranks disagree on the losses"
+    for r in results:      # an unaveraged shard or tied gradient changes the global norm
+        assert_grad_norms(r[key]["grad_norms"], reference_norms("bf16" if bf16 else "fp32"),
+                          f"{schedule} {changes}", rtol=BF16_NORM_RTOL if bf16 else 1e-5)
     if bf16:
         torch.testing.assert_close(torch.tensor(losses[0]), torch.tensor(ref_losses), rtol=1e-3,
                                    atol=0)
