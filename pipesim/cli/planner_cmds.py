@@ -118,6 +118,7 @@ def space_from_args(args: argparse.Namespace):
         recompute_layers=args.recompute_layers, sequence_parallel=args.sequence_parallel,
         zero=flatten(args.zero) or (0, 1, 2, 3),
         precision=args.precision, cp_comm=args.cp_comm, tp_across_nodes=args.tp_across_nodes,
+        grad_reduce=args.grad_reduce or "per_step", grad_reduce_in_fp32=args.grad_reduce_in_fp32,
         uneven=args.uneven,
         efficiency=args.efficiency)
 
