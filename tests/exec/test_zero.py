@@ -75,9 +75,12 @@ def test_zero_runs_with_dp_1_and_with_tp():
             world_size=4)
 
 
-def test_zero3_releases_parameters_and_the_backward_sees_them_gathered_again():
+@pytest.mark.parametrize("grad_reduce", ["per_microbatch", "per_step"])
+def test_zero3_releases_parameters_and_the_backward_sees_them_gathered_again(grad_reduce):
     """One process (one shard): a stage's parameters released after its F (empty storage)
-    and gathered for its B give the gradients of plain autograd on the same stage."""
+    and gathered for its B give the gradients of plain autograd on the same stage (in the
+    shard accumulator per microbatch; per step in the whole buffer, once its one backward
+    has run)."""
     cfg = TINY.replace(layers=2)
     spec = layer_stack(cfg)
     bounds = (0, 2, 4)
@@ -85,7 +88,8 @@ def test_zero3_releases_parameters_and_the_backward_sees_them_gathered_again():
     stage = build_stage(spec, 1, bounds, seed=0, device=torch.device("cpu"), dtype=torch.float32)
     zero = ShardedOptimizer({1: stage}, level=3, dtype=torch.float32, group=None, shards=1, rank=0,
                             device=torch.device("cpu"), lr=1e-3, weight_decay=0.1,
-                            betas=(0.9, 0.95), eps=1e-8)
+                            betas=(0.9, 0.95), eps=1e-8, grad_reduce=grad_reduce)
+    zero.expect_backwards({1: 1})
     zero.start()
     assert all(p.untyped_storage().nbytes() == 0 for p in stage.parameters())
     x = torch.randn(2, cfg.seq_len, cfg.hidden)
@@ -104,7 +108,10 @@ def test_zero3_releases_parameters_and_the_backward_sees_them_gathered_again():
     for slot, g in zip(lay.slots, want):
         b = lay.buckets[slot.bucket]
         at = b.shard_start + slot.start - b.start
-        torch.testing.assert_close(zero.grad_shard[1][at: at + slot.numel].view(slot.shape), g)
+        if grad_reduce == "per_step":
+            at = slot.start
+        held = zero.grad_shard[1] if grad_reduce == "per_microbatch" else zero.grad_full[1]
+        torch.testing.assert_close(held[at: at + slot.numel].view(slot.shape), g)
         assert torch.equal(got[slot.name], dict(plain.named_parameters())[slot.name].detach())
 
 
@@ -273,10 +280,12 @@ MEMORY = [("1f1b", 1), ("zbv", 2), ("interleaved", 4)]
 
 
 def memory_config(schedule: str, vpp: int, zero: int) -> TrainConfig:
-    # weights dominate (hidden 32, 8 tokens a microbatch), as in the models ZeRO is for
+    # weights dominate (hidden 32, 8 tokens a microbatch), as in the models ZeRO is for;
+    # ZeRO-2/3 reducing once a microbatch, keeping only the gradients' shard (once a step,
+    # the default, they hold ZeRO-1's whole buffer: tests/exec/test_zero_grad_reduce.py)
     return TINY.replace(layers=8, hidden=32, heads=2, seq_len=8, vocab=32, pp=2, dp=2,
                         microbatches=4, micro_batch_size=1, schedule=schedule, vpp=vpp,
-                        zero=zero, steps=2)
+                        zero=zero, steps=2, grad_reduce="per_microbatch")
 
 
 def memory_worker(board):
