@@ -187,9 +187,13 @@ def shards_worker(board, cases):
                 "skipped": res.skipped, "scale": trainer.scaler.scale,
                 "params": {n: p.detach().clone() for n, p in trainer.named_parameters().items()},
                 "fwd_outputs": {mb: t.clone() for mb, t in fwd.outputs.items()}}
-        for zero in (0, 1, 2, 3):
+        # ZeRO-2/3 keeping only the gradients' shard: reducing once a microbatch (once a
+        # step, the default, they hold the whole buffer: "shards-per-step")
+        for zero, reduce in ((0, "per_step"), (1, "per_step"), (2, "per_microbatch"),
+                             (3, "per_microbatch"), (2, "per_step"), (3, "per_step")):
             t = Trainer(TINY.replace(schedule="1f1b", pp=2, dp=2, microbatches=2,
-                                     micro_batch_size=2, zero=zero, steps=1), topo, board=board)
+                                     micro_batch_size=2, zero=zero, steps=1,
+                                     grad_reduce=reduce), topo, board=board)
             train(t)
             opt = sum(v.numel() for st in t.optimizer.state.values() for k, v in st.items()
                       if k.startswith("exp_avg"))
@@ -202,7 +206,8 @@ def shards_worker(board, cases):
                 grads = sum(x.numel() for x in (zs.grad_full or zs.grad_shard).values())
                 whole_weights = sum(f.untyped_storage().nbytes() // 4 for f in zs.param_flat.values())
                 weights = whole_weights + sum(x.numel() for x in zs.param_shard.values())
-            out[("shards", zero)] = {"params": params, "moments": opt, "grads": grads,
+            name = "shards-per-step" if zero >= 2 and reduce == "per_step" else "shards"
+            out[(name, zero)] = {"params": params, "moments": opt, "grads": grads,
                                      "weights": weights, "whole_weights": whole_weights,
                                      "pp_rank": topo.pp_rank}
     finally:
@@ -259,7 +264,8 @@ def test_fp16_overflow_skips_the_step_on_every_rank():
 @pytest.mark.slow
 def test_the_shards_are_shards():
     """Between steps each of the dp 2 ranks holds half of AdamW's moments (ZeRO >= 1), of the
-    gradients (>= 2) and of the weights (3), within a bucket's padding."""
+    gradients (>= 2, reducing once a microbatch) and of the weights (3), within a bucket's
+    padding; reducing once a step ZeRO-2/3 hold ZeRO-1's whole gradient buffer."""
     for r in equivalence_runs():
         whole = r[("shards", 0)]
         n = whole["params"]
@@ -273,6 +279,10 @@ def test_the_shards_are_shards():
             assert abs(got["weights"] - (n / 2 if zero == 3 else n)) <= pad, (zero, got)
             if zero == 3:               # the whole buffers released between steps
                 assert got["whole_weights"] == 0
+        for zero in (2, 3):             # once a step: the whole gradient buffer, as ZeRO-1
+            got = r[("shards-per-step", zero)]
+            assert got["grads"] == r[("shards", 1)]["grads"], (zero, got)
+            assert abs(got["weights"] - (n / 2 if zero == 3 else n)) <= pad, (zero, got)
 
 
 # -- memory ---------------------------------------------------------------------------------------
