@@ -206,3 +206,47 @@ def test_the_flags_set_the_fields():
     assert BY_DEST["grad_reduce"].choices == ("per_step", "per_microbatch")
     with pytest.raises(SystemExit):
         parser.parse_args(["--grad-reduce", "sometimes"])
+
+
+def test_llama3_405b_at_the_papers_layout_term_by_term():
+    """Llama 3 405B as Meta trained it at 8k (Grattafiori et al. 2024, Table 4: tp 8, pp 16,
+    dp 128 on 16,384 H100s, micro batch 1, 16M tokens a batch; §3.3.2: interleaved, one layer
+    a model chunk, the first chunk only the embedding and the last only the head, so vpp 8),
+    no recomputation, gradients reduced once a step in fp32. A middle pipeline rank holds,
+    exactly: its 8 layers' weights (2 bytes a parameter), their whole fp32 gradient buffer (4),
+    the optimizer's shard (12 / 128), and the activations of every one of its 8 x 16
+    (layer, microbatch) pairs: with m = pp = 16 microbatches, interleaved 1F1B's warmup
+    (2 (pp - r - 1) + (vpp - 1) pp forwards, Megatron's) runs every forward before the first
+    backward (and one posted receive buffer). 81.7 GiB: over an 80 GB H100, the activations
+    alone 63.6 GiB."""
+    from pipesim.plan.footprint import layer_activations
+    from pipesim.plan.model import PRESETS
+
+    model = PRESETS["llama3-405b"].with_(seq_length=8192)
+    p = pipesim.Plan.create(model, "H100", schedule="interleaved", tp=8, pp=16, vpp=8, dp=128,
+                            sequence_parallel=True, micro_batch_size=1,
+                            global_batch_size=2048, zero=2, first_stage_layers=0,
+                            last_stage_layers=0)
+    assert p.stage_layers() == [0] + [1] * 126 + [0]
+    m = p.parallelism.microbatches
+    assert m == 16
+    r = pipesim.simulate(p)
+    mid = r.memory_breakdown[1]
+    n = 8 * sum(model.layer_params().values()) / 8           # 8 layers on one of 8 tp ranks
+    assert mid["weights"] == pytest.approx(2 * n, rel=1e-12)
+    assert mid["gradients"] == pytest.approx(4 * n, rel=1e-12)
+    assert mid["optimizer"] == pytest.approx(12 * n / 128, rel=1e-12)
+    act = layer_activations(model, p.parallelism).total
+    recv = p.costs().p2p_bytes                # the one receive buffer posted at the peak
+    assert mid["activations"] == pytest.approx(8 * m * act + recv, rel=1e-12)
+    gib = 2 ** 30
+    assert (mid["weights"] / gib, mid["gradients"] / gib, mid["activations"] / gib) == \
+        pytest.approx((5.94, 11.88, 63.59), abs=0.01)
+    assert not r.fits
+    # 16-bit gradients save the gradients' half; sharding them (once a microbatch) all but
+    # the shard and one bucket: 71.4 GiB, under the 72.4 GiB usable
+    half = pipesim.simulate(p.with_(grad_reduce_in_fp32=False)).memory_breakdown[1]
+    assert half["gradients"] == pytest.approx(2 * n, rel=1e-12)
+    micro = pipesim.simulate(p.with_(grad_reduce="per_microbatch"))
+    assert micro.memory_breakdown[1]["gradients"] == pytest.approx(4 * n / 128, rel=1e-12)
+    assert micro.fits
