@@ -6,7 +6,8 @@
 * pp 2 x dp 2 (4 forked gloo ranks) equals single-process training of the same model on the
   whole batch (losses and parameters, fp32 rtol 1e-5 as tests/exec/test_exec_equivalence.py)
   for zero 1, 2 and 3 under 1F1B and ZB-V (split I/W backward), DualPipe (every part a tied
-  copy) at zero 3, and bf16 ZB-V at zero 3 within that file's bf16 bounds; the shards really
+  copy) at zero 3, ZeRO-2/3 reducing the gradients once a step (the default) and, under ZB-V
+  and DualPipe, once a microbatch, and bf16 ZB-V at zero 3 within that file's bf16 bounds; the shards really
   are shards (AdamW's moments, ZeRO-2's gradients and ZeRO-3's weights per rank 1/dp of the
   whole, between steps).
 * Memory: each rank's measured peak (`TrainingMemoryMeter`: held activations plus training
@@ -163,7 +164,11 @@ def test_stage_hooks_run_inside_the_observers_around_every_compute_action():
 
 # -- equivalence with one process, and the shards ----------------------------------------------
 EQUIVALENCE = [(s, {"zero": z}) for s in ("1f1b", "zbv") for z in (1, 2, 3)] + [
-    ("dualpipe", {"zero": 3}), ("zbv", {"zero": 3, "precision": "bf16"})]
+    ("dualpipe", {"zero": 3}), ("zbv", {"zero": 3, "precision": "bf16"})] + [
+    # (the above reduce ZeRO-2/3's gradients once a step, the default; these once a microbatch,
+    # ZB-V's split backward reducing from every I and W; DualPipe: every parameter tied)
+    ("zbv", {"zero": z, "grad_reduce": "per_microbatch"}) for z in (2, 3)] + [
+    ("dualpipe", {"zero": 3, "grad_reduce": "per_microbatch"})]
 # fp16: an inf in one gradient of the last stage at step 1 (`--inject overflow:1`) skips the
 # step on every rank, ZeRO-2 (1F1B) and ZeRO-3 (ZB-V)
 FP16 = {"precision": "fp16", "loss_scale": 2.0 ** 10}
