@@ -250,3 +250,14 @@ def test_llama3_405b_at_the_papers_layout_term_by_term():
     micro = pipesim.simulate(p.with_(grad_reduce="per_microbatch"))
     assert micro.memory_breakdown[1]["gradients"] == pytest.approx(4 * n / 128, rel=1e-12)
     assert micro.fits
+
+
+def test_a_search_that_finds_nothing_names_the_gradient_knobs():
+    from pipesim.planner.enumerate import SearchSpace
+    from pipesim.planner.hints import narrowed_hints
+
+    hints = " | ".join(narrowed_hints(SearchSpace("llama3-8b", 16, 32)))
+    assert "--grad-reduce per_microbatch" in hints and "--no-grad-reduce-in-fp32" in hints
+    sharded = " | ".join(narrowed_hints(SearchSpace("llama3-8b", 16, 32, zero=(0, 1),
+                                                    grad_reduce_in_fp32=False)))
+    assert "--grad-reduce" not in sharded and "--no-grad-reduce-in-fp32" not in sharded
