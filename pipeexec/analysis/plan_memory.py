@@ -61,9 +61,10 @@ def predicted_peaks(config: Any, schedule: "pipesim.Schedule | None" = None) -> 
 
     * ZeRO-3 gathers whole stages (`pipeexec.training.zero`), not pipesim's two layers: a
       stage's weights (compute dtype) are whole through each of its actions, the rank's
-      largest stage the transient (its gradients go a bucket, a layer, at a time, inside the
-      backward, as ZeRO-2's: the meter, reading around actions, sees no gradient transient,
-      and pipesim counts none for ZeRO-2);
+      largest stage the transient (reducing once a microbatch, its gradients go a bucket, a
+      layer, at a time, inside the backward, as ZeRO-2's: the meter, reading around actions,
+      sees no gradient transient, so pipesim's one bucket is left out here; reducing once a
+      step, the plan's gradients are the whole buffer, as pipeexec's);
     * ZeRO-2/3 keep tied parameters' gradients whole (fp32) for the step: the embedding and
       the head's copy of it, and every parameter of a model part held by two stages (dualpipe).
 

@@ -20,6 +20,7 @@ from ..plan.options import DESTS, apply_flags, load_model
 # uniform (or --costs) costs to a plan with derived costs.
 _PLAN_ONLY = ("plan", "tp", "cp", "ep", "global_batch_size", "seq_len", "recompute",
               "recompute_layers", "sequence_parallel", "distributed_optimizer", "zero",
+              "grad_reduce", "grad_reduce_in_fp32",
               "precision", "gpus_per_node", "report_out", "save_plan", "no_flash_attention",
               "tp_comm_overlap", "overlap_tp_comm", "cp_comm", "no_overlap", "no_overlap_grad_reduce",
               "no_overlap_param_gather", "pipeline_layout", "layers", "hidden", "heads",

@@ -147,10 +147,14 @@ def reference_run(cfg: TrainConfig, steps: int | None = None,
     return ReferenceRun(losses, dict(zip(names, masters)), model, norms, step_grads)
 
 
-def reference_train(cfg: TrainConfig, steps: int | None = None, dtype: torch.dtype = torch.float32):
+def reference_train(cfg: TrainConfig, steps: int | None = None, dtype: torch.dtype = torch.float32,
+                    norms: list[float] | None = None):
     """Plain single-process training on the whole global batch; returns losses, params, model
-    (`reference_run` gives the gradient norms and gradients too)."""
+    (`reference_run` gives the gradient norms and gradients too; ``norms``: a list the steps'
+    gradient norms before clipping are appended to)."""
     ref = reference_run(cfg, steps, dtype)
+    if norms is not None:
+        norms.extend(ref.grad_norms)
     return ref.losses, ref.params, ref.model
 
 
