@@ -103,7 +103,9 @@ def test_communication_once_in_the_tail_or_once_per_layer_per_microbatch():
         assert rs_layer > w0
         moved_micro = m * layers * rs_layer
         moved_step = coll.reduce_scatter(4 * layers * layer_params(), D, net)
-        assert moved_micro / moved_step == pytest.approx(m, rel=0.05)
+        # m times the bytes, in messages a layer each: NCCL's per-message cost (its tuner's
+        # latency and protocol choice) makes the small messages dearer, never cheaper
+        assert m * (1 - 1e-9) <= moved_micro / moved_step < 1.2 * m
 
 
 def test_once_a_step_overlaps_with_the_last_backward_down_to_the_last_bucket():
@@ -114,8 +116,14 @@ def test_once_a_step_overlaps_with_the_last_backward_down_to_the_last_bucket():
         n = sum(d.stage_params[r].values())
         rs, ag = coll.reduce_scatter(4 * n, D, net), coll.all_gather(2 * n, D, net)
         window_b = costs.backward_input[r] + costs.backward_weight[r]
-        exposed = max(rs - window_b, rs * min(1.0, BUCKET_PARAMS / n))
-        exposed += max(0.0, ag - costs.forward[r])
+        # all but the last bucket hide under the backward and slow it by the link's processor
+        # usage u (Calculon's model, pipesim.plan.overlap), or show where they outlast it
+        hw = plan(2).cluster.hardware
+        u = hw.network_processor_usage if net.kind == "inter" else hw.link_processor_usage
+        last = rs * min(1.0, BUCKET_PARAMS / n)
+        hidden = rs - last
+        exposed = last + (hidden - window_b if hidden * (1 - u) > window_b else hidden * u)
+        exposed += ag - costs.forward[r] if ag * (1 - u) > costs.forward[r] else ag * u
         assert d.tail[r].dp_exposed == pytest.approx(exposed, rel=1e-12)
 
 
