@@ -75,7 +75,8 @@ def check_options(opts: PreprocessOptions) -> Tokenizer:
         there = [str(p) for p in (bin_path(prefix), idx_path(prefix)) if p.exists()]
         if there and not opts.force:
             raise PreprocessError(f"--output-prefix {opts.output_prefix}: {', '.join(there)} "
-                                  "exists; pass --force to replace it")
+                                  f"{'exist' if len(there) > 1 else 'exists'}; pass --force to "
+                                  "replace")
     tokenizer = load_tokenizer(opts.tokenizer)
     if opts.append_eod and tokenizer.eod is None:
         raise PreprocessError(f"--tokenizer {opts.tokenizer} has no eos_token to end documents "

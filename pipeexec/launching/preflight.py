@@ -1,7 +1,7 @@
 """Checks of a ``pipeexec train`` command that need the machine or the files, made before any
 worker starts (`TrainConfig.validate` checks the config itself): the CPU share asked for, the
-data file, whether a resumed run has anything left to train and whether it keeps the
-checkpoint's learning-rate schedule."""
+data file, the tokenizer's vocabulary, whether a resumed run has anything left to train and
+whether it keeps the checkpoint's learning-rate schedule."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -60,6 +60,18 @@ def data_warning(data: str) -> str | None:
     return None
 
 
+def check_tokenizer(config: TrainConfig) -> None:
+    """Refuse a ``--tokenizer`` that does not load, or whose vocabulary exceeds the model's."""
+    if config.tokenizer is None:
+        return
+    from ..datasets.tokenizer import TokenizerError, check_vocab, load_tokenizer
+
+    try:
+        check_vocab(load_tokenizer(config.tokenizer), config.vocab)
+    except TokenizerError as exc:
+        raise ConfigError(str(exc)) from None
+
+
 def microbatch_warning(pp: int, microbatches: int) -> str | None:
     """Why a pipeline of fewer microbatches than stages wastes most of its ranks, or None."""
     if microbatches >= pp:
@@ -95,10 +107,12 @@ def check_train(config: TrainConfig, checkpoint: Any, *, nproc: int,
                 cpus_per_rank: float | None) -> Preflight:
     """All machine- and file-level checks of a local or torchrun ``train`` command."""
     check_cpus_per_rank(cpus_per_rank, nproc)
+    check_tokenizer(config)
     warnings = []
     w = data_warning(config.data)
     if w:
-        warnings.append(w + "; training on its bytes anyway")
+        warnings.append(w + ("; training on its bytes anyway" if config.tokenizer is None
+                             else "; tokenizing it anyway"))
     for w in (microbatch_warning(config.pp, config.microbatches),
               cp_comm_warning(config.plan.parallelism)):
         if w:
