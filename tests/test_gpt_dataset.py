@@ -156,7 +156,8 @@ def test_an_empty_validation_split_is_refused_for_evaluation(corpora):
     with pytest.raises(DataPathError, match=r"--eval-interval evaluates on the validation split, "
                        r"which is empty for .*c0 \(--split 100,0,0: its share is 0\)"):
         check_split_for_eval([corpora[0]], "100,0,0", 16)
-    # 0.2% of 200 documents rounds to none (199.6 -> 200 .. 200)
-    with pytest.raises(DataPathError, match=r"c0 \(--split 998,2,0: documents 200\.\.200 hold 0 "
+    # 0.5% of 200 documents is one, of 60 none (59.7 -> 60 .. 60)
+    check_split_for_eval([corpora[0]], "995,5,0", 16)
+    with pytest.raises(DataPathError, match=r"c1 \(--split 995,5,0: documents 60\.\.60 hold 0 "
                        r"tokens, fewer than one sample of seq_len \+ 1 = 17\)"):
-        check_split_for_eval([corpora[1], corpora[0]], "998,2,0", 16)
+        check_split_for_eval([corpora[0], corpora[1]], "995,5,0", 16)
