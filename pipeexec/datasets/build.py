@@ -133,10 +133,19 @@ def build_split(plan: DataPlan, index: int, *, seq_len: int, seed: int,
 def build_datasets(config: Any, *, valid_samples: int | None = None,
                    test_samples: int | None = None) -> tuple[Any, Any, Any]:
     """(train, valid, test) of ``config.data_path``: each has ``len`` and ``ds[i]``, the
-    ``seq_len + 1`` token ids of sample ``i`` (int64). Train holds at least ``steps *
-    global_batch`` samples; valid and test ``*_samples`` (None: one epoch of each corpus)."""
+    ``seq_len + 1`` token ids of sample ``i`` (int64). Train is built for the run's planned
+    length (`train_samples`); valid and test for ``*_samples`` (None: one epoch of each
+    corpus's split)."""
     plan = check_data_path(config.data_path, config.split, config.seq_len)
     kw = dict(seq_len=config.seq_len, seed=config.seed)
-    return (build_split(plan, 0, num_samples=config.steps * config.global_batch, **kw),
+    return (build_split(plan, 0, num_samples=train_samples(config), **kw),
             build_split(plan, 1, num_samples=valid_samples, **kw),
             build_split(plan, 2, num_samples=test_samples, **kw))
+
+
+def train_samples(config: Any) -> int:
+    """The train samples a run asks for, as Megatron's ``--train-iters x global batch``: the
+    planned length, ``max(--steps, --decay-steps)`` iterations, so a run stopped early (a
+    smaller --steps, --decay-steps fixed: the same LR curve) and resumed draws the samples
+    the whole run draws (the epoch count, hence the shuffle, depends on this number)."""
+    return max(config.steps, config.decay_steps or 0) * config.global_batch
