@@ -138,3 +138,19 @@ def test_cli_resume_from_tp2_pp2_into_pp4_dp2(corpus, tmp_path):
         assert p.returncode == 0, p.stdout + p.stderr
         torch.testing.assert_close(json.loads(out.read_text())["losses"], want, rtol=1e-5,
                                    atol=0)
+
+
+def test_a_tokenizer_larger_than_the_model_is_refused_before_any_process(corpus, capsys):
+    from pipeexec.cli.main import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["train", "--data-path", corpus["prefix"], "--tokenizer", corpus["tokenizer"],
+              "--vocab", "256", "--no-progress"])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2
+    assert (f"--tokenizer {corpus['tokenizer']} has a vocabulary of 300 ids, the model's is "
+            "256 (--vocab)") in err and "rank" not in err
+    with pytest.raises(SystemExit) as exc:
+        main(["train", "--data", corpus["text"], "--tokenizer", str(corpus["dir"] / "none"),
+              "--vocab", "300", "--no-progress"])
+    assert exc.value.code == 2 and "no such folder" in capsys.readouterr().err

@@ -10,8 +10,8 @@ seed and sample count give the same samples as a Megatron run (tests/test_gpt_da
 compares them with Megatron-Core's own builder).
 
 The sample index (Megatron's C++ ``build_sample_idx``) is computed here with numpy: sample
-``i`` starts at token ``i * seq_len`` of the concatenation, found by a binary search over the
-documents' running lengths.
+``i`` starts at token ``i * seq_len`` of the concatenation, and the boundaries falling inside
+each document follow from its first and last token's position.
 """
 from __future__ import annotations
 
@@ -52,16 +52,24 @@ def sample_index(lengths: np.ndarray, doc_index: np.ndarray, seq_len: int) -> np
     document holding the boundary's token and the token's offset in it (Megatron's
     ``build_sample_idx`` with whole samples only and the extra token). Boundary ``i`` is token
     ``i * seq_len`` of the documents concatenated in ``doc_index`` order."""
-    sizes = np.asarray(lengths)[doc_index].astype(np.int64)
-    ends = np.cumsum(sizes)
+    lengths = np.asarray(lengths)
+    ends = np.cumsum(lengths[doc_index], dtype=np.int64)
     total = int(ends[-1]) if len(ends) else 0
     samples = (total - 1) // seq_len
     if samples < 1:
         raise ValueError(f"{total} tokens make no sample of seq_len + 1 = {seq_len + 1}")
-    starts = np.arange(samples + 1, dtype=np.int64) * seq_len
-    pos = np.searchsorted(ends, starts, side="right")
-    offsets = starts - (ends[pos] - sizes[pos])
-    dtype = np.int32 if max(len(doc_index), int(sizes.max())) < 2 ** 31 else np.int64
+    # boundaries k * seq_len inside document j: k from ceil(begin_j / s) to ceil(end_j / s) - 1,
+    # begin_j being end_(j-1): one linear pass, no search (the boundaries are evenly spaced)
+    last = ends + (seq_len - 1)
+    last //= seq_len
+    counts = np.diff(last, prepend=0)
+    del last
+    index_type = np.int32 if len(doc_index) < 2 ** 31 else np.int64
+    pos = np.repeat(np.arange(len(doc_index), dtype=index_type), counts)[:samples + 1]
+    del counts
+    offsets = np.arange(samples + 1, dtype=np.int64) * seq_len
+    offsets -= ends[pos] - lengths[doc_index[pos]]
+    dtype = np.int32 if max(len(doc_index), int(lengths.max())) < 2 ** 31 else np.int64
     out = np.empty((samples + 1, 2), dtype=dtype)
     out[:, 0] = pos
     out[:, 1] = offsets
