@@ -154,3 +154,22 @@ def test_a_tokenizer_larger_than_the_model_is_refused_before_any_process(corpus,
         main(["train", "--data", corpus["text"], "--tokenizer", str(corpus["dir"] / "none"),
               "--vocab", "300", "--no-progress"])
     assert exc.value.code == 2 and "no such folder" in capsys.readouterr().err
+
+
+def test_a_resume_that_would_draw_other_samples_is_warned_of(corpus):
+    from pipeexec.datasets.build import train_order
+    from pipeexec.launching.preflight import data_change_warning
+
+    cfg = config(corpus, steps=4, decay_steps=None)
+    saved = cfg.to_dict()
+    assert data_change_warning(cfg, saved) is None
+    assert data_change_warning(cfg.replace(steps=6), saved) is None      # still one epoch
+    assert "--split '98,2,0' -> '90,10,0'" in data_change_warning(cfg.replace(split="90,10,0"),
+                                                                   saved)
+    assert "--seed 11 -> 12" in data_change_warning(cfg.replace(seed=12), saved)
+    # enough steps for a second epoch: the shuffle of the whole split changes
+    epoch = len(build_datasets(cfg)[0]) // cfg.global_batch + 1
+    longer = cfg.replace(steps=epoch)
+    assert train_order(cfg) == ((1, False),) and train_order(longer)[0][0] == 2
+    assert "the number of epochs" in data_change_warning(longer, saved)
+    assert data_change_warning(longer, longer.to_dict()) is None

@@ -10,7 +10,7 @@ import numpy as np
 
 from .blend import SURPLUS, BlendedSamples, BlendError, fitting_size, normalize, \
     parse_data_path, target_sizes
-from .gpt import GPTSamples
+from .gpt import GPTSamples, epoch_plan
 from .indexed import IndexedDataset, IndexedDatasetError
 from .split import SPLITS, SplitError, parse_split, split_ranges
 
@@ -149,3 +149,15 @@ def train_samples(config: Any) -> int:
     smaller --steps, --decay-steps fixed: the same LR curve) and resumed draws the samples
     the whole run draws (the epoch count, hence the shuffle, depends on this number)."""
     return max(config.steps, config.decay_steps or 0) * config.global_batch
+
+
+def train_order(config: Any) -> tuple[tuple[int, bool], ...]:
+    """Per corpus, (epochs, last epoch apart) of the train split: with the files, ``--split``,
+    the seed and the sequence length, what fixes the order of the train samples (a blend's
+    assignment does not depend on its length). Two runs with equal values draw the same
+    samples at every step."""
+    plan = check_data_path(config.data_path, config.split, config.seq_len)
+    n = train_samples(config)
+    sizes = [n] if plan.weights is None and len(plan.prefixes) == 1 else target_sizes(
+        plan.weights or normalize([t[0] for t in plan.tokens]), n, SURPLUS)
+    return tuple(epoch_plan(t[0], config.seq_len, k) for t, k in zip(plan.tokens, sizes))

@@ -34,6 +34,19 @@ def epochs_needed(tokens_per_epoch: int, seq_len: int, num_samples: int | None) 
     return max(1, -(-wanted // tokens_per_epoch))
 
 
+def epoch_plan(tokens_per_epoch: int, seq_len: int, num_samples: int | None
+               ) -> tuple[int, bool]:
+    """(epochs, whether the last is shuffled apart): what, with the documents and the seed,
+    fixes the sample order (Megatron's GPTDataset: the last epoch apart when fewer than 80% of
+    its samples are used)."""
+    epochs = epochs_needed(tokens_per_epoch, seq_len, num_samples)
+    if epochs == 1:
+        return 1, False
+    before_last = ((epochs - 1) * tokens_per_epoch - 1) // seq_len
+    per_epoch = (tokens_per_epoch - 1) // seq_len
+    return epochs, num_samples - before_last < int(SEPARATE_FINAL_EPOCH * per_epoch)
+
+
 def document_index(documents: np.ndarray, epochs: int, rng: np.random.RandomState,
                    separate_final_epoch: bool) -> np.ndarray:
     """Megatron's ``_build_document_index``: the documents repeated ``epochs`` times, shuffled
@@ -106,12 +119,8 @@ class GPTSamples:
         if tokens < seq_len + 1:
             raise ValueError(f"{dataset.prefix}: documents {_span(self.documents)} hold {tokens} "
                              f"tokens, fewer than one sample of seq_len + 1 = {seq_len + 1}")
-        self.epochs = epochs_needed(tokens, seq_len, num_samples)
-        separate = False
-        if self.epochs > 1:
-            before_last = ((self.epochs - 1) * tokens - 1) // seq_len
-            per_epoch = (tokens - 1) // seq_len
-            separate = num_samples - before_last < int(SEPARATE_FINAL_EPOCH * per_epoch)
+        self.epochs, separate = epoch_plan(tokens, seq_len, num_samples)
+        before_last = ((self.epochs - 1) * tokens - 1) // seq_len
         rng = np.random.RandomState(seed)
         self.document_index = document_index(self.documents, self.epochs, rng, separate)
         self.sample_index = sample_index(lengths, self.document_index, seq_len)

@@ -138,7 +138,52 @@ def check_train(config: TrainConfig, checkpoint: Any, *, nproc: int,
             except CheckpointError:
                 first = {}               # the workers' load names what is wrong with the files
             check_lr_schedule(config, first.get("opt_param_scheduler"), checkpoint.load)
+            w = data_change_warning(config, first.get("config"))
+            if w:
+                warnings.append(f"--load {checkpoint.load}: {w}")
     return Preflight(tuple(warnings), nothing)
+
+
+# what, besides the files, fixes the sample of each step
+_DATA_FIELDS = ("data", "data_path", "split", "seed", "seq_len", "tokenizer")
+
+
+def data_change_warning(config: TrainConfig, saved: dict | None) -> str | None:
+    """Why a resumed run will not train the samples the checkpoint's run would have trained
+    next, or None: a data setting changed, or (``--data-path``) a planned length that changes
+    the epoch count, hence the shuffle (`pipeexec.datasets.build.train_order`)."""
+    if not isinstance(saved, dict):
+        return None
+    changed = []
+    for name in _DATA_FIELDS:
+        ours = getattr(config, name)
+        theirs = saved.get(name, getattr(TrainConfig(), name))
+        if name == "data_path":
+            theirs = tuple(theirs or ())
+        if name == "tokenizer" and config.data == "synthetic":
+            continue
+        if ours != theirs:
+            changed.append(f"{TrainConfig.flag(name)} {theirs!r} -> {ours!r}")
+    if changed:
+        return ("the data differs from the checkpoint's run (" + "; ".join(changed)
+                + "): the steps after it draw other samples than that run would have")
+    if not config.data_path:
+        return None
+    from ..datasets import DataPathError
+    from ..datasets.build import train_order
+
+    try:
+        before = train_order(config.replace(steps=int(saved.get("steps", config.steps)),
+                                            decay_steps=saved.get("decay_steps")))
+        now = train_order(config)
+    except (DataPathError, ConfigError, TypeError, ValueError):
+        return None
+    if before != now:
+        return ("--steps / --decay-steps change the train samples asked for, and with them the "
+                "number of epochs, hence the shuffle of the whole train split (Megatron's "
+                "--train-iters does the same): the steps after it draw other samples; keep "
+                "max(--steps, --decay-steps) as it was to continue the same order")
+    return None
 
 
 # the checkpoint's scheduler record key -> (the run's value, the flag that sets it)
