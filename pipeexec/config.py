@@ -124,7 +124,8 @@ class DataConfig:
                       "corpus's documents (Megatron's --split)")
     tokenizer: str | None = _opt(
         None, "a Hugging Face tokenizer folder (local, e.g. save_pretrained's): --data FILE is "
-        "tokenized with it instead of read as bytes; checked against --vocab", metavar="DIR")
+        "tokenized with it instead of read as bytes; its vocabulary (with --data-path too) is "
+        "checked against --vocab before the run", metavar="DIR")
     # a Hugging Face model directory: its config.json is the plan's model, its safetensors
     # (when it has any) the initial weights (pipeexec/models/hf.py)
     hf_model: str | None = _opt(

@@ -141,7 +141,8 @@ def test_data_path_items_are_prefixes_or_weight_prefix_pairs(corpora):
     assert parse_data_path(["0.3", "a", "0.7", "b"]) == (("a", "b"), (0.3, 0.7))
     for items, why in ((["0.5", "a", "b"], "mixing numbers"), (["a", "0.5"], "mixing"),
                        (["-1", "a", "2", "b"], "weight of a is -1"),
-                       (["0", "a", "0", "b"], "every weight is 0"), ([], "give one or more")):
+                       (["0", "a", "0", "b"], "every weight is 0"), ([], "give one or more"),
+                       ("a", "as text"), ([1, "a"], "as text")):
         with pytest.raises(BlendError, match=why):
             parse_data_path(items)
     # a weight-0 corpus is dropped from the blend (its files still checked)

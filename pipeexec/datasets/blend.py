@@ -25,7 +25,10 @@ class BlendError(ValueError):
 def parse_data_path(items: Sequence[str]) -> tuple[tuple[str, ...], tuple[float, ...] | None]:
     """(prefixes, weights or None) from ``--data-path`` items: ``P1 P2 ...`` or ``W1 P1 W2 P2
     ...``. Weights must be finite, >= 0 and not all 0 (they are normalised later)."""
-    items = [str(i) for i in items]
+    if isinstance(items, str) or not all(isinstance(i, str) for i in items):
+        raise BlendError(f"--data-path: give its items as text (prefixes, weights), got "
+                         f"{items!r}")
+    items = list(items)
     if not items:
         raise BlendError("--data-path: give one or more corpus prefixes (PREFIX for PREFIX.bin "
                          "and PREFIX.idx), or weight / prefix pairs")
