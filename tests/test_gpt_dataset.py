@@ -54,6 +54,7 @@ class _Tok:
 @pytest.mark.parametrize("prefixes,weights,split,sizes,seq,seed", [
     ((0,), None, "98,2,0", (300, 10, 0), 16, 3),               # one epoch
     ((0,), None, "90,10,0", (5000, 50, 0), 32, 1),             # 4 epochs, the last kept apart
+    ((0,), (1.0,), "98,2,0", (2000, 10, 0), 16, 2),            # a weighted "blend" of one
     ((0, 1), (0.3, 0.7), "90,10,0", (700, 40, 0), 16, 5),      # a blend
     ((0, 1), (2.0, 1.0), "90,8,2", (4000, 40, 8), 8, 0),       # a blend over many epochs
 ])

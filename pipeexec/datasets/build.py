@@ -114,7 +114,7 @@ def build_split(plan: DataPlan, index: int, *, seq_len: int, seed: int,
     if empty:
         return EmptySamples(f"the {name} split of {', '.join(empty)} holds no sample")
     docs = [np.arange(*r[index], dtype=np.int32) for r in plan.ranges]
-    if len(plan.prefixes) == 1:
+    if plan.weights is None and len(plan.prefixes) == 1:
         return GPTSamples(IndexedDataset(plan.prefixes[0]), docs[0], seq_len=seq_len,
                           num_samples=num_samples, seed=seed)
     weights = plan.weights
