@@ -92,3 +92,23 @@ def test_an_existing_output_is_refused_unless_forced(tmp_path, tok, capsys):
     assert rc == 2 and "o.bin, " in out and "exist; pass --force" in out, out
     assert run(capsys, *args, "--force")[0] == 0
     assert len(IndexedDataset(tmp_path / "o")) == 5
+
+
+def test_several_json_keys_write_one_dataset_each(tmp_path, tok, capsys):
+    from transformers import AutoTokenizer
+
+    (tmp_path / "c.jsonl").write_text('{"text": "the body", "title": "a title"}\n'
+                                      '{"text": ["two", "sentences"], "title": ""}\n')
+    rc, out = run(capsys, "--input", str(tmp_path / "c.jsonl"), "--tokenizer", str(tok),
+                  "--output-prefix", str(tmp_path / "o"), "--json-keys", "text", "title",
+                  "--workers", "2")
+    assert rc == 0, out
+    hf = AutoTokenizer.from_pretrained(str(tok), local_files_only=True)
+    enc = lambda t: hf.encode(t, add_special_tokens=False)          # noqa: E731
+    text, title = IndexedDataset(tmp_path / "o_text"), IndexedDataset(tmp_path / "o_title")
+    eod = hf.eos_token_id
+    # a list is one document of two sequences (Megatron's sentences), the eod on the last
+    assert [text[i].tolist() for i in range(len(text))] == [
+        enc("the body") + [eod], enc("two"), enc("sentences") + [eod]]
+    assert text.document_indices.tolist() == [0, 1, 3]
+    assert len(title) == 1 and title.document_indices.tolist() == [0, 1, 1]    # "" is empty

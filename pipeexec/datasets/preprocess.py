@@ -181,6 +181,22 @@ def _chunks(docs: Iterator[tuple[int, str, int]], size: int, sizes: list[int]
         yield chunk
 
 
+def _bounded_imap(pool: Any, tasks: Iterator[list[tuple[int, str]]], ahead: int
+                  ) -> Iterator[list[tuple[int, Any]]]:
+    """``pool.imap(_encode_chunk, tasks)`` in input order, with at most ``ahead`` chunks read
+    and not yet written (``imap`` reads its whole input ahead: a large corpus would sit in
+    memory)."""
+    from collections import deque
+
+    pending: deque = deque()
+    for task in tasks:
+        pending.append(pool.apply_async(_encode_chunk, (task,)))
+        if len(pending) >= ahead:
+            yield pending.popleft().get()
+    while pending:
+        yield pending.popleft().get()
+
+
 def preprocess(opts: PreprocessOptions) -> PreprocessResult:
     """Tokenize ``opts.input`` into the indexed dataset(s) at ``outputs_of(opts)``."""
     import numpy as np
@@ -204,7 +220,7 @@ def preprocess(opts: PreprocessOptions) -> PreprocessResult:
             ctx = multiprocessing.get_context("fork" if sys.platform != "win32" else "spawn")
             pool = ctx.Pool(opts.workers, initializer=_init_worker,
                             initargs=(tokenizer, opts.json_keys, jsonl, eod))
-            results = pool.imap(_encode_chunk, tasks)
+            results = _bounded_imap(pool, tasks, ahead=4 * opts.workers)
         else:
             _init_worker(tokenizer, opts.json_keys, jsonl, eod)
             results = map(_encode_chunk, tasks)
