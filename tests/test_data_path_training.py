@@ -39,8 +39,9 @@ def corpus(tmp_path_factory):
 
 
 def config(corpus, **changes):
-    return TINY.replace(layers=4, vocab=300, data_path=(corpus["prefix"],), split="98,2,0",
-                        tokenizer=corpus["tokenizer"], **changes)
+    fields = dict(layers=4, vocab=300, data_path=(corpus["prefix"],), split="98,2,0",
+                  tokenizer=corpus["tokenizer"])
+    return TINY.replace(**{**fields, **changes})
 
 
 def test_each_replica_reads_its_rows_of_the_global_batch(corpus):
