@@ -66,8 +66,12 @@ def test_each_replica_reads_its_rows_of_the_global_batch(corpus):
 
 
 def test_bad_data_paths_are_refused_before_any_process(corpus, tmp_path):
+    from pipeexec.config import TrainConfig
+
     cfg = config(corpus)
     cfg.validate()
+    # as checkpoints and measured runs store it (JSON: the items come back as a list)
+    assert TrainConfig.from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg
     for changes, why in (({"data_path": ("nope",)}, r"nope\.idx: no such index"),
                          ({"data_path": ("1", corpus["prefix"], "x")}, "mixing numbers"),
                          ({"data_path": ("0", corpus["prefix"])}, "every weight is 0"),
