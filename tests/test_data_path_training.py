@@ -51,6 +51,11 @@ def test_each_replica_reads_its_rows_of_the_global_batch(corpus):
     g = cfg.global_batch                              # 12
     assert isinstance(src, IndexedBatches) and len(train_ds) >= 5 * g and len(valid) > 0
     assert len(test) == 0                             # its share is 0
+    from pipeexec.datasets import build_dataset
+
+    alone = build_dataset(cfg, "validation")
+    assert [alone[i].tolist() for i in range(len(alone))] == [valid[i].tolist()
+                                                             for i in range(len(valid))]
     for step in (0, 3):
         want = np.stack([train_ds[step * g + r] for r in range(g)])
         x, y = src.global_batch_at(step)

@@ -17,13 +17,14 @@ Each of the three has ``len(ds)`` and ``ds[i] -> np.ndarray`` of ``seq_len + 1``
 * config.global_batch`` samples and step ``k`` trains on samples ``k * global_batch ..
 (k + 1) * global_batch - 1`` (``consumed_samples``, what checkpoints store). ``valid`` and
 ``test`` hold ``*_samples`` samples (None: one epoch of each corpus's split); a split with no
-documents (share 0, or too few tokens for one sample) has length 0. `check_split_for_eval`
-refuses an empty validation split before a run that evaluates. Torch-free (numpy).
+documents (share 0, or too few tokens for one sample) has length 0. ``build_dataset(config,
+"validation", num_samples)`` builds one split alone. `check_split_for_eval` refuses an empty
+validation split before a run that evaluates. Torch-free (numpy).
 """
 from __future__ import annotations
 
-from .build import DataPathError, EmptySamples, build_datasets, check_data_path, \
-    check_split_for_eval
+from .build import DataPathError, EmptySamples, build_dataset, build_datasets, \
+    check_data_path, check_split_for_eval
 
-__all__ = ["DataPathError", "EmptySamples", "build_datasets", "check_data_path",
+__all__ = ["DataPathError", "EmptySamples", "build_dataset", "build_datasets", "check_data_path",
            "check_split_for_eval"]

@@ -143,6 +143,17 @@ def build_datasets(config: Any, *, valid_samples: int | None = None,
             build_split(plan, 2, num_samples=test_samples, **kw))
 
 
+def build_dataset(config: Any, split: str, num_samples: int | None = None) -> Any:
+    """One split of `build_datasets` alone (``split``: "train", "validation" or "test"; train's
+    ``num_samples`` is the run's, `train_samples`), for code that needs only that one."""
+    if split not in SPLITS:
+        raise ValueError(f"split must be one of {', '.join(SPLITS)}, got {split!r}")
+    plan = check_data_path(config.data_path, config.split, config.seq_len)
+    index = SPLITS.index(split)
+    return build_split(plan, index, seq_len=config.seq_len, seed=config.seed,
+                       num_samples=train_samples(config) if index == 0 else num_samples)
+
+
 def train_samples(config: Any) -> int:
     """The train samples a run asks for, as Megatron's ``--train-iters x global batch``: the
     planned length, ``max(--steps, --decay-steps)`` iterations, so a run stopped early (a
