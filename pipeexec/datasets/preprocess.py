@@ -230,7 +230,11 @@ def preprocess(opts: PreprocessOptions) -> PreprocessResult:
                     where = f"line {line_no}" if jsonl else f"the document at line {line_no}"
                     raise PreprocessError(f"{opts.input}: {where}: {encoded}")
                 for writer, (ids, lengths) in zip(writers, encoded):
-                    writer.add_document(np.asarray(ids, dtype=np.int64), lengths)
+                    try:
+                        writer.add_document(np.asarray(ids, dtype=np.int64), lengths)
+                    except ValueError as exc:     # ids past what the token dtype holds
+                        raise PreprocessError(f"{opts.input}: line {line_no}: {exc} (the "
+                                              f"tokenizer says {tokenizer.vocab_size} ids)") from None
                     tokens += len(ids)
                 documents += 1
             bar.update(sizes[k])
