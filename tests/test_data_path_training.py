@@ -194,3 +194,17 @@ def test_a_run_that_evaluates_needs_a_validation_split(corpus, monkeypatch):
                        r"which is empty for .* \(--split 100,0,0: its share is 0\)"):
         cfg.validate()
     config(corpus, split="98,2,0").validate()
+
+
+def test_a_corpus_of_wider_ids_than_the_vocabulary_is_warned_of(corpus, tmp_path):
+    from pipeexec.datasets.indexed import IndexedDatasetWriter
+    from pipeexec.launching.preflight import token_dtype_warning
+
+    assert token_dtype_warning(config(corpus)) is None            # uint16 ids
+    w = IndexedDatasetWriter(tmp_path / "wide", np.int32)
+    w.add_document(np.arange(100))
+    w.finish()
+    wide = config(corpus, data_path=(str(tmp_path / "wide"),))
+    assert "tokens stored as 32-bit ids" in token_dtype_warning(wide)
+    assert "--vocab is 300" in token_dtype_warning(wide)
+    assert token_dtype_warning(wide.replace(vocab=70000)) is None

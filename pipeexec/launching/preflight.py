@@ -72,6 +72,29 @@ def check_tokenizer(config: TrainConfig) -> None:
         raise ConfigError(str(exc)) from None
 
 
+def token_dtype_warning(config: TrainConfig) -> str | None:
+    """Why ``--data-path``'s corpora look tokenized for a larger vocabulary than the model's,
+    or None: preprocessing stores ids as int32 only for a vocabulary of 65,500 ids or more
+    (Megatron's ``DType.optimal_dtype``). O(1): the ids themselves are checked batch by batch."""
+    if not config.data_path or config.vocab >= 65500:
+        return None
+    import numpy as np
+
+    from ..datasets.blend import BlendError, parse_data_path
+    from ..datasets.indexed import IndexedDatasetError, idx_path, read_header
+
+    try:
+        prefixes, _ = parse_data_path(config.data_path)
+        wide = [p for p in prefixes if np.dtype(read_header(idx_path(p)).dtype).itemsize > 2]
+    except (BlendError, IndexedDatasetError, OSError):
+        return None                       # validate() names what is wrong
+    if not wide:
+        return None
+    return (f"--data-path {', '.join(wide)}: tokens stored as 32-bit ids, as preprocessing "
+            f"writes them for a vocabulary of 65,500 ids or more, but --vocab is "
+            f"{config.vocab}: an id past it stops the run at its batch")
+
+
 def microbatch_warning(pp: int, microbatches: int) -> str | None:
     """Why a pipeline of fewer microbatches than stages wastes most of its ranks, or None."""
     if microbatches >= pp:
@@ -113,7 +136,7 @@ def check_train(config: TrainConfig, checkpoint: Any, *, nproc: int,
     if w:
         warnings.append(w + ("; training on its bytes anyway" if config.tokenizer is None
                              else "; tokenizing it anyway"))
-    for w in (microbatch_warning(config.pp, config.microbatches),
+    for w in (token_dtype_warning(config), microbatch_warning(config.pp, config.microbatches),
               cp_comm_warning(config.plan.parallelism)):
         if w:
             warnings.append(w)
