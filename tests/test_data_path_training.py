@@ -2,7 +2,8 @@
 train samples ``k * global_batch ..`` whatever the layout (each replica reads its own rows), so
 a run resumed from a checkpoint, in the same or another layout, sees exactly the samples an
 uninterrupted run sees. The reference is one process trained in this process; the resumed
-runs are forked ranks (2 here, tp 2 x pp 2 -> pp 4 x dp 2 through the CLI in the slow test)."""
+runs are forked ranks (2 here, tp 2 x pp 2 -> pp 4 x dp 2 through the CLI in the slow test);
+context-parallel ranks of one replica share its samples."""
 from __future__ import annotations
 
 import json
@@ -208,3 +209,22 @@ def test_a_corpus_of_wider_ids_than_the_vocabulary_is_warned_of(corpus, tmp_path
     assert "tokens stored as 32-bit ids" in token_dtype_warning(wide)
     assert "--vocab is 300" in token_dtype_warning(wide)
     assert token_dtype_warning(wide.replace(vocab=70000)) is None
+
+
+def _cp_worker(board, cfg):
+    from pipeexec.topology import destroy_topology, init_topology
+
+    topo = init_topology(cfg.pp, cfg.dp, cp=cfg.cp, timeout=120)
+    try:
+        return train(Trainer(cfg, topo, board=board)).losses
+    finally:
+        destroy_topology(topo)
+
+
+def test_context_parallel_ranks_share_the_replicas_samples(corpus):
+    """cp 2: both ranks of the one replica train on halves of the same samples; the losses
+    are the one-process run's."""
+    cfg = config(corpus, steps=2, microbatches=2, micro_batch_size=2)
+    ref = _reference(cfg, 2)
+    got = launch(_cp_worker, 2, (cfg.replace(cp=2),), timeout=300)
+    torch.testing.assert_close(got[0], ref, rtol=1e-5, atol=0)
