@@ -112,7 +112,21 @@ class LayoutConfig:
 class DataConfig:
     """What the run trains on, and where a Hugging Face model's weights come from."""
 
-    data: str = _opt("synthetic", "'synthetic' or a text file (byte-level tokens)")
+    data: str = _opt("synthetic", "'synthetic' or a text file (byte-level tokens, or "
+                     "--tokenizer's), cut into random windows: for quick runs")
+    # Megatron's --data-path: indexed datasets (pipeexec preprocess-data), blended by weight,
+    # split by document, shuffled per the seed (pipeexec/datasets)
+    data_path: tuple[str, ...] = _opt(
+        (), "train on Megatron indexed datasets: PREFIX (PREFIX.bin, PREFIX.idx, as "
+        "pipeexec preprocess-data writes them), several, or weight / prefix pairs W1 P1 W2 P2 "
+        "blended by weight (Megatron's --data-path)", nargs="+", metavar="PREFIX",
+        parse=tuple)
+    split: str = _opt("969,30,1", "with --data-path: train, validation, test shares of each "
+                      "corpus's documents (Megatron's --split)")
+    tokenizer: str | None = _opt(
+        None, "a Hugging Face tokenizer folder (local, e.g. save_pretrained's): --data FILE is "
+        "tokenized with it instead of read as bytes; its vocabulary (with --data-path too) is "
+        "checked against --vocab before the run", metavar="DIR")
     # a Hugging Face model directory: its config.json is the plan's model, its safetensors
     # (when it has any) the initial weights (pipeexec/models/hf.py)
     hf_model: str | None = _opt(
@@ -384,7 +398,7 @@ class TrainConfig:
         (`legacy_flat`); fields it does not know are refused (TypeError)."""
         values = legacy_flat(data)
         plan = values.pop("plan", None)
-        for k in ("boundaries", "inject"):
+        for k in ("boundaries", "inject", "data_path"):
             if isinstance(values.get(k), list):
                 values[k] = tuple(values[k])
         if plan is not None:
@@ -436,8 +450,9 @@ class TrainConfig:
                 plan_bounds(self.plan)
             except PartitionError as exc:
                 raise ConfigError(str(exc)) from None
-        if self.data != "synthetic" and self.vocab < 256:
+        if self.data != "synthetic" and self.vocab < 256 and self.tokenizer is None:
             raise ConfigError(f"a text file needs vocab >= 256 (byte-level tokens), got {self.vocab}")
+        self._validate_data_path()
         self._validate_optimisation()
         if self.data != "synthetic":
             import os
@@ -511,6 +526,21 @@ class TrainConfig:
         if check_schedule:
             self.build_schedule()
         return self
+
+    def _validate_data_path(self) -> None:
+        """--data-path, --split and the files they name (`pipeexec.datasets`; O(1) per corpus)."""
+        if not self.data_path:
+            return
+        if self.data != "synthetic":
+            raise ConfigError(f"give --data {self.data} or --data-path, not both")
+        from .datasets import DataPathError, check_data_path, check_split_for_eval
+
+        try:
+            check_data_path(self.data_path, self.split, self.seq_len)
+            if getattr(self, "eval_interval", None):     # a run that evaluates (--eval-interval)
+                check_split_for_eval(self.data_path, self.split, self.seq_len)
+        except DataPathError as exc:
+            raise ConfigError(str(exc)) from None
 
     def plan_partition_given(self) -> bool:
         """Whether the plan spells its own cut (explicit partition, Megatron's layout or

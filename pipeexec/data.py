@@ -7,7 +7,11 @@ Row ``r`` of the global batch goes to replica ``r // (m * b)``, microbatch ``(r 
 
 Synthetic sequences are learnable (arithmetic progressions modulo the vocabulary with a random
 start and a stride from a small set), so a training loss visibly falls. A text file is read as
-bytes (vocabulary 256) and cut into random windows.
+bytes (vocabulary 256), or tokenized with ``--tokenizer``, and cut into random windows.
+
+``--data-path`` (`IndexedBatches`): Megatron's indexed datasets (`pipeexec.datasets`), the
+global batch of step ``k`` being samples ``k * global_batch ..`` of the train split, so the
+position is ``consumed_samples`` as in Megatron; only a replica's own rows are read.
 """
 from __future__ import annotations
 
@@ -26,7 +30,7 @@ class BatchSource:
     """Global batches of (inputs, targets), each (global_batch, seq_len) int64."""
 
     def __init__(self, *, seed: int, seq_len: int, vocab: int, global_batch: int,
-                 data: str = "synthetic") -> None:
+                 data: str = "synthetic", tokenizer: str | None = None) -> None:
         self.seed, self.seq_len, self.vocab, self.global_batch = seed, seq_len, vocab, global_batch
         self.data = data
         self._text: torch.Tensor | None = None
@@ -34,11 +38,19 @@ class BatchSource:
             path = Path(data)
             if not path.is_file():
                 raise DataError(f"data file {data!r} does not exist")
-            raw = path.read_bytes()
-            if len(raw) < seq_len + 2:
-                raise DataError(f"data file {data!r} has {len(raw)} bytes, fewer than seq_len + 2 "
-                                f"= {seq_len + 2}")
-            self._text = torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(torch.int64)
+            if tokenizer is not None:
+                from .datasets.tokenizer import load_tokenizer
+
+                ids = load_tokenizer(tokenizer).encode(path.read_text(encoding="utf-8"))
+                self._text = torch.tensor(ids, dtype=torch.int64)
+                unit = "tokens"
+            else:
+                raw = path.read_bytes()
+                self._text = torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(torch.int64)
+                unit = "bytes"
+            if len(self._text) < seq_len + 2:
+                raise DataError(f"data file {data!r} has {len(self._text)} {unit}, fewer than "
+                                f"seq_len + 2 = {seq_len + 2}")
 
     def _generator(self, step: int) -> torch.Generator:
         return torch.Generator().manual_seed((self.seed * 1_000_003 + step * 97 + 1) % (2 ** 63 - 1))
@@ -67,3 +79,56 @@ class BatchSource:
         base = dp_rank * m * b
         return [(x[base + k * b: base + (k + 1) * b].clone(),
                  y[base + k * b: base + (k + 1) * b].clone()) for k in range(m)]
+
+
+class IndexedBatches(BatchSource):
+    """Global batches from the train split of ``--data-path`` (`pipeexec.datasets`): row ``r``
+    of step ``k`` is train sample ``k * global_batch + r``. A sample holding an id the model
+    has no embedding for is refused, naming it."""
+
+    def __init__(self, train, *, seq_len: int, vocab: int, global_batch: int,
+                 source: str = "--data-path") -> None:
+        self.train, self.seq_len, self.vocab, self.global_batch = train, seq_len, vocab, global_batch
+        self.source = source
+
+    def rows(self, step: int, first: int, count: int) -> torch.Tensor:
+        """Rows ``first .. first + count - 1`` of step ``step``'s global batch, (count, s + 1)."""
+        import numpy as np
+
+        base = step * self.global_batch + first
+        if base + count > len(self.train):
+            raise DataError(f"{self.source}: step {step} needs train samples up to "
+                            f"{base + count - 1}, the train split holds {len(self.train)} "
+                            "(built for --steps x the global batch)")
+        seq = torch.from_numpy(np.stack([self.train[base + i] for i in range(count)]))
+        if seq.numel() and int(seq.max()) >= self.vocab:
+            raise DataError(f"{self.source}: train samples {base}..{base + count - 1} hold token "
+                            f"id {int(seq.max())}, the model's vocabulary is {self.vocab} "
+                            "(--vocab): pass the tokenizer's vocabulary size or more")
+        return seq
+
+    def global_batch_at(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        seq = self.rows(step, 0, self.global_batch)
+        return seq[:, :-1].contiguous(), seq[:, 1:].contiguous()
+
+    def microbatches(self, step: int, dp_rank: int, dp: int, m: int
+                     ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        if self.global_batch % (dp * m):
+            raise DataError(f"global batch {self.global_batch} is not divisible by dp * m = {dp * m}")
+        b = self.global_batch // (dp * m)
+        seq = self.rows(step, dp_rank * m * b, m * b)
+        return [(seq[k * b:(k + 1) * b, :-1].contiguous(), seq[k * b:(k + 1) * b, 1:].contiguous())
+                for k in range(m)]
+
+
+def batch_source(config) -> BatchSource:
+    """The run's batches: ``--data-path``'s train split, else synthetic or ``--data FILE``."""
+    if config.data_path:
+        from .datasets import build_datasets
+
+        train, _, _ = build_datasets(config)
+        return IndexedBatches(train, seq_len=config.seq_len, vocab=config.vocab,
+                              global_batch=config.global_batch)
+    return BatchSource(seed=config.seed, seq_len=config.seq_len, vocab=config.vocab,
+                       global_batch=config.global_batch, data=config.data,
+                       tokenizer=config.tokenizer)

@@ -30,6 +30,8 @@ def _parser() -> argparse.ArgumentParser:
     add_compare_command(sub)
     from ..calibrate_hardware import add_command as add_calibrate_hardware
     add_calibrate_hardware(sub)
+    from .preprocess import add_command as add_preprocess_data
+    add_preprocess_data(sub)
     return p
 
 
@@ -69,6 +71,9 @@ def _main(argv: list[str] | None) -> None:
     ns = _parser().parse_args(args)
     if ns.command == "checkpoint":
         sys.exit(run_command(ns))
+    if ns.command == "preprocess-data":
+        from .preprocess import run as preprocess_data
+        sys.exit(preprocess_data(ns))
     if ns.command == "calibrate-hardware":
         from ..calibrate_hardware import run as calibrate_hardware
         sys.exit(calibrate_hardware(ns))

@@ -1,8 +1,8 @@
 """Checks of a ``pipeexec train`` command that need the machine or the files, made before any
 worker starts (`TrainConfig.validate` checks the config itself): the CPU share asked for, the
-data file, the run's time limit, whether a checkpoint to load was written by the same model,
-whether a resumed run has anything left to train and whether it keeps the checkpoint's
-learning-rate schedule."""
+data file, the tokenizer's vocabulary, the run's time limit, whether a checkpoint to load was
+written by the same model, whether a resumed run has anything left to train and whether it
+keeps the checkpoint's learning-rate schedule."""
 from __future__ import annotations
 
 import math
@@ -73,6 +73,41 @@ def data_warning(data: str) -> str | None:
     return None
 
 
+def check_tokenizer(config: TrainConfig) -> None:
+    """Refuse a ``--tokenizer`` that does not load, or whose vocabulary exceeds the model's."""
+    if config.tokenizer is None:
+        return
+    from ..datasets.tokenizer import TokenizerError, check_vocab, load_tokenizer
+
+    try:
+        check_vocab(load_tokenizer(config.tokenizer), config.vocab)
+    except TokenizerError as exc:
+        raise ConfigError(str(exc)) from None
+
+
+def token_dtype_warning(config: TrainConfig) -> str | None:
+    """Why ``--data-path``'s corpora look tokenized for a larger vocabulary than the model's,
+    or None: preprocessing stores ids as int32 only for a vocabulary of 65,500 ids or more
+    (Megatron's ``DType.optimal_dtype``). O(1): the ids themselves are checked batch by batch."""
+    if not config.data_path or config.vocab >= 65500:
+        return None
+    import numpy as np
+
+    from ..datasets.blend import BlendError, parse_data_path
+    from ..datasets.indexed import IndexedDatasetError, idx_path, read_header
+
+    try:
+        prefixes, _ = parse_data_path(config.data_path)
+        wide = [p for p in prefixes if np.dtype(read_header(idx_path(p)).dtype).itemsize > 2]
+    except (BlendError, IndexedDatasetError, OSError):
+        return None                       # validate() names what is wrong
+    if not wide:
+        return None
+    return (f"--data-path {', '.join(wide)}: tokens stored as 32-bit ids, as preprocessing "
+            f"writes them for a vocabulary of 65,500 ids or more, but --vocab is "
+            f"{config.vocab}: an id past it stops the run at its batch")
+
+
 def microbatch_warning(pp: int, microbatches: int) -> str | None:
     """Why a pipeline of fewer microbatches than stages wastes most of its ranks, or None."""
     if microbatches >= pp:
@@ -120,11 +155,13 @@ def check_train(config: TrainConfig, checkpoint: Any, *, nproc: int,
     """All machine- and file-level checks of a local or torchrun ``train`` command."""
     check_cpus_per_rank(cpus_per_rank, nproc)
     check_timeout(timeout)
+    check_tokenizer(config)
     warnings = []
     w = data_warning(config.data)
     if w:
-        warnings.append(w + "; training on its bytes anyway")
-    for w in (microbatch_warning(config.pp, config.microbatches),
+        warnings.append(w + ("; training on its bytes anyway" if config.tokenizer is None
+                             else "; tokenizing it anyway"))
+    for w in (token_dtype_warning(config), microbatch_warning(config.pp, config.microbatches),
               cp_comm_warning(config.plan.parallelism),
               tp_comm_overlap_warning(config.plan.parallelism)):
         if w:
@@ -152,7 +189,52 @@ def check_train(config: TrainConfig, checkpoint: Any, *, nproc: int,
                             allow=tuple(getattr(checkpoint, "allow_model_change", ()) or ()))
             if not (checkpoint.override_opt_param_scheduler or config.forward_only):
                 check_lr_schedule(config, first.get("opt_param_scheduler"), checkpoint.load)
+            w = data_change_warning(config, first.get("config"))
+            if w:
+                warnings.append(f"--load {checkpoint.load}: {w}")
     return Preflight(tuple(warnings), nothing)
+
+
+# what, besides the files, fixes the sample of each step
+_DATA_FIELDS = ("data", "data_path", "split", "seed", "seq_len", "tokenizer")
+
+
+def data_change_warning(config: TrainConfig, saved: dict | None) -> str | None:
+    """Why a resumed run will not train the samples the checkpoint's run would have trained
+    next, or None: a data setting changed, or (``--data-path``) a planned length that changes
+    the epoch count, hence the shuffle (`pipeexec.datasets.build.train_order`)."""
+    if not isinstance(saved, dict):
+        return None
+    changed = []
+    for name in _DATA_FIELDS:
+        ours = getattr(config, name)
+        theirs = saved.get(name, getattr(TrainConfig(), name))
+        if name == "data_path":
+            theirs = tuple(theirs or ())
+        if name == "tokenizer" and config.data == "synthetic":
+            continue
+        if ours != theirs:
+            changed.append(f"{TrainConfig.flag(name)} {theirs!r} -> {ours!r}")
+    if changed:
+        return ("the data differs from the checkpoint's run (" + "; ".join(changed)
+                + "): the steps after it draw other samples than that run would have")
+    if not config.data_path:
+        return None
+    from ..datasets import DataPathError
+    from ..datasets.build import train_order
+
+    try:
+        before = train_order(config.replace(steps=int(saved.get("steps", config.steps)),
+                                            decay_steps=saved.get("decay_steps")))
+        now = train_order(config)
+    except (DataPathError, ConfigError, TypeError, ValueError):
+        return None
+    if before != now:
+        return ("--steps / --decay-steps change the train samples asked for, and with them the "
+                "number of epochs, hence the shuffle of the whole train split (Megatron's "
+                "--train-iters does the same): the steps after it draw other samples; keep "
+                "max(--steps, --decay-steps) as it was to continue the same order")
+    return None
 
 
 # the checkpoint's scheduler record key -> (the run's value, the flag that sets it)

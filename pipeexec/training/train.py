@@ -42,7 +42,7 @@ from pipesim.schedule.op import Op
 
 from ..launching.board import ActionBoard, BoardObserver
 from ..config import TrainConfig
-from ..data import BatchSource
+from ..data import BatchSource, batch_source
 from ..pipeline.faults import FaultInjector, parse_faults
 from .ddp import GradBuffer
 from .metrics_log import (LogOptions, model_flops_per_step, open_sinks, step_scalars,
@@ -258,8 +258,7 @@ class Trainer:
                            nccl_matching=config.nccl_matching)
         self.runtime = self._make_runtime(self.schedule)
         self._fwd_runtime: PipelineRuntime | None = None
-        self.data = data or BatchSource(seed=config.seed, seq_len=config.seq_len, vocab=config.vocab,
-                                        global_batch=config.global_batch, data=config.data)
+        self.data = data or batch_source(config)
         if self.cp.active:      # every cp rank of a replica: the same microbatches, its chunks
             self.data = ContextParallelBatches(self.data, self.cp)
         self.iteration = 0
