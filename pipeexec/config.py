@@ -533,12 +533,11 @@ class TrainConfig:
             return
         if self.data != "synthetic":
             raise ConfigError(f"give --data {self.data} or --data-path, not both")
-        from .datasets import DataPathError, check_data_path, check_split_for_eval
+        from .datasets import DataPathError, check_data_path
 
         try:
+            # (a run that evaluates checks its validation split too: EvalOptions.validate)
             check_data_path(self.data_path, self.split, self.seq_len)
-            if getattr(self, "eval_interval", None):     # a run that evaluates (--eval-interval)
-                check_split_for_eval(self.data_path, self.split, self.seq_len)
         except DataPathError as exc:
             raise ConfigError(str(exc)) from None
 

@@ -20,6 +20,10 @@ plugs into; an indexed dataset's validation split plugs in here by returning its
 * ``--data FILE`` (byte text): a held-out text file, ``--valid-data FILE``, read as the
   training file is (random windows, vocabulary 256). Without one, validation of a text run is
   refused before any process starts: windows of the training file are training data.
+* ``--data-path``: the validation split of the indexed datasets (``--split``'s second share,
+  `pipeexec.datasets`), built for ``eval_iters`` global batches, as Megatron's validation
+  dataset is; validation batch ``i`` is its samples ``i * global_batch ..``. A split that leaves
+  validation empty is refused before any process starts.
 """
 from __future__ import annotations
 
@@ -73,6 +77,18 @@ class EvalOptions:
             raise ConfigError("--forward-only evaluates the training batches; validation "
                               "(--eval-interval, --eval-only) runs its own forward-only "
                               "schedule: drop --forward-only")
+        if config.data_path:
+            flag = "--eval-only" if self.eval_interval is None else "--eval-interval"
+            if self.valid_data is not None:
+                raise ConfigError(f"--valid-data {self.valid_data}: --data-path validates on "
+                                  "its own validation split (--split); drop --valid-data")
+            from ..datasets import DataPathError, check_split_for_eval
+
+            try:
+                check_split_for_eval(config.data_path, config.split, config.seq_len, flag)
+            except DataPathError as exc:
+                raise ConfigError(str(exc)) from None
+            return self
         if config.data == "synthetic":
             if self.valid_data is not None:
                 raise ConfigError(f"--valid-data {self.valid_data}: synthetic data validates on "
@@ -114,6 +130,14 @@ class HeldOutStream:
 
 def valid_batches(config: TrainConfig, options: EvalOptions) -> ValidationData:
     """The validation data of ``config``'s data source (see the module docstring)."""
+    if config.data_path:
+        from ..data import IndexedBatches
+        from ..datasets import build_dataset
+
+        valid = build_dataset(config, "validation", options.eval_iters * config.global_batch)
+        return IndexedBatches(valid, seq_len=config.seq_len, vocab=config.vocab,
+                              global_batch=config.global_batch,
+                              source="--data-path (its validation split)")
     data = "synthetic" if config.data == "synthetic" else options.valid_data
     if data is None:
         raise ConfigError(f"validation of a text run (--data {config.data}) needs --valid-data "
