@@ -275,6 +275,7 @@ def repartition(costs: CostModel, source: Layout, target: Layout,
     n_src = source.num_stages
     changes: dict[str, Any] = {}
     per_kind: dict[str, dict[str, float]] = {}
+    edges: dict[str, list[int]] = {}
     with_const = np.hstack((np.ones((n_src, 1)), a_src))
     joint = np.linalg.matrix_rank(with_const) == len(kinds) + 1
     how = "fitted" if joint else ("executor" if overhead else "none")
@@ -301,12 +302,29 @@ def repartition(costs: CostModel, source: Layout, target: Layout,
             values = np.clip(values - a_fit @ x, 0.0, None)
         measured = (np.asarray(overhead[name], float)[rows] if time and overhead
                     and name in overhead else None)
-        per_action, x[free] = _fit_free(a_fit[:, free], values, joint and time, measured)
+        # A pinned layer was timed alone, as an action of its own: its value holds the
+        # computation's per-action cost once, so a stage pays that cost once less per pinned
+        # layer it holds (``once``: 1 - its pinned layers), the executor's work before the
+        # computation proper (``measured``) always. An embedding- or head-only stage thus
+        # costs its timed layer and the executor's work, never the fitted term.
+        pinned_cols = list(fixed)
+        once_src = 1.0 - a_fit[:, pinned_cols].sum(axis=1)
+        once_dst = 1.0 - a_dst[:, pinned_cols].sum(axis=1)
+        cap = max(fixed.values()) if fixed else math.inf
+        floor, own, x[free] = _fit_free(
+            a_fit[:, free], values, joint and time, measured, once_src, cap)
         per_kind[name] = dict(zip(kinds, map(float, x)))
+        edges[name] = [j for j in range(target.num_stages)
+                       if fixed and once_dst[j] == 0 and not a_dst[j, free].any()]
         if time:
-            per_kind[name]["per action"] = per_action
-        changes[name] = [float(v) + per_action for v in a_dst @ x]
-    if split:
+            per_kind[name]["per action"] = floor + own
+            if fixed:
+                per_kind[name]["executor per action"] = floor
+        changes[name] = [max(float(v) + floor + own * o, 0.0) if time else float(v)
+                         for v, o in zip(a_dst @ x, once_dst)]
+    # A first target stage of the embedding alone, pinned in I and W: the probe timed it as a
+    # first stage (I a no-op, W the whole backward), so its I and W stand as they are.
+    if split and not (0 in edges.get("backward_input", ()) and 0 in edges.get("backward_weight", ())):
         first_i = float(costs.stage_values("backward_input", n_src)[0])
         whole = changes["backward_input"][0] + changes["backward_weight"][0]
         changes["backward_input"][0] = first_i
@@ -329,23 +347,31 @@ def repartition(costs: CostModel, source: Layout, target: Layout,
                        pinned={name: dict(v) for name, v in (pinned or {}).items()})
 
 
-def _fit_free(a: np.ndarray, values: np.ndarray, joint: bool, overhead: np.ndarray | None
-              ) -> tuple[float, np.ndarray]:
-    """(per-action seconds, per-kind seconds) solved over the stages: the per-action term
-    jointly where the stages identify it (``joint`` and [1 | counts] of full rank), else the
-    executor's measured work (``overhead``, per stage), else none; the kinds by non-negative
-    least squares (clipped least squares where the stages cannot separate them)."""
+def _fit_free(a: np.ndarray, values: np.ndarray, joint: bool, overhead: np.ndarray | None,
+              once: np.ndarray, cap: float = math.inf) -> tuple[float, float, np.ndarray]:
+    """(executor seconds per action, the computation's own per-action seconds, per-kind
+    seconds) solved over the stages, whose ``values`` cost ``executor + once x own + counts x
+    per_kind`` (``once``: 1, less one per pinned layer the stage holds). Where the stages
+    identify it (``joint`` and [once | counts] of full rank), the computation's term is fitted
+    jointly with the kinds above the executor's measured work (``overhead``'s mean, or 0), and
+    clipped to ``[0, cap]``: solved from the stages' large sums it is a difference of large
+    numbers, and a layer timed alone (``cap``: the costliest pinned one) paid it in full.
+    Otherwise the executor's measured work per stage is taken off, and the rest is per layer.
+    The kinds by non-negative least squares (clipped least squares where the stages cannot
+    separate them)."""
     k = a.shape[1]
-    with_const = np.hstack((np.ones((a.shape[0], 1)), a))
-    per_action = 0.0
-    if joint and np.linalg.matrix_rank(with_const) == k + 1:
-        per_action = float(_nnls(with_const, values)[0])
-        values = values - per_action
+    with_once = np.hstack((np.asarray(once, float).reshape(-1, 1), a))
+    floor = float(np.mean(overhead)) if overhead is not None and len(overhead) else 0.0
+    own = 0.0
+    if joint and np.linalg.matrix_rank(with_once) == k + 1:
+        values = np.clip(values - floor, 0.0, None)
+        own = float(np.clip(_nnls(with_once, values)[0], 0.0, cap))
+        values = np.clip(values - own * with_once[:, 0], 0.0, None)
     elif overhead is not None:
-        per_action, values = float(np.mean(overhead)), np.clip(values - overhead, 0.0, None)
+        values = np.clip(values - overhead, 0.0, None)
     x = _nnls(a, values) if np.linalg.matrix_rank(a) >= k else np.clip(
         np.linalg.lstsq(a, values, rcond=None)[0], 0.0, None)
-    return per_action, x
+    return floor, own, x
 
 
 def calibrate(run: MeasuredRun, target: Layout | None = None,
