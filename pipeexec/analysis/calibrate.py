@@ -26,27 +26,32 @@ kind (embedding, block, head: layers of one kind cost the same) by non-negative 
 over the source stages, then summed over the target's stages. The result says when the source
 stages could not separate the kinds (``underdetermined``).
 
-Per-action cost: a computation also costs a fixed amount that does not scale with its layers
-(Python dispatch, autograd bookkeeping, posting sends and receives, small-kernel overheads).
+Per-action cost: a computation also costs a fixed amount that does not scale with its layers.
 Re-partitioned as if it were per layer, it is divided among the target's stages, while a layout
 with more stages (another vpp) runs proportionally *more* actions, each paying it: a 1f1b run
-(vpp=1) then predicts interleaved (vpp=2) far too short at small model sizes. So each time
-field is fitted as ``per_action + layers x per_layer_cost`` and every target stage gets the
-per-action term once. The term is fitted jointly with the kinds when the source stages'
-compositions identify it (the matrix [1 | layer counts] has full column rank: stages with
-different numbers of layers); otherwise (e.g. pp stages of equal size: a constant is
-indistinguishable from a layer's share) the executor's own measured per-action work is used:
-``compute_start - start`` of each computation, its work since the previous one before the
-computation proper (posting, bookkeeping), which by construction does not depend on layers.
-What the computation proper spends per action outside its layers is then not identifiable and
-stays in the per-layer costs (``Calibration.per_action``: how the term was obtained).
+(vpp=1) then predicts interleaved (vpp=2) far too short at small model sizes. It has two parts.
+The executor's work before the computation proper (posting sends and receives, bookkeeping) is
+measured: ``compute_start - start`` of each computation, by construction independent of the
+layers (`action_overhead`; its mean is the term's floor). The computation's own fixed cost
+(Python dispatch, autograd bookkeeping, small-kernel overheads) is not measured apart: it is
+fitted jointly with the kinds when the source stages' compositions identify it (the matrix
+[1 | layer counts] has full column rank: stages with different numbers of layers), else left in
+the per-layer costs (e.g. pp stages of equal size: a constant is indistinguishable from a
+layer's share). Every target stage pays both once (``Calibration.per_action``: how the term was
+obtained).
 
 The embedding and the head each sit on one stage next to blocks, so solved from the stages'
 sums their costs are small differences of large numbers (stage 0 less a block's share), and
 noise in either sum lands on them whole. Where the run timed them alone
 (`pipeexec.measuring.probe.probe_layers`: each as a share of its stage's time, both timed in
 the same repeat), ``pinned_layers`` fixes them at that share of their stage's fitted cost and
-the solve fits only the blocks and the per-action term (``Calibration.pinned``).
+the solve fits only the blocks and the per-action term (``Calibration.pinned``). A layer timed
+alone was an action of its own, so its pinned cost holds the computation's fixed cost once:
+a stage pays that cost once less for each pinned layer it holds. A stage of the embedding or
+the head alone thus costs its timed layer and the executor's measured work, never the fitted
+term, which, as a difference of the stages' large sums, can come out at several times such a
+stage's whole cost on a loaded machine; and the fitted term is bounded by what the costliest
+layer timed alone took in all, since that action paid it.
 """
 from __future__ import annotations
 
@@ -257,10 +262,12 @@ def repartition(costs: CostModel, source: Layout, target: Layout,
                 pinned: dict[str, dict[str, float]] | None = None) -> Calibration:
     """Costs of ``target``'s stages from ``costs`` fitted on ``source``'s stages.
 
-    Time fields: ``per_action + counts x per_kind``, the per-action term fitted jointly when
-    the source identifies it, else taken from ``overhead`` (per field, per source stage: the
-    measured per-action work, `action_overhead`), else zero; the kinds in ``pinned[field]``
-    (seconds, `pinned_layers`) fixed, not solved. Memory: per layer only."""
+    Time fields: ``executor + once x own + counts x per_kind``: ``executor`` the measured
+    per-action work (``overhead``: per field, per source stage, `action_overhead`; else zero),
+    ``own`` the computation's fixed cost, fitted jointly when the source identifies it (else
+    zero), ``once`` 1 less the stage's pinned layers (each timed alone, paying ``own`` in its
+    own time); the kinds in ``pinned[field]`` (seconds, `pinned_layers`) fixed, not solved.
+    ``per_kind[field]["per action"]``: executor + own. Memory: per layer only."""
     if source.layer_kinds != target.layer_kinds:
         raise ValueError(f"calibration layout has {len(source.layer_kinds)} layers "
                          f"({_kinds_text(source.layer_kinds)}), the target "
