@@ -360,9 +360,10 @@ def _fit_free(a: np.ndarray, values: np.ndarray, joint: bool, overhead: np.ndarr
     seconds) solved over the stages, whose ``values`` cost ``executor + once x own + counts x
     per_kind`` (``once``: 1, less one per pinned layer the stage holds). Where the stages
     identify it (``joint`` and [once | counts] of full rank), the computation's term is fitted
-    jointly with the kinds above the executor's measured work (``overhead``'s mean, or 0), and
-    clipped to ``[0, cap]``: solved from the stages' large sums it is a difference of large
-    numbers, and a layer timed alone (``cap``: the costliest pinned one) paid it in full.
+    jointly with the kinds beside the executor's measured work (``overhead``'s mean, or 0), the
+    two together non-negative and the term at most ``cap``: solved from the stages' large sums
+    it is a difference of large numbers, and a layer timed alone (``cap``: the costliest pinned
+    one) paid it in full.
     Otherwise the executor's measured work per stage is taken off, and the rest is per layer.
     The kinds by non-negative least squares (clipped least squares where the stages cannot
     separate them)."""
@@ -371,9 +372,11 @@ def _fit_free(a: np.ndarray, values: np.ndarray, joint: bool, overhead: np.ndarr
     floor = float(np.mean(overhead)) if overhead is not None and len(overhead) else 0.0
     own = 0.0
     if joint and np.linalg.matrix_rank(with_once) == k + 1:
-        values = np.clip(values - floor, 0.0, None)
-        own = float(np.clip(_nnls(with_once, values)[0], 0.0, cap))
-        values = np.clip(values - own * with_once[:, 0], 0.0, None)
+        # fitted as ``floor + own`` >= 0 where the stage pays ``own`` (``once``): the measured
+        # work (with CPU times, its wall time at most) may overstate what an action costs
+        values = values - floor * (1.0 - with_once[:, 0])
+        own = float(np.clip(_nnls(with_once, np.clip(values, 0.0, None))[0], 0.0, floor + cap)) - floor
+        values = np.clip(values - (floor + own) * with_once[:, 0], 0.0, None)
     elif overhead is not None:
         values = np.clip(values - overhead, 0.0, None)
     x = _nnls(a, values) if np.linalg.matrix_rank(a) >= k else np.clip(
