@@ -32,7 +32,7 @@ with more stages (another vpp) runs proportionally *more* actions, each paying i
 (vpp=1) then predicts interleaved (vpp=2) far too short at small model sizes. It has two parts.
 The executor's work before the computation proper (posting sends and receives, bookkeeping) is
 measured: ``compute_start - start`` of each computation, by construction independent of the
-layers (`action_overhead`; its mean is the term's floor). The computation's own fixed cost
+layers (`action_overhead`). The computation's own fixed cost
 (Python dispatch, autograd bookkeeping, small-kernel overheads) is not measured apart: it is
 fitted jointly with the kinds when the source stages' compositions identify it (the matrix
 [1 | layer counts] has full column rank: stages with different numbers of layers), else left in
@@ -318,20 +318,21 @@ def repartition(costs: CostModel, source: Layout, target: Layout,
         once_src = 1.0 - a_fit[:, pinned_cols].sum(axis=1)
         once_dst = 1.0 - a_dst[:, pinned_cols].sum(axis=1)
         cap = max(fixed.values()) if fixed else math.inf
-        floor, own, x[free] = _fit_free(
+        executor, own, x[free] = _fit_free(
             a_fit[:, free], values, joint and time, measured, once_src, cap)
         per_kind[name] = dict(zip(kinds, map(float, x)))
         edges[name] = [j for j in range(target.num_stages)
                        if fixed and once_dst[j] == 0 and not a_dst[j, free].any()]
         if time:
-            per_kind[name]["per action"] = floor + own
+            per_kind[name]["per action"] = executor + own
             if fixed:
-                per_kind[name]["executor per action"] = floor
-        changes[name] = [max(float(v) + floor + own * o, 0.0) if time else float(v)
+                per_kind[name]["executor per action"] = executor
+        changes[name] = [max(float(v) + executor + own * o, 0.0) if time else float(v)
                          for v, o in zip(a_dst @ x, once_dst)]
     # A first target stage of the embedding alone, pinned in I and W: the probe timed it as a
     # first stage (I a no-op, W the whole backward), so its I and W stand as they are.
-    if split and not (0 in edges.get("backward_input", ()) and 0 in edges.get("backward_weight", ())):
+    alone = 0 in edges.get("backward_input", ()) and 0 in edges.get("backward_weight", ())
+    if split and not alone:
         first_i = float(costs.stage_values("backward_input", n_src)[0])
         whole = changes["backward_input"][0] + changes["backward_weight"][0]
         changes["backward_input"][0] = first_i
@@ -363,25 +364,25 @@ def _fit_free(a: np.ndarray, values: np.ndarray, joint: bool, overhead: np.ndarr
     jointly with the kinds beside the executor's measured work (``overhead``'s mean, or 0), the
     two together non-negative and the term at most ``cap``: solved from the stages' large sums
     it is a difference of large numbers, and a layer timed alone (``cap``: the costliest pinned
-    one) paid it in full.
-    Otherwise the executor's measured work per stage is taken off, and the rest is per layer.
-    The kinds by non-negative least squares (clipped least squares where the stages cannot
-    separate them)."""
+    one) paid it in full. Otherwise the executor's measured work per stage is taken off, and
+    the rest is per layer. The kinds by non-negative least squares (clipped least squares where
+    the stages cannot separate them)."""
     k = a.shape[1]
     with_once = np.hstack((np.asarray(once, float).reshape(-1, 1), a))
-    floor = float(np.mean(overhead)) if overhead is not None and len(overhead) else 0.0
+    executor = float(np.mean(overhead)) if overhead is not None and len(overhead) else 0.0
     own = 0.0
     if joint and np.linalg.matrix_rank(with_once) == k + 1:
-        # fitted as ``floor + own`` >= 0 where the stage pays ``own`` (``once``): the measured
+        # fitted as ``executor + own`` >= 0 where the stage pays ``own`` (``once``): the measured
         # work (with CPU times, its wall time at most) may overstate what an action costs
-        values = values - floor * (1.0 - with_once[:, 0])
-        own = float(np.clip(_nnls(with_once, np.clip(values, 0.0, None))[0], 0.0, floor + cap)) - floor
-        values = np.clip(values - (floor + own) * with_once[:, 0], 0.0, None)
+        values = values - executor * (1.0 - with_once[:, 0])
+        fitted = float(_nnls(with_once, np.clip(values, 0.0, None))[0])
+        own = float(np.clip(fitted, 0.0, executor + cap)) - executor
+        values = np.clip(values - (executor + own) * with_once[:, 0], 0.0, None)
     elif overhead is not None:
         values = np.clip(values - overhead, 0.0, None)
     x = _nnls(a, values) if np.linalg.matrix_rank(a) >= k else np.clip(
         np.linalg.lstsq(a, values, rcond=None)[0], 0.0, None)
-    return floor, own, x
+    return executor, own, x
 
 
 def calibrate(run: MeasuredRun, target: Layout | None = None,
