@@ -7,6 +7,10 @@
 # 3. ZB-V and 1F1B train in one job, alternating steps (the method of
 #    benchmarks/bench_prediction.py): ZB-V is predicted from the 1F1B steps alone and compared
 #    with its own measured steps, both seconds apart on the same machine.
+# The model has 8 blocks: 1F1B cuts them 2 a stage (the embedding on the first, the head on the
+# last), ZB-V 1 a stage, so that every rank of either holds two blocks. (With 6 blocks, ZB-V's
+# first and last stages, both on rank 0, held only the embedding and the head: rank 0 sat idle
+# most of the step and ZB-V could show little over 1F1B.)
 # On a machine with fewer than 4 CPUs, each rank is confined to its share of them
 # (--cpus-per-rank, a cgroup quota) where the machine allows it, so that every rank computes at
 # its own steady speed as with a device per rank; CONFINE=off shares the cores freely instead.
@@ -15,7 +19,7 @@ cd "$(dirname "$0")/.."
 out=${1:-out}
 mkdir -p "$out"
 export OMP_NUM_THREADS=1
-model=(--pp 4 --microbatches 8 --layers 6 --hidden 256 --heads 4 --seq-len 128
+model=(--pp 4 --microbatches 8 --layers 8 --hidden 256 --heads 4 --seq-len 128
        --micro-batch-size 4 --steps 6 --no-progress)
 if [ "${CONFINE:-auto}" != off ]; then
     confine=$(python3 -c "from pipeexec.launching.cpu_quota import cpu_limit, quotas_available
@@ -36,7 +40,7 @@ python3 -m pipeexec compare --schedule 1f1b "${model[@]}" --trace-out "$out/run_
 
 echo "== 3. zbv and 1f1b in one job, alternating steps; zbv predicted from the 1f1b steps alone"
 python3 -m pipeexec compare --schedule zbv --vpp 2 "${model[@]}" --alongside 1f1b \
-    --report-out "$out/compare_zbv.json" --table-out "$out/compare_zbv.md" --plot-out "$out/compare_zbv.png"
+    --trace-out "$out/run_zbv.json" --report-out "$out/compare_zbv.json" --table-out "$out/compare_zbv.md" --plot-out "$out/compare_zbv.png"
 
 python3 - "$out" <<'PY'
 import json, sys

@@ -285,6 +285,78 @@ def test_repartition_keeps_the_measured_executor_overhead_per_action():
     assert sum(cal.costs.stage_values("forward", 6)) == pytest.approx(6 * mean_post + 6 * block)
 
 
+# The main job's 1F1B cut (E+B+B, B+B, B, B+H): stage sizes 3, 2, 1, 2 identify a per-action term.
+MAIN_SRC = Layout((0, 3, 5, 6, 8), KINDS)
+
+
+def per_action_truth(pre: float, own: float, layer: dict[str, float], layout: Layout) -> list[float]:
+    """Each stage's cost in the per-action model: the executor's work before the computation
+    (``pre``), the computation's own fixed cost (``own``) and its layers' costs."""
+    return [pre + own + x for x in stage_sums(layer, layout)]
+
+
+def test_repartition_recovers_the_per_action_cost_beside_pinned_edge_layers():
+    # A layer timed alone (the probe) is an action of its own: its time holds the computation's
+    # fixed cost ``own`` once, but not the executor's work before it (``pre``, compute_start -
+    # start). The repartition recovers ``own`` and the block from the stage sums, and every
+    # target stage costs what the truth says: the embedding alone pre + own + its layer.
+    pre, own = 0.1, 0.3
+    layer = {"embedding": 0.05, "block": 1.0, "head": 0.2}
+    costs = pipesim.CostModel(forward=per_action_truth(pre, own, layer, MAIN_SRC))
+    timed_alone = {"embedding": own + layer["embedding"], "head": own + layer["head"]}
+    for dst in (DST, Layout((0, 2, 3, 4, 5, 6, 8), KINDS)):     # one layer a stage; E+B, B+H
+        cal = repartition(costs, MAIN_SRC, dst, overhead={"forward": [pre] * 4},
+                          pinned={"forward": timed_alone})
+        assert cal.per_action == "fitted"
+        assert cal.per_kind["forward"]["per action"] == pytest.approx(pre + own)
+        assert cal.per_kind["forward"]["executor per action"] == pytest.approx(pre)
+        assert cal.per_kind["forward"]["block"] == pytest.approx(layer["block"])
+        np.testing.assert_allclose(cal.costs.stage_values("forward", dst.num_stages),
+                                   per_action_truth(pre, own, layer, dst), atol=1e-9)
+
+
+def test_repartition_puts_no_fitted_intercept_on_an_embedding_or_head_only_stage():
+    # No fixed cost beyond the executor's, but the one-block stages of the source ran 60% slow
+    # (a loaded machine): fitted as ``intercept + blocks x block``, the sums say a block costs
+    # 0.28 and every action 1.54 more, and the embedding-only stage would cost ten times its
+    # truth. Pinned edge layers timed alone cost what they took plus the executor's work; the
+    # computation's own term cannot exceed what the costliest layer timed alone took in all.
+    pre = 0.1
+    layer = {"embedding": 0.05, "block": 1.0, "head": 0.2}
+    stage_f = per_action_truth(pre, 0.0, layer, MAIN_SRC)
+    stage_f[2] *= 1.6
+    stage_f[3] *= 1.6
+    pinned = {"embedding": layer["embedding"], "head": layer["head"]}
+    values = np.array(stage_f) - [pinned["embedding"], 0, 0, pinned["head"]]
+    naive = np.linalg.lstsq(np.array([[1.0, 2], [1, 2], [1, 1], [1, 1]]), values, rcond=None)[0]
+    assert naive[0] > 1.0                                 # the ill-conditioned intercept
+    cal = repartition(pipesim.CostModel(forward=stage_f), MAIN_SRC, DST,
+                      overhead={"forward": [pre] * 4}, pinned={"forward": pinned})
+    f = cal.costs.stage_values("forward", 8)
+    assert f[0] == pytest.approx(pre + layer["embedding"])
+    assert f[-1] == pytest.approx(pre + layer["head"])
+    assert 0.0 <= cal.per_kind["forward"]["per action"] <= pre + layer["head"] + 1e-12
+
+
+def test_repartition_keeps_the_embedding_only_first_stage_as_timed_alone():
+    # A first stage of the embedding alone, pinned in I and W: the probe timed it as a first
+    # stage (I a no-op, W its whole backward), so the target's first stage keeps those, not
+    # the source first stage's I (a no-op on two blocks' worth of stage) and the rest in W.
+    pre = 0.0
+    f = per_action_truth(pre, 0.0, {"embedding": 0.05, "block": 1.0, "head": 0.2}, MAIN_SRC)
+    i = stage_sums({"embedding": 0.0, "block": 1.0, "head": 0.4}, MAIN_SRC)
+    w = stage_sums({"embedding": 0.1, "block": 0.8, "head": 0.3}, MAIN_SRC)
+    w[0] += i[0]
+    i[0] = 0.5                                     # the source's no-op I, slow that step
+    pinned = {"backward_input": {"embedding": 0.001, "head": 0.4},
+              "backward_weight": {"embedding": 0.1, "head": 0.3}}
+    cal = repartition(pipesim.CostModel(forward=f, backward_input=i, backward_weight=w),
+                      MAIN_SRC, DST, pinned=pinned)
+    assert cal.costs.stage_values("backward_input", 8)[0] == pytest.approx(0.001)
+    assert cal.costs.stage_values("backward_weight", 8)[0] == pytest.approx(0.1)
+    assert cal.costs.stage_values("backward_input", 8)[-1] == pytest.approx(0.4)
+
+
 def test_calibrate_uses_the_target_layout():
     s = pipesim.build_schedule("1f1b", pp=2, microbatches=4)
     kinds = ["embedding", "block", "block", "head"]

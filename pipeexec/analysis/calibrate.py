@@ -26,27 +26,32 @@ kind (embedding, block, head: layers of one kind cost the same) by non-negative 
 over the source stages, then summed over the target's stages. The result says when the source
 stages could not separate the kinds (``underdetermined``).
 
-Per-action cost: a computation also costs a fixed amount that does not scale with its layers
-(Python dispatch, autograd bookkeeping, posting sends and receives, small-kernel overheads).
+Per-action cost: a computation also costs a fixed amount that does not scale with its layers.
 Re-partitioned as if it were per layer, it is divided among the target's stages, while a layout
 with more stages (another vpp) runs proportionally *more* actions, each paying it: a 1f1b run
-(vpp=1) then predicts interleaved (vpp=2) far too short at small model sizes. So each time
-field is fitted as ``per_action + layers x per_layer_cost`` and every target stage gets the
-per-action term once. The term is fitted jointly with the kinds when the source stages'
-compositions identify it (the matrix [1 | layer counts] has full column rank: stages with
-different numbers of layers); otherwise (e.g. pp stages of equal size: a constant is
-indistinguishable from a layer's share) the executor's own measured per-action work is used:
-``compute_start - start`` of each computation, its work since the previous one before the
-computation proper (posting, bookkeeping), which by construction does not depend on layers.
-What the computation proper spends per action outside its layers is then not identifiable and
-stays in the per-layer costs (``Calibration.per_action``: how the term was obtained).
+(vpp=1) then predicts interleaved (vpp=2) far too short at small model sizes. It has two parts.
+The executor's work before the computation proper (posting sends and receives, bookkeeping) is
+measured: ``compute_start - start`` of each computation, by construction independent of the
+layers (`action_overhead`). The computation's own fixed cost
+(Python dispatch, autograd bookkeeping, small-kernel overheads) is not measured apart: it is
+fitted jointly with the kinds when the source stages' compositions identify it (the matrix
+[1 | layer counts] has full column rank: stages with different numbers of layers), else left in
+the per-layer costs (e.g. pp stages of equal size: a constant is indistinguishable from a
+layer's share). Every target stage pays both once (``Calibration.per_action``: how the term was
+obtained).
 
 The embedding and the head each sit on one stage next to blocks, so solved from the stages'
 sums their costs are small differences of large numbers (stage 0 less a block's share), and
 noise in either sum lands on them whole. Where the run timed them alone
 (`pipeexec.measuring.probe.probe_layers`: each as a share of its stage's time, both timed in
 the same repeat), ``pinned_layers`` fixes them at that share of their stage's fitted cost and
-the solve fits only the blocks and the per-action term (``Calibration.pinned``).
+the solve fits only the blocks and the per-action term (``Calibration.pinned``). A layer timed
+alone was an action of its own, so its pinned cost holds the computation's fixed cost once:
+a stage pays that cost once less for each pinned layer it holds. A stage of the embedding or
+the head alone thus costs its timed layer and the executor's measured work, never the fitted
+term, which, as a difference of the stages' large sums, can come out at several times such a
+stage's whole cost on a loaded machine; and the fitted term is bounded by what the costliest
+layer timed alone took in all, since that action paid it.
 """
 from __future__ import annotations
 
@@ -257,10 +262,12 @@ def repartition(costs: CostModel, source: Layout, target: Layout,
                 pinned: dict[str, dict[str, float]] | None = None) -> Calibration:
     """Costs of ``target``'s stages from ``costs`` fitted on ``source``'s stages.
 
-    Time fields: ``per_action + counts x per_kind``, the per-action term fitted jointly when
-    the source identifies it, else taken from ``overhead`` (per field, per source stage: the
-    measured per-action work, `action_overhead`), else zero; the kinds in ``pinned[field]``
-    (seconds, `pinned_layers`) fixed, not solved. Memory: per layer only."""
+    Time fields: ``executor + once x own + counts x per_kind``: ``executor`` the measured
+    per-action work (``overhead``: per field, per source stage, `action_overhead`; else zero),
+    ``own`` the computation's fixed cost, fitted jointly when the source identifies it (else
+    zero), ``once`` 1 less the stage's pinned layers (each timed alone, paying ``own`` in its
+    own time); the kinds in ``pinned[field]`` (seconds, `pinned_layers`) fixed, not solved.
+    ``per_kind[field]["per action"]``: executor + own. Memory: per layer only."""
     if source.layer_kinds != target.layer_kinds:
         raise ValueError(f"calibration layout has {len(source.layer_kinds)} layers "
                          f"({_kinds_text(source.layer_kinds)}), the target "
@@ -275,6 +282,7 @@ def repartition(costs: CostModel, source: Layout, target: Layout,
     n_src = source.num_stages
     changes: dict[str, Any] = {}
     per_kind: dict[str, dict[str, float]] = {}
+    edges: dict[str, list[int]] = {}
     with_const = np.hstack((np.ones((n_src, 1)), a_src))
     joint = np.linalg.matrix_rank(with_const) == len(kinds) + 1
     how = "fitted" if joint else ("executor" if overhead else "none")
@@ -301,12 +309,30 @@ def repartition(costs: CostModel, source: Layout, target: Layout,
             values = np.clip(values - a_fit @ x, 0.0, None)
         measured = (np.asarray(overhead[name], float)[rows] if time and overhead
                     and name in overhead else None)
-        per_action, x[free] = _fit_free(a_fit[:, free], values, joint and time, measured)
+        # A pinned layer was timed alone, as an action of its own: its value holds the
+        # computation's per-action cost once, so a stage pays that cost once less per pinned
+        # layer it holds (``once``: 1 - its pinned layers), the executor's work before the
+        # computation proper (``measured``) always. An embedding- or head-only stage thus
+        # costs its timed layer and the executor's work, never the fitted term.
+        pinned_cols = list(fixed)
+        once_src = 1.0 - a_fit[:, pinned_cols].sum(axis=1)
+        once_dst = 1.0 - a_dst[:, pinned_cols].sum(axis=1)
+        cap = max(fixed.values()) if fixed else math.inf
+        executor, own, x[free] = _fit_free(
+            a_fit[:, free], values, joint and time, measured, once_src, cap)
         per_kind[name] = dict(zip(kinds, map(float, x)))
+        edges[name] = [j for j in range(target.num_stages)
+                       if fixed and once_dst[j] == 0 and not a_dst[j, free].any()]
         if time:
-            per_kind[name]["per action"] = per_action
-        changes[name] = [float(v) + per_action for v in a_dst @ x]
-    if split:
+            per_kind[name]["per action"] = executor + own
+            if fixed:
+                per_kind[name]["executor per action"] = executor
+        changes[name] = [max(float(v) + executor + own * o, 0.0) if time else float(v)
+                         for v, o in zip(a_dst @ x, once_dst)]
+    # A first target stage of the embedding alone, pinned in I and W: the probe timed it as a
+    # first stage (I a no-op, W the whole backward), so its I and W stand as they are.
+    alone = 0 in edges.get("backward_input", ()) and 0 in edges.get("backward_weight", ())
+    if split and not alone:
         first_i = float(costs.stage_values("backward_input", n_src)[0])
         whole = changes["backward_input"][0] + changes["backward_weight"][0]
         changes["backward_input"][0] = first_i
@@ -329,23 +355,34 @@ def repartition(costs: CostModel, source: Layout, target: Layout,
                        pinned={name: dict(v) for name, v in (pinned or {}).items()})
 
 
-def _fit_free(a: np.ndarray, values: np.ndarray, joint: bool, overhead: np.ndarray | None
-              ) -> tuple[float, np.ndarray]:
-    """(per-action seconds, per-kind seconds) solved over the stages: the per-action term
-    jointly where the stages identify it (``joint`` and [1 | counts] of full rank), else the
-    executor's measured work (``overhead``, per stage), else none; the kinds by non-negative
-    least squares (clipped least squares where the stages cannot separate them)."""
+def _fit_free(a: np.ndarray, values: np.ndarray, joint: bool, overhead: np.ndarray | None,
+              once: np.ndarray, cap: float = math.inf) -> tuple[float, float, np.ndarray]:
+    """(executor seconds per action, the computation's own per-action seconds, per-kind
+    seconds) solved over the stages, whose ``values`` cost ``executor + once x own + counts x
+    per_kind`` (``once``: 1, less one per pinned layer the stage holds). Where the stages
+    identify it (``joint`` and [once | counts] of full rank), the computation's term is fitted
+    jointly with the kinds beside the executor's measured work (``overhead``'s mean, or 0), the
+    two together non-negative and the term at most ``cap``: solved from the stages' large sums
+    it is a difference of large numbers, and a layer timed alone (``cap``: the costliest pinned
+    one) paid it in full. Otherwise the executor's measured work per stage is taken off, and
+    the rest is per layer. The kinds by non-negative least squares (clipped least squares where
+    the stages cannot separate them)."""
     k = a.shape[1]
-    with_const = np.hstack((np.ones((a.shape[0], 1)), a))
-    per_action = 0.0
-    if joint and np.linalg.matrix_rank(with_const) == k + 1:
-        per_action = float(_nnls(with_const, values)[0])
-        values = values - per_action
+    with_once = np.hstack((np.asarray(once, float).reshape(-1, 1), a))
+    executor = float(np.mean(overhead)) if overhead is not None and len(overhead) else 0.0
+    own = 0.0
+    if joint and np.linalg.matrix_rank(with_once) == k + 1:
+        # fitted as ``executor + own`` >= 0 where the stage pays ``own`` (``once``): the measured
+        # work (with CPU times, its wall time at most) may overstate what an action costs
+        values = values - executor * (1.0 - with_once[:, 0])
+        fitted = float(_nnls(with_once, np.clip(values, 0.0, None))[0])
+        own = float(np.clip(fitted, 0.0, executor + cap)) - executor
+        values = np.clip(values - (executor + own) * with_once[:, 0], 0.0, None)
     elif overhead is not None:
-        per_action, values = float(np.mean(overhead)), np.clip(values - overhead, 0.0, None)
+        values = np.clip(values - overhead, 0.0, None)
     x = _nnls(a, values) if np.linalg.matrix_rank(a) >= k else np.clip(
         np.linalg.lstsq(a, values, rcond=None)[0], 0.0, None)
-    return per_action, x
+    return executor, own, x
 
 
 def calibrate(run: MeasuredRun, target: Layout | None = None,

@@ -271,7 +271,9 @@ class Comparison:
             lines.append(f"note: predicted from another schedule's run: rank(s) "
                          f"{', '.join(map(str, edge))} hold the embedding and the head, whose "
                          "costs are their shares of their stages as the calibration run timed "
-                         "them alone (not solved from the stage sums); the blocks are re-cut")
+                         "them alone (not solved from the stage sums; a stage of one of them "
+                         "alone adds the executor's measured per-action work, not the fitted "
+                         "per-action term); the blocks are re-cut")
         return "\n".join(lines)
 
     def legend(self) -> str:
