@@ -142,6 +142,8 @@ def test_pipeexec_lines_parse(argv, scratch):
             if name in line and ("--json" in line or "--plan-out" in line):
                 assert pipesim_main(line) == 0
 
+    if "--data-path" in argv:                     # the user's corpus and tokenizer, made here,
+        make_training_data(scratch)               # then the tour's preprocess-data line run
     if argv[0] == "compare":
         _, rest = compare_parser().parse_known_args(argv[1:])
         config_from_args(train_parser().parse_args(rest))
@@ -149,6 +151,24 @@ def test_pipeexec_lines_parse(argv, scratch):
         config_from_args(train_parser().parse_args(argv[1:])).validate()
     else:
         _parser().parse_args(argv)
+
+
+def make_training_data(where: Path) -> None:
+    """What the tour's training path starts from: ``corpus.jsonl`` and the tokenizer folder it
+    names (tests/data_helpers.py: a tiny corpus and a byte-level BPE trained on it), then the
+    tour's own ``pipeexec preprocess-data`` line, as written."""
+    from data_helpers import make_corpus, make_tokenizer
+    from pipeexec.cli.main import main
+
+    (line,) = [argv for argv in commands("pipeexec") if argv[0] == "preprocess-data"]
+    args = dict(zip(line[1::2], line[2::2]))
+    corpus = make_corpus(where, name=args["--input"])
+    make_tokenizer(where / args["--tokenizer"], corpus, 300)
+    try:
+        status = main(line)
+    except SystemExit as exc:
+        status = exc.code
+    assert not status and (where / (args["--output-prefix"] + ".idx")).is_file()
 
 
 def test_the_calibration_file_the_tour_names_is_what_the_main_job_writes():
