@@ -61,7 +61,7 @@ def test_hung_peer_times_out_naming_rank_peer_and_action():
     ({"pp": 4, "vpp": 2, "layers": 5}, "7 layers"),
     ({"schedule": "no-such-schedule"}, "unknown schedule"),
     ({"schedule": "1f1b", "vpp": 2}, "vpp == 1"),
-    ({"hidden": 15, "heads": 2}, "divisible"),
+    ({"hidden": 15, "heads": 2}, "not a multiple of heads"),
     ({"precision": "fp8"}, "precision"),
     ({"boundaries": (2, 3)}, "need 3 values for 4 stages"),
     ({"boundaries": (2, 2, 5)}, "leave stage 1 empty"),
