@@ -218,7 +218,8 @@ def test_simulate_schedule_files_and_zb_auto_limit(tmp_path, capsys):
         main(["simulate", "zb-auto", "--pp", "2", "-m", "4", "--memory-limit", "0.5B"])
     assert refused.value.code == 2 and "less than one byte" in capsys.readouterr().err
     with pytest.raises(pipesim.ScheduleError, match="memory_limit 0.5 bytes on rank 0 is below"):
-        pipesim.build_schedule("zb-auto", pp=2, microbatches=4, memory_limit=0.5)
+        pipesim.build_schedule("zb-auto", pp=2, microbatches=4, memory_limit=0.5,
+                               costs=pipesim.CostModel.uniform())
     assert main(["simulate", "1f1b", "--pp", "2", "--memory-limit", "1GB"]) == 2
     assert "--memory-limit applies to zb-auto only" in capsys.readouterr().err
     # --placement narrows zb-auto's vpp-2 search to one placement; the others fix their own
