@@ -340,9 +340,10 @@ class MeasuredRun:
 
         chrome, csv, meta = cls.paths(path)
         if not Path(path).exists() and not csv.exists() and not meta.exists():
-            raise FileNotFoundError(f"measured run {path}: no such file (a profiled run "
-                                    "(--profile A:B --trace-out NAME.json) is saved as "
-                                    "NAME.json, NAME.csv and NAME.meta.json)")
+            raise FileNotFoundError(f"measured run {path}: no such file in {Path.cwd()} (a "
+                                    "profiled run (--profile A:B --trace-out NAME.json) is saved "
+                                    "as NAME.json, NAME.csv and NAME.meta.json; the main job "
+                                    "writes out/run_1f1b.json in the repository's folder)")
         for p in (csv, meta):
             if not p.exists():
                 raise FileNotFoundError(f"measured run {path}: {p} is missing beside it (a run "
