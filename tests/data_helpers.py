@@ -55,3 +55,17 @@ def make_tokenizer(dir: str | Path, corpus: str | Path, vocab_size: int = 300) -
     out.mkdir(parents=True, exist_ok=True)
     PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOD).save_pretrained(str(out))
     return out
+
+
+def indexed_corpus(dir: str | Path, *, documents: int = 120, vocab_size: int = 300
+                   ) -> tuple[Path, Path]:
+    """A corpus of ``documents`` (`make_corpus`), its tokenizer (`make_tokenizer`) and the
+    indexed dataset `pipeexec preprocess-data` makes of them: (prefix, tokenizer folder)."""
+    from pipeexec.datasets.preprocess import PreprocessOptions, preprocess
+
+    d = Path(dir)
+    text = make_corpus(d, documents=documents)
+    tok = make_tokenizer(d / "tok", text, vocab_size)
+    preprocess(PreprocessOptions(input=str(text), tokenizer=str(tok), output_prefix=str(d / "c"),
+                                 progress=False))
+    return d / "c", tok

@@ -9,11 +9,10 @@ import pytest
 import torch
 
 from checkpoint_helpers import TINY, fake_topology
-from data_helpers import make_corpus, make_tokenizer
+from data_helpers import indexed_corpus
 from pipeexec import launch
 from pipeexec.config import ConfigError
 from pipeexec.datasets import build_datasets
-from pipeexec.datasets.preprocess import PreprocessOptions, preprocess
 from pipeexec.launching.worker import WorkerArgs, run_training
 from pipeexec.models import layer_stack
 from pipeexec.training.train import Trainer, train
@@ -22,12 +21,8 @@ from pipeexec.training.validation import EvalOptions, valid_batches
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
-    d = tmp_path_factory.mktemp("vdata")
-    text = make_corpus(d, documents=120)
-    tok = make_tokenizer(d / "tok", text, 300)
-    preprocess(PreprocessOptions(input=str(text), tokenizer=str(tok),
-                                 output_prefix=str(d / "c"), progress=False))
-    return str(d / "c")
+    prefix, _ = indexed_corpus(tmp_path_factory.mktemp("vdata"))
+    return str(prefix)
 
 
 def config(prefix, **changes):
