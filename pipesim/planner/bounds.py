@@ -23,8 +23,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..plan.derive import PlanCosts, _rank_stages
+from ..errors import ScheduleError
+from ..plan.derive import PlanCosts, rank_parts
 from ..plan.plan import Plan
+from ..schedule.registry import schedule_part_runs
 from ..schedule.schedule import Schedule
 
 
@@ -45,7 +47,7 @@ def plan_bounds(plan: Plan, derived: PlanCosts | None = None, *, exact_order: bo
     n, m, pp = par.num_stages, par.microbatches, par.pp
     times = costs.compute_times(n)
     f, i, w = times["F"], times["I"], times["W"]
-    stages = _rank_stages(plan, n)
+    stages = rank_parts(plan, n)
     owner = [0] * n
     for r, sts in enumerate(stages):
         for st in sts:
@@ -87,7 +89,11 @@ def _part_runs(plan: Plan, stages: list[list[int]], m: int) -> list[dict[int, in
     """Per rank, part -> how many microbatches the rank runs through it."""
     schedule = plan.schedule if isinstance(plan.schedule, Schedule) else None
     if schedule is None and len({st for sts in stages for st in sts}) < sum(map(len, stages)):
-        schedule = plan.build_schedule()       # a part held twice: read the routes off it
+        par = plan.parallelism         # a part held twice: the schedule's copies share the runs
+        try:
+            return list(schedule_part_runs(plan.schedule_name, par.pp, par.vpp, m))
+        except ScheduleError:
+            schedule = plan.build_schedule()
     if schedule is None or not schedule.has_copies:
         return [{st: m for st in sts} for sts in stages]
     out: list[dict[int, int]] = []

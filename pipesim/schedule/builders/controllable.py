@@ -34,7 +34,7 @@ from ..action import F, I, W, Action
 from ..placement import VSHAPE
 from ..registry import register
 from ..schedule import Schedule
-from .simple import require_vpp
+from .simple import vpp_check
 
 PERIOD = 6
 
@@ -193,7 +193,7 @@ def _rank_order(slots: dict[tuple[int, int, int], int], rank: int, pp: int) -> l
 
 
 def _build(kind: str, pp: int, vpp: int, microbatches: int, forward_only: bool) -> Schedule:
-    require_vpp(kind, vpp, 2, " (rank r holds stages r and 2*pp-1-r)")
+    _CHECKS[kind](pp, vpp, microbatches)
     mine: list[dict] = [{} for _ in range(pp)]          # each rank's passes and their slots
     for key, slot in squeezed_slots(kind, pp, microbatches).items():
         mine[key[0]][key] = slot
@@ -203,14 +203,18 @@ def _build(kind: str, pp: int, vpp: int, microbatches: int, forward_only: bool) 
     return Schedule(pp, 2, microbatches, VSHAPE, orders, name=kind, forward_only=forward_only)
 
 
-@register("v-min", placement=VSHAPE, constraints="vpp == 2",
+_CHECKS = {kind: vpp_check(kind, 2, " (rank r holds stages r and 2*pp-1-r)")
+           for kind in ("v-min", "v-half")}
+
+
+@register("v-min", placement=VSHAPE, constraints="vpp == 2", check=_CHECKS["v-min"],
           description="V-Min (Qi et al. 2024, controllable memory): V placement, about 1/3 of "
                       "1F1B's activation memory, bubble between ZB-V's and 1F1B's")
 def v_min(pp: int, vpp: int, microbatches: int, *, forward_only: bool = False) -> Schedule:
     return _build("v-min", pp, vpp, microbatches, forward_only)
 
 
-@register("v-half", placement=VSHAPE, constraints="vpp == 2",
+@register("v-half", placement=VSHAPE, constraints="vpp == 2", check=_CHECKS["v-half"],
           description="V-Half (Qi et al. 2024, controllable memory): V placement, about 1/2 of "
                       "1F1B's activation memory, bubble between ZB-V's and 1F1B's")
 def v_half(pp: int, vpp: int, microbatches: int, *, forward_only: bool = False) -> Schedule:
