@@ -21,7 +21,9 @@ the latest rank: ``max_r head_r + busy_r + tail_r`` (the closed-form bubble ``(p
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
+from typing import Hashable
 
 from ..errors import ScheduleError
 from ..plan.derive import PlanCosts, rank_parts
@@ -83,6 +85,23 @@ def plan_bounds(plan: Plan, derived: PlanCosts | None = None, *, exact_order: bo
         if total > best:
             best, best_rank, parts = total, r, row
     return Bounds(step, best, best_rank, parts, compute)
+
+
+def bounds_key(plan: Plan) -> Hashable | None:
+    """Plans with equal keys have equal derived costs and cheap bounds (``exact_order=False``):
+    a plan's costs depend on its schedule only through which parts each rank holds and how many
+    microbatches it runs through each (gpipe, 1f1b, zb-h1 and zb-h2 share theirs, as do the V
+    schedules, and interleaved and looped-bfs at one vpp), so a search derives each once. None
+    for a plan holding a Schedule value."""
+    if isinstance(plan.schedule, Schedule):
+        return None
+    par = plan.parallelism
+    try:
+        runs = schedule_part_runs(plan.schedule_name, par.pp, par.vpp, par.microbatches)
+    except ScheduleError:
+        return None
+    return (dataclasses.replace(plan, schedule=""),
+            tuple(tuple(parts.items()) for parts in runs))
 
 
 def _part_runs(plan: Plan, stages: list[list[int]], m: int) -> list[dict[int, int]]:
