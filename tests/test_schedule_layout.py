@@ -70,3 +70,20 @@ def test_a_plan_derives_without_building_its_schedule(monkeypatch):
     assert [t.seconds for t in got.tail] == [t.seconds for t in want.tail]
     assert got.rank_buffers == want.rank_buffers
     plan_bounds(plan, got, exact_order=False)
+
+
+def test_the_build_cache_keeps_schedules_up_to_its_action_budget():
+    """Least recently used out first, once the kept schedules' compute actions pass the budget;
+    a kept schedule is handed out again as the same object."""
+    from pipesim.schedule.registry import _BuildCache
+
+    cache = _BuildCache(max_actions=1000, max_entries=10)
+    a = cache("1f1b", 4, 1, 100, False, 0)                # 4 ranks x 200 actions = 800
+    assert cache("1f1b", 4, 1, 100, False, 0) is a and cache.hits == 1
+    b = cache("gpipe", 2, 1, 50, False, 0)                # 200 more: 1000, both kept
+    assert cache("1f1b", 4, 1, 100, False, 0) is a and cache.misses == 2
+    cache("zb-h1", 1, 1, 10, False, 0)                    # 30 more: the oldest used (gpipe) out
+    assert cache("1f1b", 4, 1, 100, False, 0) is a
+    assert cache("gpipe", 2, 1, 50, False, 0) is not b and cache.misses == 4
+    with pytest.raises(ScheduleError, match="dualpipev needs microbatches"):
+        cache("dualpipev", 4, 2, 4, False, 0)

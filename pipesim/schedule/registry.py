@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from functools import lru_cache
+from collections import OrderedDict
 
 from ..errors import ScheduleError
 from .placement import rank_part_runs, rank_parts
@@ -120,11 +120,43 @@ def build_schedule(name: str, pp: int, microbatches: int, vpp: int = 1, *,
     return _built(name, pp, vpp, microbatches, bool(forward_only), recv_lookahead)
 
 
-@lru_cache(maxsize=128)
-def _built(name: str, pp: int, vpp: int, microbatches: int, forward_only: bool,
-           recv_lookahead: int) -> Schedule:
-    """A builder's result for plain arguments, remembered: builders are pure and a Schedule
-    is immutable, and a planner asks for the same (schedule, pp, vpp, m) for every plan that
-    shares them (tp, cp, dp, recomputation, sharding differ). A refusal is raised again."""
-    schedule = _BUILDERS[name].builder(pp, vpp, microbatches, forward_only=forward_only)
-    return schedule.with_recv_lookahead(recv_lookahead)
+class _BuildCache:
+    """Built schedules for plain arguments, remembered: builders are pure and a Schedule is
+    immutable, and a planner asks for the same (schedule, pp, vpp, m) for every plan that shares
+    them (tp, cp, dp, recomputation, sharding differ), in the order of their bounds, not
+    together. Least recently used first out, sized by compute actions rather than by entries
+    (a schedule keeps its validation and lowering, about 2 KB an action once simulated): a
+    search's few hundred distinct small schedules all stay, and a few large ones do not take a
+    process's memory. A refusal is raised again (not remembered)."""
+
+    def __init__(self, max_actions: int, max_entries: int) -> None:
+        self.max_actions, self.max_entries = max_actions, max_entries
+        self._entries: OrderedDict[tuple, Schedule] = OrderedDict()
+        self._actions = 0
+        self.hits = self.misses = 0
+
+    def __call__(self, name: str, pp: int, vpp: int, microbatches: int, forward_only: bool,
+                 recv_lookahead: int) -> Schedule:
+        key = (name, pp, vpp, microbatches, forward_only, recv_lookahead)
+        schedule = self._entries.get(key)
+        if schedule is not None:
+            self.hits += 1
+            self._entries.move_to_end(key)
+            return schedule
+        self.misses += 1
+        schedule = _BUILDERS[name].builder(pp, vpp, microbatches, forward_only=forward_only)
+        schedule = schedule.with_recv_lookahead(recv_lookahead)
+        self._entries[key] = schedule
+        self._actions += schedule.num_compute_actions
+        while len(self._entries) > 1 and (self._actions > self.max_actions
+                                           or len(self._entries) > self.max_entries):
+            _, old = self._entries.popitem(last=False)
+            self._actions -= old.num_compute_actions
+        return schedule
+
+    def cache_clear(self) -> None:
+        self._entries.clear()
+        self._actions = 0
+
+
+_built = _BuildCache(max_actions=200_000, max_entries=2048)
