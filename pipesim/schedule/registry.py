@@ -159,4 +159,4 @@ class _BuildCache:
         self._actions = 0
 
 
-_built = _BuildCache(max_actions=200_000, max_entries=2048)
+_built = _BuildCache(max_actions=400_000, max_entries=2048)
