@@ -10,8 +10,11 @@
    (so that the top plans and every schedule's best, which :func:`explain` compares, are exact).
    Ties are broken by the plan's key, so the ranking is deterministic.
 
-Work runs on an executor: none (in this process), a process pool over ``workers`` processes
-(the default: every core), or any ``concurrent.futures.Executor``-like object with ``map``
+Work runs on an executor: none (in this process, the default: one process spends less CPU
+than a pool over two cores, whose workers each derive and build what the other does, and a
+search on a shared machine is bound by its CPU; see docs/planning.md), a process pool over
+``workers`` processes (`default_workers`: every core), or any
+``concurrent.futures.Executor``-like object with ``map``
 (``distributed.Client(address).get_executor()`` for a Dask cluster). Each batch waits at most
 ``timeout`` seconds.
 """
@@ -178,7 +181,8 @@ def search(space: SearchSpace, *, memory_limit: float | None = None, top: int = 
            enumeration: Enumeration | None = None) -> SearchResult:
     """Search ``space``; see the module docstring. ``memory_limit`` in bytes (default: the
     hardware's usable memory, less its reserve and fragmentation); ``prune=False`` simulates every plan (the brute force the tests compare
-    with). ``workers`` 1 runs in this process; an ``executor`` given is used as it is."""
+    with). ``workers`` 1 (the default) runs in this process; an ``executor`` given is used as
+    it is."""
     import pandas as pd
 
     wall0 = time.perf_counter()
@@ -194,7 +198,7 @@ def search(space: SearchSpace, *, memory_limit: float | None = None, top: int = 
     keys = [plan_key(p) for p in plans]
     rows = [PlanRow(PlanConfig.of(p)) for p in plans]
     own_pool = None
-    workers = default_workers() if workers is None else workers
+    workers = 1 if workers is None else workers
     if executor is None and workers > 1 and len(plans) > 1:
         own_pool = executor = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context(),
                                                   initializer=_ignore_sigint)
