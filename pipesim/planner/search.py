@@ -12,7 +12,9 @@
 
 Work runs on an executor: none (in this process, the default: one process spends less CPU
 than a pool over two cores, whose workers each derive and build what the other does, and a
-search on a shared machine is bound by its CPU; see docs/planning.md), a process pool over
+search on a shared machine is bound by its CPU; see docs/planning.md; it batches the
+simulations as a pool over every core would, so that it finds what such a pool finds), a
+process pool over
 ``workers`` processes (`default_workers`: every core), or any
 ``concurrent.futures.Executor``-like object with ``map``
 (``distributed.Client(address).get_executor()`` for a Dask cluster). Each batch waits at most
@@ -198,6 +200,11 @@ def search(space: SearchSpace, *, memory_limit: float | None = None, top: int = 
     keys = [plan_key(p) for p in plans]
     rows = [PlanRow(PlanConfig.of(p)) for p in plans]
     own_pool = None
+    # the candidates are simulated in batches of 2 per worker (1 in this process with
+    # workers=1), and a batch is pruned against the plans found before it: the default runs in
+    # this process but batches as a pool over every core would, so its counts are those
+    # of ``workers=default_workers()``
+    batch = 2 * (default_workers() if workers is None else workers)
     workers = 1 if workers is None else workers
     if executor is None and workers > 1 and len(plans) > 1:
         own_pool = executor = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context(),
@@ -240,7 +247,7 @@ def search(space: SearchSpace, *, memory_limit: float | None = None, top: int = 
             rows[i] = rows[i].merged(b)
         candidates = sorted((i for i, r in enumerate(rows) if r.status == CANDIDATE),
                             key=lambda i: (rows[i].step_time_bound, keys[i]))
-        batch = 1 if executor is None else 2 * max(1, workers)
+        batch = 1 if batch <= 2 and executor is None else max(2, batch)
         found: list[tuple[float, str]] = []           # fitting plans' (step, key), sorted
         best_of: dict[str, tuple[float, str]] = {}    # schedule -> best fitting (step, key)
         bar.close()
