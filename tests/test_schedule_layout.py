@@ -87,3 +87,16 @@ def test_the_build_cache_keeps_schedules_up_to_its_action_budget():
     assert cache("gpipe", 2, 1, 50, False, 0) is not b and cache.misses == 4
     with pytest.raises(ScheduleError, match="dualpipev needs microbatches"):
         cache("dualpipev", 4, 2, 4, False, 0)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_the_searched_vpp_is_one_the_builder_takes(name):
+    """What the planner enumerates for a schedule (its registered searched_vpp) builds: vpp 1
+    or 2 alone, or every vpp > 1 (interleaved with microbatches a multiple of pp)."""
+    from pipesim.schedule.registry import schedule_info
+
+    want = schedule_info(name).searched_vpp
+    for vpp in ((want,) if want else range(2, 6)):
+        assert schedule_refusal(name, 4, vpp, 16) is None, vpp
+    if want == 2:
+        assert schedule_refusal(name, 4, 1, 16) is not None
