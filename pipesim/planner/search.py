@@ -12,10 +12,9 @@
 
 Work runs on an executor: none (in this process, the default: one process spends less CPU
 than a pool over two cores, whose workers each derive and build what the other does, and a
-search on a shared machine is bound by its CPU; see docs/planning.md; it batches the
+search on a shared machine is bound by its CPU, see docs/planning.md; it batches the
 simulations as a pool over every core would, so that it finds what such a pool finds), a
-process pool over
-``workers`` processes (`default_workers`: every core), or any
+process pool over ``workers`` processes (`default_workers`: every core), or any
 ``concurrent.futures.Executor``-like object with ``map``
 (``distributed.Client(address).get_executor()`` for a Dask cluster). Each batch waits at most
 ``timeout`` seconds.
@@ -239,7 +238,7 @@ def search(space: SearchSpace, *, memory_limit: float | None = None, top: int = 
         for i, first in enumerate(same):
             b = found_by[first]
             if i != first:
-                if b.status == INVALID:        # in its own words (none so far depend on it)
+                if b.status == INVALID:        # refused again on its own, in its own words
                     b = bound_plans([plans[i]], limit, prune)[0]
                 else:
                     b = dataclasses.replace(b, derive_s=0.0, bound_s=0.0)
