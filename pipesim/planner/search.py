@@ -10,8 +10,12 @@
    (so that the top plans and every schedule's best, which :func:`explain` compares, are exact).
    Ties are broken by the plan's key, so the ranking is deterministic.
 
-Work runs on an executor: none (in this process), a process pool over ``workers`` processes
-(the default: every core), or any ``concurrent.futures.Executor``-like object with ``map``
+Work runs on an executor: none (in this process, the default: one process spends less CPU
+than a pool over two cores, whose workers each derive and build what the other does, and a
+search on a shared machine is bound by its CPU, see docs/planning.md; it batches the
+simulations as a pool over every core would, so that it finds what such a pool finds), a
+process pool over ``workers`` processes (`default_workers`: every core), or any
+``concurrent.futures.Executor``-like object with ``map``
 (``distributed.Client(address).get_executor()`` for a Dask cluster). Each batch waits at most
 ``timeout`` seconds.
 """
@@ -31,7 +35,7 @@ from ..errors import PlanError, ScheduleError
 from ..plan.plan import Plan
 from ..plan.report import PlanResult, simulate_plan
 from ..progress import progress_bar
-from .bounds import plan_bounds
+from .bounds import bounds_key, plan_bounds
 from .enumerate import Enumeration, SearchSpace, enumerate_plans, plan_key
 from .rows import (CANDIDATE, COLUMNS, CONFIG_COLUMNS, INVALID, PRUNED_MEMORY,  # noqa: F401
                    PRUNED_TIME, SIMULATED, Assessment, PlanConfig, PlanFigures, PlanRow)
@@ -186,7 +190,8 @@ def search(space: SearchSpace, *, memory_limit: float | None = None, top: int = 
            enumeration: Enumeration | None = None) -> SearchResult:
     """Search ``space``; see the module docstring. ``memory_limit`` in bytes (default: the
     hardware's usable memory, less its reserve and fragmentation); ``prune=False`` simulates every plan (the brute force the tests compare
-    with). ``workers`` 1 runs in this process; an ``executor`` given is used as it is."""
+    with). ``workers`` 1 (the default) runs in this process; an ``executor`` given is used as
+    it is."""
     import pandas as pd
 
     wall0 = time.perf_counter()
@@ -202,7 +207,12 @@ def search(space: SearchSpace, *, memory_limit: float | None = None, top: int = 
     keys = [plan_key(p) for p in plans]
     rows = [PlanRow(PlanConfig.of(p)) for p in plans]
     own_pool = None
-    workers = default_workers() if workers is None else workers
+    # the candidates are simulated in batches of 2 per worker (1 in this process with
+    # workers=1), and a batch is pruned against the plans found before it: the default runs in
+    # this process but batches as a pool over every core would, so its counts are those
+    # of ``workers=default_workers()``
+    batch = 2 * (default_workers() if workers is None else workers)
+    workers = 1 if workers is None else workers
     if executor is None and workers > 1 and len(plans) > 1:
         own_pool = executor = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context(),
                                                   initializer=_ignore_sigint)
@@ -216,20 +226,35 @@ def search(space: SearchSpace, *, memory_limit: float | None = None, top: int = 
         def run(fn, chunks: list[list[Plan]], *more) -> list[list[Assessment]]:
             return list(stream(fn, chunks, *more))
 
-        # bounds, in chunks spread over the workers
-        size = max(1, min(64, math.ceil(len(plans) / (4 * max(1, workers)))))
-        chunks = [plans[i:i + size] for i in range(0, len(plans), size)]
+        # bounds, in chunks spread over the workers: one plan of each set that shares its
+        # costs and bounds (`bounds_key`), the others given its figures
+        firsts: dict = {}
+        same = [i if (k := bounds_key(p)) is None else firsts.setdefault(k, i)
+                for i, p in enumerate(plans)]
+        own = [i for i in range(len(plans)) if same[i] == i]
+        size = max(1, min(64, math.ceil(len(own) / (4 * max(1, workers)))))
+        chunks = [[plans[i] for i in own[k:k + size]] for k in range(0, len(own), size)]
         bar = progress_bar(total=len(plans), desc="pipesim plan: bounds", unit="plan",
                            disable=not progress)
-        for start, out in zip(range(0, len(plans), size), stream(bound_plans, chunks, prune)):
+        found_by: dict[int, Assessment] = {}
+        for start, out in zip(range(0, len(own), size), stream(bound_plans, chunks, prune)):
             bar.update(len(out))
             for j, b in enumerate(out):
                 timing["derive"] += b.derive_s
                 timing["bounds"] += b.bound_s
-                rows[start + j] = rows[start + j].merged(b)
+                found_by[own[start + j]] = b
+        for i, first in enumerate(same):
+            b = found_by[first]
+            if i != first:
+                if b.status == INVALID:        # refused again on its own, in its own words
+                    b = bound_plans([plans[i]], limit, prune)[0]
+                else:
+                    b = dataclasses.replace(b, derive_s=0.0, bound_s=0.0)
+                bar.update(1)
+            rows[i] = rows[i].merged(b)
         candidates = sorted((i for i, r in enumerate(rows) if r.status == CANDIDATE),
                             key=lambda i: (rows[i].step_time_bound, keys[i]))
-        batch = 1 if executor is None else 2 * max(1, workers)
+        batch = 1 if batch <= 2 and executor is None else max(2, batch)
         found: list[tuple[float, str]] = []           # fitting plans' (step, key), sorted
         best_of: dict[str, tuple[float, str]] = {}    # schedule -> best fitting (step, key)
         bar.close()
