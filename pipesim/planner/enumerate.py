@@ -35,7 +35,7 @@ from functools import lru_cache
 from dataclasses import dataclass, field
 from typing import Iterator
 
-from ..errors import PlanError, ScheduleError
+from ..errors import PlanError
 from ..hardware import Hardware, get_hardware
 from ..plan.cluster import Cluster
 from ..plan.model import ModelSpec, get_model
