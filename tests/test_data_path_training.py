@@ -186,15 +186,15 @@ def test_a_resume_that_would_draw_other_samples_is_warned_of(corpus):
     assert data_change_warning(longer, longer.to_dict()) is None
 
 
-def test_a_run_that_evaluates_needs_a_validation_split(corpus, monkeypatch):
+def test_a_run_that_evaluates_needs_a_validation_split(corpus):
+    from pipeexec.training.validation import EvalOptions
+
     cfg = config(corpus, split="100,0,0")
     cfg.validate()                                   # no evaluation: an empty split is fine
-    # a config that evaluates (the validation engineer's --eval-interval field)
-    monkeypatch.setattr(type(cfg), "eval_interval", 5, raising=False)
     with pytest.raises(ConfigError, match=r"--eval-interval evaluates on the validation split, "
                        r"which is empty for .* \(--split 100,0,0: its share is 0\)"):
-        cfg.validate()
-    config(corpus, split="98,2,0").validate()
+        EvalOptions(eval_interval=5).validate(cfg)
+    EvalOptions(eval_interval=5).validate(config(corpus, split="98,2,0"))
 
 
 def test_a_corpus_of_wider_ids_than_the_vocabulary_is_warned_of(corpus, tmp_path):
