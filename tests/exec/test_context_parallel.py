@@ -91,7 +91,7 @@ def cp_worker(board, tp: int, cp: int, pp: int, cases: list[tuple[str, dict]],
             trainer = Trainer(cfg, topo, board=board)
             res = train(trainer)
             out[(schedule, tuple(sorted(changes.items())))] = {
-                "losses": res.losses, "config": cfg,
+                "losses": res.losses, "config": cfg, "grad_norms": res.grad_norms,
                 "params": {n: p.detach().clone() for n, p in trainer.named_parameters().items()},
                 "specs": {n: shard_spec(p) for st in trainer.stages.values()
                           for n, p in st.named_parameters()},

@@ -312,8 +312,10 @@ def check_against_reference(results: list[dict], run_cases: list[tuple[str, dict
         losses = next(r[key]["losses"] for r in results if r[key]["pp_rank"] == cfg.pp - 1)
         assert losses == pytest.approx(ref_losses, rel=1e-5), what
         for r in results:       # a uniformly scaled gradient shows in the logged norm only
+            # (a sum of squares over stages, ranks and experts, ordered otherwise than the
+            # reference's: 1e-5 apart seen on Mixtral's DualPipe; a scale bug is a factor)
             assert_grad_norms(r[key]["grad_norms"], reference_norms_for(reference_config(cfg)),
-                              what)
+                              what, rtol=5e-5)
         spec = hf_dir_stack(cfg.hf_model)
         seen = set()
         for r in results:

@@ -119,9 +119,11 @@ def test_a_limit_below_one_microbatch_is_refused_before_step_0():
 
     cfg = TINY.replace(schedule="zb-auto", pp=2, microbatches=4, micro_batch_size=2, steps=5,
                        memory_limit=100.0, reschedule_after=2)
-    with pytest.raises(WorkerFailed) as info:
-        launch(worker, 2, (cfg,), timeout=120)
+    with pytest.raises(ConfigError) as info:          # by the config, before any process
+        cfg.validate()
     text = str(info.value)
-    assert "memory_limit 100 bytes is below what one microbatch needs" in text
+    assert "100 bytes is below what one microbatch needs" in text
     assert "at least 1024 bytes" in text              # 2 x 8 x 16 fp32 values
-    assert "refused before step 0" in text
+    with pytest.raises(WorkerFailed) as info:         # and by every rank, launched directly
+        launch(worker, 2, (cfg,), timeout=120)
+    assert "100 bytes is below what" in str(info.value)
