@@ -84,7 +84,8 @@ PLAN_FLAGS: tuple[PlanFlag, ...] = (
              "with --recompute full: recompute the first N transformer blocks of each stage "
              "(Megatron's --recompute-num-layers, block method; default: all)", metavar="N"),
     PlanFlag("--precision", "parallelism.precision", "layout", "compute precision (bf16 / fp16 "
-             "keep fp32 master weights; fp8 needs hardware with FP8 units)", type=str,
+             "keep fp32 master weights; fp8: per-tensor scaled FP8 GEMMs, H100 and later; mxfp8, "
+             "nvfp4: block-scaled FP8 / FP4 GEMMs, Blackwell only)", type=str,
              choices=PRECISIONS),
     # -- batch ---------------------------------------------------------------------------------
     PlanFlag("--micro-batch-size", "parallelism.micro_batch_size", "batch",
