@@ -377,6 +377,16 @@ def write_fitted(point: dict, runs: list[Run], path: pathlib.Path = FITTED_FILE)
     path.write_text(json.dumps(data, indent=2) + "\n")
 
 
+def published_error(run: Run, seconds: float) -> float:
+    """Predicted over published tokens/s/GPU, less one."""
+    return run.published_seconds / seconds - 1
+
+
+# the scores docs/planning.md states (median, worst |error|), which the slow test holds; the
+# targets are LOMO median <= 5%, worst <= 15%
+STATED = {"fit": (0.09, 0.85), "lomo": (0.15, 1.0)}
+
+
 # -- the report --------------------------------------------------------------------------------
 def table(runs: list[Run], predicted: list[float]) -> dict[str, list[float]]:
     """Print every run and the groups; return the errors (predicted/published - 1) by group."""
