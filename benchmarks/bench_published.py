@@ -81,6 +81,8 @@ SYSTEMS = {"DGX-H100": "H100", "DGX-B200": "B200", "DGX-B300": "B300", "DGX-GB20
 FITTED_FIGURES = ("gemm_e_max", "precision_e_max", "mem_efficiency")
 RIDGE = 0.3           # pull of each figure's prior, against one run's (reweighted) error
 FIGURE_RANGE = (0.1, 0.95)   # a fitted efficiency stays inside this range
+RANGES = {"gemm_dim_half": (5.0, 2000.0)}
+LINEAR = ("gemm_dim_half",)   # figures the time is linear in (the rest: in their inverse)
 
 
 @dataclass(frozen=True)
@@ -208,6 +210,27 @@ def build_plan(run: Run, hardware: "Hardware | None" = None) -> "pipesim.Plan":
         overlap_tp_comm=run.tp > 1)
 
 
+def rate_run(run: Run, **space: object):
+    """The planner's rating of the run's layout against its own pick on the same cluster
+    (the same GPUs, batch, sequence, hardware and precision; ``space`` narrows or widens
+    :class:`pipesim.planner.enumerate.SearchSpace`'s knobs): (rating, search result). The
+    run's plan is put on the search's cluster, so the two differ in their knobs alone."""
+    from pipesim.planner.enumerate import SearchSpace
+    from pipesim.planner.rate import rate_plan
+    from pipesim.planner.search import search
+
+    mine = build_plan(run)
+    knobs = dict(schedules=("1f1b", "interleaved"))
+    knobs.update(space)
+    searched = SearchSpace(mine.model, run.gpus, run.gbs, hardware=mine.cluster.hardware,
+                           precision=run.precision, **knobs)
+    result = search(searched, workers=1)
+    if result.best is None:
+        raise RuntimeError(f"{run.name}: no plan of the search fits")
+    mine = mine.with_(cluster=result.best.cluster)
+    return rate_plan(mine, result.best, result.memory_limit), result
+
+
 def simulate_seconds(run: Run, hardware: "Hardware | None" = None) -> float:
     from pipesim.plan.report import simulate_plan
 
@@ -228,6 +251,15 @@ def _params(runs: list[Run]) -> list[tuple[str, str, str]]:
         else:
             out.add((r.gpu, "precision_e_max", r.precision))
     return sorted(out)
+
+
+def _to_x(figure: str, value: float) -> float:
+    """What the step time is (close to) linear in: an efficiency's inverse, else the figure."""
+    return value if figure in LINEAR else 1.0 / value
+
+
+def _from_x(figure: str, x: float) -> float:
+    return x if figure in LINEAR else 1.0 / x
 
 
 def _value(hw: Hardware, figure: str, precision: str) -> float:
@@ -265,11 +297,11 @@ def linearise(runs: list[Run], point: dict, params: list, step: float = 0.1) -> 
         for key in params:
             g, f, p = key
             if g != r.gpu or (f == "precision_e_max" and p != r.precision) or \
-                    (f == "gemm_e_max" and r.precision != "bf16"):
+                    (f == "gemm_e_max" and r.precision not in ("bf16", "fp16")):
                 continue
-            x = 1.0 / point[key]
+            x = _to_x(f, point[key])
             moved = dict(mine)
-            moved[(f, p)] = 1.0 / (x * (1 + step))
+            moved[(f, p)] = _from_x(f, x * (1 + step))
             t1 = simulate_seconds(r, figures_hardware(r.gpu, moved))
             grads[key] = (t1 - t0) / (x * step)
         out.append({"t0": t0, "grads": grads})
@@ -290,13 +322,13 @@ def solve(runs: list[Run], lin: list[dict], point: dict, prior: dict, params: li
         c = li["t0"]
         for k, g in li["grads"].items():
             a[idx[k]] = g / pub
-            c -= g / point[k]
+            c -= g * _to_x(k[1], point[k])
         rows.append(a)
         rhs.append(1.0 - c / pub)
     n = len(rows)
     for k, i in idx.items():
         a = np.zeros(len(params))
-        a[i] = prior[k]                       # a figure's relative change from its prior
+        a[i] = 1.0 / _to_x(k[1], prior[k])   # a figure's relative change from its prior
         rows.append(a)
         rhs.append(1.0)
     A, y = np.array(rows), np.array(rhs)
@@ -308,9 +340,9 @@ def solve(runs: list[Run], lin: list[dict], point: dict, prior: dict, params: li
         weights[:n] = 1.0 / np.sqrt(np.maximum(resid, 0.02))      # L1 by reweighting
     out = {}
     for k, i in idx.items():
-        inv = x[i]
-        value = 1.0 / inv if inv > 0 else FIGURE_RANGE[1]
-        out[k] = float(min(FIGURE_RANGE[1], max(FIGURE_RANGE[0], value)))
+        lo, hi = RANGES.get(k[1], FIGURE_RANGE)
+        value = _from_x(k[1], x[i]) if x[i] > 0 else (lo if k[1] in LINEAR else hi)
+        out[k] = float(min(hi, max(lo, value)))
     return out
 
 
@@ -419,9 +451,21 @@ def main() -> None:
                     help=f"refit the figures and write {FITTED_FILE.name}")
     ap.add_argument("--skipped", action="store_true", help="list the rows left out and why")
     ap.add_argument("--no-lomo", action="store_true", help="skip the leave-one-model-out score")
+    ap.add_argument("--rate", metavar="RUN", help="rate the first run whose name contains RUN "
+                    "(e.g. 'llama3-70b 64xH100') against the planner's pick on its cluster "
+                    "(the 1f1b and interleaved schedules, every other knob at the search's "
+                    "defaults: minutes for 256 GPUs)")
     args = ap.parse_args()
     t0 = time.perf_counter()
     runs, skipped = read_rows()
+    if args.rate:
+        run = next((r for r in runs if args.rate in r.name), None)
+        if run is None:
+            raise SystemExit(f"--rate {args.rate!r}: no usable run's name contains it")
+        rating, result = rate_run(run)
+        print(f"{run.name}\nthe planner's pick: {result.best.parallelism.short()}, "
+              f"{result.best.schedule_name}\n{rating.text()}")
+        return
     if args.skipped:
         for r, why in skipped:
             print(f"{r['release']:>9} {r['model']:<28} {r['system']:<10} {r['Precision'] or '-':<16}"
@@ -446,6 +490,11 @@ def main() -> None:
         by_family = lomo(runs, lin, point)
         summary(by_family, "leave one model out (each family predicted by figures fitted "
                            "without it):")
+        kinds: dict[str, list[float]] = {}
+        for family, errs in by_family.items():
+            moe = PRESETS[next(r.model for r in runs if r.family == family)].is_moe
+            kinds.setdefault("MoE families" if moe else "dense families", []).extend(errs)
+        summary(kinds, "leave one model out, dense and MoE families apart:")
     print(f"\n({time.perf_counter() - t0:.0f} s)")
 
 
