@@ -416,7 +416,7 @@ def published_error(run: Run, seconds: float) -> float:
 
 # the scores docs/planning.md states (median, worst |error|), which the slow test holds; the
 # targets are LOMO median <= 5%, worst <= 15%
-STATED = {"fit": (0.09, 0.85), "lomo": (0.15, 1.0)}
+STATED = {"fit": (0.09, 0.85), "lomo": (0.18, 1.0)}
 
 
 # -- the report --------------------------------------------------------------------------------
@@ -474,7 +474,7 @@ def main() -> None:
     params = _params(runs)
     lin = None
     if args.fit:
-        point, lin = fit(runs, verbose=True)
+        point, _ = fit(runs, verbose=True)
         write_fitted(point, runs)
         print(f"wrote {FITTED_FILE}")
     else:          # the figures pipesim reads now (the fitted file's)
