@@ -14,14 +14,17 @@ older rows measure older software, not a different cost. Every skipped row is li
 its reason (``--skipped``).
 
 Fitted figures, per GPU (:data:`FITTED_FIGURES`), each with a prior (the preset's own
-figure) it is pulled back to where the data say little: ``gemm_e_max`` (bf16 GEMMs at large
-shapes, of the bf16 peak; H100's stays the MAMF-derived figure the A100 fit carries over) and
-``precision_e_max`` per low precision (of that precision's own peak), ``mem_efficiency``
-(element-wise kernels' share of HBM bandwidth: norms, activations, MoE permutes, quantize
-kernels), ``flash_e_max`` (flash attention's fraction of the bf16 peak). The fit is a least
-squares of the relative errors on the step time linearised in each figure's inverse (one
-simulation per figure and run, then a refit and a second linearisation), so ``--fit`` is
-one command after any model change:
+figure) it is pulled back to where the data say little: ``precision_e_max`` per low
+precision (the GEMM efficiency at large shapes, of that precision's own peak; fp8 and mxfp8
+one figure, :data:`TIED`) and ``grouped_gemm_efficiency`` (the routed experts' grouped GEMM
+against a dense GEMM of its shape: it absorbs what MoE layers lose beyond their rooflines:
+small groups, routing and permutation kernels, the dispatch the model leaves exposed). bf16
+GEMMs keep the MAMF-derived ``gemm_e_max`` (every bf16 run published here is MoE, which
+could not tell the two apart), memory-bound kernels the carried-over ``mem_efficiency``. The
+fit minimises the absolute relative errors of the step time (reweighted least squares: the
+median is the target), linearised in each figure's inverse (one simulation per figure and
+run, then a refit and a second linearisation), so ``--fit`` is one command after any model
+change:
 
     python3 benchmarks/bench_published.py            # the table by group, and the LOMO score
     python3 benchmarks/bench_published.py --fit      # refit, write pipesim/data/fitted.json
@@ -78,10 +81,13 @@ PRECISIONS = {"BF16": "bf16", "FP8": "fp8", "FP8-CS": "fp8", "FP8-CS (FP8-MX)": 
 SYSTEMS = {"DGX-H100": "H100", "DGX-B200": "B200", "DGX-B300": "B300", "DGX-GB200": "GB200",
            "DGX-GB300": "GB300"}
 # the figures fitted per GPU (see the module docstring)
-FITTED_FIGURES = ("gemm_e_max", "precision_e_max", "mem_efficiency")
+FITTED_FIGURES = ("precision_e_max", "grouped_gemm_efficiency")
 RIDGE = 0.3           # pull of each figure's prior, against one run's (reweighted) error
 FIGURE_RANGE = (0.1, 0.95)   # a fitted efficiency stays inside this range
-RANGES = {"gemm_dim_half": (5.0, 2000.0)}
+# precisions fitted as one figure: MXFP8 runs at the FP8 rate, and where both were published
+# (GB200, GB300) their free fits agree within 1%
+TIED = {"mxfp8": "fp8"}
+RANGES = {"gemm_dim_half": (5.0, 2000.0), "grouped_gemm_efficiency": (0.1, 1.0)}
 LINEAR = ("gemm_dim_half",)   # figures the time is linear in (the rest: in their inverse)
 
 
@@ -244,12 +250,10 @@ def _params(runs: list[Run]) -> list[tuple[str, str, str]]:
     which the dense H100 checks hold to) and each GPU's memory-bound efficiency."""
     out = set()
     for r in runs:
-        out.add((r.gpu, "mem_efficiency", ""))
-        if r.precision == "bf16":
-            if r.gpu != "H100":
-                out.add((r.gpu, "gemm_e_max", ""))
-        else:
-            out.add((r.gpu, "precision_e_max", r.precision))
+        if PRESETS[r.model].is_moe:
+            out.add((r.gpu, "grouped_gemm_efficiency", ""))
+        if r.precision != "bf16":
+            out.add((r.gpu, "precision_e_max", TIED.get(r.precision, r.precision)))
     return sorted(out)
 
 
@@ -269,7 +273,8 @@ def _value(hw: Hardware, figure: str, precision: str) -> float:
 
 def _with(hw: Hardware, figure: str, precision: str, value: float) -> Hardware:
     if figure == "precision_e_max":
-        return hw.with_(precision_e_max={**dict(hw.precision_e_max), precision: value})
+        tied = {p: value for p, q in TIED.items() if q == precision}
+        return hw.with_(precision_e_max={**dict(hw.precision_e_max), precision: value, **tied})
     return hw.with_(**{figure: value})
 
 
@@ -296,8 +301,9 @@ def linearise(runs: list[Run], point: dict, params: list, step: float = 0.1) -> 
         grads = {}
         for key in params:
             g, f, p = key
-            if g != r.gpu or (f == "precision_e_max" and p != r.precision) or \
-                    (f == "gemm_e_max" and r.precision not in ("bf16", "fp16")):
+            if g != r.gpu or (f == "precision_e_max" and p != TIED.get(r.precision, r.precision)) or \
+                    (f == "gemm_e_max" and r.precision not in ("bf16", "fp16")) or \
+                    (f == "grouped_gemm_efficiency" and not PRESETS[r.model].is_moe):
                 continue
             x = _to_x(f, point[key])
             moved = dict(mine)
@@ -392,7 +398,8 @@ def write_fitted(point: dict, runs: list[Run], path: pathlib.Path = FITTED_FILE)
     for (g, f, p), v in sorted(point.items()):
         entry = gpus.setdefault(g, {})
         if f == "precision_e_max":
-            entry.setdefault("precision_e_max", {})[p] = round(v, 4)
+            for q in [p] + [t for t, u in TIED.items() if u == p]:
+                entry.setdefault("precision_e_max", {})[q] = round(v, 4)
         else:
             entry[f] = round(v, 4)
     data = {
@@ -416,7 +423,7 @@ def published_error(run: Run, seconds: float) -> float:
 
 # the scores docs/planning.md states (median, worst |error|), which the slow test holds; the
 # targets are LOMO median <= 5%, worst <= 15%
-STATED = {"fit": (0.09, 0.85), "lomo": (0.18, 1.0)}
+STATED = {"fit": (0.11, 0.80), "lomo": (0.15, 0.85)}
 
 
 # -- the report --------------------------------------------------------------------------------

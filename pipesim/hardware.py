@@ -161,6 +161,9 @@ class Hardware:
     # precision's own peak: ((precision, e_max), ...), in a file {"fp8": 0.55, ...}; a
     # precision not listed takes gemm_e_max (the bf16 / fp16 / fp32 figure)
     precision_e_max: tuple = ()
+    # the routed experts' grouped GEMM: the fraction of a dense GEMM's efficiency (same shape)
+    # each group reaches
+    grouped_gemm_efficiency: float = 1.0
     # quantize / cast kernels (fp8, mxfp8, nvfp4 GEMM inputs): fraction of hbm_bandwidth they
     # reach (None: mem_efficiency)
     cast_efficiency: float | None = None
@@ -199,7 +202,7 @@ class Hardware:
             raise ValueError(f"hardware {self.name}: cast_efficiency must be in (0, 1] or null, "
                              f"got {self.cast_efficiency!r}")
         for f in ("gemm_e_max", "mem_efficiency", "flash_e_max", "link_bus_efficiency",
-                  "network_bus_efficiency"):
+                  "network_bus_efficiency", "grouped_gemm_efficiency"):
             if not 0 < getattr(self, f) <= 1:
                 raise ValueError(f"hardware {self.name}: {f} must be in (0, 1], got "
                                  f"{getattr(self, f)!r}")
@@ -413,6 +416,8 @@ _A100_SOURCES = {
     "mxfp8_flops": "none: block-scaled MXFP8 tensor cores are Blackwell's (B200 and later)",
     "nvfp4_flops": "none: NVFP4 tensor cores are Blackwell's (B200 and later)",
     "fp32_flops": "TF32 dense: half the bf16 dense peak on every datasheet listed",
+    "grouped_gemm_efficiency": "1: a grouped GEMM's groups as fast as dense GEMMs of their "
+                               "shape (assumed, where no MoE run was fitted)",
     "nvlink_domain": "8 GPUs an HGX / DGX node's NVSwitches join (GB200: its NVL72 rack, 72)",
     "link_latency": "assumed, not measured: 5 us a ring step inside a node (the order of "
                     "NCCL's per-step latency over NVLink)",
@@ -428,13 +433,18 @@ _CARRIED = {k: "carried over from A100's fit (extrapolated; measure with pipeexe
                "calibrate-hardware and pass --hardware FILE)" for k in A100_FIT}
 
 
+def _carried_e_max(name: str) -> float:
+    """A100's fitted gemm_e_max scaled by ``name``'s MAMF over A100's (see _MAMF)."""
+    return round(A100_FIT["gemm_e_max"] * _MAMF[name] / _MAMF["A100"], 3)
+
+
 def _preset(name: str, *args: float, calibration: str = "extrapolated",
             sources: dict | None = None, **kw: Any) -> Hardware:
     src = dict(_A100_SOURCES)
     if calibration == "extrapolated":
         src.update(_CARRIED)
     if name in _MAMF and name != "A100":
-        kw.setdefault("gemm_e_max", round(A100_FIT["gemm_e_max"] * _MAMF[name] / _MAMF["A100"], 3))
+        kw.setdefault("gemm_e_max", _carried_e_max(name))
         src["gemm_e_max"] = (f"A100's fitted {A100_FIT['gemm_e_max']} x {name}'s measured matmul "
                              f"efficiency over A100's, {_MAMF[name]:.1%} / {_MAMF['A100']:.1%} "
                              "(Bekman, ml-engineering MAMF table, bf16; derived from a "
@@ -500,15 +510,20 @@ _PRESETS = {
                     flash_e_max=0.55, sources={"flash_e_max": "as H100 (assumed)",
                                                **_BLACKWELL_PEAKS["B200"]}),
     "B300": _preset("B300", 2.25e15, 288 * GiB, 900 * GB, 100 * GB, 8e12, fp8_flops=4.5e15,
-                    mxfp8_flops=4.5e15, nvfp4_flops=13.125e15,
-                    flash_e_max=0.55, sources={"flash_e_max": "as H100 (assumed)",
-                                               **_BLACKWELL_PEAKS["B300"]}),
+                    mxfp8_flops=4.5e15, nvfp4_flops=13.125e15, flash_e_max=0.55,
+                    gemm_e_max=_carried_e_max("B200"),
+                    sources={"flash_e_max": "as H100 (assumed)", **_BLACKWELL_PEAKS["B300"],
+                             "gemm_e_max": "as B200's (the same bf16 tensor-core rate; not in "
+                                           "the MAMF table): assumed"}),
     "GB200": _preset("GB200", 2.5e15, 186 * GiB, 900 * GB, 50 * GB, 8e12, nvlink_domain=72,
                      fp8_flops=5e15, mxfp8_flops=5e15, nvfp4_flops=10e15, flash_e_max=0.55,
                      sources={"flash_e_max": "as H100 (assumed)", **_BLACKWELL_PEAKS["GB200"]}),
     "GB300": _preset("GB300", 2.5e15, 288 * GiB, 900 * GB, 100 * GB, 8e12, nvlink_domain=72,
                      fp8_flops=5e15, mxfp8_flops=5e15, nvfp4_flops=15e15, flash_e_max=0.55,
-                     sources={"flash_e_max": "as H100 (assumed)", **_BLACKWELL_PEAKS["GB300"]}),
+                     gemm_e_max=_carried_e_max("GB200"),
+                     sources={"flash_e_max": "as H100 (assumed)", **_BLACKWELL_PEAKS["GB300"],
+                              "gemm_e_max": "as GB200's (the same bf16 tensor-core rate; not in "
+                                            "the MAMF table): assumed"}),
     "MI300X": _preset("MI300X", 1307.4e12, 192 * GiB, 448 * GB, 50 * GB, 5.3e12,
                       fp8_flops=2614.9e12, flash_e_max=0.45,
                       sources={"flash_e_max": "assumed below H100's (ROCm flash attention)"}),
@@ -524,7 +539,8 @@ _ALIASES = {"GB200-NVL72": "GB200", "GB200_NVL72": "GB200", "NVL72": "GB200",
 # and command); they replace the presets' carried-over figures (calibration "fitted").
 FITTED_FILE = Path(__file__).parent / "data" / "fitted.json"
 FITTED_FORMAT = "pipesim.fitted/1"
-_FITTABLE = ("gemm_e_max", "precision_e_max", "gemm_dim_half", "mem_efficiency", "flash_e_max")
+_FITTABLE = ("gemm_e_max", "precision_e_max", "gemm_dim_half", "mem_efficiency", "flash_e_max",
+             "grouped_gemm_efficiency")
 
 
 def read_fitted(path: "str | Path" = FITTED_FILE) -> dict:

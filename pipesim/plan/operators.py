@@ -30,7 +30,9 @@ in F, the output gradient in I, each read and written as the recipe does, at
 ``cast_efficiency`` of the HBM bandwidth). MFU stays against the bf16 peak (its definition),
 so an fp8 plan's MFU can exceed what a bf16 GEMM could reach. The output layer and the MoE
 router run in bf16 in every recipe (Transformer Engine quantizes the transformer layers'
-linear layers only). Attention runs in bf16: flash attention as one
+linear layers only). The routed experts run as one grouped GEMM, each group at the
+hardware's ``grouped_gemm_efficiency`` of a dense GEMM of its shape (scheduling many small
+groups, the per-expert token counts read back, padding). Attention runs in bf16: flash attention as one
 kernel at ``flash_e_max * s/(s + 256) * head_dim factor`` (causal: the masked half skipped;
 not under all-gather CP, whose attention takes an explicit mask over the gathered sequence),
 or, without it, two batched GEMMs with softmax and dropout over the ``s x s`` scores.
@@ -73,6 +75,7 @@ class Op:
     bwd_bytes: float | None = None  # element-wise backward bytes (default 1.5x the forward's)
     counted: bool = True            # in model FLOPs (MFU); the router is not
     quantized: bool = True          # a GEMM in the plan's precision (output layer, router: bf16)
+    grouped: bool = False           # one of a grouped GEMM's groups (the routed experts)
 
 
 @dataclass(frozen=True)
@@ -160,7 +163,8 @@ def layer_ops(model: ModelSpec, par: Parallelism, moe: bool = False) -> list[Op]
             if o.kind == "gemm":     # FLOPs of all local experts: one GEMM's shape, `local` times
                 m, n, kk = o.shape
                 ops[i] = Op(o.name, "gemm", 2 * routed * n * kk,
-                            e * (routed * kk + local * kk * n + routed * n), o.shape, weights=True)
+                            e * (routed * kk + local * kk * n + routed * n), o.shape, weights=True,
+                            grouped=True)
         if model.shared_expert_ffn_hidden:
             mlp("shared_", T, model.shared_expert_ffn_hidden, T)
     else:
@@ -210,9 +214,11 @@ def pass_times(ops: list[Op], hw, precision: str) -> PassTimes:
     F = I = W = gF = flops_F = 0.0
 
     def gemm_rate(o: Op, m: float, n: float, k: float) -> float:
+        # the routed experts' grouped GEMM: a fraction of a dense GEMM's efficiency
+        grouped = hw.grouped_gemm_efficiency if o.grouped else 1.0
         if low and o.quantized:
-            return low_peak * hw.gemm_efficiency(m, n, k, precision)
-        return bf16 * hw.gemm_efficiency(m, n, k)
+            return low_peak * hw.gemm_efficiency(m, n, k, precision) * grouped
+        return bf16 * hw.gemm_efficiency(m, n, k) * grouped
 
     for o in ops:
         if o.kind == "memory":
