@@ -399,7 +399,8 @@ def write_fitted(point: dict, runs: list[Run], path: pathlib.Path = FITTED_FILE)
         entry = gpus.setdefault(g, {})
         if f == "precision_e_max":
             for q in [p] + [t for t, u in TIED.items() if u == p]:
-                entry.setdefault("precision_e_max", {})[q] = round(v, 4)
+                if preset_before_fit(g).precision_peak(q) > 0:      # the GPU has it
+                    entry.setdefault("precision_e_max", {})[q] = round(v, 4)
         else:
             entry[f] = round(v, 4)
     data = {

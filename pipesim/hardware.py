@@ -539,7 +539,7 @@ _ALIASES = {"GB200-NVL72": "GB200", "GB200_NVL72": "GB200", "NVL72": "GB200",
 # and command); they replace the presets' carried-over figures (calibration "fitted").
 FITTED_FILE = Path(__file__).parent / "data" / "fitted.json"
 FITTED_FORMAT = "pipesim.fitted/1"
-_FITTABLE = ("gemm_e_max", "precision_e_max", "gemm_dim_half", "mem_efficiency", "flash_e_max",
+_FITTABLE = ("gemm_e_max", "precision_e_max", "mem_efficiency", "flash_e_max",
              "grouped_gemm_efficiency")
 
 
@@ -571,11 +571,9 @@ def read_fitted(path: "str | Path" = FITTED_FILE) -> dict:
                                  f"({', '.join(_FITTABLE)})")
             values = value.values() if fig == "precision_e_max" and isinstance(value, dict) \
                 else [value]
-            top = float("inf") if fig == "gemm_dim_half" else 1.0
             for v in values:
-                if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v <= top:
-                    raise ValueError(f"{p}: gpus.{gpu}.{fig}: a number in (0, {top:g}], "
-                                     f"got {v!r}")
+                if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v <= 1:
+                    raise ValueError(f"{p}: gpus.{gpu}.{fig}: a number in (0, 1], got {v!r}")
     return data
 
 

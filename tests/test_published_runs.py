@@ -192,7 +192,7 @@ def test_a_bad_fitted_file_is_refused_naming_the_field(tmp_path):
     for change, match in ((dict(format="x"), "pipesim.fitted/1"),
                           (dict(source=""), "'source' must name"),
                           (dict(gpus={"H999": {}}), "gpus.H999: not a preset"),
-                          (dict(gpus={"H100": {"gemm_dim_half": 0.5}}), "not a fitted figure"),
+                          (dict(gpus={"H100": {"launch_overhead": 0.5}}), "not a fitted figure"),
                           (dict(gpus={"H100": {"mem_efficiency": "0.5"}}), r"a number in \(0, 1\]"),
                           (dict(gpus={"H100": {"precision_e_max": {"fp8": 1.5}}}), "a number in")):
         bad = tmp_path / "fitted.json"
