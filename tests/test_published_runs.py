@@ -291,3 +291,29 @@ def test_megatron_bridge_layouts_are_rated_against_the_pick_and_the_difference_n
     rating, result = bench.rate_run(run, **space)
     assert _explained(rating), rating.text()
     assert rating.text().startswith("your plan: ")
+
+
+def test_deepseek_v3_and_gpt_oss_configs_read_into_the_presets_shapes():
+    """config.json as published (deepseek-ai/DeepSeek-V3, openai/gpt-oss-120b; the keys the
+    shape needs, transcribed) reads into the preset's shape (DeepSeek-V3's with its one MTP
+    module, which its config declares)."""
+    from pipesim.plan.model import ModelSpec
+
+    dsv3 = {"model_type": "deepseek_v3", "hidden_size": 7168, "intermediate_size": 18432,
+            "moe_intermediate_size": 2048, "num_hidden_layers": 61, "num_attention_heads": 128,
+            "num_key_value_heads": 128, "n_routed_experts": 256, "n_shared_experts": 1,
+            "num_experts_per_tok": 8, "first_k_dense_replace": 3, "moe_layer_freq": 1,
+            "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128,
+            "qk_rope_head_dim": 64, "v_head_dim": 128, "vocab_size": 129280,
+            "tie_word_embeddings": False, "attention_bias": False,
+            "num_nextn_predict_layers": 1, "max_position_embeddings": 163840}
+    got = ModelSpec.from_hf_config(dsv3, name="deepseek-v3", seq_length=4096)
+    assert got == PRESETS["deepseek-v3"].with_(mtp_layers=1)
+    oss = {"model_type": "gpt_oss", "hidden_size": 2880, "intermediate_size": 2880,
+           "num_hidden_layers": 36, "num_attention_heads": 64, "num_key_value_heads": 8,
+           "head_dim": 64, "num_local_experts": 128, "num_experts_per_tok": 4,
+           "vocab_size": 201088, "sliding_window": 128, "attention_bias": True,
+           "tie_word_embeddings": False, "max_position_embeddings": 131072,
+           "layer_types": ["sliding_attention", "full_attention"] * 18}
+    got = ModelSpec.from_hf_config(oss, name="gpt-oss-120b", seq_length=4096)
+    assert got == PRESETS["gpt-oss-120b"]
