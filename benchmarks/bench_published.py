@@ -463,9 +463,20 @@ def main() -> None:
                     "(e.g. 'llama3-70b 64xH100') against the planner's pick on its cluster "
                     "(the 1f1b and interleaved schedules, every other knob at the search's "
                     "defaults: minutes for 256 GPUs)")
+    ap.add_argument("--save-plan", nargs=2, metavar=("RUN", "PLAN.json"),
+                    help="write the first run whose name contains RUN as a plan file (for "
+                         "pipesim simulate --plan, pipesim plan --rate)")
     args = ap.parse_args()
     t0 = time.perf_counter()
     runs, skipped = read_rows()
+    if args.save_plan:
+        key, path = args.save_plan
+        run = next((r for r in runs if key in r.name), None)
+        if run is None:
+            raise SystemExit(f"--save-plan {key!r}: no usable run's name contains it")
+        build_plan(run).to_json(path)
+        print(f"{run.name}: wrote {path}")
+        return
     if args.rate:
         run = next((r for r in runs if args.rate in r.name), None)
         if run is None:
