@@ -297,10 +297,10 @@ class Hardware:
         if precision in ("bf16", "fp16", "fp32") or self.precision_peak(precision) > 0:
             return ""
         which = {"fp8": "FP8 tensor cores; {n} has none (H100 and later do)",
-                 "mxfp8": "block-scaled MXFP8 tensor cores; {n} has none (Blackwell: B200, "
-                          "B300, GB200, GB300 do; Hopper has per-tensor FP8 only: use fp8)",
-                 "nvfp4": "NVFP4 tensor cores; {n} has none (Blackwell: B200, B300, GB200, "
-                          "GB300 do)"}[precision].format(n=self.name)
+                 "mxfp8": "block-scaled MXFP8 tensor cores; {n} has none (Blackwell's B200, "
+                          "B300, GB200 and GB300 have them)",
+                 "nvfp4": "NVFP4 tensor cores; {n} has none (Blackwell's B200, B300, GB200 "
+                          "and GB300 have them)"}[precision].format(n=self.name)
         return f"precision {precision} needs {which}: use bf16" + (
             " or fp8" if precision != "fp8" and self.has_fp8 else "")
 
