@@ -21,7 +21,7 @@ chosen before looking at the published figure, never tuned to it.
     python3 benchmarks/bench_cost_model.py          # predicted vs published, every row
     python3 benchmarks/bench_cost_model.py --fit    # refit A100's figures on the fit rows
 
-Targets: median error <= 5%, worst <= 15% over the fit tables (measured 3.8% / 7.8%, which
+Targets: median error <= 5%, worst <= 15% over the fit tables (measured 3.4% / 6.7%, which
 tests/test_cost_model.py bounds at 4% / 8%).
 """
 from __future__ import annotations

@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 LINK_KINDS = ("intra", "inter")
+NCCL_ARCHS = ("", "ampere", "hopper", "blackwell")      # pipesim.plan.nccl.ARCHS, or none
 COLLECTIVE_NAMES = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all")
 
 
@@ -178,6 +179,14 @@ class Hardware:
     # measured per-collective links: ((kind, name, group size or 0 = any, latency, bandwidth),
     # ...), in a file a nested mapping (see the module's docstring); empty: the links' pairs
     collectives: tuple = ()
+    # NCCL's tuner class of the GPU ("ampere", "hopper", "blackwell"): its collectives priced
+    # with NCCL's tuner (pipesim.plan.nccl); "" (a measured file): by the links' own pairs
+    nccl_arch: str = ""
+    # the fraction of the GPU's compute a collective takes while it runs hidden under compute
+    # (NCCL's kernels hold SMs and memory bandwidth; Calculon's processor_usage), per link kind;
+    # 0 (files without them): overlapped communication costs the compute nothing
+    link_processor_usage: float = 0.0
+    network_processor_usage: float = 0.0
 
     def __post_init__(self) -> None:
         # JSON gives lists; keep the dataclass hashable (plans are compared and hashed)
@@ -212,6 +221,14 @@ class Hardware:
         if self.memory_reserve is not None and not 0 <= self.memory_reserve < self.memory_bytes:
             raise ValueError(f"hardware {self.name}: memory_reserve must be in [0, memory_bytes),"
                              f" got {self.memory_reserve!r}")
+        for f in ("link_processor_usage", "network_processor_usage"):
+            v = getattr(self, f)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < 1:
+                raise ValueError(f"hardware {self.name}: {f} must be a number in [0, 1) (the "
+                                 f"fraction of compute a hidden collective takes), got {v!r}")
+        if self.nccl_arch not in NCCL_ARCHS:
+            raise ValueError(f"hardware {self.name}: nccl_arch must be one of "
+                             f"{', '.join(repr(a) for a in NCCL_ARCHS)}, got {self.nccl_arch!r}")
         if self.calibration not in ("fitted", "measured", "extrapolated"):
             raise ValueError(f"hardware {self.name}: calibration must be fitted, measured or "
                              f"extrapolated, got {self.calibration!r}")
@@ -324,6 +341,9 @@ class Hardware:
             out["collectives"] = nested
         else:
             del out["collectives"]                     # files stay as they were without them
+        for f in ("nccl_arch", "link_processor_usage", "network_processor_usage"):
+            if not out[f]:
+                del out[f]                             # files without them stay as they were
         return out
 
     @classmethod
@@ -398,6 +418,25 @@ _BUS_BY_GPU = {"H100": (0.824, "SM90_NVLINK_BW 20.6 GB/s a link of NVLink 4's 25
                "GB300": (0.802, "SM100_NVLINK_BW 40.1 GB/s a link of NVLink 5's 50"),
                "MI300X": (0.80, "assumed as NCCL's A100 figure (RCCL over Infinity Fabric "
                                 "has no such constant)")}
+# NCCL's tuner rows by compute capability (SM80 Ampere, SM90 Hopper, SM100 Blackwell); MI300X
+# runs RCCL, whose tuner is not transcribed: its links' pairs price it
+_NCCL_ARCH = {"A100": "ampere", "H100": "hopper", "H200": "hopper", "B200": "blackwell",
+              "GB200": "blackwell"}
+# Calculon's processor_usage (calculon-ai/calculon, commit caa4b11, systems/a100_80g.json and
+# h100_80g_nvl8.json): a collective hidden under compute slows it as if it held this fraction
+# of the GPU (calculon/llm/layers.py: flop_time / (1 - processor_usage) while both run);
+# NVLink 0.15 (NCCL's kernels move the data through SMs), InfiniBand 0.02 (the NIC's DMA does)
+_CALCULON = ("Calculon (calculon-ai/calculon caa4b11), systems/{}: processor_usage 0.15 on "
+             "NVLink, 0.02 on InfiniBand")
+_PROCESSOR_USAGE = {
+    "A100": ((0.15, 0.02), _CALCULON.format("a100_80g.json")),
+    "H100": ((0.15, 0.02), _CALCULON.format("h100_80g_nvl8.json")),
+    "H200": ((0.15, 0.02), _CALCULON.format("h100_80g_nvl8.json") + ", as H100 (same SMs)"),
+    "B200": ((0.15, 0.02), _CALCULON.format("h100_80g_nvl8.json") + ", H100's assumed"),
+    "GB200": ((0.15, 0.02), _CALCULON.format("h100_80g_nvl8.json") + ", H100's assumed"),
+    "MI300X": ((0.15, 0.02), _CALCULON.format("h100_80g_nvl8.json") + ", H100's assumed "
+               "(RCCL)"),
+}
 _A100_SOURCES = {
     "gemm_e_max": "fitted on Korthikanti et al. 2022 Table 5 + Narayanan et al. 2021 Table 1",
     "gemm_dim_half": "fitted on Korthikanti et al. 2022 Table 5 + Narayanan et al. 2021 Table 1",
@@ -454,6 +493,14 @@ def _preset(name: str, *args: float, calibration: str = "extrapolated",
         kw.setdefault("link_bus_efficiency", eff)
         src["link_bus_efficiency"] = (f"NCCL's NVLink bus bandwidth over the raw link: {why} "
                                       f"(NVIDIA/nccl src/graph/topo.h), {eff}")
+    if name in _NCCL_ARCH:
+        kw.setdefault("nccl_arch", _NCCL_ARCH[name])
+        src["nccl_arch"] = (f"NCCL's tuner class of the GPU ({_NCCL_ARCH[name]}: its compute "
+                            "capability's row in NVIDIA/nccl src/graph/tuning.cc)")
+    usage, why = _PROCESSOR_USAGE.get(name, _PROCESSOR_USAGE["H100"])
+    kw.setdefault("link_processor_usage", usage[0])
+    kw.setdefault("network_processor_usage", usage[1])
+    src["link_processor_usage"] = src["network_processor_usage"] = why
     src.update(sources or {})
     kw.setdefault("memory_reserve", 4 * GiB)
     return Hardware(name, *args, **{**A100_FIT, **_BUS, **kw}, calibration=calibration,

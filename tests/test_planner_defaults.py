@@ -83,9 +83,10 @@ def test_robustness_reranks_under_the_models_uncertainty_and_reports_a_changed_o
     import pipesim
     from pipesim.planner.robustness import robustness_check, scaled
 
-    # a compute-bound plan and a communication-bound one, nearly tied nominally
+    # a compute-bound plan and a communication-bound one, nearly tied nominally (dp 16 with
+    # one GPU an NVLink domain: each rank's gradients on its own NIC, not its node's eight)
     a = pipesim.Plan.create("llama3-8b", "H100", tp=1, pp=1, dp=16, global_batch_size=32,
-                            overlap_grad_reduce=False)
+                            overlap_grad_reduce=False, nvlink_domain=1)
     b = pipesim.Plan.create("llama3-8b", "H100", tp=8, pp=1, dp=2, global_batch_size=32)
     hw = scaled(a, 0.9, 1.2).cluster.hardware
     assert hw.gemm_e_max == pytest.approx(a.cluster.hardware.gemm_e_max * 0.9)

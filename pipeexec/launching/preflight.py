@@ -82,6 +82,17 @@ def cp_comm_warning(par: Any) -> str | None:
             "prediction of this run)")
 
 
+def tp_comm_overlap_warning(par: Any) -> str | None:
+    """Why a plan's tensor-parallel overlap is not what pipeexec runs, or None: the plan
+    prices Megatron's --tp-comm-overlap (userbuffers), pipeexec runs the collectives exposed."""
+    if par.tp == 1 or not par.overlap_tp_comm:
+        return None
+    return ("parallelism.overlap_tp_comm: the plan prices the tensor-parallel collectives "
+            "hidden under their GEMMs (Megatron's --tp-comm-overlap), pipeexec runs them "
+            "exposed; running it so (plan with --no-tp-comm-overlap for a prediction of this "
+            "run)")
+
+
 @dataclass(frozen=True)
 class Preflight:
     """What to tell the user before starting: ``warnings`` (go ahead), and ``nothing_to_train``
@@ -100,7 +111,8 @@ def check_train(config: TrainConfig, checkpoint: Any, *, nproc: int,
     if w:
         warnings.append(w + "; training on its bytes anyway")
     for w in (microbatch_warning(config.pp, config.microbatches),
-              cp_comm_warning(config.plan.parallelism)):
+              cp_comm_warning(config.plan.parallelism),
+              tp_comm_overlap_warning(config.plan.parallelism)):
         if w:
             warnings.append(w)
     nothing = None

@@ -18,7 +18,7 @@ from ..plan.options import DESTS, apply_flags, load_model
 _PLAN_ONLY = ("plan", "tp", "cp", "ep", "global_batch_size", "seq_len", "recompute",
               "recompute_layers", "sequence_parallel", "distributed_optimizer", "zero",
               "precision", "gpus_per_node", "report_out", "save_plan", "no_flash_attention",
-              "overlap_tp_comm", "no_overlap", "no_overlap_grad_reduce",
+              "tp_comm_overlap", "overlap_tp_comm", "cp_comm", "no_overlap", "no_overlap_grad_reduce",
               "no_overlap_param_gather", "pipeline_layout", "layers", "hidden", "heads",
               "kv_heads", "ffn_hidden", "vocab", "tie_embeddings")
 _LEGACY_MODELS = ("tiny", "gpt3-1.3b", "gpt3-2.7b", "gpt3-6.7b", "gpt3-13b", "gpt3-175b")
@@ -39,7 +39,7 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-flash-attention", action="store_true", default=None,
                    help="unfused attention (keeps the s x s scores)")
     g.add_argument("--overlap-tp-comm", action="store_true", default=None,
-                   help="overlap tensor-parallel communication with the GEMMs")
+                   help="the same as --tp-comm-overlap (kept for older command lines)")
     g.add_argument("--no-overlap", action="store_true", default=None,
                    help="expose the data-parallel gradient reduce and parameter gather (both "
                         "of the next two)")

@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 from ..plan.options import DESTS, add_plan_flags, flatten, load_model, model_from_flags
-from ..plan.parallelism import CP_COMM, RECOMPUTE
+from ..plan.parallelism import RECOMPUTE
 from ..units import bytes_arg
 from .plan_output import nothing_written_text, plan_gantt, summary_text, write_rows
 from .lists import names
@@ -41,7 +41,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                    help="then search zb-auto's order on the best K layouts (vpp 1 or 2), from "
                         "each plan's costs under the same limit; a faster one becomes the best "
                         "plan, its schedule written into --plan-out as data (default 0: off)")
-    add_plan_flags(p, defaults={"precision": "bf16"}, several=SEARCHED, group_titles={
+    add_plan_flags(p, defaults={"precision": "bf16", "cp_comm": "p2p"}, several=SEARCHED, group_titles={
         "layout": "parallel layout (the searched knobs take several values, comma- or "
                   "space-separated: --tp 1,2,4; defaults in `pipesim.planner.SearchSpace`; a "
                   "knob not searched is a filter or fixed)"})
@@ -51,11 +51,6 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--uneven", action=argparse.BooleanOptionalAction, default=True,
                    help="search near-even stages where layers do not divide over pp * vpp "
                         "(--no-uneven: Megatron's even split only)")
-    g.add_argument("--cp-comm", choices=CP_COMM, default="p2p",
-                   help="how context parallelism exchanges K/V: p2p (Megatron's ring, overlapped "
-                        "with the attention) or all_gather (gathered before each attention and "
-                        "again in its backward, exposed: what pipeexec runs; plan for pipeexec "
-                        "with it)")
     g.add_argument("--efficiency", type=float, help="constant achieved/peak FLOP/s (default: "
                    "the per-operator model's, from the hardware's figures)")
     g.add_argument("--rate", "--compare", dest="rate", metavar="PLAN.json",
@@ -118,6 +113,7 @@ def space_from_args(args: argparse.Namespace):
         recompute_layers=args.recompute_layers, sequence_parallel=args.sequence_parallel,
         zero=flatten(args.zero) or (0, 1, 2, 3),
         precision=args.precision, cp_comm=args.cp_comm, tp_across_nodes=args.tp_across_nodes,
+        overlap_tp_comm=bool(args.tp_comm_overlap),
         uneven=args.uneven,
         efficiency=args.efficiency)
 

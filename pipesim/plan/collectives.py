@@ -10,7 +10,16 @@ direction (Thakur, Rabenseifner & Gropp 2005; NCCL's "bus bandwidth" convention)
 * point-to-point ``a + n / B``.
 
 All are zero when ``p == 1`` (or ``n == 0`` for point-to-point). ``B`` is the link's bus
-bandwidth (`Cluster` applies NCCL's bus efficiency to the raw link).
+bandwidth (`Cluster` applies NCCL's bus efficiency to the raw link; across NVLink domains the
+lesser of NVLink's and the NICs of the group's members in a domain, rail-aligned).
+
+On a GPU with an NCCL tuner class (``link.arch``: the presets), all-reduce, all-gather and
+reduce-scatter take NCCL's own choice of algorithm (ring, tree, NVLS, NVLS tree, PAT) and
+protocol (LL, LL128, Simple) and its time for it (:mod:`pipesim.plan.nccl`). An all-to-all
+(NCCL's grouped sends and receives, no tuner) across domains sends the off-domain share of
+its bytes, ``(p - p_local) / p``, over each GPU's own NICs and the on-domain share
+``(p_local - 1) / p`` over NVLink, at once: the slower of the two, each with its own latency
+per message (``p_local`` the fewest members of the group in one domain).
 
 An all-reduce across NVLink domains (``link.nodes > 1``) may run NCCL's tree instead, and does
 where the tree is faster, as NCCL's tuner picks (NVIDIA/nccl ``src/graph/tuning.cc``, commit
@@ -32,6 +41,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from .cluster import Link
+from .nccl import nccl_time
 
 COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all")
 
@@ -52,16 +62,45 @@ TREE_BANDWIDTH = 0.92 * 0.5     # the tree's algorithm bandwidth over the bus ba
 
 
 def collective_time(name: str, nbytes: float, p: int, link: Link) -> float:
-    """Seconds collective ``name`` of ``nbytes`` takes over ``p`` ranks on ``link``: the ring,
-    or for an all-reduce across domains without a measured figure the faster of ring and tree."""
+    """Seconds collective ``name`` of ``nbytes`` takes over ``p`` ranks on ``link``: its
+    measured figure; else on a link with an NCCL tuner class NCCL's choice (an all-to-all its
+    on- and off-domain shares); else the ring, or for an all-reduce across domains the faster
+    of ring and tree."""
     if p <= 1 or nbytes <= 0:
         return 0.0
+    if not link.measured(name):
+        if name == "all_to_all" and link.nodes > 1:
+            return hierarchical_all_to_all(nbytes, p, link)
+        if link.arch and name != "all_to_all":
+            return nccl_choice(name, nbytes, p, link).seconds
     steps, share = factors(name, p)
     latency, bandwidth = link.figure(name, p)
     ring = steps * latency + share * nbytes / bandwidth
     if name != "all_reduce" or link.nodes <= 1 or link.measured(name):
         return ring
     return min(ring, tree_all_reduce(nbytes, p, link))
+
+
+def nccl_choice(name: str, nbytes: float, p: int, link: Link):
+    """NCCL's tuner's pick (:class:`pipesim.plan.nccl.Choice`) for ``name`` on ``link``."""
+    nodes = min(link.nodes, p)
+    return nccl_time(name, nbytes, p, arch=link.arch, bus=link.bandwidth,
+                     local_bus=link.bandwidth if link.local_bandwidth is None else link.local_bandwidth,
+                     nodes=nodes, per_domain=link.per_domain or max(1, p // nodes),
+                     links=link.nvlinks, nvls=link.nvls)
+
+
+def hierarchical_all_to_all(nbytes: float, p: int, link: Link) -> float:
+    """An all-to-all of ``nbytes`` a rank across NVLink domains: ``(p_local - 1) / p`` of them
+    over NVLink and ``(p - p_local) / p`` over the rank's own NICs at the same time, each with
+    a latency per message (``p_local``: the fewest members of the group in one domain)."""
+    local = min(p, link.per_domain or max(1, p // max(1, link.nodes)))
+    lat_l = link.latency if link.local_latency is None else link.local_latency
+    bw_l = link.bandwidth if link.local_bandwidth is None else link.local_bandwidth
+    bw_n = link.bandwidth if link.nic_bandwidth is None else link.nic_bandwidth
+    on = (local - 1) * lat_l + (local - 1) / p * nbytes / bw_l
+    off = (p - local) * link.latency + (p - local) / p * nbytes / bw_n
+    return max(on, off)
 
 
 def tree_all_reduce(nbytes: float, p: int, link: Link) -> float:

@@ -15,9 +15,12 @@ thousands. For each stage and one microbatch on one rank of its tensor/context-p
   (:mod:`pipesim.plan.collectives`, :class:`pipesim.plan.cluster.Cluster`): TP two all-reduces
   of ``2 b s h`` bytes in F and two in I, or with sequence parallelism two all-gathers and two
   reduce-scatters (same bytes); added to the compute, or overlapped with it
-  (``overlap_tp_comm``: the longer of the two). CP (``cp_comm``): ``p2p``, the ring, moves
-  K and V in F and their gradients in I overlapped with the attention matmuls (only the excess
-  shows); ``all_gather`` (pipeexec's, Transformer Engine's all-gather CP) all-gathers K and V
+  (``overlap_tp_comm``, Megatron's --tp-comm-overlap: with sequence parallelism each
+  all-gather / reduce-scatter in tp chunks under its GEMM, :mod:`pipesim.plan.overlap`;
+  without, the longer of the two). Hidden communication slows the compute it hides under by
+  the hardware's processor usage (Calculon's model, :mod:`pipesim.plan.overlap`). CP
+  (``cp_comm``): ``p2p``, the ring, moves K and V in F and their gradients in I overlapped
+  with the attention matmuls (only the excess shows); ``all_gather`` (pipeexec's, Transformer Engine's all-gather CP) all-gathers K and V
   in F, and in I gathers them again, recomputes the attention core's forward and
   reduce-scatters dK/dV, all exposed, its attention (local queries against the gathered
   sequence under an explicit mask) computing every block, with a transient of the whole
@@ -56,6 +59,7 @@ from ..schedule.schedule import Schedule
 from . import collectives as coll
 from .cluster import Link
 from .operators import embedding_ops, head_ops, layer_ops, pass_times
+from .overlap import added, usage
 from .flops import head_flops, layer_flops, model_flops, recompute_flops
 from .footprint import (
     BYTES_PER_PARAM,
@@ -138,8 +142,13 @@ def derive(plan) -> PlanCosts:
     d, d_exp = par.dp * cp, max(1, par.dp * cp // par.ep)
 
     # per-layer-kind pieces (dense, moe), each (F, I_extra_for_recompute, I, W) seconds
-    tp_one = (coll.all_gather(act_bytes, t, links["tp"]) + coll.reduce_scatter(act_bytes, t, links["tp"])
-              if par.sequence_parallel else coll.all_reduce(act_bytes, t, links["tp"]))
+    tp_ag = coll.all_gather(act_bytes, t, links["tp"]) if par.sequence_parallel else 0.0
+    tp_rs = coll.reduce_scatter(act_bytes, t, links["tp"]) if par.sequence_parallel else 0.0
+    tp_one = tp_ag + tp_rs if par.sequence_parallel else coll.all_reduce(act_bytes, t, links["tp"])
+    # userbuffers' overlap needs sequence parallelism (Megatron refuses --tp-comm-overlap
+    # without it); without, the older bound: the longer of compute and communication
+    userbuffers = par.overlap_tp_comm and par.sequence_parallel and t > 1
+    u_tp, u_cp, u_dp = (usage(links[k], hw) for k in ("tp", "cp", "dp"))
     tp_pass = 2 * tp_one                                  # two per pass (attention, MLP)
     kv_bytes = 2 * e * b * s * model.kv_size / t          # K and V, whole sequence, per tp rank
     gathered = par.cp_comm == "all_gather"
@@ -181,11 +190,16 @@ def derive(plan) -> PlanCosts:
         z3_rs = zero_reduce(lp["dense"] / t, lp["expert"] / (t * par.ep)) if par.zero >= 2 else 0.0
         ep, ep_b = (ep_f, ep_pass) if moe else (0.0, 0.0)
 
-        def op(compute: float, attn: float, tp_c: float, cp_c: float, extra: float, z: float) -> float:
-            x = max(compute, tp_c) if par.overlap_tp_comm else compute + tp_c
-            # p2p: the ring's transfers hide behind the attention, only the excess shows;
-            # all_gather: the exchange happens before (F) / around (I) the attention, exposed
-            x += (cp_c if gathered else max(0.0, cp_c - attn)) + extra
+        def op(compute: float, attn: float, tp_c: float, cp_c: float, extra: float, z: float,
+               tp_ub: float) -> float:
+            if userbuffers:         # what the GEMMs cannot hide, and what hiding costs them
+                x = compute + tp_ub
+            else:
+                x = max(compute, tp_c) if par.overlap_tp_comm else compute + tp_c
+            # p2p: the ring's transfers hide behind the attention, only the excess shows (and
+            # the attention slowed by what it hides); all_gather: the exchange happens before
+            # (F) / around (I) the attention, exposed
+            x += (cp_c if gathered else added(cp_c, attn, u_cp)) + extra
             return max(x, z)
 
         if per_op:      # the operators' rooflines (pipesim.plan.operators)
@@ -203,8 +217,29 @@ def derive(plan) -> PlanCosts:
             comp_f, comp_i, comp_w = g + a, g + 2 * a, g
         # all_gather keeps only q, k, v: the backward recomputes the attention core's forward
         recomputed_attention = a if gathered and cp > 1 else 0.0
-        f = op(comp_f, a, tp_pass, cp_f, ep, z3)
-        i = op(comp_i + recomputed_attention, a_i, tp_pass, cp_i, ep_b, z3)
+        ub_f = ub_i = 0.0
+        if userbuffers:
+            # Megatron's --tp-comm-overlap (userbuffers, with sequence parallelism): each
+            # all-gather in tp chunks under the GEMM that consumes it, each reduce-scatter
+            # under the GEMM that produces it; in I the reverse collectives under the data
+            # gradients' GEMMs (pipesim.plan.overlap)
+            gemms = {o.name: o for o in layer_ops(model, par, moe) if o.kind == "gemm"}
+
+            def g(name: str, pass_: str) -> float:
+                o = gemms.get(name) or gemms.get("expert_" + name)
+                if o is None:
+                    return 0.0
+                if not per_op:
+                    return o.flops / gemm_rate
+                pt = pass_times([o], hw, par.precision)
+                return pt.F if pass_ == "F" else pt.I
+
+            ub_f = sum(added(c, g(n, "F"), u_tp, t) for c, n in
+                       ((tp_ag, "qkv"), (tp_rs, "proj"), (tp_ag, "fc1"), (tp_rs, "fc2")))
+            ub_i = sum(added(c, g(n, "I"), u_tp, t) for c, n in
+                       ((tp_rs, "qkv"), (tp_ag, "proj"), (tp_rs, "fc1"), (tp_ag, "fc2")))
+        f = op(comp_f, a, tp_pass, cp_f, ep, z3, ub_f)
+        i = op(comp_i + recomputed_attention, a_i, tp_pass, cp_i, ep_b, z3, ub_i)
         w = max(comp_w, z3_rs)
         return {"F": f, "I": i, "W": w, "attn": a, "params": lp_rank, "achieved": achieved,
                 "attn_recompute": recomputed_attention,
@@ -343,10 +378,11 @@ def derive(plan) -> PlanCosts:
         total = dense + expert
         if par.overlap_grad_reduce:
             last_bucket = comm_s * min(1.0, BUCKET_PARAMS / total) if total else 0.0
-            exposed = max(comm_s - window_b, last_bucket)
+            # all but the last bucket under the backward, which they slow (pipesim.plan.overlap)
+            exposed = last_bucket + added(comm_s - last_bucket, window_b, u_dp)
         else:
             exposed = comm_s
-        exposed += max(0.0, gather - window_f) if par.overlap_param_gather else gather
+        exposed += added(gather, window_f, u_dp) if par.overlap_param_gather else gather
         # a part held by two ranks (dualpipe's copies): its gradients are summed over the
         # pair (pipeexec.training.tied), after the backward, exposed
         copied = [st for st in sts if holders[st] > 1]

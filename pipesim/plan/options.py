@@ -22,7 +22,7 @@ from typing import Any
 
 from ..errors import PlanError
 from .model import ModelSpec, get_model
-from .parallelism import PRECISIONS, RECOMPUTE
+from .parallelism import CP_COMM, PRECISIONS, RECOMPUTE
 
 GROUPS = ("layout", "batch", "model")
 
@@ -83,6 +83,16 @@ PLAN_FLAGS: tuple[PlanFlag, ...] = (
     PlanFlag("--recompute-layers", "parallelism.recompute_layers", "layout",
              "with --recompute full: recompute the first N transformer blocks of each stage "
              "(Megatron's --recompute-num-layers, block method; default: all)", metavar="N"),
+    PlanFlag("--cp-comm", "parallelism.cp_comm", "layout", "how context parallelism "
+             "exchanges K/V: p2p (Megatron / Transformer Engine's ring, overlapped with the "
+             "attention) or all_gather (pipeexec's: gathered before each attention and again in "
+             "its backward, which recomputes the attention, exposed; plan for pipeexec with it)",
+             type=str, choices=CP_COMM),
+    PlanFlag("--tp-comm-overlap", "parallelism.overlap_tp_comm", "layout",
+             "Megatron's --tp-comm-overlap (userbuffers; with --sequence-parallel): each "
+             "tensor-parallel all-gather / reduce-scatter in tp chunks under the GEMM it feeds "
+             "or drains, only what the GEMM cannot hide shown, the GEMM slowed by what it hides "
+             "(default off, as Megatron's)", type=None, boolean=True),
     PlanFlag("--precision", "parallelism.precision", "layout", "compute precision (bf16 / fp16 "
              "keep fp32 master weights; fp8: per-tensor scaled FP8 GEMMs, H100 and later; mxfp8, "
              "nvfp4: block-scaled FP8 / FP4 GEMMs, Blackwell only)", type=str,

@@ -162,6 +162,10 @@ class PlanResult:
             "step_tail": [asdict(t) for t in tail],
             "stage_layers": self.derived.stage_layers,
             "links": {k: {"kind": v.kind, "latency": v.latency, "bandwidth": v.bandwidth,
+                          # across NVLink domains: how many the group spans, its fewest
+                          # members in one (the NICs its ring runs on there)
+                          **({"domains": v.nodes, "per_domain": v.per_domain}
+                             if v.kind == "inter" else {}),
                           **({"collectives": [{"collective": n, "p": q, "latency": lat,
                                                "bandwidth": bw} for n, q, lat, bw in v.collectives]}
                              if v.collectives else {})}

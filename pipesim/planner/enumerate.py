@@ -102,6 +102,7 @@ class SearchSpace:
     zero: tuple[int, ...] = (0, 1, 2, 3)
     precision: str = "bf16"
     cp_comm: str = "p2p"         # how cp exchanges K/V (Parallelism.cp_comm; pipeexec: all_gather)
+    overlap_tp_comm: bool = False   # Megatron's --tp-comm-overlap (Parallelism.overlap_tp_comm)
     # filters and fixed values: dp (derived from the other sizes) and microbatches (from the
     # global batch) kept only where listed; sequence parallelism None: on wherever tp > 1;
     # recompute_layers: Megatron's --recompute-num-layers for the full-recomputation plans
@@ -306,7 +307,8 @@ def _per_layout(space: SearchSpace, cluster: Cluster, tp: int, cp: int, pp: int,
                                           recompute=recompute, recompute_layers=layers,
                                           micro_batch_size=mbs,
                                           global_batch_size=gbs, precision=space.precision,
-                                          cp_comm=space.cp_comm)
+                                          cp_comm=space.cp_comm,
+                                          overlap_tp_comm=space.overlap_tp_comm)
                         yield Plan(model, par, cluster, schedule, efficiency=space.efficiency)
 
 
