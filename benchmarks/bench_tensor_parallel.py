@@ -1,7 +1,8 @@
 """Tensor parallelism and ZeRO: what each rank holds, measured against the plan, side by side.
 
 Memory (``--memory``, default on): for tp 1 and tp 2 (with sequence parallelism) at pp 2 x dp 2,
-and ZeRO 0, 1, 2, 3, one short run per config in one job per tp (CPU, gloo) measures each
+and ZeRO 0, 1, 2, 3 (2 and 3 reducing the gradients once a step and once a microbatch,
+``grad_reduce``), one short run per config in one job per tp (CPU, gloo) measures each
 pipeline rank's peak of held tensors: activations and training state (weights, fp32 gradients,
 masters, AdamW moments), `pipeexec.measuring.memory.TrainingMemoryMeter`; the plan predicts it
 from the model's shape alone (`pipeexec.analysis.plan_memory.predicted_peaks`: Korthikanti et
@@ -32,13 +33,17 @@ from pipeexec.analysis.plan_memory import predicted_peaks  # noqa: E402
 from pipeexec.config import TrainConfig  # noqa: E402
 
 KIB = 1024
-ZEROS = (0, 1, 2, 3)
+# (zero, grad_reduce): ZeRO-2/3 under both reductions (the plan's field, pipesim's default first)
+ZEROS = ((0, "per_step"), (1, "per_step"), (2, "per_step"), (2, "per_microbatch"),
+         (3, "per_step"), (3, "per_microbatch"))
 
 
-def config(tp: int, zero: int, schedule: str = "1f1b", vpp: int = 1) -> TrainConfig:
+def config(tp: int, zero: int, schedule: str = "1f1b", vpp: int = 1,
+           grad_reduce: str = "per_step") -> TrainConfig:
     return TrainConfig(layers=8, hidden=64, heads=4, seq_len=32, vocab=128, pp=2, dp=2, tp=tp,
                        sequence_parallel=tp > 1, microbatches=4, micro_batch_size=1,
-                       schedule=schedule, vpp=vpp, zero=zero, steps=2, device="cpu",
+                       schedule=schedule, vpp=vpp, zero=zero, grad_reduce=grad_reduce,
+                       steps=2, device="cpu",
                        p2p_timeout=120.0, collective_timeout=300.0)
 
 
@@ -50,14 +55,14 @@ def memory_worker(board, tp: int) -> dict:
     topo = init_topology(2, 2, tp=tp, device="cpu", timeout=300)
     out = {"pp_rank": topo.pp_rank, "tp_rank": topo.tp_rank, "dp_rank": topo.dp_rank}
     try:
-        for zero in ZEROS:
-            t = Trainer(config(tp, zero), topo, board=board)
+        for zero, reduce in ZEROS:
+            t = Trainer(config(tp, zero, grad_reduce=reduce), topo, board=board)
             params = [p for st in t.stages.values() for p in st.parameters()]
             meter = TrainingMemoryMeter(t.runtime, t.state_tensors, exclude=params)
             t.add_stage_hooks(meter)
             t.add_observer(meter)
             train(t)
-            out[zero] = (meter.peak, meter.peak_state, meter.peak_activations)
+            out[(zero, reduce)] = (meter.peak, meter.peak_state, meter.peak_activations)
     finally:
         destroy_topology(topo)
     return out
@@ -68,22 +73,23 @@ def memory_table() -> None:
 
     print("peak held bytes per pipeline rank (tp rank 0, dp rank 0), KiB: measured / predicted "
           "from the plan alone (error)")
-    print(f"{'layout':<22}{'zero':>5}  {'rank 0':>30}  {'rank 1':>30}")
+    print(f"{'layout':<22}{'zero':>20}  {'rank 0':>30}  {'rank 1':>30}")
     worst = 0.0
     for tp in (1, 2):
         results = launch(memory_worker, 4 * tp, (tp,), timeout=900)
-        for zero in ZEROS:
-            pred = predicted_peaks(config(tp, zero))
+        for zero, reduce in ZEROS:
+            pred = predicted_peaks(config(tp, zero, grad_reduce=reduce))
             cells = []
             for rank in (0, 1):
                 r = next(x for x in results if x["pp_rank"] == rank and x["tp_rank"] == 0
                          and x["dp_rank"] == 0)
-                meas = r[zero][0]
+                meas = r[(zero, reduce)][0]
                 err = pred[rank] / meas - 1
                 worst = max(worst, abs(err))
                 cells.append(f"{meas / KIB:9.1f} / {pred[rank] / KIB:9.1f} ({err:+.1%})")
             layout = f"tp {tp}{' + sp' if tp > 1 else ''} pp 2 dp 2"
-            print(f"{layout:<22}{zero:>5}  {cells[0]:>30}  {cells[1]:>30}")
+            name = f"{zero}" + (f" {reduce}" if zero >= 2 else "")
+            print(f"{layout:<22}{name:>20}  {cells[0]:>30}  {cells[1]:>30}")
     print(f"worst error {worst:.1%}")
 
 

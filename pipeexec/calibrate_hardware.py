@@ -321,8 +321,9 @@ def calibrate_cuda(device: str = "cuda", name: str | None = None, base: str | No
 def calibrate(device: str = "cpu", name: str | None = None, links: bool = True,
               quick: bool = False, groups: tuple[int, ...] | None = None,
               sizes: tuple[int, ...] | None = None, repeats: int | None = None,
-              base: str | None = None) -> Hardware:
-    """Measure this machine's figures and return them as a :class:`Hardware` (see above).
+              base: str | None = None, threads: int = 1) -> Hardware:
+    """Measure this machine's figures and return them as a :class:`Hardware` (see above),
+    on a CPU with ``threads`` torch threads (default 1: as each pipeexec rank runs).
     ``groups``, ``sizes``, ``repeats``: the collective benchmark's (default: its own sweep,
     a smaller one with ``quick``); ``links=False`` skips it. On CUDA: :func:`calibrate_cuda`
     against ``base``."""
@@ -332,6 +333,10 @@ def calibrate(device: str = "cpu", name: str | None = None, links: bool = True,
         return calibrate_cuda(device, name, base=base, quick=quick)
     # first, while this process has no threads: the benchmark forks its ranks
     coll, coll_what = gloo_collectives(groups, sizes, quick, repeats) if links else ({}, "")
+    if device == "cpu":
+        # as a pipeexec rank computes: one thread (the launcher sets OMP_NUM_THREADS=1 a rank);
+        # torch's default pool of every core measured another machine on a shared host
+        torch.set_num_threads(threads)
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
     sizes = SIZES[:-1] if quick else SIZES
     sweep = gemm_sweep(device, dtype, repeat=3 if quick else 7, sizes=sizes)
@@ -365,6 +370,9 @@ def calibrate(device: str = "cpu", name: str | None = None, links: bool = True,
                   "benchmark (see collectives)" if links else "not measured (--no-links): 5 us "
                   "and the element-wise bandwidth, assumed"),
         "memory_reserve": "none on a CPU (no device context)",
+        "threads": (f"{threads} torch thread(s) (torch.set_num_threads), as each pipeexec rank "
+                    f"computes; load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs "
+                    "at the start" if device == "cpu" else "one CUDA device"),
         "fragmentation": "1: the CPU allocator is not modelled",
     }
     if links:
@@ -402,7 +410,20 @@ def add_command(sub) -> None:
                    help="on a CUDA device: the preset (or hardware file) whose datasheet peaks, "
                         "HBM bandwidth and links the measured efficiencies are stated against "
                         "(default: the preset the device's name names)")
+    p.add_argument("--threads", type=int, default=1, metavar="N",
+                   help="torch threads on a CPU: 1 measures a core as a pipeexec rank uses it "
+                        "(each rank runs one thread); more measures what N threads reach")
     p.add_argument("--quick", action="store_true", help="a smaller sweep (tests)")
+
+
+def busy_note(load: float, cpus: int) -> str:
+    """A warning when other work holds the CPUs ('' when it does not): a sweep on a busy host
+    measures a share of a core, and every prediction from the file is then too slow."""
+    if load < 0.5 * cpus:
+        return ""
+    return (f"the load average is {load:.1f} on {cpus} CPUs: other work is running, and what is "
+            "measured now is a share of a core; calibrate on an idle machine for figures that "
+            "hold (the file records the load)")
 
 
 def _list(text: str | None, parse, flag: str) -> tuple | None:
@@ -441,13 +462,20 @@ def run(ns: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"calibrate-hardware: {exc}")
         return 2
+    if ns.threads < 1:
+        print(f"calibrate-hardware: --threads {ns.threads}: must be >= 1")
+        return 2
+    busy = busy_note(os.getloadavg()[0], os.cpu_count() or 1)
+    if busy and not ns.device.startswith("cuda"):
+        print(f"calibrate-hardware: warning: {busy}", flush=True)
     if ns.base is not None and not ns.device.startswith("cuda"):
         print(f"calibrate-hardware: --base {ns.base}: only for a CUDA device (a CPU's figures "
               "are its own)")
         return 2
     try:
         hw = calibrate(ns.device, ns.name, links=not ns.no_links, quick=ns.quick, groups=groups,
-                       sizes=sizes, repeats=ns.collective_repeats, base=ns.base)
+                       sizes=sizes, repeats=ns.collective_repeats, base=ns.base,
+                       threads=ns.threads)
     except CollectiveBenchmarkError as exc:
         print(f"calibrate-hardware: {exc}")
         return 1

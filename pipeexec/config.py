@@ -52,7 +52,7 @@ DEFAULT_PLAN = Plan(GPT_MODEL, Parallelism(precision="fp32", cp_comm="all_gather
 # Flat names of the plan's facts: parallelism fields by their own name, the model's by the
 # executor's (seq_len = model.seq_length, tie_embeddings = model.tied_embeddings).
 _PARALLELISM = ("tp", "cp", "ep", "pp", "vpp", "dp", "sequence_parallel", "zero",
-                "micro_batch_size", "recompute", "recompute_layers", "precision")
+                "micro_batch_size", "recompute", "recompute_layers", "precision", "grad_reduce")
 MODEL_VIEWS = {"layers": "layers", "hidden": "hidden", "heads": "heads", "kv_heads": "kv_heads",
           "ffn_hidden": "ffn_hidden", "seq_len": "seq_length", "vocab": "vocab",
           "tie_embeddings": "tied_embeddings"}

@@ -27,6 +27,9 @@ def refusals(config: Any, *, custom_stack: bool = False) -> list[str]:
         out.append(f"parallelism.precision = {par.precision!r} (--precision): pipeexec computes "
                    f"in fp32, bf16 or fp16 ({par.precision} GEMMs need Transformer Engine, which "
                    "it does not use)")
+    if par.grad_reduce_in_fp32 is False:
+        out.append("parallelism.grad_reduce_in_fp32 = False (--no-grad-reduce-in-fp32): "
+                   "pipeexec accumulates and reduces gradients in fp32 (drop the flag)")
     if par.gbs % (par.micro_batch_size * par.dp):
         out.append(f"parallelism.global_batch_size = {par.gbs} (--global-batch-size) is not a "
                    f"multiple of micro_batch_size * dp = {par.micro_batch_size * par.dp}")

@@ -356,3 +356,20 @@ def test_a_cross_schedule_prediction_says_which_rank_rows_are_least_reliable():
     assert "least reliable" not in text
     assert "rank(s) 0, 3 hold the embedding and the head, whose costs are their shares" in text
     assert cross.report()["calibration"]["pinned_layers"] == cross.calibration.pinned
+
+
+def test_one_bubble_fraction_named_where_it_is_printed():
+    """The run's bubble_fraction is one figure, the mean of the compared steps' own (the
+    report's); the table's idle/busy and the picture's single step are labelled as what they
+    are, not as the run's bubble_fraction (three figures once read as one)."""
+    run = jittered_run()
+    c = compare_runs(run)
+    report, text = c.report(), c.text()
+    assert (f"predicted {report['predicted_bubble_fraction']:.3f} vs measured "
+            f"{report['measured_bubble_fraction']:.3f}") in c.headline()
+    head = text.splitlines()[2]
+    assert "idle/busy" in head and "bubble_fraction" not in head
+    assert "the mean of each step's own" in c.legend()
+    fig = c.figure()
+    titles = " ".join(ax.get_title(loc) for ax in fig.axes for loc in ("left", "center", "right"))
+    assert "this step's own bubble_fraction" in titles

@@ -175,3 +175,13 @@ def test_an_inherited_cpu_share_the_machine_cannot_give_says_where_it_came_from(
                     "--calibrate-from", str(calibration_run(tmp_path))]) == 2
     err = capsys.readouterr().err
     assert "the calibration run's ranks were confined to --cpus-per-rank 0.5" in err
+
+
+def test_layout_notes_say_ramp_only_where_there_is_a_pipeline():
+    from pipeexec.cli.compare import layout_notes
+
+    TINY = TrainConfig(layers=4, hidden=16, heads=2, seq_len=8, vocab=32)
+    assert layout_notes(TINY.replace(pp=1, microbatches=1), 5) == []      # no pipeline: no ramp
+    ramp = layout_notes(TINY.replace(pp=2, microbatches=2), 5)
+    assert len(ramp) == 1 and "ramp-up and ramp-down" in ramp[0]
+    assert "profiled step(s)" in layout_notes(TINY.replace(pp=1, microbatches=1), 2)[0]

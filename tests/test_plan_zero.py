@@ -1,4 +1,6 @@
-"""ZeRO in a plan's costs, as pipeexec runs it (`pipeexec.training.zero`):
+"""ZeRO in a plan's costs, as pipeexec runs it (`pipeexec.training.zero`), ZeRO-2/3 reducing
+once a microbatch (``grad_reduce="per_microbatch"``; once a step, the default, is
+tests/test_plan_grad_reduce.py's):
 
 * ZeRO-1 reduce-scatters the gradients once a step, in the tail, then all-gathers the weights;
 * ZeRO-2 reduce-scatters them once a microbatch, as every backward makes them (pipeexec: a
@@ -21,7 +23,7 @@ GPT = ModelSpec("gpt", 16, 2048, 16, 1024, 51200)
 def plan(zero: int, precision: str = "bf16") -> pipesim.Plan:
     return pipesim.Plan.create(GPT, "H100", dp=8, tp=2, pp=2, global_batch_size=64, zero=zero,
                                precision=precision, overlap_grad_reduce=False,
-                               overlap_param_gather=False)
+                               overlap_param_gather=False, grad_reduce="per_microbatch")
 
 
 def test_zero2_reduce_scatters_every_microbatch_in_the_backward_not_once_in_the_tail():

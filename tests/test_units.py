@@ -110,3 +110,23 @@ def test_a_column_of_step_times_prints_at_one_precision():
                            "key": ["a", "b"]})
     rows = ranking_text(ranked).splitlines()[1:]
     assert [r.split()[3] for r in rows] == ["7.189", "7.600"]
+
+
+def test_the_ranking_counts_twins_and_prints_memory_in_a_unit_that_fits():
+    """Plans of the same step time and memory (cp 1 mbs 1 = cp 2 mbs 2 ...) are one row with
+    their twins counted; a tiny model's peaks print in MiB, not as "0.0 GiB"."""
+    import pandas as pd
+
+    from pipesim.cli.planner_cmds import ranking_text
+
+    mib = 2.0 ** 20
+    ranked = pd.DataFrame({"tokens_per_s_per_gpu": [1000.0, 1000.0, 1000.0, 900.0],
+                           "mfu": [0.5] * 3 + [0.45], "step_time": [0.0127] * 3 + [0.014],
+                           "bubble_fraction": [0.01] * 4,
+                           "peak_memory": [3 * mib] * 3 + [2 * mib], "headroom": [mib] * 4,
+                           "key": ["cp1 mbs1", "cp2 mbs2", "cp4 mbs4", "other"]})
+    head, *rows = ranking_text(ranked).splitlines()
+    assert "peak MiB" in head and len(rows) == 2
+    assert rows[0].split()[5] == "3.0" and "(+2 twins of the same time and memory: cp2 mbs2, cp4 mbs4)" in rows[0]
+    assert rows[1].split()[0] == "2" and rows[1].endswith("other")
+    assert len(ranking_text(ranked, top=1).splitlines()) == 2

@@ -203,7 +203,7 @@ class Comparison:
         """The table as markdown: ms, MiB, errors in percent (points for bubble_fraction)."""
         t = self.table()
         head = ("| rank | step / finish (ms) meas | pred | error | busy (ms) meas | pred | "
-                "bubble (ms) meas | pred | bubble_fraction (idle/busy) meas | pred | points | "
+                "bubble (ms) meas | pred | idle/busy meas | pred | points | "
                 "peak act. memory (MiB) meas | pred | error |")
         lines = [head, "|" + "---:|" * (head.count("|") - 1)]
         mib = 2 ** 20
@@ -229,7 +229,7 @@ class Comparison:
         groups = (("step|finish ms", "finish", 1e3, ".1f", "+.1%"),
                   ("busy ms", "busy", 1e3, ".1f", "+.1%"),
                   ("bubble ms", "bubble", 1e3, ".1f", "+.1%"),
-                  ("bubble_fraction", "idle_over_busy", 1.0, ".3f", None),
+                  ("idle/busy", "idle_over_busy", 1.0, ".3f", None),
                   ("peak act. MiB", "peak_memory", 1.0 / mib, ".2f", "+.1%"))
         head1 = f"{'':>4} |" + "|".join(f" {name:^25} " for name, *_ in groups) + "|"
         head2 = f"{'rank':>4} |" + "|".join(f" {'meas':>7} {'pred':>7} {'err':>8} "
@@ -280,8 +280,9 @@ class Comparison:
         return ("rank rows: the rank's finish, busy, bubble (idle inside its own span) and "
                 "idle/busy over the step; 'all': the step time and the busiest rank's figures "
                 f"(rank {bound_m} measured, rank {bound_p} predicted): busy, idle in the step "
-                "(step - busy) and their ratio, Megatron's bubble_fraction; peak memory: the "
-                "largest rank's")
+                "(step - busy) and their ratio, Megatron's bubble_fraction of the compared "
+                "steps' mean times; the run's bubble_fraction (headline, report) is the mean of "
+                "each step's own; peak memory: the largest rank's")
 
     def cross_schedule_edge_ranks(self) -> list[int]:
         """The ranks holding the first or the last stage (embedding, head) when the costs come
@@ -320,7 +321,9 @@ class Comparison:
         return (f"{s.name} pp={s.pp} vpp={s.parts_per_rank} m={s.num_microbatches}: predicted "
                 f"{self.predicted.makespan * 1e3:.1f} ms vs measured {measured * 1e3:.1f} ms "
                 f"({over}, {_pct(_rel(self.predicted.makespan, measured))}; {MAKESPAN_NOTE}); "
-                f"calibrated from {where}")
+                f"bubble_fraction (Megatron's; measured: the mean of the steps' own) predicted "
+                f"{self.predicted.bubble_fraction:.3f} vs measured "
+                f"{self._overall['bubble_fraction']:.3f}; calibrated from {where}")
 
     # -- report ---------------------------------------------------------------------------------
     def report(self) -> dict[str, Any]:
@@ -384,8 +387,8 @@ class Comparison:
             predicted_title=(f"predicted (the compared steps' mean costs): "
                              f"{pred.makespan * 1e3:.1f} ms, bubble_fraction "
                              f"{pred.bubble_fraction:.3f}"),
-            measured_title=(f"{what}: {meas.makespan * 1e3:.1f} ms, bubble_fraction "
-                            f"{meas.bubble_fraction:.3f}"))
+            measured_title=(f"{what}: {meas.makespan * 1e3:.1f} ms, this step's own "
+                            f"bubble_fraction {meas.bubble_fraction:.3f}"))
 
 
 def _pct(x: float) -> str:

@@ -44,7 +44,7 @@ def predicted_activation_peaks(config: Any, schedule: "pipesim.Schedule | None" 
     `TrainConfig`) from its plan, on ``schedule`` (default: the one the config runs)."""
     plan = as_executed(config.run_plan())      # cp as pipeexec runs it: all-gather
     sched = config.build_schedule() if schedule is None else schedule
-    costs = executor_split(as_built(plan.derive().costs, plan, config), plan, sched)
+    costs = executor_split(as_built(plan.derive().costs, plan), plan, sched)
     costs = replace(costs, static_bytes=0.0, stage_static_bytes=0.0)
     if not config.deallocate_outputs:
         costs = _outputs_kept(costs, sched)
@@ -61,9 +61,10 @@ def predicted_peaks(config: Any, schedule: "pipesim.Schedule | None" = None) -> 
 
     * ZeRO-3 gathers whole stages (`pipeexec.training.zero`), not pipesim's two layers: a
       stage's weights (compute dtype) are whole through each of its actions, the rank's
-      largest stage the transient (its gradients go a bucket, a layer, at a time, inside the
-      backward, as ZeRO-2's: the meter, reading around actions, sees no gradient transient,
-      and pipesim counts none for ZeRO-2);
+      largest stage the transient (reducing once a microbatch, its gradients go a bucket, a
+      layer, at a time, inside the backward, as ZeRO-2's: the meter, reading around actions,
+      sees no gradient transient, so pipesim's one bucket is left out here; reducing once a
+      step, the plan's gradients are the whole buffer, as pipeexec's);
     * ZeRO-2/3 keep tied parameters' gradients whole (fp32) for the step: the embedding and
       the head's copy of it, and every parameter of a model part held by two stages (dualpipe).
 
@@ -96,7 +97,7 @@ def predicted_peaks(config: Any, schedule: "pipesim.Schedule | None" = None) -> 
         transient.append(weight_bytes * largest if par.zero == 3 and d > 1 else 0.0)
         # (beside the shard accumulator, which the plan counts, as for every parameter)
         tied_extra.append(4 * tied if par.zero >= 2 and d > 1 else 0.0)
-    costs = replace(executor_split(as_built(derived.costs, plan, config), plan, sched),
+    costs = replace(executor_split(as_built(derived.costs, plan), plan, sched),
                     static_bytes=tuple(a + b for a, b in zip(transient, tied_extra)))
     if not config.deallocate_outputs:
         costs = _outputs_kept(costs, sched)
@@ -104,10 +105,11 @@ def predicted_peaks(config: Any, schedule: "pipesim.Schedule | None" = None) -> 
     return [float(x) for x in result.peak_memory]
 
 
-def as_built(costs: "pipesim.CostModel", plan: "pipesim.Plan", config: Any) -> "pipesim.CostModel":
-    """The plan's activation bytes, plus, for a Hugging Face model, what its transformers
-    modules save beyond the formulas (`hf_activations`)."""
-    if not getattr(config, "hf_model", None):
+def as_built(costs: "pipesim.CostModel", plan: "pipesim.Plan") -> "pipesim.CostModel":
+    """The plan's activation bytes, plus, for a model built as a Hugging Face family (a plan
+    that names one, with or without ``--hf-model`` weights: `pipeexec.models.layer_stack`),
+    what its transformers modules save beyond the formulas (`hf_activations`)."""
+    if plan.model.family is None:
         return costs
     n = len(plan.stage_layers())
     act = costs.stage_values("activation_bytes", n)

@@ -95,14 +95,19 @@ def compare_parser() -> argparse.ArgumentParser:
            "compared one, and predict the compared schedule from its steps alone: calibration "
            "and measurement meet the same machine seconds apart (not with --calibrate-from)")
     a("--hardware", default=None, metavar="PRESET|FILE",
-      help="with --calibrate-from a run at another tp (or sequence parallelism), cp or ep: "
+      help="without --calibrate-from: predict the run from this hardware file (or preset) "
+           "alone before it starts, as the run is confined (--cpus-per-rank, or the ranks "
+           "sharing the cores), and print it beside the measured step; "
+           "with --calibrate-from a run at another tp (or sequence parallelism), cp or ep: "
            "carry its measured compute to this run's layout by the plan's per-operator model "
            "on this hardware, and price the layers' collectives (tp's, cp's K/V all-gathers "
            "and reduce-scatters, ep's all-to-alls) from its figures (on this machine: the "
            "file `pipeexec calibrate-hardware` writes, whose collectives are measured)")
     a("--trace-out", default=None, metavar="FILE.json",
       help="keep the measured trace: Chrome/Perfetto JSON, with .csv and .meta.json beside it")
-    a("--report-out", default=None, metavar="FILE.json", help="write the report as JSON")
+    a("--report-out", default=None, metavar="FILE.json",
+      help="write the report as JSON, and (unless --plot-out names another file) the "
+           "predicted-above-measured picture beside it as FILE.png")
     a("--table-out", default=None, metavar="FILE.csv|FILE.md",
       help="write the table as CSV, or as markdown for a .md name")
     a("--plot-out", default=None, metavar="FILE.png",
@@ -136,6 +141,21 @@ def compare_defaults(config: Any, given: set[str], calibration: MeasuredRun | No
     changes = {k: v for k, v in changes.items() if getattr(config, k) != v}
     said = [f"{k.replace('_', '-')} {v}" for k, v in changes.items()]
     return config.replace(**changes), said
+
+
+def layout_notes(config: Any, profiled: int) -> list[str]:
+    """What makes this run's comparison weak, said before it runs: few microbatches for the
+    pipeline's depth (a step that is mostly ramp-up and ramp-down; no pipeline at pp 1), and
+    few profiled steps."""
+    notes = []
+    if config.pp > 1 and config.microbatches < 2 * config.pp:
+        notes.append(f"m = {config.microbatches} < 2 pp = {2 * config.pp}: a step is "
+                     "mostly ramp-up and ramp-down")
+    if profiled < 3:
+        notes.append(f"{profiled} profiled step(s): single steps move by 10% and more on "
+                     f"a shared machine; --steps {DEFAULT_STEPS} (the default) profiles "
+                     f"{DEFAULT_STEPS - 1} and compares the central 3")
+    return notes
 
 
 def calibration_spread_note(source: MeasuredRun, threshold: float = 0.10) -> list[str]:
@@ -220,14 +240,8 @@ def compare_main(argv: list[str]) -> int:
             defaulted = [d for d in defaulted if not d.startswith("steps")]
         if defaulted:
             print(f"compare defaults: {', '.join(defaulted)} (set them to change)", flush=True)
-        if config.microbatches < 2 * config.pp:
-            notes.append(f"m = {config.microbatches} < 2 pp = {2 * config.pp}: a step is "
-                         "mostly ramp-up and ramp-down")
         first, stop = parse_step_range(ns.profile) if ns.profile else (1, config.steps)
-        if stop - first < 3:
-            notes.append(f"{stop - first} profiled step(s): single steps move by 10% and more on "
-                         f"a shared machine; --steps {DEFAULT_STEPS} (the default) profiles "
-                         f"{DEFAULT_STEPS - 1} and compares the central 3")
+        notes += layout_notes(config, stop - first)
         check_cpus_per_rank(cpus_per_rank, config.world_size)
         # train's generated profiling flags (clock alignment, split probe); the steps and the
         # trace file are compare's own --profile and --trace-out
@@ -249,12 +263,18 @@ def compare_main(argv: list[str]) -> int:
                 raise ValueError("give --calibrate-from (a run made before) or --alongside (a "
                                  "calibration run in the same job), not both")
             partner = alongside_config(config, ns.alongside)
-        carry = None
+        carry, from_hw = None, None
         if source is not None:
             carry = layout_carry(config, source, ns.hardware, ns.calibrate_from)
         elif ns.hardware:
-            raise ValueError("--hardware carries a --calibrate-from run to another tp; give "
-                             "--calibrate-from too")
+            from ..analysis.from_hardware import hardware_prediction
+            from ..launching.cpu_quota import cpu_limit
+
+            from_hw = hardware_prediction(config, ns.hardware, cpus_per_rank=cpus_per_rank,
+                                          host_cpus=cpu_limit())
+            print(f"prediction before running, {from_hw.describe()}: "
+                  f"{from_hw.makespan * 1e3:.1f} ms, bubble_fraction "
+                  f"{from_hw.result.bubble_fraction:.3f}", flush=True)
         if source is not None:
             layout = layout_of(config)
             predicted, cal = predict(config.build_schedule(), layout, source, carry=carry)
@@ -295,6 +315,17 @@ def compare_main(argv: list[str]) -> int:
     print(comparison.text())
     extra, line = plan_memory(config, comparison.report()["measured_peak_memory"])
     print(line)
+    if from_hw is not None:
+        measured = comparison.report()["measured_step_time"]
+        extra["hardware_prediction"] = {
+            "hardware": from_hw.hardware, "cpus_per_rank": from_hw.share,
+            "shared_cores": from_hw.cores, "predicted_step_time": from_hw.makespan,
+            "measured_step_time": measured,
+            "step_time_error": (from_hw.makespan - measured) / measured}
+        print(f"{from_hw.describe()}: predicted {from_hw.makespan * 1e3:.1f} ms before running, "
+              f"measured {measured * 1e3:.1f} ms "
+              f"({(from_hw.makespan - measured) / measured:+.1%}); the table above predicts "
+              "from the run's own trace")
     if carry is not None and carry.note:
         notes.insert(0, carry.note)
         if carry.coupled and cpus_per_rank is not None:

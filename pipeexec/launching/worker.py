@@ -92,7 +92,9 @@ def run_training(board: ActionBoard | None, args: WorkerArgs) -> RunOutcome:
             if config.ep > 1:
                 layout += f"ep={config.ep} "
             if config.zero:
-                layout += f"zero={config.zero} "
+                layout += f"zero={config.zero} " + (
+                    "(gradients reduced per microbatch) "
+                    if config.zero >= 2 and config.grad_reduce == "per_microbatch" else "")
             _log(f"pipeexec: {config.schedule} {layout}pp={config.pp} vpp={config.vpp} dp={config.dp} "
                  f"m={config.microbatches} b={config.micro_batch_size} precision={config.precision} "
                  f"layers={config.layers}+2 hidden={config.hidden}"

@@ -16,8 +16,9 @@ tensors the runtime holds, parameters excluded; on CUDA: allocated bytes).
 A prediction is not a measurement (predicted faster, measured slower happens: 57.8 -> 62.5 ms
 at vpp 2), so the switch is a trial (:func:`judge_switch`): the searched order runs
 ``TRIAL_STEPS`` steps, the order it replaced runs as many again, both unprofiled, and the
-searched order is kept only if its median step beats the replaced order's by the margin; else
-every rank stays on the replaced order.
+searched order is kept only if its median step beats the replaced order's by the margin and by
+the noise the trial measured, with at least ``JUDGED_STEPS`` counted steps a side; else every
+rank stays on the replaced order.
 The log gives both figures and the hand-made order the search's margin was compared with
 (:func:`pipesim.search.zb_auto.fastest_handcrafted`). A limit below what one microbatch needs
 is refused before step 0 (:func:`check_memory_limit`), not at the search.
@@ -43,8 +44,9 @@ from ..training.precision import compute_dtype
 
 PROFILED_SCHEDULE = "zb-h1"                 # at vpp 1
 PROFILED_V_SCHEDULE = "zbv"                 # at vpp 2, V placement
-TRIAL_STEPS = 3                             # steps each order runs in the trial (the first of
+TRIAL_STEPS = 4                             # steps each order runs in the trial (the first of
                                             # each, right after a switch, is not counted)
+JUDGED_STEPS = 2                            # counted steps each side needs to judge a switch
 
 
 def profiled_schedule(config: Any) -> pipesim.Schedule:
@@ -142,10 +144,28 @@ def settled(step_times: list[float]) -> float:
     return statistics.median(step_times[1:] if len(step_times) > 1 else step_times)
 
 
+def counted(step_times: list[float]) -> list[float]:
+    """One side's steps that count: all but the first when there are more (:func:`settled`)."""
+    return step_times[1:] if len(step_times) > 1 else list(step_times)
+
+
+def spread(step_times: list[float]) -> float:
+    """The noise one side of the trial measured: the range of its counted steps over their
+    median (0 for a single step, which measures no noise at all)."""
+    steps = counted(step_times)
+    return (max(steps) - min(steps)) / statistics.median(steps) if len(steps) > 1 else 0.0
+
+
 def keep_searched(before_s: list[float], trial_s: list[float], margin: float) -> bool:
-    """Keep the searched order when its settled step (:func:`settled`) beats the replaced
-    order's by ``margin`` (a fraction of the replaced order's step)."""
-    return settled(trial_s) < settled(before_s) * (1 - margin)
+    """Keep the searched order when each side has ``JUDGED_STEPS`` counted steps and the
+    searched order's settled step (:func:`settled`) beats the replaced order's by ``margin``
+    and by the noise the trial measured (the larger side's :func:`spread`), each a fraction of
+    the replaced order's step: one step a side (a predicted 110 ms order measured 129 vs 98 ms)
+    decides nothing, and the run stays on the order it profiled."""
+    if min(len(counted(before_s)), len(counted(trial_s))) < JUDGED_STEPS:
+        return False
+    need = max(margin, spread(before_s), spread(trial_s))
+    return settled(trial_s) < settled(before_s) * (1 - need)
 
 
 def trial_steps(steps: int, switch_at: int) -> int:
@@ -172,6 +192,8 @@ def judge_switch(trainer: Any, info: dict, trial_s: list[float], baseline_s: lis
     trainer.set_schedule(searched if kept else previous)
     record = {"before_s": settled(baseline_s), "measured_s": settled(trial_s),
               "steps": len(trial_s), "kept": kept,
+              "noise": max(spread(baseline_s), spread(trial_s)),
+              "judged": min(len(counted(baseline_s)), len(counted(trial_s))) >= JUDGED_STEPS,
               "reverted_to": None if kept else previous.name, "margin": margin,
               "margin_reference": info.get("margin_reference")}
     info["trial"] = record
@@ -180,7 +202,12 @@ def judge_switch(trainer: Any, info: dict, trial_s: list[float], baseline_s: lis
         log(f"zb-auto: the searched order measured {record['measured_s'] * 1e3:.1f} ms a step "
             f"({_counted(trial_s)}) against {record['before_s'] * 1e3:.1f} ms for "
             f"{previous.name}, the order it replaced, run again after it "
-            f"({_counted(baseline_s)}); it must be {margin:.0%} faster"
+            f"({_counted(baseline_s)}); it must be {max(margin, record['noise']):.0%} faster "
+            f"(the margin {margin:.0%}, or the noise the trial measured, the larger)"
+            + ("" if record["judged"] else
+               f"; {len(trial_s)} step(s) a side is too few to judge: each side needs "
+               f"{JUDGED_STEPS + 1}, so {2 * (JUDGED_STEPS + 1)} steps after the switch "
+               "(raise --steps)")
             + (f" (the search's margin was compared with {ref}'s order, the fastest hand-made "
                f"one that fits, predicted {info['margin_reference_predicted_s'] * 1e3:.1f} ms)"
                if ref else " (no hand-made order fits the limit)")

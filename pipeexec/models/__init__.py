@@ -18,8 +18,9 @@ def gpt_differences(model: Any) -> list[str]:
     """What of ``model`` (a `pipesim.ModelSpec` without a family) the built-in GPT cannot
     build: it is dense, GeLU, LayerNorm, learned positions, biases, no dropout, kv_heads =
     heads, head_dim = hidden / heads."""
-    hint = ("; a plan made from a Hugging Face config.json (pipesim simulate --model "
-            "config.json) names its family and runs as that family's model")
+    hint = ("; a plan made from a Hugging Face config.json (pipesim plan --model DIR, DIR "
+            "holding config.json; a preset's: pipesim models NAME --config-out DIR) names its "
+            "family and runs as that family's model")
     refused = []
     if model.experts:
         refused.append(f"model.experts = {model.experts}: the built-in GPT is dense{hint}")

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from pipesim.errors import PlanError
+from pipesim.plan.hf_config import hf_config_for as config_for
 from pipesim.plan.model import ModelSpec
 
 # config.json model_type -> the family's transformers classes (documentation and error text)
@@ -150,49 +151,9 @@ def _need(cfg: dict, key: str, file: Any) -> Any:
     return cfg[key]
 
 
-# the spec's shape fields and the config.json keys they are, per family (`config_for`)
-_LLAMA_KEYS = {"layers": "num_hidden_layers", "hidden": "hidden_size",
-               "heads": "num_attention_heads", "num_kv_heads": "num_key_value_heads",
-               "vocab": "vocab_size", "tied_embeddings": "tie_word_embeddings"}
-_GPT2_KEYS = {"layers": "n_layer", "hidden": "n_embd", "heads": "n_head", "vocab": "vocab_size",
-              "tied_embeddings": "tie_word_embeddings"}
 # fields compared between a spec and the spec its config reads back as (not provenance, the
 # name, or the vocabulary padding, which is the cost model's business: pipeexec never pads)
 _NOT_SHAPE = ("name", "vocab_divisible_by", "family", "hf_config")
-
-
-def config_for(model: Any) -> dict:
-    """The config.json a family's model (``ModelSpec.family``) is built from: its stored
-    ``hf_config`` (or the family's defaults) with the spec's shape written in, so a plan whose
-    shape was changed after it was read (``--layers 4``) builds that shape."""
-    cfg = dict(model.hf_config or {})
-    cfg["model_type"] = model.family
-    gpt2 = model.family == "gpt2"
-    for field, key in (_GPT2_KEYS if gpt2 else _LLAMA_KEYS).items():
-        cfg[key] = getattr(model, field)
-    if gpt2:
-        cfg["n_inner"] = None if model.ffn == 4 * model.hidden else model.ffn
-        cfg["n_positions"] = model.max_position or model.seq_length
-    else:
-        if model.family in ("qwen2_moe", "qwen3_moe"):
-            cfg["intermediate_size"] = model.ffn
-            cfg["moe_intermediate_size"] = model.moe_ffn
-            cfg["num_experts"], cfg["num_experts_per_tok"] = model.experts, model.top_k
-            cfg.pop("num_local_experts", None)          # Qwen3MoeConfig's alias of num_experts
-            cfg["decoder_sparse_step"] = model.moe_layer_freq
-            if model.family == "qwen2_moe":
-                cfg["shared_expert_intermediate_size"] = model.shared_expert_ffn_hidden
-                cfg["qkv_bias"] = model.bias if model.qkv_bias is None else model.qkv_bias
-        elif model.is_moe:
-            cfg["intermediate_size"] = model.moe_ffn
-            cfg["num_local_experts"], cfg["num_experts_per_tok"] = model.experts, model.top_k
-        else:
-            cfg["intermediate_size"] = model.ffn
-        if model.head_dim is not None or "head_dim" in cfg:
-            cfg["head_dim"] = model.kv_channels
-    if len(cfg.get("layer_types") or [None] * model.layers) != model.layers:
-        del cfg["layer_types"]        # per-layer attention kinds of another depth: the default
-    return cfg
 
 
 def spec_differences(model: Any) -> list[str]:

@@ -176,7 +176,8 @@ class Trainer:
                 self.stages, is_expert=is_expert, level=config.zero, dtype=self.dtype,
                 dense_group=topology.dp_cp_group, dense_shards=topology.dp_cp,
                 dense_rank=topology.dp_cp_rank, expert_group=topology.edp_group,
-                expert_shards=topology.edp, expert_rank=topology.edp_rank, device=dev, **hyper)
+                expert_shards=topology.edp, expert_rank=topology.edp_rank, device=dev,
+                grad_reduce=config.grad_reduce, **hyper)
             self.grads = None
             views = {id(p): self.sharded.grad_view(p) for _, p in named}
         elif config.zero and topology.dp_cp > 1:
@@ -184,7 +185,8 @@ class Trainer:
                 self.stages, level=config.zero, dtype=self.dtype, group=topology.dp_cp_group,
                 shards=topology.dp_cp, rank=topology.dp_cp_rank, device=dev, lr=config.lr,
                 weight_decay=config.weight_decay, betas=(config.beta1, config.beta2),
-                eps=config.eps, timeout=config.collective_timeout)
+                eps=config.eps, timeout=config.collective_timeout,
+                grad_reduce=config.grad_reduce)
             self.grads = None
             views = {id(p): self.sharded.grad_view(p) for _, p in named}
         else:
@@ -283,6 +285,12 @@ class Trainer:
 
     def _make_runtime(self, schedule: Schedule) -> PipelineRuntime:
         topology, config = self.topology, self.config
+        if self.sharded is not None:     # ZeRO-2/3 once a step: after each stage's last backward
+            counts: dict[int, int] = {}
+            for a in schedule.compute_parts(topology.pp_rank):
+                if a.op in (Op.B, Op.I, Op.W):
+                    counts[a.stage] = counts.get(a.stage, 0) + 1
+            self.sharded.expect_backwards(counts)
         return PipelineRuntime(schedule, topology.pp_rank, self.stages, self.spec.loss_fn,
                                self._gradients().accumulate, self.p2p, global_rank=topology.rank,
                                device=topology.device, compute_dtype=self.dtype,

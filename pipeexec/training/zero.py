@@ -16,22 +16,30 @@ Megatron-LM's distributed optimizer semantics:
   it comes from: none for 1-d ones). Then every rank's updated slices are cast to the compute
   dtype and all-gathered into every rank's flat parameter buffer, bucket by bucket. In fp32
   the model parameters are the masters: the master pieces are slices of the parameter buffer.
-* ZeRO-2: gradients sharded too. The rank keeps an fp32 shard accumulator for the step; a
+* ZeRO-2: gradients sharded too, reduced as the plan's ``grad_reduce`` says
+  (`pipesim.plan.parallelism.GRAD_REDUCE`). ``per_step`` (Megatron's, FSDP's under gradient
+  accumulation, the default): autograd's gradients of every microbatch are accumulated into
+  the stages' full fp32 buffer (ZeRO-1's), each taken from ``.grad`` by a post-accumulate
+  hook, and once a stage's last backward action of the step has run its buckets are
+  reduce-scattered in place, each rank keeping its slices (from then on the other slices are
+  dead; the buffer is kept for the next step, as Megatron's). ``per_microbatch`` (DeepSpeed's
+  stage 2): the rank keeps an fp32 shard accumulator for the step; a
   backward's gradients never form a whole-stage buffer: autograd adds each parameter's
   gradient into its ``.grad`` (unbound), a post-accumulate hook moves it into its bucket's
   fp32 buffer, allocated on the bucket's first gradient, and once the bucket has all of them
   it is reduce-scattered into the accumulator and freed (Megatron's and DeepSpeed's
   bucketed reduction, one bucket a layer); the stage's after-hook flushes buckets left
   incomplete (an I that computes a few parameters' gradients, unused parameters). So ZeRO-1
-  reduce-scatters once a step and ZeRO-2 once a microbatch, a bucket at a time, from each
-  stage's B (or, split, its W, and an I with parameter gradients): the same collective, the
-  gradient bytes times the microbatches, all inside the backward.
+  reduce-scatters once a step and ZeRO-2 per microbatch once a microbatch, a bucket at a
+  time, from each stage's B (or, split, its W, and an I with parameter gradients): the same
+  collective, the gradient bytes times the microbatches, all inside the backward.
 * ZeRO-3: parameters sharded too. A stage's flat parameter buffer is all-gathered from the
   shards before each of its F, B, I and W and released after (PyTorch FSDP1's trick: the
   buffer's storage is resized to 0 and back, and all-gathered into through ``.data``, so the
   views autograd saved in the forward stay valid and see the gathered values in the
   backward); gradients as ZeRO-2. The unit gathered is a stage: one stage's weights are whole
   during its actions (the more stages a rank holds, the smaller that is against its share).
+  Its gradients are reduced per step or per microbatch as ZeRO-2's.
 
 These run through the runtime's stage hooks (`pipeexec.pipeline.runtime.StageHooks`): this
 object is one. torch's FSDP2 (``fully_shard``) does not fit this runtime: it gathers and
@@ -103,11 +111,16 @@ class ShardedOptimizer:
     def __init__(self, stages: Mapping[int, nn.Module], *, level: int, dtype: torch.dtype,
                  group: Any, shards: int, rank: int, device: torch.device, lr: float,
                  weight_decay: float, betas: tuple[float, float], eps: float,
-                 timeout: float | None = None, divisor: int | None = None) -> None:
+                 timeout: float | None = None, divisor: int | None = None,
+                 grad_reduce: str = "per_step") -> None:
         """``divisor``: the reduced gradients are divided by it (default: ``shards``, the
-        group's average)."""
+        group's average). ``grad_reduce``: ZeRO-2/3's reduction, ``per_step`` or
+        ``per_microbatch`` (ZeRO-1 reduces once a step, after the backward, either way)."""
         if level not in (1, 2, 3):
             raise ValueError(f"ZeRO level must be 1, 2 or 3, got {level!r}")
+        if grad_reduce not in ("per_step", "per_microbatch"):
+            raise ValueError(f"grad_reduce must be per_step or per_microbatch, got "
+                             f"{grad_reduce!r}")
         if shards > 1 and group is None:
             raise ValueError(f"{shards} shards need a process group")
         self.level, self.dtype, self.device = level, dtype, device
@@ -127,6 +140,13 @@ class ShardedOptimizer:
         self.owns_grads = level >= 2
         self.grads_in_place = self.owns_grads or dtype == torch.float32
         self._master_is_param = dtype == torch.float32 and level < 3
+        # the step's gradients whole (ZeRO-1, and ZeRO-2/3 reducing once a step) or a shard
+        self.full_grads = level == 1 or grad_reduce == "per_step"
+        self.grad_reduce = grad_reduce
+        self._backwards: dict[int, int] = {}        # stage -> backward actions a step
+        self._done: dict[int, int] = {}             # stage -> those run this step
+        self._reduced: set[int] = set()             # stages reduce-scattered this step
+        self.reduce_scatters = 0                    # bucket reduce-scatters this step
         self.param_flat: dict[int, torch.Tensor] = {}
         with torch.no_grad():
             for s, lay in self.layouts.items():
@@ -140,19 +160,21 @@ class ShardedOptimizer:
         # a shard accumulator for the step and a buffer per bucket while it fills
         self.grad_full: dict[int, torch.Tensor] = {}
         self.grad_shard: dict[int, torch.Tensor] = {}
-        if level == 1:
+        if self.full_grads:
             self._grad_all = torch.zeros(sum(lay.padded for lay in self.layouts.values()),
                                          dtype=torch.float32, device=device)
             self.grad_full = _split(self._grad_all, {s: lay.padded for s, lay in self.layouts.items()})
+        if level == 1:
             if dtype == torch.float32:
                 for s, lay in self.layouts.items():
                     for slot, p in zip(lay.slots, self.params[s]):
                         p.grad = self.grad_full[s][slot.start: slot.stop].view(slot.shape)
         else:
-            self._grad_all = torch.zeros(sum(lay.shard_numel for lay in self.layouts.values()),
-                                         dtype=torch.float32, device=device)
-            self.grad_shard = _split(self._grad_all,
-                                     {s: lay.shard_numel for s, lay in self.layouts.items()})
+            if not self.full_grads:
+                self._grad_all = torch.zeros(sum(lay.shard_numel for lay in self.layouts.values()),
+                                             dtype=torch.float32, device=device)
+                self.grad_shard = _split(self._grad_all,
+                                         {s: lay.shard_numel for s, lay in self.layouts.items()})
             for s, ps in self.params.items():
                 for p in ps:
                     p.grad = None
@@ -220,7 +242,7 @@ class ShardedOptimizer:
         self._norm = {}
         for s, pieces in self.pieces.items():
             counted = [pc for pc in pieces if id(self.params[s][pc.slot.index]) not in duplicates]
-            if self.level == 1:
+            if self.full_grads:
                 self._norm[s] = (self.grad_full[s], runs([(pc.flat, pc.flat + pc.numel)
                                                           for pc in counted]))
             else:
@@ -241,7 +263,7 @@ class ShardedOptimizer:
         return self.master[s][piece.offset: piece.offset + piece.numel]
 
     def _grad_piece(self, s: int, piece: Piece) -> torch.Tensor:
-        if self.level == 1:
+        if self.full_grads:
             return self.grad_full[s][piece.flat: piece.flat + piece.numel]
         return self.grad_shard[s][piece.offset: piece.offset + piece.numel]
 
@@ -284,6 +306,7 @@ class ShardedOptimizer:
     def _reduce_scatter(self, full: torch.Tensor, bucket: Bucket) -> torch.Tensor:
         """Sum a bucket's buffer ``full`` over the group in place; returns this rank's slice."""
         mine = full[self.rank * bucket.slice: (self.rank + 1) * bucket.slice]
+        self.reduce_scatters += 1
         if self.shards > 1:
             self._wait([_reduce_scatter(mine, full, group=self.group, async_op=True)])
         return mine
@@ -297,10 +320,7 @@ class ShardedOptimizer:
             for slot, g in zip(lay.slots, grads):
                 if g is None:
                     continue
-                if self.level == 1:
-                    self.grad_full[stage][slot.start: slot.stop].view(slot.shape).add_(g)
-                else:
-                    self._add(stage, slot, g)
+                self._add(stage, slot, g)
 
     def _grad_ready(self, param: torch.Tensor) -> None:
         """Post-accumulate hook (ZeRO-2/3): take the gradient autograd just put in ``.grad``."""
@@ -310,6 +330,9 @@ class ShardedOptimizer:
             self._add(s, slot, grad)
 
     def _add(self, s: int, slot: Slot, grad: torch.Tensor) -> None:
+        if self.full_grads:             # accumulated whole, reduced once a step
+            self.grad_full[s][slot.start: slot.stop].view(slot.shape).add_(grad)
+            return
         key = (s, slot.bucket)
         bucket = self.layouts[s].buckets[slot.bucket]
         buf = self._open.get(key)
@@ -335,6 +358,26 @@ class ShardedOptimizer:
         mine = self._reduce_scatter(buf, bucket)
         self.grad_shard[s][bucket.shard_start: bucket.shard_start + bucket.slice].add_(mine)
 
+    def expect_backwards(self, counts: Mapping[int, int]) -> None:
+        """Per stage, how many backward actions (B, I, W) it runs a step: ZeRO-2/3 reducing
+        once a step reduce-scatter a stage's buffer after the last of them (`Trainer` gives
+        them from the schedule it runs). A stage without a count is reduced after the step's
+        backward, in `reduce_gradients`."""
+        self._backwards = dict(counts)
+
+    def _reduce_stage(self, s: int) -> None:
+        """Once a step: stage ``s``'s whole buffer reduce-scattered in place, bucket by bucket
+        (ZeRO-2/3 first copy the tied instances' gradients out, as the per-microbatch
+        buckets do)."""
+        full = self.grad_full[s]
+        for b, bucket in enumerate(self.layouts[s].buckets):
+            buf = full[bucket.start: bucket.start + bucket.padded]
+            for slot, whole in self._tied_of.get((s, b), ()):
+                at = slot.start - bucket.start
+                whole.add_(buf[at: at + slot.numel].view(slot.shape))
+            self._reduce_scatter(buf, bucket)
+        self._reduced.add(s)
+
     def before(self, action: Action) -> None:
         """Stage hook: ZeRO-3 gathers the stage's parameters for the action."""
         if self.level == 3 and action.op in _COMPUTE:
@@ -345,9 +388,15 @@ class ShardedOptimizer:
         order, the same on every rank); ZeRO-3 releases the stage's parameters."""
         s = action.stage
         if self.level >= 2 and action.op in _BACKWARD:
-            with torch.no_grad():
-                for key in sorted(k for k in self._open if k[0] == s):
-                    self._reduce_bucket(*key)
+            if self.full_grads:
+                self._done[s] = self._done.get(s, 0) + 1
+                if self._done[s] == self._backwards.get(s):     # the stage's last backward
+                    with torch.no_grad():
+                        self._reduce_stage(s)
+            else:
+                with torch.no_grad():
+                    for key in sorted(k for k in self._open if k[0] == s):
+                        self._reduce_bucket(*key)
         if self.level == 3 and action.op in _COMPUTE:
             self._release(s)
 
@@ -355,12 +404,15 @@ class ShardedOptimizer:
     def zero(self) -> None:
         """Start of a step: no gradient yet."""
         self._grad_all.zero_()
+        self._done.clear()
+        self._reduced.clear()
+        self.reduce_scatters = 0
         if self._tied_buf is not None:
             self._tied_buf.zero_()
 
     def _my_grads(self) -> list[torch.Tensor]:
         """The gradient tensors of this rank's shard (ZeRO-1: its slices of every bucket)."""
-        if self.level > 1:
+        if not self.full_grads:
             return [self._grad_all]
         return [self.grad_full[s][slice(*b.mine(self.rank))]
                 for s, lay in self.layouts.items() for b in lay.buckets]
@@ -375,6 +427,10 @@ class ShardedOptimizer:
             for s, lay in self.layouts.items():
                 for b in lay.buckets:
                     self._reduce_scatter(self.grad_full[s][b.start: b.start + b.padded], b)
+        elif self.full_grads:           # stages whose last backward did not reduce them
+            for s in self.layouts:
+                if s not in self._reduced:
+                    self._reduce_stage(s)
         if self.divisor > 1:
             for g in self._my_grads():
                 g.div_(self.divisor)
@@ -602,6 +658,10 @@ class ExpertShardedOptimizer:
         self.dense.accumulate(stage, [g for g, e in zip(grads, mask) if not e])
         if self.expert is not None:
             self.expert.accumulate(stage, [g for g, e in zip(grads, mask) if e])
+
+    def expect_backwards(self, counts: Mapping[int, int]) -> None:
+        for h in self.holders:
+            h.expect_backwards(counts)
 
     def before(self, action: Action) -> None:
         for h in self.holders:

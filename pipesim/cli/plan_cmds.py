@@ -10,13 +10,17 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 
+from ..errors import PlanError
+from ..plan.model import ModelSpec
 from ..plan.options import DESTS, apply_flags, load_model
 
 # Flags that only a plan can honour: given, they switch `simulate` from a schedule with
 # uniform (or --costs) costs to a plan with derived costs.
 _PLAN_ONLY = ("plan", "tp", "cp", "ep", "global_batch_size", "seq_len", "recompute",
               "recompute_layers", "sequence_parallel", "distributed_optimizer", "zero",
+              "grad_reduce", "grad_reduce_in_fp32",
               "precision", "gpus_per_node", "report_out", "save_plan", "no_flash_attention",
               "tp_comm_overlap", "overlap_tp_comm", "cp_comm", "no_overlap", "no_overlap_grad_reduce",
               "no_overlap_param_gather", "pipeline_layout", "layers", "hidden", "heads",
@@ -146,8 +150,15 @@ def cmd_simulate_plan(args: argparse.Namespace, explicit: set[str]) -> int:
 
 # -- listings ----------------------------------------------------------------------------------
 def add_commands(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("models", help="list the model presets with their sizes")
+    p = sub.add_parser("models", help="list the model presets with their sizes; with a name and "
+                       "--config-out DIR, write that preset as a Hugging Face config.json")
+    p.add_argument("name", nargs="?", help="one preset (default: all)")
     p.add_argument("--json", action="store_true", help="as JSON")
+    p.add_argument("--config-out", metavar="DIR",
+                   help="write the preset's Hugging Face config.json into DIR (made if absent), "
+                   "so that `pipeexec train --hf-model DIR` or a plan made with --model DIR "
+                   "runs it as that family's transformers model")
+    p.add_argument("--force", action="store_true", help="with --config-out: overwrite DIR/config.json")
     p.set_defaults(func=cmd_models)
     p = sub.add_parser("hardware", help="list the hardware presets")
     p.add_argument("--json", action="store_true", help="as JSON")
@@ -155,20 +166,46 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_models(args: argparse.Namespace) -> int:
-    from ..plan.model import PRESETS
+    from ..plan.model import PRESETS, get_model
 
+    if args.config_out is not None:
+        if args.name is None:
+            raise PlanError("pipesim models --config-out DIR: name the preset to write, e.g. "
+                            "pipesim models llama3-8b --config-out llama3-8b")
+        return write_config(get_model(args.name), args.config_out, force=args.force)
+    presets = PRESETS if args.name is None else {args.name: get_model(args.name)}
     if args.json:
-        print(json.dumps({k: {**m.to_dict(), "params": m.num_params()} for k, m in PRESETS.items()},
+        print(json.dumps({k: {**m.to_dict(), "params": m.num_params()} for k, m in presets.items()},
                          indent=2))
         return 0
     print(f"{'name':<18} {'params':>8} {'active':>8} {'layers':>6} {'hidden':>6} {'heads':>5} "
           f"{'kv':>3} {'ffn':>6} {'mlp':>6} {'experts':>8} {'seq':>6} {'vocab':>7}")
-    for name, m in PRESETS.items():
+    for name, m in presets.items():
         experts = f"{m.experts}/{m.top_k}" if m.is_moe else "-"
         print(f"{name:<18} {m.num_params() / 1e9:>7.2f}B {m.active_params() / 1e9:>7.2f}B "
               f"{m.layers:>6} {m.hidden:>6} {m.heads:>5} {m.num_kv_heads:>3} "
               f"{(m.moe_ffn if m.is_moe else m.ffn):>6} {m.mlp:>6} {experts:>8} "
               f"{m.seq_length:>6} {m.vocab:>7}")
+    return 0
+
+
+def write_config(model: "ModelSpec", out: str, *, force: bool = False) -> int:
+    """Write ``model`` (a preset that is a Hugging Face family) as ``out/config.json``."""
+    from ..plan.hf_config import hf_config_for
+
+    if model.family is None:
+        raise PlanError(f"model {model.name!r} is no Hugging Face family: it has no config.json "
+                        "to write")
+    path = Path(out) / "config.json"
+    if path.exists() and not force:
+        raise PlanError(f"{path} exists; give --force to overwrite it, or another DIR")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    text = json.dumps(hf_config_for(model), indent=2, sort_keys=True) + "\n"
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
+    print(f"wrote {path} ({model.family}, {model.num_params() / 1e9:.2f}B parameters); plan it "
+          f"with --model {out}, or train it with pipeexec train --hf-model {out}")
     return 0
 
 

@@ -114,6 +114,7 @@ def space_from_args(args: argparse.Namespace):
         zero=flatten(args.zero) or (0, 1, 2, 3),
         precision=args.precision, cp_comm=args.cp_comm, tp_across_nodes=args.tp_across_nodes,
         overlap_tp_comm=bool(args.tp_comm_overlap),
+        grad_reduce=args.grad_reduce or "per_step", grad_reduce_in_fp32=args.grad_reduce_in_fp32,
         uneven=args.uneven,
         efficiency=args.efficiency)
 
@@ -179,7 +180,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
             print(f"  {hint}", file=sys.stderr)
         return 1
     print()
-    print(ranking_text(ranked.head(args.top)))
+    print(ranking_text(ranked, top=args.top))
     best = result.best
     best_row = ranked.iloc[0]
     print()
@@ -258,16 +259,34 @@ def _rated_plan(path: str, gpus: int):
     return mine
 
 
-def ranking_text(ranked) -> str:
-    from ..units import column_decimals
+def ranking_text(ranked, top: int | None = None) -> str:
+    """The ranking as a table, ``top`` rows of it; a plan with the same step time and peak memory as the row above
+    it (a twin: cp and the micro-batch size often trade off exactly) is counted on that row,
+    not shown as a rank of its own. Memory in the unit that fits the largest peak."""
+    import math
 
+    from ..units import byte_unit, column_decimals
+
+    scale, unit = byte_unit(float(ranked["peak_memory"].max()) if len(ranked) else GiB)
     lines = [f"{'#':>3} {'tokens/s/GPU':>12} {'MFU':>6} {'step s':>8} {'bubble':>7} "
-             f"{'peak GiB':>8} {'headroom':>8}  config"]
+             f"{'peak ' + unit:>8} {'headroom':>8}  config"]
     d = column_decimals(ranked["step_time"])
-    for i, r in ranked.iterrows():
+    shown, twins = [], []
+    for _, r in ranked.iterrows():
+        if shown and all(math.isclose(r[q], shown[-1][q], rel_tol=1e-9)
+                         for q in ("step_time", "peak_memory")):
+            twins[-1].append(r["key"])
+            continue
+        if top is not None and len(shown) == top:
+            break
+        shown.append(r)
+        twins.append([])
+    for i, (r, same) in enumerate(zip(shown, twins)):
         lines.append(f"{i + 1:>3} {r['tokens_per_s_per_gpu']:>12,.0f} {r['mfu']:>6.1%} "
                      f"{r['step_time']:>8.{d}f} {r['bubble_fraction']:>7.3f} "
-                     f"{r['peak_memory'] / GiB:>8.1f} {r['headroom'] / GiB:>8.1f}  {r['key']}")
+                     f"{r['peak_memory'] / scale:>8.1f} {r['headroom'] / scale:>8.1f}  {r['key']}"
+                     + (f"  (+{len(same)} twin{'s' * (len(same) > 1)} of the same time and "
+                        f"memory: {', '.join(same)})" if same else ""))
     return "\n".join(lines)
 
 

@@ -27,16 +27,19 @@ thousands. For each stage and one microbatch on one rank of its tensor/context-p
   sequence's K/V and their gradients (``2 * 2 e b s kv / t``) per rank. EP: two all-to-alls
   of the ``k`` routed copies (dispatch, combine) in F and two in I per MoE layer, and in F the
   per-expert counts' all-to-all (``8 E`` bytes a rank) that sizes them (dropless: variable
-  splits). ZeRO-3 gathers each layer's weights in F and I and reduce-scatters its gradients
-  in W, prefetched (overlapped);
+  splits). ZeRO-3 gathers each layer's weights in F and again in I, every microbatch,
+  prefetched (overlapped); ZeRO-2/3 reducing once a microbatch (``grad_reduce
+  "per_microbatch"``, DeepSpeed's stage 2) reduce-scatter each layer's gradients in W;
 * point-to-point: one activation ``2 b s h / sp`` bytes (Megatron sends the sequence-parallel
   shard) over the pipeline group's link;
 * memory: activations per stage and microbatch (:mod:`pipesim.plan.footprint`), the share W
   still needs after I, weights + gradients + optimizer state per stage, and per-rank transient
   buffers (one layer's recomputed activations with full recomputation, two gathered layers
-  with ZeRO-3);
-* the step tail per rank: the data-parallel gradient all-reduce (or reduce-scatter and, with
-  sharded optimizer, the parameter all-gather) over the dp x cp group, overlapped with the
+  with ZeRO-3, their gradients too when reduced once a microbatch, and ZeRO-2's one bucket, a
+  layer's gradients, then);
+* the step tail per rank: the data-parallel gradient all-reduce (or reduce-scatter, once a
+  step unless ZeRO-2/3 reduce once a microbatch, and, with sharded optimizer below ZeRO-3, the
+  parameter all-gather) over the dp x cp group, overlapped with the
   last microbatch's backward (``overlap_grad_reduce``: all but what that window cannot hide,
   at least the last 40M-parameter bucket) and the next forward (``overlap_param_gather``), and
   an optimizer step bound by HBM bandwidth (28 bytes read and written per parameter updated).
@@ -62,8 +65,8 @@ from .operators import embedding_ops, head_ops, layer_ops, pass_times
 from .overlap import added, usage
 from .flops import head_flops, layer_flops, model_flops, recompute_flops
 from .footprint import (
-    BYTES_PER_PARAM,
     activation_element_bytes,
+    bytes_per_param,
     embedding_activations,
     head_activations,
     layer_activations,
@@ -161,7 +164,8 @@ def derive(plan) -> PlanCosts:
     # copies to their experts' ranks and combines the outputs back; I runs the two reverse
     ep_pass = 2 * coll.all_to_all(model.top_k * act_bytes / sp, par.ep, links["ep"]) if model.is_moe else 0.0
     ep_f = ep_pass + (coll.all_to_all(8 * model.experts, par.ep, links["ep"]) if model.is_moe else 0.0)
-    wbytes, gbytes = BYTES_PER_PARAM[par.precision][:2]
+    wbytes, gbytes, _ = bytes_per_param(par)
+    per_mb = par.grads_sharded          # ZeRO-2/3 reduce-scatter inside every backward
 
     def zero_gather(dense: float, expert: float) -> float:
         """ZeRO-3: all-gather these parameters' weights whole."""
@@ -182,12 +186,12 @@ def derive(plan) -> PlanCosts:
         lp = model.layer_params(moe)
         lp_rank = lp["dense"] / t + lp["expert"] / (t * par.ep)
         # ZeRO-3: the layer's weights gathered whole (the collective's output: the weights'
-        # bytes a parameter) for each F and I; ZeRO-2 and 3: every backward's gradients
-        # reduce-scattered from the whole (the gradients' bytes), once per microbatch, as W
-        # makes them (pipeexec and Megatron: a bucket, a layer, at a time inside each B or W;
-        # DeepSpeed: per bucket), not once a step as ZeRO-1's
+        # bytes a parameter) for each F and I; ZeRO-2 and 3 reducing once a microbatch: every
+        # backward's gradients reduce-scattered from the whole (the gradients' bytes), as W
+        # makes them (pipeexec: a bucket, a layer, at a time inside each B or W; DeepSpeed:
+        # per bucket); once a step (Megatron, FSDP with accumulation) they go in the tail
         z3 = zero_gather(lp["dense"] / t, lp["expert"] / (t * par.ep)) if par.zero == 3 else 0.0
-        z3_rs = zero_reduce(lp["dense"] / t, lp["expert"] / (t * par.ep)) if par.zero >= 2 else 0.0
+        z3_rs = zero_reduce(lp["dense"] / t, lp["expert"] / (t * par.ep)) if per_mb else 0.0
         ep, ep_b = (ep_f, ep_pass) if moe else (0.0, 0.0)
 
         def op(compute: float, attn: float, tp_c: float, cp_c: float, extra: float, z: float,
@@ -308,7 +312,7 @@ def derive(plan) -> PlanCosts:
             i += emb_comm + emb_i
             if par.zero >= 2:           # the embedding's share of the per-microbatch traffic
                 f += zero_gather(emb_p, 0.0) if par.zero == 3 else 0.0
-                w += zero_reduce(emb_p, 0.0)
+                w += zero_reduce(emb_p, 0.0) if per_mb else 0.0
         if stage == n - 1:
             head_p = model.head_params(t)
             if model.tied_embeddings and n > 1:
@@ -321,7 +325,7 @@ def derive(plan) -> PlanCosts:
                 if par.zero == 3:
                     f += zero_gather(head_p / t, 0.0)
                     i += zero_gather(head_p / t, 0.0)
-                w += zero_reduce(head_p / t, 0.0)
+                w += zero_reduce(head_p / t, 0.0) if per_mb else 0.0
             a_bytes += head_activations(model, par)
             w_bytes += e * b * (s / cp) * model.hidden / sp       # the head's input, for W
             if model.mtp_layers:
@@ -346,12 +350,17 @@ def derive(plan) -> PlanCosts:
         act.append(a_bytes)
         wfrac.append(min(1.0, w_bytes / a_bytes) if a_bytes > 0 else 0.0)
         params_st.append({"dense": dense_p, "expert": expert_p})
-        mem_st.append(param_bytes(par.precision, par.zero, dense_p, expert_p, d, d_exp))
+        mem_st.append(param_bytes(par.precision, par.zero, dense_p, expert_p, d, d_exp,
+                                  per_param=bytes_per_param(par), grads_sharded=per_mb))
+        largest = max(kinds[m]["params"] for m in set(pattern[start - count:start])) if count else 0.0
         if par.zero == 3:
             # two layers gathered at a time (the one computing, the next prefetched), their
-            # weights and their gradients before the reduce-scatter
-            largest = max(kinds[m]["params"] for m in set(pattern[start - count:start])) if count else 0.0
-            transient += 2 * largest * (wbytes + gbytes)
+            # weights and, reduced once a microbatch, their gradients before the reduce-scatter
+            # (once a step they accumulate in the whole buffer, counted as gradients)
+            transient += 2 * largest * (wbytes + (gbytes if per_mb else 0))
+        elif per_mb:
+            # ZeRO-2 reducing once a microbatch: one bucket (a layer's gradients) filling
+            transient += largest * gbytes
         buffers_stage.append(transient)
         stage_comm.append(sc)
 
@@ -367,10 +376,11 @@ def derive(plan) -> PlanCosts:
                 coll.all_reduce(gbytes * expert, d_exp, links["dp"])
             gather = 0.0
         else:
-            # ZeRO-2/3 reduce-scatter in every backward (W's cost above), not in the tail
-            comm_s = ((coll.reduce_scatter(gbytes * dense, d, links["dp"])
-                       + coll.reduce_scatter(gbytes * expert, d_exp, links["dp"]))
-                      if par.zero == 1 else 0.0)
+            # once a step: one reduce-scatter of the whole buffer in the tail (ZeRO-1, and
+            # ZeRO-2/3 as Megatron and FSDP run them); once a microbatch, in every backward
+            # (W's cost above), not here
+            comm_s = (0.0 if per_mb else (coll.reduce_scatter(gbytes * dense, d, links["dp"])
+                                          + coll.reduce_scatter(gbytes * expert, d_exp, links["dp"])))
             gather = 0.0 if par.zero == 3 else (coll.all_gather(wbytes * dense, d, links["dp"])
                                                 + coll.all_gather(wbytes * expert, d_exp, links["dp"]))
         window_b = sum(inp[st] + wgt[st] for st in sts)

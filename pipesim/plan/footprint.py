@@ -39,6 +39,19 @@ dist_optimizer.md; ``d`` data-parallel ranks): fp16 params and grads 20 or ``4 +
 params with fp32 grads 18 or ``6 + 12/d``; fp32 16 or ``8 + 8/d``. Split as weights / grads /
 optimizer: fp16 2/2/16, bf16 (and fp8 GEMMs) 2/4/12, fp32 4/4/8. ZeRO-2 also shards gradients,
 ZeRO-3 weights too (plus a transient of two gathered layers).
+
+Gradients in fp32 or in the 16-bit compute dtype (`Parallelism.grad_reduce_in_fp32`): the
+table's two 16-bit rows are the two choices. Megatron-LM accumulates and reduces bf16 training's
+gradients in fp32 unless told ``--grad-reduce-in-bf16`` (megatron/training/arguments.py), and
+fp16's in fp16 unless ``--accumulate-allreduce-grads-in-fp32``; with 16-bit gradients the
+optimizer makes an fp32 copy of its shard's gradients for the step (``main_grad``), the 4 bytes
+that move from the gradients' column to the optimizer's: 2/2/16, the fp16 row's 20 bytes.
+(`bytes_per_param`.)
+
+Gradients sharded or whole through the step (`Parallelism.grads_sharded`): ZeRO-2/3 keep only
+their shard when they reduce-scatter once a microbatch (DeepSpeed's stage 2); reducing once a
+step (Megatron's distributed optimizer, FSDP under gradient accumulation) accumulates the
+microbatches in the whole buffer first, so its gradients cost what ZeRO-1's do.
 """
 from __future__ import annotations
 
@@ -52,6 +65,16 @@ BYTES_PER_PARAM = {"fp16": (2, 2, 16), "bf16": (2, 4, 12), "fp8": (2, 4, 12), "m
                    "nvfp4": (2, 4, 12), "fp32": (4, 4, 8)}
 # precision -> bytes of one activation element (fp8 GEMMs keep their activations in bf16)
 ACTIVATION_BYTES = {"fp16": 2, "bf16": 2, "fp8": 2, "mxfp8": 2, "nvfp4": 2, "fp32": 4}
+
+
+def bytes_per_param(par: Parallelism) -> tuple[int, int, int]:
+    """(weight, gradient, optimizer) bytes per parameter of ``par``'s precision and gradient
+    dtype: `BYTES_PER_PARAM`'s row, with 16-bit gradients (2/2/16) or fp32 ones (2/4/12) as
+    ``par.grads_fp32`` says."""
+    w, g, o = BYTES_PER_PARAM[par.precision]
+    if par.precision == "fp32":
+        return w, g, o
+    return (w, 4, 12) if par.grads_fp32 else (w, 2, 16)
 
 
 def activation_element_bytes(par: Parallelism) -> int:
@@ -125,14 +148,20 @@ def head_activations(model: ModelSpec, par: Parallelism) -> float:
             + 4 * s * b * model.padded_vocab(par.tp) / par.tp)
 
 
-def param_bytes(precision: str, zero: int, dense: float, expert: float, d: int, d_expert: int
-                ) -> dict[str, float]:
+def param_bytes(precision: str, zero: int, dense: float, expert: float, d: int, d_expert: int,
+                *, per_param: tuple[int, int, int] | None = None,
+                grads_sharded: bool | None = None) -> dict[str, float]:
     """Weights, gradients and optimizer bytes of ``dense`` and ``expert`` parameters held by a
-    rank, sharded over ``d`` (``d_expert``) data-parallel ranks as ``zero`` says."""
-    w, g, o = BYTES_PER_PARAM[precision]
+    rank, sharded over ``d`` (``d_expert``) data-parallel ranks as ``zero`` says.
+    ``per_param``: the (weight, gradient, optimizer) bytes (default: the precision's
+    `BYTES_PER_PARAM` row; a plan's: `bytes_per_param`); ``grads_sharded``: whether the
+    gradients are held as a shard (default: ZeRO-2 and up; a plan's:
+    `Parallelism.grads_sharded`)."""
+    w, g, o = BYTES_PER_PARAM[precision] if per_param is None else per_param
+    sharded = zero >= 2 if grads_sharded is None else grads_sharded
 
     def share(n: float, dd: int) -> tuple[float, float, float]:
-        return (w * n / (dd if zero >= 3 else 1), g * n / (dd if zero >= 2 else 1),
+        return (w * n / (dd if zero >= 3 else 1), g * n / (dd if sharded else 1),
                 o * n / (dd if zero >= 1 else 1))
 
     a, b = share(dense, d), share(expert, d_expert)

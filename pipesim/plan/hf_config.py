@@ -172,3 +172,44 @@ def _gpt2(cls: type, cfg: dict, source: str, name: str | None, seq_length: int |
         dropout=any(float(cfg.get(k, 0.1)) > 0 for k in ("resid_pdrop", "embd_pdrop", "attn_pdrop")),
         max_position=positions,
     )
+
+
+# the spec's shape fields and the config.json keys they are, per family (`hf_config_for`)
+_LLAMA_KEYS = {"layers": "num_hidden_layers", "hidden": "hidden_size",
+               "heads": "num_attention_heads", "num_kv_heads": "num_key_value_heads",
+               "vocab": "vocab_size", "tied_embeddings": "tie_word_embeddings"}
+_GPT2_KEYS = {"layers": "n_layer", "hidden": "n_embd", "heads": "n_head", "vocab": "vocab_size",
+              "tied_embeddings": "tie_word_embeddings"}
+def hf_config_for(model: Any) -> dict:
+    """The config.json a family's model (``ModelSpec.family``) is built from: its stored
+    ``hf_config`` (or the family's defaults) with the spec's shape written in, so a plan whose
+    shape was changed after it was read (``--layers 4``) builds that shape; what `pipesim
+    models NAME --config-out DIR` writes, and what pipeexec builds the family's modules from."""
+    cfg = dict(model.hf_config or {})
+    cfg["model_type"] = model.family
+    gpt2 = model.family == "gpt2"
+    for field, key in (_GPT2_KEYS if gpt2 else _LLAMA_KEYS).items():
+        cfg[key] = getattr(model, field)
+    if gpt2:
+        cfg["n_inner"] = None if model.ffn == 4 * model.hidden else model.ffn
+        cfg["n_positions"] = model.max_position or model.seq_length
+    else:
+        if model.family in ("qwen2_moe", "qwen3_moe"):
+            cfg["intermediate_size"] = model.ffn
+            cfg["moe_intermediate_size"] = model.moe_ffn
+            cfg["num_experts"], cfg["num_experts_per_tok"] = model.experts, model.top_k
+            cfg.pop("num_local_experts", None)          # Qwen3MoeConfig's alias of num_experts
+            cfg["decoder_sparse_step"] = model.moe_layer_freq
+            if model.family == "qwen2_moe":
+                cfg["shared_expert_intermediate_size"] = model.shared_expert_ffn_hidden
+                cfg["qkv_bias"] = model.bias if model.qkv_bias is None else model.qkv_bias
+        elif model.is_moe:
+            cfg["intermediate_size"] = model.moe_ffn
+            cfg["num_local_experts"], cfg["num_experts_per_tok"] = model.experts, model.top_k
+        else:
+            cfg["intermediate_size"] = model.ffn
+        if model.head_dim is not None or "head_dim" in cfg:
+            cfg["head_dim"] = model.kv_channels
+    if len(cfg.get("layer_types") or [None] * model.layers) != model.layers:
+        del cfg["layer_types"]        # per-layer attention kinds of another depth: the default
+    return cfg

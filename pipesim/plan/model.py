@@ -432,18 +432,60 @@ PRESETS: dict[str, ModelSpec] = {
 }
 
 
+# The presets that are Hugging Face models, as their config.json on the model's hub page
+# (GPT-3 and tiny as openai-community/gpt2's architecture, GPT-3's sizes: Brown et al. 2020
+# describe GPT-3 as GPT-2's model with some attention layers locally banded, which the family's
+# dense attention does not do; meta-llama/Llama-2-7b-hf, Llama-2-70b-hf, Meta-Llama-3-8B, Meta-Llama-3-70B,
+# Llama-3.1-405B, mistralai/Mixtral-8x7B-v0.1, Qwen/Qwen1.5-MoE-A2.7B, Qwen/Qwen3-30B-A3B):
+# the keys a transformers class reads beyond the shape (rope theta and scaling, norm epsilon,
+# context). A plan made from such a preset names its family, so pipeexec builds it as that
+# family's modules, and `pipesim models NAME --config-out DIR` writes the file
+# (`hf_config.hf_config_for` writes the shape in). Each reads back as its preset (a test).
+def _hf(model_type: str, eps: float, theta: float, context: int, **keys: Any) -> dict:
+    return {"model_type": model_type, "hidden_act": "silu", "rms_norm_eps": eps,
+            "rope_theta": theta, "max_position_embeddings": context,
+            "tie_word_embeddings": False, "initializer_range": 0.02, **keys}
+
+
+_LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                   "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+_GPT2 = {"model_type": "gpt2", "activation_function": "gelu_new", "layer_norm_epsilon": 1e-5,
+         "initializer_range": 0.02, "tie_word_embeddings": True}
+_HF_PRESETS: dict[str, dict] = {
+    "tiny": dict(_GPT2, n_positions=512),
+    **{name: dict(_GPT2, n_positions=2048) for name in PRESETS if name.startswith("gpt3-")},
+    "llama2-7b": _hf("llama", 1e-5, 10000.0, 4096, bos_token_id=1, eos_token_id=2),
+    "llama2-70b": _hf("llama", 1e-5, 10000.0, 4096, bos_token_id=1, eos_token_id=2),
+    "llama3-8b": _hf("llama", 1e-5, 500000.0, 8192, bos_token_id=128000, eos_token_id=128001),
+    "llama3-70b": _hf("llama", 1e-5, 500000.0, 8192, bos_token_id=128000, eos_token_id=128001),
+    "llama3-405b": _hf("llama", 1e-5, 500000.0, 131072, rope_scaling=_LLAMA3_SCALING,
+                       bos_token_id=128000, eos_token_id=128001),
+    "mixtral-8x7b": _hf("mixtral", 1e-5, 1e6, 32768, sliding_window=None, bos_token_id=1,
+                        eos_token_id=2),
+    "qwen1.5-moe-a2.7b": _hf("qwen2_moe", 1e-6, 1e6, 8192, decoder_sparse_step=1,
+                             norm_topk_prob=False, qkv_bias=True),
+    "qwen3-30b-a3b": _hf("qwen3_moe", 1e-6, 1e6, 40960, decoder_sparse_step=1,
+                         norm_topk_prob=True, attention_bias=False),
+}
+PRESETS.update({name: replace(PRESETS[name], family=cfg["model_type"], hf_config=cfg,
+                               ffn_hidden=PRESETS[name].ffn)       # GPT-2's n_inner spelled out
+                for name, cfg in _HF_PRESETS.items()})
+
+
 def model_names() -> list[str]:
     return list(PRESETS)
 
 
 def get_model(name: "str | ModelSpec") -> ModelSpec:
-    """A preset by name (case-insensitive), a ``config.json`` path, or a ModelSpec unchanged."""
+    """A preset by name (case-insensitive), a ``config.json`` path or a folder holding one, or
+    a ModelSpec unchanged."""
     if isinstance(name, ModelSpec):
         return name
     key = str(name).lower()
     if key in PRESETS:
         return PRESETS[key]
-    if key.endswith(".json") or Path(str(name)).is_file():
+    path = Path(str(name))
+    if key.endswith(".json") or path.is_file() or (path / "config.json").is_file():
         return ModelSpec.from_hf_config(name)
     raise PlanError(f"model: unknown model preset {name!r}; known: {', '.join(PRESETS)} "
-                    "(or give a Hugging Face config.json path)")
+                    "(or give a Hugging Face config.json, or a folder holding one)")

@@ -22,7 +22,7 @@ from typing import Any
 
 from ..errors import PlanError
 from .model import ModelSpec, get_model
-from .parallelism import CP_COMM, PRECISIONS, RECOMPUTE
+from .parallelism import CP_COMM, GRAD_REDUCE, PRECISIONS, RECOMPUTE
 
 GROUPS = ("layout", "batch", "model")
 
@@ -77,6 +77,15 @@ PLAN_FLAGS: tuple[PlanFlag, ...] = (
     PlanFlag("--zero", "parallelism.zero", "layout", "optimizer sharding over dp x cp: 0 none, "
              "1 Megatron's distributed optimizer (optimizer states and fp32 master weights), "
              "2 gradients too, 3 parameters too", choices=(0, 1, 2, 3), searchable=True),
+    PlanFlag("--grad-reduce", "parallelism.grad_reduce", "layout", "when ZeRO-2/3 reduce-scatter "
+             "the gradients: per_step (accumulated over the microbatches in the whole buffer, "
+             "reduced once, overlapped with the last backward: Megatron, FSDP) or "
+             "per_microbatch (inside every backward, only the shard kept: DeepSpeed's stage 2)",
+             type=str, choices=GRAD_REDUCE),
+    PlanFlag("--grad-reduce-in-fp32", "parallelism.grad_reduce_in_fp32", "layout",
+             "accumulate and reduce the gradients in fp32 (Megatron-LM's default for bf16; "
+             "--no-grad-reduce-in-fp32: in the 16-bit compute dtype, fp16's default)",
+             type=None, boolean=True),
     PlanFlag("--recompute", "parallelism.recompute", "layout", "activation recomputation: none, "
              "selective (core attention recomputed in the backward) or full (each transformer "
              "block keeps only its input)", type=str, choices=RECOMPUTE, searchable=True),

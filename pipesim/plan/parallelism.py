@@ -8,7 +8,9 @@ Sizes (tp, cp, pp, vpp, dp, ep), sequence parallelism, optimizer sharding (``zer
 switches, and how context parallelism exchanges K/V (``cp_comm``, Megatron / Transformer
 Engine's ``cp_comm_type``: ``p2p``, the ring overlapped with the attention; ``all_gather``, K/V
 all-gathered before each attention and again in its backward, which recomputes the attention,
-the exchange exposed: what pipeexec runs). A frozen value; :meth:`pipesim.Plan.validate` checks it against the model and cluster.
+the exchange exposed: what pipeexec runs), and how the data-parallel gradients are
+reduced under ZeRO-2/3 (``grad_reduce``, `GRAD_REDUCE`) and in which dtype
+(``grad_reduce_in_fp32``). A frozen value; :meth:`pipesim.Plan.validate` checks it against the model and cluster.
 """
 from __future__ import annotations
 
@@ -24,6 +26,12 @@ RECOMPUTE = ("none", "selective", "full")
 # master weights and the optimizer stay as bf16 training keeps them
 PRECISIONS = ("bf16", "fp16", "fp8", "mxfp8", "nvfp4", "fp32")
 CP_COMM = ("p2p", "all_gather")     # Megatron's cp_comm_type names; a2a (Ulysses) not modelled
+# When ZeRO-2/3 reduce-scatter the gradients: "per_step", accumulated over the microbatches in
+# a full buffer and reduce-scattered once, overlapped with the last microbatch's backward
+# (Megatron-LM's DDP: `no_sync` until the last microbatch; FSDP under gradient accumulation);
+# "per_microbatch", reduce-scattered bucket by bucket inside every backward, only the shard
+# kept (DeepSpeed's ZeRO stage 2). ZeRO-0/1 always reduce once a step.
+GRAD_REDUCE = ("per_step", "per_microbatch")
 
 
 @dataclass(frozen=True)
@@ -47,6 +55,11 @@ class Parallelism:
     overlap_param_gather: bool = True
     overlap_tp_comm: bool = False
     cp_comm: str = "p2p"                    # CP_COMM: ring (overlapped) or all-gather (exposed)
+    grad_reduce: str = "per_step"           # GRAD_REDUCE: ZeRO-2/3's reduce-scatters, when
+    # gradients accumulated and reduced in fp32 (Megatron-LM's --accumulate-allreduce-grads-in-
+    # fp32); None: the precision's default, as Megatron-LM sets it (fp32 for bf16 / fp8 / fp32,
+    # fp16 for fp16); False: in the 16-bit compute dtype (--grad-reduce-in-bf16)
+    grad_reduce_in_fp32: bool | None = None
 
     def __post_init__(self) -> None:
         for f in ("tp", "pp", "dp", "vpp", "cp", "ep", "micro_batch_size"):
@@ -78,6 +91,16 @@ class Parallelism:
         if self.precision not in PRECISIONS:
             raise PlanError(f"parallelism.precision: {self.precision!r} is not one of "
                             f"{', '.join(PRECISIONS)}")
+        if self.grad_reduce not in GRAD_REDUCE:
+            raise PlanError(f"parallelism.grad_reduce: {self.grad_reduce!r} is not one of "
+                            f"{', '.join(GRAD_REDUCE)}")
+        if self.grad_reduce_in_fp32 is not None and not isinstance(self.grad_reduce_in_fp32, bool):
+            raise PlanError(f"parallelism.grad_reduce_in_fp32: must be true, false or null (the "
+                            f"precision's default), got {self.grad_reduce_in_fp32!r}")
+        if self.grad_reduce_in_fp32 is False and self.precision == "fp32":
+            raise PlanError("parallelism.grad_reduce_in_fp32: false asks for 16-bit gradients, "
+                            "but precision fp32 computes them in fp32; drop it or train in "
+                            "bf16 / fp16")
 
     @property
     def gbs(self) -> int:
@@ -95,6 +118,19 @@ class Parallelism:
     @property
     def num_stages(self) -> int:
         return self.pp * self.vpp
+
+    @property
+    def grads_sharded(self) -> bool:
+        """Whether a rank keeps only its shard of the gradients through the step: ZeRO-2/3
+        reducing once a microbatch (per step, the whole buffer accumulates first)."""
+        return self.zero >= 2 and self.grad_reduce == "per_microbatch"
+
+    @property
+    def grads_fp32(self) -> bool:
+        """Whether gradients are accumulated and reduced in fp32 (`grad_reduce_in_fp32`)."""
+        if self.grad_reduce_in_fp32 is None:
+            return self.precision != "fp16"
+        return self.grad_reduce_in_fp32
 
     @property
     def sp(self) -> int:
@@ -120,5 +156,8 @@ class Parallelism:
         parts += [f"mbs={self.micro_batch_size}", f"gbs={self.gbs} (m={self.microbatches})",
                   f"recompute={self.recompute}"
                   + (f"[{self.recompute_layers}]" if self.recompute_layers is not None else ""),
-                  f"zero={self.zero}", self.precision]
+                  f"zero={self.zero}"
+                  + ("(per microbatch)" if self.zero >= 2 and self.grads_sharded else ""),
+                  self.precision + ("" if self.grad_reduce_in_fp32 is None
+                                    else " fp32-grads" if self.grads_fp32 else " 16-bit-grads")]
         return " ".join(parts)

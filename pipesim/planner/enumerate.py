@@ -35,7 +35,7 @@ from functools import lru_cache
 from dataclasses import dataclass, field
 from typing import Iterator
 
-from ..errors import ScheduleError
+from ..errors import PlanError, ScheduleError
 from ..hardware import Hardware, get_hardware
 from ..plan.cluster import Cluster
 from ..plan.model import ModelSpec, get_model
@@ -103,6 +103,8 @@ class SearchSpace:
     precision: str = "bf16"
     cp_comm: str = "p2p"         # how cp exchanges K/V (Parallelism.cp_comm; pipeexec: all_gather)
     overlap_tp_comm: bool = False   # Megatron's --tp-comm-overlap (Parallelism.overlap_tp_comm)
+    grad_reduce: str = "per_step"       # ZeRO-2/3's gradient reduction (Parallelism.grad_reduce)
+    grad_reduce_in_fp32: bool | None = None     # (Parallelism.grad_reduce_in_fp32)
     # filters and fixed values: dp (derived from the other sizes) and microbatches (from the
     # global batch) kept only where listed; sequence parallelism None: on wherever tp > 1;
     # recompute_layers: Megatron's --recompute-num-layers for the full-recomputation plans
@@ -151,6 +153,11 @@ class SearchSpace:
                              f"{self.cp_comm!r}")
         if any(z not in (0, 1, 2, 3) for z in self.zero):
             raise ValueError(f"search space: zero values must be 0..3, got {self.zero!r}")
+        try:            # (Parallelism's own checks of the gradient-reduction fields)
+            Parallelism(precision=self.precision, grad_reduce=self.grad_reduce,
+                        grad_reduce_in_fp32=self.grad_reduce_in_fp32)
+        except PlanError as exc:
+            raise ValueError(f"search space: {exc}") from None
 
     @property
     def cluster(self) -> Cluster:
@@ -308,7 +315,9 @@ def _per_layout(space: SearchSpace, cluster: Cluster, tp: int, cp: int, pp: int,
                                           micro_batch_size=mbs,
                                           global_batch_size=gbs, precision=space.precision,
                                           cp_comm=space.cp_comm,
-                                          overlap_tp_comm=space.overlap_tp_comm)
+                                          overlap_tp_comm=space.overlap_tp_comm,
+                                          grad_reduce=space.grad_reduce,
+                                          grad_reduce_in_fp32=space.grad_reduce_in_fp32)
                         yield Plan(model, par, cluster, schedule, efficiency=space.efficiency)
 
 

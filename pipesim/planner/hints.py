@@ -40,6 +40,11 @@ def narrowed_hints(space: SearchSpace) -> list[str]:
     out: list[str] = []
     if 3 not in space.values("zero"):
         out.append("--zero 0,1,2,3 (shard gradients and weights too: ZeRO-2/3)")
+    if space.grad_reduce == "per_step" and any(z >= 2 for z in space.values("zero")):
+        out.append("--grad-reduce per_microbatch (ZeRO-2/3 keep only their gradients' shard, "
+                   "reduced inside every backward: m times the reduce-scatters)")
+    if space.precision != "fp32" and space.grad_reduce_in_fp32 is not False:
+        out.append("--no-grad-reduce-in-fp32 (16-bit gradients: half their bytes)")
     if "full" not in space.recompute:
         out.append("--recompute full (keep only each layer's input)")
     if 1 not in space.values("mbs"):

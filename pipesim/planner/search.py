@@ -128,6 +128,10 @@ def _overflow_text(parts: dict, rank: int, limit: float, qualifier: str) -> str:
             f"GiB over the {limit / GiB:.1f} GiB limit; largest: {comps[0][1]}")
 
 
+# equal step time and memory: the layout with the smaller of these first, in this order
+TIE_ORDER = ("cp", "tp", "ep", "vpp", "pp")
+
+
 # -- the search --------------------------------------------------------------------------------
 @dataclass
 class SearchResult:
@@ -142,9 +146,13 @@ class SearchResult:
 
     @property
     def ranked(self) -> "pd.DataFrame":
-        """The simulated plans that fit, fastest first (ties: by key)."""
+        """The simulated plans that fit, fastest first. Ties (the same step time, as when cp
+        and the micro-batch size trade off exactly) go to the smaller peak memory, then to the
+        simpler layout (`TIE_ORDER`: fewer ranks splitting each sequence, each layer, each
+        expert set, fewer model chunks), then by key."""
         ok = self.rows[(self.rows["status"] == SIMULATED) & (self.rows["fits"] == True)]  # noqa: E712
-        return ok.sort_values(["step_time", "key"], kind="mergesort").reset_index(drop=True)
+        return ok.sort_values(["step_time", "peak_memory", *TIE_ORDER, "key"],
+                              kind="mergesort").reset_index(drop=True)
 
     @property
     def best(self) -> Plan | None:

@@ -90,8 +90,10 @@ def reference_model(cfg: TrainConfig) -> tuple[nn.Sequential, list[str]]:
     return model, names
 
 
-def reference_train(cfg: TrainConfig, steps: int | None = None, dtype: torch.dtype = torch.float32):
-    """Plain single-process training on the whole global batch; returns losses, params, model."""
+def reference_train(cfg: TrainConfig, steps: int | None = None, dtype: torch.dtype = torch.float32,
+                    norms: list[float] | None = None):
+    """Plain single-process training on the whole global batch; returns losses, params, model.
+    ``norms``: a list the steps' gradient norms (before clipping) are appended to."""
     model, names = reference_model(cfg)
     params = list(model.parameters())
     masters = [p.detach().clone() for p in params]
@@ -113,7 +115,9 @@ def reference_train(cfg: TrainConfig, steps: int | None = None, dtype: torch.dty
         grads = torch.autograd.grad(loss, params)
         for mp, g in zip(masters, grads):
             mp.grad = g.float()
-        torch.nn.utils.clip_grad_norm_(masters, cfg.clip_grad)
+        norm = torch.nn.utils.clip_grad_norm_(masters, cfg.clip_grad)
+        if norms is not None:
+            norms.append(float(norm))
         for g in opt.param_groups:
             g["lr"] = reference_lr(cfg, k)
         opt.step()

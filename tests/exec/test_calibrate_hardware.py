@@ -243,3 +243,36 @@ def test_base_is_refused_on_a_cpu(tmp_path):
                           text=True, timeout=120)
     assert done.returncode == 2 and "--base H200: only for a CUDA device" in done.stdout
     assert not (tmp_path / "x.json").exists()
+
+
+def test_a_cpu_is_measured_with_one_thread_as_a_rank_runs_and_the_file_says_so(monkeypatch):
+    """torch's default pool of every core measured another machine than pipeexec's ranks (each
+    one thread): the sweep runs with --threads (default 1) and the file records it and the load."""
+    import torch
+
+    from pipeexec import calibrate_hardware as ch
+
+    seen = []
+    monkeypatch.setattr(ch, "gemm_sweep", lambda device, dtype, repeat=7, sizes=ch.SIZES: (
+        seen.append(torch.get_num_threads()) or [(64, 64, 64, 1e9), (128, 128, 128, 2e9)]))
+    monkeypatch.setattr(ch, "elementwise_bandwidth", lambda device, nbytes, repeat=7: 5e10)
+    monkeypatch.setattr(ch, "launch_overhead", lambda device, repeat=200: 1e-6)
+    monkeypatch.setattr(ch, "attention_efficiency", lambda device, dtype, peak: 0.3)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        hw = ch.calibrate("cpu", links=False)
+        assert seen == [1]
+        assert hw.source("threads").startswith("1 torch thread(s)") and "load average" in hw.source("threads")
+        ch.calibrate("cpu", links=False, threads=2)
+        assert seen == [1, 2]
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_a_busy_machine_is_named_before_the_sweep():
+    from pipeexec.calibrate_hardware import busy_note
+
+    assert busy_note(0.4, 2) == ""
+    note = busy_note(2.3, 2)
+    assert "load average is 2.3 on 2 CPUs" in note and "idle machine" in note

@@ -18,7 +18,7 @@ from test_hf_models import write_model
 from pipeexec.analysis.hf_activations import layer_extra, stage_extras
 from pipeexec.analysis.plan_memory import predicted_activation_peaks
 
-pytestmark = pytest.mark.slow
+
 
 LLAMA = dict(model_type="llama", hidden_size=64, intermediate_size=128, num_attention_heads=4,
              num_key_value_heads=2, num_hidden_layers=4, vocab_size=256,
@@ -49,6 +49,7 @@ def measured(directory: str) -> dict:
     return {c: run.result(1).peak_memory for c, run in zip(CASES, runs)}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_plan_alone_peaks_of_a_hugging_face_model_match_the_meter(dirs, family):
     got = measured(dirs[family])
@@ -59,6 +60,7 @@ def test_plan_alone_peaks_of_a_hugging_face_model_match_the_meter(dirs, family):
             assert p == pytest.approx(m, rel=0.05), (family, case, rank, got[case], want)
 
 
+@pytest.mark.slow
 def test_the_extras_follow_the_layer_kind_and_recomputation(dirs):
     """Closed forms for the tiny Llama (fp32, b 2, s 64): per layer two norms' 4sbh + 4sb,
     rotary's 2 e s d, SwiGLU's e sbf; nothing under full recomputation; the head's norm on
@@ -70,3 +72,17 @@ def test_the_extras_follow_the_layer_kind_and_recomputation(dirs):
     assert stage_extras(plan) == [2 * per_layer, 2 * per_layer + 4 * s * b * h + 4 * s * b]
     full = config(dirs["llama"], "1f1b", "fp32", "full").run_plan()
     assert stage_extras(full) == [0, 4 * s * b * h + 4 * s * b]
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_a_plan_naming_the_family_predicts_as_the_directory_does(dirs, family):
+    """A plan file that names a Hugging Face family (made by `pipesim plan --model
+    config.json`) is built as that family's transformers modules whether or not --hf-model
+    gives weights, so its plan-only peaks carry the same extras (without them they were
+    24-34% low through `pipeexec compare --plan`)."""
+    with_dir = config(dirs[family], "1f1b", "fp32", "none")
+    plan_only = with_dir.replace(hf_model=None)
+    assert plan_only.plan.model.family == family and plan_only.hf_model is None
+    assert predicted_activation_peaks(plan_only) == predicted_activation_peaks(with_dir)
+    # and the extras are really in both: the plan's formulas alone give less
+    assert sum(stage_extras(with_dir.run_plan())) > 0

@@ -12,5 +12,19 @@ def test_a_searched_order_is_kept_only_if_measured_faster_by_the_margin():
     assert keep_searched(before, [0.5, 0.090, 0.094], 0.05)     # 8% faster: kept
     assert not keep_searched(before, [0.5, 0.097, 0.096], 0.05)  # 3.5% faster: inside the margin
     assert not keep_searched(before, [0.05, 0.120, 0.130], 0.0)  # slower once settled: not kept
-    assert keep_searched(before, [0.0999], 0.0)
-    assert not keep_searched(before, [0.100], 0.0)              # equal is not faster
+    assert not keep_searched(before, [0.100, 0.100, 0.100], 0.0)  # equal is not faster
+
+
+def test_one_step_a_side_decides_nothing_and_noise_raises_the_bar():
+    """A switch judged on one step each (measured 129 vs 98 ms once, against 110 predicted)
+    is not kept; the speed-up must beat the noise the trial measured, not the margin alone."""
+    from pipeexec.measuring.reschedule import JUDGED_STEPS, keep_searched, spread
+
+    before = [0.300, 0.100, 0.104, 0.098]
+    assert JUDGED_STEPS == 2
+    assert not keep_searched(before, [0.5, 0.050], 0.0)          # one counted step: no verdict
+    assert not keep_searched([0.3, 0.129], [0.5, 0.098], 0.05)    # the case seen: no verdict
+    assert spread([9.0, 0.100, 0.120]) == (0.120 - 0.100) / 0.110
+    noisy = [0.3, 0.080, 0.120, 0.100]                           # noise 40% of the median
+    assert not keep_searched(noisy, [0.5, 0.085, 0.086, 0.087], 0.05)   # 14% faster: in the noise
+    assert keep_searched(before, [0.5, 0.080, 0.081, 0.082], 0.05)      # 19% faster, noise 6%

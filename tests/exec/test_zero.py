@@ -6,7 +6,8 @@
 * pp 2 x dp 2 (4 forked gloo ranks) equals single-process training of the same model on the
   whole batch (losses and parameters, fp32 rtol 1e-5 as tests/exec/test_exec_equivalence.py)
   for zero 1, 2 and 3 under 1F1B and ZB-V (split I/W backward), DualPipe (every part a tied
-  copy) at zero 3, and bf16 ZB-V at zero 3 within that file's bf16 bounds; the shards really
+  copy) at zero 3, ZeRO-2/3 reducing the gradients once a step (the default) and, under ZB-V
+  and DualPipe, once a microbatch, and bf16 ZB-V at zero 3 within that file's bf16 bounds; the shards really
   are shards (AdamW's moments, ZeRO-2's gradients and ZeRO-3's weights per rank 1/dp of the
   whole, between steps).
 * Memory: each rank's measured peak (`TrainingMemoryMeter`: held activations plus training
@@ -75,9 +76,12 @@ def test_zero_runs_with_dp_1_and_with_tp():
             world_size=4)
 
 
-def test_zero3_releases_parameters_and_the_backward_sees_them_gathered_again():
+@pytest.mark.parametrize("grad_reduce", ["per_microbatch", "per_step"])
+def test_zero3_releases_parameters_and_the_backward_sees_them_gathered_again(grad_reduce):
     """One process (one shard): a stage's parameters released after its F (empty storage)
-    and gathered for its B give the gradients of plain autograd on the same stage."""
+    and gathered for its B give the gradients of plain autograd on the same stage (in the
+    shard accumulator per microbatch; per step in the whole buffer, once its one backward
+    has run)."""
     cfg = TINY.replace(layers=2)
     spec = layer_stack(cfg)
     bounds = (0, 2, 4)
@@ -85,7 +89,8 @@ def test_zero3_releases_parameters_and_the_backward_sees_them_gathered_again():
     stage = build_stage(spec, 1, bounds, seed=0, device=torch.device("cpu"), dtype=torch.float32)
     zero = ShardedOptimizer({1: stage}, level=3, dtype=torch.float32, group=None, shards=1, rank=0,
                             device=torch.device("cpu"), lr=1e-3, weight_decay=0.1,
-                            betas=(0.9, 0.95), eps=1e-8)
+                            betas=(0.9, 0.95), eps=1e-8, grad_reduce=grad_reduce)
+    zero.expect_backwards({1: 1})
     zero.start()
     assert all(p.untyped_storage().nbytes() == 0 for p in stage.parameters())
     x = torch.randn(2, cfg.seq_len, cfg.hidden)
@@ -104,7 +109,10 @@ def test_zero3_releases_parameters_and_the_backward_sees_them_gathered_again():
     for slot, g in zip(lay.slots, want):
         b = lay.buckets[slot.bucket]
         at = b.shard_start + slot.start - b.start
-        torch.testing.assert_close(zero.grad_shard[1][at: at + slot.numel].view(slot.shape), g)
+        if grad_reduce == "per_step":
+            at = slot.start
+        held = zero.grad_shard[1] if grad_reduce == "per_microbatch" else zero.grad_full[1]
+        torch.testing.assert_close(held[at: at + slot.numel].view(slot.shape), g)
         assert torch.equal(got[slot.name], dict(plain.named_parameters())[slot.name].detach())
 
 
@@ -156,7 +164,11 @@ def test_stage_hooks_run_inside_the_observers_around_every_compute_action():
 
 # -- equivalence with one process, and the shards ----------------------------------------------
 EQUIVALENCE = [(s, {"zero": z}) for s in ("1f1b", "zbv") for z in (1, 2, 3)] + [
-    ("dualpipe", {"zero": 3}), ("zbv", {"zero": 3, "precision": "bf16"})]
+    ("dualpipe", {"zero": 3}), ("zbv", {"zero": 3, "precision": "bf16"})] + [
+    # (the above reduce ZeRO-2/3's gradients once a step, the default; these once a microbatch,
+    # ZB-V's split backward reducing from every I and W; DualPipe: every parameter tied)
+    ("zbv", {"zero": z, "grad_reduce": "per_microbatch"}) for z in (2, 3)] + [
+    ("dualpipe", {"zero": 3, "grad_reduce": "per_microbatch"})]
 # fp16: an inf in one gradient of the last stage at step 1 (`--inject overflow:1`) skips the
 # step on every rank, ZeRO-2 (1F1B) and ZeRO-3 (ZB-V)
 FP16 = {"precision": "fp16", "loss_scale": 2.0 ** 10}
@@ -180,9 +192,13 @@ def shards_worker(board, cases):
                 "skipped": res.skipped, "scale": trainer.scaler.scale,
                 "params": {n: p.detach().clone() for n, p in trainer.named_parameters().items()},
                 "fwd_outputs": {mb: t.clone() for mb, t in fwd.outputs.items()}}
-        for zero in (0, 1, 2, 3):
+        # ZeRO-2/3 keeping only the gradients' shard: reducing once a microbatch (once a
+        # step, the default, they hold the whole buffer: "shards-per-step")
+        for zero, reduce in ((0, "per_step"), (1, "per_step"), (2, "per_microbatch"),
+                             (3, "per_microbatch"), (2, "per_step"), (3, "per_step")):
             t = Trainer(TINY.replace(schedule="1f1b", pp=2, dp=2, microbatches=2,
-                                     micro_batch_size=2, zero=zero, steps=1), topo, board=board)
+                                     micro_batch_size=2, zero=zero, steps=1,
+                                     grad_reduce=reduce), topo, board=board)
             train(t)
             opt = sum(v.numel() for st in t.optimizer.state.values() for k, v in st.items()
                       if k.startswith("exp_avg"))
@@ -195,7 +211,8 @@ def shards_worker(board, cases):
                 grads = sum(x.numel() for x in (zs.grad_full or zs.grad_shard).values())
                 whole_weights = sum(f.untyped_storage().nbytes() // 4 for f in zs.param_flat.values())
                 weights = whole_weights + sum(x.numel() for x in zs.param_shard.values())
-            out[("shards", zero)] = {"params": params, "moments": opt, "grads": grads,
+            name = "shards-per-step" if zero >= 2 and reduce == "per_step" else "shards"
+            out[(name, zero)] = {"params": params, "moments": opt, "grads": grads,
                                      "weights": weights, "whole_weights": whole_weights,
                                      "pp_rank": topo.pp_rank}
     finally:
@@ -252,7 +269,8 @@ def test_fp16_overflow_skips_the_step_on_every_rank():
 @pytest.mark.slow
 def test_the_shards_are_shards():
     """Between steps each of the dp 2 ranks holds half of AdamW's moments (ZeRO >= 1), of the
-    gradients (>= 2) and of the weights (3), within a bucket's padding."""
+    gradients (>= 2, reducing once a microbatch) and of the weights (3), within a bucket's
+    padding; reducing once a step ZeRO-2/3 hold ZeRO-1's whole gradient buffer."""
     for r in equivalence_runs():
         whole = r[("shards", 0)]
         n = whole["params"]
@@ -266,6 +284,10 @@ def test_the_shards_are_shards():
             assert abs(got["weights"] - (n / 2 if zero == 3 else n)) <= pad, (zero, got)
             if zero == 3:               # the whole buffers released between steps
                 assert got["whole_weights"] == 0
+        for zero in (2, 3):             # once a step: the whole gradient buffer, as ZeRO-1
+            got = r[("shards-per-step", zero)]
+            assert got["grads"] == r[("shards", 1)]["grads"], (zero, got)
+            assert abs(got["weights"] - (n / 2 if zero == 3 else n)) <= pad, (zero, got)
 
 
 # -- memory ---------------------------------------------------------------------------------------
@@ -273,10 +295,12 @@ MEMORY = [("1f1b", 1), ("zbv", 2), ("interleaved", 4)]
 
 
 def memory_config(schedule: str, vpp: int, zero: int) -> TrainConfig:
-    # weights dominate (hidden 32, 8 tokens a microbatch), as in the models ZeRO is for
+    # weights dominate (hidden 32, 8 tokens a microbatch), as in the models ZeRO is for;
+    # ZeRO-2/3 reducing once a microbatch, keeping only the gradients' shard (once a step,
+    # the default, they hold ZeRO-1's whole buffer: tests/exec/test_zero_grad_reduce.py)
     return TINY.replace(layers=8, hidden=32, heads=2, seq_len=8, vocab=32, pp=2, dp=2,
                         microbatches=4, micro_batch_size=1, schedule=schedule, vpp=vpp,
-                        zero=zero, steps=2)
+                        zero=zero, steps=2, grad_reduce="per_microbatch")
 
 
 def memory_worker(board):
