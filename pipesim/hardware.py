@@ -421,7 +421,7 @@ _BUS_BY_GPU = {"H100": (0.824, "SM90_NVLINK_BW 20.6 GB/s a link of NVLink 4's 25
 # NCCL's tuner rows by compute capability (SM80 Ampere, SM90 Hopper, SM100 Blackwell); MI300X
 # runs RCCL, whose tuner is not transcribed: its links' pairs price it
 _NCCL_ARCH = {"A100": "ampere", "H100": "hopper", "H200": "hopper", "B200": "blackwell",
-              "GB200": "blackwell"}
+              "GB200": "blackwell", "B300": "blackwell", "GB300": "blackwell"}
 # Calculon's processor_usage (calculon-ai/calculon, commit caa4b11, systems/a100_80g.json and
 # h100_80g_nvl8.json): a collective hidden under compute slows it as if it held this fraction
 # of the GPU (calculon/llm/layers.py: flop_time / (1 - processor_usage) while both run);
@@ -434,6 +434,8 @@ _PROCESSOR_USAGE = {
     "H200": ((0.15, 0.02), _CALCULON.format("h100_80g_nvl8.json") + ", as H100 (same SMs)"),
     "B200": ((0.15, 0.02), _CALCULON.format("h100_80g_nvl8.json") + ", H100's assumed"),
     "GB200": ((0.15, 0.02), _CALCULON.format("h100_80g_nvl8.json") + ", H100's assumed"),
+    "B300": ((0.15, 0.02), _CALCULON.format("h100_80g_nvl8.json") + ", H100's assumed"),
+    "GB300": ((0.15, 0.02), _CALCULON.format("h100_80g_nvl8.json") + ", H100's assumed"),
     "MI300X": ((0.15, 0.02), _CALCULON.format("h100_80g_nvl8.json") + ", H100's assumed "
                "(RCCL)"),
 }

@@ -55,9 +55,9 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from ..costs import CostModel
-from ..errors import PlanError
+from ..errors import PlanError, ScheduleError
 from ..hardware import LOW_PRECISIONS
-from ..schedule.registry import schedule_info
+from ..schedule.registry import schedule_rank_parts
 from ..schedule.schedule import Schedule
 from . import collectives as coll
 from .cluster import Link
@@ -270,6 +270,16 @@ def derive(plan) -> PlanCosts:
     comm = {"tp": 0.0, "cp": 0.0, "ep": 0.0}
     stage_comm: list[dict[str, dict[str, float]]] = []
     recomputed_total = 0
+    # every layer of a kind (dense / MoE, its recomputation) has the same activations and
+    # parameters: computed once per kind, not once per layer
+    kind_acts: dict[tuple[bool, str], object] = {}
+    kind_params = {moe: model.layer_params(moe) for moe in set(pattern)}
+
+    def acts_of(moe: bool, rec: str):
+        if (moe, rec) not in kind_acts:
+            kind_acts[moe, rec] = layer_activations(model, par, moe, recompute=rec)
+        return kind_acts[moe, rec]
+
     for stage, count in enumerate(layers):
         f = i = w = a_bytes = w_bytes = 0.0
         dense_p = expert_p = 0.0
@@ -285,13 +295,13 @@ def derive(plan) -> PlanCosts:
             if rec == "selective" and not par.flash_attention and not k["attn_recompute"]:
                 i += k["attn"]          # (all_gather cp recomputes the attention already)
             w += k["W"]
-            la = layer_activations(model, par, moe, recompute=rec)
+            la = acts_of(moe, rec)
             a_bytes += la.total
             w_bytes += la.weight_grad
             if rec == "full":
                 recomputed_total += 1
-                transient = max(transient, layer_activations(model, par, moe, recompute="none").total)
-            lp = model.layer_params(moe)
+                transient = max(transient, acts_of(moe, "none").total)
+            lp = kind_params[moe]
             dense_p += lp["dense"] / t
             expert_p += lp["expert"] / (t * par.ep)
             for c in comm:
@@ -364,7 +374,7 @@ def derive(plan) -> PlanCosts:
         buffers_stage.append(transient)
         stage_comm.append(sc)
 
-    schedule_stages = _rank_stages(plan, n)
+    schedule_stages = rank_parts(plan, n)
     rank_buffers = [max((buffers_stage[st] for st in sts), default=0.0) for sts in schedule_stages]
     holders = Counter(st for sts in schedule_stages for st in sts)
     tail: list[RankTail] = []
@@ -440,31 +450,19 @@ def derive(plan) -> PlanCosts:
                      calibration=hw.calibration if per_op else "constant")
 
 
-def _rank_stages(plan, n: int) -> list[list[int]]:
+def rank_parts(plan, n: int) -> list[list[int]]:
     """Model parts (the ``n`` stages the costs are derived for) of each pipeline rank, by the
-    schedule's placement; a rank holding a copy of a part (dualpipe) lists the part again, so
-    its weights, gradients and data-parallel traffic count twice."""
+    schedule's placement (:func:`pipesim.schedule.registry.schedule_rank_parts`, no schedule
+    built); a rank holding a copy of a part (dualpipe) lists the part again, so its weights,
+    gradients and data-parallel traffic count twice."""
     par = plan.parallelism
-
-    def parts(s: Schedule) -> list[list[int]]:
-        return [[s.stage_part(x) for x in s.rank_stages(r)] for r in range(par.pp)]
-
     if isinstance(plan.schedule, Schedule):
-        return parts(plan.schedule)
-
+        s = plan.schedule
+        return [[s.stage_part(x) for x in s.rank_stages(r)] for r in range(par.pp)]
     try:
-        looped = schedule_info(plan.schedule_name).placement == "looped"
-    except Exception:
-        looped = True
-    if looped:
+        return [list(held) for held in schedule_rank_parts(plan.schedule_name, par.pp, par.vpp)]
+    except ScheduleError:           # not a registered schedule: one stage a rank, looped
         return [[st for st in range(n) if st % par.pp == r] for r in range(par.pp)]
-    try:            # the V builders are cheap: read the placement (and any copies) off it
-        return parts(plan.build_schedule())
-    except Exception:
-        pass
-    # V-shape: down then up (ZB-V, DualPipeV) for vpp = 2
-    out = [[] for _ in range(par.pp)]
-    for st in range(n):
-        chunk, pos = divmod(st, par.pp)
-        out[pos if chunk % 2 == 0 else par.pp - 1 - pos].append(st)
-    return out
+
+
+_rank_stages = rank_parts           # the name other modules import

@@ -17,6 +17,7 @@ this is the paper's Table 1: F ``sbh(24h + 4s)``, I ``sbh(24h + 8s)``, W ``24 sb
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 from .model import ModelSpec
 
@@ -43,7 +44,13 @@ class LayerFlops:
 
 def layer_flops(model: ModelSpec, b: int, s: int | None = None, moe: bool = False,
                 causal: bool = False) -> LayerFlops:
-    s = model.seq_length if s is None else s
+    return _layer_flops(model, b, model.seq_length if s is None else s, bool(moe), bool(causal))
+
+
+# The counts are pure functions of immutable values, asked for every layer of every plan a
+# search derives (the same few shapes each time): each is computed once per distinct argument.
+@lru_cache(maxsize=1024)
+def _layer_flops(model: ModelSpec, b: int, s: int, moe: bool, causal: bool) -> LayerFlops:
     tokens = b * s
     h = model.hidden
     attn_gemm = 2 * tokens * sum(i * o for _, i, o in model.attention_weight_shapes())
@@ -64,6 +71,7 @@ def head_flops(model: ModelSpec, b: int, s: int | None = None, tp: int = 1) -> f
     return float(2 * b * s * model.hidden * model.padded_vocab(tp))
 
 
+@lru_cache(maxsize=1024)
 def model_flops(model: ModelSpec, batch: int, tp: int = 1, causal: bool = False) -> float:
     """FLOPs of forward and backward (3x forward) for ``batch`` sequences: Korthikanti et al.
     2022 eq. 7's "model FLOPs", generalised; no recomputation."""
@@ -81,6 +89,7 @@ def mtp_flops(model: ModelSpec, b: int, tp: int = 1, causal: bool = False) -> fl
     return float(2 * b * s * 2 * model.hidden * model.hidden + layer + head_flops(model, b, tp=tp))
 
 
+@lru_cache(maxsize=1024)
 def recompute_flops(model: ModelSpec, batch: int, recompute: str, layers: int | None = None,
                     flash: bool = False, causal: bool = False) -> float:
     """Extra FLOPs recomputation adds for ``batch`` sequences: a full forward of each of the

@@ -56,6 +56,7 @@ microbatches in the whole buffer first, so its gradients cost what ZeRO-1's do.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 from .model import ModelSpec
 from .parallelism import Parallelism
@@ -93,12 +94,19 @@ class LayerActivations:
 def layer_activations(model: ModelSpec, par: Parallelism, moe: bool = False, *,
                       recompute: str | None = None) -> LayerActivations:
     recompute = par.recompute if recompute is None else recompute
-    b = par.micro_batch_size
+    return _layer_activations(model, bool(moe), recompute, par.micro_batch_size, par.cp, par.tp,
+                              par.sp, activation_element_bytes(par), par.flash_attention,
+                              par.cp_comm)
+
+
+# A pure function of immutable values that a search asks for every layer of every plan (the
+# same few shapes each time): computed once per distinct shape, keyed by what it reads.
+@lru_cache(maxsize=4096)
+def _layer_activations(model: ModelSpec, moe: bool, recompute: str, b: int, cp: int, t: int,
+                       sp: int, e: int, flash_attention: bool, cp_comm: str) -> LayerActivations:
     s_full = model.seq_length
-    s = s_full / par.cp
+    s = s_full / cp
     h, q, kv, a = model.hidden, model.q_size, model.kv_size, model.heads
-    t, sp = par.tp, par.sp
-    e = activation_element_bytes(par)
     drop = 1 if model.dropout else 0
     sbh = s * b * h
     if recompute == "full":
@@ -116,12 +124,12 @@ def layer_activations(model: ModelSpec, par: Parallelism, moe: bool = False, *,
         fc2_in = e * s * b * model.ffn
         routed_in = 0.0
     split = e * s * b * (q + 2 * kv) + e * s * b * q + mlp
-    if par.flash_attention:
+    if flash_attention:
         core = 4 * a * s * b
     else:
         core = (e + drop * (1 + e)) * a * s * s_full * b
-    if (recompute == "selective" and not par.flash_attention) or (
-            par.cp > 1 and par.cp_comm == "all_gather"):
+    if (recompute == "selective" and not flash_attention) or (
+            cp > 1 and cp_comm == "all_gather"):
         # all-gather CP keeps only q, k, v: its backward recomputes the attention core
         core = 0.0
     total = replicated / sp + (split + core) / t

@@ -21,10 +21,14 @@ the latest rank: ``max_r head_r + busy_r + tail_r`` (the closed-form bubble ``(p
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
+from typing import Hashable
 
-from ..plan.derive import PlanCosts, _rank_stages
+from ..errors import ScheduleError
+from ..plan.derive import PlanCosts, rank_parts
 from ..plan.plan import Plan
+from ..schedule.registry import schedule_part_runs
 from ..schedule.schedule import Schedule
 
 
@@ -45,7 +49,7 @@ def plan_bounds(plan: Plan, derived: PlanCosts | None = None, *, exact_order: bo
     n, m, pp = par.num_stages, par.microbatches, par.pp
     times = costs.compute_times(n)
     f, i, w = times["F"], times["I"], times["W"]
-    stages = _rank_stages(plan, n)
+    stages = rank_parts(plan, n)
     owner = [0] * n
     for r, sts in enumerate(stages):
         for st in sts:
@@ -83,11 +87,32 @@ def plan_bounds(plan: Plan, derived: PlanCosts | None = None, *, exact_order: bo
     return Bounds(step, best, best_rank, parts, compute)
 
 
+def bounds_key(plan: Plan) -> Hashable | None:
+    """Plans with equal keys have equal derived costs and cheap bounds (``exact_order=False``):
+    a plan's costs depend on its schedule only through which parts each rank holds and how many
+    microbatches it runs through each (gpipe, 1f1b, zb-h1 and zb-h2 share theirs, as do the V
+    schedules, and interleaved and looped-bfs at one vpp), so a search derives each once. None
+    for a plan holding a Schedule value."""
+    if isinstance(plan.schedule, Schedule):
+        return None
+    par = plan.parallelism
+    try:
+        runs = schedule_part_runs(plan.schedule_name, par.pp, par.vpp, par.microbatches)
+    except ScheduleError:
+        return None
+    return (dataclasses.replace(plan, schedule=""),
+            tuple(tuple(parts.items()) for parts in runs))
+
+
 def _part_runs(plan: Plan, stages: list[list[int]], m: int) -> list[dict[int, int]]:
     """Per rank, part -> how many microbatches the rank runs through it."""
     schedule = plan.schedule if isinstance(plan.schedule, Schedule) else None
     if schedule is None and len({st for sts in stages for st in sts}) < sum(map(len, stages)):
-        schedule = plan.build_schedule()       # a part held twice: read the routes off it
+        par = plan.parallelism         # a part held twice: the schedule's copies share the runs
+        try:
+            return list(schedule_part_runs(plan.schedule_name, par.pp, par.vpp, m))
+        except ScheduleError:
+            schedule = plan.build_schedule()
     if schedule is None or not schedule.has_copies:
         return [{st: m for st in sts} for sts in stages]
     out: list[dict[int, int]] = []

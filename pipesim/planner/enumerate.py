@@ -35,13 +35,13 @@ from functools import lru_cache
 from dataclasses import dataclass, field
 from typing import Iterator
 
-from ..errors import PlanError, ScheduleError
+from ..errors import PlanError
 from ..hardware import Hardware, get_hardware
 from ..plan.cluster import Cluster
 from ..plan.model import ModelSpec, get_model
 from ..plan.parallelism import CP_COMM, RECOMPUTE, Parallelism
 from ..plan.plan import Plan
-from ..schedule.registry import build_schedule, schedule_info, schedule_names
+from ..schedule.registry import schedule_info, schedule_names, schedule_refusal
 
 ALL_SCHEDULES = ("gpipe", "1f1b", "interleaved", "looped-bfs", "zb-h1", "zb-h2", "zbv",
                  "dualpipev", "v-half", "v-min", "dualpipe")
@@ -58,12 +58,11 @@ _NOT_ENUMERATED = {"zb-auto": "zb-auto's order is searched from one plan's costs
 
 @lru_cache(maxsize=4096)
 def _refusal(schedule: str, pp: int, vpp: int, m: int) -> str | None:
-    """Why ``schedule``'s builder refuses (pp, vpp, m), as a count key; None when it builds."""
-    try:
-        build_schedule(schedule, pp=pp, microbatches=m, vpp=vpp)
-    except ScheduleError:
-        return f"{schedule}: its constraints ({schedule_info(schedule).constraints})"
-    return None
+    """Why ``schedule``'s builder refuses (pp, vpp, m), as a count key; None when it builds.
+    Asks the builder's registered check: nothing is built."""
+    if schedule_refusal(schedule, pp, vpp, m) is None:
+        return None
+    return f"{schedule}: its constraints ({schedule_info(schedule).constraints})"
 
 
 def _powers_of_two(limit: int) -> tuple[int, ...]:

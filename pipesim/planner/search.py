@@ -31,7 +31,7 @@ from ..errors import PlanError, ScheduleError
 from ..plan.plan import Plan
 from ..plan.report import PlanResult, simulate_plan
 from ..progress import progress_bar
-from .bounds import plan_bounds
+from .bounds import bounds_key, plan_bounds
 from .enumerate import Enumeration, SearchSpace, enumerate_plans, plan_key
 from .rows import (CANDIDATE, COLUMNS, CONFIG_COLUMNS, INVALID, PRUNED_MEMORY,  # noqa: F401
                    PRUNED_TIME, SIMULATED, Assessment, PlanConfig, PlanFigures, PlanRow)
@@ -216,17 +216,32 @@ def search(space: SearchSpace, *, memory_limit: float | None = None, top: int = 
         def run(fn, chunks: list[list[Plan]], *more) -> list[list[Assessment]]:
             return list(stream(fn, chunks, *more))
 
-        # bounds, in chunks spread over the workers
-        size = max(1, min(64, math.ceil(len(plans) / (4 * max(1, workers)))))
-        chunks = [plans[i:i + size] for i in range(0, len(plans), size)]
+        # bounds, in chunks spread over the workers: one plan of each set that shares its
+        # costs and bounds (`bounds_key`), the others given its figures
+        firsts: dict = {}
+        same = [i if (k := bounds_key(p)) is None else firsts.setdefault(k, i)
+                for i, p in enumerate(plans)]
+        own = [i for i in range(len(plans)) if same[i] == i]
+        size = max(1, min(64, math.ceil(len(own) / (4 * max(1, workers)))))
+        chunks = [[plans[i] for i in own[k:k + size]] for k in range(0, len(own), size)]
         bar = progress_bar(total=len(plans), desc="pipesim plan: bounds", unit="plan",
                            disable=not progress)
-        for start, out in zip(range(0, len(plans), size), stream(bound_plans, chunks, prune)):
+        found_by: dict[int, Assessment] = {}
+        for start, out in zip(range(0, len(own), size), stream(bound_plans, chunks, prune)):
             bar.update(len(out))
             for j, b in enumerate(out):
                 timing["derive"] += b.derive_s
                 timing["bounds"] += b.bound_s
-                rows[start + j] = rows[start + j].merged(b)
+                found_by[own[start + j]] = b
+        for i, first in enumerate(same):
+            b = found_by[first]
+            if i != first:
+                if b.status == INVALID:        # in its own words (none so far depend on it)
+                    b = bound_plans([plans[i]], limit, prune)[0]
+                else:
+                    b = dataclasses.replace(b, derive_s=0.0, bound_s=0.0)
+                bar.update(1)
+            rows[i] = rows[i].merged(b)
         candidates = sorted((i for i, r in enumerate(rows) if r.status == CANDIDATE),
                             key=lambda i: (rows[i].step_time_bound, keys[i]))
         batch = 1 if executor is None else 2 * max(1, workers)

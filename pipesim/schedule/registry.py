@@ -2,17 +2,24 @@
 
 A builder is a pure function ``(pp, vpp, microbatches, *, forward_only, **options) -> Schedule``.
 The registry is filled once, at import, by the builder modules; nothing mutates it afterwards.
+
+Each builder registers what a planner needs without building it: its ``check`` (the
+(pp, vpp, microbatches) it refuses with its default options, the same function the builder
+calls first: :func:`schedule_refusal`) and its placement (:func:`schedule_rank_parts`: which
+model parts each rank holds, copies included).
 """
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from functools import lru_cache
+from collections import OrderedDict
 
 from ..errors import ScheduleError
+from .placement import rank_part_runs, rank_parts
 from .schedule import Schedule
 
 Builder = Callable[..., Schedule]
+Check = Callable[[int, int, int], None]
 
 
 @dataclass(frozen=True)
@@ -22,17 +29,22 @@ class BuilderInfo:
     placement: str       # "looped" or "v"
     constraints: str     # in words, as `pipesim list` prints them
     description: str     # one line
+    # (pp, vpp, microbatches) -> None, or ScheduleError naming the broken constraint: what the
+    # builder refuses with its default options (None: only building the schedule tells)
+    check: Check | None = None
+    copies: bool = False  # pp * vpp model parts on 2 * vpp stages a rank (DualPipe's copies)
 
 
 _BUILDERS: dict[str, BuilderInfo] = {}
 
 
-def register(name: str, *, placement: str, constraints: str, description: str
-             ) -> Callable[[Builder], Builder]:
+def register(name: str, *, placement: str, constraints: str, description: str,
+             check: Check | None = None, copies: bool = False) -> Callable[[Builder], Builder]:
     def wrap(fn: Builder) -> Builder:
         if name in _BUILDERS:
             raise ValueError(f"schedule {name!r} is registered twice")
-        _BUILDERS[name] = BuilderInfo(name, fn, placement, constraints, description)
+        _BUILDERS[name] = BuilderInfo(name, fn, placement, constraints, description, check,
+                                      copies)
         return fn
     return wrap
 
@@ -56,6 +68,43 @@ def schedule_info(name: str) -> BuilderInfo:
             f"unknown schedule {name!r}; known schedules: {', '.join(_BUILDERS)}") from None
 
 
+def schedule_refusal(name: str, pp: int, vpp: int, microbatches: int) -> str | None:
+    """Why the named builder (default options) refuses (pp, vpp, microbatches), in its own words;
+    None when it builds. Cheap: the builder's registered ``check``, not a build (a builder
+    registered without one is built, remembered as every plain build is)."""
+    info = schedule_info(name)
+    try:
+        if info.check is None:
+            build_schedule(name, pp=pp, microbatches=microbatches, vpp=vpp)
+        else:
+            _check_sizes(name, pp, vpp, microbatches)
+            info.check(pp, vpp, microbatches)
+    except ScheduleError as exc:
+        return str(exc)
+    return None
+
+
+def schedule_rank_parts(name: str, pp: int, vpp: int) -> tuple[tuple[int, ...], ...]:
+    """The model parts (``pp * vpp`` of them) each rank holds under the named schedule, from
+    its registered placement (a copy of a part is listed again): no schedule is built."""
+    info = schedule_info(name)
+    return rank_parts(info.placement, pp, vpp, copies=info.copies)
+
+
+def schedule_part_runs(name: str, pp: int, vpp: int, microbatches: int
+                       ) -> tuple[dict[int, int], ...]:
+    """Per rank, model part -> microbatches the rank runs through it under the named schedule
+    (``microbatches`` for each, unless the schedule's copies share them): no schedule built."""
+    info = schedule_info(name)
+    return rank_part_runs(info.placement, pp, vpp, microbatches, copies=info.copies)
+
+
+def _check_sizes(name: str, pp: int, vpp: int, microbatches: int) -> None:
+    for field, value in (("pp", pp), ("vpp", vpp), ("microbatches", microbatches)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ScheduleError(f"{name}: {field} must be a positive integer, got {value!r}")
+
+
 def build_schedule(name: str, pp: int, microbatches: int, vpp: int = 1, *,
                    forward_only: bool = False, recv_lookahead: int = 0, **options) -> Schedule:
     """Build the named schedule; raise ScheduleError naming the constraint it breaks.
@@ -64,20 +113,50 @@ def build_schedule(name: str, pp: int, microbatches: int, vpp: int = 1, *,
     (0: right before it); see :mod:`pipesim.schedule.comms`.
     """
     info = schedule_info(name)
-    for field, value in (("pp", pp), ("vpp", vpp), ("microbatches", microbatches)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ScheduleError(f"{name}: {field} must be a positive integer, got {value!r}")
+    _check_sizes(name, pp, vpp, microbatches)
     if options or not isinstance(recv_lookahead, int):   # costs, limits, group sizes: afresh
         schedule = info.builder(pp, vpp, microbatches, forward_only=forward_only, **options)
         return schedule.with_recv_lookahead(recv_lookahead)
     return _built(name, pp, vpp, microbatches, bool(forward_only), recv_lookahead)
 
 
-@lru_cache(maxsize=128)
-def _built(name: str, pp: int, vpp: int, microbatches: int, forward_only: bool,
-           recv_lookahead: int) -> Schedule:
-    """A builder's result for plain arguments, remembered: builders are pure and a Schedule
-    is immutable, and a planner asks for the same (schedule, pp, vpp, m) for every plan that
-    shares them (tp, cp, dp, recomputation, sharding differ). A refusal is raised again."""
-    schedule = _BUILDERS[name].builder(pp, vpp, microbatches, forward_only=forward_only)
-    return schedule.with_recv_lookahead(recv_lookahead)
+class _BuildCache:
+    """Built schedules for plain arguments, remembered: builders are pure and a Schedule is
+    immutable, and a planner asks for the same (schedule, pp, vpp, m) for every plan that shares
+    them (tp, cp, dp, recomputation, sharding differ), in the order of their bounds, not
+    together. Least recently used first out, sized by compute actions rather than by entries
+    (a schedule keeps its validation and lowering, about 2 KB an action once simulated): a
+    search's few hundred distinct small schedules all stay, and a few large ones do not take a
+    process's memory. A refusal is raised again (not remembered)."""
+
+    def __init__(self, max_actions: int, max_entries: int) -> None:
+        self.max_actions, self.max_entries = max_actions, max_entries
+        self._entries: OrderedDict[tuple, Schedule] = OrderedDict()
+        self._actions = 0
+        self.hits = self.misses = 0
+
+    def __call__(self, name: str, pp: int, vpp: int, microbatches: int, forward_only: bool,
+                 recv_lookahead: int) -> Schedule:
+        key = (name, pp, vpp, microbatches, forward_only, recv_lookahead)
+        schedule = self._entries.get(key)
+        if schedule is not None:
+            self.hits += 1
+            self._entries.move_to_end(key)
+            return schedule
+        self.misses += 1
+        schedule = _BUILDERS[name].builder(pp, vpp, microbatches, forward_only=forward_only)
+        schedule = schedule.with_recv_lookahead(recv_lookahead)
+        self._entries[key] = schedule
+        self._actions += schedule.num_compute_actions
+        while len(self._entries) > 1 and (self._actions > self.max_actions
+                                           or len(self._entries) > self.max_entries):
+            _, old = self._entries.popitem(last=False)
+            self._actions -= old.num_compute_actions
+        return schedule
+
+    def cache_clear(self) -> None:
+        self._entries.clear()
+        self._actions = 0
+
+
+_built = _BuildCache(max_actions=400_000, max_entries=2048)

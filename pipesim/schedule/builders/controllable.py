@@ -29,12 +29,14 @@ Memory (chunk activations held from F to W): floor(p/2)+1 (V-Half) and floor((p+
 """
 from __future__ import annotations
 
+from bisect import bisect_left, insort
+
 from ...errors import ScheduleError
 from ..action import F, I, W, Action
 from ..placement import VSHAPE
 from ..registry import register
 from ..schedule import Schedule
-from .simple import require_vpp
+from .simple import vpp_check
 
 PERIOD = 6
 
@@ -78,82 +80,105 @@ def _inputs(pp: int, r: int, t: int, k: int) -> list[tuple[int, int, int]]:
     return need
 
 
-def _peak(at: dict[int, int]) -> int:
-    """Chunk activations held at the peak of one rank whose slots hold passes ``at`` (slot ->
-    pass): an F adds one, a W, run in the first free slot after its I, frees it."""
-    return max(_states(at, max(at) + 1)[0], default=0)
-
-
 def squeezed_slots(kind: str, pp: int, microbatches: int) -> dict[tuple[int, int, int], int]:
     """The block's slots with every pass moved to the earliest free slot after its inputs that
     keeps the rank's peak within the block's (worst rank) peak: in slot order, so that inputs
     have moved first. This removes most of the warm-up and cool-down gaps of the plain
     repetition (the paper's and the reference generator's "squeeze")."""
     slots = _slots(kind, pp, microbatches)
-    at: list[dict[int, int]] = [{} for _ in range(pp)]
+    ranks = [_Rank() for _ in range(pp)]
     for (r, t, k), slot in slots.items():
-        at[r][slot] = t
-    limit = max(_peak(a) for a in at)
-    # Each rank's held count and pending frees after every slot: a move from ``now`` to an
-    # earlier ``slot`` changes them only from ``slot`` on, and from the first slot past ``now``
-    # where they agree again with the old ones, nothing after it changes (the same passes in the
-    # same slots). So a move is checked from ``slot`` until that point, not over the whole rank.
-    length = 1 + max(slots.values(), default=0)
-    states = [_states(a, length) for a in at]
+        ranks[r].kind[slot] = t
+    limit = max([rank.recount() for rank in ranks], default=0)
     for key in sorted(slots, key=lambda x: (slots[x], x)):
         r, t, k = key
         now = slots[key]
         earliest = max([slots[d] + 1 for d in _inputs(pp, r, t, k)], default=0)
+        rank = ranks[r]
         for slot in range(earliest, now):
-            if slot in at[r]:
-                continue
-            del at[r][now]
-            at[r][slot] = t
-            changed = _recount(at[r], states[r], slot, now, limit)
-            if changed is not None:
-                curs, pends = states[r]
-                for s, c, p in changed:
-                    curs[s], pends[s] = c, p
+            if slot not in rank.kind and rank.move(t, now, slot, limit):
                 slots[key] = slot
                 break
-            del at[r][slot]
-            at[r][now] = t
     return slots
 
 
-def _states(at: dict[int, int], length: int) -> tuple[list[int], list[int]]:
-    """(held, pending frees) after each slot of one rank: the re-count of every slot."""
-    curs, pends = [0] * length, [0] * length
-    for slot, cur, pending in _recount(at, (curs, pends), 0, length, length + 1):
-        curs[slot], pends[slot] = cur, pending
-    return curs, pends
+class _Rank:
+    """One rank's passes during the squeeze and the chunk activations it holds.
 
+    The rule, slot by slot: an F holds one more chunk, an I leaves one to free, and a free
+    slot runs the oldest W, freeing one. Only the state (held, pending frees) after each
+    occupied slot is kept: across a run of ``n`` free slots it drains by ``min(pending, n)``.
+    So a move re-counts the passes between its two slots (a few: the passes that moved before
+    it have left a gap there) and the passes after it until the counts agree with the old ones
+    again, not every slot in between: linear in the passes, where a slot-by-slot re-count grows
+    with the distance moved (about 2 pp a pass for V-Half) and so with pp^2 * m overall."""
 
-def _recount(at: dict[int, int], states: tuple[list[int], list[int]], start: int, now: int,
-             limit: int) -> list[tuple[int, int, int]] | None:
-    """After moving a pass from ``now`` to ``start``: None if the held count exceeds ``limit``
-    somewhere, else the (slot, held, pending) that changed. The rule, slot by slot: an F
-    holds one more chunk, an I leaves one to free, and a free slot runs the oldest W, freeing
-    one."""
-    curs, pends = states
-    cur, pending = (curs[start - 1], pends[start - 1]) if start else (0, 0)
-    changed = []
-    for slot in range(start, len(curs)):
-        t = at.get(slot)
-        if t is None:
-            if pending:
-                cur -= 1
-                pending -= 1
-        elif t < 2:
-            cur += 1
-            if cur > limit:
-                return None
+    __slots__ = ("kind", "order", "state")
+
+    def __init__(self) -> None:
+        self.kind: dict[int, int] = {}             # slot -> pass (0, 1: F; 2, 3: I)
+        self.order: list[int] = []                 # occupied slots, ascending
+        self.state: dict[int, tuple[int, int]] = {}   # occupied slot -> (held, pending) after it
+
+    def recount(self) -> int:
+        """Count every slot afresh; the peak held."""
+        self.order = sorted(self.kind)
+        held = pending = peak = 0
+        prev = -1
+        for q in self.order:
+            d = min(pending, q - prev - 1)
+            held, pending = held - d, pending - d
+            if self.kind[q] < 2:
+                held += 1
+                peak = max(peak, held)
+            else:
+                pending += 1
+            self.state[q] = (held, pending)
+            prev = q
+        return peak
+
+    def move(self, t: int, now: int, slot: int, limit: int) -> bool:
+        """Move pass ``t`` from ``now`` to the free ``slot`` (earlier) if the held count stays
+        within ``limit`` everywhere; say whether it moved."""
+        order, kind, state = self.order, self.kind, self.state
+        i = bisect_left(order, slot)
+        held = pending = 0
+        if i:
+            prev = order[i - 1]
+            held, pending = state[prev]
+            d = min(pending, slot - 1 - prev)
+            held, pending = held - d, pending - d
+        if t < 2:
+            held += 1
+            if held > limit:
+                return False
         else:
             pending += 1
-        if slot >= now and cur == curs[slot] and pending == pends[slot]:
-            break
-        changed.append((slot, cur, pending))
-    return changed
+        changed = {slot: (held, pending)}
+        prev, n = slot, len(order)
+        while i < n:
+            q = order[i]
+            i += 1
+            if q == now:                  # free after the move
+                continue
+            d = min(pending, q - prev - 1)
+            held, pending = held - d, pending - d
+            if kind[q] < 2:
+                held += 1
+                if held > limit:
+                    return False
+            else:
+                pending += 1
+            prev = q
+            if q > now and state[q] == (held, pending):
+                break                     # the same counts from here on
+            changed[q] = (held, pending)
+        del kind[now], state[now]
+        order.pop(bisect_left(order, now))
+        kind[slot] = t
+        insort(order, slot)
+        state.update(changed)
+        return True
 
 
 def block_order(kind: str, rank: int, pp: int, microbatches: int, *,
@@ -193,7 +218,7 @@ def _rank_order(slots: dict[tuple[int, int, int], int], rank: int, pp: int) -> l
 
 
 def _build(kind: str, pp: int, vpp: int, microbatches: int, forward_only: bool) -> Schedule:
-    require_vpp(kind, vpp, 2, " (rank r holds stages r and 2*pp-1-r)")
+    _CHECKS[kind](pp, vpp, microbatches)
     mine: list[dict] = [{} for _ in range(pp)]          # each rank's passes and their slots
     for key, slot in squeezed_slots(kind, pp, microbatches).items():
         mine[key[0]][key] = slot
@@ -203,14 +228,18 @@ def _build(kind: str, pp: int, vpp: int, microbatches: int, forward_only: bool) 
     return Schedule(pp, 2, microbatches, VSHAPE, orders, name=kind, forward_only=forward_only)
 
 
-@register("v-min", placement=VSHAPE, constraints="vpp == 2",
+_CHECKS = {kind: vpp_check(kind, 2, " (rank r holds stages r and 2*pp-1-r)")
+           for kind in ("v-min", "v-half")}
+
+
+@register("v-min", placement=VSHAPE, constraints="vpp == 2", check=_CHECKS["v-min"],
           description="V-Min (Qi et al. 2024, controllable memory): V placement, about 1/3 of "
                       "1F1B's activation memory, bubble between ZB-V's and 1F1B's")
 def v_min(pp: int, vpp: int, microbatches: int, *, forward_only: bool = False) -> Schedule:
     return _build("v-min", pp, vpp, microbatches, forward_only)
 
 
-@register("v-half", placement=VSHAPE, constraints="vpp == 2",
+@register("v-half", placement=VSHAPE, constraints="vpp == 2", check=_CHECKS["v-half"],
           description="V-Half (Qi et al. 2024, controllable memory): V placement, about 1/2 of "
                       "1F1B's activation memory, bubble between ZB-V's and 1F1B's")
 def v_half(pp: int, vpp: int, microbatches: int, *, forward_only: bool = False) -> Schedule:

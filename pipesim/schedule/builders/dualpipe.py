@@ -95,16 +95,20 @@ def dualpipev_order(rank: int, pp: int, microbatches: int) -> list[Action]:
     return order
 
 
-@register("dualpipev", placement=VSHAPE,
-          constraints="vpp == 2, microbatches >= 2*pp (as torch's ScheduleDualPipeV)",
-          description="DualPipeV (DeepSeek): V placement, overlapped forward-and-backward "
-                      "(OVERLAP_F_B) steady state, zero-bubble cool-down with deferred W")
-def dualpipev(pp: int, vpp: int, microbatches: int, *, forward_only: bool = False) -> Schedule:
+def _check(pp: int, vpp: int, microbatches: int) -> None:
     require_vpp("dualpipev", vpp, 2, " (rank r holds stages r and 2*pp-1-r)")
     if microbatches < 2 * pp:
         raise ScheduleError(
             f"dualpipev needs microbatches >= 2*pp = {2 * pp} (as many as stages, so that the "
             f"overlapped steady state exists), got {microbatches}")
+
+
+@register("dualpipev", placement=VSHAPE, check=_check,
+          constraints="vpp == 2, microbatches >= 2*pp (as torch's ScheduleDualPipeV)",
+          description="DualPipeV (DeepSeek): V placement, overlapped forward-and-backward "
+                      "(OVERLAP_F_B) steady state, zero-bubble cool-down with deferred W")
+def dualpipev(pp: int, vpp: int, microbatches: int, *, forward_only: bool = False) -> Schedule:
+    _check(pp, vpp, microbatches)
     orders = [dualpipev_order(r, pp, microbatches) for r in range(pp)]
     if forward_only:
         orders = [[p for a in order for p in a.parts if p.op == F] for order in orders]

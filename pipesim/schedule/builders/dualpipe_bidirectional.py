@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from ...errors import ScheduleError
 from ..action import F, Action, Overlap
-from ..placement import VSHAPE
+from ..placement import VSHAPE, copy_parts, copy_routes
 from ..registry import register
 from ..schedule import Schedule
 from .dualpipe import dualpipev_order
@@ -27,13 +27,12 @@ from .dualpipe import dualpipev_order
 
 def dualpipe_routes(pp: int, microbatches: int) -> list[tuple[int, int]]:
     """First and last stage of each microbatch: the first half down, the second half up."""
-    half = microbatches // 2
-    return [(0, pp - 1)] * half + [(pp, 2 * pp - 1)] * (microbatches - half)
+    return copy_routes(pp, 1, microbatches)
 
 
 def dualpipe_stage_parts(pp: int) -> list[int]:
     """Stage ``s`` computes model part ``s % pp``: stage ``pp+j`` is a copy of part ``j``."""
-    return [s % pp for s in range(2 * pp)]
+    return list(copy_parts(pp, 1))
 
 
 def dualpipe_order(rank: int, pp: int, microbatches: int) -> list[Action]:
@@ -57,13 +56,7 @@ def dualpipe_order(rank: int, pp: int, microbatches: int) -> list[Action]:
     return out
 
 
-@register("dualpipe", placement=VSHAPE,
-          constraints="pp even, microbatches even and >= 2*pp (as DeepSeek's DualPipe); "
-                      "vpp == 1 (pp model parts; each rank holds part r and a copy of part "
-                      "pp-1-r, so the schedule's vpp is 2)",
-          description="DualPipe (DeepSeek): bidirectional, half the microbatches fed at each "
-                      "end, two copies of the parameters, overlapped F&B steady state")
-def dualpipe(pp: int, vpp: int, microbatches: int, *, forward_only: bool = False) -> Schedule:
+def _check(pp: int, vpp: int, microbatches: int) -> None:
     if vpp != 1:
         raise ScheduleError(
             f"dualpipe needs vpp == 1, got vpp = {vpp}: the model is cut into pp parts, one per "
@@ -77,6 +70,16 @@ def dualpipe(pp: int, vpp: int, microbatches: int, *, forward_only: bool = False
             f"dualpipe needs an even number of microbatches >= 2*pp = {2 * pp} (half fed at each "
             f"end, each half >= pp so that the overlapped steady state exists; DeepSeek's "
             f"DualPipe asserts the same), got {microbatches}")
+
+
+@register("dualpipe", placement=VSHAPE, check=_check, copies=True,
+          constraints="pp even, microbatches even and >= 2*pp (as DeepSeek's DualPipe); "
+                      "vpp == 1 (pp model parts; each rank holds part r and a copy of part "
+                      "pp-1-r, so the schedule's vpp is 2)",
+          description="DualPipe (DeepSeek): bidirectional, half the microbatches fed at each "
+                      "end, two copies of the parameters, overlapped F&B steady state")
+def dualpipe(pp: int, vpp: int, microbatches: int, *, forward_only: bool = False) -> Schedule:
+    _check(pp, vpp, microbatches)
     orders = [dualpipe_order(r, pp, microbatches) for r in range(pp)]
     if forward_only:
         orders = [[p for a in order for p in a.parts if p.op == F] for order in orders]

@@ -125,7 +125,13 @@ def _order(pp: int, vpp: int, rank: int, table: list[tuple[int, int]], warmup: i
     return order
 
 
-@register(NAME, placement=LOOPED,
+def _default_check(pp: int, vpp: int, microbatches: int) -> None:
+    """What the builder refuses with its default group size (pp)."""
+    if vpp > 1:
+        check_interleaved(pp, vpp, microbatches, pp)
+
+
+@register(NAME, placement=LOOPED, check=_default_check,
           constraints="vpp > 1: pp >= 2, microbatches >= pp, pp <= microbatch_group_size <= "
                       "microbatches, microbatches % microbatch_group_size == 0 or >= pp (the group "
                       "size defaults to pp: microbatches a multiple of pp); vpp == 1: 1f1b, any m",

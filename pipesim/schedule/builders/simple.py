@@ -1,6 +1,8 @@
 """GPipe, 1F1B (PipeDream-Flush) and looped breadth-first: the schedules with one idea each."""
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from ...errors import ScheduleError
 from ..action import B, F, Action
 from ..placement import LOOPED
@@ -13,10 +15,25 @@ def require_vpp(name: str, vpp: int, want: int, hint: str = "") -> None:
         raise ScheduleError(f"{name} needs vpp == {want}, got vpp = {vpp}{hint}")
 
 
-@register("gpipe", placement=LOOPED, constraints="vpp == 1",
+def vpp_check(name: str, want: int, hint: str = "") -> Callable[[int, int, int], None]:
+    """A builder's check (see `register`) when all it needs is ``vpp == want``."""
+    def check(pp: int, vpp: int, microbatches: int) -> None:
+        require_vpp(name, vpp, want, hint)
+    return check
+
+
+def accept_all(pp: int, vpp: int, microbatches: int) -> None:
+    """The check of a builder that takes every (pp, vpp, microbatches)."""
+
+
+_gpipe_check = vpp_check("gpipe", 1, " (use looped-bfs for several chunks per rank)")
+_1f1b_check = vpp_check("1f1b", 1, " (use interleaved for several chunks per rank)")
+
+
+@register("gpipe", placement=LOOPED, constraints="vpp == 1", check=_gpipe_check,
           description="GPipe: every forward, then every backward (peak memory: all m microbatches)")
 def gpipe(pp: int, vpp: int, microbatches: int, *, forward_only: bool = False) -> Schedule:
-    require_vpp("gpipe", vpp, 1, " (use looped-bfs for several chunks per rank)")
+    _gpipe_check(pp, vpp, microbatches)
     orders = []
     for rank in range(pp):
         order = [Action(F, rank, mb) for mb in range(microbatches)]
@@ -38,11 +55,11 @@ def one_f_one_b_order(stage: int, warmup: int, microbatches: int) -> list[Action
     return order
 
 
-@register("1f1b", placement=LOOPED, constraints="vpp == 1",
+@register("1f1b", placement=LOOPED, constraints="vpp == 1", check=_1f1b_check,
           description="PipeDream-Flush as in Megatron-LM: rank r warms up with min(pp-r-1, m) "
                       "forwards, then alternates F and B (peak memory: pp-r microbatches)")
 def one_f_one_b(pp: int, vpp: int, microbatches: int, *, forward_only: bool = False) -> Schedule:
-    require_vpp("1f1b", vpp, 1, " (use interleaved for several chunks per rank)")
+    _1f1b_check(pp, vpp, microbatches)
     if forward_only:
         orders = [[Action(F, r, mb) for mb in range(microbatches)] for r in range(pp)]
     else:
@@ -50,7 +67,7 @@ def one_f_one_b(pp: int, vpp: int, microbatches: int, *, forward_only: bool = Fa
     return Schedule(pp, 1, microbatches, LOOPED, orders, name="1f1b", forward_only=forward_only)
 
 
-@register("looped-bfs", placement=LOOPED, constraints="any vpp",
+@register("looped-bfs", placement=LOOPED, constraints="any vpp", check=accept_all,
           description="Breadth-first (Lamy-Poirier 2022): each local chunk runs every microbatch "
                       "before the next chunk; backward in reverse")
 def looped_bfs(pp: int, vpp: int, microbatches: int, *, forward_only: bool = False) -> Schedule:

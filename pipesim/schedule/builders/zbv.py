@@ -30,7 +30,9 @@ from ..action import F, I, W, Action
 from ..placement import VSHAPE
 from ..registry import register
 from ..schedule import Schedule
-from .simple import require_vpp
+from .simple import vpp_check
+
+_check = vpp_check("zbv", 2, " (rank r holds stages r and 2*pp-1-r)")
 
 
 def zbv_order(rank: int, pp: int, microbatches: int) -> list[Action]:
@@ -77,12 +79,12 @@ def zbv_order(rank: int, pp: int, microbatches: int) -> list[Action]:
     return [a for a in order if a.microbatch < microbatches]
 
 
-@register("zbv", placement=VSHAPE,
+@register("zbv", placement=VSHAPE, check=_check,
           constraints="vpp == 2; zero bubble for F = I = W, m >= 2*pp - 1",
           description="Zero Bubble V: two chunks per rank in V placement (rank r holds stages r "
                       "and 2pp-1-r); zero bubble when F = I = W with 1F1B's peak memory")
 def zbv(pp: int, vpp: int, microbatches: int, *, forward_only: bool = False) -> Schedule:
-    require_vpp("zbv", vpp, 2, " (rank r holds stages r and 2*pp-1-r)")
+    _check(pp, vpp, microbatches)
     orders = [zbv_order(r, pp, microbatches) for r in range(pp)]
     if forward_only:
         # The training order's forwards keep both chunks of the V busy in turn.

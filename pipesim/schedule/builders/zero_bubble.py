@@ -42,7 +42,10 @@ from ..action import F, I, W, Action
 from ..placement import LOOPED
 from ..registry import register
 from ..schedule import Schedule
-from .simple import require_vpp
+from .simple import vpp_check
+
+_h1_check = vpp_check("zb-h1", 1, " (use zbv for two chunks per rank)")
+_h2_check = vpp_check("zb-h2", 1, " (use zbv for two chunks per rank)")
 
 
 def split_backward_order(stage: int, warmup: int, w_lag: int, microbatches: int) -> list[Action]:
@@ -70,12 +73,12 @@ def _forward_only(pp: int, microbatches: int) -> list[list[Action]]:
     return [[Action(F, r, mb) for mb in range(microbatches)] for r in range(pp)]
 
 
-@register("zb-h1", placement=LOOPED,
+@register("zb-h1", placement=LOOPED, check=_h1_check,
           constraints="vpp == 1; bubble (p-1)(F+I-W) for m >= pp, W <= min(F, I)",
           description="Zero Bubble H1: 1F1B with the backward split into I and W; W passes delayed "
                       "by r steps on rank r fill the cool-down (1F1B's peak memory)")
 def zb_h1(pp: int, vpp: int, microbatches: int, *, forward_only: bool = False) -> Schedule:
-    require_vpp("zb-h1", vpp, 1, " (use zbv for two chunks per rank)")
+    _h1_check(pp, vpp, microbatches)
     if forward_only:
         orders = _forward_only(pp, microbatches)
     else:
@@ -83,12 +86,12 @@ def zb_h1(pp: int, vpp: int, microbatches: int, *, forward_only: bool = False) -
     return Schedule(pp, 1, microbatches, LOOPED, orders, name="zb-h1", forward_only=forward_only)
 
 
-@register("zb-h2", placement=LOOPED,
+@register("zb-h2", placement=LOOPED, check=_h2_check,
           constraints="vpp == 1; bubble (p-1)(F+I-2W), zero for F = I = W, m >= 2*pp - 1",
           description="Zero Bubble H2: 2(p-r)-1 warm-up forwards and W delayed 2r steps on rank r "
                       "fill warm-up and cool-down (peak memory 2p-1 microbatches)")
 def zb_h2(pp: int, vpp: int, microbatches: int, *, forward_only: bool = False) -> Schedule:
-    require_vpp("zb-h2", vpp, 1, " (use zbv for two chunks per rank)")
+    _h2_check(pp, vpp, microbatches)
     if forward_only:
         orders = _forward_only(pp, microbatches)
     else:
