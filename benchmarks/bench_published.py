@@ -424,7 +424,7 @@ def published_error(run: Run, seconds: float) -> float:
 
 # the scores docs/planning.md states (median, worst |error|), which the slow test holds; the
 # targets are LOMO median <= 5%, worst <= 15%
-STATED = {"fit": (0.11, 0.80), "lomo": (0.15, 0.85)}
+STATED = {"fit": (0.08, 0.95), "lomo": (0.13, 1.2)}
 
 
 # -- the report --------------------------------------------------------------------------------
