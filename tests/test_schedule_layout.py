@@ -87,3 +87,45 @@ def test_the_build_cache_keeps_schedules_up_to_its_action_budget():
     assert cache("gpipe", 2, 1, 50, False, 0) is not b and cache.misses == 4
     with pytest.raises(ScheduleError, match="dualpipev needs microbatches"):
         cache("dualpipev", 4, 2, 4, False, 0)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_the_searched_vpp_is_one_the_builder_takes(name):
+    """What the planner enumerates for a schedule (its registered searched_vpp) builds: vpp 1
+    or 2 alone, or every vpp > 1 (interleaved with microbatches a multiple of pp)."""
+    from pipesim.schedule.registry import schedule_info
+
+    want = schedule_info(name).searched_vpp
+    for vpp in ((want,) if want else range(2, 6)):
+        assert schedule_refusal(name, 4, vpp, 16) is None, vpp
+    if want == 2:
+        assert schedule_refusal(name, 4, 1, 16) is not None
+
+
+def test_plans_of_one_bounds_key_derive_and_bound_alike():
+    """The search derives and bounds one plan per `bounds_key`: every plan of a small space,
+    derived and bounded on its own, has its key's figures; the keys join gpipe, 1f1b, zb-h1 and
+    zb-h2, and the V schedules."""
+    from collections import defaultdict
+
+    from pipesim.planner import SearchSpace
+    from pipesim.planner.bounds import bounds_key, plan_bounds
+    from pipesim.planner.enumerate import enumerate_plans
+
+    space = SearchSpace("llama3-8b", gpus=16, gbs=64, cp=(1,), mbs=(1,), zero=(0, 1),
+                        recompute=("none",))
+    groups = defaultdict(list)
+    for plan in enumerate_plans(space).plans:
+        groups[bounds_key(plan)].append(plan)
+    assert None not in groups
+    names = [{p.schedule_name for p in g} for g in groups.values()]
+    assert {"gpipe", "1f1b", "zb-h1", "zb-h2"} in names
+    assert {"zbv", "dualpipev", "v-half", "v-min"} in names
+    for group in groups.values():
+        figures = set()
+        for plan in group:
+            d = plan.derive()
+            b = plan_bounds(plan, d, exact_order=False)
+            figures.add((tuple(d.costs.forward), tuple(d.costs.backward), tuple(d.rank_buffers),
+                         tuple(t.seconds for t in d.tail), b.step_time, b.memory))
+        assert len(figures) == 1, [p.schedule_name for p in group]

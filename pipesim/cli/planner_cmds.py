@@ -81,7 +81,8 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     o.add_argument("--no-progress", action="store_true", help="no progress bar")
     x = p.add_argument_group("execution")
     x.add_argument("--workers", type=int, metavar="K",
-                   help="processes (default: every core; 1: in this process)")
+                   help="processes (default 1: in this process, the least CPU; every core's "
+                        "pool is faster only on an idle machine)")
     x.add_argument("--dask", metavar="ADDRESS",
                    help="run on a Dask cluster (scheduler address; pip install "
                         "'dask[distributed]')")

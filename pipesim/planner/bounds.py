@@ -92,7 +92,7 @@ def bounds_key(plan: Plan) -> Hashable | None:
     a plan's costs depend on its schedule only through which parts each rank holds and how many
     microbatches it runs through each (gpipe, 1f1b, zb-h1 and zb-h2 share theirs, as do the V
     schedules, and interleaved and looped-bfs at one vpp), so a search derives each once. None
-    for a plan holding a Schedule value."""
+    for a plan holding a Schedule value (or an option that cannot be hashed)."""
     if isinstance(plan.schedule, Schedule):
         return None
     par = plan.parallelism
@@ -100,8 +100,12 @@ def bounds_key(plan: Plan) -> Hashable | None:
         runs = schedule_part_runs(plan.schedule_name, par.pp, par.vpp, par.microbatches)
     except ScheduleError:
         return None
-    return (dataclasses.replace(plan, schedule=""),
-            tuple(tuple(parts.items()) for parts in runs))
+    key = (dataclasses.replace(plan, schedule=""), tuple(tuple(parts.items()) for parts in runs))
+    try:
+        hash(key)
+    except TypeError:                  # an option value that cannot be a key: on its own
+        return None
+    return key
 
 
 def _part_runs(plan: Plan, stages: list[list[int]], m: int) -> list[dict[int, int]]:

@@ -45,11 +45,10 @@ from ..schedule.registry import schedule_info, schedule_names, schedule_refusal
 
 ALL_SCHEDULES = ("gpipe", "1f1b", "interleaved", "looped-bfs", "zb-h1", "zb-h2", "zbv",
                  "dualpipev", "v-half", "v-min", "dualpipe")
-_VPP_ONE = ("gpipe", "1f1b", "zb-h1", "zb-h2")
-VPP_MANY = ("interleaved", "looped-bfs")   # the schedules whose vpp is searched
+# each schedule's vpp as its builder registers it (`BuilderInfo.searched_vpp`): 1 (dualpipe:
+# pp model parts, a copy of another on each rank), 2 (the V schedules), or the space's values
+VPP_MANY = tuple(s for s in ALL_SCHEDULES if schedule_info(s).searched_vpp is None)
 DEFAULT_VPPS = tuple(range(2, 9))           # the vpp values searched unless --vpp is given
-_VPP_TWO = ("zbv", "dualpipev", "v-half", "v-min")
-_COPIES = ("dualpipe",)                  # vpp 1: pp model parts, a copy of another on each rank
 _NOT_ENUMERATED = {"zb-auto": "zb-auto's order is searched from one plan's costs under that "
                    "plan's memory, so the planner does not enumerate it: search the handcrafted "
                    "schedules, then run zb-auto on the chosen plan (pipesim simulate zb-auto "
@@ -221,7 +220,7 @@ def _walk(space: SearchSpace, refused: Counter) -> Iterator[Plan]:
         return
     cluster = space.cluster
     schedules = list(space.schedules)
-    first_flat = next((s for s in schedules if s in _VPP_ONE), None)
+    first_flat = next((s for s in schedules if _flat(s)), None)
     for tp in space.values("tp"):
         if n % tp:
             refused["tp does not divide the GPU count"] += 1
@@ -320,19 +319,22 @@ def _per_layout(space: SearchSpace, cluster: Cluster, tp: int, cp: int, pp: int,
                         yield Plan(model, par, cluster, schedule, efficiency=space.efficiency)
 
 
+def _flat(schedule: str) -> bool:
+    """One stage a rank, no copies: with pp = 1 all such schedules are the same plan."""
+    info = schedule_info(schedule)
+    return info.searched_vpp == 1 and not info.copies
+
+
 def _schedule_vpps(space: SearchSpace, schedules: list[str], pp: int,
                    refused: Counter) -> Iterator[tuple[str, int]]:
     for schedule in schedules:
-        if schedule in _VPP_ONE:
-            yield schedule, 1
-        elif schedule in _VPP_TWO:
+        vpp = schedule_info(schedule).searched_vpp
+        if vpp == 2:
             if pp < 2:
                 refused[f"{schedule} needs pp >= 2 (two stages a rank in a V)"] += 1
                 continue
             yield schedule, 2
-        elif schedule in _COPIES:
-            yield schedule, 1
-        elif schedule in VPP_MANY:
+        elif vpp is None:
             for vpp in space.values("vpp"):
                 if vpp < 2:
                     refused[f"{schedule} with vpp = 1 is 1f1b / gpipe"] += 1
@@ -341,5 +343,5 @@ def _schedule_vpps(space: SearchSpace, schedules: list[str], pp: int,
                     refused[f"{schedule} needs pp >= 2 for vpp > 1"] += 1
                     continue
                 yield schedule, vpp
-        else:                         # a builder registered elsewhere: one stage a rank
-            yield schedule, 1
+        else:
+            yield schedule, vpp

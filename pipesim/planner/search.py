@@ -10,8 +10,12 @@
    (so that the top plans and every schedule's best, which :func:`explain` compares, are exact).
    Ties are broken by the plan's key, so the ranking is deterministic.
 
-Work runs on an executor: none (in this process), a process pool over ``workers`` processes
-(the default: every core), or any ``concurrent.futures.Executor``-like object with ``map``
+Work runs on an executor: none (in this process, the default: one process spends less CPU
+than a pool over two cores, whose workers each derive and build what the other does, and a
+search on a shared machine is bound by its CPU, see docs/planning.md; it batches the
+simulations as a pool over every core would, so that it finds what such a pool finds), a
+process pool over ``workers`` processes (`default_workers`: every core), or any
+``concurrent.futures.Executor``-like object with ``map``
 (``distributed.Client(address).get_executor()`` for a Dask cluster). Each batch waits at most
 ``timeout`` seconds.
 """
@@ -186,7 +190,8 @@ def search(space: SearchSpace, *, memory_limit: float | None = None, top: int = 
            enumeration: Enumeration | None = None) -> SearchResult:
     """Search ``space``; see the module docstring. ``memory_limit`` in bytes (default: the
     hardware's usable memory, less its reserve and fragmentation); ``prune=False`` simulates every plan (the brute force the tests compare
-    with). ``workers`` 1 runs in this process; an ``executor`` given is used as it is."""
+    with). ``workers`` 1 (the default) runs in this process; an ``executor`` given is used as
+    it is."""
     import pandas as pd
 
     wall0 = time.perf_counter()
@@ -202,7 +207,12 @@ def search(space: SearchSpace, *, memory_limit: float | None = None, top: int = 
     keys = [plan_key(p) for p in plans]
     rows = [PlanRow(PlanConfig.of(p)) for p in plans]
     own_pool = None
-    workers = default_workers() if workers is None else workers
+    # the candidates are simulated in batches of 2 per worker (1 in this process with
+    # workers=1), and a batch is pruned against the plans found before it: the default runs in
+    # this process but batches as a pool over every core would, so its counts are those
+    # of ``workers=default_workers()``
+    batch = 2 * (default_workers() if workers is None else workers)
+    workers = 1 if workers is None else workers
     if executor is None and workers > 1 and len(plans) > 1:
         own_pool = executor = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context(),
                                                   initializer=_ignore_sigint)
@@ -236,7 +246,7 @@ def search(space: SearchSpace, *, memory_limit: float | None = None, top: int = 
         for i, first in enumerate(same):
             b = found_by[first]
             if i != first:
-                if b.status == INVALID:        # in its own words (none so far depend on it)
+                if b.status == INVALID:        # refused again on its own, in its own words
                     b = bound_plans([plans[i]], limit, prune)[0]
                 else:
                     b = dataclasses.replace(b, derive_s=0.0, bound_s=0.0)
@@ -244,7 +254,7 @@ def search(space: SearchSpace, *, memory_limit: float | None = None, top: int = 
             rows[i] = rows[i].merged(b)
         candidates = sorted((i for i, r in enumerate(rows) if r.status == CANDIDATE),
                             key=lambda i: (rows[i].step_time_bound, keys[i]))
-        batch = 1 if executor is None else 2 * max(1, workers)
+        batch = 1 if batch <= 2 and executor is None else max(2, batch)
         found: list[tuple[float, str]] = []           # fitting plans' (step, key), sorted
         best_of: dict[str, tuple[float, str]] = {}    # schedule -> best fitting (step, key)
         bar.close()

@@ -33,18 +33,21 @@ class BuilderInfo:
     # builder refuses with its default options (None: only building the schedule tells)
     check: Check | None = None
     copies: bool = False  # pp * vpp model parts on 2 * vpp stages a rank (DualPipe's copies)
+    # the vpp a planner searches it at (model parts a rank); None: the search's vpp values > 1
+    searched_vpp: int | None = 1
 
 
 _BUILDERS: dict[str, BuilderInfo] = {}
 
 
 def register(name: str, *, placement: str, constraints: str, description: str,
-             check: Check | None = None, copies: bool = False) -> Callable[[Builder], Builder]:
+             check: Check | None = None, copies: bool = False,
+             searched_vpp: int | None = 1) -> Callable[[Builder], Builder]:
     def wrap(fn: Builder) -> Builder:
         if name in _BUILDERS:
             raise ValueError(f"schedule {name!r} is registered twice")
         _BUILDERS[name] = BuilderInfo(name, fn, placement, constraints, description, check,
-                                      copies)
+                                      copies, searched_vpp)
         return fn
     return wrap
 

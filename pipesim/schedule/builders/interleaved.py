@@ -131,7 +131,7 @@ def _default_check(pp: int, vpp: int, microbatches: int) -> None:
         check_interleaved(pp, vpp, microbatches, pp)
 
 
-@register(NAME, placement=LOOPED, check=_default_check,
+@register(NAME, placement=LOOPED, check=_default_check, searched_vpp=None,
           constraints="vpp > 1: pp >= 2, microbatches >= pp, pp <= microbatch_group_size <= "
                       "microbatches, microbatches % microbatch_group_size == 0 or >= pp (the group "
                       "size defaults to pp: microbatches a multiple of pp); vpp == 1: 1f1b, any m",

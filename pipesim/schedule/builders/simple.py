@@ -68,6 +68,7 @@ def one_f_one_b(pp: int, vpp: int, microbatches: int, *, forward_only: bool = Fa
 
 
 @register("looped-bfs", placement=LOOPED, constraints="any vpp", check=accept_all,
+          searched_vpp=None,
           description="Breadth-first (Lamy-Poirier 2022): each local chunk runs every microbatch "
                       "before the next chunk; backward in reverse")
 def looped_bfs(pp: int, vpp: int, microbatches: int, *, forward_only: bool = False) -> Schedule:
