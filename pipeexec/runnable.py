@@ -23,9 +23,10 @@ def refusals(config: Any, *, custom_stack: bool = False) -> list[str]:
     plan, par = config.plan, config.plan.parallelism
     out = [f"parallelism.{name} = {getattr(par, name)!r} ({flag}): {why}"
            for name, flag, runs, why in _NOT_YET if getattr(par, name) != runs]
-    if par.precision == "fp8":
-        out.append("parallelism.precision = 'fp8' (--precision): pipeexec computes in fp32, "
-                   "bf16 or fp16 (fp8 GEMMs need Transformer Engine, which it does not use)")
+    if par.precision in ("fp8", "mxfp8", "nvfp4"):
+        out.append(f"parallelism.precision = {par.precision!r} (--precision): pipeexec computes "
+                   f"in fp32, bf16 or fp16 ({par.precision} GEMMs need Transformer Engine, which "
+                   "it does not use)")
     if par.grad_reduce_in_fp32 is False:
         out.append("parallelism.grad_reduce_in_fp32 = False (--no-grad-reduce-in-fp32): "
                    "pipeexec accumulates and reduces gradients in fp32 (drop the flag)")

@@ -41,6 +41,30 @@ NCCL_ARCHS = ("", "ampere", "hopper", "blackwell")      # pipesim.plan.nccl.ARCH
 COLLECTIVE_NAMES = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all")
 
 
+LOW_PRECISIONS = ("fp8", "mxfp8", "nvfp4")
+
+
+def _precision_rows(value: Any, hw: str) -> tuple:
+    """``precision_e_max`` as sorted ``(precision, e_max)`` rows, from a mapping or rows."""
+    rows = value.items() if isinstance(value, dict) else value
+    out = []
+    for row in rows:
+        if len(row) != 2:
+            raise ValueError(f"hardware {hw}: a precision_e_max row is (precision, e_max), "
+                             f"got {row!r}")
+        name, e = row
+        if name not in LOW_PRECISIONS:
+            raise ValueError(f"hardware {hw}: precision_e_max: {name!r} is not one of "
+                             f"{', '.join(LOW_PRECISIONS)} (bf16's is gemm_e_max)")
+        if isinstance(e, bool) or not isinstance(e, (int, float)) or not 0 < e <= 1:
+            raise ValueError(f"hardware {hw}: precision_e_max.{name} must be a number in "
+                             f"(0, 1], got {e!r}")
+        out.append((str(name), float(e)))
+    if len({r[0] for r in out}) != len(out):
+        raise ValueError(f"hardware {hw}: precision_e_max names a precision twice")
+    return tuple(sorted(out))
+
+
 def _collective_rows(value: Any, hw: str) -> tuple:
     """``collectives`` as sorted rows ``(kind, name, p, latency, bandwidth)`` (``p`` 0: any
     group size), from the file's nested mapping or from rows; every figure checked."""
@@ -127,11 +151,23 @@ class Hardware:
     network_bus_efficiency: float = 1.0
     nvlink_domain: int = 8           # GPUs one NVLink (scale-up) domain joins
     fp8_flops: float | None = None   # dense FP8 FLOP/s (default: twice peak_flops; 0: none)
+    mxfp8_flops: float = 0.0         # dense MXFP8 (block-scaled, 1x32 E8M0) FLOP/s; 0: none
+    nvfp4_flops: float = 0.0         # dense NVFP4 (block-scaled FP4, 1x16 E4M3) FLOP/s; 0: none
     fp32_flops: float | None = None  # fp32 (TF32 on GPUs) FLOP/s (default: half peak_flops)
     # -- the per-operator time model (pipesim.plan.operators) --------------------------------
     gemm_e_max: float = 0.74         # GEMM efficiency at large shapes (fraction of the peak)
     gemm_dim_half: float = 60.0      # the dimension at which one GEMM side costs a doubling
     gemm_table: tuple = ()           # measured ((m, n, k, efficiency), ...), the curve's data
+    # GEMM efficiency at large shapes per low precision (fp8, mxfp8, nvfp4), of that
+    # precision's own peak: ((precision, e_max), ...), in a file {"fp8": 0.55, ...}; a
+    # precision not listed takes gemm_e_max (the bf16 / fp16 / fp32 figure)
+    precision_e_max: tuple = ()
+    # the routed experts' grouped GEMM: the fraction of a dense GEMM's efficiency (same shape)
+    # each group reaches
+    grouped_gemm_efficiency: float = 1.0
+    # quantize / cast kernels (fp8, mxfp8, nvfp4 GEMM inputs): fraction of hbm_bandwidth they
+    # reach (None: mem_efficiency)
+    cast_efficiency: float | None = None
     mem_efficiency: float = 0.70     # fraction of hbm_bandwidth element-wise kernels reach
     flash_e_max: float = 0.70        # flash attention (fwd + bwd) at long sequences, head dim 128
     launch_overhead: float = 4e-6    # seconds a kernel costs beyond its roofline
@@ -159,12 +195,23 @@ class Hardware:
         src = self.sources.items() if isinstance(self.sources, dict) else self.sources
         object.__setattr__(self, "sources", tuple((str(k), str(v)) for k, v in src))
         object.__setattr__(self, "collectives", _collective_rows(self.collectives, self.name))
+        object.__setattr__(self, "precision_e_max", _precision_rows(self.precision_e_max,
+                                                                    self.name))
         for f in ("peak_flops", "memory_bytes", "link_bandwidth", "network_bandwidth",
                   "hbm_bandwidth"):
             if not getattr(self, f) > 0:
                 raise ValueError(f"hardware {self.name}: {f} must be > 0, got {getattr(self, f)!r}")
+        for f in ("fp8_flops", "mxfp8_flops", "nvfp4_flops"):
+            v = getattr(self, f)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))
+                                  or not 0 <= v < float("inf")):
+                raise ValueError(f"hardware {self.name}: {f} must be a finite number >= 0 "
+                                 f"(0: no such tensor cores), got {v!r}")
+        if self.cast_efficiency is not None and not 0 < self.cast_efficiency <= 1:
+            raise ValueError(f"hardware {self.name}: cast_efficiency must be in (0, 1] or null, "
+                             f"got {self.cast_efficiency!r}")
         for f in ("gemm_e_max", "mem_efficiency", "flash_e_max", "link_bus_efficiency",
-                  "network_bus_efficiency"):
+                  "network_bus_efficiency", "grouped_gemm_efficiency"):
             if not 0 < getattr(self, f) <= 1:
                 raise ValueError(f"hardware {self.name}: {f} must be in (0, 1], got "
                                  f"{getattr(self, f)!r}")
@@ -206,10 +253,10 @@ class Hardware:
     def source(self, figure: str) -> str:
         return dict(self.sources).get(figure, "")
 
-    def gemm_efficiency(self, m: float, n: float, k: float) -> float:
-        """Fraction of the peak a GEMM of this shape reaches (the fitted curve)."""
+    def gemm_efficiency(self, m: float, n: float, k: float, precision: str = "bf16") -> float:
+        """Fraction of the precision's peak a GEMM of this shape reaches (the fitted curve)."""
         d = self.gemm_dim_half
-        return self.gemm_e_max / (1.0 + d * (1.0 / m + 1.0 / n + 1.0 / k))
+        return self.precision_gemm_e_max(precision) / (1.0 + d * (1.0 / m + 1.0 / n + 1.0 / k))
 
     def with_(self, **changes: Any) -> "Hardware":
         return replace(self, **changes)
@@ -242,12 +289,45 @@ class Hardware:
 
     def fp8_refusal(self) -> str:
         """Why an fp8 plan cannot run here ('' when it can)."""
-        return "" if self.has_fp8 else (f"precision fp8 needs FP8 tensor cores; {self.name} has "
-                                        "none (H100 and later do): use bf16")
+        return self.precision_refusal("fp8")
+
+    def precision_peak(self, precision: str) -> float:
+        """Dense tensor-core FLOP/s of GEMMs in ``precision`` (0: no such tensor cores)."""
+        if precision in ("bf16", "fp16"):
+            return self.peak_flops
+        if precision == "fp32":
+            return self.fp32_peak_flops
+        if precision == "fp8":
+            return self.fp8_peak_flops
+        if precision == "mxfp8":
+            return self.mxfp8_flops
+        if precision == "nvfp4":
+            return self.nvfp4_flops
+        raise ValueError(f"hardware {self.name}: no peak for precision {precision!r}")
+
+    def precision_gemm_e_max(self, precision: str) -> float:
+        """GEMM efficiency at large shapes in ``precision``, of that precision's peak."""
+        return dict(self.precision_e_max).get(precision, self.gemm_e_max)
+
+    def precision_refusal(self, precision: str) -> str:
+        """Why a plan with GEMMs in ``precision`` cannot run here ('' when it can)."""
+        if precision in ("bf16", "fp16", "fp32") or self.precision_peak(precision) > 0:
+            return ""
+        which = {"fp8": "FP8 tensor cores; {n} has none (H100 and later do)",
+                 "mxfp8": "block-scaled MXFP8 tensor cores; {n} has none (Blackwell's B200, "
+                          "B300, GB200 and GB300 have them)",
+                 "nvfp4": "NVFP4 tensor cores; {n} has none (Blackwell's B200, B300, GB200 "
+                          "and GB300 have them)"}[precision].format(n=self.name)
+        return f"precision {precision} needs {which}: use bf16" + (
+            " or fp8" if precision != "fp8" and self.has_fp8 else "")
 
     def to_dict(self) -> dict:
         out = asdict(self)
         out["gemm_table"] = [list(r) for r in self.gemm_table]
+        if self.precision_e_max:
+            out["precision_e_max"] = dict(self.precision_e_max)
+        else:
+            del out["precision_e_max"]                 # files stay as they were without it
         out["sources"] = dict(self.sources)
         if self.collectives:
             nested: dict = {}
@@ -334,12 +414,14 @@ _BUS_BY_GPU = {"H100": (0.824, "SM90_NVLINK_BW 20.6 GB/s a link of NVLink 4's 25
                "H200": (0.824, "SM90_NVLINK_BW 20.6 GB/s a link of NVLink 4's 25"),
                "B200": (0.802, "SM100_NVLINK_BW 40.1 GB/s a link of NVLink 5's 50"),
                "GB200": (0.802, "SM100_NVLINK_BW 40.1 GB/s a link of NVLink 5's 50"),
+               "B300": (0.802, "SM100_NVLINK_BW 40.1 GB/s a link of NVLink 5's 50"),
+               "GB300": (0.802, "SM100_NVLINK_BW 40.1 GB/s a link of NVLink 5's 50"),
                "MI300X": (0.80, "assumed as NCCL's A100 figure (RCCL over Infinity Fabric "
                                 "has no such constant)")}
 # NCCL's tuner rows by compute capability (SM80 Ampere, SM90 Hopper, SM100 Blackwell); MI300X
 # runs RCCL, whose tuner is not transcribed: its links' pairs price it
 _NCCL_ARCH = {"A100": "ampere", "H100": "hopper", "H200": "hopper", "B200": "blackwell",
-              "GB200": "blackwell"}
+              "GB200": "blackwell", "B300": "blackwell", "GB300": "blackwell"}
 # Calculon's processor_usage (calculon-ai/calculon, commit caa4b11, systems/a100_80g.json and
 # h100_80g_nvl8.json): a collective hidden under compute slows it as if it held this fraction
 # of the GPU (calculon/llm/layers.py: flop_time / (1 - processor_usage) while both run);
@@ -352,6 +434,8 @@ _PROCESSOR_USAGE = {
     "H200": ((0.15, 0.02), _CALCULON.format("h100_80g_nvl8.json") + ", as H100 (same SMs)"),
     "B200": ((0.15, 0.02), _CALCULON.format("h100_80g_nvl8.json") + ", H100's assumed"),
     "GB200": ((0.15, 0.02), _CALCULON.format("h100_80g_nvl8.json") + ", H100's assumed"),
+    "B300": ((0.15, 0.02), _CALCULON.format("h100_80g_nvl8.json") + ", H100's assumed"),
+    "GB300": ((0.15, 0.02), _CALCULON.format("h100_80g_nvl8.json") + ", H100's assumed"),
     "MI300X": ((0.15, 0.02), _CALCULON.format("h100_80g_nvl8.json") + ", H100's assumed "
                "(RCCL)"),
 }
@@ -370,7 +454,11 @@ _A100_SOURCES = {
     "memory_bytes": "vendor datasheet, the HBM's GB read as GiB (H200: what CUDA reports on "
                     "one, measured)",
     "fp8_flops": "vendor datasheet, dense (A100: none; the default is twice the bf16 peak)",
+    "mxfp8_flops": "none: block-scaled MXFP8 tensor cores are Blackwell's (B200 and later)",
+    "nvfp4_flops": "none: NVFP4 tensor cores are Blackwell's (B200 and later)",
     "fp32_flops": "TF32 dense: half the bf16 dense peak on every datasheet listed",
+    "grouped_gemm_efficiency": "1: a grouped GEMM's groups as fast as dense GEMMs of their "
+                               "shape (assumed, where no MoE run was fitted)",
     "nvlink_domain": "8 GPUs an HGX / DGX node's NVSwitches join (GB200: its NVL72 rack, 72)",
     "link_latency": "assumed, not measured: 5 us a ring step inside a node (the order of "
                     "NCCL's per-step latency over NVLink)",
@@ -386,13 +474,18 @@ _CARRIED = {k: "carried over from A100's fit (extrapolated; measure with pipeexe
                "calibrate-hardware and pass --hardware FILE)" for k in A100_FIT}
 
 
+def _carried_e_max(name: str) -> float:
+    """A100's fitted gemm_e_max scaled by ``name``'s MAMF over A100's (see _MAMF)."""
+    return round(A100_FIT["gemm_e_max"] * _MAMF[name] / _MAMF["A100"], 3)
+
+
 def _preset(name: str, *args: float, calibration: str = "extrapolated",
             sources: dict | None = None, **kw: Any) -> Hardware:
     src = dict(_A100_SOURCES)
     if calibration == "extrapolated":
         src.update(_CARRIED)
     if name in _MAMF and name != "A100":
-        kw.setdefault("gemm_e_max", round(A100_FIT["gemm_e_max"] * _MAMF[name] / _MAMF["A100"], 3))
+        kw.setdefault("gemm_e_max", _carried_e_max(name))
         src["gemm_e_max"] = (f"A100's fitted {A100_FIT['gemm_e_max']} x {name}'s measured matmul "
                              f"efficiency over A100's, {_MAMF[name]:.1%} / {_MAMF['A100']:.1%} "
                              "(Bekman, ml-engineering MAMF table, bf16; derived from a "
@@ -422,6 +515,33 @@ def _preset(name: str, *args: float, calibration: str = "extrapolated",
 # torch matmul, mean of 100 iterations; stas00/ml-engineering commit 744d01e): A100 SXM 86.9%,
 # H100 SXM 80.3% ("H200 is the same"), B200 SXM 77.6%, GB200 72.9%, MI300X 51.4%. A
 # microbenchmark, not an end-to-end run: published training runs stay checks of the model.
+# Low-precision peaks of the Blackwell presets, dense (the datasheets give 2:4-sparse figures
+# for FP8 and both for FP4): block-scaled MXFP8 runs at the FP8 rate, NVFP4 at the FP4 one.
+_BLACKWELL_PEAKS = {
+    "B200": {"mxfp8_flops": "NVIDIA HGX B200 datasheet (2024): 72 PFLOP/s FP8 with sparsity for "
+                            "8 GPUs, 4.5 PFLOP/s dense a GPU (MXFP8 at the FP8 rate)",
+             "nvfp4_flops": "NVIDIA HGX B200 datasheet (2024): 144 PFLOP/s FP4 with sparsity for "
+                            "8 GPUs, 9 PFLOP/s dense a GPU"},
+    "B300": {"peaks": "NVIDIA HGX B300 datasheet (2025): per GPU as B200 in BF16 (2.25 PFLOP/s "
+                      "dense) and FP8 (4.5); 288 GB HBM3e at 8 TB/s; NVLink 5 1.8 TB/s; "
+                      "ConnectX-8 800 Gb/s a GPU",
+             "mxfp8_flops": "NVIDIA HGX B300 datasheet (2025): 72 PFLOP/s FP8 with sparsity for "
+                            "8 GPUs, 4.5 PFLOP/s dense a GPU (MXFP8 at the FP8 rate)",
+             "nvfp4_flops": "NVIDIA HGX B300 datasheet (2025): FP4 144 PFLOP/s sparse | 105 "
+                            "PFLOP/s dense for 8 GPUs, 13.125 PFLOP/s dense a GPU"},
+    "GB200": {"mxfp8_flops": "NVIDIA GB200 NVL72 datasheet (2024): 720 PFLOP/s FP8 with sparsity "
+                             "for 72 GPUs, 5 PFLOP/s dense a GPU (MXFP8 at the FP8 rate)",
+              "nvfp4_flops": "NVIDIA GB200 NVL72 datasheet (2024): 1,440 PFLOP/s FP4 with "
+                             "sparsity for 72 GPUs, 10 PFLOP/s dense a GPU"},
+    "GB300": {"peaks": "NVIDIA GB300 NVL72 datasheet (2025): 360 PFLOP/s FP16/BF16 with sparsity "
+                       "for 72 GPUs (2.5 PFLOP/s dense a GPU), HBM3e 288 GB a GPU at 8 TB/s, one "
+                       "NVLink 5 domain of 72 GPUs, ConnectX-8 800 Gb/s a GPU",
+              "mxfp8_flops": "NVIDIA GB300 NVL72 datasheet (2025): 720 PFLOP/s FP8 with sparsity "
+                             "for 72 GPUs, 5 PFLOP/s dense a GPU (MXFP8 at the FP8 rate)",
+              "nvfp4_flops": "NVIDIA GB300 NVL72 datasheet (2025): FP4 1,440 PFLOP/s sparse | "
+                             "1,080 PFLOP/s dense for 72 GPUs, 15 PFLOP/s dense a GPU"},
+}
+
 _MAMF = {"A100": 0.869, "H100": 0.803, "H200": 0.803, "B200": 0.776, "GB200": 0.729,
          "MI300X": 0.514}
 
@@ -435,14 +555,101 @@ _PRESETS = {
     "H200": _preset("H200", 989e12, H200_CUDA_BYTES, 450 * GB, 50 * GB, 4.8e12, flash_e_max=0.55,
                     sources={"flash_e_max": "as H100 (same SMs and clocks)"}),
     "B200": _preset("B200", 2.25e15, 180 * GiB, 900 * GB, 50 * GB, 8e12, fp8_flops=4.5e15,
-                    flash_e_max=0.55, sources={"flash_e_max": "as H100 (assumed)"}),
+                    mxfp8_flops=4.5e15, nvfp4_flops=9e15,
+                    flash_e_max=0.55, sources={"flash_e_max": "as H100 (assumed)",
+                                               **_BLACKWELL_PEAKS["B200"]}),
+    "B300": _preset("B300", 2.25e15, 288 * GiB, 900 * GB, 100 * GB, 8e12, fp8_flops=4.5e15,
+                    mxfp8_flops=4.5e15, nvfp4_flops=13.125e15, flash_e_max=0.55,
+                    gemm_e_max=_carried_e_max("B200"),
+                    sources={"flash_e_max": "as H100 (assumed)", **_BLACKWELL_PEAKS["B300"],
+                             "gemm_e_max": "as B200's (the same bf16 tensor-core rate; not in "
+                                           "the MAMF table): assumed"}),
     "GB200": _preset("GB200", 2.5e15, 186 * GiB, 900 * GB, 50 * GB, 8e12, nvlink_domain=72,
-                     fp8_flops=5e15, flash_e_max=0.55, sources={"flash_e_max": "as H100 (assumed)"}),
+                     fp8_flops=5e15, mxfp8_flops=5e15, nvfp4_flops=10e15, flash_e_max=0.55,
+                     sources={"flash_e_max": "as H100 (assumed)", **_BLACKWELL_PEAKS["GB200"]}),
+    "GB300": _preset("GB300", 2.5e15, 288 * GiB, 900 * GB, 100 * GB, 8e12, nvlink_domain=72,
+                     fp8_flops=5e15, mxfp8_flops=5e15, nvfp4_flops=15e15, flash_e_max=0.55,
+                     gemm_e_max=_carried_e_max("GB200"),
+                     sources={"flash_e_max": "as H100 (assumed)", **_BLACKWELL_PEAKS["GB300"],
+                              "gemm_e_max": "as GB200's (the same bf16 tensor-core rate; not in "
+                                            "the MAMF table): assumed"}),
     "MI300X": _preset("MI300X", 1307.4e12, 192 * GiB, 448 * GB, 50 * GB, 5.3e12,
                       fp8_flops=2614.9e12, flash_e_max=0.45,
                       sources={"flash_e_max": "assumed below H100's (ROCm flash attention)"}),
 }
-_ALIASES = {"GB200-NVL72": "GB200", "GB200_NVL72": "GB200", "NVL72": "GB200"}
+_ALIASES = {"GB200-NVL72": "GB200", "GB200_NVL72": "GB200", "NVL72": "GB200",
+            "GB300-NVL72": "GB300", "GB300_NVL72": "GB300", "DGX-H100": "H100",
+            "DGX-B200": "B200", "DGX-B300": "B300", "DGX-GB200": "GB200", "DGX-GB300": "GB300"}
+
+
+# -- figures fitted on published runs -----------------------------------------------------------
+# pipesim/data/fitted.json: per GPU, the time model's figures fitted on NVIDIA Megatron-Bridge's
+# published runs by `python3 benchmarks/bench_published.py --fit` (the file names its source
+# and command); they replace the presets' carried-over figures (calibration "fitted").
+FITTED_FILE = Path(__file__).parent / "data" / "fitted.json"
+FITTED_FORMAT = "pipesim.fitted/1"
+_FITTABLE = ("gemm_e_max", "precision_e_max", "mem_efficiency", "flash_e_max",
+             "grouped_gemm_efficiency")
+
+
+def read_fitted(path: "str | Path" = FITTED_FILE) -> dict:
+    """The fitted-figures file, checked: ``{"format", "source", "command", "gpus": {GPU:
+    {figure: value, "precision_e_max": {precision: value}}}}``; {} when there is none."""
+    p = Path(path)
+    if not p.exists():
+        return {}
+    try:
+        data = json.loads(p.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{p}: cannot read the fitted figures: {exc}") from None
+    if not isinstance(data, dict) or data.get("format") != FITTED_FORMAT:
+        raise ValueError(f"{p}: not a {FITTED_FORMAT} file (its 'format')")
+    for key in ("source", "command"):
+        if not isinstance(data.get(key), str) or not data[key]:
+            raise ValueError(f"{p}: '{key}' must name where the figures come from")
+    gpus = data.get("gpus")
+    if not isinstance(gpus, dict):
+        raise ValueError(f"{p}: 'gpus' must map GPU presets to their figures")
+    for gpu, figs in gpus.items():
+        if gpu not in _PRESETS or not isinstance(figs, dict):
+            raise ValueError(f"{p}: gpus.{gpu}: not a preset ({', '.join(_PRESETS)}) with a "
+                             "mapping of figures")
+        for fig, value in figs.items():
+            if fig not in _FITTABLE:
+                raise ValueError(f"{p}: gpus.{gpu}.{fig}: not a fitted figure "
+                                 f"({', '.join(_FITTABLE)})")
+            values = value.values() if fig == "precision_e_max" and isinstance(value, dict) \
+                else [value]
+            for v in values:
+                if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v <= 1:
+                    raise ValueError(f"{p}: gpus.{gpu}.{fig}: a number in (0, 1], got {v!r}")
+    return data
+
+
+def _apply_fitted(presets: dict, data: dict) -> dict:
+    out = dict(presets)
+    for gpu, figs in data.get("gpus", {}).items():
+        hw = out[gpu]
+        where = f"fitted on {data['source']} ({data['command']}; pipesim/data/fitted.json)"
+        src = dict(hw.sources)
+        for fig in figs:
+            src[fig] = where
+        changes = {k: v for k, v in figs.items() if k != "precision_e_max"}
+        if "precision_e_max" in figs:
+            changes["precision_e_max"] = {**dict(hw.precision_e_max), **figs["precision_e_max"]}
+        out[gpu] = hw.with_(**changes, calibration="fitted", sources=tuple(src.items()))
+    return out
+
+
+_BEFORE_FIT = dict(_PRESETS)
+FITTED = read_fitted()
+_PRESETS = _apply_fitted(_BEFORE_FIT, FITTED)
+
+
+def preset_before_fit(name: str) -> Hardware:
+    """A preset as defined here, before the fitted file's figures (what a refit starts from)."""
+    key = str(name).upper()
+    return _BEFORE_FIT[_ALIASES.get(key, key)]
 
 
 def hardware_names() -> list[str]:

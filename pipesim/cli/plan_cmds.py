@@ -218,11 +218,13 @@ def cmd_hardware(args: argparse.Namespace) -> int:
         return 0
     # efficiencies: "fitted" (A100, on Korthikanti Table 5 + Narayanan Table 1), "extrapolated"
     # (carried over from it: the times printed for that hardware say so); `--json` has sources
-    print(f"{'name':<7} {'bf16 TFLOP/s':>12} {'fp8 TFLOP/s':>11} {'memory GiB':>10} {'HBM TB/s':>8} "
+    print(f"{'name':<7} {'bf16 TFLOP/s':>12} {'fp8 TFLOP/s':>11} {'nvfp4 TFLOP/s':>13} "
+          f"{'memory GiB':>10} {'HBM TB/s':>8} "
           f"{'NVLink GB/s':>11} {'net GB/s':>8} {'NVLink domain':>13} {'efficiencies':>12}")
     for h in presets:
         fp8 = f"{h.fp8_peak_flops / 1e12:.1f}" if h.has_fp8 else "-"       # A100: no FP8
-        print(f"{h.name:<7} {h.peak_flops / 1e12:>12.1f} {fp8:>11} "
+        fp4 = f"{h.nvfp4_flops / 1e12:.1f}" if h.nvfp4_flops else "-"      # Blackwell only
+        print(f"{h.name:<7} {h.peak_flops / 1e12:>12.1f} {fp8:>11} {fp4:>13} "
               f"{h.memory_bytes / 2**30:>10.1f} {h.hbm_bandwidth / 1e12:>8.2f} "
               f"{h.link_bandwidth / 1e9:>11.0f} {h.network_bandwidth / 1e9:>8.0f} "
               f"{h.nvlink_domain:>13} {h.calibration:>12}")

@@ -7,8 +7,8 @@ thousands. For each stage and one microbatch on one rank of its tensor/context-p
   the memory-bound norms, activations, dropout, residuals, rotary, MoE permutes; embedding, head
   and cross-entropy), each a roofline on the hardware's figures, summed per F / I / W. A plan's
   constant ``efficiency`` replaces that model by the layers' FLOPs (:mod:`pipesim.plan.flops`)
-  divided by ``tp * cp`` at ``peak * efficiency`` (GEMMs at the precision's peak, fp8 doubling
-  it; attention matmuls at bf16 peak, causal halves with flash attention). Full recomputation adds each recomputed layer's forward (with its communication)
+  divided by ``tp * cp`` at ``peak * efficiency`` (GEMMs at the precision's own dense peak:
+  fp8, mxfp8, nvfp4; attention matmuls at bf16 peak, causal halves with flash attention). Full recomputation adds each recomputed layer's forward (with its communication)
   to I; selective adds the attention matmuls (none with flash attention). The last stage adds
   the LM head (F, I and W each ``2 b s h V``);
 * communication inside a layer, alpha-beta over the link the group crosses
@@ -56,6 +56,7 @@ from dataclasses import dataclass, field
 
 from ..costs import CostModel
 from ..errors import PlanError, ScheduleError
+from ..hardware import LOW_PRECISIONS
 from ..schedule.registry import schedule_rank_parts
 from ..schedule.schedule import Schedule
 from . import collectives as coll
@@ -127,11 +128,12 @@ def derive(plan) -> PlanCosts:
     per_op = plan.efficiency is None
     eff = plan.efficiency if not per_op else 1.0
     bf16_rate = hw.peak_flops * eff
-    if par.precision == "fp8":
-        if not hw.has_fp8:
-            raise PlanError(f"parallelism.precision: {hw.fp8_refusal()}")
-        # never above the bf16 dense peak (the utilisations' denominator; see operators.py)
-        gemm_rate = min(hw.fp8_peak_flops * eff, hw.peak_flops)
+    if par.precision in LOW_PRECISIONS:
+        refusal = hw.precision_refusal(par.precision)
+        if refusal:
+            raise PlanError(f"parallelism.precision: {refusal}")
+        # at the precision's own peak (MFU stays against the bf16 peak; see operators.py)
+        gemm_rate = hw.precision_peak(par.precision) * eff
     elif par.precision == "fp32":
         gemm_rate = bf16_rate = hw.fp32_peak_flops * eff
     else:
@@ -336,6 +338,22 @@ def derive(plan) -> PlanCosts:
                 w += zero_reduce(head_p / t, 0.0) if per_mb else 0.0
             a_bytes += head_activations(model, par)
             w_bytes += e * b * (s / cp) * model.hidden / sp       # the head's input, for W
+            if model.mtp_layers:
+                # multi-token prediction: each module's MoE layer, its 2h -> h projection
+                # (a GEMM as the layer's) and a second pass through the output layer
+                k = kinds[model.is_moe]
+                proj = 2 * b * (s / cp) * 2 * model.hidden * model.hidden / t / (
+                    hw.peak_flops * hw.gemm_efficiency(b * s / cp, model.hidden / t,
+                                                       2 * model.hidden))
+                mp = model.mtp_params()
+                for _ in range(model.mtp_layers):
+                    f += k["F"] + head_f + proj
+                    i += k["I"] + head_i + proj
+                    w += k["W"] + head_w + proj
+                    a_bytes += layer_activations(model, par, model.is_moe).total + \
+                        head_activations(model, par)
+                    dense_p += (mp["dense"] + 0.0) / t
+                    expert_p += mp["expert"] / (t * par.ep)
         fwd.append(f)
         inp.append(i)
         wgt.append(w)

@@ -51,15 +51,17 @@ def layer_flops(model: ModelSpec, b: int, s: int | None = None, moe: bool = Fals
 # search derives (the same few shapes each time): each is computed once per distinct argument.
 @lru_cache(maxsize=1024)
 def _layer_flops(model: ModelSpec, b: int, s: int, moe: bool, causal: bool) -> LayerFlops:
-    h, q, kv = model.hidden, model.q_size, model.kv_size
     tokens = b * s
-    attn_gemm = 2 * tokens * h * (q + 2 * kv) + 2 * tokens * q * h
+    h = model.hidden
+    attn_gemm = 2 * tokens * sum(i * o for _, i, o in model.attention_weight_shapes())
     if moe:
         mlp = (model.top_k * 2 * tokens * h * model.moe_ffn * model.mlp_matrices
                + 2 * tokens * h * model.shared_expert_ffn_hidden * model.mlp_matrices)
     else:
         mlp = 2 * tokens * h * model.ffn * model.mlp_matrices
-    attention = 4 * b * s * s * q / (2 if causal else 1)
+    # MLA: scores over the q/k head dim, values over the value head dim (attention_width);
+    # sliding-window layers: their span (attention_span, the layers' mean)
+    attention = 4 * b * s * model.attention_span(s) * model.attention_width / (2 if causal else 1)
     return LayerFlops(gemm=float(attn_gemm + mlp), attention=float(attention))
 
 
@@ -75,7 +77,16 @@ def model_flops(model: ModelSpec, batch: int, tp: int = 1, causal: bool = False)
     2022 eq. 7's "model FLOPs", generalised; no recomputation."""
     fwd = sum(layer_flops(model, batch, moe=moe, causal=causal).forward
               for moe in model.moe_pattern())
-    return 3 * (fwd + head_flops(model, batch, tp=tp))
+    return 3 * (fwd + head_flops(model, batch, tp=tp) + model.mtp_layers * mtp_flops(
+        model, batch, tp=tp, causal=causal))
+
+
+def mtp_flops(model: ModelSpec, b: int, tp: int = 1, causal: bool = False) -> float:
+    """Forward FLOPs of one multi-token-prediction module (DeepSeek-V3): its projection
+    ``2 b s (2h) h``, its MoE layer and its pass through the output layer."""
+    s = model.seq_length
+    layer = layer_flops(model, b, moe=model.is_moe, causal=causal).forward
+    return float(2 * b * s * 2 * model.hidden * model.hidden + layer + head_flops(model, b, tp=tp))
 
 
 @lru_cache(maxsize=1024)

@@ -62,9 +62,10 @@ from .model import ModelSpec
 from .parallelism import Parallelism
 
 # precision -> (weight, gradient, optimizer) bytes per parameter
-BYTES_PER_PARAM = {"fp16": (2, 2, 16), "bf16": (2, 4, 12), "fp8": (2, 4, 12), "fp32": (4, 4, 8)}
+BYTES_PER_PARAM = {"fp16": (2, 2, 16), "bf16": (2, 4, 12), "fp8": (2, 4, 12), "mxfp8": (2, 4, 12),
+                   "nvfp4": (2, 4, 12), "fp32": (4, 4, 8)}
 # precision -> bytes of one activation element (fp8 GEMMs keep their activations in bf16)
-ACTIVATION_BYTES = {"fp16": 2, "bf16": 2, "fp8": 2, "fp32": 4}
+ACTIVATION_BYTES = {"fp16": 2, "bf16": 2, "fp8": 2, "mxfp8": 2, "nvfp4": 2, "fp32": 4}
 
 
 def bytes_per_param(par: Parallelism) -> tuple[int, int, int]:

@@ -4,7 +4,8 @@ Key names are those of the transformers configuration classes: ``LlamaConfig`` (
 Qwen2, Qwen3), ``MixtralConfig`` (``num_local_experts``, ``num_experts_per_tok``),
 ``Qwen2MoeConfig`` (``num_experts``, ``moe_intermediate_size``,
 ``shared_expert_intermediate_size``, ``decoder_sparse_step``) and ``GPT2Config`` (``n_embd``,
-``n_layer``, ``n_head``, ``n_positions``, ``n_inner``). Defaults for absent keys are those
+``n_layer``, ``n_head``, ``n_positions``, ``n_inner``), ``DeepseekV3Config`` (multi-latent
+attention, also Kimi K2) and ``GptOssConfig``. Defaults for absent keys are those
 classes' defaults (``tie_word_embeddings``: False for Llama-family, True for GPT-2).
 """
 from __future__ import annotations
@@ -19,6 +20,7 @@ from ..fields import json_value
 
 _LLAMA_FAMILY = ("llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe")
 _GELU = ("gelu", "gelu_new", "gelu_pytorch_tanh", "gelu_fast")
+_DEEPSEEK = ("deepseek_v2", "deepseek_v3", "kimi_k2")
 
 
 def spec_from_hf_config(cls: type, path: "str | Path | dict", *, name: str | None = None,
@@ -43,6 +45,11 @@ def spec_from_hf_config(cls: type, path: "str | Path | dict", *, name: str | Non
     # the family and the whole config ride along: an executor builds that family's modules
     # from them (what the shape does not hold: rope theta, norm epsilon, init range...)
     origin = {"family": kind or None, "hf_config": dict(cfg)}
+    if kind in _DEEPSEEK or "kv_lora_rank" in cfg:
+        return replace(_deepseek(cls, cfg, source, name or kind or "hf-model", seq_length),
+                       **origin)
+    if kind == "gpt_oss":
+        return replace(_gpt_oss(cls, cfg, source, name or kind, seq_length), **origin)
     if kind == "gpt2" or "n_embd" in cfg:
         return replace(_gpt2(cls, cfg, source, name, seq_length), **origin)
     if kind in _LLAMA_FAMILY or "num_key_value_heads" in cfg or "intermediate_size" in cfg:
@@ -155,6 +162,62 @@ def _llama(cls: type, cfg: dict, source: str, name: str, seq_length: int | None)
         shared_expert_gate=bool(shared) and str(cfg.get("model_type", "")).lower() == "qwen2_moe",
         # Qwen3's attention normalises each head's q and k (q_norm, k_norm: head_dim each)
         qk_norm=str(cfg.get("model_type", "")).lower() in ("qwen3", "qwen3_moe"),
+    )
+
+
+def _deepseek(cls: type, cfg: dict, source: str, name: str, seq_length: int | None):
+    """DeepSeek-V2/V3 (and Kimi K2, its architecture): multi-latent attention
+    (``q_lora_rank``, ``kv_lora_rank``, ``qk_nope_head_dim``, ``qk_rope_head_dim``,
+    ``v_head_dim``), ``n_routed_experts`` of ``moe_intermediate_size`` with
+    ``n_shared_experts`` as one shared expert, the first ``first_k_dense_replace`` layers dense,
+    ``num_nextn_predict_layers`` multi-token-prediction modules."""
+    heads = _need(cfg, "num_attention_heads", source)
+    experts = int(cfg.get("n_routed_experts") or 0)
+    moe_ffn = int(_need(cfg, "moe_intermediate_size", source)) if experts else None
+    return cls(
+        name=name, layers=_need(cfg, "num_hidden_layers", source),
+        hidden=_need(cfg, "hidden_size", source), heads=heads,
+        seq_length=int(seq_length or cfg.get("max_position_embeddings", 4096)),
+        vocab=_need(cfg, "vocab_size", source), kv_heads=heads,
+        head_dim=int(_need(cfg, "qk_nope_head_dim", source)),
+        ffn_hidden=_need(cfg, "intermediate_size", source), mlp="swiglu", norm="rmsnorm",
+        position="rotary", tied_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        bias=bool(cfg.get("attention_bias", False)), dropout=False,
+        experts=experts, top_k=int(cfg.get("num_experts_per_tok") or 0) if experts else 0,
+        moe_ffn_hidden=moe_ffn,
+        shared_expert_ffn_hidden=int(cfg.get("n_shared_experts") or 0) * (moe_ffn or 0),
+        moe_layer_freq=int(cfg.get("moe_layer_freq", 1) or 1),
+        first_dense_layers=int(cfg.get("first_k_dense_replace", 0) or 0),
+        q_lora_rank=cfg.get("q_lora_rank") or None,
+        kv_lora_rank=int(_need(cfg, "kv_lora_rank", source)),
+        qk_rope_head_dim=int(_need(cfg, "qk_rope_head_dim", source)),
+        v_head_dim=int(_need(cfg, "v_head_dim", source)),
+        mtp_layers=int(cfg.get("num_nextn_predict_layers", 0) or 0),
+    )
+
+
+def _gpt_oss(cls: type, cfg: dict, source: str, name: str, seq_length: int | None):
+    """OpenAI's gpt-oss: ``num_local_experts`` with biases, a bias on every attention
+    projection (``attention_bias``), sink logits per head, ``sliding_window`` on the layers
+    ``layer_types`` names ``sliding_attention``."""
+    layers = _need(cfg, "num_hidden_layers", source)
+    types = cfg.get("layer_types") or []
+    window = int(cfg.get("sliding_window") or 0)
+    return cls(
+        name=name, layers=layers, hidden=_need(cfg, "hidden_size", source),
+        heads=_need(cfg, "num_attention_heads", source),
+        seq_length=int(seq_length or cfg.get("max_position_embeddings", 4096)),
+        vocab=_need(cfg, "vocab_size", source),
+        kv_heads=_need(cfg, "num_key_value_heads", source),
+        head_dim=int(_need(cfg, "head_dim", source)),
+        ffn_hidden=_need(cfg, "intermediate_size", source), mlp="swiglu", norm="rmsnorm",
+        position="rotary", tied_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        bias=bool(cfg.get("attention_bias", True)), dropout=False,
+        experts=int(_need(cfg, "num_local_experts", source)),
+        top_k=int(_need(cfg, "num_experts_per_tok", source)),
+        moe_ffn_hidden=_need(cfg, "intermediate_size", source), moe_bias=True,
+        attention_sinks=True, sliding_window=window,
+        sliding_window_layers=sum(t == "sliding_attention" for t in types) if window else 0,
     )
 
 

@@ -52,6 +52,25 @@ class ModelSpec:
     shared_expert_gate: bool = False   # the shared expert's output times sigmoid(x w), w: hidden (Qwen2-MoE)
     qk_norm: bool = False          # RMSNorm (weight: head_dim) on each head's q and k (Qwen3)
     moe_layer_freq: int = 1        # every k-th layer is MoE, from layer 0 (Megatron's moe_layer_freq)
+    first_dense_layers: int = 0    # the first k layers dense (DeepSeek's first_k_dense_replace)
+    # multi-latent attention (DeepSeek-V2/V3): q and kv down-projected to these ranks (an
+    # RMSNorm each), then up-projected per head; head_dim is then the q/k head dim without its
+    # rotary part (qk_nope_head_dim), qk_rope_head_dim the rotary part (k's shared by all
+    # heads), v_head_dim the value head dim. kv_lora_rank None: ordinary (GQA) attention.
+    q_lora_rank: int | None = None
+    kv_lora_rank: int | None = None
+    qk_rope_head_dim: int = 0
+    v_head_dim: int | None = None
+    # sliding-window attention on `sliding_window_layers` of the layers (GPT-OSS: every other
+    # layer attends the last 128 tokens); 0: every layer attends the whole causal context
+    sliding_window: int = 0
+    sliding_window_layers: int = 0
+    # multi-token prediction (DeepSeek-V3): this many extra MoE layers after the last, each
+    # with a projection of [norm(h); norm(embedding)] (2h -> h) and its own pass through the
+    # shared output layer; on the last pipeline stage
+    mtp_layers: int = 0
+    moe_bias: bool = False         # biases on the experts' and the router's linear layers (GPT-OSS)
+    attention_sinks: bool = False  # a learned logit per head (GPT-OSS): `heads` parameters
     max_position: int | None = None  # learned position table size (default seq_length)
     # the vocabulary is padded to a multiple of this (times tp): Megatron's
     # --make-vocab-size-divisible-by (128); 1 for a model whose tables are not padded
@@ -94,6 +113,23 @@ class ModelSpec:
                             f"got {self.top_k}")
         if self.moe_layer_freq < 1:
             raise PlanError(f"model.moe_layer_freq: must be >= 1, got {self.moe_layer_freq}")
+        for f in ("first_dense_layers", "qk_rope_head_dim", "sliding_window",
+                  "sliding_window_layers", "mtp_layers"):
+            v = getattr(self, f)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise PlanError(f"model.{f}: must be an integer >= 0, got {v!r}")
+        for f in ("q_lora_rank", "kv_lora_rank", "v_head_dim"):
+            if getattr(self, f) is not None:
+                _positive(self, f)
+        if self.kv_lora_rank is None and (self.q_lora_rank or self.qk_rope_head_dim
+                                          or self.v_head_dim):
+            raise PlanError("model.kv_lora_rank: q_lora_rank, qk_rope_head_dim and v_head_dim "
+                            "describe multi-latent attention, which needs kv_lora_rank")
+        if self.sliding_window_layers > self.layers:
+            raise PlanError(f"model.sliding_window_layers: at most layers ({self.layers}), got "
+                            f"{self.sliding_window_layers}")
+        if self.sliding_window_layers and not self.sliding_window:
+            raise PlanError("model.sliding_window: sliding_window_layers needs a window size")
         if self.family is not None and (not isinstance(self.family, str) or not self.family):
             raise PlanError(f"model.family: a Hugging Face model_type such as 'llama', or null, "
                             f"got {self.family!r}")
@@ -112,14 +148,45 @@ class ModelSpec:
         return self.hidden // self.heads if self.head_dim is None else self.head_dim
 
     @property
+    def is_mla(self) -> bool:
+        """Multi-latent attention (DeepSeek-V2/V3)."""
+        return self.kv_lora_rank is not None
+
+    @property
+    def qk_head_dim(self) -> int:
+        """Query/key head dim: head dim, plus the rotary part under MLA."""
+        return self.kv_channels + self.qk_rope_head_dim
+
+    @property
+    def value_head_dim(self) -> int:
+        return self.kv_channels if self.v_head_dim is None else self.v_head_dim
+
+    @property
     def q_size(self) -> int:
-        """Width of the query projection, heads x head dim."""
-        return self.heads * self.kv_channels
+        """Width of the query projection, heads x head dim (MLA: heads x q/k head dim)."""
+        return self.heads * self.qk_head_dim
 
     @property
     def kv_size(self) -> int:
-        """Width of the key (and of the value) projection, kv heads x head dim."""
-        return self.num_kv_heads * self.kv_channels
+        """Width of the key (and of the value) projection, kv heads x head dim (MLA: each
+        head's key after the up-projection, as training materialises them)."""
+        return self.num_kv_heads * self.qk_head_dim
+
+    @property
+    def attention_width(self) -> float:
+        """What the score and value matmuls scale with: ``4 b s^2 * attention_width`` FLOPs a
+        layer (full attention). ``q_size`` for ordinary attention; MLA's scores run over the
+        q/k head dim and its values over the value head dim: the mean of the two widths."""
+        return self.heads * (self.qk_head_dim + self.value_head_dim) / 2
+
+    def attention_span(self, s: int | None = None) -> float:
+        """Mean keys a query's scores span over the full ``s x s`` (sliding-window layers
+        attend ``min(s, window)``; the rest ``s``), averaged over the layers."""
+        s = self.seq_length if s is None else s
+        if not self.sliding_window_layers:
+            return float(s)
+        local = self.sliding_window_layers / self.layers
+        return (1 - local) * s + local * min(s, 2 * self.sliding_window)
 
     @property
     def ffn(self) -> int:
@@ -142,10 +209,12 @@ class ModelSpec:
         return self.experts > 0
 
     def moe_pattern(self) -> list[bool]:
-        """For each layer, whether it is an MoE layer (Megatron: ``i % moe_layer_freq == 0``)."""
+        """For each layer, whether it is an MoE layer (Megatron: ``i % moe_layer_freq == 0``,
+        after the ``first_dense_layers``)."""
         if not self.is_moe:
             return [False] * self.layers
-        return [i % self.moe_layer_freq == 0 for i in range(self.layers)]
+        k = self.first_dense_layers
+        return [i >= k and (i - k) % self.moe_layer_freq == 0 for i in range(self.layers)]
 
     def padded_vocab(self, tp: int = 1, divisible_by: int | None = None) -> int:
         """Vocabulary padded as Megatron pads it: up to a multiple of ``divisible_by * tp``
@@ -155,16 +224,34 @@ class ModelSpec:
         return -(-self.vocab // multiple) * multiple
 
     # -- parameters ----------------------------------------------------------------------------
+    def attention_weight_shapes(self) -> list[tuple[str, int, int]]:
+        """The attention's weight matrices as (name, in, out), whole (before tensor
+        parallelism): QKV and the output projection, or MLA's down/up projections."""
+        h, a = self.hidden, self.heads
+        if not self.is_mla:
+            return [("qkv", h, self.q_size + 2 * self.kv_size), ("proj", self.q_size, h)]
+        qk, v, rope, kvr = self.qk_head_dim, self.value_head_dim, self.qk_rope_head_dim, \
+            self.kv_lora_rank
+        q = ([("q_down", h, self.q_lora_rank), ("q_up", self.q_lora_rank, a * qk)]
+             if self.q_lora_rank else [("q", h, a * qk)])
+        return q + [("kv_down", h, kvr + rope), ("kv_up", kvr, a * (self.kv_channels + v)),
+                    ("proj", a * v, h)]
+
     def attention_params(self) -> int:
         q, kv, h = self.q_size, self.kv_size, self.hidden
+        if self.is_mla:     # the projections, and the two latent RMSNorms
+            weights = sum(i * o for _, i, o in self.attention_weight_shapes())
+            return weights + (self.q_lora_rank or 0) + self.kv_lora_rank + \
+                (h if self.bias else 0) + (self.heads if self.attention_sinks else 0)
         weights = h * (q + 2 * kv) + q * h
         qkv = self.bias if self.qkv_bias is None else self.qkv_bias
-        return weights + ((q + 2 * kv) if qkv else 0) + (h if self.bias else 0)
+        return weights + ((q + 2 * kv) if qkv else 0) + (h if self.bias else 0) + \
+            (self.heads if self.attention_sinks else 0)
 
-    def mlp_params(self, ffn: int) -> int:
+    def mlp_params(self, ffn: int, bias: bool | None = None) -> int:
         h = self.hidden
         weights = self.mlp_matrices * h * ffn
-        biases = ((2 if self.gated else 1) * ffn + h) if self.bias else 0
+        biases = ((2 if self.gated else 1) * ffn + h) if (self.bias if bias is None else bias) else 0
         return weights + biases
 
     def norm_params(self) -> int:
@@ -177,11 +264,13 @@ class ModelSpec:
         dense += 2 * self.kv_channels if self.qk_norm else 0          # q_norm, k_norm
         if not moe:
             return {"dense": dense + self.mlp_params(self.ffn), "expert": 0}
-        dense += self.hidden * self.experts                      # router
+        dense += (self.hidden + (1 if self.moe_bias else 0)) * self.experts   # router
         if self.shared_expert_ffn_hidden:
             dense += self.mlp_params(self.shared_expert_ffn_hidden)
             dense += self.hidden if self.shared_expert_gate else 0
-        return {"dense": dense, "expert": self.experts * self.mlp_params(self.moe_ffn)}
+        expert_bias = True if self.moe_bias else None
+        return {"dense": dense,
+                "expert": self.experts * self.mlp_params(self.moe_ffn, bias=expert_bias)}
 
     def embedding_params(self, tp: int = 1) -> int:
         """Word embedding (padded vocab) plus a learned position table."""
@@ -193,9 +282,17 @@ class ModelSpec:
         out = 0 if self.tied_embeddings else self.padded_vocab(tp) * self.hidden
         return self.norm_params() + out
 
+    def mtp_params(self) -> dict[str, int]:
+        """One multi-token-prediction module: an MoE layer, its 2h -> h projection and three
+        RMSNorms (embedding and output layer shared with the model)."""
+        p = dict(self.layer_params(self.is_moe))
+        p["dense"] += 2 * self.hidden * self.hidden + 3 * self.norm_params()
+        return p
+
     def num_params(self, tp: int = 1) -> int:
-        """All parameters (tied embeddings counted once)."""
+        """All parameters (tied embeddings counted once; multi-token prediction included)."""
         layers = sum(sum(self.layer_params(moe).values()) for moe in self.moe_pattern())
+        layers += self.mtp_layers * sum(self.mtp_params().values())
         return layers + self.embedding_params(tp) + self.head_params(tp)
 
     def active_params(self, tp: int = 1) -> int:
@@ -265,9 +362,10 @@ def _gpt3(name: str, layers: int, hidden: int, heads: int) -> ModelSpec:
 
 def _llama(name: str, layers: int, hidden: int, heads: int, kv: int, ffn: int, vocab: int,
            seq: int, **kw: Any) -> ModelSpec:
+    kw.setdefault("bias", False)
     return ModelSpec(name, layers, hidden, heads, seq, vocab, kv_heads=kv, ffn_hidden=ffn,
                      mlp="swiglu", norm="rmsnorm", position="rotary", tied_embeddings=False,
-                     bias=False, dropout=False, **kw)
+                     dropout=False, **kw)
 
 
 PRESETS: dict[str, ModelSpec] = {
@@ -305,6 +403,39 @@ PRESETS: dict[str, ModelSpec] = {
     # 151936); a 4096-token training default.
     "qwen3-30b-a3b": _llama("qwen3-30b-a3b", 48, 2048, 32, 4, 6144, 151936, 4096, head_dim=128,
                             experts=128, top_k=8, moe_ffn_hidden=768, qk_norm=True),
+    # Qwen3-235B-A22B: Qwen/Qwen3-235B-A22B config.json (hidden_size 4096, 94 layers, 64 heads
+    # of head_dim 128, 4 kv heads, 128 experts, 8 per token, moe_intermediate_size 1536,
+    # vocab 151936, tie_word_embeddings false); 235B total, 22B active (its model card).
+    "qwen3-235b-a22b": _llama("qwen3-235b-a22b", 94, 4096, 64, 4, 12288, 151936, 4096,
+                              head_dim=128, experts=128, top_k=8, moe_ffn_hidden=1536,
+                              qk_norm=True),
+    # gpt-oss-120b: openai/gpt-oss-120b config.json (hidden_size 2880, 36 layers, 64 heads of
+    # head_dim 64, 8 kv heads, 128 local experts, 4 per token, intermediate_size 2880,
+    # vocab 201088, sliding_window 128 on every other layer (layer_types), attention_bias
+    # true, router and experts with biases, a learned sink logit per head, untied); 116.8B
+    # total, 5.1B active (OpenAI's gpt-oss model card, Table 1).
+    "gpt-oss-120b": _llama("gpt-oss-120b", 36, 2880, 64, 8, 2880, 201088, 4096, head_dim=64,
+                           experts=128, top_k=4, moe_ffn_hidden=2880, bias=True,
+                           moe_bias=True, attention_sinks=True, sliding_window=128,
+                           sliding_window_layers=18),
+    # DeepSeek-V3: deepseek-ai/DeepSeek-V3 config.json (hidden_size 7168, 61 layers, 128 heads,
+    # q_lora_rank 1536, kv_lora_rank 512, qk_nope_head_dim 128, qk_rope_head_dim 64,
+    # v_head_dim 128, intermediate_size 18432 for the first_k_dense_replace 3 dense layers,
+    # 256 routed experts (moe_intermediate_size 2048), 8 per token, n_shared_experts 1, vocab
+    # 129280, untied); 671B total, 37B active (DeepSeek-V3 technical report, without its
+    # 14B multi-token-prediction module, which this preset leaves out).
+    "deepseek-v3": _llama("deepseek-v3", 61, 7168, 128, 128, 18432, 129280, 4096, head_dim=128,
+                          experts=256, top_k=8, moe_ffn_hidden=2048,
+                          shared_expert_ffn_hidden=2048, first_dense_layers=3,
+                          q_lora_rank=1536, kv_lora_rank=512, qk_rope_head_dim=64,
+                          v_head_dim=128),
+    # Kimi K2: moonshotai/Kimi-K2-Instruct config.json (DeepSeek-V3's architecture with 64
+    # heads, 384 routed experts, first_k_dense_replace 1, vocab 163840); 1.04T total, 32B
+    # active (Kimi K2 technical report).
+    "kimi-k2": _llama("kimi-k2", 61, 7168, 64, 64, 18432, 163840, 4096, head_dim=128,
+                      experts=384, top_k=8, moe_ffn_hidden=2048, shared_expert_ffn_hidden=2048,
+                      first_dense_layers=1, q_lora_rank=1536, kv_lora_rank=512,
+                      qk_rope_head_dim=64, v_head_dim=128),
 }
 
 

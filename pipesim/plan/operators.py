@@ -22,10 +22,17 @@ GEMM FLOPs equal :mod:`pipesim.plan.flops` term by term (QKV with GQA, output pr
 MLP's two or three matrices, top-k experts and a shared expert), so MFU's numerator is
 unchanged; the MoE router's small GEMM is timed but, as in Megatron's count, not in MFU.
 Precision: bf16/fp16 GEMMs at the bf16 dense peak, fp32 at the fp32 peak (default half the
-bf16 one: TF32), fp8 GEMMs at the
-FP8 peak but never faster than the bf16 dense peak (modelled cap: published fp8 training runs
-gain 1.3-1.5x over bf16, about 1/eff_gemm; it keeps MFU, always against the bf16 peak, at or
-below 100%), plus the casts of their inputs. Attention runs in bf16: flash attention as one
+bf16 one: TF32); the low precisions (``fp8``: per-tensor scaling, current or delayed;
+``mxfp8``: 1x32 block scaling; ``nvfp4``: 1x16 block-scaled FP4) at their own dense peak
+(:meth:`pipesim.hardware.Hardware.precision_peak`) times their own large-shape efficiency
+(``precision_e_max``), plus the quantize kernels of their inputs (`CAST_BYTES`: the input
+in F, the output gradient in I, each read and written as the recipe does, at
+``cast_efficiency`` of the HBM bandwidth). MFU stays against the bf16 peak (its definition),
+so an fp8 plan's MFU can exceed what a bf16 GEMM could reach. The output layer and the MoE
+router run in bf16 in every recipe (Transformer Engine quantizes the transformer layers'
+linear layers only). The routed experts run as one grouped GEMM, each group at the
+hardware's ``grouped_gemm_efficiency`` of a dense GEMM of its shape (scheduling many small
+groups, the per-expert token counts read back, padding). Attention runs in bf16: flash attention as one
 kernel at ``flash_e_max * s/(s + 256) * head_dim factor`` (causal: the masked half skipped;
 not under all-gather CP, whose attention takes an explicit mask over the gathered sequence),
 or, without it, two batched GEMMs with softmax and dropout over the ``s x s`` scores.
@@ -37,6 +44,15 @@ from dataclasses import dataclass
 from .model import ModelSpec
 from .parallelism import Parallelism
 
+
+# Bytes a quantize kernel moves per element of a low-precision GEMM's input, by recipe
+# (Transformer Engine): fp8 current scaling reads the bf16 tensor twice (amax, then cast) and
+# writes the fp8 copy and its transpose (for the other GEMM of the backward): 2 + 2 + 1 + 1;
+# mxfp8 reads once and writes row- and column-wise copies with one E8M0 scale per 32 values:
+# 2 + 2 * (1 + 1/32); nvfp4 reads once (plus the random Hadamard transform's pass over the
+# weight-gradient input) and writes two 4-bit copies with one E4M3 scale per 16 values and a
+# per-tensor amax pass: 2 + 2 + 2 * (0.5 + 1/16).
+CAST_BYTES = {"fp8": 6.0, "mxfp8": 2.0 + 2 * (1 + 1 / 32), "nvfp4": 4.0 + 2 * (0.5 + 1 / 16)}
 
 # Flash attention's backward over its forward, in FLOPs: it recomputes the scores and runs
 # five matmuls to the forward's two (Dao 2023, FlashAttention-2, section 4: "the backward pass
@@ -58,6 +74,8 @@ class Op:
     batch: float = 1.0              # batched GEMMs (attention without flash): how many
     bwd_bytes: float | None = None  # element-wise backward bytes (default 1.5x the forward's)
     counted: bool = True            # in model FLOPs (MFU); the router is not
+    quantized: bool = True          # a GEMM in the plan's precision (output layer, router: bf16)
+    grouped: bool = False           # one of a grouped GEMM's groups (the routed experts)
 
 
 @dataclass(frozen=True)
@@ -84,14 +102,18 @@ def layer_ops(model: ModelSpec, par: Parallelism, moe: bool = False) -> list[Op]
 
     def gemm(name: str, m: float, n: float, k: float, counted: bool = True) -> None:
         ops.append(Op(name, "gemm", 2 * m * n * k, e * (m * k + k * n + m * n), (m, n, k),
-                      weights=True, counted=counted))
+                      weights=True, counted=counted, quantized=counted))
 
     def mem(name: str, fwd: float, bwd: float | None = None) -> None:
         ops.append(Op(name, "memory", 0.0, fwd, bwd_bytes=bwd))
 
     # attention block
     mem("norm1", 2 * e * R * h, 3 * e * R * h)
-    gemm("qkv", T, (q + 2 * kv) / t, h)
+    shapes = model.attention_weight_shapes()
+    for name, k_in, n_out in shapes[:-1]:          # QKV, or MLA's down/up projections
+        gemm(name, T, n_out / t, k_in)
+        if name in ("q_down", "kv_down"):          # MLA: the latent's RMSNorm
+            mem(f"{name}_norm", 2 * e * T * n_out / t, 3 * e * T * n_out / t)
     if model.position == "rotary":
         mem("rotary", 2 * e * T * (q + kv) / t, 2 * e * T * (q + kv) / t)
     heads = a / t
@@ -100,7 +122,8 @@ def layer_ops(model: ModelSpec, par: Parallelism, moe: bool = False) -> list[Op]
     # with an explicit (s/cp, s) mask: a masked kernel computes every block, skipping none
     skip = 1 if (cp > 1 and par.cp_comm == "all_gather") else 2
     if par.flash_attention:
-        flops = 4 * b * s_loc * s_full * q / t / skip       # causal: the masked half skipped
+        # causal: the masked half skipped; MLA's widths and sliding windows as flops.py counts
+        flops = 4 * b * s_loc * model.attention_span(s_full) * model.attention_width / t / skip
         ops.append(Op("flash_attention", "attention", flops,
                       e * T * (2 * q + 2 * kv) / t, (s_loc, s_full, d)))
     else:
@@ -113,7 +136,8 @@ def layer_ops(model: ModelSpec, par: Parallelism, moe: bool = False) -> list[Op]
             mem("attention_dropout", (2 * e + 1) * scores, (2 * e + 1) * scores)
         ops.append(Op("context", "attention", 2 * batch * s_loc * s_full * d,
                       e * (batch * (s_full * d + s_loc * d) + scores), (s_loc, d, s_full), batch=batch))
-    gemm("proj", T, h, q / t)
+    _, k_in, _ = shapes[-1]
+    gemm("proj", T, h, k_in / t)
     mem("bias_dropout_add1", (3 * e + drop) * R * h, (2 * e + drop) * R * h)
     # MLP block
     mem("norm2", 2 * e * R * h, 3 * e * R * h)
@@ -139,7 +163,8 @@ def layer_ops(model: ModelSpec, par: Parallelism, moe: bool = False) -> list[Op]
             if o.kind == "gemm":     # FLOPs of all local experts: one GEMM's shape, `local` times
                 m, n, kk = o.shape
                 ops[i] = Op(o.name, "gemm", 2 * routed * n * kk,
-                            e * (routed * kk + local * kk * n + routed * n), o.shape, weights=True)
+                            e * (routed * kk + local * kk * n + routed * n), o.shape, weights=True,
+                            grouped=True)
         if model.shared_expert_ffn_hidden:
             mlp("shared_", T, model.shared_expert_ffn_hidden, T)
     else:
@@ -156,7 +181,8 @@ def head_ops(model: ModelSpec, par: Parallelism) -> list[Op]:
     V = model.padded_vocab(t) / t
     h = model.hidden
     return [Op("final_norm", "memory", 0.0, 2 * e * T / sp * h, bwd_bytes=3 * e * T / sp * h),
-            Op("logits", "gemm", 2 * T * V * h, e * (T * h + h * V + T * V), (T, V, h), weights=True),
+            Op("logits", "gemm", 2 * T * V * h, e * (T * h + h * V + T * V), (T, V, h), weights=True,
+               quantized=False),
             # fp32 softmax over the logits: read them, write the probabilities; backward writes
             # the gradient of the logits
             Op("cross_entropy", "memory", 0.0, (e + 2 * 4) * T * V, bwd_bytes=(4 + e) * T * V)]
@@ -179,11 +205,21 @@ def flash_efficiency(hw, s: float, head_dim: float) -> float:
 def pass_times(ops: list[Op], hw, precision: str) -> PassTimes:
     """Sum the operators' roofline times per pass (see the module docstring)."""
     bf16 = hw.fp32_peak_flops if precision == "fp32" else hw.peak_flops
-    fp8 = precision == "fp8"
+    low = precision in CAST_BYTES
+    low_peak = hw.precision_peak(precision) if low else bf16
     mem_rate = hw.hbm_bandwidth * hw.mem_efficiency
+    cast_rate = hw.hbm_bandwidth * (hw.mem_efficiency if hw.cast_efficiency is None
+                                    else hw.cast_efficiency)
     launch = hw.launch_overhead
-    e = 2 if precision != "fp32" else 4
     F = I = W = gF = flops_F = 0.0
+
+    def gemm_rate(o: Op, m: float, n: float, k: float) -> float:
+        # the routed experts' grouped GEMM: a fraction of a dense GEMM's efficiency
+        grouped = hw.grouped_gemm_efficiency if o.grouped else 1.0
+        if low and o.quantized:
+            return low_peak * hw.gemm_efficiency(m, n, k, precision) * grouped
+        return bf16 * hw.gemm_efficiency(m, n, k) * grouped
+
     for o in ops:
         if o.kind == "memory":
             F += o.bytes / mem_rate + launch
@@ -205,20 +241,17 @@ def pass_times(ops: list[Op], hw, precision: str) -> PassTimes:
             flops_F += o.flops
             continue
         m, n, k = o.shape
-        eff = hw.gemm_efficiency(m, n, k)
-        rate = bf16 * eff
-        extra = 0.0
-        if fp8:
-            rate = min(hw.fp8_peak_flops * eff, hw.peak_flops)
-            extra = (e + 1) * m * k / mem_rate + launch         # cast the input to fp8
-        tf = max(o.flops / rate, o.bytes / mem_rate) + launch + extra
+        # each GEMM's share of its grouped copies (a grouped GEMM's flops are `local` GEMMs')
+        cast_f = cast_i = 0.0
+        if low and o.quantized:
+            per = CAST_BYTES[precision]
+            rows = o.flops / (2 * n * k)          # tokens through this GEMM (all its groups)
+            cast_f = per * rows * k / cast_rate + launch       # its input
+            cast_i = per * rows * n / cast_rate + launch       # the gradient of its output
+        tf = max(o.flops / gemm_rate(o, m, n, k), o.bytes / mem_rate) + launch + cast_f
         # data gradient: output m x k, reduction over n; weight gradient: k x n over m tokens
-        ti = max(o.flops / (bf16 * hw.gemm_efficiency(m, k, n) if not fp8 else
-                            min(hw.fp8_peak_flops * hw.gemm_efficiency(m, k, n), hw.peak_flops)),
-                 o.bytes / mem_rate) + launch + extra
-        tw = max(o.flops / (bf16 * hw.gemm_efficiency(k, n, m) if not fp8 else
-                            min(hw.fp8_peak_flops * hw.gemm_efficiency(k, n, m), hw.peak_flops)),
-                 o.bytes / mem_rate) + launch
+        ti = max(o.flops / gemm_rate(o, m, k, n), o.bytes / mem_rate) + launch + cast_i
+        tw = max(o.flops / gemm_rate(o, k, n, m), o.bytes / mem_rate) + launch
         F += tf
         I += ti
         W += tw

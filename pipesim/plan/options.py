@@ -103,7 +103,8 @@ PLAN_FLAGS: tuple[PlanFlag, ...] = (
              "or drains, only what the GEMM cannot hide shown, the GEMM slowed by what it hides "
              "(default off, as Megatron's)", type=None, boolean=True),
     PlanFlag("--precision", "parallelism.precision", "layout", "compute precision (bf16 / fp16 "
-             "keep fp32 master weights; fp8 needs hardware with FP8 units)", type=str,
+             "keep fp32 master weights; fp8: per-tensor scaled FP8 GEMMs, H100 and later; mxfp8, "
+             "nvfp4: block-scaled FP8 / FP4 GEMMs, Blackwell only)", type=str,
              choices=PRECISIONS),
     # -- batch ---------------------------------------------------------------------------------
     PlanFlag("--micro-batch-size", "parallelism.micro_batch_size", "batch",

@@ -21,7 +21,10 @@ from ..errors import PlanError
 from ..fields import typed_fields
 
 RECOMPUTE = ("none", "selective", "full")
-PRECISIONS = ("bf16", "fp16", "fp8", "fp32")
+# GEMM precisions: fp8 is per-tensor scaled FP8 (current or delayed scaling: Hopper and
+# Blackwell), mxfp8 block-scaled FP8 and nvfp4 block-scaled FP4 (Blackwell only); activations,
+# master weights and the optimizer stay as bf16 training keeps them
+PRECISIONS = ("bf16", "fp16", "fp8", "mxfp8", "nvfp4", "fp32")
 CP_COMM = ("p2p", "all_gather")     # Megatron's cp_comm_type names; a2a (Ulysses) not modelled
 # When ZeRO-2/3 reduce-scatter the gradients: "per_step", accumulated over the microbatches in
 # a full buffer and reduce-scattered once, overlapped with the last microbatch's backward

@@ -157,8 +157,8 @@ class Plan:
             (par.cp == 1 or m.seq_length % (2 * par.cp) == 0, "parallelism.cp",
              f"sequence length {m.seq_length} must be divisible by 2 * cp = {2 * par.cp} "
              "(load-balanced causal chunks)"),
-            (par.precision != "fp8" or self.cluster.hardware.has_fp8, "parallelism.precision",
-             self.cluster.hardware.fp8_refusal()),
+            (not self.cluster.hardware.precision_refusal(par.precision), "parallelism.precision",
+             self.cluster.hardware.precision_refusal(par.precision)),
             (not par.sequence_parallel or m.seq_length % par.tp == 0 or par.tp == 1,
              "parallelism.sequence_parallel",
              f"sequence length {m.seq_length} must be divisible by tp ({par.tp})"),

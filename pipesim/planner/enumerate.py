@@ -215,8 +215,8 @@ def _walk(space: SearchSpace, refused: Counter) -> Iterator[Plan]:
     if n > gpn and n % gpn:
         refused[f"{n} GPUs are not a whole number of {gpn}-GPU nodes"] += 1
         return
-    if space.precision == "fp8" and not space.hardware.has_fp8:
-        refused[space.hardware.fp8_refusal()] += 1
+    if space.hardware.precision_refusal(space.precision):
+        refused[space.hardware.precision_refusal(space.precision)] += 1
         return
     cluster = space.cluster
     schedules = list(space.schedules)

@@ -101,7 +101,7 @@ def _precisions_keeping_less(space: SearchSpace) -> list[str]:
     out = []
     for p in PRECISIONS:
         bytes_ = (*BYTES_PER_PARAM[p], ACTIVATION_BYTES[p])
-        if p == "fp8" and not space.hardware.has_fp8:
+        if space.hardware.precision_refusal(p):
             continue
         if any(b < n for b, n in zip(bytes_, now)):
             out.append(p)

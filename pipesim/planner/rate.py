@@ -16,7 +16,12 @@ from ..plan.report import simulate_plan
 
 GiB = 2 ** 30
 KNOBS = ("schedule", "tp", "cp", "pp", "micro_batch_size", "recompute", "zero",
-         "sequence_parallel", "ep")
+         "sequence_parallel", "ep",
+         # terms the search does not vary but a plan may set (a published run's framework
+         # defaults: Megatron's --tp-comm-overlap, the GEMM precision...): a rating that
+         # differs from the pick in them says so, with what each costs
+         "precision", "overlap_tp_comm", "overlap_grad_reduce", "overlap_param_gather",
+         "flash_attention", "cp_comm")
 
 
 @dataclass(frozen=True)

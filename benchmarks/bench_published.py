@@ -1,0 +1,521 @@
+"""Predicted against published tokens/s/GPU for NVIDIA Megatron-Bridge's performance summary.
+
+The runs: ``benchmarks/data/megatron_bridge_perf_summary.csv`` (its source header names the
+commit and files: NVIDIA-NeMo/Megatron-Bridge docs/performance-summary*.md, releases 25.09 to
+26.08; H100, B200, B300, GB200, GB300; BF16, FP8, MXFP8, NVFP4). Each usable run is built as
+the framework ran it (:func:`build_plan`) and simulated; its predicted tokens/s/GPU is
+``GBS * seq / (step seconds * GPUs)``.
+
+Usable runs: pre-training rows of the models pipesim has (Llama 3 8B/70B/405B, Qwen3 30B-A3B
+and 235B-A22B, GPT-OSS 120B, DeepSeek-V3, Kimi K2), of the latest release that published
+each (model, GPU, precision): identical layouts run 10-55% faster release after release
+(Qwen3 30B-A3B on GB200, MXFP8: 26,112 tokens/s/GPU in 26.04.01, 40,706 in 26.06), so the
+older rows measure older software, not a different cost. Every skipped row is listed with
+its reason (``--skipped``).
+
+Fitted figures, per GPU (:data:`FITTED_FIGURES`), each with a prior (the preset's own
+figure) it is pulled back to where the data say little: ``precision_e_max`` per low
+precision (the GEMM efficiency at large shapes, of that precision's own peak; fp8 and mxfp8
+one figure, :data:`TIED`) and ``grouped_gemm_efficiency`` (the routed experts' grouped GEMM
+against a dense GEMM of its shape: it absorbs what MoE layers lose beyond their rooflines:
+small groups, routing and permutation kernels, the dispatch the model leaves exposed). bf16
+GEMMs keep the MAMF-derived ``gemm_e_max`` (every bf16 run published here is MoE, which
+could not tell the two apart), memory-bound kernels the carried-over ``mem_efficiency``. The
+fit minimises the absolute relative errors of the step time (reweighted least squares: the
+median is the target), linearised in each figure's inverse (one simulation per figure and
+run, then a refit and a second linearisation), so ``--fit`` is one command after any model
+change:
+
+    python3 benchmarks/bench_published.py            # the table by group, and the LOMO score
+    python3 benchmarks/bench_published.py --fit      # refit, write pipesim/data/fitted.json
+    python3 benchmarks/bench_published.py --skipped  # the rows left out and why
+
+Leave-one-model-out (LOMO): each model family's runs predicted by figures fitted on the
+other families' runs alone (a figure no other family constrains stays at its prior): the
+honest score. Targets: median |error| <= 5%, worst <= 15%.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import math
+import pathlib
+import re
+import statistics
+import time
+from dataclasses import dataclass
+
+import pipesim
+from pipesim.hardware import FITTED_FILE, Hardware, get_hardware, preset_before_fit
+from pipesim.plan.model import PRESETS
+
+HERE = pathlib.Path(__file__).parent
+DATA = HERE / "data" / "megatron_bridge_perf_summary.csv"
+
+# the summary's model names -> (pipesim preset, multi-token-prediction layers, family)
+MODELS = {
+    "LLAMA3_8B": ("llama3-8b", 0, "llama3-8b"),
+    "LLAMA3_70B": ("llama3-70b", 0, "llama3-70b"),
+    "LLAMA3.1_405B": ("llama3-405b", 0, "llama3-405b"),
+    "Qwen3_30B_a3B": ("qwen3-30b-a3b", 0, "qwen3-30b-a3b"),
+    "Qwen3_235B_a22B": ("qwen3-235b-a22b", 0, "qwen3-235b-a22b"),
+    "GPT OSS 120B": ("gpt-oss-120b", 0, "gpt-oss-120b"),
+    # 26.x rows: the published Model TFLOP/s over tokens/s is DeepSeek-V3's FLOPs a token with
+    # one MTP module (pipesim's count: within 0.01%; without it 4% fewer)
+    "DeepSeekV3": ("deepseek-v3", 1, "deepseek-v3"),
+    "DeepSeekV3 (w/ MTP)": ("deepseek-v3", 1, "deepseek-v3"),
+    "DeepSeekV3 (w/o MTP)": ("deepseek-v3", 0, "deepseek-v3"),
+    "Kimi_K2": ("kimi-k2", 0, "kimi-k2"),
+}
+SKIPPED_MODELS = {
+    "Nemotron_3": "Nemotron 3 is a Mamba-2 / attention / MoE hybrid: pipesim models "
+                  "transformer layers only",
+    "DeepSeekV4": "DeepSeek-V4's attention and MoE are not modelled (no published config "
+                  "transcribed)",
+    "(tokendrop)": "token-dropping MoE (capacity factor): pipesim models dropless routing",
+    "(dropless)": "release 25.09 gives no precision for the row",
+}
+PRECISIONS = {"BF16": "bf16", "FP8": "fp8", "FP8-CS": "fp8", "FP8-CS (FP8-MX)": "fp8",
+              "FP8-MX": "mxfp8", "MXFP8": "mxfp8", "NVFP4": "nvfp4"}
+SYSTEMS = {"DGX-H100": "H100", "DGX-B200": "B200", "DGX-B300": "B300", "DGX-GB200": "GB200",
+           "DGX-GB300": "GB300"}
+# the figures fitted per GPU (see the module docstring)
+FITTED_FIGURES = ("precision_e_max", "grouped_gemm_efficiency")
+RIDGE = 0.3           # pull of each figure's prior, against one run's (reweighted) error
+FIGURE_RANGE = (0.1, 0.95)   # a fitted efficiency stays inside this range
+# precisions fitted as one figure: MXFP8 runs at the FP8 rate, and where both were published
+# (GB200, GB300) their free fits agree within 1%
+TIED = {"mxfp8": "fp8"}
+RANGES = {"gemm_dim_half": (5.0, 2000.0), "grouped_gemm_efficiency": (0.1, 1.0)}
+LINEAR = ("gemm_dim_half",)   # figures the time is linear in (the rest: in their inverse)
+
+
+@dataclass(frozen=True)
+class Run:
+    """One usable row: what it ran and what it measured."""
+
+    release: str
+    label: str             # the summary's model name
+    model: str             # pipesim preset
+    family: str
+    mtp: int
+    gpu: str
+    gpus: int
+    precision: str
+    gbs: int
+    mbs: int
+    seq: int
+    fsdp: bool
+    tp: int
+    pp: int
+    cp: int
+    vp: int
+    ep: int
+    tokens: float          # published tokens/s/GPU
+    tflops: float          # published model TFLOP/s/GPU
+
+    @property
+    def group(self) -> str:
+        moe = "MoE" if PRESETS[self.model].is_moe else "dense"
+        return f"{self.gpu} {self.precision} {moe}"
+
+    @property
+    def name(self) -> str:
+        return (f"{self.family} {self.gpus}x{self.gpu} {self.precision} tp{self.tp} pp{self.pp}"
+                f" cp{self.cp} vp{self.vp} ep{self.ep} mbs{self.mbs} gbs{self.gbs}"
+                + (" fsdp" if self.fsdp else "") + f" ({self.release})")
+
+    @property
+    def published_seconds(self) -> float:
+        return self.gbs * self.seq / (self.tokens * self.gpus)
+
+
+def _first(value: str) -> str:
+    """A cell's own value: the figure before any parenthesised alternative or footnote."""
+    return re.sub(r"\[\^[^\]]*\]", "", value).split("(")[0].strip()
+
+
+def _int(value: str, default: int) -> int:
+    v = _first(value)
+    return default if v in ("", "n/a") else int(v)
+
+
+def _release_key(release: str) -> tuple:
+    return tuple(int(x) for x in release.split("."))
+
+
+def read_rows(path: pathlib.Path = DATA) -> tuple[list[Run], list[tuple[dict, str]]]:
+    """The usable runs and the skipped rows with their reasons."""
+    with open(path, newline="") as f:
+        raw = list(csv.DictReader(line for line in f if not line.startswith("#")))
+    candidates, skipped = [], []
+    for r in raw:
+        label = r["model"]
+        reason = ""
+        if r["section"] != "Pre-Training Performance":
+            reason = f"{r['section']}: fine-tuning, not the pre-training step modelled"
+        elif label not in MODELS:
+            reason = next((why for key, why in SKIPPED_MODELS.items() if key in label),
+                          f"no pipesim preset for {label}")
+        elif not r["Precision"]:
+            reason = "release 25.09 gives no precision for the row"
+        elif r["Precision"] not in PRECISIONS:
+            reason = f"precision {r['Precision']!r} not modelled"
+        if reason:
+            skipped.append((r, reason))
+            continue
+        candidates.append(r)
+    latest: dict[tuple, str] = {}
+    for r in candidates:
+        key = (MODELS[r["model"]][2], r["system"], PRECISIONS[r["Precision"]])
+        if key not in latest or _release_key(r["release"]) > _release_key(latest[key]):
+            latest[key] = r["release"]
+    runs = []
+    for r in candidates:
+        model, mtp, family = MODELS[r["model"]]
+        precision = PRECISIONS[r["Precision"]]
+        if r["release"] != latest[(family, r["system"], precision)]:
+            skipped.append((r, f"superseded: release {latest[(family, r['system'], precision)]}"
+                               f" published {family} on {r['system']} in {precision}"))
+            continue
+        runs.append(Run(
+            release=r["release"], label=r["model"], model=model, family=family, mtp=mtp,
+            gpu=SYSTEMS[r["system"]], gpus=int(r["#-GPUs"]), precision=precision,
+            gbs=_int(r["GBS"], 0), mbs=_int(r["MBS"], 1), seq=_int(r["Sequence Length"], 0),
+            fsdp=_int(r["FSDP"], 0) > 0, tp=_int(r["TP"], 1), pp=_int(r["PP"], 1),
+            cp=_int(r["CP"], 1), vp=_int(r["VP"], 1), ep=_int(r["EP"], 1),
+            tokens=float(_first(r["Tokens / sec / GPU"])),
+            tflops=float(_first(r["Model TFLOP / sec / GPU"]))))
+    return runs, skipped
+
+
+def build_plan(run: Run, hardware: "Hardware | None" = None) -> "pipesim.Plan":
+    """The run as Megatron-Bridge ran it: the distributed optimizer (ZeRO-1) or FSDP (ZeRO-3)
+    where the FSDP column says, gradient reduce and parameter gather overlapped, sequence
+    parallelism and the tensor-parallel communication overlap with tp > 1, the interleaved
+    schedule with VP > 1, EP's all-to-all (dropless, balanced: the summary forces the
+    balance), no recomputation (the summary states none), flash attention. EP: Megatron
+    folds expert parallelism over tp x dp ("MoE parallel folding"); where ep does not divide
+    dp x cp, the experts are spread over tp x (ep / tp) ranks, the same experts a rank."""
+    hw = get_hardware(run.gpu) if hardware is None else hardware
+    model = PRESETS[run.model].with_(seq_length=run.seq, mtp_layers=run.mtp)
+    dp = run.gpus // (run.tp * run.pp * run.cp)
+    ep = run.ep
+    if (dp * run.cp) % ep:
+        ep = max(1, ep // run.tp)
+    # NVL72 racks run jobs of 64-GPU multiples: the NVLink domain a job sees is 64 GPUs
+    domain = 64 if run.gpu in ("GB200", "GB300") else None
+    return pipesim.Plan.create(
+        model, hw, schedule="interleaved" if run.vp > 1 else "1f1b", tp=run.tp, pp=run.pp,
+        nvlink_domain=domain,
+        vpp=run.vp, cp=run.cp, dp=dp, ep=ep, micro_batch_size=run.mbs,
+        global_batch_size=run.gbs, sequence_parallel=run.tp > 1,
+        zero=3 if run.fsdp else 1, recompute="none", precision=run.precision,
+        flash_attention=True, overlap_grad_reduce=True, overlap_param_gather=True,
+        overlap_tp_comm=run.tp > 1)
+
+
+def rate_run(run: Run, **space: object):
+    """The planner's rating of the run's layout against its own pick on the same cluster
+    (the same GPUs, batch, sequence, hardware and precision; ``space`` narrows or widens
+    :class:`pipesim.planner.enumerate.SearchSpace`'s knobs): (rating, search result). The
+    run's plan is put on the search's cluster, so the two differ in their knobs alone."""
+    from pipesim.planner.enumerate import SearchSpace
+    from pipesim.planner.rate import rate_plan
+    from pipesim.planner.search import search
+
+    mine = build_plan(run)
+    knobs = dict(schedules=("1f1b", "interleaved"))
+    knobs.update(space)
+    searched = SearchSpace(mine.model, run.gpus, run.gbs, hardware=mine.cluster.hardware,
+                           precision=run.precision, **knobs)
+    result = search(searched, workers=1)
+    if result.best is None:
+        raise RuntimeError(f"{run.name}: no plan of the search fits")
+    mine = mine.with_(cluster=result.best.cluster)
+    return rate_plan(mine, result.best, result.memory_limit), result
+
+
+def simulate_seconds(run: Run, hardware: "Hardware | None" = None) -> float:
+    from pipesim.plan.report import simulate_plan
+
+    return simulate_plan(build_plan(run, hardware)).step_time
+
+
+# -- the fit -----------------------------------------------------------------------------------
+def _params(runs: list[Run]) -> list[tuple[str, str, str]]:
+    """(gpu, figure, precision) of every fitted figure the runs touch: the GEMM efficiency of
+    each GPU x precision (bf16 on H100 excepted: MAMF-derived, the A100 fit's carry-over,
+    which the dense H100 checks hold to) and each GPU's memory-bound efficiency."""
+    out = set()
+    for r in runs:
+        if PRESETS[r.model].is_moe:
+            out.add((r.gpu, "grouped_gemm_efficiency", ""))
+        if r.precision != "bf16":
+            out.add((r.gpu, "precision_e_max", TIED.get(r.precision, r.precision)))
+    return sorted(out)
+
+
+def _to_x(figure: str, value: float) -> float:
+    """What the step time is (close to) linear in: an efficiency's inverse, else the figure."""
+    return value if figure in LINEAR else 1.0 / value
+
+
+def _from_x(figure: str, x: float) -> float:
+    return x if figure in LINEAR else 1.0 / x
+
+
+def _value(hw: Hardware, figure: str, precision: str) -> float:
+    return hw.precision_gemm_e_max(precision) if figure == "precision_e_max" else \
+        getattr(hw, figure)
+
+
+def _with(hw: Hardware, figure: str, precision: str, value: float) -> Hardware:
+    if figure == "precision_e_max":
+        tied = {p: value for p, q in TIED.items() if q == precision}
+        return hw.with_(precision_e_max={**dict(hw.precision_e_max), precision: value, **tied})
+    return hw.with_(**{figure: value})
+
+
+def _mine(point: dict, gpu: str) -> dict:
+    return {(f, p): v for (g, f, p), v in point.items() if g == gpu}
+
+
+def figures_hardware(gpu: str, figures: dict) -> Hardware:
+    """The GPU's preset before any fit, with ``figures`` ({(figure, precision): value})."""
+    hw = preset_before_fit(gpu)
+    for (figure, precision), value in figures.items():
+        hw = _with(hw, figure, precision, value)
+    return hw
+
+
+def linearise(runs: list[Run], point: dict, params: list, step: float = 0.1) -> list[dict]:
+    """Per run: its step time at ``point`` ({(gpu, figure, precision): value}) and the
+    derivative of the time in each figure's inverse (a finite difference, one simulation per
+    figure the run depends on)."""
+    out = []
+    for r in runs:
+        mine = _mine(point, r.gpu)
+        t0 = simulate_seconds(r, figures_hardware(r.gpu, mine))
+        grads = {}
+        for key in params:
+            g, f, p = key
+            if g != r.gpu or (f == "precision_e_max" and p != TIED.get(r.precision, r.precision)) or \
+                    (f == "gemm_e_max" and r.precision not in ("bf16", "fp16")) or \
+                    (f == "grouped_gemm_efficiency" and not PRESETS[r.model].is_moe):
+                continue
+            x = _to_x(f, point[key])
+            moved = dict(mine)
+            moved[(f, p)] = _from_x(f, x * (1 + step))
+            t1 = simulate_seconds(r, figures_hardware(r.gpu, moved))
+            grads[key] = (t1 - t0) / (x * step)
+        out.append({"t0": t0, "grads": grads})
+    return out
+
+
+def solve(runs: list[Run], lin: list[dict], point: dict, prior: dict, params: list) -> dict:
+    """Least absolute relative step-time errors (iteratively reweighted least squares: the
+    median is the target), linear in the figures' inverses, with a ridge toward each figure's
+    prior (a figure no run constrains stays there)."""
+    import numpy as np
+
+    idx = {k: i for i, k in enumerate(params)}
+    rows, rhs = [], []
+    for r, li in zip(runs, lin):
+        pub = r.published_seconds
+        a = np.zeros(len(params))
+        c = li["t0"]
+        for k, g in li["grads"].items():
+            a[idx[k]] = g / pub
+            c -= g * _to_x(k[1], point[k])
+        rows.append(a)
+        rhs.append(1.0 - c / pub)
+    n = len(rows)
+    for k, i in idx.items():
+        a = np.zeros(len(params))
+        a[i] = 1.0 / _to_x(k[1], prior[k])   # a figure's relative change from its prior
+        rows.append(a)
+        rhs.append(1.0)
+    A, y = np.array(rows), np.array(rhs)
+    weights = np.ones(len(rows))
+    weights[n:] = math.sqrt(RIDGE)
+    for _ in range(8):
+        x, *_ = np.linalg.lstsq(A * weights[:, None], y * weights, rcond=None)
+        resid = np.abs(A[:n] @ x - y[:n])
+        weights[:n] = 1.0 / np.sqrt(np.maximum(resid, 0.02))      # L1 by reweighting
+    out = {}
+    for k, i in idx.items():
+        lo, hi = RANGES.get(k[1], FIGURE_RANGE)
+        value = _from_x(k[1], x[i]) if x[i] > 0 else (lo if k[1] in LINEAR else hi)
+        out[k] = float(min(hi, max(lo, value)))
+    return out
+
+
+def prior_point(params: list) -> dict:
+    return {(g, f, p): _value(preset_before_fit(g), f, p) for g, f, p in params}
+
+
+def fit(runs: list[Run], rounds: int = 2, lin: "list[dict] | None" = None,
+        verbose: bool = False) -> tuple[dict, list[dict]]:
+    """The fitted figures ({(gpu, figure, precision): value}) and the last linearisation."""
+    params = _params(runs)
+    prior = prior_point(params)
+    point = dict(prior)
+    for i in range(rounds):
+        if lin is None or i > 0:
+            lin = linearise(runs, point, params)
+        point = solve(runs, lin, point, prior, params)
+        if verbose:
+            print(f"  round {i + 1}: " + ", ".join(f"{g} {f}{'.' + p if p else ''} {v:.3f}"
+                                                  for (g, f, p), v in sorted(point.items())),
+                  flush=True)
+    return point, lin
+
+
+def lomo(runs: list[Run], lin: list[dict], point: dict) -> dict[str, list[float]]:
+    """Leave one model family out: its runs predicted (simulated) with figures fitted on the
+    other families' runs (the linearisation at ``point`` reused), errors per family."""
+    out: dict[str, list[float]] = {}
+    for family in sorted({r.family for r in runs}):
+        keep = [i for i, r in enumerate(runs) if r.family != family]
+        train = [runs[i] for i in keep]
+        params = _params(runs)
+        prior = prior_point(params)
+        figures = solve(train, [lin[i] for i in keep], point, prior, params)
+        errs = []
+        for r in runs:
+            if r.family != family:
+                continue
+            t = simulate_seconds(r, figures_hardware(r.gpu, _mine(figures, r.gpu)))
+            errs.append(r.published_seconds / t - 1)      # tokens/s: predicted / published - 1
+        out[family] = errs
+    return out
+
+
+def write_fitted(point: dict, runs: list[Run], path: pathlib.Path = FITTED_FILE) -> None:
+    gpus: dict = {}
+    for (g, f, p), v in sorted(point.items()):
+        entry = gpus.setdefault(g, {})
+        if f == "precision_e_max":
+            for q in [p] + [t for t, u in TIED.items() if u == p]:
+                if preset_before_fit(g).precision_peak(q) > 0:      # the GPU has it
+                    entry.setdefault("precision_e_max", {})[q] = round(v, 4)
+        else:
+            entry[f] = round(v, 4)
+    data = {
+        "format": "pipesim.fitted/1",
+        "source": "NVIDIA-NeMo/Megatron-Bridge docs/performance-summary.md and "
+                  "performance-summary-archive.md at commit 4ab94dfad366 (releases 25.09-26.08),"
+                  " transcribed in benchmarks/data/megatron_bridge_perf_summary.csv",
+        "command": "python3 benchmarks/bench_published.py --fit",
+        "runs": len(runs),
+        "figures": list(FITTED_FIGURES),
+        "gpus": gpus,
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=2) + "\n")
+
+
+def published_error(run: Run, seconds: float) -> float:
+    """Predicted over published tokens/s/GPU, less one."""
+    return run.published_seconds / seconds - 1
+
+
+# the scores docs/planning.md states (median, worst |error|), which the slow test holds; the
+# targets are LOMO median <= 5%, worst <= 15%
+STATED = {"fit": (0.08, 0.95), "lomo": (0.13, 1.2)}
+
+
+# -- the report --------------------------------------------------------------------------------
+def table(runs: list[Run], predicted: list[float]) -> dict[str, list[float]]:
+    """Print every run and the groups; return the errors (predicted/published - 1) by group."""
+    print(f"{'run':<78} {'published':>9} {'pipesim':>9} {'error':>7}")
+    groups: dict[str, list[float]] = {}
+    for r, t in zip(runs, predicted):
+        tok = r.gbs * r.seq / (t * r.gpus)
+        err = tok / r.tokens - 1
+        groups.setdefault(r.group, []).append(err)
+        print(f"{r.name:<78} {r.tokens:>9.0f} {tok:>9.0f} {err:>+7.1%}")
+    return groups
+
+
+def summary(groups: dict[str, list[float]], title: str) -> tuple[float, float]:
+    print(f"\n{title}")
+    print(f"| group | runs | median abs error | worst abs error |\n|---|---:|---:|---:|")
+    every = []
+    for g in sorted(groups):
+        a = [abs(e) for e in groups[g]]
+        every += a
+        print(f"| {g} | {len(a)} | {statistics.median(a):.1%} | {max(a):.1%} |")
+    med, worst = statistics.median(every), max(every)
+    print(f"| all | {len(every)} | {med:.1%} | {worst:.1%} |")
+    return med, worst
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--fit", action="store_true",
+                    help=f"refit the figures and write {FITTED_FILE.name}")
+    ap.add_argument("--skipped", action="store_true", help="list the rows left out and why")
+    ap.add_argument("--no-lomo", action="store_true", help="skip the leave-one-model-out score")
+    ap.add_argument("--rate", metavar="RUN", help="rate the first run whose name contains RUN "
+                    "(e.g. 'llama3-70b 64xH100') against the planner's pick on its cluster "
+                    "(the 1f1b and interleaved schedules, every other knob at the search's "
+                    "defaults: minutes for 256 GPUs)")
+    ap.add_argument("--save-plan", nargs=2, metavar=("RUN", "PLAN.json"),
+                    help="write the first run whose name contains RUN as a plan file (for "
+                         "pipesim simulate --plan, pipesim plan --rate)")
+    args = ap.parse_args()
+    t0 = time.perf_counter()
+    runs, skipped = read_rows()
+    if args.save_plan:
+        key, path = args.save_plan
+        run = next((r for r in runs if key in r.name), None)
+        if run is None:
+            raise SystemExit(f"--save-plan {key!r}: no usable run's name contains it")
+        build_plan(run).to_json(path)
+        print(f"{run.name}: wrote {path}")
+        return
+    if args.rate:
+        run = next((r for r in runs if args.rate in r.name), None)
+        if run is None:
+            raise SystemExit(f"--rate {args.rate!r}: no usable run's name contains it")
+        rating, result = rate_run(run)
+        print(f"{run.name}\nthe planner's pick: {result.best.parallelism.short()}, "
+              f"{result.best.schedule_name}\n{rating.text()}")
+        return
+    if args.skipped:
+        for r, why in skipped:
+            print(f"{r['release']:>9} {r['model']:<28} {r['system']:<10} {r['Precision'] or '-':<16}"
+                  f" {why}")
+        print(f"{len(skipped)} rows skipped, {len(runs)} usable\n")
+    params = _params(runs)
+    lin = None
+    if args.fit:
+        point, _ = fit(runs, verbose=True)
+        write_fitted(point, runs)
+        print(f"wrote {FITTED_FILE}")
+    else:          # the figures pipesim reads now (the fitted file's)
+        point = {(g, f, p): _value(get_hardware(g), f, p) for g, f, p in params}
+    predicted = [simulate_seconds(r, figures_hardware(r.gpu, _mine(point, r.gpu)))
+                 for r in runs]
+    groups = table(runs, predicted)
+    summary(groups, f"with the fitted figures ({FITTED_FILE.name}), by GPU x precision x "
+                    "dense/MoE (tokens/s/GPU, predicted / published - 1):")
+    if not args.no_lomo:
+        if lin is None:
+            lin = linearise(runs, point, params)
+        by_family = lomo(runs, lin, point)
+        summary(by_family, "leave one model out (each family predicted by figures fitted "
+                           "without it):")
+        kinds: dict[str, list[float]] = {}
+        for family, errs in by_family.items():
+            moe = PRESETS[next(r.model for r in runs if r.family == family)].is_moe
+            kinds.setdefault("MoE families" if moe else "dense families", []).extend(errs)
+        summary(kinds, "leave one model out, dense and MoE families apart:")
+    print(f"\n({time.perf_counter() - t0:.0f} s)")
+
+
+if __name__ == "__main__":
+    main()
