@@ -5,7 +5,8 @@ gradients and optimizer state, sharded over all of them, in nine tenths of the u
 (the last tenth for activations and buffers; at the bare minimum Llama 3 8B on 2 GPUs and
 Llama 2 70B on 16 are rightly left without a plan: their state alone fills the GPUs). The
 whole default search runs for the presets it takes seconds on, and for the two MoE presets in
-the slow tier; for the large dense ones the fast tier shows that the default space holds a plan
+the slow tier; for the large dense ones and the large MoE ones (Qwen3-235B, GPT-OSS 120B,
+DeepSeek-V3, Kimi K2: minutes each) the fast tier shows that the default space holds a plan
 that fits (the search finds the best one: pruning never drops it, tests/test_planner.py), and
 tests/test_planner_defaults.py runs Llama 3 405B's whole search.
 """
@@ -28,7 +29,7 @@ H100 = get_hardware("H100")
 STATE_BYTES = 18
 # presets whose whole default search takes more than a few seconds at their size
 SLOW = ("qwen3-30b-a3b", "mixtral-8x7b", "llama2-70b", "llama3-70b", "gpt3-175b",
-        "llama3-405b")
+        "llama3-405b", "qwen3-235b-a22b", "gpt-oss-120b", "deepseek-v3", "kimi-k2")
 
 
 def cluster_size(name: str) -> int:
