@@ -190,8 +190,11 @@ def test_a_hardware_file_without_collectives_loads_and_prices_as_before(tmp_path
     hw = get_hardware(str(path))
     assert hw.collectives == () and "collectives" not in hw.to_dict()
     # its links were measured: bus bandwidths already, no efficiency on them
+    # (and the low-precision and grouped-GEMM figures it did not know: none, and their defaults)
     assert hw.to_dict() == {**old, "gemm_table": [[64.0, 64.0, 64.0, 0.5]],
-                            "link_bus_efficiency": 1.0, "network_bus_efficiency": 1.0}
+                            "link_bus_efficiency": 1.0, "network_bus_efficiency": 1.0,
+                            "mxfp8_flops": 0.0, "nvfp4_flops": 0.0, "cast_efficiency": None,
+                            "grouped_gemm_efficiency": 1.0}
     plan = pipesim.Plan.create(GPT, str(path), tp=4, dp=2, global_batch_size=4, **CONST)
     d = plan.derive()
     link = d.links["tp"]

@@ -106,8 +106,8 @@ def test_transformer_presets():
     assert get_hardware("h200").memory_bytes == 150_109_880_320
     assert get_hardware("H100").memory_bytes == 80 * 2**30
     assert get_model("GPT3-175B").layers == 96
-    with pytest.raises(ValueError, match="unknown hardware preset 'B300'"):
-        get_hardware("B300")
+    with pytest.raises(ValueError, match="unknown hardware preset 'B900'"):
+        get_hardware("B900")
     with pytest.raises(ValueError, match="fewer than num_stages"):
         CostModel.transformer("tiny", num_stages=16)
     assert split_layers(10, 4) == [3, 3, 2, 2]
