@@ -41,7 +41,7 @@ from datetime import timedelta
 from typing import Any
 
 from pipesim.plan.collectives import COLLECTIVES, Fit, fit
-from pipesim.plan.derive import _rank_stages    # each pipeline rank's parts, as the plan's tail
+from pipesim.plan.derive import rank_parts    # each pipeline rank's parts, as the plan's tail
 
 KiB, MiB = 2 ** 10, 2 ** 20
 DDP_BUCKET_BYTES = 25 * MiB  # pipeexec.training.ddp.GradBuffer's bucket_bytes default
@@ -241,7 +241,7 @@ def run_message_sizes(plan: Any, bucket_bytes: int = DDP_BUCKET_BYTES) -> dict[s
                                * model.hidden)}
     costs = plan.derive()
     per_rank = [sum(costs.stage_params[st]["dense"] + costs.stage_params[st]["expert"]
-                    for st in sts) * 4 for sts in _rank_stages(plan, len(costs.stage_params))]
+                    for st in sts) * 4 for sts in rank_parts(plan, len(costs.stage_params))]
     grads = max(per_rank)
     out["gradient bucket"] = float(min(grads, bucket_bytes))
     rest = grads % bucket_bytes

@@ -465,4 +465,3 @@ def rank_parts(plan, n: int) -> list[list[int]]:
         return [[st for st in range(n) if st % par.pp == r] for r in range(par.pp)]
 
 
-_rank_stages = rank_parts           # the name other modules import
