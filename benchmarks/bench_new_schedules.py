@@ -2,7 +2,7 @@
 
 1F1B, interleaved (vpp 2), ZB-H1, ZB-V (vpp 2), DualPipeV (vpp 2) and zb-auto at the ZB-1p and
 ZB-2p memory limits train on the same model in ONE job, one step of each in turn
-(`pipeexec.measuring.paired`), so every schedule meets the same machine within seconds of the
+(`pipeexec.run.paired`), so every schedule meets the same machine within seconds of the
 others: the load of a shared machine moves between jobs far more than between the steps of one
 round. Each schedule's step time is a per-round ratio (its step over 1F1B's step of the same
 round: median and interquartile range over the profiled rounds); every schedule is predicted
@@ -45,7 +45,7 @@ import pipesim  # noqa: E402
 from bench_prediction import add_model_args, model_config, pct  # noqa: E402
 from pipeexec.analysis import compare_runs, layout_of, predict, prediction_costs  # noqa: E402
 from pipeexec.cli.compare import profiled_run  # noqa: E402
-from pipeexec.measuring.paired import paired_runs  # noqa: E402
+from pipeexec.run.paired import paired_runs  # noqa: E402
 from pipeexec.analysis.predict import EXECUTOR_COMM  # noqa: E402
 from pipesim.search.zb_auto import handcrafted_origin  # noqa: E402
 from pipesim.schedule.io import schedule_to_json  # noqa: E402

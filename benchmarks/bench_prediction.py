@@ -50,7 +50,7 @@ from pipeexec.config import TrainConfig
 from pipeexec.launching.cpu_quota import quotas_available
 from pipeexec.analysis import compare_runs, layout_of, predict
 from pipeexec.cli.compare import profiled_run, write_outputs
-from pipeexec.measuring.paired import paired_runs
+from pipeexec.run.paired import paired_runs
 
 SCHEDULES = (("1f1b", 1), ("gpipe", 1), ("interleaved", 2), ("zb-h1", 1), ("zbv", 2))
 

@@ -50,13 +50,14 @@ def config(tp: int, zero: int, schedule: str = "1f1b", vpp: int = 1,
 def memory_worker(board, tp: int) -> dict:
     from pipeexec.measuring.memory import TrainingMemoryMeter
     from pipeexec.topology import destroy_topology, init_topology
-    from pipeexec.training.train import Trainer, train
+    from pipeexec.training.train import train
+    from pipeexec.run.assemble import assemble
 
     topo = init_topology(2, 2, tp=tp, device="cpu", timeout=300)
     out = {"pp_rank": topo.pp_rank, "tp_rank": topo.tp_rank, "dp_rank": topo.dp_rank}
     try:
         for zero, reduce in ZEROS:
-            t = Trainer(config(tp, zero, grad_reduce=reduce), topo, board=board)
+            t = assemble(config(tp, zero, grad_reduce=reduce), topo, board=board)
             params = [p for st in t.stages.values() for p in st.parameters()]
             meter = TrainingMemoryMeter(t.runtime, t.state_tensors, exclude=params)
             t.add_stage_hooks(meter)

@@ -12,20 +12,22 @@ Command line::
 From Python (each process, e.g. under torchrun or `launch`)::
 
     topo = init_topology(pp, dp, tp=1, cp=1)           # the mesh's groups, passed explicitly
-    trainer = Trainer(TrainConfig(...), topo)          # the plan's model; or pass a stack:
-                                                       # gpt_stack(model), hf_dir_stack(DIR)
-                                                       # (pipeexec.models.hf), your own LayerStack
+    trainer = assemble(TrainConfig(...), topo)         # this rank, built once: the plan's
+                                                       # model, or pass a stack: gpt_stack(model),
+                                                       # hf_dir_stack(DIR) (pipeexec.models.hf),
+                                                       # your own LayerStack
     result = train(trainer, on_step=...)               # losses, step_times, ...
 
-Rooms: config (TrainConfig: a pipesim Plan plus the executor's sections), runnable (what of a
-plan the executor cannot run, with reasons), topology, model (LayerStack, the built-in GPT),
-partition, data; ``parallel/`` (the device mesh; tensor, sequence and context parallelism);
-``models/`` (the layer stack a plan's model is built as: the built-in GPT or a Hugging Face
-family, weights from ``--hf-model DIR``); ``pipeline/`` (runtime, the action interpreter with
-its observers and stage hooks; p2p; backward; stage; faults), ``launching/`` (launcher, worker,
-board, cpu_quota, devices, preflight), ``training/`` (train, ddp, tied, precision, optim, zero,
-flat), ``checkpoint/``, ``measuring/`` (in the workers), ``analysis/`` (torch-free: run_plan,
-measured, calibrate, contention, predict, compare, tensor_parallel); ``cli/``.
+Rooms, from the top (each imports only rooms below it; docs/DESIGN.md): ``cli/``; ``run/``
+(prepare: a run validated once before launch; assemble: one rank built once; worker, paired
+runs, zb-auto's switch, preflight); ``measuring/`` (in the workers); ``training/`` (the step,
+the loop and the training state), ``checkpoint/``, ``analysis/`` (torch-free); config
+(TrainConfig: a pipesim Plan plus the executor's sections), runnable (what of a plan the
+executor cannot run, with reasons); ``models/`` (the layer stack a plan's model is built as),
+model, partition, data, ``datasets/``; ``pipeline/`` (the action interpreter with its observers
+and stage hooks, p2p, backward, stage, faults); topology, ``parallel/`` (the device mesh;
+tensor, sequence, context and expert parallelism); ``launching/`` (the floor: forked workers,
+the action board, CPU quotas, devices).
 """
 from __future__ import annotations
 
@@ -35,8 +37,8 @@ from typing import Any
 
 from .config import ConfigError, TrainConfig
 
-__all__ = ["ConfigError", "TrainConfig", "WorkerFailed", "launch", "LayerStack", "gpt_stack",
-           "model_from_layers", "PipelineError", "PipelineRuntime", "Topology", "init_topology",
+__all__ = ["ConfigError", "TrainConfig", "WorkerFailed", "launch", "assemble", "LayerStack",
+           "gpt_stack", "model_from_layers", "PipelineError", "PipelineRuntime", "Topology", "init_topology",
            "StepStats", "Trainer", "TrainResult", "train"]
 
 
@@ -45,6 +47,7 @@ __all__ = ["ConfigError", "TrainConfig", "WorkerFailed", "launch", "LayerStack",
 # where it is installed, and the package imports on a machine without it.
 _LAZY = {
     "WorkerFailed": "pipeexec.launching.launcher", "launch": "pipeexec.launching.launcher",
+    "assemble": "pipeexec.run.assemble",
     "LayerStack": "pipeexec.model", "gpt_stack": "pipeexec.model",
     "model_from_layers": "pipeexec.model",
     "PipelineError": "pipeexec.pipeline.runtime", "PipelineRuntime": "pipeexec.pipeline.runtime",

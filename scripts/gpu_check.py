@@ -112,7 +112,7 @@ def compare_meters(device: str) -> None:
     from pipeexec.config import TrainConfig
     from pipeexec.measuring.memory import CudaMemoryMeter, HeldTensorMeter
     from pipeexec.topology import destroy_topology, init_topology
-    from pipeexec.training.train import Trainer
+    from pipeexec.run.assemble import assemble
 
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -154,7 +154,7 @@ def compare_meters(device: str) -> None:
         cfg = TrainConfig(schedule="1f1b", pp=1, layers=4, hidden=256, heads=4, seq_len=128,
                           vocab=512, micro_batch_size=2, microbatches=4, steps=3, device=device)
         rec = Both()
-        trainer = Trainer(cfg, topo, recorder=rec)
+        trainer = assemble(cfg, topo, recorder=rec)
         rec.held = HeldTensorMeter(trainer.runtime, exclude=[p for st in trainer.stages.values()
                                                              for p in st.parameters()])
         for _ in range(cfg.steps):

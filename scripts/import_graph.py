@@ -2,13 +2,21 @@
 
     python3 scripts/import_graph.py            # circles (none expected) and lazy-import counts
     python3 scripts/import_graph.py --lazy     # every import inside a function, with its line
-    python3 scripts/import_graph.py --rooms    # imports between folders (rooms), with counts
+    python3 scripts/import_graph.py --rooms    # imports between rooms, with counts, and
+                                               # any circle of rooms (exit 1)
+    python3 scripts/import_graph.py --rooms --package pipeexec     # one package's rooms
 
 Every import counts, at module level or inside a function: a function-level import that closes
 a circle is still a circle, only hidden. ``from .pkg import name`` imports ``pkg.name`` when that
 is a module, else ``pkg`` (its ``__init__``). A package's ``__init__`` re-exporting its own
 submodules is not a circle of the code, so edges from a package ``__init__`` to a module inside
 that package are left out. Exits 1 when there is a circle (tests/test_import_graph.py runs it).
+
+A room is a folder of a package (with the folders inside it: ``pipesim.schedule.builders`` is
+part of ``pipesim.schedule``) or a module at the package's top (``pipeexec.config``); the
+package's ``__init__`` is a room of its own (its re-exports). Rooms stand on each other as
+floors: with ``--rooms`` any circle of rooms, two rooms importing each other the smallest, is
+an error, and the floors are printed top first.
 """
 from __future__ import annotations
 
@@ -151,17 +159,57 @@ def circles(graph_edges: list[Edge]) -> list[list[str]]:
     return sorted(out)
 
 
-def room(module: str) -> str:
-    """A module's folder: ``pipeexec.analysis.compare`` -> ``pipeexec.profile``."""
-    known = modules()
-    path = known[module]
-    return module if path.name == "__init__.py" else module.rsplit(".", 1)[0]
+def room(module: str, known: dict[str, Path] | None = None) -> str:
+    """A module's room: ``pipeexec.training.train`` -> ``pipeexec.training``,
+    ``pipesim.schedule.builders.zbv`` -> ``pipesim.schedule``, ``pipeexec.config`` ->
+    ``pipeexec.config``, the package ``pipeexec`` -> ``pipeexec``."""
+    known = modules() if known is None else known
+    parts = module.split(".")
+    if len(parts) == 1 or (len(parts) == 2 and known[module].name != "__init__.py"):
+        return module
+    return ".".join(parts[:2])
+
+
+def room_edges(graph_edges: list[Edge], known: dict[str, Path] | None = None) -> list[Edge]:
+    """The imports between rooms (those run: not under TYPE_CHECKING), as edges of rooms."""
+    known = modules() if known is None else known
+    out = []
+    for e in graph_edges:
+        a, b = room(e.source, known), room(e.target, known)
+        if a != b and not e.guarded:
+            out.append(Edge(a, b, e.line, e.lazy, False))
+    return out
+
+
+def floors(rooms: list[Edge]) -> list[list[str]]:
+    """Rooms by floor, top first: a room stands one floor above the highest room it imports
+    (rooms without a circle only)."""
+    below: dict[str, set[str]] = defaultdict(set)
+    for e in rooms:
+        below[e.source].add(e.target)
+        below.setdefault(e.target, set())
+    level: dict[str, int] = {}
+
+    def height(r: str) -> int:
+        if r not in level:
+            level[r] = 1 + max((height(t) for t in below[r]), default=-1)
+        return level[r]
+
+    for r in below:
+        height(r)
+    out: list[list[str]] = [[] for _ in range(max(level.values(), default=-1) + 1)]
+    for r, n in level.items():
+        out[n].append(r)
+    return [sorted(f) for f in reversed(out)]
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--lazy", action="store_true", help="list every import inside a function")
-    p.add_argument("--rooms", action="store_true", help="imports between folders, with counts")
+    p.add_argument("--rooms", action="store_true",
+                   help="imports between rooms, with counts; exit 1 on a circle of rooms")
+    p.add_argument("--package", choices=PACKAGES, default=None,
+                   help="with --rooms: the rooms of this package only")
     args = p.parse_args(argv)
     all_edges = edges()
     found = circles(all_edges)
@@ -181,10 +229,23 @@ def main(argv: list[str] | None = None) -> int:
         for e in sorted(lazy, key=lambda e: (e.source, e.line)):
             print(f"  {e.source}:{e.line} -> {e.target}")
     if args.rooms:
-        rooms = Counter((room(e.source), room(e.target)) for e in all_edges
-                        if room(e.source) != room(e.target) and not e.guarded)
-        for (a, b), n in sorted(rooms.items()):
+        rooms = [e for e in room_edges(all_edges)
+                 if args.package is None or e.source.split(".")[0] == args.package]
+        for (a, b), n in sorted(Counter((e.source, e.target) for e in rooms).items()):
             print(f"  {a} -> {b}: {n}")
+        room_circles = circles(rooms)
+        for comp in room_circles:
+            members = set(comp)
+            print(f"circle of {len(comp)} rooms: {', '.join(comp)}")
+            for e in sorted({(e.source, e.target) for e in rooms
+                             if e.source in members and e.target in members}):
+                print(f"    {e[0]} -> {e[1]}")
+        if room_circles:
+            return 1
+        print("floors, top first (each room imports only rooms on floors below it):")
+        inside = [e for e in rooms if e.target.split(".")[0] == e.source.split(".")[0]]
+        for n, floor in enumerate(floors(inside)):
+            print(f"  {n}: {', '.join(floor)}")
     return 1 if found else 0
 
 

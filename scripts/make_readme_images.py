@@ -105,7 +105,7 @@ def predicted_vs_measured(path: Path, dpi: int) -> None:
     benchmark's method), predict interleaved from the 1f1b steps alone, draw both."""
     from pipeexec.config import TrainConfig
     from pipeexec.analysis.compare import compare_runs
-    from pipeexec.measuring.paired import paired_runs
+    from pipeexec.run.paired import paired_runs
 
     # The prediction benchmark's model (benchmarks/bench_prediction.py): at a smaller width the
     # actions last a millisecond or two and per-action overheads the costs do not carry dominate.

@@ -12,6 +12,7 @@ import torch
 from pipeexec.config import TrainConfig
 from pipeexec.topology import Topology, channel_keys, destroy_topology, init_topology
 from pipeexec.training.train import Trainer, train
+from pipeexec.run.assemble import assemble
 
 # decay_steps is fixed so that a run stopped early (smaller --steps) follows the same LR curve.
 TINY = TrainConfig(layers=6, hidden=16, heads=2, seq_len=8, vocab=32, steps=4, decay_steps=8,
@@ -31,7 +32,7 @@ def fake_topology(pp: int = 1, dp: int = 1, pp_rank: int = 0, dp_rank: int = 0,
 
 
 def local_trainer(cfg: TrainConfig, pp_rank: int = 0, dp_rank: int = 0, store=None) -> Trainer:
-    return Trainer(cfg, fake_topology(cfg.pp, cfg.dp, pp_rank, dp_rank, store))
+    return assemble(cfg, fake_topology(cfg.pp, cfg.dp, pp_rank, dp_rank, store))
 
 
 def params_of(trainer: Trainer) -> dict[str, torch.Tensor]:
@@ -45,7 +46,7 @@ def checkpoint_worker(board, cfg: TrainConfig, options, snapshot_at: tuple[int, 
 
     topo = init_topology(cfg.pp, cfg.dp, timeout=120)
     try:
-        trainer = Trainer(cfg, topo, board=board)
+        trainer = assemble(cfg, topo, board=board)
         manager = CheckpointManager(options)
         manager.load(trainer)
         start = trainer.iteration

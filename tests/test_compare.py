@@ -208,7 +208,7 @@ def test_without_profile_nothing_is_timed_or_synchronised(monkeypatch):
     from pipeexec import launch
     from pipeexec.cli.train import config_from_args
     from pipeexec.cli.main import _parser
-    from pipeexec.launching.worker import WorkerArgs, run_training
+    from pipeexec.run.worker import WorkerArgs, run_training
 
     def forbidden(*args, **kwargs):
         raise AssertionError("clock alignment ran")

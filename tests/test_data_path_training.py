@@ -24,7 +24,8 @@ from pipeexec.config import ConfigError
 from pipeexec.data import DataError, IndexedBatches, batch_source
 from pipeexec.datasets import build_datasets
 from pipeexec.datasets.preprocess import PreprocessOptions, preprocess
-from pipeexec.training.train import Trainer, train
+from pipeexec.training.train import train
+from pipeexec.run.assemble import assemble
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -104,7 +105,7 @@ def test_a_text_file_with_a_tokenizer_trains_on_its_tokens(corpus):
 
 
 def _reference(cfg, steps):
-    trainer = Trainer(cfg.replace(pp=1, dp=1, tp=1, vpp=1, schedule="1f1b"), fake_topology())
+    trainer = assemble(cfg.replace(pp=1, dp=1, tp=1, vpp=1, schedule="1f1b"), fake_topology())
     return train(trainer).losses[:steps]
 
 
@@ -169,7 +170,7 @@ def test_a_tokenizer_larger_than_the_model_is_refused_before_any_process(corpus,
 
 def test_a_resume_that_would_draw_other_samples_is_warned_of(corpus):
     from pipeexec.datasets.build import train_order
-    from pipeexec.launching.preflight import data_change_warning
+    from pipeexec.run.preflight import data_change_warning
 
     cfg = config(corpus, steps=4, decay_steps=None)
     saved = cfg.to_dict()
@@ -199,7 +200,7 @@ def test_a_run_that_evaluates_needs_a_validation_split(corpus):
 
 def test_a_corpus_of_wider_ids_than_the_vocabulary_is_warned_of(corpus, tmp_path):
     from pipeexec.datasets.indexed import IndexedDatasetWriter
-    from pipeexec.launching.preflight import token_dtype_warning
+    from pipeexec.run.preflight import token_dtype_warning
 
     assert token_dtype_warning(config(corpus)) is None            # uint16 ids
     w = IndexedDatasetWriter(tmp_path / "wide", np.int32)
@@ -216,7 +217,7 @@ def _cp_worker(board, cfg):
 
     topo = init_topology(cfg.pp, cfg.dp, cp=cfg.cp, timeout=120)
     try:
-        return train(Trainer(cfg, topo, board=board)).losses
+        return train(assemble(cfg, topo, board=board)).losses
     finally:
         destroy_topology(topo)
 

@@ -13,9 +13,10 @@ from data_helpers import indexed_corpus
 from pipeexec import launch
 from pipeexec.config import ConfigError
 from pipeexec.datasets import build_datasets
-from pipeexec.launching.worker import WorkerArgs, run_training
+from pipeexec.run.worker import WorkerArgs, run_training
 from pipeexec.models import layer_stack
-from pipeexec.training.train import Trainer, train
+from pipeexec.training.train import train
+from pipeexec.run.assemble import assemble
 from pipeexec.training.validation import EvalOptions, valid_batches
 
 
@@ -47,7 +48,7 @@ def test_validation_batches_are_the_validation_split_s_samples(corpus):
 def test_one_process_validation_is_the_mean_loss_of_the_split_through_the_layers(corpus):
     cfg = config(corpus, pp=1)
     options = EvalOptions(eval_only=True, eval_iters=2)
-    res = train(Trainer(cfg, fake_topology()), evaluation=options)
+    res = train(assemble(cfg, fake_topology()), evaluation=options)
     spec = layer_stack(cfg)
     layers = [spec.build_layer(i, cfg.seed) for i in range(spec.num_layers)]
     data, total = valid_batches(cfg, options), 0.0
@@ -68,7 +69,7 @@ def test_a_pipelined_run_validates_as_one_process_does(corpus):
     cfg = config(corpus, pp=2)
     options = EvalOptions(eval_interval=1, eval_iters=2)
     got = launch(_worker, 2, (cfg, options), timeout=240)
-    ref = train(Trainer(cfg.replace(pp=1), fake_topology()), evaluation=options)
+    ref = train(assemble(cfg.replace(pp=1), fake_topology()), evaluation=options)
     losses = [v["loss"] for v in got[-1]["validation"]]
     assert losses == pytest.approx([v["loss"] for v in ref.validation], rel=1e-5)
 

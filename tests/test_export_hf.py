@@ -25,8 +25,8 @@ from pipeexec.checkpoint.export_hf import (INDEX_FILE, SINGLE_FILE, copy_tokeniz
                                            export_hf, shard_plan)
 from pipeexec.cli.main import main as cli_main  # noqa: E402
 from pipeexec.config import TrainConfig  # noqa: E402
-from pipeexec.launching.worker import WorkerArgs, run_training  # noqa: E402
-from pipeexec.training.train import Trainer  # noqa: E402
+from pipeexec.run.assemble import assemble  # noqa: E402
+from pipeexec.run.worker import WorkerArgs, run_training  # noqa: E402
 
 _DECODER = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
                 num_key_value_heads=2, vocab_size=64, max_position_embeddings=64,
@@ -74,7 +74,7 @@ def one_process_config(ckpt: Path) -> TrainConfig:
 def one_process_logits(ckpt: Path) -> tuple[torch.Tensor, torch.Tensor, float]:
     """(tokens, logits, loss) of pipeexec's own forward of the checkpoint in one process:
     the checkpoint loaded into a tp 1, pp 1, dp 1 Trainer, the batch of step 0."""
-    trainer = Trainer(one_process_config(ckpt), fake_topology())
+    trainer = assemble(one_process_config(ckpt), fake_topology())
     load_checkpoint(trainer, ckpt, finetune=True)
     out = trainer.forward(0, keep_outputs=True)
     tokens, _ = trainer.data.microbatches(0, 0, 1, 1)[0]
@@ -222,7 +222,7 @@ def assert_hf_model_resumes(ckpt: Path, out: Path) -> None:
     _, _, loss = one_process_logits(ckpt)
     resumed = one_process_config(ckpt).with_hf_model(str(out))
     assert resumed.hf_model == str(out)
-    assert Trainer(resumed, fake_topology()).forward(0).losses[0].item() == pytest.approx(
+    assert assemble(resumed, fake_topology()).forward(0).losses[0].item() == pytest.approx(
         loss, rel=1e-5)
 
 

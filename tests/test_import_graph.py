@@ -1,4 +1,5 @@
-"""The import graph stays a graph without circles (scripts/import_graph.py), and the light
+"""The import graph stays a graph without circles (scripts/import_graph.py), pipeexec's rooms
+stand on each other as floors (no two rooms import each other, nor any longer circle), and the light
 entry points stay light: `import pipesim` loads none of torch, numpy, pandas, simpy or
 matplotlib (a Plan neither simpy nor numpy), `import pipeexec.analysis` and the config no
 torch (pipeexec's torch-side names load on first use)."""
@@ -44,6 +45,40 @@ def test_the_circle_check_finds_one_when_there_is_one():
     assert g.circles(edges) == [["a", "b", "c"]]
 
 
+def test_pipeexec_rooms_have_no_circle():
+    out = subprocess.run([sys.executable, str(SCRIPT), "--rooms", "--package", "pipeexec"],
+                         capture_output=True, text=True, cwd=ROOT)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "circle of" not in out.stdout and "floors, top first" in out.stdout
+
+
+# pipesim's simulator rooms still import each other lazily (moving into pipesim/sim/ ends it):
+# no circle of rooms beyond this one may appear
+PIPESIM_ROOM_CIRCLES = [["pipesim.costs", "pipesim.dataflow", "pipesim.engine", "pipesim.plan",
+                         "pipesim.transformer"]]
+
+
+def test_pipesim_rooms_gain_no_circle():
+    g = _graph()
+    found = g.circles([e for e in g.room_edges(g.edges()) if e.source.startswith("pipesim")])
+    assert all(c in PIPESIM_ROOM_CIRCLES for c in found), found
+
+
+def test_the_rooms_check_finds_a_pair_of_rooms_importing_each_other():
+    g = _graph()
+    known = {name: Path(*name.split(".")).with_suffix(".py")
+             for name in ("p.a.x", "p.a.y", "p.b.z", "p.c", "p.d.w")}
+    edges = [g.Edge("p.a.x", "p.b.z", 1, False, False),
+             g.Edge("p.b.z", "p.a.y", 2, True, False),       # lazy: still a circle of rooms
+             g.Edge("p.a.y", "p.a.x", 3, False, False),      # inside one room: none
+             g.Edge("p.c", "p.d.w", 4, False, False),
+             g.Edge("p.d.w", "p.c", 5, False, True)]         # under TYPE_CHECKING: not run
+    rooms = g.room_edges(edges, known)
+    assert g.circles(rooms) == [["p.a", "p.b"]]
+    assert g.room("p.c", known) == "p.c" and g.room("p.d.w", known) == "p.d"
+    assert g.floors([e for e in rooms if e.source == "p.c"]) == [["p.c"], ["p.d"]]
+
+
 def test_import_pipesim_stays_cheap_and_a_plan_needs_no_simulator():
     heavy = {"torch", "numpy", "pandas", "simpy", "matplotlib"}
     assert not _loaded("import pipesim") & heavy
@@ -52,6 +87,6 @@ def test_import_pipesim_stays_cheap_and_a_plan_needs_no_simulator():
 
 def test_the_torch_free_rooms_import_without_torch_where_it_is_installed():
     for module in ("pipeexec.analysis", "pipeexec.config", "pipeexec.measuring.options",
-                   "pipesim.planner"):
+                   "pipeexec.run.prepare", "pipesim.planner"):
         assert "torch" not in _loaded(f"import {module}"), module
     assert "torch" in _loaded("from pipeexec import Trainer")    # the executor's names: on use

@@ -136,7 +136,7 @@ def test_the_flags_set_the_plan_fields_in_every_command():
 
 
 def test_pipeexec_warns_that_it_runs_the_tensor_parallel_collectives_exposed():
-    from pipeexec.launching.preflight import tp_comm_overlap_warning
+    from pipeexec.run.preflight import tp_comm_overlap_warning
     par = pipesim.Plan.create(GPT, "H100", tp=2, sequence_parallel=True, overlap_tp_comm=True,
                               global_batch_size=1).parallelism
     assert "--no-tp-comm-overlap" in tp_comm_overlap_warning(par)

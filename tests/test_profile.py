@@ -449,7 +449,8 @@ def profiled_worker(board, cases):
     from pipeexec.measuring.options import ProfileOptions
     from pipeexec.measuring.session import ProfileSession
     from pipeexec.topology import destroy_topology, init_topology
-    from pipeexec.training.train import Trainer, train
+    from pipeexec.training.train import train
+    from pipeexec.run.assemble import assemble
 
     topo = init_topology(len(SKEWS), 1, timeout=120)
     skew = SKEWS[topo.rank]
@@ -461,7 +462,7 @@ def profiled_worker(board, cases):
                               vocab=32, steps=3, p2p_timeout=60.0, collective_timeout=120.0)
             session = ProfileSession(ProfileOptions(1, 3, align_rounds=8), topo,
                                      clock=lambda: time.perf_counter() + skew)
-            trainer = Trainer(cfg, topo, board=board, recorder=session.profiler)
+            trainer = assemble(cfg, topo, board=board, recorder=session.profiler)
             session.attach(trainer)
             train(trainer)
             run = session.finish(trainer)
@@ -668,13 +669,14 @@ def probe_worker(board):
     from pipeexec.config import TrainConfig
     from pipeexec.measuring.probe import probe_split
     from pipeexec.topology import destroy_topology, init_topology
-    from pipeexec.training.train import Trainer, train
+    from pipeexec.training.train import train
+    from pipeexec.run.assemble import assemble
 
     topo = init_topology(1, 1, timeout=60)
     try:
         cfg = TrainConfig(schedule="1f1b", pp=1, microbatches=2, micro_batch_size=2, layers=2,
                           hidden=16, heads=2, seq_len=8, vocab=32, steps=1)
-        trainer = Trainer(cfg, topo, board=board)
+        trainer = assemble(cfg, topo, board=board)
         train(trainer)
         grads = trainer.grads.data.clone()
         params = [p.detach().clone() for p in trainer.masters.masters]

@@ -31,7 +31,7 @@ def test_a_progress_bar_is_off_unless_it_writes_to_a_terminal():
 
 
 def test_fewer_microbatches_than_stages_is_warned_of():
-    from pipeexec.launching.preflight import microbatch_warning
+    from pipeexec.run.preflight import microbatch_warning
 
     w = microbatch_warning(3, 1)
     assert w.startswith("--microbatches 1 with --pp 3: a pipeline of m = 1") and "67%" in w
@@ -50,7 +50,7 @@ def _config(**kw):
 
 def test_a_resume_that_would_reshape_the_lr_schedule_is_refused_naming_both():
     from pipeexec.config import ConfigError
-    from pipeexec.launching.preflight import check_lr_schedule
+    from pipeexec.run.preflight import check_lr_schedule
 
     check_lr_schedule(_config(), RECORD, "ckpt")                       # the same schedule
     check_lr_schedule(_config(steps=50, decay_steps=20), RECORD, "ckpt")  # decay kept: fine
@@ -79,7 +79,7 @@ def test_a_plan_priced_with_the_cp_ring_is_run_with_a_note():
     """pipeexec all-gathers K/V: a plan priced with pipesim's ring (cp_comm p2p) runs, saying so."""
     from dataclasses import replace
 
-    from pipeexec.launching.preflight import cp_comm_warning
+    from pipeexec.run.preflight import cp_comm_warning
     from pipesim.plan.parallelism import Parallelism
 
     ring = Parallelism(tp=1, pp=2, dp=1, cp=2, micro_batch_size=1, global_batch_size=4)

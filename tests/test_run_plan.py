@@ -122,14 +122,15 @@ def hand_made_worker(board, cfg, options, profile_first):
     from pipeexec.measuring.options import ProfileOptions
     from pipeexec.measuring.session import ProfileSession
     from pipeexec.topology import destroy_topology, init_topology
-    from pipeexec.training.train import Trainer, train
+    from pipeexec.training.train import train
+    from pipeexec.run.assemble import assemble
 
     topo = init_topology(cfg.pp, cfg.dp, timeout=120)
     try:
         session = None
         if profile_first is not None:
             session = ProfileSession(ProfileOptions(profile_first, cfg.steps, align_rounds=4), topo)
-        trainer = Trainer(cfg, topo, board=board, schedule=hand_made(cfg.pp, cfg.microbatches),
+        trainer = assemble(cfg, topo, board=board, schedule=hand_made(cfg.pp, cfg.microbatches),
                           recorder=None if session is None else session.profiler)
         if session is not None:
             session.attach(trainer)

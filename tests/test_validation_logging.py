@@ -21,10 +21,11 @@ from pipeexec import launch
 from pipeexec.checkpoint import CheckpointOptions
 from pipeexec.cli.main import main as cli_main
 from pipeexec.config import ConfigError, TrainConfig
-from pipeexec.launching.worker import WorkerArgs, run_training
+from pipeexec.run.worker import WorkerArgs, run_training
 from pipeexec.models import layer_stack
 from pipeexec.training.metrics_log import LogOptions
-from pipeexec.training.train import Trainer, train
+from pipeexec.training.train import train
+from pipeexec.run.assemble import assemble
 from pipeexec.training.validation import EvalOptions, valid_batches
 
 TINY = TrainConfig(layers=4, hidden=16, heads=2, seq_len=8, vocab=32, steps=2, lr=1e-2,
@@ -53,7 +54,7 @@ def one_process(cfg: TrainConfig, options: EvalOptions, **kwargs):
     """The run at pp 1, dp 1 (the same global batch), trained in this process."""
     ref = cfg.replace(pp=1, vpp=1, dp=1, tp=1, cp=1, ep=1, zero=0, schedule="1f1b",
                       sequence_parallel=False, microbatches=cfg.microbatches * cfg.dp)
-    return train(Trainer(ref, fake_topology()), evaluation=options, **kwargs)
+    return train(assemble(ref, fake_topology()), evaluation=options, **kwargs)
 
 
 def test_one_process_validation_is_the_mean_loss_of_the_held_out_batches():
@@ -67,7 +68,7 @@ def test_synthetic_validation_batches_are_no_training_batches():
     src = valid_batches(TINY, EVAL)
     trainer_batches = {tuple(TINY_batch.flatten().tolist())
                        for k in range(50) for TINY_batch, _ in
-                       Trainer(TINY, fake_topology()).data.microbatches(k, 0, 1, 4)}
+                       assemble(TINY, fake_topology()).data.microbatches(k, 0, 1, 4)}
     held_out = [tuple(x.flatten().tolist()) for i in range(10)
                 for x, _ in src.microbatches(i, 0, 1, 4)]
     assert not trainer_batches & set(held_out)
@@ -231,7 +232,7 @@ def test_log_interval_thins_the_lines_and_the_scalars(tmp_path):
     pytest.importorskip("tensorboard")
     lines: list[str] = []
     cfg = TINY.replace(steps=5)
-    train(Trainer(cfg, fake_topology()), log=lines.append,
+    train(assemble(cfg, fake_topology()), log=lines.append,
           logging=LogOptions(log_interval=2, tensorboard_dir=str(tmp_path)))
     assert [line.split(" (")[0] for line in lines] == ["step 1", "step 3", "step 4"]
     assert [k for k, _ in read_scalars(tmp_path)["train/loss"]] == [2, 4, 5]
@@ -250,11 +251,12 @@ def test_wandb_offline_run_is_written(tmp_path):
         "from checkpoint_helpers import fake_topology\n"
         "from pipeexec.config import TrainConfig\n"
         "from pipeexec.training.metrics_log import LogOptions\n"
-        "from pipeexec.training.train import Trainer, train\n"
+        "from pipeexec.run.assemble import assemble\n"
+        "from pipeexec.training.train import train\n"
         "from pipeexec.training.validation import EvalOptions\n"
         "cfg = TrainConfig(layers=2, hidden=16, heads=2, seq_len=8, vocab=32, steps=2, "
         "device='cpu')\n"
-        "res = train(Trainer(cfg, fake_topology()), evaluation=EvalOptions(eval_interval=1), "
+        "res = train(assemble(cfg, fake_topology()), evaluation=EvalOptions(eval_interval=1), "
         f"logging=LogOptions(wandb_project='pipeexec-test', wandb_dir={str(tmp_path)!r}))\n"
         "print('validated', len(res.validation))\n")
     root = Path(__file__).resolve().parent.parent
@@ -277,7 +279,7 @@ def test_a_terminal_gets_a_progress_bar_with_eta_and_no_step_lines(monkeypatch):
     screen = _Terminal()
     monkeypatch.setattr("sys.stdout", screen)
     lines: list[str] = []
-    train(Trainer(TINY.replace(steps=3), fake_topology()), log=lines.append, progress=True,
+    train(assemble(TINY.replace(steps=3), fake_topology()), log=lines.append, progress=True,
           evaluation=EvalOptions(eval_interval=3))
     out = screen.getvalue()
     assert "3/3" in out and "<00:00" in out and "loss" in out        # count, ETA, postfix
@@ -288,7 +290,7 @@ def test_a_terminal_gets_a_progress_bar_with_eta_and_no_step_lines(monkeypatch):
 def test_without_a_terminal_each_step_has_its_line(monkeypatch):
     monkeypatch.setattr("sys.stdout", io.StringIO())
     lines: list[str] = []
-    train(Trainer(TINY.replace(steps=2), fake_topology()), log=lines.append, progress=True,
+    train(assemble(TINY.replace(steps=2), fake_topology()), log=lines.append, progress=True,
           evaluation=EVAL)
     assert [line.split(" loss")[0] for line in lines] == [
         "step 0 (1 of 2)", "validation iteration 1", "step 1 (2 of 2)", "validation iteration 2"]

@@ -24,7 +24,7 @@ from ..models.hf_config import HF_FIELDS
 from ..options import values_from_args
 from .train import PLAN_DESTS, _shown_defaults, config_from_args, explicit_dests, train_parser
 
-# The executor (launching, measuring: torch and the training stack) is imported by the
+# The executor (run, launching, measuring: torch and the training stack) is imported by the
 # functions that run it, so `pipeexec --help` and flag errors do not load it.
 
 
@@ -53,7 +53,7 @@ def profiled_run(config: Any, first: int, stop: int, *, trace_out: str | None = 
     alignment, split probe), default `ProfileOptions`' defaults."""
     from ..launching.devices import start_method_for
     from ..launching.launcher import launch
-    from ..launching.worker import WorkerArgs, run_training
+    from ..run.worker import WorkerArgs, run_training
 
     options = (profile or ProfileOptions()).replace(first=first, stop=stop, trace_out=trace_out,
                                                     cpus_per_rank=cpus_per_rank).validate()
@@ -191,7 +191,7 @@ def compare_main(argv: list[str]) -> int:
     """``pipeexec compare ...``; returns the exit status (2: bad arguments, 1: run failed)."""
     from ..launching.cpu_quota import QuotaUnavailable
     from ..launching.launcher import WorkerFailed
-    from ..launching.preflight import check_cpus_per_rank, check_timeout
+    from ..run.preflight import check_cpus_per_rank, check_timeout
     from ..measuring.session import parse_step_range
 
     ns, rest = compare_parser().parse_known_args(argv)
@@ -283,7 +283,7 @@ def compare_main(argv: list[str]) -> int:
                   f"{predicted.makespan * 1e3:.1f} ms, bubble_fraction "
                   f"{predicted.bubble_fraction:.3f}", flush=True)
         if partner is not None:
-            from ..measuring.paired import paired_runs
+            from ..run.paired import paired_runs
 
             source, run = paired_runs([partner, config], first, stop,
                                       trace_outs=[None, ns.trace_out],

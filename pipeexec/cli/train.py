@@ -22,6 +22,7 @@ from .checkpoint import add_train_flags, options_from_args
 from ..config import DEFAULT_PLAN, PLAN_VIEWS, SECTIONS, ConfigError, TrainConfig
 from ..models.hf_config import HF_FIELDS
 from ..options import add_arguments, values_from_args
+from ..run.prepare import PreparedRun, prepare
 from .monitor_flags import add_monitor_flags, evaluation_from_args, logging_from_args
 from .profile_flags import add_profile_flags, profile_from_args
 
@@ -163,10 +164,11 @@ def config_from_args(ns: argparse.Namespace) -> TrainConfig:
     return config
 
 
-def validate_for(ns: argparse.Namespace, config: TrainConfig, world: int) -> TrainConfig:
-    """``config.validate``, its error naming ``--plan FILE`` when the run is a plan file's."""
+def prepare_for(ns: argparse.Namespace, config: TrainConfig, world: int) -> PreparedRun:
+    """The run validated once (`pipeexec.run.prepare`), its error naming ``--plan FILE`` when
+    the run is a plan file's."""
     try:
-        return config.validate(world_size=world)
+        return prepare(config, world_size=world)
     except ConfigError as exc:
         if ns.plan:
             raise ConfigError(f"--plan {ns.plan}: {exc}") from None
@@ -181,8 +183,8 @@ def train_main(args: list[str]) -> None:
     from ..launching.cpu_quota import QuotaUnavailable
     from ..launching.devices import cuda_device_count, may_use_cuda, start_method_for
     from ..launching.launcher import WorkerFailed, launch
-    from ..launching.preflight import check_train
-    from ..launching.worker import WorkerArgs, run_training
+    from ..run.preflight import check_train
+    from ..run.worker import WorkerArgs, run_training
 
     under_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     world = int(os.environ["WORLD_SIZE"]) if under_torchrun else (ns.nproc or 1)
@@ -190,7 +192,7 @@ def train_main(args: list[str]) -> None:
         config = config_from_args(ns)
         if not under_torchrun:
             world = ns.nproc or config.world_size
-        validate_for(ns, config, world)      # before any process group exists
+        prepared = prepare_for(ns, config, world)      # before any process group exists
         checkpoint = options_from_args(ns)
         if checkpoint.load is not None:
             read_tracker(checkpoint.load)       # a bad --load fails before any worker starts
@@ -219,7 +221,7 @@ def train_main(args: list[str]) -> None:
             sys.exit(0)
         args = WorkerArgs(config, ns.metrics_out, progress=not ns.no_progress,
                           checkpoint=checkpoint, profile=profile, evaluation=evaluation,
-                          logging=logging)
+                          logging=logging, prepared=prepared)
         if under_torchrun:
             run_training(None, args)
         else:

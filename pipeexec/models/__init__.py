@@ -66,11 +66,17 @@ def layer_stack(config: Any, tp: Any = None, cp: Any = None, ep: Any = None):
     this rank's `pipeexec.parallel.regions.TensorParallel` (None: tp 1); ``cp``: its
     `pipeexec.parallel.context.ContextParallel` (None: cp 1); ``ep``: its
     `pipeexec.parallel.experts.ExpertParallel` (None: ep 1; a MoE family's experts cut,
-    `hf_expert_parallel`)."""
-    model = config.plan.model
-    refused = model_refusals(model, config.hf_model)
+    `hf_expert_parallel`). Raises ConfigError when the model cannot be built here."""
+    refused = model_refusals(config.plan.model, config.hf_model)
     if refused:
         raise ConfigError("the plan's model cannot be built here:\n  " + "\n  ".join(refused))
+    return checked_layer_stack(config, tp, cp, ep)
+
+
+def checked_layer_stack(config: Any, tp: Any = None, cp: Any = None, ep: Any = None):
+    """`layer_stack` of a config validated already (`TrainConfig.validate` refused what
+    cannot be built): a rank of a launched run builds its stack without checking again."""
+    model = config.plan.model
     from ..parallel import context
     from ..parallel.regions import NONE
     if model.family is not None:

@@ -40,33 +40,21 @@ from pipesim import Schedule
 from pipesim.progress import progress_bar
 from pipesim.schedule.op import Op
 
-from ..launching.board import ActionBoard, BoardObserver
-from ..config import TrainConfig
-from ..data import BatchSource, batch_source
-from ..pipeline.faults import FaultInjector, parse_faults
 from .ddp import GradBuffer
 from .metrics_log import (LogOptions, model_flops_per_step, open_sinks, step_scalars,
                           valid_scalars, writes_metrics)
+from .rank import RankParts
 from .tied import tied_parameters
 from .validation import EvalOptions, Evaluation, valid_batches
 from .zero import ExpertShardedOptimizer, ShardedOptimizer
-from ..malloc import keep_freed_memory
-from ..model import LayerStack
-from ..models import layer_stack
 from .optim import adamw_state_for, build_adamw, clip_coefficient, lr_at, set_lr
-from ..pipeline.p2p import P2P, check_channels_exist, check_p2p_order
-from ..partition import stage_bounds
+from ..pipeline.p2p import check_channels_exist, check_p2p_order
 from .divergence import DivergenceGuard
-from .precision import LossScaler, MasterWeights, compute_dtype
+from .precision import LossScaler, MasterWeights
 from ..pipeline.runtime import ActionObserver, PipelineRuntime, StageHooks
-from ..pipeline.stage import build_stage
-from ..parallel.context import ContextParallel, ContextParallelBatches
-from ..parallel.experts import ExpertParallel
+from ..parallel.context import ContextParallelBatches
 from ..models.hf_expert_parallel import is_expert
-from ..parallel.regions import TensorParallel
 from ..parallel.tp_grads import TensorParallelGrads
-from ..topology import Topology
-
 
 @dataclass
 class StepStats:
@@ -114,57 +102,16 @@ class TrainResult:
 
 
 class Trainer:
-    def __init__(self, config: TrainConfig, topology: Topology, spec: LayerStack | None = None, *,
-                 recorder: ActionObserver | None = None, board: ActionBoard | None = None,
-                 data: BatchSource | None = None, schedule: Schedule | None = None) -> None:
-        """``schedule``: run this Schedule (any pipesim Schedule, e.g. hand-made) instead of the
-        one ``config.schedule`` names; its pp, vpp and microbatches must match the config.
-        The runtime's observers (`pipeexec.pipeline.runtime`): the ``board``'s, fault injection's
-        (``config.inject``), then ``recorder`` (shorthand for `add_observer`)."""
-        self.tp = TensorParallel(topology.tp_group, topology.tp, topology.tp_rank,
-                                 timeout=config.collective_timeout,
-                                 sequence_parallel=bool(config.sequence_parallel)
-                                 and topology.tp > 1)
-        # context parallelism: each sequence cut over the cp group (`parallel.context`)
-        self.cp = ContextParallel(topology.cp_group, topology.cp, topology.cp_rank,
-                                  timeout=config.collective_timeout)
-        # expert parallelism: a MoE layer's experts over the ep group (`parallel.experts`)
-        self.ep = ExpertParallel(topology.ep_group, topology.ep, topology.ep_rank,
-                                 timeout=config.collective_timeout)
-        spec = spec or layer_stack(config, self.tp, self.cp, self.ep)  # (ConfigError: not here)
-        # The schedule is built once per rank, below (validate would build it once more).
-        config.validate(world_size=topology.world_size, num_layers=spec.num_layers,
-                        check_schedule=False)
-        if (config.tp, config.cp, config.pp, config.dp, config.ep) != (
-                topology.tp, topology.cp, topology.pp, topology.dp, topology.ep):
-            raise ValueError(f"config tp={config.tp} cp={config.cp} pp={config.pp} dp={config.dp} "
-                             f"ep={config.ep} but topology tp={topology.tp} cp={topology.cp} "
-                             f"pp={topology.pp} dp={topology.dp} ep={topology.ep}")
-        if schedule is not None:
-            got = (schedule.pp, schedule.parts_per_rank, schedule.num_microbatches)
-            if got != (config.pp, config.vpp, config.microbatches):
-                raise ValueError(f"schedule {schedule.name!r} has pp, vpp, microbatches = {got}, the "
-                                 f"config {(config.pp, config.vpp, config.microbatches)}")
-            schedule.validate()
+    def __init__(self, parts: RankParts) -> None:
+        """Train the rank ``parts`` holds (`pipeexec.run.assemble` builds it: ``trainer =
+        assemble(config, topology)``): this builds its training state (gradient holder, fp32
+        masters, AdamW, loss scale) and the runtime."""
+        config, topology, spec = parts.config, parts.topology, parts.spec
         self.config, self.topology, self.spec = config, topology, spec
-        self._custom_schedule = schedule is not None
-        self.schedule = schedule if schedule is not None else config.build_schedule()
-        self.bounds = stage_bounds(spec, config)
+        self.tp, self.cp, self.ep = parts.tp, parts.cp, parts.ep
+        self.schedule, self._custom_schedule = parts.schedule, parts.custom_schedule
+        self.bounds, self.stages, self.dtype = parts.bounds, parts.stages, parts.dtype
         dev = topology.device
-        if dev.type == "cpu" and config.cpu_keep_freed_memory:
-            keep_freed_memory()         # no fresh pages, hence no page faults, every step
-        self.dtype = compute_dtype(config.precision)
-        # A stage builds the model part it computes: a copy of a part (dualpipe's second
-        # direction) has the same layers and global names, so its parameters are tied below.
-        part = self.schedule.stage_part
-        self.stages = {s: build_stage(spec, part(s), self.bounds, seed=config.seed, device=dev,
-                                      dtype=torch.float32)
-                       for s in self.schedule.rank_stages(topology.pp_rank)}
-        kinds = spec.kinds()
-        for s, stage in self.stages.items():
-            stage.set_recompute(config.recompute,
-                                kinds[self.bounds[part(s)]:self.bounds[part(s) + 1]],
-                                config.recompute_layers)
         # Stage parameters are already named by global layer index: layers.<i>.<name>.
         named = [(name, p) for s in sorted(self.stages) for name, p in self.stages[s].named_parameters()]
         self.param_names = [n for n, _ in named]
@@ -237,30 +184,13 @@ class Trainer:
         self.divergence = DivergenceGuard(dynamic_scale=self.scaler.dynamic,
                                           precision=config.precision,
                                           max_skipped_steps=config.max_skipped_steps)
-        faults, self._overflow = parse_faults(config.inject, topology.rank)
-        self.board = board
-        self._board_observer = None if board is None else BoardObserver(board, topology.rank)
-        self.observers: list[ActionObserver] = [o for o in (
-            self._board_observer, FaultInjector(faults) if faults else None, recorder)
-            if o is not None]
-        self.p2p = None
-        if config.pp > 1:
-            check_channels_exist(self.schedule, topology.pp_rank, topology.p2p_groups)
-            if topology.backend == "nccl" or config.nccl_matching:
-                check_p2p_order(self.schedule,      # NCCL's matching and streams: before start
-                                collectives=topology.tp > 1 or topology.cp > 1
-                                or topology.ep > 1 or config.zero >= 2)
-            self.p2p = P2P(rank=topology.rank, pp_rank=topology.pp_rank,
-                           groups=topology.p2p_groups, peers=topology.pp_ranks,
-                           num_stages=self.schedule.num_stages,
-                           num_microbatches=config.microbatches,
-                           device=dev, timeout=config.p2p_timeout,
-                           nccl_matching=config.nccl_matching)
+        self._overflow = parts.overflow
+        self.board, self._board_observer = parts.board, parts.board_observer
+        self.observers: list[ActionObserver] = list(parts.observers)
+        self.p2p = parts.p2p
         self.runtime = self._make_runtime(self.schedule)
         self._fwd_runtime: PipelineRuntime | None = None
-        self.data = data or batch_source(config)
-        if self.cp.active:      # every cp rank of a replica: the same microbatches, its chunks
-            self.data = ContextParallelBatches(self.data, self.cp)
+        self.data = parts.data
         self.iteration = 0
         self.updates = 0
         self.holds_last_stage = config.num_stages - 1 in self.stages

@@ -16,7 +16,8 @@ from pipeexec.config import TrainConfig
 from pipeexec.data import BatchSource
 from pipeexec.model import gpt_stack
 from pipeexec.topology import destroy_topology, init_topology
-from pipeexec.training.train import Trainer, train
+from pipeexec.training.train import train
+from pipeexec.run.assemble import assemble
 
 GLOBAL_BATCH = 8
 MICROBATCHES = 4
@@ -186,7 +187,7 @@ def layouts_worker(board, pp: int, dp: int, cases: list[tuple[str, dict]], devic
             mirror = options.pop("mirror", False)
             cfg = layout_config(schedule, pp, dp, device=device, **options)
             custom = mirrored(cfg.build_schedule()) if mirror else None
-            trainer = Trainer(cfg, topo, board=board, schedule=custom)
+            trainer = assemble(cfg, topo, board=board, schedule=custom)
             res = train(trainer)
             fwd = trainer.forward(cfg.steps, keep_outputs=True)
             out[(schedule, tuple(sorted(changes.items())))] = {
@@ -209,7 +210,7 @@ def train_worker(board, config: TrainConfig) -> list[float]:
     topo = init_topology(config.pp, config.dp, backend=config.backend, device=config.device,
                          timeout=config.collective_timeout)
     try:
-        return train(Trainer(config, topo, board=board)).losses
+        return train(assemble(config, topo, board=board)).losses
     finally:
         destroy_topology(topo)
 
@@ -219,7 +220,7 @@ def state_worker(board, pp: int, dp: int, schedule: str, steps: int, state: dict
     state dict and losses: the seam a checkpoint manager uses."""
     topo = init_topology(pp, dp, device="cpu", timeout=120)
     try:
-        trainer = Trainer(layout_config(schedule, pp, dp), topo, board=board)
+        trainer = assemble(layout_config(schedule, pp, dp), topo, board=board)
         if state is not None:
             trainer.load_state_dict(state)
         losses = [trainer.step().loss for _ in range(steps)]

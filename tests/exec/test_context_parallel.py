@@ -33,7 +33,8 @@ from pipeexec.parallel import context
 from pipeexec.parallel.context import ContextParallel
 from pipeexec.parallel.sharding import shard_spec
 from pipeexec.topology import destroy_topology, init_topology
-from pipeexec.training.train import Trainer, train
+from pipeexec.training.train import train
+from pipeexec.run.assemble import assemble
 
 from exec_helpers import TINY, layout_config
 from test_tensor_parallel import check, reference
@@ -88,7 +89,7 @@ def cp_worker(board, tp: int, cp: int, pp: int, cases: list[tuple[str, dict]],
     try:
         for schedule, changes in cases:
             cfg = layout_config(schedule, pp, 1, tp=tp, cp=cp, **changes)
-            trainer = Trainer(cfg, topo, board=board)
+            trainer = assemble(cfg, topo, board=board)
             res = train(trainer)
             out[(schedule, tuple(sorted(changes.items())))] = {
                 "losses": res.losses, "config": cfg, "grad_norms": res.grad_norms,
@@ -113,14 +114,14 @@ def _resume(topo, board, cp: int, pp: int, root: str) -> dict:
     from pipeexec.checkpoint.save import save_checkpoint
 
     cfg = layout_config("1f1b", pp, 1, cp=cp, steps=CKPT_STEPS)
-    straight = Trainer(cfg, topo, board=board)
+    straight = assemble(cfg, topo, board=board)
     whole = train(straight).losses
-    first = Trainer(cfg, topo, board=board)
+    first = assemble(cfg, topo, board=board)
     while first.iteration < 2:
         first.step()
     save_checkpoint(first, root, timeout=60)
     saved = {n: p.detach().clone() for n, p in first.named_parameters().items()}
-    second = Trainer(cfg, topo, board=board)
+    second = assemble(cfg, topo, board=board)
     load_checkpoint(second, root)
     resumed = train(second).losses
     return {"whole": whole, "resumed": resumed, "saved": saved, "cp_rank": topo.cp_rank,
@@ -233,7 +234,7 @@ def test_a_cp2_checkpoint_resumes_bit_exact_and_loads_into_cp1(cp2_pp2):
     # cp 1, pp 1 in this process: exactly the saved weights, and the same next steps
     cfg = layout_config("1f1b", 2, 1, steps=CKPT_STEPS).replace(pp=1, vpp=1)
     alone = Topology(0, 1, 1, 1, 0, 0, 0, torch.device("cpu"), "gloo", None, None, (0,), (0,))
-    trainer = Trainer(cfg, alone)
+    trainer = assemble(cfg, alone)
     load_checkpoint(trainer, root)
     assert trainer.iteration == 2
     for n, p in trainer.named_parameters().items():

@@ -31,7 +31,7 @@ def config(cp: int, schedule: str, vpp: int):
 @functools.lru_cache(maxsize=None)
 def measured(cp: int) -> dict:
     """Peaks per rank of both schedules at this cp, from one job (`paired_runs`)."""
-    from pipeexec.measuring.paired import paired_runs
+    from pipeexec.run.paired import paired_runs
     runs = paired_runs([config(cp, *c) for c in SCHEDULES], 1, 2, timeout=300)
     return {c: run.result(1).peak_memory for c, run in zip(SCHEDULES, runs)}
 

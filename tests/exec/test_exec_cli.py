@@ -81,7 +81,7 @@ def test_spawn_start_runs_training(tmp_path, reference):
     # re-import pipeexec and unpickle the config; here on the CPU
     from pipeexec import launch
     from pipeexec.config import TrainConfig
-    from pipeexec.launching.worker import WorkerArgs, run_training
+    from pipeexec.run.worker import WorkerArgs, run_training
     cfg = TrainConfig(schedule="1f1b", pp=2, microbatches=4, micro_batch_size=2, layers=2,
                       hidden=16, heads=2, seq_len=8, vocab=64, steps=3, seed=3, lr=0.01,
                       device="cpu")

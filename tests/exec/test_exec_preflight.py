@@ -13,7 +13,7 @@ import pytest
 
 from pipeexec.cli.main import main
 from pipeexec.config import ConfigError, TrainConfig
-from pipeexec.launching.preflight import check_cpus_per_rank, data_warning
+from pipeexec.run.preflight import check_cpus_per_rank, data_warning
 
 TINY = ["--layers", "1", "--hidden", "16", "--heads", "2", "--seq-len", "8", "--vocab", "256",
         "--no-progress"]

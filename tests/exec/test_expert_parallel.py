@@ -32,7 +32,8 @@ from pipeexec.models.hf_config import read_hf_config  # noqa: E402
 from pipeexec.models.hf_expert_parallel import is_expert  # noqa: E402
 from pipeexec.parallel.sharding import shard_spec, unshard  # noqa: E402
 from pipeexec.topology import destroy_topology, init_topology  # noqa: E402
-from pipeexec.training.train import Trainer, train  # noqa: E402
+from pipeexec.training.train import train  # noqa: E402
+from pipeexec.run.assemble import assemble  # noqa: E402
 
 from exec_helpers import TINY, layout_config  # noqa: E402
 from test_hf_models import FAMILIES, hf_reference_train, reference_config, write_model  # noqa: E402
@@ -65,7 +66,7 @@ def ep_worker(board, tp: int, pp: int, dp: int, ep: int, cases: list[tuple[str, 
             cfg = ep_config(directory, schedule, pp=pp, dp=dp, tp=tp, cp=cp, ep=ep, **changes)
             if label is not None:
                 changes["label"] = label
-            trainer = Trainer(cfg, topo, board=board)
+            trainer = assemble(cfg, topo, board=board)
             res = train(trainer)
             named = {n: p for st in trainer.stages.values() for n, p in st.named_parameters()}
             out[(schedule, tuple(sorted(changes.items())))] = {

@@ -24,7 +24,8 @@ from pipeexec.checkpoint.save import save_checkpoint  # noqa: E402
 from pipeexec.models.hf_expert_parallel import is_expert  # noqa: E402
 from pipeexec.parallel.sharding import shard_spec  # noqa: E402
 from pipeexec.topology import destroy_topology, init_topology  # noqa: E402
-from pipeexec.training.train import Trainer, train  # noqa: E402
+from pipeexec.training.train import train  # noqa: E402
+from pipeexec.run.assemble import assemble  # noqa: E402
 
 from test_expert_parallel import MIXTRAL, ep_config, whole_model  # noqa: E402
 from test_hf_models import write_model  # noqa: E402
@@ -37,7 +38,7 @@ def worker(board, directory: str, ep: int, steps: int, load: str | None, save: s
     cfg = ep_config(directory, "1f1b", pp=1, dp=2, ep=ep, steps=steps, zero=zero)
     topo = init_topology(cfg.pp, cfg.dp, ep=ep, device="cpu", timeout=120)
     try:
-        trainer = Trainer(cfg, topo, board=board)
+        trainer = assemble(cfg, topo, board=board)
         if load:
             load_checkpoint(trainer, load)
         named = {n: p for st in trainer.stages.values() for n, p in st.named_parameters()}

@@ -52,7 +52,7 @@ def config(directory: str, ep: int, schedule: str, vpp: int):
 @functools.lru_cache(maxsize=None)
 def measured(directory: str, ep: int) -> dict:
     """Peaks per pipeline rank of both schedules at this ep, from one job (`paired_runs`)."""
-    from pipeexec.measuring.paired import paired_runs
+    from pipeexec.run.paired import paired_runs
     runs = paired_runs([config(directory, ep, *c) for c in SCHEDULES], 1, 2, timeout=300)
     return {c: run.result(1).peak_memory for c, run in zip(SCHEDULES, runs)}
 
@@ -85,12 +85,13 @@ def state_config(directory: str, ep: int, zero: int):
 def state_worker(board, directory: str, ep: int) -> dict:
     from pipeexec.measuring.memory import TrainingMemoryMeter
     from pipeexec.topology import destroy_topology, init_topology
-    from pipeexec.training.train import Trainer, train
+    from pipeexec.training.train import train
+    from pipeexec.run.assemble import assemble
     topo = init_topology(2, 2, ep=ep, device="cpu", timeout=120)
     out = {"pp_rank": topo.pp_rank}
     try:
         for zero in (0, 1):
-            t = Trainer(state_config(directory, ep, zero), topo, board=board)
+            t = assemble(state_config(directory, ep, zero), topo, board=board)
             params = [p for st in t.stages.values() for p in st.parameters()]
             meter = TrainingMemoryMeter(t.runtime, t.state_tensors, exclude=params)
             t.add_stage_hooks(meter)

@@ -21,7 +21,8 @@ from pipeexec import launch
 
 from pipeexec.checkpoint import CheckpointManager, CheckpointOptions
 from pipeexec.topology import destroy_topology, init_topology
-from pipeexec.training.train import Trainer, train
+from pipeexec.training.train import train
+from pipeexec.run.assemble import assemble
 
 from exec_helpers import TINY, reference_run
 from test_tensor_parallel import _run_cases, check
@@ -39,7 +40,7 @@ def checkpoint_worker(board, cfg, options: CheckpointOptions) -> dict:
     """One rank: load, train, save per ``options``; its losses and final parameters."""
     topo = init_topology(cfg.pp, cfg.dp, timeout=120)
     try:
-        trainer = Trainer(cfg, topo, board=board)
+        trainer = assemble(cfg, topo, board=board)
         manager = CheckpointManager(options)
         manager.load(trainer)
         start = trainer.iteration
@@ -102,7 +103,7 @@ def tp_checkpoint_worker(board, tp: int, load: str | None, save: str | None) -> 
     cfg = layout_config("1f1b", 1, 1, tp=tp, sequence_parallel=tp > 1, steps=1)
     topo = init_topology(1, 1, tp=tp, device="cpu", timeout=120)
     try:
-        trainer = Trainer(cfg, topo, board=board)
+        trainer = assemble(cfg, topo, board=board)
         if load:
             load_checkpoint(trainer, load)
         else:

@@ -15,7 +15,8 @@ import torch
 
 from pipeexec import launch
 from pipeexec.topology import destroy_topology, init_topology
-from pipeexec.training.train import Trainer, train
+from pipeexec.training.train import train
+from pipeexec.run.assemble import assemble
 
 from exec_helpers import assert_grad_norms, layout_config, reference_run
 
@@ -35,7 +36,7 @@ def grads_worker(board, cases: list[dict]) -> dict:
     try:
         for changes in cases:
             cfg = layout_config("1f1b", 1, 2, **changes)
-            trainer = Trainer(cfg, topo, board=board)
+            trainer = assemble(cfg, topo, board=board)
             res = train(trainer)
             grads = ({} if trainer.sharded is not None else
                      {n: m.grad.clone() for n, m in zip(trainer.param_names,

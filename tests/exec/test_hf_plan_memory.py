@@ -44,7 +44,7 @@ def config(directory: str, schedule: str, precision: str, recompute: str):
 
 @functools.lru_cache(maxsize=None)
 def measured(directory: str) -> dict:
-    from pipeexec.measuring.paired import paired_runs
+    from pipeexec.run.paired import paired_runs
     runs = paired_runs([config(directory, *c) for c in CASES], 1, 2, timeout=300)
     return {c: run.result(1).peak_memory for c, run in zip(CASES, runs)}
 

@@ -25,7 +25,8 @@ from pipesim.schedule.channels import transfer_of
 from pipeexec import launch
 from pipeexec.config import ConfigError
 from pipeexec.topology import channel_keys, destroy_topology, init_topology
-from pipeexec.training.train import Trainer, train
+from pipeexec.training.train import train
+from pipeexec.run.assemble import assemble
 
 from exec_helpers import (GLOBAL_BATCH, MICROBATCHES, TINY, assert_grad_norms, choose_microbatches,
                           layout_config, reference_run, reference_train)
@@ -48,7 +49,7 @@ def matching_worker(board, pp: int, dp: int, cases: list[tuple[str, int]]) -> di
         for schedule, lookahead in cases:
             cfg = layout_config(schedule, pp, dp, steps=STEPS, recv_lookahead=lookahead,
                                 nccl_matching=True)
-            trainer = Trainer(cfg, topo, board=board)
+            trainer = assemble(cfg, topo, board=board)
             log = trainer.p2p.record_posting()
             res = train(trainer)
             out[(schedule, lookahead)] = {

@@ -17,6 +17,7 @@ from pipeexec.config import TrainConfig
 from pipeexec.launching.launcher import launch
 from pipeexec.topology import Topology, channel_keys, open_store
 from pipeexec.training.train import Trainer, train
+from pipeexec.run.assemble import assemble
 
 TINY = TrainConfig(layers=2, hidden=16, heads=2, seq_len=8, vocab=32, steps=1, lr=3e-3,
                    microbatches=2, micro_batch_size=2, seed=3, device="cpu")
@@ -26,7 +27,7 @@ def alone(cfg: TrainConfig) -> Trainer:
     """A one-rank trainer without a process group (pp = dp = 1 steps alone)."""
     topo = Topology(0, 1, 1, 1, 0, 0, 0, torch.device("cpu"), "gloo", None, None, (0,), (0,),
                     None, p2p_groups={k: None for k in channel_keys(1)})
-    return Trainer(cfg, topo)
+    return assemble(cfg, topo)
 
 
 @pytest.fixture(scope="module")
@@ -201,7 +202,7 @@ CHANGES = [({"num_experts_per_tok": 1}, "model.hf_config.num_experts_per_tok", 2
 def test_resuming_a_changed_hf_model_is_refused_before_any_worker(mixtral_checkpoint, change,
                                                                    key, saved, now):
     from pipeexec.checkpoint import CheckpointOptions
-    from pipeexec.launching.preflight import check_train
+    from pipeexec.run.preflight import check_train
     cfg = _hf_config(mixtral_checkpoint / "changed", **change)
     options = CheckpointOptions(load=str(mixtral_checkpoint / "ckpt"))
     with pytest.raises(CheckpointError) as info:

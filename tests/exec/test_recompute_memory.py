@@ -155,7 +155,7 @@ def _configs(pp: int) -> list[TrainConfig]:
 def measured_peaks(pp: int) -> dict:
     """Every case's measured peaks per rank at this pp, from one job: the configs train side
     by side in the same workers (`paired_runs`), each with its own runtime and meter."""
-    from pipeexec.measuring.paired import paired_runs
+    from pipeexec.run.paired import paired_runs
 
     configs = _configs(pp)
     runs = paired_runs(configs, 1, pp, timeout=300)

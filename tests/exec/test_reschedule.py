@@ -10,7 +10,7 @@ from pipesim.schedule.io import schedule_from_dict
 
 from pipeexec import launch
 from pipeexec.config import ConfigError
-from pipeexec.launching.worker import WorkerArgs, run_training
+from pipeexec.run.worker import WorkerArgs, run_training
 
 from exec_helpers import TINY, reference_train
 

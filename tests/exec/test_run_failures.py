@@ -21,7 +21,7 @@ import pytest
 from pipeexec import WorkerFailed, launch
 from pipeexec.checkpoint import CheckpointOptions
 from pipeexec.launching.launcher import lost_peer
-from pipeexec.launching.worker import WorkerArgs, run_training
+from pipeexec.run.worker import WorkerArgs, run_training
 
 from exec_helpers import TINY
 

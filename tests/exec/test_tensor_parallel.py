@@ -18,7 +18,8 @@ import torch.nn.functional as F
 from pipeexec import launch
 from pipeexec.parallel.sharding import ShardSpec, shard, shard_spec, unshard
 from pipeexec.topology import destroy_topology, init_topology
-from pipeexec.training.train import Trainer, train
+from pipeexec.training.train import train
+from pipeexec.run.assemble import assemble
 
 from exec_helpers import (TINY, assert_grad_norms, layout_config, reference_model, reference_run,
                           reference_train)
@@ -32,7 +33,7 @@ def tp_worker(board, tp: int, pp: int, dp: int, cases: list[tuple[str, dict]]) -
     try:
         for schedule, changes in cases:
             cfg = layout_config(schedule, pp, dp, tp=tp, **changes)
-            trainer = Trainer(cfg, topo, board=board)
+            trainer = assemble(cfg, topo, board=board)
             res = train(trainer)
             specs = {n: shard_spec(p) for st in trainer.stages.values()
                      for n, p in st.named_parameters()}

@@ -16,7 +16,8 @@ from pipeexec.checkpoint.load import load_checkpoint
 from pipeexec.checkpoint.save import save_checkpoint
 from pipeexec.parallel.sharding import shard_spec, unshard
 from pipeexec.topology import destroy_topology, init_topology
-from pipeexec.training.train import Trainer, train
+from pipeexec.training.train import train
+from pipeexec.run.assemble import assemble
 
 from exec_helpers import layout_config
 
@@ -27,7 +28,7 @@ def worker(board, tp: int, steps: int, load: str | None, save: str | None) -> di
     cfg = layout_config("1f1b", 2, 1, tp=tp, sequence_parallel=tp > 1, steps=steps)
     topo = init_topology(cfg.pp, cfg.dp, tp=tp, device="cpu", timeout=120)
     try:
-        trainer = Trainer(cfg, topo, board=board)
+        trainer = assemble(cfg, topo, board=board)
         if load:
             load_checkpoint(trainer, load)
         loaded = {n: p.detach().clone() for n, p in trainer.named_parameters().items()}

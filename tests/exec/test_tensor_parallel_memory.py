@@ -33,7 +33,7 @@ def config(tp: int, sp: bool, schedule: str, vpp: int):
 @functools.lru_cache(maxsize=None)
 def measured(tp: int) -> dict:
     """Peaks per rank of every case at this tp, from one job (`paired_runs`)."""
-    from pipeexec.measuring.paired import paired_runs
+    from pipeexec.run.paired import paired_runs
     cases = [(sp, s, v) for t, sp in LAYOUTS if t == tp for s, v in SCHEDULES]
     runs = paired_runs([config(tp, *c) for c in cases], 1, 2, timeout=300)
     return {c: run.result(1).peak_memory for c, run in zip(cases, runs)}

@@ -37,7 +37,8 @@ from pipeexec.pipeline.backward import full_backward
 from pipeexec.pipeline.stage import build_stage
 from pipeexec.topology import destroy_topology, init_topology
 from pipeexec.training.flat import StageLayout, runs
-from pipeexec.training.train import Trainer, train
+from pipeexec.training.train import train
+from pipeexec.run.assemble import assemble
 from pipeexec.training.zero import ShardedOptimizer
 from pipesim.plan.footprint import BYTES_PER_PARAM
 from pipesim.schedule.action import Action
@@ -186,7 +187,7 @@ def shards_worker(board, cases):
     try:
         for schedule, changes in cases:
             cfg = layout_config(schedule, 2, 2, **changes)
-            trainer = Trainer(cfg, topo, board=board)
+            trainer = assemble(cfg, topo, board=board)
             res = train(trainer)
             fwd = trainer.forward(cfg.steps, keep_outputs=True)
             out[(schedule, tuple(sorted(changes.items())))] = {
@@ -199,7 +200,7 @@ def shards_worker(board, cases):
         # step, the default, they hold the whole buffer: "shards-per-step")
         for zero, reduce in ((0, "per_step"), (1, "per_step"), (2, "per_microbatch"),
                              (3, "per_microbatch"), (2, "per_step"), (3, "per_step")):
-            t = Trainer(TINY.replace(schedule="1f1b", pp=2, dp=2, microbatches=2,
+            t = assemble(TINY.replace(schedule="1f1b", pp=2, dp=2, microbatches=2,
                                      micro_batch_size=2, zero=zero, steps=1,
                                      grad_reduce=reduce), topo, board=board)
             train(t)
@@ -315,7 +316,7 @@ def memory_worker(board):
     try:
         for schedule, vpp in MEMORY:
             for zero in (0, 1, 2, 3):
-                t = Trainer(memory_config(schedule, vpp, zero), topo, board=board)
+                t = assemble(memory_config(schedule, vpp, zero), topo, board=board)
                 params = [p for st in t.stages.values() for p in st.parameters()]
                 meter = TrainingMemoryMeter(t.runtime, t.state_tensors, exclude=params)
                 t.add_stage_hooks(meter)
@@ -386,7 +387,7 @@ def ckpt_worker(board, root: str, jobs: list) -> dict:
     out = {"pp_rank": topo.pp_rank, "dp_rank": topo.dp_rank}
     try:
         for k, (name, cfg, steps, load, save) in enumerate(jobs):
-            t = Trainer(cfg.replace(steps=steps), topo, board=board)
+            t = assemble(cfg.replace(steps=steps), topo, board=board)
             loaded = None
             if load is not None:
                 load_checkpoint(t, f"{root}/{load}")

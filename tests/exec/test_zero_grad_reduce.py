@@ -24,7 +24,8 @@ from pipeexec import launch
 from pipeexec.analysis.plan_memory import predicted_peaks
 from pipeexec.measuring.memory import TrainingMemoryMeter
 from pipeexec.topology import destroy_topology, init_topology
-from pipeexec.training.train import Trainer, train
+from pipeexec.training.train import train
+from pipeexec.run.assemble import assemble
 
 from exec_helpers import GLOBAL_BATCH, MICROBATCHES, TINY, layout_config, reference_train
 from test_exec_equivalence import merged_params
@@ -43,7 +44,7 @@ def worker(board):
     try:
         for zero, reduce in CASES:
             cfg = config(zero, reduce)
-            t = Trainer(cfg, topo, board=board)
+            t = assemble(cfg, topo, board=board)
             params = [p for st in t.stages.values() for p in st.parameters()]
             meter = TrainingMemoryMeter(t.runtime, t.state_tensors, exclude=params)
             t.add_stage_hooks(meter)

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from ..config import ConfigError, TrainConfig
-from .cpu_quota import cpu_limit
+from ..launching.cpu_quota import cpu_limit
 from ..checkpoint import CheckpointError, read_tracker
 from ..checkpoint.contents import check_model
 from ..checkpoint.layout import RELEASE, tag_dir

@@ -17,19 +17,21 @@ from typing import Any
 from ..analysis.measured import MeasuredRun
 from ..config import TrainConfig
 from ..launching.launcher import launch
+from ..measuring.options import ProfileOptions
+from ..measuring.session import ProfileSession
 from ..topology import destroy_topology, init_topology
-from ..training.train import Trainer
-from .options import ProfileOptions
-from .session import ProfileSession
+from .assemble import assemble_prepared
+from .prepare import PreparedRun, prepare
 
 
 @dataclass(frozen=True)
 class PairedJob:
-    """What every rank of a paired job is given: the configs trained in turn, the profiled
+    """What every rank of a paired job is given: the runs trained in turn (validated before
+    launch), the profiled
     steps ``first..stop-1``, each config's trace file (or None), the CPU share of each rank
     and the other profiling options (default `ProfileOptions`' defaults)."""
 
-    configs: tuple[TrainConfig, ...]
+    runs: tuple[PreparedRun, ...]
     first: int
     stop: int
     trace_outs: tuple[str | None, ...]
@@ -39,16 +41,16 @@ class PairedJob:
 
 def paired_worker(board: Any, job: PairedJob) -> list[MeasuredRun | None]:
     """One rank of a paired job; returns (on rank 0) one `MeasuredRun` per config."""
-    cfg0 = job.configs[0]
+    cfg0 = job.runs[0].config
     topo = init_topology(cfg0.pp, cfg0.dp, tp=cfg0.tp, cp=cfg0.cp, ep=cfg0.ep, backend=cfg0.backend,
                          device=cfg0.device, timeout=cfg0.collective_timeout)
     try:
         pairs = []
-        for cfg, out in zip(job.configs, job.trace_outs):
+        for run, out in zip(job.runs, job.trace_outs):
             options = (job.profile or ProfileOptions()).replace(
                 first=job.first, stop=job.stop, trace_out=out, cpus_per_rank=job.cpus_per_rank)
             session = ProfileSession(options, topo)
-            trainer = Trainer(cfg, topo, board=board, recorder=session.profiler)
+            trainer = assemble_prepared(run, topo, board=board, recorder=session.profiler)
             session.attach(trainer)
             pairs.append((session, trainer))
         for _ in range(cfg0.steps):
@@ -76,7 +78,8 @@ def paired_runs(configs: Sequence[TrainConfig], first: int, stop: int, *,
                                  f"{getattr(base, name)!r} ({base.schedule}) and "
                                  f"{getattr(c, name)!r} ({c.schedule})")
     outs = tuple(trace_outs) if trace_outs is not None else (None,) * len(configs)
-    job = PairedJob(tuple(configs), first, stop, outs, cpus_per_rank, profile)
+    runs = tuple(prepare(c, world_size=base.world_size) for c in configs)
+    job = PairedJob(runs, first, stop, outs, cpus_per_rank, profile)
     runs = launch(paired_worker, base.world_size, (job,), timeout=timeout,
                   cpus_per_rank=cpus_per_rank)[0]
     if runs is None or any(r is None for r in runs):

@@ -1,8 +1,9 @@
-"""What one training process does: topology, trainer, loop, metrics, teardown.
+"""What one training process does: topology, the assembled rank, loop, metrics, teardown.
 
 Shared by both launch paths: torchrun calls it directly in every process, the local launcher
 calls it in every forked worker (with the shared `ActionBoard`). In: one `WorkerArgs` value
-(what every rank is given: it pickles to spawned workers as a whole). Out: a `RunOutcome`.
+(what every rank is given: it pickles to spawned workers as a whole, the run validated before
+launch among it). Out: a `RunOutcome`.
 """
 from __future__ import annotations
 
@@ -15,19 +16,21 @@ from typing import Any
 
 import torch.distributed as dist
 
-from .board import ActionBoard
 from ..analysis.measured import MeasuredRun
 from ..checkpoint import CheckpointManager, CheckpointOptions
 from ..config import RESCHEDULE_WARMUP_STEPS, TrainConfig
+from ..launching.board import ActionBoard
 from ..measuring.options import ProfileOptions
-from ..measuring.reschedule import (check_memory_limit, judge_switch, profiled_schedule,
-                                    reschedule, trial_steps)
+from ..measuring.reschedule import check_memory_limit
 from ..measuring.session import ProfileSession
 from ..topology import destroy_topology, init_topology
 from ..training.metrics_log import LogOptions
-from ..training.train import Trainer, train
+from ..training.train import train
 from ..training.validation import EvalOptions
 from ..versions import run_versions
+from .assemble import assemble_prepared
+from .prepare import PreparedRun, prepare
+from .zb_auto import ZbAutoSwitch, profiled_start
 
 
 @dataclass(frozen=True)
@@ -36,7 +39,9 @@ class WorkerArgs:
     ``checkpoint``: load before the loop and save from it (``--load``, ``--save`` ...);
     ``profile``: time the actions of a step range (``--profile A:B``); ``evaluation``: the
     validation loss (``--eval-interval``, ``--eval-only``); ``logging``: the step lines'
-    interval and TensorBoard / W&B scalars (``--log-interval``, ``--tensorboard-dir``)."""
+    interval and TensorBoard / W&B scalars (``--log-interval``, ``--tensorboard-dir``);
+    ``prepared``: ``config`` as `prepare` validated it before launch, with the schedule it built
+    (None: each rank prepares the run itself)."""
 
     config: TrainConfig
     metrics_out: str | None = None
@@ -45,6 +50,11 @@ class WorkerArgs:
     profile: ProfileOptions | None = None
     evaluation: EvalOptions | None = None
     logging: LogOptions | None = None
+    prepared: PreparedRun | None = None
+
+    def __post_init__(self) -> None:
+        if self.prepared is not None and self.prepared.config != self.config:
+            raise ValueError("WorkerArgs: prepared is another run's (prepared.config != config)")
 
 
 @dataclass(frozen=True)
@@ -79,69 +89,27 @@ def run_training(board: ActionBoard | None, args: WorkerArgs) -> RunOutcome:
         if auto and profile is not None:
             raise ValueError("--profile and zb-auto's --memory-limit both profile the run; "
                              "give one of them")
+        run = args.prepared or prepare(config, world_size=topology.world_size)
+        if auto:
+            run = profiled_start(run)
         if profile is not None or auto:
             session = ProfileSession(profile or ProfileOptions(
                 RESCHEDULE_WARMUP_STEPS, RESCHEDULE_WARMUP_STEPS + config.reschedule_after),
                 topology)
-        first = None
-        if auto:
-            first = profiled_schedule(config)
-        trainer = Trainer(config, topology, board=board, schedule=first,
-                          recorder=None if session is None else session.profiler)
+        trainer = assemble_prepared(run, topology, board=board,
+                                    recorder=None if session is None else session.profiler)
         if session is not None:
             session.attach(trainer)
         if topology.rank == 0:
-            layout = (f"tp={config.tp}{' (sequence parallel)' if config.sequence_parallel else ''} "
-                      if config.tp > 1 else "")
-            if config.cp > 1:
-                layout += f"cp={config.cp} "
-            if config.ep > 1:
-                layout += f"ep={config.ep} "
-            if config.zero:
-                layout += f"zero={config.zero} " + (
-                    "(gradients reduced per microbatch) "
-                    if config.zero >= 2 and config.grad_reduce == "per_microbatch" else "")
-            _log(f"pipeexec: {config.schedule} {layout}pp={config.pp} vpp={config.vpp} dp={config.dp} "
-                 f"m={config.microbatches} b={config.micro_batch_size} precision={config.precision} "
-                 f"layers={config.layers}+2 hidden={config.hidden}"
-                 + (f" hf-model={config.hf_model}" if config.hf_model else
-                    f" hf-family={config.plan.model.family}" if config.plan.model.family else "")
-                 + f" on {topology.backend}/"
-                 f"{topology.device.type}; stage bounds {list(trainer.bounds)}")
-            if config.schedule == "zb-auto" and not auto:
-                _log("pipeexec: zb-auto without --memory-limit searches its order from equal "
-                     "costs (F = I = W) with no limit; give --memory-limit to profile this run "
-                     "and search from its own costs")
-            v = run_versions(topology.backend)
-            _log(f"pipeexec: torch {v['torch']}" + (f", NCCL {v['nccl']}" if v["nccl"] else "")
-                 + ("" if v["torch_supported"] or topology.backend != "nccl" else
-                    " (outside the torch range the NCCL path supports: pipeexec/versions.py)"))
+            _log_start(config, topology, trainer, auto)
         manager = CheckpointManager(checkpoint, log=_log) if checkpoint and checkpoint.active else None
         if manager is not None:
             manager.load(trainer)
         on_step = None if manager is None else manager.on_step
+        switch = None
         if auto:
             check_memory_limit(trainer, config.memory_limit)    # before step 0
-            saved, switched, times, orders = on_step, {}, {}, []
-            switch_at = RESCHEDULE_WARMUP_STEPS + config.reschedule_after
-            trial = trial_steps(config.steps, switch_at)
-            baseline_at, judge_at = switch_at + trial, switch_at + 2 * trial
-
-            def on_step(trainer, stats):
-                if saved is not None:
-                    saved(trainer, stats)
-                times[stats.iteration] = stats.step_time
-                if trainer.iteration == switch_at:
-                    replaced = trainer.schedule
-                    switched.update(reschedule(trainer, session, config.memory_limit, _log))
-                    orders[:] = [replaced, trainer.schedule]
-                elif trial and trainer.iteration == baseline_at:
-                    trainer.set_schedule(orders[0])      # the replaced order, measured again
-                elif trial and trainer.iteration == judge_at:
-                    # kept only if measured faster than the order it replaced, by the margin
-                    judge_switch(trainer, switched,
-                                 [times[k] for k in range(switch_at, baseline_at)],
-                                 [times[k] for k in range(baseline_at, judge_at)], *orders, _log)
+            on_step = switch = ZbAutoSwitch(config, session, on_step, _log)
         evaluation = args.evaluation
         result = train(trainer, log=_log, progress=progress, on_step=on_step,
                        evaluation=evaluation, logging=args.logging)
@@ -153,19 +121,9 @@ def run_training(board: ActionBoard | None, args: WorkerArgs) -> RunOutcome:
         metrics.update(config=config.to_dict(), world_size=topology.world_size,
                        backend=topology.backend, device=str(topology.device),
                        versions=run_versions(topology.backend))
-        if auto:
-            after = result.step_times[switch_at:]
-            metrics["reschedule"] = dict(switched, measured_after_s=after,
-                                         final_schedule=trainer.schedule.name)
-            settled = result.step_times[judge_at:] if trial else after
-            if topology.rank == 0 and settled:
-                _log(f"zb-auto: measured {sorted(settled)[len(settled) // 2] * 1e3:.1f} ms a "
-                     f"step on {trainer.schedule.name} "
-                     + ("after the trial" if trial else "after the switch")
-                     + f" (median of {len(settled)} steps' step_time, the optimizer included; "
-                     f"the searched order was predicted {switched['predicted_s'] * 1e3:.1f} ms "
-                     "of pipeline from the profiled steps' costs, which carry the profiler's "
-                     "overhead: compare the profiled steps' measured and predicted above)")
+        if switch is not None:
+            metrics["reschedule"] = switch.metrics(trainer, result.step_times,
+                                                   rank=topology.rank)
         measured = session.finish(trainer) if session is not None and not auto else None
         if measured is not None:
             metrics["profile"] = {"steps": measured.steps, "makespans": measured.makespans(),
@@ -181,3 +139,32 @@ def run_training(board: ActionBoard | None, args: WorkerArgs) -> RunOutcome:
         return RunOutcome(metrics, measured)
     finally:
         destroy_topology(topology)
+
+
+def _log_start(config: TrainConfig, topology: Any, trainer: Any, auto: bool) -> None:
+    """Rank 0's first lines: the run's layout and the versions it runs on."""
+    layout = (f"tp={config.tp}{' (sequence parallel)' if config.sequence_parallel else ''} "
+              if config.tp > 1 else "")
+    if config.cp > 1:
+        layout += f"cp={config.cp} "
+    if config.ep > 1:
+        layout += f"ep={config.ep} "
+    if config.zero:
+        layout += f"zero={config.zero} " + (
+            "(gradients reduced per microbatch) "
+            if config.zero >= 2 and config.grad_reduce == "per_microbatch" else "")
+    _log(f"pipeexec: {config.schedule} {layout}pp={config.pp} vpp={config.vpp} dp={config.dp} "
+         f"m={config.microbatches} b={config.micro_batch_size} precision={config.precision} "
+         f"layers={config.layers}+2 hidden={config.hidden}"
+         + (f" hf-model={config.hf_model}" if config.hf_model else
+            f" hf-family={config.plan.model.family}" if config.plan.model.family else "")
+         + f" on {topology.backend}/"
+         f"{topology.device.type}; stage bounds {list(trainer.bounds)}")
+    if config.schedule == "zb-auto" and not auto:
+        _log("pipeexec: zb-auto without --memory-limit searches its order from equal "
+             "costs (F = I = W) with no limit; give --memory-limit to profile this run "
+             "and search from its own costs")
+    v = run_versions(topology.backend)
+    _log(f"pipeexec: torch {v['torch']}" + (f", NCCL {v['nccl']}" if v["nccl"] else "")
+         + ("" if v["torch_supported"] or topology.backend != "nccl" else
+            " (outside the torch range the NCCL path supports: pipeexec/versions.py)"))
