@@ -31,71 +31,97 @@ class TopologyError(RuntimeError):
     """The environment does not describe a usable layout."""
 
 
+@dataclass(frozen=True)
+class DimGroup:
+    """One parallel dimension as this rank sees it: its ``size``, this rank's place in it
+    (``rank``), the global ``ranks`` of its group in that order and the process ``group`` (None
+    when of size 1, or in a topology built without process groups)."""
+
+    size: int
+    rank: int
+    ranks: tuple[int, ...]
+    group: Any = None
+
+
+# The groups of a rank, in the order every rank creates them: pipeline, data, tensor, context,
+# the dense gradients' data x context (Megatron's dp_cp), expert, expert-data-parallel.
+DIMS = ("pp", "dp", "tp", "cp", "dp_cp", "ep", "edp")
+# A gradient group that is another group while the dimension it adds has size 1: dp_cp is dp's
+# without context parallelism, edp (the experts' gradients) dp_cp's without expert parallelism.
+_SAME_AS = {"dp_cp": ("dp", "cp"), "edp": ("dp_cp", "ep")}
+
+
+def mesh_groups(mesh: Mesh, dim: str) -> list[tuple[int, ...]]:
+    """Every group of dimension ``dim`` (one of `DIMS`), in creation order."""
+    if dim == "dp_cp":
+        return mesh.groups(("dp", "cp"))
+    if dim == "ep":
+        return mesh.ep_groups()
+    if dim == "edp":
+        return mesh.edp_groups()
+    return mesh.groups(dim)
+
+
+class _View:
+    """A `Topology` attribute read off one dimension: ``tp_group`` is ``dims["tp"].group``."""
+
+    def __init__(self, dim: str, field: str) -> None:
+        self.dim, self.field = dim, field
+
+    def __get__(self, topology: Any, owner: type) -> Any:
+        if topology is None:
+            return self
+        return getattr(topology.dims[self.dim], self.field)
+
+
+def _views(dim: str) -> tuple[_View, _View, _View, _View]:
+    """The size, this rank's place, the group and its ranks of ``dim``, read flat."""
+    return _View(dim, "size"), _View(dim, "rank"), _View(dim, "group"), _View(dim, "ranks")
+
+
 @dataclass
 class Topology:
-    rank: int                 # global rank
+    """This rank (``rank`` of ``world_size``, ``local_rank`` on its host, its ``device`` and
+    ``backend``) and its group of every parallel dimension (``dims``: `DimGroup` by name in
+    `DIMS`), read flat as well: ``tp``, ``tp_rank``, ``tp_group``, ``tp_ranks`` and so on.
+    ``store``: the c10d store (failure notes, checkpoint barriers); ``p2p_groups``: the 2-rank
+    process group of every p2p channel this rank is an end of, keyed (FWD or BWD, src pipeline
+    rank, dst pipeline rank); see `channel_keys`."""
+
+    rank: int
     world_size: int
-    pp: int
-    dp: int
-    pp_rank: int
-    dp_rank: int
     local_rank: int
     device: torch.device
     backend: str
-    pp_group: Any             # ProcessGroup of this pipeline (None when pp == 1)
-    dp_group: Any             # ProcessGroup of this data-parallel group (None when dp == 1)
-    pp_ranks: tuple[int, ...]  # global rank of each pipeline rank of this pipeline
-    dp_ranks: tuple[int, ...]
-    store: Any = None          # the c10d store (failure notes, checkpoint barriers)
-    # The 2-rank process group of every p2p channel this rank is an end of, keyed
-    # (FWD or BWD, src pipeline rank, dst pipeline rank); see `channel_keys`.
+    dims: dict[str, DimGroup]
+    store: Any = None
     p2p_groups: dict = field(default_factory=dict)
-    tp: int = 1
-    tp_rank: int = 0
-    tp_group: Any = None        # ProcessGroup of this tensor-parallel group (None when tp == 1)
-    tp_ranks: tuple[int, ...] = ()
-    cp: int = 1
-    cp_rank: int = 0
-    cp_group: Any = None        # ProcessGroup of this context-parallel group (None when cp == 1)
-    cp_ranks: tuple[int, ...] = ()
-    # the gradient group of the dense parameters, data x context parallel (Megatron's dp_cp;
-    # the dp group itself when cp == 1; None when dp * cp == 1)
-    dp_cp_group: Any = None
-    dp_cp_ranks: tuple[int, ...] = ()
-    # expert parallelism: ep ranks of one dp x cp group (stride tp), and the expert-data-
-    # parallel group of dp * cp / ep ranks holding the same experts (None when of size 1)
-    ep: int = 1
-    ep_rank: int = 0
-    ep_group: Any = None
-    ep_ranks: tuple[int, ...] = ()
-    edp_rank: int = 0
-    edp_group: Any = None
-    edp_ranks: tuple[int, ...] = ()
 
-    def __post_init__(self) -> None:
-        if self.cp == 1:            # without context parallelism the gradient group is dp's
-            if self.dp_cp_group is None:
-                self.dp_cp_group = self.dp_group
-            if not self.dp_cp_ranks:
-                self.dp_cp_ranks = self.dp_ranks
+    pp, pp_rank, pp_group, pp_ranks = _views("pp")
+    dp, dp_rank, dp_group, dp_ranks = _views("dp")
+    tp, tp_rank, tp_group, tp_ranks = _views("tp")
+    cp, cp_rank, cp_group, cp_ranks = _views("cp")
+    dp_cp, dp_cp_rank, dp_cp_group, dp_cp_ranks = _views("dp_cp")
+    ep, ep_rank, ep_group, ep_ranks = _views("ep")
+    edp, edp_rank, edp_group, edp_ranks = _views("edp")
+
+    @classmethod
+    def of(cls, mesh: Mesh, rank: int, *, device: torch.device, backend: str,
+           local_rank: int = 0, store: Any = None, groups: dict[str, Any] | None = None,
+           p2p_groups: dict | None = None) -> "Topology":
+        """Rank ``rank`` of ``mesh``: every dimension's members from the mesh, its process
+        group from ``groups`` (by dimension; none given: a rank that can be built, loaded and
+        saved without process groups, and stepped alone)."""
+        dims = {}
+        for dim in DIMS:
+            ranks = next(g for g in mesh_groups(mesh, dim) if rank in g)
+            dims[dim] = DimGroup(len(ranks), ranks.index(rank), ranks, (groups or {}).get(dim))
+        return cls(rank, mesh.world_size, local_rank, device, backend, dims, store,
+                   dict(p2p_groups or {}))
 
     @property
     def mesh(self) -> Mesh:
         return Mesh(tp=self.tp, cp=self.cp, dp=self.dp, pp=self.pp, ep=self.ep)
-
-    @property
-    def edp(self) -> int:
-        """Ranks holding the same experts: dp * cp / ep (the expert gradients' group)."""
-        return self.dp * self.cp // self.ep
-
-    @property
-    def dp_cp(self) -> int:
-        return self.dp * self.cp
-
-    @property
-    def dp_cp_rank(self) -> int:
-        """This rank's place in `dp_cp_ranks` (cp fastest)."""
-        return self.dp_rank * self.cp + self.cp_rank
 
     def rank_of(self, *, pp_rank: int | None = None, dp_rank: int | None = None,
                 tp_rank: int | None = None, cp_rank: int | None = None) -> int:
@@ -200,8 +226,9 @@ def init_topology(pp: int, dp: int, *, tp: int = 1, cp: int = 1, ep: int = 1,
                   backend: str | None = None,
                   device: str | None = None, timeout: float = 600.0,
                   p2p_timeout: float | None = None) -> Topology:
-    """Initialise torch.distributed from the environment and build the tp, cp, pp, dp,
-    dp x cp, and (``ep`` > 1) expert-parallel and expert-data-parallel groups.
+    """Initialise torch.distributed from the environment and build the groups of every
+    dimension of `DIMS` (pipeline with its p2p channels, data, tensor, context, data x context,
+    expert, expert-data-parallel), each only where it has more than one rank.
 
     ``p2p_timeout``: on NCCL, the p2p channel groups' timeout is this plus a minute, so that the
     watchdog aborts a stuck transfer even when the host is stuck too (the runtime's own check at
@@ -233,83 +260,37 @@ def init_topology(pp: int, dp: int, *, tp: int = 1, cp: int = 1, ep: int = 1,
         nccl_diagnostics_defaults()
     kwargs = {"device_id": dev} if dev.type == "cuda" else {}
     dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=td, **kwargs)
-    here = mesh.coords(rank)
-    pp_rank, dp_rank, tp_rank, cp_rank = here.pp, here.dp, here.tp, here.cp
-    pp_group = dp_group = tp_group = None
-    pp_ranks: tuple[int, ...] = ()
-    dp_ranks: tuple[int, ...] = ()
-    tp_ranks: tuple[int, ...] = ()
     # Every rank creates every group, in the same order (a torch.distributed requirement).
+    # Tensor-parallel collectives, context parallelism's K/V exchange and expert parallelism's
+    # all-to-alls run inside computations: each dimension gets communicators (hence NCCL
+    # streams) of its own, apart from the p2p channels and from the gradient groups.
     # P2P channels: one 2-rank group per (kind, src, dst), so that on NCCL each communicator,
     # hence each stream, carries one kind one way between two ranks (pipesim.schedule.channels:
     # no deadlock for any builder; a group over the whole pipeline would put "receive from i-1"
     # and "send to i+1" on one stream, which deadlocks some schedules).
+    groups: dict[str, Any] = {}
     p2p_groups: dict = {}
-    order: list = []
+    order: list = []                # every channel, in creation order (the warm-up's)
     channel_td = td if p2p_timeout is None else datetime.timedelta(seconds=p2p_timeout + 60)
-    for ranks in mesh.groups("pp"):
-        group = dist.new_group(list(ranks), timeout=td) if pp > 1 else None
-        channels = {}
-        for key in channel_keys(pp):
-            members = [ranks[key[1]], ranks[key[2]]]
-            channels[key] = dist.new_group(sorted(members), timeout=channel_td)
-            order.append((key, members, channels[key]))
-        if rank in ranks:
-            pp_group, pp_ranks = group, ranks
-            p2p_groups = {k: g for k, g in channels.items() if rank in (ranks[k[1]], ranks[k[2]])}
-    warm_up_channels(order, rank, dev, timeout)
-    for ranks in mesh.groups("dp"):
-        group = dist.new_group(list(ranks), timeout=td) if dp > 1 else None
-        if rank in ranks:
-            dp_group, dp_ranks = group, ranks
-    # Tensor-parallel collectives get their own communicators (hence NCCL streams), apart from
-    # the p2p channels: every rank of a tp group runs the same actions in the same order, so
-    # their collectives match in order, and no p2p transfer waits behind one.
-    for ranks in mesh.groups("tp"):
-        group = dist.new_group(list(ranks), timeout=td) if tp > 1 else None
-        if rank in ranks:
-            tp_group, tp_ranks = group, ranks
-    # Context parallelism's K/V exchange runs inside computations, as tp's collectives: on
-    # communicators of its own. The dp x cp gradient group is a group apart (with cp 1, the dp
-    # group).
-    cp_group = dp_cp_group = None
-    cp_ranks: tuple[int, ...] = ()
-    dp_cp_ranks: tuple[int, ...] = dp_ranks
-    if cp > 1:
-        for ranks in mesh.groups("cp"):
-            group = dist.new_group(list(ranks), timeout=td)
+    for dim in DIMS:
+        same_as, added = _SAME_AS.get(dim, (None, None))
+        if same_as is not None and getattr(mesh, added) == 1:
+            groups[dim] = groups[same_as]
+            continue
+        for ranks in mesh_groups(mesh, dim):
+            group = dist.new_group(list(ranks), timeout=td) if len(ranks) > 1 else None
             if rank in ranks:
-                cp_group, cp_ranks = group, ranks
-        for ranks in mesh.groups(("dp", "cp")):
-            group = dist.new_group(list(ranks), timeout=td)
-            if rank in ranks:
-                dp_cp_group, dp_cp_ranks = group, ranks
-    else:
-        dp_cp_group = dp_group
-    # Expert parallelism's all-to-alls run inside computations, as tp's collectives: their own
-    # communicators. The expert-data-parallel group reduces the expert gradients.
-    ep_group = edp_group = None
-    ep_ranks: tuple[int, ...] = (rank,)
-    edp_ranks: tuple[int, ...] = dp_cp_ranks or (rank,)
-    if ep > 1:
-        for ranks in mesh.ep_groups():
-            group = dist.new_group(list(ranks), timeout=td)
-            if rank in ranks:
-                ep_group, ep_ranks = group, ranks
-        for ranks in mesh.edp_groups():
-            group = dist.new_group(list(ranks), timeout=td) if mesh.edp > 1 else None
-            if rank in ranks:
-                edp_group, edp_ranks = group, ranks
-    else:
-        edp_group = dp_cp_group
-    ecoords = mesh.expert_coords(rank)
-    return Topology(rank, world, pp, dp, pp_rank, dp_rank, local_rank, dev, backend,
-                    pp_group, dp_group, pp_ranks, dp_ranks, store, p2p_groups,
-                    tp=tp, tp_rank=tp_rank, tp_group=tp_group, tp_ranks=tp_ranks,
-                    cp=cp, cp_rank=cp_rank, cp_group=cp_group, cp_ranks=cp_ranks,
-                    dp_cp_group=dp_cp_group, dp_cp_ranks=dp_cp_ranks,
-                    ep=ep, ep_rank=ecoords.ep, ep_group=ep_group, ep_ranks=ep_ranks,
-                    edp_rank=ecoords.edp, edp_group=edp_group, edp_ranks=edp_ranks)
+                groups[dim] = group
+            for key in channel_keys(len(ranks)) if dim == "pp" else ():
+                members = [ranks[key[1]], ranks[key[2]]]
+                channel = dist.new_group(sorted(members), timeout=channel_td)
+                order.append((key, members, channel))
+                if rank in members:
+                    p2p_groups[key] = channel
+        if dim == "pp":
+            warm_up_channels(order, rank, dev, timeout)
+    return Topology.of(mesh, rank, device=dev, backend=backend, local_rank=local_rank,
+                       store=store, groups=groups, p2p_groups=p2p_groups)
 
 
 def warm_up_channels(order: list, rank: int, device: torch.device, timeout: float) -> None:

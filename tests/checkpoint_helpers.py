@@ -10,9 +10,10 @@ from pathlib import Path
 import torch
 
 from pipeexec.config import TrainConfig
+from pipeexec.parallel.mesh import Mesh
+from pipeexec.run.assemble import assemble
 from pipeexec.topology import Topology, channel_keys, destroy_topology, init_topology
 from pipeexec.training.train import Trainer, train
-from pipeexec.run.assemble import assemble
 
 # decay_steps is fixed so that a run stopped early (smaller --steps) follows the same LR curve.
 TINY = TrainConfig(layers=6, hidden=16, heads=2, seq_len=8, vocab=32, steps=4, decay_steps=8,
@@ -24,11 +25,8 @@ TINY = TrainConfig(layers=6, hidden=16, heads=2, seq_len=8, vocab=32, steps=4, d
 def fake_topology(pp: int = 1, dp: int = 1, pp_rank: int = 0, dp_rank: int = 0,
                   store=None) -> Topology:
     # No process groups: such a rank can be built, loaded and saved, not stepped (unless alone).
-    return Topology(pp_rank * dp + dp_rank, pp * dp, pp, dp, pp_rank, dp_rank, 0,
-                    torch.device("cpu"), "gloo", None, None,
-                    tuple(p * dp + dp_rank for p in range(pp)),
-                    tuple(pp_rank * dp + d for d in range(dp)), store,
-                    p2p_groups={k: None for k in channel_keys(pp)})
+    return Topology.of(Mesh(pp=pp, dp=dp), pp_rank * dp + dp_rank, device=torch.device("cpu"),
+                       backend="gloo", store=store, p2p_groups={k: None for k in channel_keys(pp)})
 
 
 def local_trainer(cfg: TrainConfig, pp_rank: int = 0, dp_rank: int = 0, store=None) -> Trainer:

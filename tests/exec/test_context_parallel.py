@@ -222,6 +222,7 @@ def test_hf_cp2_pp2_equals_the_unsplit_model(cp2_pp2, hf_dirs, name, schedule):
 @pytest.mark.slow
 def test_a_cp2_checkpoint_resumes_bit_exact_and_loads_into_cp1(cp2_pp2):
     from pipeexec.checkpoint.load import load_checkpoint
+    from pipeexec.parallel.mesh import Mesh
     from pipeexec.topology import Topology
 
     results, root = cp2_pp2
@@ -233,7 +234,7 @@ def test_a_cp2_checkpoint_resumes_bit_exact_and_loads_into_cp1(cp2_pp2):
     saved = {n: p for c in ckpts if c["cp_rank"] == 0 for n, p in c["saved"].items()}
     # cp 1, pp 1 in this process: exactly the saved weights, and the same next steps
     cfg = layout_config("1f1b", 2, 1, steps=CKPT_STEPS).replace(pp=1, vpp=1)
-    alone = Topology(0, 1, 1, 1, 0, 0, 0, torch.device("cpu"), "gloo", None, None, (0,), (0,))
+    alone = Topology.of(Mesh(), 0, device=torch.device("cpu"), backend="gloo")
     trainer = assemble(cfg, alone)
     load_checkpoint(trainer, root)
     assert trainer.iteration == 2

@@ -16,6 +16,7 @@ from pipeexec.checkpoint import CheckpointError, load_checkpoint, save_checkpoin
 from pipeexec.config import TrainConfig
 from pipeexec.launching.launcher import launch
 from pipeexec.topology import Topology, channel_keys, open_store
+from pipeexec.parallel.mesh import Mesh
 from pipeexec.training.train import Trainer, train
 from pipeexec.run.assemble import assemble
 
@@ -25,8 +26,8 @@ TINY = TrainConfig(layers=2, hidden=16, heads=2, seq_len=8, vocab=32, steps=1, l
 
 def alone(cfg: TrainConfig) -> Trainer:
     """A one-rank trainer without a process group (pp = dp = 1 steps alone)."""
-    topo = Topology(0, 1, 1, 1, 0, 0, 0, torch.device("cpu"), "gloo", None, None, (0,), (0,),
-                    None, p2p_groups={k: None for k in channel_keys(1)})
+    topo = Topology.of(Mesh(), 0, device=torch.device("cpu"), backend="gloo",
+                       p2p_groups={k: None for k in channel_keys(1)})
     return assemble(cfg, topo)
 
 
