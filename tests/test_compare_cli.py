@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from pipeexec.cli.train import explicit_dests, train_parser
+from pipeexec.cli.given import explicit_dests
+from pipeexec.cli.train import train_parser
 
 from pipeexec.cli.main import main
 from pipeexec.config import ConfigError, TrainConfig

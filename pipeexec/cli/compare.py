@@ -22,7 +22,8 @@ from ..config import ConfigError
 from ..measuring.options import ProfileOptions
 from ..models.hf_config import HF_FIELDS
 from ..options import values_from_args
-from .train import PLAN_DESTS, _shown_defaults, config_from_args, explicit_dests, train_parser
+from .given import GivenFlagsParser
+from .train import PLAN_DESTS, _shown_defaults, config_from_args, train_parser
 
 # The executor (run, launching, measuring: torch and the training stack) is imported by the
 # functions that run it, so `pipeexec --help` and flag errors do not load it.
@@ -70,7 +71,7 @@ def profiled_run(config: Any, first: int, stop: int, *, trace_out: str | None = 
 
 def compare_parser() -> argparse.ArgumentParser:
 
-    p = argparse.ArgumentParser(
+    p = GivenFlagsParser(
         prog="pipeexec compare", add_help=False, formatter_class=DefaultsHelpFormatter,
         description="Run a schedule for real with profiling, simulate it with costs calibrated "
                     "from that run (or from --alongside steps, or a --calibrate-from run), and "
@@ -208,11 +209,9 @@ def compare_main(argv: list[str]) -> int:
     except SystemExit as exc:
         return int(exc.code or 0)
     try:
-        unset = object()                    # the table's flags this command line gives
-        table, _ = compare_parser().parse_known_args(
-            argv, namespace=argparse.Namespace(**{d: unset for d in DESTS}))
-        given = explicit_dests(parser, rest) | {d for d in DESTS
-                                                if getattr(table, d) is not unset}
+        # the flags given: train's, and the table's (parsed by compare's parser)
+        given = set(tns.given) | (set(ns.given) & set(DESTS))
+        tns.given = frozenset(given)
         config = config_from_args(tns)
         if tns.plan:                 # the plan's fields are set, as flags are
             given |= set(PLAN_DESTS)

@@ -11,6 +11,7 @@ from pipesim.cli.help import DefaultsHelpFormatter, VersionAction, package_versi
 
 from .checkpoint import add_commands, run_command
 from .compare import compare_main
+from .given import GivenFlagsParser
 from .profile_flags import add_compare_command
 from .train import TRAIN_HELP, add_train_arguments, train_main
 
@@ -22,7 +23,7 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pipeexec", description=DESCRIPTION,
                                 formatter_class=DefaultsHelpFormatter)
     p.add_argument("--version", action=VersionAction, version_text=_version)
-    sub = p.add_subparsers(dest="command", required=True)
+    sub = p.add_subparsers(dest="command", required=True, parser_class=GivenFlagsParser)
     t = sub.add_parser("train", help=TRAIN_HELP, description=TRAIN_HELP,
                        formatter_class=DefaultsHelpFormatter)
     add_train_arguments(t)

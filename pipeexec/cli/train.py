@@ -15,10 +15,11 @@ from typing import Any
 import pipesim
 from pipesim.cli.help import DefaultsHelpFormatter
 from pipesim.errors import PlanError
-from pipesim.plan.options import BY_DEST, DESTS, add_plan_flags, apply_flags, given_dests
+from pipesim.plan.options import BY_DEST, DESTS, add_plan_flags, apply_flags
 from pipesim.schedule.placement import PLACEMENTS
 
 from .checkpoint import add_train_flags, options_from_args
+from .given import GivenFlagsParser
 from ..config import DEFAULT_PLAN, PLAN_VIEWS, SECTIONS, ConfigError, TrainConfig
 from ..models.hf_config import HF_FIELDS
 from ..options import add_arguments, values_from_args
@@ -34,24 +35,10 @@ PLAN_DESTS = DESTS + _SCHEDULE_FLAGS
 _MODEL_DESTS = tuple(d for d in DESTS if BY_DEST[d].group == "model")
 
 
-class _BaseInt(int):
-    """The base plan's value of a plan flag, shown in ``--help`` as its default but read as not
-    given (`plan_flags_given`): a given flag's value is a plain int."""
-
-
-class _BaseStr:
-    """As `_BaseInt`, for a text flag (``--recompute``, ``--precision``); not a str, which
-    argparse would parse as if given."""
-
-    def __init__(self, text: str) -> None:
-        self.text = text
-
-    def __str__(self) -> str:
-        return self.text
-
-
 def _shown_defaults() -> dict[str, Any]:
-    """dest -> `DEFAULT_PLAN`'s value of each plan flag, for ``--help`` (None: no default)."""
+    """dest -> `DEFAULT_PLAN`'s value of each plan flag (None: no default): the flag's default,
+    shown in ``--help``; a flag left out is not applied (`GivenFlagsParser`), so a plan file's
+    value stands."""
 
     base = TrainConfig(plan=DEFAULT_PLAN)
     out: dict[str, Any] = {}
@@ -59,7 +46,7 @@ def _shown_defaults() -> dict[str, Any]:
         value = getattr(base, dest) if dest in PLAN_VIEWS else None
         if isinstance(value, bool) or value is None:
             continue
-        out[dest] = _BaseInt(value) if isinstance(value, int) else _BaseStr(value)
+        out[dest] = value
     return out
 
 
@@ -118,32 +105,18 @@ def train_parser(prog: str = "pipeexec train", *, monitor: bool = True
                  ) -> argparse.ArgumentParser:
     """``pipeexec train``'s own parser: its usage and errors name train's flags (``monitor``:
     with the validation and logging flags, which ``compare`` has not)."""
-    t = argparse.ArgumentParser(prog=prog, description=TRAIN_HELP,
-                                formatter_class=DefaultsHelpFormatter)
+    t = GivenFlagsParser(prog=prog, description=TRAIN_HELP,
+                         formatter_class=DefaultsHelpFormatter)
     add_train_arguments(t, monitor=monitor)
     return t
 
 
-def explicit_dests(parser: argparse.ArgumentParser, argv: list[str]) -> set[str]:
-    """The destinations of the flags ``argv`` sets (abbreviated or ``--flag=value`` forms
-    included), as opposed to those left at their defaults."""
-    dests = [k for k, v in vars(parser.parse_args([])).items() if not isinstance(v, list)]
-    return given_dests(parser, argv, dests)
-
-
-def plan_flags_given(ns: argparse.Namespace) -> set[str]:
-    """The plan flags ``ns`` holds a value of (their defaults, None or the base plan's value
-    shown in the help, are not given)."""
-    return {d for d in PLAN_DESTS if getattr(ns, d, None) is not None
-            and not isinstance(getattr(ns, d), (_BaseInt, _BaseStr))}
-
-
 def config_from_args(ns: argparse.Namespace) -> TrainConfig:
-    """The `TrainConfig` the flags spell: the plan (``--plan FILE``, else `DEFAULT_PLAN`) with
-    the given plan flags applied, and the executor's sections. A Hugging Face directory
-    (``--hf-model``) is the model unless a plan names one. Raises ConfigError naming the flag
-    or the plan file."""
-    given = plan_flags_given(ns)
+    """The `TrainConfig` the flags spell (``ns`` from `train_parser`, which records the flags
+    given): the plan (``--plan FILE``, else `DEFAULT_PLAN`) with the given plan flags applied,
+    and the executor's sections. A Hugging Face directory (``--hf-model``) is the model unless
+    a plan names one. Raises ConfigError naming the flag or the plan file."""
+    given = set(ns.given) & set(PLAN_DESTS)
     sections = {k: v for cls in SECTIONS.values() for k, v in values_from_args(cls, ns).items()}
     hf_model = sections.get("hf_model")
     if hf_model and not ns.plan:

@@ -219,10 +219,12 @@ def given_dests(parser: argparse.ArgumentParser, argv: Sequence[str],
     """Which of ``dests`` (default: the table's) ``argv`` sets on ``parser`` (a command's own
     parser; abbreviated and ``--flag=value`` forms included), as opposed to those left at
     their defaults: what overrides a plan file. argparse fills in a default only where the
-    namespace has no value yet, so a namespace of sentinels shows what the line gave."""
+    namespace has no value yet, so a namespace of sentinels shows what the line gave (flags
+    ``parser`` does not know are left to another parser)."""
     unset = object()
     dests = list(dests)
-    ns = parser.parse_args(list(argv), namespace=argparse.Namespace(**{k: unset for k in dests}))
+    ns, _ = parser.parse_known_args(list(argv),
+                                    namespace=argparse.Namespace(**{k: unset for k in dests}))
     return {k for k in dests if getattr(ns, k, unset) is not unset}
 
 
