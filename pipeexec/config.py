@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from argparse import SUPPRESS, BooleanOptionalAction
 from dataclasses import dataclass
 from typing import Any
@@ -69,6 +70,36 @@ def _ints(text: Any) -> tuple[int, ...] | None:
         raise ConfigError(f"--boundaries must be comma-separated integers, got {text!r}") from None
 
 
+def _flag(section: Any, name: str) -> str:
+    """The command-line flag of field ``name`` of ``section``."""
+    return flag_of(next(f for f in dataclasses.fields(section) if f.name == name))
+
+
+def _number(section: Any, name: str, *, low: float = 0.0, strict: bool = False,
+            high: float | None = None, hint: str = "") -> None:
+    """ConfigError unless field ``name`` of ``section`` is a finite number in the bounds."""
+    v = getattr(section, name)
+    ok = (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+          and (v > low if strict else v >= low) and (high is None or v <= high))
+    if not ok:
+        bound = f"{'>' if strict else '>='} {low:g}" + (f" and <= {high:g}" if high is not None else "")
+        raise ConfigError(f"{name} must be a finite number {bound}{hint}, got {v!r}")
+
+
+def _integer(section: Any, name: str, low: int) -> None:
+    v = getattr(section, name)
+    if not isinstance(v, int) or isinstance(v, bool) or v < low:
+        raise ConfigError(f"{name} must be an integer >= {low}, got {v!r}")
+
+
+def plan_cuts_itself(plan: Plan) -> bool:
+    """Whether ``plan`` spells its own cut (explicit partition, Megatron's layout or
+    first/last-stage counts, embedding or loss accounted as layers)."""
+    return (plan.partition is not None or plan.partition_layout is not None
+            or plan.first_stage_layers is not None or plan.last_stage_layers is not None
+            or plan.account_for_embedding or plan.account_for_loss)
+
+
 # Steps a zb-auto run trains before it profiles: step 0 builds the runtime, and step 1 still
 # ran ~40% over the steady step at vpp 2 on CPU (76.7 vs 53.7 ms, ZB-V pp 2), which inflated
 # the costs the search predicts from.
@@ -107,6 +138,72 @@ class LayoutConfig:
         None, "explicit stage boundaries: first layer index of stages 1..S-1, comma separated",
         parse=_ints)
 
+    def validate(self, plan: Plan, *, num_layers: int | None = None, steps: int = 1,
+                 forward_only: bool = False) -> None:
+        """The cut of ``plan``'s layers into its stages (``num_layers``: the length of a
+        caller's own layer stack; None: the plan's model's), and zb-auto's re-scheduling under
+        ``memory_limit`` within a run of ``steps`` that trains."""
+        if self.partition not in PARTITIONS:
+            raise ConfigError(f"partition must be one of {', '.join(PARTITIONS)}, got {self.partition!r}")
+        stages = plan.parallelism.pp * plan.parallelism.vpp
+        n_layers = plan.model.layers + 2 if num_layers is None else num_layers
+        if n_layers < stages:
+            raise ConfigError(f"the model has {n_layers} layers (embedding + {n_layers - 2} blocks + "
+                              f"head) but pp * vpp = {stages} stages need at least one each")
+        if self.boundaries is not None:
+            try:
+                explicit(self.boundaries, n_layers, stages)
+            except PartitionError as exc:
+                raise ConfigError(str(exc)) from None
+            if plan_cuts_itself(plan):
+                raise ConfigError("boundaries: the plan cuts the layers itself (its partition "
+                                  "fields); give one cut, drop --boundaries or the plan's")
+        elif num_layers is None and self.partition == "layers":
+            try:
+                plan_bounds(plan)
+            except PartitionError as exc:
+                raise ConfigError(str(exc)) from None
+        if self.memory_limit is not None:
+            self._validate_memory_limit(plan, steps=steps, forward_only=forward_only)
+
+    def _validate_memory_limit(self, plan: Plan, *, steps: int, forward_only: bool) -> None:
+        schedule = _view(plan, "schedule")
+        par, model = plan.parallelism, plan.model
+        if schedule != "zb-auto":
+            raise ConfigError(f"memory_limit applies to the zb-auto schedule (a search under "
+                              f"it), got schedule {schedule!r}")
+        if isinstance(self.memory_limit, bool) or not isinstance(
+                self.memory_limit, (int, float)) or not (
+                math.isfinite(self.memory_limit) and self.memory_limit > 0):
+            raise ConfigError(f"memory_limit (--memory-limit) must be a finite number of "
+                              f"bytes > 0, got {self.memory_limit!r}")
+        floor = par.micro_batch_size * model.seq_length * model.hidden * (
+            4 if par.precision == "fp32" else 2)
+        if self.memory_limit < floor:   # the workers' check_memory_limit, before start-up
+            raise ConfigError(
+                f"memory_limit (--memory-limit) {self.memory_limit:g} bytes is below what "
+                f"one microbatch needs on a rank (at least {floor:g} bytes: its input "
+                "activation, micro_batch_size x seq_len x hidden values of the compute "
+                "dtype); raise --memory-limit")
+        if par.vpp not in (1, 2) or forward_only:
+            raise ConfigError(f"zb-auto with a memory_limit trains with vpp = 1 or 2 and a "
+                              f"backward, got vpp = {par.vpp}"
+                              + (" and forward_only" if forward_only else ""))
+        if isinstance(self.reschedule_margin, bool) or not (
+                isinstance(self.reschedule_margin, (int, float))
+                and 0 <= self.reschedule_margin < 1):
+            raise ConfigError(f"reschedule_margin must be a fraction in [0, 1) (0.05: 5%), "
+                              f"got {self.reschedule_margin!r}")
+        if not isinstance(self.reschedule_after, int) or self.reschedule_after < 1:
+            raise ConfigError(f"reschedule_after must be a positive integer, got "
+                              f"{self.reschedule_after!r}")
+        first = RESCHEDULE_WARMUP_STEPS
+        need = first + self.reschedule_after + 1
+        if steps < need:
+            raise ConfigError(f"steps = {steps}: zb-auto profiles steps {first}.."
+                              f"{first + self.reschedule_after - 1} (after {first} warm-up "
+                              f"steps) before it searches, so it needs steps >= {need}")
+
 
 @dataclass(frozen=True)
 class DataConfig:
@@ -135,6 +232,32 @@ class DataConfig:
         "has any) the initial weights; the model-shape flags then come from config.json",
         metavar="DIR")
 
+    def validate(self, model: ModelSpec) -> None:
+        """The text file or the indexed datasets (``--data-path``, ``--split``: O(1) per
+        corpus) fit ``model``'s vocabulary and sequence length."""
+        if self.data != "synthetic" and model.vocab < 256 and self.tokenizer is None:
+            raise ConfigError(f"a text file needs vocab >= 256 (byte-level tokens), got {model.vocab}")
+        if self.data_path:
+            if self.data != "synthetic":
+                raise ConfigError(f"give --data {self.data} or --data-path, not both")
+            from .datasets import DataPathError, check_data_path
+
+            try:
+                # (a run that evaluates checks its validation split too: EvalOptions.validate)
+                check_data_path(self.data_path, self.split, model.seq_length)
+            except DataPathError as exc:
+                raise ConfigError(str(exc)) from None
+        if self.data != "synthetic":
+            if os.path.isdir(self.data):
+                raise ConfigError(f"data: {self.data!r} is a directory; --data takes "
+                                  "'synthetic' or a text file")
+            if not os.path.isfile(self.data):
+                raise ConfigError(f"data: file {self.data!r} does not exist ('synthetic' or a "
+                                  "text file)")
+            if os.path.getsize(self.data) < model.seq_length + 2:
+                raise ConfigError(f"data: file {self.data!r} has {os.path.getsize(self.data)} "
+                                  f"bytes, fewer than seq_len + 2 = {model.seq_length + 2}")
+
 
 @dataclass(frozen=True)
 class OptimizerConfig:
@@ -153,6 +276,21 @@ class OptimizerConfig:
     eps: float = _opt(1e-8, "AdamW epsilon", type=float)
     clip_grad: float = _opt(1.0, "global-norm clip (0: off)", type=float)
 
+    def validate(self) -> None:
+        """Finite rates, betas below 1, whole step counts."""
+        _number(self, "lr", hint=" (--lr)")
+        _number(self, "min_lr", high=self.lr, hint=" and at most --lr (--min-lr)")
+        _number(self, "weight_decay")
+        _number(self, "clip_grad", hint=" (0: no clipping)")
+        _number(self, "beta1", high=1.0 - 1e-12)
+        _number(self, "beta2", high=1.0 - 1e-12)
+        _number(self, "eps", strict=True)
+        _integer(self, "warmup_steps", 0)
+        if self.decay_steps is not None and (not isinstance(self.decay_steps, int)
+                                             or self.decay_steps < 1):
+            raise ConfigError(f"decay_steps must be a positive integer (or unset: --steps), got "
+                              f"{self.decay_steps!r}")
+
 
 @dataclass(frozen=True)
 class PrecisionConfig:
@@ -169,6 +307,15 @@ class PrecisionConfig:
         100, "fp16: stop with an error after more than this many consecutive steps skipped for "
         "overflow (the default scale reaches its floor in 16; fp32 and bf16 stop at the first "
         "non-finite loss or gradient)", type=int, metavar="N")
+
+    def validate(self) -> None:
+        """A positive scale that grows by more than 1 and backs off by at most 1."""
+        _number(self, "loss_scale", strict=True)
+        _number(self, "min_loss_scale", strict=True)
+        _number(self, "loss_scale_backoff", strict=True, high=1.0)
+        _number(self, "loss_scale_growth", low=1.0)
+        _integer(self, "loss_scale_growth_interval", 1)
+        _integer(self, "max_skipped_steps", 1)
 
 
 @dataclass(frozen=True)
@@ -204,6 +351,25 @@ class RuntimeConfig:
     # there (SIGKILL), "hang:RANK:STEP:ACTION" blocks there forever, "overflow:STEP" puts an inf
     # into one gradient of the last stage at that step.
     inject: tuple[str, ...] = _opt((), SUPPRESS, action="append")
+
+    def validate(self) -> None:
+        """Receives posted ahead by a whole number of computations, NCCL's matching emulated on
+        gloo only, finite timeouts (nan passes ``<= 0``; inf overflows a timedelta)."""
+        if not isinstance(self.recv_lookahead, int) or self.recv_lookahead < 0:
+            raise ConfigError(f"recv_lookahead must be a non-negative integer, got {self.recv_lookahead!r}")
+        if not isinstance(self.nccl_matching, bool):
+            raise ConfigError(f"nccl_matching must be true or false, got {self.nccl_matching!r}")
+        if self.nccl_matching and (self.backend == "nccl" or
+                                   (self.device or "").startswith("cuda")):
+            raise ConfigError("nccl_matching emulates NCCL's matching on gloo (CPU); with "
+                              f"backend={self.backend!r} device={self.device!r} it does not apply: "
+                              "drop --nccl-matching, or run with --device cpu")
+        for name in ("p2p_timeout", "collective_timeout"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not (
+                    math.isfinite(v) and v > 0):
+                raise ConfigError(f"{name} ({_flag(self, name)}) must be a finite number of "
+                                  f"seconds > 0, got {v!r}")
 
 
 SECTIONS: dict[str, type] = {"layout": LayoutConfig, "inputs": DataConfig,
@@ -420,9 +586,10 @@ class TrainConfig:
     def validate(self, world_size: int | None = None, num_layers: int | None = None, *,
                  check_schedule: bool = True) -> "TrainConfig":
         """Raise ConfigError naming the field: first everything of the plan the executor cannot
-        run, all at once (`pipeexec.runnable`), then the executor's own fields; build the
-        schedule to check it accepts the layout (``check_schedule=False`` when the caller
-        brings its own Schedule). ``num_layers``: the length of a caller's own layer stack."""
+        run, all at once (`pipeexec.runnable`), then each section by its own ``validate`` (the
+        plan's facts it needs passed in); build the schedule to check it accepts the layout
+        (``check_schedule=False`` when the caller brings its own Schedule). ``num_layers``: the
+        length of a caller's own layer stack."""
 
         refused = refusals(self, custom_stack=num_layers is not None)
         if refused:
@@ -431,90 +598,12 @@ class TrainConfig:
         if world_size is not None and world_size != self.world_size:
             raise ConfigError(f"world size {world_size} != tp * cp * pp * dp = {self.tp} * "
                               f"{self.cp} * {self.pp} * {self.dp} = {self.world_size}")
-        if self.partition not in PARTITIONS:
-            raise ConfigError(f"partition must be one of {', '.join(PARTITIONS)}, got {self.partition!r}")
-        n_layers = self.num_layers if num_layers is None else num_layers
-        if n_layers < self.num_stages:
-            raise ConfigError(f"the model has {n_layers} layers (embedding + {n_layers - 2} blocks + "
-                              f"head) but pp * vpp = {self.num_stages} stages need at least one each")
-        if self.boundaries is not None:
-            try:
-                explicit(self.boundaries, n_layers, self.num_stages)
-            except PartitionError as exc:
-                raise ConfigError(str(exc)) from None
-            if self.plan_partition_given():
-                raise ConfigError("boundaries: the plan cuts the layers itself (its partition "
-                                  "fields); give one cut, drop --boundaries or the plan's")
-        elif num_layers is None and self.partition == "layers":
-            try:
-                plan_bounds(self.plan)
-            except PartitionError as exc:
-                raise ConfigError(str(exc)) from None
-        if self.data != "synthetic" and self.vocab < 256 and self.tokenizer is None:
-            raise ConfigError(f"a text file needs vocab >= 256 (byte-level tokens), got {self.vocab}")
-        self._validate_data_path()
-        self._validate_optimisation()
-        if self.data != "synthetic":
-            import os
-            if os.path.isdir(self.data):
-                raise ConfigError(f"data: {self.data!r} is a directory; --data takes "
-                                  "'synthetic' or a text file")
-            if not os.path.isfile(self.data):
-                raise ConfigError(f"data: file {self.data!r} does not exist ('synthetic' or a "
-                                  "text file)")
-            if os.path.getsize(self.data) < self.seq_len + 2:
-                raise ConfigError(f"data: file {self.data!r} has {os.path.getsize(self.data)} "
-                                  f"bytes, fewer than seq_len + 2 = {self.seq_len + 2}")
-        if not isinstance(self.recv_lookahead, int) or self.recv_lookahead < 0:
-            raise ConfigError(f"recv_lookahead must be a non-negative integer, got {self.recv_lookahead!r}")
-        if not isinstance(self.nccl_matching, bool):
-            raise ConfigError(f"nccl_matching must be true or false, got {self.nccl_matching!r}")
-        if self.nccl_matching and (self.backend == "nccl" or
-                                   (self.device or "").startswith("cuda")):
-            raise ConfigError("nccl_matching emulates NCCL's matching on gloo (CPU); with "
-                              f"backend={self.backend!r} device={self.device!r} it does not apply: "
-                              "drop --nccl-matching, or run with --device cpu")
-        for name in ("p2p_timeout", "collective_timeout"):
-            v = getattr(self, name)        # nan passes "<= 0"; inf overflows a timedelta
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not (
-                    math.isfinite(v) and v > 0):
-                raise ConfigError(f"{name} ({self.flag(name)}) must be a finite number of "
-                                  f"seconds > 0, got {v!r}")
-        if self.memory_limit is not None:
-            if self.schedule != "zb-auto":
-                raise ConfigError(f"memory_limit applies to the zb-auto schedule (a search under "
-                                  f"it), got schedule {self.schedule!r}")
-            if isinstance(self.memory_limit, bool) or not isinstance(
-                    self.memory_limit, (int, float)) or not (
-                    math.isfinite(self.memory_limit) and self.memory_limit > 0):
-                raise ConfigError(f"memory_limit (--memory-limit) must be a finite number of "
-                                  f"bytes > 0, got {self.memory_limit!r}")
-            floor = self.micro_batch_size * self.seq_len * self.hidden * (
-                4 if self.precision == "fp32" else 2)
-            if self.memory_limit < floor:   # the workers' check_memory_limit, before start-up
-                raise ConfigError(
-                    f"memory_limit (--memory-limit) {self.memory_limit:g} bytes is below what "
-                    f"one microbatch needs on a rank (at least {floor:g} bytes: its input "
-                    "activation, micro_batch_size x seq_len x hidden values of the compute "
-                    "dtype); raise --memory-limit")
-            if self.vpp not in (1, 2) or self.forward_only:
-                raise ConfigError(f"zb-auto with a memory_limit trains with vpp = 1 or 2 and a "
-                                  f"backward, got vpp = {self.vpp}"
-                                  + (" and forward_only" if self.forward_only else ""))
-            if isinstance(self.reschedule_margin, bool) or not (
-                    isinstance(self.reschedule_margin, (int, float))
-                    and 0 <= self.reschedule_margin < 1):
-                raise ConfigError(f"reschedule_margin must be a fraction in [0, 1) (0.05: 5%), "
-                                  f"got {self.reschedule_margin!r}")
-            if not isinstance(self.reschedule_after, int) or self.reschedule_after < 1:
-                raise ConfigError(f"reschedule_after must be a positive integer, got "
-                                  f"{self.reschedule_after!r}")
-            first = RESCHEDULE_WARMUP_STEPS
-            need = first + self.reschedule_after + 1
-            if self.steps < need:
-                raise ConfigError(f"steps = {self.steps}: zb-auto profiles steps {first}.."
-                                  f"{first + self.reschedule_after - 1} (after {first} warm-up "
-                                  f"steps) before it searches, so it needs steps >= {need}")
+        self.layout.validate(self.plan, num_layers=num_layers, steps=self.steps,
+                             forward_only=self.forward_only)
+        self.inputs.validate(self.plan.model)
+        self.optimizer.validate()
+        self.mixed_precision.validate()
+        self.runtime.validate()
         if self.placement is not None:
             if self.placement not in PLACEMENT_CHOICES:
                 raise ConfigError(f"placement must be one of {', '.join(PLACEMENT_CHOICES)}, got "
@@ -526,61 +615,6 @@ class TrainConfig:
         if check_schedule:
             self.build_schedule()
         return self
-
-    def _validate_data_path(self) -> None:
-        """--data-path, --split and the files they name (`pipeexec.datasets`; O(1) per corpus)."""
-        if not self.data_path:
-            return
-        if self.data != "synthetic":
-            raise ConfigError(f"give --data {self.data} or --data-path, not both")
-        from .datasets import DataPathError, check_data_path
-
-        try:
-            # (a run that evaluates checks its validation split too: EvalOptions.validate)
-            check_data_path(self.data_path, self.split, self.seq_len)
-        except DataPathError as exc:
-            raise ConfigError(str(exc)) from None
-
-    def plan_partition_given(self) -> bool:
-        """Whether the plan spells its own cut (explicit partition, Megatron's layout or
-        first/last-stage counts, embedding or loss accounted as layers)."""
-        p = self.plan
-        return (p.partition is not None or p.partition_layout is not None
-                or p.first_stage_layers is not None or p.last_stage_layers is not None
-                or p.account_for_embedding or p.account_for_loss)
-
-    def _validate_optimisation(self) -> None:
-        import math
-
-        def number(name: str, *, low: float = 0.0, strict: bool = False, high: float | None = None,
-                   hint: str = "") -> None:
-            v = getattr(self, name)
-            ok = (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-                  and (v > low if strict else v >= low) and (high is None or v <= high))
-            if not ok:
-                bound = f"{'>' if strict else '>='} {low:g}" + (f" and <= {high:g}" if high is not None else "")
-                raise ConfigError(f"{name} must be a finite number {bound}{hint}, got {v!r}")
-
-        number("lr", hint=" (--lr)")
-        number("min_lr", high=self.lr, hint=" and at most --lr (--min-lr)")
-        number("weight_decay")
-        number("clip_grad", hint=" (0: no clipping)")
-        number("beta1", high=1.0 - 1e-12)
-        number("beta2", high=1.0 - 1e-12)
-        number("eps", strict=True)
-        number("loss_scale", strict=True)
-        number("min_loss_scale", strict=True)
-        number("loss_scale_backoff", strict=True, high=1.0)
-        number("loss_scale_growth", low=1.0)
-        for name in ("warmup_steps", "loss_scale_growth_interval", "max_skipped_steps"):
-            v = getattr(self, name)
-            low = 0 if name == "warmup_steps" else 1
-            if not isinstance(v, int) or isinstance(v, bool) or v < low:
-                raise ConfigError(f"{name} must be an integer >= {low}, got {v!r}")
-        if self.decay_steps is not None and (not isinstance(self.decay_steps, int)
-                                             or self.decay_steps < 1):
-            raise ConfigError(f"decay_steps must be a positive integer (or unset: --steps), got "
-                              f"{self.decay_steps!r}")
 
     def build_schedule(self) -> Schedule:
         """The pipesim Schedule of this run (raises pipesim.ScheduleError with the reason): the
