@@ -22,7 +22,7 @@ Rooms, from the top (each imports only rooms below it; docs/DESIGN.md): ``cli/``
 (prepare: a run validated once before launch; assemble: one rank built once; worker, paired
 runs, zb-auto's switch, preflight); ``measuring/`` (in the workers); ``training/`` (the step,
 the loop and the training state), ``checkpoint/``, ``analysis/`` (torch-free); config
-(TrainConfig: a pipesim Plan plus the executor's sections), runnable (what of a plan the
+(TrainConfig: a pipesim Plan plus the executor's sections), refusals (what of a plan the
 executor cannot run, with reasons); ``models/`` (the layer stack a plan's model is built as),
 model, partition, data, ``datasets/``; ``pipeline/`` (the action interpreter with its observers
 and stage hooks, p2p, backward, stage, faults); topology, ``parallel/`` (the device mesh;
@@ -43,7 +43,7 @@ __all__ = ["ConfigError", "TrainConfig", "WorkerFailed", "launch", "assemble", "
 
 
 # The names that need torch load on first use (as pipesim's heavy ones do), so that the
-# torch-free rooms (config, pipeexec.analysis, measuring.options) import without torch even
+# torch-free rooms (config, pipeexec.analysis, measuring.profile_options) import without torch even
 # where it is installed, and the package imports on a machine without it.
 _LAZY = {
     "WorkerFailed": "pipeexec.launching.launcher", "launch": "pipeexec.launching.launcher",

@@ -9,7 +9,7 @@ The CLI builds it (`pipeexec.cli.train`: the plan's flags from `pipesim.plan.opt
 generated from the sections' fields), the launcher pickles it to the workers, a checkpoint and a
 measured run store it (`to_dict`) and compare it on load. Nothing reads configuration from
 module globals. ``validate`` checks everything that can be checked without a process group,
-including what of the plan the executor cannot run (`pipeexec.runnable`), so a bad run fails
+including what of the plan the executor cannot run (`pipeexec.refusals`), so a bad run fails
 before any process starts, with every reason.
 """
 from __future__ import annotations
@@ -33,10 +33,10 @@ from pipesim.units import bytes_arg
 
 from .errors import ConfigError
 from .models.hf_config import HFModelError, plan_model_of
-from .options import flag_of, flagged
-from .options import option as _opt
+from .flag_fields import flag_of, flagged
+from .flag_fields import option as _opt
 from .partition import PartitionError, explicit, plan_bounds
-from .runnable import refusals
+from .refusals import refusals
 
 __all__ = ["ConfigError", "TrainConfig", "DEFAULT_PLAN", "GPT_MODEL", "PRECISIONS", "RECOMPUTE",
            "PARTITIONS", "PLAN_VIEWS"]
@@ -512,7 +512,7 @@ class TrainConfig:
         """Length of the layer stack the plan's model is built as: embedding, blocks, head."""
         return self.layers + 2
 
-    def run_plan(self) -> Plan:
+    def plan_as_run(self) -> Plan:
         """The plan as this run cuts it: the plan itself, or with the executor's own cut
         (``boundaries``) written in as its partition (blocks per stage), so pipesim predicts
         the stages that run. ConfigError for a cut by parameter counts without boundaries (it
@@ -586,7 +586,7 @@ class TrainConfig:
     def validate(self, world_size: int | None = None, num_layers: int | None = None, *,
                  check_schedule: bool = True) -> "TrainConfig":
         """Raise ConfigError naming the field: first everything of the plan the executor cannot
-        run, all at once (`pipeexec.runnable`), then each section by its own ``validate`` (the
+        run, all at once (`pipeexec.refusals`), then each section by its own ``validate`` (the
         plan's facts it needs passed in); build the schedule to check it accepts the layout
         (``check_schedule=False`` when the caller brings its own Schedule). ``num_layers``: the
         length of a caller's own layer stack."""

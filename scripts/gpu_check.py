@@ -46,7 +46,7 @@ def train(args: list[str], metrics: Path) -> dict:
 
 
 def check_profile(device: str, tmp: Path) -> None:
-    from pipeexec.analysis.measured import MeasuredRun
+    from pipeexec.analysis.measured_run import MeasuredRun
 
     held_peak = 0.0
     for schedule, vpp in (("zb-h1", 1), ("zbv", 2)):

@@ -19,7 +19,7 @@ CFG = TrainConfig(schedule="1f1b", pp=2, microbatches=4, layers=4, hidden=64, he
 
 def test_a_core_each_is_the_plans_own_step():
     got = hardware_prediction(CFG, HW, cpus_per_rank=None, host_cpus=2)
-    plan = CFG.run_plan()
+    plan = CFG.plan_as_run()
     plan = plan.with_(cluster=plan.cluster.with_(hardware=pipesim.hardware.get_hardware(HW)),
                       cp_comm="all_gather")
     sched = CFG.build_schedule()

@@ -86,7 +86,8 @@ def test_import_pipesim_stays_cheap_and_a_plan_needs_no_simulator():
 
 
 def test_the_torch_free_rooms_import_without_torch_where_it_is_installed():
-    for module in ("pipeexec.analysis", "pipeexec.config", "pipeexec.measuring.options",
-                   "pipeexec.run.prepare", "pipesim.planner"):
+    for module in ("pipeexec.analysis", "pipeexec.config",
+                   "pipeexec.measuring.profile_options", "pipeexec.run.prepare",
+                   "pipesim.planner"):
         assert "torch" not in _loaded(f"import {module}"), module
     assert "torch" in _loaded("from pipeexec import Trainer")    # the executor's names: on use

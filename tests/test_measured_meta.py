@@ -10,8 +10,8 @@ import pytest
 
 import pipesim
 from pipeexec.analysis.contention import shares_cores
-from pipeexec.analysis.measured import MeasuredRun
-from pipeexec.analysis.measurement import Measurement, StageProbe
+from pipeexec.analysis.measured_run import MeasuredRun
+from pipeexec.analysis.profile_meta import Measurement, StageProbe
 from pipeexec.analysis.predict import predict
 from pipeexec.analysis.run_description import cpu_share
 

@@ -21,7 +21,7 @@ def held_peaks(config: TrainConfig) -> list[float]:
     (stage, microbatch) holds its part's bytes from its F to its B or W (the executor's I keeps
     them for W; only the head's I frees its logits, and no head stage runs I here)."""
     sched = config.build_schedule()
-    part_bytes = as_executed(config.run_plan()).derive().costs.activation_bytes
+    part_bytes = as_executed(config.plan_as_run()).derive().costs.activation_bytes
     peaks = []
     for rank in range(sched.pp):
         held, peak = 0.0, 0.0
@@ -43,7 +43,7 @@ def test_dualpipe_activation_peaks_are_the_held_activations_of_both_copies():
     assert (sched.num_stages, sched.num_parts) == (4, 2)        # copies: more stages than parts
     predicted = predicted_activation_peaks(config)
     held = held_peaks(config)
-    message = as_executed(config.run_plan()).derive().costs.p2p_bytes
+    message = as_executed(config.plan_as_run()).derive().costs.p2p_bytes
     assert len(predicted) == 2 and min(held) > 0
     for rank, (p, h) in enumerate(zip(predicted, held)):
         # the held activations plus at most the two posted receive buffers (activation, gradient)
@@ -57,7 +57,7 @@ def test_dualpipe_peaks_add_both_parts_training_state_on_every_rank():
     gradients and AdamW state (fp32: Megatron's bytes per parameter) on top of its
     activations."""
     config = dualpipe()
-    plan = as_executed(config.run_plan())
+    plan = as_executed(config.plan_as_run())
     params = sum(sum(part.values()) for part in plan.derive().stage_params)
     per_param = sum(BYTES_PER_PARAM[plan.parallelism.precision])
     state = [t - a for t, a in zip(predicted_peaks(config), predicted_activation_peaks(config))]

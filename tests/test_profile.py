@@ -20,9 +20,9 @@ from torch import nn
 import pipesim
 from pipeexec.measuring.recorder import ActionRecord
 from pipeexec.analysis import MeasuredRun, build_trace
-from pipeexec.measuring.options import parse_step_range
+from pipeexec.measuring.profile_options import parse_step_range
 from pipeexec.analysis.calibrate import Layout, calibrate, fit_run, repartition, stage_memory
-from pipeexec.analysis.measured import COLUMNS
+from pipeexec.analysis.measured_run import COLUMNS
 from pipeexec.measuring.memory import HeldTensorMeter
 from pipesim.schedule.action import Action
 
@@ -446,7 +446,7 @@ def profiled_worker(board, cases):
     import time
 
     from pipeexec.config import TrainConfig
-    from pipeexec.measuring.options import ProfileOptions
+    from pipeexec.measuring.profile_options import ProfileOptions
     from pipeexec.measuring.session import ProfileSession
     from pipeexec.topology import destroy_topology, init_topology
     from pipeexec.training.train import train

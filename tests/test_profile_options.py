@@ -11,10 +11,10 @@ import dataclasses
 import pytest
 
 from pipeexec.cli.train import config_from_args, train_parser
-from pipeexec.options import flag_of, flagged
+from pipeexec.flag_fields import flag_of, flagged
 from pipeexec.cli import compare as compare_cli
 from pipeexec.cli.profile_flags import profile_from_args
-from pipeexec.measuring.options import ProfileOptions
+from pipeexec.measuring.profile_options import ProfileOptions
 
 TINY = ["--layers", "4", "--hidden", "16", "--heads", "2", "--seq-len", "8", "--vocab", "32",
         "--micro-batch-size", "2"]

@@ -98,7 +98,7 @@ TORCH_FREE = textwrap.dedent('''
     assert abs(cmp.predicted.makespan - cmp.measured.makespan) < 1e-6 * cmp.measured.makespan
     from pipeexec.config import TrainConfig
     from pipeexec.analysis.plan_memory import predicted_activation_peaks
-    from pipeexec.measuring.options import ProfileOptions
+    from pipeexec.measuring.profile_options import ProfileOptions
     assert ProfileOptions(1, 3).stop == 3
     peaks = predicted_activation_peaks(TrainConfig(pp=2, microbatches=4, layers=4, recompute="full"))
     assert len(peaks) == 2 and min(peaks) > 0, peaks
@@ -119,7 +119,7 @@ def test_measuring_room_works_without_torch(tmp_path):
 # -- a hand-made schedule through a real run and a checkpoint -------------------------------------
 def hand_made_worker(board, cfg, options, profile_first):
     from pipeexec.checkpoint import CheckpointManager
-    from pipeexec.measuring.options import ProfileOptions
+    from pipeexec.measuring.profile_options import ProfileOptions
     from pipeexec.measuring.session import ProfileSession
     from pipeexec.topology import destroy_topology, init_topology
     from pipeexec.training.train import train

@@ -20,7 +20,7 @@ HW = get_hardware("A100")
 
 
 def plan_costs(tp: int, sp: bool = False, free: bool = False):
-    plan = CFG.replace(tp=tp, sequence_parallel=sp).run_plan()
+    plan = CFG.replace(tp=tp, sequence_parallel=sp).plan_as_run()
     cluster = plan.cluster.with_(hardware=HW)
     if free:
         cluster = cluster.with_(intra_bandwidth=1e30, intra_latency=0.0, inter_bandwidth=1e30,
@@ -65,7 +65,7 @@ def test_the_calibration_runs_own_collectives_are_taken_out():
 
 def test_a_different_stage_count_is_refused():
     src_plan, src = plan_costs(1)
-    other = CFG.replace(tp=2, pp=3, vpp=1, schedule="1f1b").run_plan()
+    other = CFG.replace(tp=2, pp=3, vpp=1, schedule="1f1b").plan_as_run()
     with pytest.raises(ValueError, match="the calibration is for 4 stages, the target has 3"):
         carry_to_tp(src, src_plan, other.with_(cluster=other.cluster.with_(hardware=HW)), HW)
 
@@ -83,7 +83,7 @@ def test_compare_from_a_run_at_another_tp_asks_for_the_hardware_file(capsys):
 # -- cp and ep: the same carry, both plans priced as pipeexec runs cp (all-gather) -------------
 def layout_costs(free: bool = False, **sizes):
     from pipeexec.analysis.tensor_parallel import as_executed
-    plan = as_executed(CFG.replace(**sizes).run_plan())
+    plan = as_executed(CFG.replace(**sizes).plan_as_run())
     cluster = plan.cluster.with_(hardware=HW)
     if free:
         cluster = cluster.with_(intra_bandwidth=1e30, intra_latency=0.0, inter_bandwidth=1e30,
@@ -118,8 +118,8 @@ def test_an_ep_carry_prices_the_all_to_alls_of_a_moe_model():
     from pipeexec.analysis.tensor_parallel import carry_to_layout, layout_note
     moe = CFG.plan.model.with_(experts=4, top_k=2, moe_ffn_hidden=256, family=None)
     cfg = CFG.replace(plan=CFG.plan.with_(model=moe), dp=2)
-    src_plan = cfg.run_plan()
-    tgt_plan = cfg.replace(ep=2).run_plan()
+    src_plan = cfg.plan_as_run()
+    tgt_plan = cfg.replace(ep=2).plan_as_run()
     src = src_plan.with_(cluster=src_plan.cluster.with_(hardware=HW)).derive().costs
     carried, summary = carry_to_layout(src, src_plan, tgt_plan, HW)
     ep = summary["collectives"]["ep"]

@@ -66,7 +66,7 @@ import numpy as np
 from pipesim import CostModel
 from pipesim.calibrate import fit_costs
 
-from .measured import MeasuredRun
+from .measured_run import MeasuredRun
 from .run_plan import Layout
 
 if TYPE_CHECKING:

@@ -52,7 +52,7 @@ from pipesim.metrics import slowest_of
 
 from .calibrate import Calibration, Layout, costs_summary
 from .contention import time_sharing_note
-from .measured import MeasuredRun
+from .measured_run import MeasuredRun
 from .overlay import overlay_figure
 from .predict import predict
 

@@ -76,7 +76,7 @@ def hardware_prediction(config: Any, hardware: Any, *, cpus_per_rank: float | No
     from pipesim.hardware import get_hardware
 
     hw = get_hardware(hardware) if isinstance(hardware, str) else hardware
-    plan = as_executed(config.run_plan())
+    plan = as_executed(config.plan_as_run())
     plan = plan.with_(cluster=plan.cluster.with_(hardware=hw))
     schedule = config.build_schedule()
     costs = plan.derive().costs.for_schedule(schedule)

@@ -42,7 +42,7 @@ def predicted_activation_peaks(config: Any, schedule: "pipesim.Schedule | None" 
                                ) -> list[float]:
     """Per pipeline rank, the peak activation bytes pipesim predicts for ``config`` (a
     `TrainConfig`) from its plan, on ``schedule`` (default: the one the config runs)."""
-    plan = as_executed(config.run_plan())      # cp as pipeexec runs it: all-gather
+    plan = as_executed(config.plan_as_run())      # cp as pipeexec runs it: all-gather
     sched = config.build_schedule() if schedule is None else schedule
     costs = executor_split(as_built(plan.derive().costs, plan), plan, sched)
     costs = replace(costs, static_bytes=0.0, stage_static_bytes=0.0)
@@ -70,7 +70,7 @@ def predicted_peaks(config: Any, schedule: "pipesim.Schedule | None" = None) -> 
 
     The transient of a block recomputed inside its backward is left out on both sides (the
     meter reads around each action, after it)."""
-    plan = as_executed(config.run_plan())      # cp as pipeexec runs it: all-gather
+    plan = as_executed(config.plan_as_run())      # cp as pipeexec runs it: all-gather
     derived = plan.derive()
     par, model = plan.parallelism, plan.model
     sched = config.build_schedule() if schedule is None else schedule

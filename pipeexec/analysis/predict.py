@@ -25,7 +25,7 @@ import pipesim
 
 from .calibrate import Calibration, Layout, calibrate, has_cpu_times
 from .contention import effective_cores, shares_cores
-from .measured import MeasuredRun
+from .measured_run import MeasuredRun
 from ..models import layer_stack
 from ..partition import stage_bounds
 

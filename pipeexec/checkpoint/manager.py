@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..options import option
+from ..flag_fields import option
 from .load import LoadReport, load_checkpoint
 from .save import SaveReport, parse_fault, save_checkpoint
 
@@ -37,7 +37,7 @@ def _env_fault() -> str | None:
 @dataclass(frozen=True)
 class CheckpointOptions:
     """The checkpointing concern of a run; its flags are generated from these fields
-    (`pipeexec.options`)."""
+    (`pipeexec.flag_fields`)."""
 
     save: str | None = option(None, "directory to save checkpoints to", metavar="DIR")
     save_interval: int | None = option(

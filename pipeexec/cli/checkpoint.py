@@ -9,7 +9,7 @@ import pipesim
 from pipesim.cli.help import DefaultsHelpFormatter
 
 from ..config import ConfigError
-from ..options import add_arguments, values_from_args
+from ..flag_fields import add_arguments, values_from_args
 from ..checkpoint.convert import convert_checkpoint
 from .export_flags import add_export_command, run_export
 from ..checkpoint.errors import CheckpointError

@@ -14,14 +14,14 @@ from pipesim.plan.options import DESTS, add_plan_flags
 from pipesim.units import byte_unit
 
 from ..analysis.compare import Comparison, compare_runs
-from ..analysis.measured import MeasuredRun
+from ..analysis.measured_run import MeasuredRun
 from ..analysis.plan_memory import predicted_activation_peaks
 from ..analysis.predict import layout_of, predict
 from ..analysis.run_description import inherit
 from ..config import ConfigError
-from ..measuring.options import ProfileOptions
+from ..measuring.profile_options import ProfileOptions
 from ..models.hf_config import HF_FIELDS
-from ..options import values_from_args
+from ..flag_fields import values_from_args
 from .given import GivenFlagsParser
 from .train import PLAN_DESTS, _shown_defaults, config_from_args, train_parser
 
@@ -366,7 +366,7 @@ def layout_carry(config: Any, source: MeasuredRun, hardware: str | None, path: s
     # the source: this run's model and stages at the calibration run's sizes (its dp: ep is
     # carved out of dp x cp)
     source_config = config.replace(dp=theirs.dp, **src)
-    return LayoutCarry(source_config.run_plan(), config.run_plan(), get_hardware(hardware))
+    return LayoutCarry(source_config.plan_as_run(), config.plan_as_run(), get_hardware(hardware))
 
 
 # What a carried cp / ep prediction cannot hold on a CPU-quota run (docs/executor.md, measured

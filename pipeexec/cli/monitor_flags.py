@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 
 from ..config import ConfigError, TrainConfig
-from ..options import add_arguments, values_from_args
+from ..flag_fields import add_arguments, values_from_args
 from ..training.metrics_log import LogOptions
 from ..training.validation import EvalOptions
 

@@ -1,5 +1,5 @@
 """Command-line pieces for profiling: the profiling flags of ``pipeexec train`` (generated from
-`pipeexec.measuring.options.ProfileOptions`) and
+`pipeexec.measuring.profile_options.ProfileOptions`) and
 the ``compare`` entry in ``pipeexec --help`` (its flags are parsed by
 `pipeexec.cli.compare.compare_main`, which reuses every train flag)."""
 from __future__ import annotations
@@ -7,8 +7,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from ..measuring.options import ProfileOptions
-from ..options import add_arguments
+from ..measuring.profile_options import ProfileOptions
+from ..flag_fields import add_arguments
 
 
 def add_profile_flags(train: argparse.ArgumentParser) -> None:

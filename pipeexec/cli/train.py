@@ -22,7 +22,7 @@ from .checkpoint import add_train_flags, options_from_args
 from .given import GivenFlagsParser
 from ..config import DEFAULT_PLAN, PLAN_VIEWS, SECTIONS, ConfigError, TrainConfig
 from ..models.hf_config import HF_FIELDS
-from ..options import add_arguments, values_from_args
+from ..flag_fields import add_arguments, values_from_args
 from ..run.prepare import PreparedRun, prepare
 from .monitor_flags import add_monitor_flags, evaluation_from_args, logging_from_args
 from .profile_flags import add_profile_flags, profile_from_args
@@ -53,7 +53,7 @@ def _shown_defaults() -> dict[str, Any]:
 def add_config_arguments(t: argparse.ArgumentParser) -> None:
     """The plan's flags (`pipesim.plan.options`: layout, batch, model shape, one table for
     every command; not given: the base plan's value) and one flag per executor field that has
-    one, generated from the field's metadata, its default the field's (`pipeexec.options`)."""
+    one, generated from the field's metadata, its default the field's (`pipeexec.flag_fields`)."""
 
     a = t.add_argument
     a("--schedule", default=None,

@@ -38,7 +38,7 @@ from pipesim.search.zb_auto import fastest_handcrafted, handcrafted_origin
 from pipesim.schedule.io import schedule_from_dict, schedule_to_dict
 from pipesim.units import format_bytes
 
-from ..analysis.measured import MeasuredRun
+from ..analysis.measured_run import MeasuredRun
 from ..analysis.predict import EXECUTOR_COMM, prediction_costs
 from ..training.precision import compute_dtype
 

@@ -27,12 +27,12 @@ import torch
 import torch.distributed as dist
 
 from .clock import ClockOffset, align_clocks
-from ..analysis.measured import MeasuredRun, build_trace
-from ..analysis.measurement import Measurement, StageProbe
+from ..analysis.measured_run import MeasuredRun, build_trace
+from ..analysis.profile_meta import Measurement, StageProbe
 from .memory import HeldTensorMeter
 from .probe import probe_layers, probe_split
 from ..launching.cpu_quota import cpu_limit
-from .options import ProfileOptions, parse_step_range
+from .profile_options import ProfileOptions, parse_step_range
 from .recorder import ActionProfiler
 from ..analysis.run_plan import RunPlan
 

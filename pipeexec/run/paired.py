@@ -14,10 +14,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..analysis.measured import MeasuredRun
+from ..analysis.measured_run import MeasuredRun
 from ..config import TrainConfig
 from ..launching.launcher import launch
-from ..measuring.options import ProfileOptions
+from ..measuring.profile_options import ProfileOptions
 from ..measuring.session import ProfileSession
 from ..topology import destroy_topology, init_topology
 from .assemble import assemble_prepared

@@ -16,11 +16,11 @@ from typing import Any
 
 import torch.distributed as dist
 
-from ..analysis.measured import MeasuredRun
+from ..analysis.measured_run import MeasuredRun
 from ..checkpoint import CheckpointManager, CheckpointOptions
 from ..config import RESCHEDULE_WARMUP_STEPS, TrainConfig
 from ..launching.board import ActionBoard
-from ..measuring.options import ProfileOptions
+from ..measuring.profile_options import ProfileOptions
 from ..measuring.reschedule import check_memory_limit
 from ..measuring.session import ProfileSession
 from ..topology import destroy_topology, init_topology

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from ..config import ConfigError, TrainConfig
-from ..options import option
+from ..flag_fields import option
 
 
 def _missing(package: str) -> bool:

@@ -36,7 +36,7 @@ import torch
 
 from ..config import ConfigError, TrainConfig
 from ..data import BatchSource
-from ..options import option
+from ..flag_fields import option
 
 
 @dataclass(frozen=True)

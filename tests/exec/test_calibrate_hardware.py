@@ -94,7 +94,7 @@ def test_a_cpu_run_predicted_from_the_measured_hardware_file_lands_near_it(tmp_p
         assert done.returncode == 0, done.stderr[-3000:]
         hw = get_hardware(str(hw_file))
         assert hw.calibration == "measured" and hw.gemm_table and hw.source("launch_overhead")
-        plan = config_from_args(train_parser().parse_args(flags)).run_plan()
+        plan = config_from_args(train_parser().parse_args(flags)).plan_as_run()
         predicted = pipesim.simulate(plan.with_(cluster=plan.cluster.with_(hardware=hw))).step_time
         done, others_run = _cpu_seconds_of_others(
             [sys.executable, "-m", "pipeexec", "train", *flags, "--steps", "6", "--no-progress",

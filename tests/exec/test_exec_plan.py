@@ -35,12 +35,12 @@ def from_argv(argv):
 def test_flags_and_their_plan_file_give_the_same_config(tmp_path, flags):
     by_flags = from_argv(flags + REST)
     path = tmp_path / "plan.json"
-    by_flags.run_plan().to_json(path)
+    by_flags.plan_as_run().to_json(path)
     by_file = from_argv(["--plan", str(path)] + REST)
     if by_flags.boundaries is None:
         assert by_file == by_flags
     else:                       # the executor's cut, written into the plan as its partition
-        assert by_file == TrainConfig(plan=by_flags.run_plan(), layout=by_flags.layout,
+        assert by_file == TrainConfig(plan=by_flags.plan_as_run(), layout=by_flags.layout,
                                       inputs=by_flags.inputs, optimizer=by_flags.optimizer,
                                       mixed_precision=by_flags.mixed_precision,
                                       runtime=by_flags.runtime).replace(boundaries=None)

@@ -65,12 +65,12 @@ def test_the_extras_follow_the_layer_kind_and_recomputation(dirs):
     """Closed forms for the tiny Llama (fp32, b 2, s 64): per layer two norms' 4sbh + 4sb,
     rotary's 2 e s d, SwiGLU's e sbf; nothing under full recomputation; the head's norm on
     the last stage."""
-    plan = config(dirs["llama"], "1f1b", "fp32", "none").run_plan()
+    plan = config(dirs["llama"], "1f1b", "fp32", "none").plan_as_run()
     b, s, h, f, d, e = 2, 64, 64, 128, 16, 4
     per_layer = 2 * (4 * s * b * h + 4 * s * b) + 2 * e * s * d + e * s * b * f
     assert layer_extra(plan.model, plan.parallelism, False) == per_layer
     assert stage_extras(plan) == [2 * per_layer, 2 * per_layer + 4 * s * b * h + 4 * s * b]
-    full = config(dirs["llama"], "1f1b", "fp32", "full").run_plan()
+    full = config(dirs["llama"], "1f1b", "fp32", "full").plan_as_run()
     assert stage_extras(full) == [0, 4 * s * b * h + 4 * s * b]
 
 
@@ -85,4 +85,4 @@ def test_a_plan_naming_the_family_predicts_as_the_directory_does(dirs, family):
     assert plan_only.plan.model.family == family and plan_only.hf_model is None
     assert predicted_activation_peaks(plan_only) == predicted_activation_peaks(with_dir)
     # and the extras are really in both: the plan's formulas alone give less
-    assert sum(stage_extras(with_dir.run_plan())) > 0
+    assert sum(stage_extras(with_dir.plan_as_run())) > 0

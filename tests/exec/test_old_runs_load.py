@@ -16,7 +16,7 @@ import pytest
 
 import pipesim
 
-from pipeexec.analysis.measured import MeasuredRun
+from pipeexec.analysis.measured_run import MeasuredRun
 from pipeexec.analysis.predict import layout_of, predict
 from pipeexec.analysis.run_description import inherit
 from pipeexec.checkpoint.contents import check_config

@@ -5,7 +5,7 @@ import pytest
 
 import pipesim
 from pipeexec.config import TrainConfig
-from pipeexec.analysis.measured import MeasuredRun
+from pipeexec.analysis.measured_run import MeasuredRun
 from pipesim.schedule.io import schedule_to_csv, schedule_to_dict, schedule_to_json
 
 

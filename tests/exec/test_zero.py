@@ -349,7 +349,7 @@ def test_measured_peak_matches_the_plan_and_falls_with_zero(schedule, vpp):
             peaks[zero] = measured
         # 0 -> 1 -> 2: the plan's bytes a parameter (fp32: 16, 8 + 8/d, 4 + 12/d), its own
         # static bytes, measured within 10%
-        plan = memory_config(schedule, vpp, 0).run_plan()
+        plan = memory_config(schedule, vpp, 0).plan_as_run()
         sched = memory_config(schedule, vpp, 0).build_schedule()
         params = sum(sum(plan.derive().stage_params[sched.stage_part(s)].values())
                      for s in sched.rank_stages(rank))

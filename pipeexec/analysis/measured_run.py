@@ -45,7 +45,7 @@ from pipesim.chrome import chrome_trace as chrome_events
 from pipesim.result import SimResult
 from pipesim.schedule.action import B, F, I, RECV_B, RECV_F, SEND_B, SEND_F, W
 
-from .measurement import KEYS as MEASUREMENT_KEYS, Measurement
+from .profile_meta import KEYS as MEASUREMENT_KEYS, Measurement
 from .run_plan import RunPlan, schedule_from_meta
 
 if TYPE_CHECKING:

@@ -1,6 +1,6 @@
 """`ProfileOptions`: the profiling concern of a run. Its flags (``--profile A:B``,
 ``--trace-out``, ``--profile-align-rounds``, ``--profile-timeout``, ``--no-probe-split``) are
-generated from its fields (`pipeexec.options`), with their help and defaults, as the other
+generated from its fields (`pipeexec.flag_fields`), with their help and defaults, as the other
 sections' are. Torch-free."""
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import argparse
 from dataclasses import dataclass, fields
 from typing import Any
 
-from ..options import flag_of, option, values_from_args
+from ..flag_fields import flag_of, option, values_from_args
 
 
 def parse_step_range(text: str) -> tuple[int, int]:
