@@ -5,7 +5,7 @@ weights, the optimizer, loss scaling and the runtime.
 
 The plan's facts read flat as views (``config.pp``, ``config.layers``, ``config.schedule``) and
 are given flat (``TrainConfig(pp=2, layers=4, lr=3e-4)``), but each is stored once, in the plan.
-The CLI builds it (`pipeexec.cli.train`: the plan's flags from `pipesim.plan.options`, the rest
+The CLI builds it (`pipeexec.cli.train`: the plan's flags from `pipesim.plan.flags`, the rest
 generated from the sections' fields), the launcher pickles it to the workers, a checkpoint and a
 measured run store it (`to_dict`) and compare it on load. Nothing reads configuration from
 module globals. ``validate`` checks everything that can be checked without a process group,
@@ -474,7 +474,7 @@ class TrainConfig:
     @staticmethod
     def cli_fields() -> list[dataclasses.Field]:
         """The section fields that have a command-line flag, in section order (the plan's
-        flags are `pipesim.plan.options`')."""
+        flags are `pipesim.plan.flags`')."""
         return [f for cls in SECTIONS.values() for f in flagged(cls)]
 
     @staticmethod

@@ -15,7 +15,7 @@ import pipesim
 from pipesim.hardware import get_hardware, hardware_names
 from pipesim.plan import collectives as coll
 from pipesim.plan.model import ModelSpec
-from pipesim.plan.options import add_plan_flags, apply_flags, given_dests
+from pipesim.plan.flags import add_plan_flags, apply_flags, given_dests
 from pipesim.plan.overlap import added
 
 GPT = ModelSpec("gpt", 16, 2048, 16, 1024, 51200)

@@ -1,4 +1,4 @@
-"""One table of layout, batch and model flags (`pipesim.plan.options.PLAN_FLAGS`) for every
+"""One table of layout, batch and model flags (`pipesim.plan.flags.PLAN_FLAGS`) for every
 command: the same set, the same names and the same help in `pipesim simulate`, `pipesim plan`,
 `pipeexec train` and `pipeexec compare`; lists read the same everywhere; a plan file is the
 base that given flags override, in both packages."""
@@ -8,7 +8,7 @@ import pytest
 
 from pipesim.cli import build_parser
 from pipesim.cli import main as pipesim_main
-from pipesim.plan.options import BY_DEST, DESTS, PLAN_FLAGS, apply_flags, given_dests, values
+from pipesim.plan.flags import BY_DEST, DESTS, PLAN_FLAGS, apply_flags, given_dests, values
 
 
 def _pipesim_parser(argv: list[str]) -> argparse.ArgumentParser:
@@ -66,7 +66,7 @@ def test_no_other_flag_of_the_four_commands_sets_a_plan_field_under_another_name
 
 @pytest.mark.parametrize("argv", [["--pp", "2,4"], ["--pp", "2", "4"], ["--pp", "2", "--pp", "4"]])
 def test_lists_read_the_same_whichever_way_they_are_written(argv):
-    from pipesim.plan.options import flatten
+    from pipesim.plan.flags import flatten
 
     parser = _pipesim_parser(["plan", "--gpus", "8"])
     ns = parser.parse_args(["--gpus", "8", *argv])

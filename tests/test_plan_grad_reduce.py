@@ -26,7 +26,7 @@ from pipesim.plan import collectives as coll
 from pipesim.plan.derive import BUCKET_PARAMS
 from pipesim.plan.footprint import bytes_per_param, param_bytes
 from pipesim.plan.model import ModelSpec
-from pipesim.plan.options import BY_DEST
+from pipesim.plan.flags import BY_DEST
 from pipesim.plan.parallelism import Parallelism
 
 GPT = ModelSpec("gpt", 16, 2048, 16, 1024, 51200)
@@ -202,7 +202,7 @@ def test_bad_values_name_the_field(field, value, words):
 def test_the_flags_set_the_fields():
     import argparse
 
-    from pipesim.plan.options import add_plan_flags, apply_flags, given_dests
+    from pipesim.plan.flags import add_plan_flags, apply_flags, given_dests
 
     parser = argparse.ArgumentParser()
     add_plan_flags(parser)

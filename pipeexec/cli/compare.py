@@ -10,7 +10,7 @@ from typing import Any
 
 import pipesim
 from pipesim.cli.help import DefaultsHelpFormatter
-from pipesim.plan.options import DESTS, add_plan_flags
+from pipesim.plan.flags import DESTS, add_plan_flags
 from pipesim.units import byte_unit
 
 from ..analysis.compare import Comparison, compare_runs

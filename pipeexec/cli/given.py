@@ -1,5 +1,5 @@
 """Which flags a command line gave, the one way every pipeexec command asks it: the line parsed
-again over a namespace of sentinels (`pipesim.plan.options.given_dests`), so a flag set to its
+again over a namespace of sentinels (`pipesim.plan.flags.given_dests`), so a flag set to its
 default value still counts as given and a flag left out never does, whatever its default. A
 plan file's fields are overridden by the flags given, and only by those."""
 from __future__ import annotations
@@ -9,7 +9,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from pipesim.plan.options import given_dests
+from pipesim.plan.flags import given_dests
 
 
 class GivenFlagsParser(argparse.ArgumentParser):

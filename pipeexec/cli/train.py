@@ -15,7 +15,7 @@ from typing import Any
 import pipesim
 from pipesim.cli.help import DefaultsHelpFormatter
 from pipesim.errors import PlanError
-from pipesim.plan.options import BY_DEST, DESTS, add_plan_flags, apply_flags
+from pipesim.plan.flags import BY_DEST, DESTS, add_plan_flags, apply_flags
 from pipesim.schedule.placement import PLACEMENTS
 
 from .checkpoint import add_train_flags, options_from_args
@@ -51,7 +51,7 @@ def _shown_defaults() -> dict[str, Any]:
 
 
 def add_config_arguments(t: argparse.ArgumentParser) -> None:
-    """The plan's flags (`pipesim.plan.options`: layout, batch, model shape, one table for
+    """The plan's flags (`pipesim.plan.flags`: layout, batch, model shape, one table for
     every command; not given: the base plan's value) and one flag per executor field that has
     one, generated from the field's metadata, its default the field's (`pipeexec.flag_fields`)."""
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from ..errors import PlanError
 from ..plan.model import ModelSpec
-from ..plan.options import DESTS, apply_flags, load_model
+from ..plan.flags import DESTS, apply_flags, load_model
 
 # Flags that only a plan can honour: given, they switch `simulate` from a schedule with
 # uniform (or --costs) costs to a plan with derived costs.
@@ -31,7 +31,7 @@ PLAN_RULE = ("--plan FILE is the base; every layout, batch or model flag given o
 
 
 def add_plan_args(p: argparse.ArgumentParser) -> None:
-    """`simulate`'s flags beyond the shared table (`pipesim.plan.options`): the plan file, the
+    """`simulate`'s flags beyond the shared table (`pipesim.plan.flags`): the plan file, the
     cluster, the overlap switches, the partition and the outputs of plan mode."""
     g = p.add_argument_group("plan (a real training configuration; see `pipesim models`, "
                              "`pipesim hardware`)")

@@ -11,7 +11,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from ..plan.options import DESTS, add_plan_flags, flatten, load_model, model_from_flags
+from ..plan.flags import DESTS, add_plan_flags, flatten, load_model, model_from_flags
 from ..plan.parallelism import RECOMPUTE
 from ..units import bytes_arg
 from .plan_output import nothing_written_text, plan_gantt, summary_text, write_rows

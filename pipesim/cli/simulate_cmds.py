@@ -7,7 +7,7 @@ import sys
 from ..costs import CostModel
 from ..hardware import hardware_names
 from ..schedule.placement import PLACEMENTS
-from ..plan.options import DESTS, add_plan_flags, flatten, given_dests
+from ..plan.flags import DESTS, add_plan_flags, flatten, given_dests
 from ..units import UNITS_HELP, byte_unit, bytes_arg, format_bytes
 from .lists import SCHEDULES_HELP, names
 from .plan_cmds import add_plan_args, cmd_simulate_plan, wants_plan

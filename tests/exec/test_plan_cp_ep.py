@@ -29,7 +29,7 @@ import pytest
 pytest.importorskip("transformers")
 
 from pipesim.hardware import get_hardware  # noqa: E402
-from pipesim.plan.options import load_model  # noqa: E402
+from pipesim.plan.flags import load_model  # noqa: E402
 from pipesim.planner.enumerate import SearchSpace  # noqa: E402
 from pipesim.planner.search import search  # noqa: E402
 
