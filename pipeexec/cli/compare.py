@@ -54,13 +54,15 @@ def profiled_run(config: Any, first: int, stop: int, *, trace_out: str | None = 
     alignment, split probe), default `ProfileOptions`' defaults."""
     from ..launching.devices import start_method_for
     from ..launching.launcher import launch
+    from ..run.prepare import prepare
     from ..run.worker import WorkerArgs, run_training
 
     options = (profile or ProfileOptions()).replace(first=first, stop=stop, trace_out=trace_out,
                                                     cpus_per_rank=cpus_per_rank).validate()
     options.check(config.steps)
+    prepared = prepare(config, world_size=config.world_size)     # once, before the workers
     results = launch(run_training, config.world_size,
-                     (WorkerArgs(config, progress=False, profile=options),),
+                     (WorkerArgs(config, progress=False, profile=options, prepared=prepared),),
                      timeout=timeout, cpus_per_rank=cpus_per_rank,
                      start_method=start_method_for(config.device, config.backend))
     run = results[0].measured

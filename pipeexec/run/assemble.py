@@ -44,20 +44,20 @@ def assemble(config: TrainConfig, topology: Topology, spec: LayerStack | None = 
     ``recorder`` (shorthand for `Trainer.add_observer`)."""
     run = prepare(config, world_size=topology.world_size, schedule=schedule,
                   num_layers=None if spec is None else spec.num_layers)
+    if (config.tp, config.cp, config.pp, config.dp, config.ep) != (
+            topology.tp, topology.cp, topology.pp, topology.dp, topology.ep):
+        raise ValueError(f"config tp={config.tp} cp={config.cp} pp={config.pp} dp={config.dp} "
+                         f"ep={config.ep} but topology tp={topology.tp} cp={topology.cp} "
+                         f"pp={topology.pp} dp={topology.dp} ep={topology.ep}")
     return assemble_prepared(run, topology, spec, recorder=recorder, board=board, data=data)
 
 
 def assemble_prepared(run: PreparedRun, topology: Topology, spec: LayerStack | None = None, *,
                       recorder: ActionObserver | None = None, board: ActionBoard | None = None,
                       data: BatchSource | None = None) -> Trainer:
-    """`assemble` of a run validated before launch: its config and schedule taken as they
-    are."""
+    """`assemble` of a run validated before launch, on a topology built from its config:
+    the config and the schedule taken as they are."""
     config = run.config
-    if (config.tp, config.cp, config.pp, config.dp, config.ep) != (
-            topology.tp, topology.cp, topology.pp, topology.dp, topology.ep):
-        raise ValueError(f"config tp={config.tp} cp={config.cp} pp={config.pp} dp={config.dp} "
-                         f"ep={config.ep} but topology tp={topology.tp} cp={topology.cp} "
-                         f"pp={topology.pp} dp={topology.dp} ep={topology.ep}")
     tp, cp, ep = _parallel_groups(config, topology)
     spec = spec or checked_layer_stack(config, tp, cp, ep)
     schedule = run.schedule
