@@ -58,7 +58,7 @@ from ..parallel.context import ContextParallel
 from ..parallel.layers import vocab_parallel_cross_entropy
 from ..parallel.regions import NONE, TensorParallel
 from .hf_config import (HFModelError, HFModelInfo, config_for, info_from_config, plan_model_of,
-                        read_hf_config)
+                        read_hf_config, weight_files)
 from .hf_context_parallel import cp_decoder_layer, cp_embedding
 from .hf_router_loss import RouterLoss, router_loss_of, split_head_output
 from .hf_tensor_parallel import cut_decoder_layer, cut_embedding, cut_head
@@ -442,7 +442,7 @@ def hf_layer_stack(model: Any, *, weights: str | Path | None = None,
     has any, else the deterministic initialisation. ``tp``: this rank's tensor-parallel
     group; each layer is built whole and cut (`hf_tensor_parallel`), the loss vocab-parallel.
     ``cp``: its context-parallel group (`hf_context_parallel`)."""
-    files = () if weights is None else read_hf_config(weights).checkpoint_files
+    files = () if weights is None else weight_files(weights)
     info = info_from_config(config_for(model), str(weights or "the plan's model"), files)
     return _stack(info, tp, cp)
 

@@ -62,8 +62,16 @@ HF_FIELDS = ("layers", "hidden", "heads", "kv_heads", "vocab", "ffn_hidden", "ti
 def read_hf_config(path: str | Path) -> HFModelInfo:
     """Read and check ``path`` (a directory holding ``config.json``, or that file itself)."""
     directory, file, cfg = _read_dir(path)
-    files = tuple(sorted(str(f) for f in directory.glob("*.safetensors")))
-    return info_from_config(cfg, str(directory), files, source=file)
+    return info_from_config(cfg, str(directory), weight_files(directory), source=file)
+
+
+def weight_files(path: str | Path) -> tuple[str, ...]:
+    """The ``*.safetensors`` of the model directory ``path`` (or of the directory of its
+    config.json), sorted; () when it has none (random init). Reads no config.json: a rank
+    building a validated run's model needs only its weights."""
+    p = Path(path)
+    directory = p.parent if p.name == "config.json" else p
+    return tuple(sorted(str(f) for f in directory.glob("*.safetensors")))
 
 
 def _read_dir(path: str | Path) -> tuple[Path, Path, dict]:
