@@ -47,7 +47,7 @@ from pipeexec.analysis import compare_runs, layout_of, predict, prediction_costs
 from pipeexec.cli.compare import profiled_run  # noqa: E402
 from pipeexec.run.paired import paired_runs  # noqa: E402
 from pipeexec.analysis.predict import EXECUTOR_COMM  # noqa: E402
-from pipesim.search.zb_auto import handcrafted_origin  # noqa: E402
+from pipesim.zb_auto.search import handcrafted_origin  # noqa: E402
 from pipesim.schedule.io import schedule_to_json  # noqa: E402
 
 HANDMADE = (("1f1b", 1), ("interleaved", 2), ("zb-h1", 1), ("zbv", 2), ("dualpipev", 2))

@@ -238,7 +238,7 @@ def rate_run(run: Run, **space: object):
 
 
 def simulate_seconds(run: Run, hardware: "Hardware | None" = None) -> float:
-    from pipesim.plan.report import simulate_plan
+    from pipesim.sim.plan_report import simulate_plan
 
     return simulate_plan(build_plan(run, hardware)).step_time
 

@@ -12,7 +12,7 @@ simulator), then the best of ``--repeat`` runs of
 * a minimal plain-Python list scheduler that computes the same start times from the compute
   orders (checked equal), the floor any simulator of this model has to beat.
 
-The default (async) mode runs as a dataflow without SimPy (:mod:`pipesim.dataflow`).
+The default (async) mode runs as a dataflow without SimPy (:mod:`pipesim.sim.dataflow`).
 
 Times are CPU seconds of this process (``time.process_time``), best of ``--repeat`` rounds (50 times
 that for schedules under 4,096 microbatch-stages), each round timing every variant once in

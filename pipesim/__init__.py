@@ -10,17 +10,17 @@ from typing import Any
 
 from .errors import ScheduleError
 from .schedule import Action, Schedule, build_schedule, schedule_info, schedule_names
-from . import search as _search  # noqa: F401  registers zb-auto (a search over the simulator)
+from . import zb_auto as _zb_auto  # noqa: F401  registers zb-auto (a search over the simulator)
 
 # Public names that live in modules loaded on first use: name -> module.
 _LAZY = {
-    "CostModel": "pipesim.costs",
-    "fit_costs": "pipesim.calibrate",
+    "CostModel": "pipesim.plan.costs",
+    "fit_costs": "pipesim.sim.calibrate",
     "simulate": "pipesim.api",
     "Plan": "pipesim.plan.plan",
     "ModelSpec": "pipesim.plan.model",
     "PlanError": "pipesim.errors",
-    "SimResult": "pipesim.result",
+    "SimResult": "pipesim.sim.result",
     "schedule_to_json": "pipesim.schedule.io",
     "schedule_from_json": "pipesim.schedule.io",
     "schedule_to_csv": "pipesim.schedule.io",

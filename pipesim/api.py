@@ -1,21 +1,21 @@
 """``pipesim.simulate``: one entry point for a schedule with costs, or a plan.
 
-A :class:`pipesim.Schedule` goes to the engine unchanged (:func:`pipesim.engine.simulate`); a
-:class:`pipesim.Plan` derives its costs and returns a :class:`pipesim.plan.report.PlanResult`
-(:func:`pipesim.plan.report.simulate_plan`). The engine itself never learns what a plan is.
+A :class:`pipesim.Schedule` goes to the engine unchanged (:func:`pipesim.sim.engine.simulate`); a
+:class:`pipesim.Plan` derives its costs and returns a :class:`pipesim.sim.plan_report.PlanResult`
+(:func:`pipesim.sim.plan_report.simulate_plan`). The engine itself never learns what a plan is.
 """
 from __future__ import annotations
 
 from typing import Any
 
-from .engine import simulate as engine_simulate
+from .sim.engine import simulate as engine_simulate
 from .plan.plan import Plan
-from .plan.report import simulate_plan
+from .sim.plan_report import simulate_plan
 
 
 def simulate(target: Any, costs: Any = None, **kwargs: Any) -> Any:
     """Simulate one step of a Schedule under ``costs`` (-> SimResult; options as
-    :func:`pipesim.engine.simulate`), or of a Plan (-> PlanResult: step_time,
+    :func:`pipesim.sim.engine.simulate`), or of a Plan (-> PlanResult: step_time,
     tokens_per_s_per_gpu, mfu, hfu, memory_breakdown, fits; option ``comm``)."""
     if isinstance(target, Plan):
         if costs is not None:

@@ -12,7 +12,7 @@ def test_ctrl_c_in_a_long_pipesim_command_prints_one_line_and_exits_130(monkeypa
     import importlib
 
     search_module = importlib.import_module("pipesim.planner.search")
-    sweep_module = importlib.import_module("pipesim.sweep")   # pipesim.sweep is also a function
+    sweep_module = importlib.import_module("pipesim.sim.sweep")   # pipesim.sim.sweep is also a function
 
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt

@@ -12,7 +12,7 @@ import pipesim
 from pipeexec.analysis import MeasuredRun
 from pipeexec.analysis.calibrate import Calibration
 from pipeexec.analysis.compare import Comparison, compare_runs
-from pipesim.result import SimResult
+from pipesim.sim.result import SimResult
 
 from test_compare import jittered_run
 

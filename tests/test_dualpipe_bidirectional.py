@@ -5,7 +5,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 import pipesim
-from pipesim.calibrate import fit_costs
+from pipesim.sim.calibrate import fit_costs
 from pipesim import Action, CostModel, Schedule, ScheduleError, simulate
 from pipesim.schedule.action import Overlap
 from pipesim.schedule.channels import check_channels, one_way_pairs

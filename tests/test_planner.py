@@ -9,7 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pipesim.plan.plan import Plan
-from pipesim.plan.report import simulate_plan
+from pipesim.sim.plan_report import simulate_plan
 from pipesim.planner import SearchSpace, enumerate_plans, explain, jitter_check, search
 from pipesim.planner.bounds import plan_bounds
 from pipesim.planner.enumerate import plan_key
@@ -246,7 +246,7 @@ def test_zb_auto_refinement_never_loses_to_a_handcrafted_order_of_its_layout(tmp
     every handcrafted schedule of its vpp (zb-auto's candidates) on the same layout that fits;
     it round-trips through JSON with its schedule as data; vpp > 2 is named, not searched."""
     from pipesim.planner.refine import refine_with_zb_auto, refinement_text
-    from pipesim.search.zb_auto import HANDCRAFTED
+    from pipesim.zb_auto.search import HANDCRAFTED
 
     limit = 0.45 * GiB
     res = search(small_space(), memory_limit=limit, workers=1)

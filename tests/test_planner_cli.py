@@ -10,7 +10,7 @@ import pytest
 
 from pipesim.cli import main
 from pipesim.plan.plan import Plan
-from pipesim.plan.report import simulate_plan
+from pipesim.sim.plan_report import simulate_plan
 
 BASE = ["plan", "--model", "tiny", "--gpus", "4", "--gbs", "16", "--hardware", "A100",
         "--mbs", "1,2", "--recompute", "none,full", "--cp", "1", "--no-progress", "--workers", "1"]

@@ -56,7 +56,7 @@ def test_pipesim_plan_405b_on_16384_h100_finds_a_plan_with_its_defaults(capsys):
 
 def test_rate_compares_one_knob_at_a_time_with_the_best_and_sorts_by_saving():
     import pipesim
-    from pipesim.plan.report import simulate_plan
+    from pipesim.sim.plan_report import simulate_plan
     from pipesim.planner.rate import rate_plan
 
     best = pipesim.Plan.create("llama3-8b", "H100", tp=2, pp=2, dp=2, global_batch_size=16,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 
-from pipesim.plan.report import simulate_plan
+from pipesim.sim.plan_report import simulate_plan
 from pipesim.planner.enumerate import SearchSpace, enumerate_plans, plan_key
 from pipesim.planner.hints import fit_hints
 

@@ -20,7 +20,7 @@ from pipesim.cli import build_parser
 from pipesim.cli.planner_cmds import space_from_args
 from pipesim.hardware import get_hardware
 from pipesim.plan.model import PRESETS
-from pipesim.plan.report import simulate_plan
+from pipesim.sim.plan_report import simulate_plan
 from pipesim.planner import SearchSpace, enumerate_plans, plan_bounds, search
 
 H100 = get_hardware("H100")

@@ -88,7 +88,7 @@ def test_an_overlap_is_split_once_and_gated_when_its_parts_run_together():
 
 
 def test_one_op_enum_numbers_the_trace_and_the_board():
-    from pipesim.spans import _dtypes
+    from pipesim.sim.spans import _dtypes
 
     op_dtype, _ = _dtypes()
     assert list(op_dtype.categories) == [op.value for op in TRACE_OPS]

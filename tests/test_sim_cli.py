@@ -125,7 +125,7 @@ def test_sweep_exits_non_zero_when_nothing_is_feasible(tmp_path, capsys):
 def test_sweep_marks_a_refused_cost_model_invalid():
     """A cost factory that can't serve a layout (e.g. more stages than layers) is a row, not a crash."""
     import pipesim
-    from pipesim.sweep import sweep
+    from pipesim.sim.sweep import sweep
 
     def factory(num_stages, micro_batch_size):
         if num_stages > 4:

@@ -7,10 +7,10 @@ from hypothesis import given, settings, strategies as st
 
 import pipesim
 from pipesim import CostModel, simulate
-from pipesim.calibrate import fit_costs
+from pipesim.sim.calibrate import fit_costs
 from pipesim.hardware import Hardware, get_hardware
 from pipesim.plan.model import ModelSpec, get_model
-from pipesim.transformer import split_layers
+from pipesim.plan.transformer import split_layers
 
 
 def test_backward_defaults():

@@ -1,7 +1,7 @@
 """The simulator's fast paths give exactly what the full paths give.
 
-* `pipesim.dataflow.run_dataflow` (async and blocking modes, no SimPy) against the SimPy
-  engine `pipesim.engine._run`, span for span, on every builder.
+* `pipesim.sim.dataflow.run_dataflow` (async and blocking modes, no SimPy) against the SimPy
+  engine `pipesim.sim.engine._run`, span for span, on every builder.
 * A simulated `SimResult` scores from the engine's arrays and builds its trace only when asked:
   its metrics equal those of `SimResult.from_trace` over that trace, and the trace equals one
   built row by row here from the schedule and the SimPy engine's spans.
@@ -13,9 +13,9 @@ import pytest
 
 import pipesim
 from pipesim import CostModel, ScheduleError
-from pipesim import engine
-from pipesim.dataflow import run_dataflow
-from pipesim.memory import peak_per_rank
+from pipesim.sim import engine
+from pipesim.sim.dataflow import run_dataflow
+from pipesim.sim.memory import peak_per_rank
 from pipesim.schedule.action import flat_parts
 from pipesim.schedule.program import lower
 

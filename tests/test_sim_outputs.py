@@ -8,7 +8,7 @@ import pytest
 
 import pipesim
 from pipesim import CostModel, SimResult, simulate
-from pipesim.metrics import union_length
+from pipesim.sim.metrics import union_length
 
 
 def latency_run():
@@ -18,7 +18,7 @@ def latency_run():
 
 def test_comm_wait_and_summary_by_hand():
     r = latency_run()
-    # Worked by hand (see the docstring of pipesim.metrics for the definition): rank 0 computes
+    # Worked by hand (see the docstring of pipesim.sim.metrics for the definition): rank 0 computes
     # 0-3, 15-16, 18-19, 21-22 and has comm in flight over [1, 15] U [16, 18] U [19, 21].
     assert r.makespan == 22.0
     assert r.busy == [6.0, 6.0]

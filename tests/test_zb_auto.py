@@ -107,7 +107,7 @@ def test_early_chunk_forwards_leave_room_for_the_later_chunk():
     chunk-0 forwards could never run the chunk-1 forward a backward needs. The search still
     finds a schedule (the reserve rule), under the limit."""
     costs = CostModel(forward=1.0, backward_input=1.0, backward_weight=1.0, activation_bytes=1.0)
-    from pipesim.search.zb_auto import greedy_order
+    from pipesim.zb_auto.search import greedy_order
 
     orders = greedy_order(2, 6, costs, [3.0, 3.0], True, "fit", "none", "early", 2, "v")
     s = pipesim.Schedule(2, 2, 6, "v", orders).validate()
@@ -174,7 +174,7 @@ def test_followed_order_keeps_f_and_i_and_only_places_w(name, vpp):
     """``follow``: the handcrafted order's F / I sequence (its B read as I) is kept on every
     rank; only the W passes move. From 1F1B on F = I = W this is ZB-H1's makespan, 3m + p - 1
     (the bound of test_zb_1p_and_2p_limits_on_uniform_costs), under 1F1B's memory."""
-    from pipesim.search.zb_auto import greedy_order
+    from pipesim.zb_auto.search import greedy_order
 
     pp, m = 4, 8
     costs = CostModel(forward=1.0, backward_input=1.0, backward_weight=1.0, activation_bytes=1.0)
@@ -224,7 +224,7 @@ def test_margin_keeps_the_handcrafted_order_unless_the_search_gains_more():
 def test_handcrafted_origin_names_the_order_a_search_kept():
     """zb-auto with a margin keeps a hand-made order; `handcrafted_origin` names it, and names
     nothing for an order no hand-made schedule has."""
-    from pipesim.search.zb_auto import handcrafted_origin
+    from pipesim.zb_auto.search import handcrafted_origin
 
     costs = CostModel.uniform(1.0, 2.0, activation_bytes=1.0)
     kept = pipesim.build_schedule("zb-auto", pp=4, microbatches=8, costs=costs,
@@ -262,7 +262,7 @@ def test_tail_ranks_candidates_by_the_step_not_the_pipeline_alone():
 
 def test_the_margin_reference_is_the_fastest_fitting_hand_made_order():
     """fastest_handcrafted against simulating each hand-made schedule here."""
-    from pipesim.search.zb_auto import fastest_handcrafted
+    from pipesim.zb_auto.search import fastest_handcrafted
 
     costs = CostModel(forward=[1.0, 1.3, 0.9, 1.1], backward_input=1.2, backward_weight=0.6,
                       activation_bytes=1.0)

@@ -29,7 +29,7 @@ import pandas as pd
 import pipesim
 from pipesim import CostModel
 from pipesim.hardware import get_hardware
-from pipesim.sweep import sweep
+from pipesim.sim.sweep import sweep
 
 pd.set_option("display.width", 160)
 pd.set_option("display.max_columns", 20)

@@ -5,7 +5,7 @@ line fitted through the sends whose arrival was seen (``arrival_observed``: the 
 waiting), each timed from when both sides had posted (``link_start``) to the arrival; all
 through ``fit_costs``.
 
-Memory (the activation model of `pipesim.memory`): for each (stage, microbatch) the bytes its
+Memory (the activation model of `pipesim.sim.memory`): for each (stage, microbatch) the bytes its
 forward leaves held, i.e. the meter's growth over RECV_F + F + SEND_F of that pair (input
 buffer, saved tensors, output while not yet sent); ``activation_bytes`` is the per-stage mean.
 ``weight_grad_fraction`` comes from the change over RECV_B + I + SEND_B. In this executor
@@ -64,7 +64,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from pipesim import CostModel
-from pipesim.calibrate import fit_costs
+from pipesim.sim.calibrate import fit_costs
 
 from .measured_run import MeasuredRun
 from .run_plan import Layout

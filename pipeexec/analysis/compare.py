@@ -9,7 +9,7 @@ simulation uses are per-stage means over the same steps, so what it predicts is 
 step, and one stalled step should move neither);
 each step's makespan is in the report too, and the pictures show the step with the median
 makespan (`MeasuredRun.representative_step`). ``step=N`` compares that one step alone.
-Definitions are pipesim's (:mod:`pipesim.metrics`), computed by the same code on both traces:
+Definitions are pipesim's (:mod:`pipesim.sim.metrics`), computed by the same code on both traces:
 
 * step time: the step's makespan (first action start to last action end over all ranks: the
   pipeline part of the step, which is what the schedule decides; the optimizer is not in it);
@@ -48,7 +48,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from pipesim.metrics import slowest_of
+from pipesim.sim.metrics import slowest_of
 
 from .calibrate import Calibration, Layout, costs_summary
 from .contention import time_sharing_note
@@ -119,7 +119,7 @@ class Comparison:
                 "peak_memory": list(mem)}
 
     def slowest_ranks(self) -> tuple[int, int]:
-        """The slowest rank (the largest idle share of its own span, as `pipesim.metrics`
+        """The slowest rank (the largest idle share of its own span, as `pipesim.sim.metrics`
         defines it) measured (from the compared steps' per-rank means) and predicted."""
         m = self._measured
         spans = [b + i for b, i in zip(m["busy"], m["bubble"])]

@@ -1,7 +1,7 @@
 """The measured trace: every rank's action records, on one clock, as a pipesim trace.
 
 `build_trace` turns the per-rank `ActionRecord` lists (gathered on rank 0) into a DataFrame
-with the simulator's columns (`pipesim.trace.TRACE_COLUMNS`) plus ``step``, ``mem_start``,
+with the simulator's columns (`pipesim.sim.trace.TRACE_COLUMNS`) plus ``step``, ``mem_start``,
 ``mem_end``, ``arrival_observed``, ``link_start``, ``compute_start`` and ``cpu``, so ``SimResult.from_trace`` scores and draws it exactly
 as it does a simulated step. Rows mean what they mean in the simulator, where a rank runs its computations back to back
 and only waits for messages:
@@ -41,8 +41,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pipesim
-from pipesim.chrome import chrome_trace as chrome_events
-from pipesim.result import SimResult
+from pipesim.sim.chrome import chrome_trace as chrome_events
+from pipesim.sim.result import SimResult
 from pipesim.schedule.action import B, F, I, RECV_B, RECV_F, SEND_B, SEND_F, W
 
 from .profile_meta import KEYS as MEASUREMENT_KEYS, Measurement

@@ -1,6 +1,6 @@
 """Predicted and measured Gantt charts one above the other, on one time axis.
 
-Both panels are drawn by `pipesim.plot.gantt` (so they look exactly like every other chart of
+Both panels are drawn by `pipesim.sim.plot.gantt` (so they look exactly like every other chart of
 the project) with the same x range: the longer of the two makespans, so a prediction that is
 too short or too long shows as a shorter or longer bar field, rank by rank.
 """
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from pipesim.plot import gantt
+from pipesim.sim.plot import gantt
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure

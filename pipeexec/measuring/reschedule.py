@@ -20,7 +20,7 @@ searched order is kept only if its median step beats the replaced order's by the
 the noise the trial measured, with at least ``JUDGED_STEPS`` counted steps a side; else every
 rank stays on the replaced order.
 The log gives both figures and the hand-made order the search's margin was compared with
-(:func:`pipesim.search.zb_auto.fastest_handcrafted`). A limit below what one microbatch needs
+(:func:`pipesim.zb_auto.search.fastest_handcrafted`). A limit below what one microbatch needs
 is refused before step 0 (:func:`check_memory_limit`), not at the search.
 """
 from __future__ import annotations
@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 import pipesim
 from pipesim.schedule.action import Action
-from pipesim.search.zb_auto import fastest_handcrafted, handcrafted_origin
+from pipesim.zb_auto.search import fastest_handcrafted, handcrafted_origin
 from pipesim.schedule.io import schedule_from_dict, schedule_to_dict
 from pipesim.units import format_bytes
 

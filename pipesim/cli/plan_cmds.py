@@ -122,7 +122,7 @@ def plan_from_args(args: argparse.Namespace, given: set[str]):
 
 
 def cmd_simulate_plan(args: argparse.Namespace, explicit: set[str]) -> int:
-    from ..plan.report import simulate_plan
+    from ..sim.plan_report import simulate_plan
 
     plan = plan_from_args(args, explicit)
     result = simulate_plan(plan, comm=args.comm, validate=False)

@@ -71,7 +71,7 @@ def plan_gantt(r: Any, key: str) -> Any:
     step) so the axis reaches the step time the title gives. ``r``: a ``PlanResult``."""
     from matplotlib.patches import Patch
 
-    from ..plot import COMM_COLORS, OP_COLORS
+    from ..sim.plot import COMM_COLORS, OP_COLORS
 
     plan = r.plan
     hw = plan.cluster.hardware

@@ -235,7 +235,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         print(f"wrote {args.frontier}  (peak memory vs tokens/s of the {result.simulated:,} "
               "simulated plans)")
     if args.gantt:
-        from ..plan.report import simulate_plan
+        from ..sim.plan_report import simulate_plan
 
         plan_gantt(simulate_plan(best), best_row["key"]).savefig(args.gantt, dpi=100)
         print(f"wrote {args.gantt}  (the best plan's Gantt chart)")

@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ..costs import CostModel
+from ..plan.costs import CostModel
 from ..hardware import hardware_names
 from ..schedule.placement import PLACEMENTS
 from ..plan.flags import DESTS, add_plan_flags, flatten, given_dests
@@ -113,7 +113,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
-    from ..engine import simulate
+    from ..sim.engine import simulate
     from ..schedule.registry import build_schedule
 
     given = given_dests(args.parser, args.command_argv)
@@ -182,7 +182,7 @@ def per_stage_note(parts_per_rank: int) -> str:
 
 def cmd_sweep(args: argparse.Namespace) -> int:
     from ..hardware import get_hardware
-    from ..sweep import sweep
+    from ..sim.sweep import sweep
 
     source = _cost_source(args)
     limit = args.memory_limit

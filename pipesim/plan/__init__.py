@@ -1,7 +1,7 @@
 """Plans: a training configuration (model, parallelism, cluster, schedule, partition) as one value.
 
 ``Plan`` derives the per-stage :class:`pipesim.CostModel` (``plan.costs()``) and is simulated by
-:func:`pipesim.simulate`. Torch-free, like the rest of pipesim.
+:func:`pipesim.simulate` (:mod:`pipesim.sim.plan_report`). Torch-free, like the rest of pipesim.
 """
 from __future__ import annotations
 
@@ -12,10 +12,5 @@ from .parallelism import Parallelism
 from .plan import Plan
 
 __all__ = ["Cluster", "Link", "ModelSpec", "Parallelism", "Plan", "PlanError", "get_model",
-           "model_names", "simulate_plan"]
+           "model_names"]
 
-
-def simulate_plan(plan: Plan, **kwargs):
-    from .report import simulate_plan as run
-
-    return run(plan, **kwargs)

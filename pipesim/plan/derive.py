@@ -46,7 +46,7 @@ thousands. For each stage and one microbatch on one rank of its tensor/context-p
 
 The CostModel carries what the engine reads; its ``grad_bytes`` / ``dp_*`` / ``optimizer``
 keep the engine's own (non-overlapped, all-reduce) step tail usable, while
-:func:`pipesim.plan.report.simulate_plan` adds the overlap-aware tail computed here.
+:func:`pipesim.sim.plan_report.simulate_plan` adds the overlap-aware tail computed here.
 """
 from __future__ import annotations
 
@@ -54,7 +54,7 @@ from collections import Counter
 
 from dataclasses import dataclass, field
 
-from ..costs import CostModel
+from .costs import CostModel
 from ..errors import PlanError, ScheduleError
 from ..hardware import LOW_PRECISIONS
 from ..schedule.registry import schedule_rank_parts

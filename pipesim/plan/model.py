@@ -8,7 +8,7 @@ and MoE (experts, top-k, expert and shared-expert FFN sizes, which layers are Mo
 
 Defaults reproduce the GPT-3 shape (Brown et al. 2020, Table 2.1): kv heads = heads, head dim
 = hidden / heads, FFN = 4 hidden, GeLU, LayerNorm, learned positions, tied embeddings, biases.
-The first six fields keep the order of the original ``pipesim.transformer.ModelSpec``.
+The first six fields keep the order of the original ``pipesim.plan.transformer.ModelSpec``.
 """
 from __future__ import annotations
 

@@ -29,7 +29,7 @@ from .parallelism import Parallelism
 from .partition import parse_layout, stage_layers
 
 if TYPE_CHECKING:
-    from ..costs import CostModel
+    from .costs import CostModel
 
 PLAN_FORMAT = "pipesim.plan/1"
 

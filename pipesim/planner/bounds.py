@@ -1,6 +1,6 @@
 """Sound lower bounds on a plan's peak memory and step time, without simulating it.
 
-Both are never above what :func:`pipesim.plan.report.simulate_plan` reports, so a plan whose
+Both are never above what :func:`pipesim.sim.plan_report.simulate_plan` reports, so a plan whose
 memory bound exceeds the limit cannot fit, and one whose time bound exceeds a simulated plan's
 step time cannot beat it: pruning on them never drops the best plan (the property test
 compares the search with brute force).

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from ..errors import PlanError
 from ..plan.plan import Plan
-from ..plan.report import simulate_plan
+from ..sim.plan_report import simulate_plan
 
 GiB = 2 ** 30
 KNOBS = ("schedule", "tp", "cp", "pp", "micro_batch_size", "recompute", "zero",

@@ -4,7 +4,7 @@ zb-auto's order depends on one plan's costs and memory limit, so the enumeration
 it; instead the best ``top`` fitting plans' layouts (tp, cp, pp, vpp 1 or 2, dp, ep, micro-batch
 size, recomputation, sharding: a layout that several schedules share is searched once) get a
 zb-auto search from that plan's derived costs under the same per-GPU limit, simulated as the
-search simulates (:func:`pipesim.plan.report.simulate_plan`), candidates ranked by the plan's
+search simulates (:func:`pipesim.sim.plan_report.simulate_plan`), candidates ranked by the plan's
 step (each rank's end plus its exposed data-parallel reduction and optimizer step: zb-auto's
 ``tail``), not by the pipeline's makespan alone. The searched plan holds its
 schedule as data, so ``plan.json`` carries it to ``pipesim simulate --plan`` and
@@ -19,9 +19,9 @@ from dataclasses import dataclass
 
 from ..errors import PlanError, ScheduleError
 from ..plan.plan import Plan
-from ..plan.report import simulate_plan
+from ..sim.plan_report import simulate_plan
 from ..schedule.registry import build_schedule
-from ..search.zb_auto import handcrafted_origin
+from ..zb_auto.search import handcrafted_origin
 from .search import SearchResult
 
 LAYOUT_COLUMNS = ("tp", "cp", "pp", "vpp", "dp", "ep", "mbs", "recompute", "zero")

@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..plan.plan import Plan
-from ..plan.report import simulate_plan
+from ..sim.plan_report import simulate_plan
 
 
 def scaled(plan: Plan, eff: float, link: float) -> Plan:

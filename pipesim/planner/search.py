@@ -5,7 +5,7 @@
    memory bound exceeds the limit cannot fit and is pruned (first the cheap bound, here; the
    exact-order one, which builds the schedule, only for a plan about to be simulated);
 3. the rest, in order of their step-time bound, are simulated with the full discrete-event
-   model (:func:`pipesim.plan.report.simulate_plan`) in batches; a plan is pruned when its bound
+   model (:func:`pipesim.sim.plan_report.simulate_plan`) in batches; a plan is pruned when its bound
    exceeds both the ``top``-th best step time found so far and the best of its own schedule
    (so that the top plans and every schedule's best, which :func:`explain` compares, are exact).
    Ties are broken by the plan's key, so the ranking is deterministic.
@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..errors import PlanError, ScheduleError
 from ..plan.plan import Plan
-from ..plan.report import PlanResult, simulate_plan
+from ..sim.plan_report import PlanResult, simulate_plan
 from ..progress import progress_bar
 from .bounds import bounds_key, plan_bounds
 from .enumerate import Enumeration, SearchSpace, enumerate_plans, plan_key

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..plan.plan import Plan
-from ..plan.report import simulate_plan
+from ..sim.plan_report import simulate_plan
 
 
 @dataclass(frozen=True)

@@ -146,7 +146,7 @@ class Program:
         return self._compute_rows
 
     def steps(self, together: bool = False, posts: bool = False) -> tuple[tuple, ...]:
-        """The rows as a rank walks them (:func:`pipesim.dataflow.walk`): per rank, steps
+        """The rows as a rank walks them (:func:`pipesim.sim.dataflow.walk`): per rank, steps
         ``(row, code, stage, wait, wait_row, gate, gate_row, sends)``, a computation with the
         SEND rows right after it (``sends``: ``(row, message, link, boundary)`` each), a lone
         group of SENDs (code -1), or a RECV (``wait``: its message). A RECV whose consumer waits

@@ -107,7 +107,7 @@ def test_a_saved_plan_is_the_run_and_builds_the_plans_model(tmp_path, family):
 def test_a_plan_cut_unevenly_splits_as_pipesim_does():
     """7 blocks on 2 stages: pipesim's [4, 3] in both halves (once [4, 3] and [3, 4])."""
     from pipeexec.partition import plan_bounds
-    from pipesim.transformer import split_layers
+    from pipesim.plan.transformer import split_layers
 
     config = TrainConfig(pp=2, layers=7)
     assert config.plan.stage_layers() == split_layers(7, 2) == [4, 3]

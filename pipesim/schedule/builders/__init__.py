@@ -1,5 +1,5 @@
 """One module per schedule family; importing them registers the builders. (zb-auto, a search
-that simulates its candidates, registers from :mod:`pipesim.search`: schedule/ never imports
+that simulates its candidates, registers from :mod:`pipesim.zb_auto`: schedule/ never imports
 the simulator.)"""
 from . import simple  # noqa: F401  gpipe, 1f1b, looped-bfs
 from . import interleaved  # noqa: F401  Megatron interleaved 1F1B

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .units import byte_unit
+from ..units import byte_unit
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes

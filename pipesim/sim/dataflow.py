@@ -2,7 +2,7 @@
 SimPy: a ready list over ranks.
 
 :func:`walk` is the one place that says how a rank runs its rows (the SimPy engine drives the
-same generator, :func:`pipesim.engine._run`): on a local clock, a computation waits for the
+same generator, :func:`pipesim.sim.engine._run`): on a local clock, a computation waits for the
 message its row names (and an overlap's gate), a SEND occupies its directed link from when
 both the data and the link are free (FIFO: a link has one sender, so its queue follows that
 rank's order), a RECV only posts. It yields the message it needs when that message has not
@@ -22,9 +22,9 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 
-from .costs import CostModel
-from .schedule.op import FIRST_COMM_CODE, Op
-from .schedule.program import Program
+from ..plan.costs import CostModel
+from ..schedule.op import FIRST_COMM_CODE, Op
+from ..schedule.program import Program
 
 _RECV_F, _RECV_B = Op.RECV_F.code, Op.RECV_B.code
 

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .costs import CostModel
+from ..plan.costs import CostModel
 from .trace import check_trace
 
 if TYPE_CHECKING:

@@ -30,11 +30,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .derive import PlanCosts
+from ..plan.derive import PlanCosts
 
 if TYPE_CHECKING:
-    from ..result import SimResult
-    from .plan import Plan
+    from .result import SimResult
+    from ..plan.plan import Plan
 
 GiB = 2 ** 30
 
@@ -213,7 +213,7 @@ def simulate_plan(plan: "Plan", *, comm: str = "async", validate: bool = True,
     """Simulate one step of ``plan``; see the module docstring. ``jitter`` and ``seed`` go to
     :func:`pipesim.simulate` (compute times scaled by noise, for ranking-stability checks)."""
     # lazy: pipesim.plan (and so pipesim.Plan) imports without simpy and numpy
-    from ..engine import simulate
+    from .engine import simulate
 
     if validate:
         plan.validate()

@@ -16,7 +16,7 @@ peer       the other rank of a comm row (-1 for compute)
 
 A SEND row spans the transfer on the link (from when the link takes it to when it arrives);
 a RECV row spans the time the receiving rank waited for it (zero when the data was already
-there). ``bytes`` and ``peer`` are optional for metrics; every metric in :mod:`pipesim.metrics`
+there). ``bytes`` and ``peer`` are optional for metrics; every metric in :mod:`pipesim.sim.metrics`
 needs only the first eight columns.
 """
 from __future__ import annotations

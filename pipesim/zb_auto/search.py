@@ -13,7 +13,7 @@ F / I / W passes of every rank in time order and returns the best order that its
   limit): F before I when both are ready or not; W only when it fits before the next known
   arrival, or whenever the rank would wait; no cap on warm-up forwards, or 1F1B's p - r, or
   ZB-2p's 2(p - r) - 1;
-* at vpp 1, the paper's own sweep over the microbatches (:mod:`pipesim.search.sweep_order`:
+* at vpp 1, the paper's own sweep over the microbatches (:mod:`pipesim.zb_auto.sweep_order`:
   warm-up forwards counted from when the first backward's gradient can arrive, then one F and
   one I per stage per microbatch with W passes filling the gaps), each of its variants: the
   time-ordered list scheduling above never runs the long warm-up a 2p limit allows when W is
@@ -25,7 +25,7 @@ F / I / W passes of every rank in time order and returns the best order that its
   into I and W) with the heuristic placing the W passes (from 1F1B this finds ZB-H1's kind of
   order, from interleaved a zero-bubble interleaved one).
 
-Memory is counted as the simulator counts it (:mod:`pipesim.memory`): static bytes, plus a
+Memory is counted as the simulator counts it (:mod:`pipesim.sim.memory`): static bytes, plus a
 stage's ``activation_bytes`` from the start of each F, minus (1 - weight_grad_fraction) of it at
 the end of I and the rest at the end of W, plus the received gradient's buffer while its I runs.
 ``memory_limit = pp * activation_bytes`` is ZB-1p's budget, twice that ZB-2p's. The candidates
@@ -318,7 +318,7 @@ def fastest_handcrafted(pp: int, microbatches: int, costs, memory_limit=None, *,
     """The hand-made schedule of this vpp (and placement) that zb-auto's ``margin`` is
     measured against: the fastest one whose simulated peak fits ``memory_limit``, simulated as
     the search simulates; (name, step), or None when none fits."""
-    from ..engine import simulate
+    from ..sim.engine import simulate
 
     limits = _limits(memory_limit, pp)
     kinds = _placements(pp, vpp, placement)
@@ -340,7 +340,7 @@ def fastest_handcrafted(pp: int, microbatches: int, costs, memory_limit=None, *,
 
 
 def _sweep_candidates(pp: int, m: int, costs, limits: Sequence[float]) -> list[Schedule]:
-    """The paper's own sweep (:mod:`pipesim.search.sweep_order`), each of its variants, at one
+    """The paper's own sweep (:mod:`pipesim.zb_auto.sweep_order`), each of its variants, at one
     stage per rank: the orders that reach its ZB-2p column when W is cheaper than F."""
     times = costs.compute_times(pp)
     nbytes = costs.stage_values("p2p_bytes", pp)
@@ -379,8 +379,8 @@ def zb_auto_schedule(pp: int, microbatches: int, costs=None, memory_limit=None, 
     ``tail`` (one per rank, seconds): what each rank does after its last action (its exposed
     data-parallel reduction and optimizer step, as a plan derives them): the step a candidate is
     ranked by is then the latest ``rank_end + tail``, not the pipeline's makespan alone."""
-    from ..costs import CostModel
-    from ..engine import simulate
+    from ..plan.costs import CostModel
+    from ..sim.engine import simulate
 
     costs = CostModel() if costs is None else costs
     if not isinstance(costs, CostModel):

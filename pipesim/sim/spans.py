@@ -4,7 +4,7 @@ Building the DataFrame (and the columns that do not depend on timing) costs abou
 simulating a small schedule, and most callers (the planner, sweeps) read only metrics. So the
 engine hands :class:`pipesim.SimResult` this value: the start and end of every row, which rows
 are computations and on which rank, and a way to make the trace when somebody asks for it.
-The trace made from it has the columns, dtypes and values of :mod:`pipesim.trace`; metrics
+The trace made from it has the columns, dtypes and values of :mod:`pipesim.sim.trace`; metrics
 read from the arrays equal those read from that trace (``tests/test_sim_fast_paths.py``).
 """
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from .memory import ComputeRows
-from .schedule.op import TRACE_OPS
+from ..schedule.op import TRACE_OPS
 from .trace import TRACE_COLUMNS
 
 if TYPE_CHECKING:
@@ -57,11 +57,11 @@ class Spans:
         return self._made
 
     def compute_spans(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(rank, start, end) of the compute rows, as :func:`pipesim.metrics.compute_spans`."""
+        """(rank, start, end) of the compute rows, as :func:`pipesim.sim.metrics.compute_spans`."""
         return self.compute_rank, self.starts[self.compute_rows], self.ends[self.compute_rows]
 
     def memory_rows(self) -> ComputeRows:
-        """The compute rows of real stages, as :func:`pipesim.memory.compute_rows` reads them
+        """The compute rows of real stages, as :func:`pipesim.sim.memory.compute_rows` reads them
         from a trace."""
         if self._compute_ops is not None and self._made is None:
             op, stage, mb = self._compute_ops()

@@ -1,7 +1,7 @@
 """The Zero Bubble paper's own heuristic (Qi et al., ICLR 2024, "Zero Bubble Pipeline
 Parallelism", section 3.1), as a source of zb-auto candidates at one stage per rank.
 
-`pipesim.search.zb_auto.greedy_order` list-schedules every rank in time order; the paper sweeps
+`pipesim.zb_auto.search.greedy_order` list-schedules every rank in time order; the paper sweeps
 the microbatches instead, one at a time across all stages, and this is what reaches its ZB-2p
 column when W is cheaper than F (ZB-H2's hand-made order then leaves ~7% bubble, this one <1%):
 

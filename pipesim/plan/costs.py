@@ -3,7 +3,7 @@
 A cost is a scalar (the same for every stage) or a per-stage list (length ``num_stages``,
 checked when a schedule is simulated, the error naming the field). Units are seconds and bytes
 in both worlds, simulated and measured (DESIGN.md, principle 5), so a model fitted to a measured
-trace with :func:`pipesim.calibrate.fit_costs` predicts the same run back.
+trace with :func:`pipesim.sim.calibrate.fit_costs` predicts the same run back.
 """
 from __future__ import annotations
 
@@ -14,14 +14,14 @@ from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Union
 
-from .fields import known_fields
-from .hardware import get_hardware
+from ..fields import known_fields
+from ..hardware import get_hardware
 
 if TYPE_CHECKING:
     import pandas as pd
 
-    from .hardware import Hardware
-    from .plan.model import ModelSpec
+    from ..hardware import Hardware
+    from .model import ModelSpec
 
 PerStage = Union[float, Sequence[float]]
 
@@ -226,7 +226,7 @@ class CostModel:
                     num_stages: int, micro_batch_size: int = 1, efficiency: float = 0.5,
                     link: str = "inter", dp_link: str = "inter", dtype_bytes: int = 2
                     ) -> "CostModel":
-        """Costs of a GPT-style decoder (formulas and citations in :mod:`pipesim.transformer`).
+        """Costs of a GPT-style decoder (formulas and citations in :mod:`pipesim.plan.transformer`).
 
         ``model`` and ``hardware`` are presets (``pipesim.plan.model_names()``,
         ``pipesim.hardware.hardware_names()``) or spec objects. Time = FLOPs / (peak bf16 FLOP/s
@@ -234,7 +234,7 @@ class CostModel:
         the network), ``dp_link`` the data-parallel one.
         """
         # lazy: pipesim.plan's __init__ imports the plans, which import this module
-        from .plan.model import get_model
+        from .model import get_model
         from .transformer import stage_counts
 
         spec, hw = get_model(model), get_hardware(hardware)

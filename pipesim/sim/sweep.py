@@ -11,12 +11,12 @@ import itertools
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from .costs import CostModel
+from ..plan.costs import CostModel
 from .engine import simulate
-from .errors import ScheduleError
-from .progress import progress_bar
-from .schedule.registry import build_schedule, schedule_names
-from .units import format_bytes
+from ..errors import ScheduleError
+from ..progress import progress_bar
+from ..schedule.registry import build_schedule, schedule_names
+from ..units import format_bytes
 
 if TYPE_CHECKING:
     import pandas as pd

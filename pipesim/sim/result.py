@@ -3,10 +3,10 @@
 Everything here is computed from the trace (and, for memory, either a measured memory timeline
 or a :class:`CostModel` replayed over the trace), so ``SimResult.from_trace(measured)`` gives
 the same metrics, Gantt chart and Chrome trace as a simulation. A simulated result holds the
-engine's :class:`pipesim.spans.Spans` and builds its trace DataFrame only when first read;
+engine's :class:`pipesim.sim.spans.Spans` and builds its trace DataFrame only when first read;
 ``makespan``, ``busy``, ``span``, the bubble metrics and peak memory read the same arrays
 without it. Metric definitions are in
-:mod:`pipesim.metrics`; the memory model in :mod:`pipesim.memory`.
+:mod:`pipesim.sim.metrics`; the memory model in :mod:`pipesim.sim.memory`.
 """
 from __future__ import annotations
 
@@ -19,19 +19,19 @@ from .chrome import chrome_trace, write_chrome_trace
 from .memory import compute_rows, memory_events, peak_per_rank
 from .plot import gantt as plot_gantt
 from .trace import check_trace, num_ranks
-from .units import byte_unit, format_number
+from ..units import byte_unit, format_number
 
 if TYPE_CHECKING:
     import pandas as pd
     from matplotlib.figure import Figure
 
-    from .costs import CostModel
-    from .schedule.schedule import Schedule
+    from ..plan.costs import CostModel
+    from ..schedule.schedule import Schedule
     from .spans import Spans
 
 
 class SimResult:
-    """One step: ``trace`` (pandas DataFrame, columns in :mod:`pipesim.trace`) and its metrics.
+    """One step: ``trace`` (pandas DataFrame, columns in :mod:`pipesim.sim.trace`) and its metrics.
 
     Per-rank values are lists indexed by rank. Memory needs either ``memory_timeline`` (columns
     rank, time, bytes; e.g. measured) or ``costs`` (the memory model replayed over the trace);
@@ -64,7 +64,7 @@ class SimResult:
 
     @cached_property
     def trace(self) -> "pd.DataFrame":
-        """One row per span (columns in :mod:`pipesim.trace`); built from the spans once."""
+        """One row per span (columns in :mod:`pipesim.sim.trace`); built from the spans once."""
         return check_trace(self._spans.frame())
 
     @cached_property
@@ -123,7 +123,7 @@ class SimResult:
 
     @property
     def bubble_fraction(self) -> float:
-        """Megatron's: ``(makespan - max busy) / max busy`` (see :mod:`pipesim.metrics`)."""
+        """Megatron's: ``(makespan - max busy) / max busy`` (see :mod:`pipesim.sim.metrics`)."""
         ideal = max(self.busy)
         if ideal <= 0:
             raise ValueError("bubble_fraction: the trace has no compute time")
@@ -237,11 +237,11 @@ class SimResult:
         return "\n".join(head) + "\n" + table
 
     def gantt(self, **kwargs: Any) -> "Figure":
-        """A Gantt chart; options in :func:`pipesim.plot.gantt`."""
+        """A Gantt chart; options in :func:`pipesim.sim.plot.gantt`."""
         return plot_gantt(self, **kwargs)
 
     def to_chrome_trace(self, path: str | Path | None = None) -> dict:
-        """Chrome / Perfetto trace JSON (see :mod:`pipesim.chrome`); written to ``path`` if given."""
+        """Chrome / Perfetto trace JSON (see :mod:`pipesim.sim.chrome`); written to ``path`` if given."""
         data = chrome_trace(self.trace)
         if path is not None:
             write_chrome_trace(data, path)

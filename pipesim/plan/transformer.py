@@ -25,8 +25,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .plan.model import ModelSpec
-from .plan.partition import even_split
+from .model import ModelSpec
+from .partition import even_split
 
 
 def split_layers(layers: int, num_stages: int) -> list[int]:
@@ -55,9 +55,9 @@ def stage_counts(model: ModelSpec, num_stages: int, micro_batch_size: int = 1,
     """FLOPs and bytes of each stage for one microbatch of ``micro_batch_size`` sequences."""
     if micro_batch_size < 1:
         raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
-    from .plan.flops import layer_flops
-    from .plan.footprint import layer_activations
-    from .plan.parallelism import Parallelism
+    from .flops import layer_flops
+    from .footprint import layer_activations
+    from .parallelism import Parallelism
 
     b, s, h, v = micro_batch_size, model.seq_length, model.hidden, model.vocab
     sbh = s * b * h

@@ -18,8 +18,8 @@ a message (an activation or a gradient) crossing a link, so the model makes even
 The result is the same as stepping every action as a SimPy timeout (the tests check it against
 an independent list scheduler), at a fraction of the events. In the ``async`` and ``blocking``
 modes no result depends on the order of events in time, so `simulate` runs them without SimPy,
-as a dataflow over a ready list (:mod:`pipesim.dataflow`, checked span for span against
-`_run`); the result keeps the engine's arrays (:class:`pipesim.spans.Spans`) and builds the
+as a dataflow over a ready list (:mod:`pipesim.sim.dataflow`, checked span for span against
+`_run`); the result keeps the engine's arrays (:class:`pipesim.sim.spans.Spans`) and builds the
 trace DataFrame only when it is read. Modes: ``comm="async"`` (the
 default; a send is posted and the rank goes on, as with ``isend``, and the data moves at once:
 receives count as pre-posted), ``"blocking"`` (the sender waits until its transfer has arrived;
@@ -45,12 +45,12 @@ import numpy as np
 import simpy
 from simpy.events import NORMAL
 
-from .costs import CostModel
+from ..plan.costs import CostModel
 from .dataflow import Clocks, run_dataflow, walk
 from .spans import Spans
-from .schedule.op import CODE_ALLREDUCE, CODE_OPTIMIZER, FIRST_COMM_CODE, Op
-from .schedule.program import Program, Row, lower
-from .schedule.schedule import Schedule
+from ..schedule.op import CODE_ALLREDUCE, CODE_OPTIMIZER, FIRST_COMM_CODE, Op
+from ..schedule.program import Program, Row, lower
+from ..schedule.schedule import Schedule
 
 if TYPE_CHECKING:
     from .result import SimResult
@@ -250,7 +250,7 @@ def _run(program: Program, costs: CostModel, factors: list[float] | None, blocki
          scale: dict[int, float] | None = None) -> tuple[list[float], list[float]]:
     """Run the SimPy model; return the start and end time of every row (rank, row order).
 
-    Each rank is :func:`pipesim.dataflow.walk` over its rows, driven by a SimPy process: a wait
+    Each rank is :func:`pipesim.sim.dataflow.walk` over its rows, driven by a SimPy process: a wait
     for a message not yet sent parks it on an event its sender fires at the arrival time.
 
     ``rendezvous``: a SEND only records when it was posted (and its row); the transfer is placed

@@ -41,14 +41,14 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
-from .schedule.op import CODE_RECV_B, CODE_RECV_F, FIRST_COMM_CODE, Op
-from .schedule.program import lower
+from ..schedule.op import CODE_RECV_B, CODE_RECV_F, FIRST_COMM_CODE, Op
+from ..schedule.program import lower
 
 if TYPE_CHECKING:
     import pandas as pd
 
-    from .costs import CostModel
-    from .schedule.schedule import Schedule
+    from ..plan.costs import CostModel
+    from ..schedule.schedule import Schedule
 
 
 class ComputeRows(NamedTuple):
