@@ -80,6 +80,35 @@ PRECISIONS = {"BF16": "bf16", "FP8": "fp8", "FP8-CS": "fp8", "FP8-CS (FP8-MX)": 
               "FP8-MX": "mxfp8", "MXFP8": "mxfp8", "NVFP4": "nvfp4"}
 SYSTEMS = {"DGX-H100": "H100", "DGX-B200": "B200", "DGX-B300": "B300", "DGX-GB200": "GB200",
            "DGX-GB300": "GB300"}
+# How each MoE run moved its routed tokens, as its recipe says (Megatron-Bridge
+# scripts/performance/configs/*/*_workload_base_configs.py at the release's tag: v0.4.2 for
+# 26.04.01, whose DeepSeek-V3 B200 layout pp 8 vp 2 ep 32 is the row's; v0.2.x for 25.11):
+# (family, GPU, precision) -> (Megatron's token dispatcher: "flex" where the recipe names
+# moe_flex_dispatcher_backend deepep / hybridep, else "alltoall", which the scripts then set;
+# moe_a2a_overlap, Megatron's overlap_moe_expert_parallel_comm). A run not listed: alltoall,
+# no overlap (Megatron's defaults).
+EP_RECIPES = {
+    ("deepseek-v3", "GB300", "mxfp8"): ("flex", False),     # hybridep
+    ("deepseek-v3", "GB200", "mxfp8"): ("flex", False),     # hybridep
+    ("deepseek-v3", "B300", "mxfp8"): ("flex", False),      # hybridep
+    ("deepseek-v3", "B200", "mxfp8"): ("flex", True),       # deepep, moe_a2a_overlap
+    ("deepseek-v3", "GB300", "bf16"): ("flex", False),      # 25.11: hybridep
+    ("deepseek-v3", "GB200", "bf16"): ("flex", False),      # 25.11: hybridep
+    ("gpt-oss-120b", "GB200", "bf16"): ("alltoall", True),  # moe_a2a_overlap
+    ("gpt-oss-120b", "B300", "bf16"): ("flex", False),      # hybridep
+    ("qwen3-30b-a3b", "GB300", "mxfp8"): ("flex", False),   # hybridep (all five GPUs)
+    ("qwen3-30b-a3b", "GB200", "mxfp8"): ("flex", False),
+    ("qwen3-30b-a3b", "B300", "mxfp8"): ("flex", False),
+    ("qwen3-30b-a3b", "B200", "mxfp8"): ("flex", False),
+    ("qwen3-30b-a3b", "H100", "fp8"): ("flex", False),
+    ("qwen3-235b-a22b", "GB300", "mxfp8"): ("flex", False),  # hybridep
+    ("qwen3-235b-a22b", "GB200", "mxfp8"): ("flex", False),  # hybridep
+    ("qwen3-235b-a22b", "B300", "mxfp8"): ("flex", False),   # hybridep
+    ("qwen3-235b-a22b", "H100", "fp8"): ("alltoall", True),  # moe_a2a_overlap
+    ("qwen3-235b-a22b", "GB300", "bf16"): ("flex", False),   # 25.11: hybridep
+    ("qwen3-235b-a22b", "GB200", "bf16"): ("flex", False),   # 25.11: hybridep
+    ("kimi-k2", "GB300", "mxfp8"): ("flex", False),          # hybridep
+}
 # the figures fitted per GPU (see the module docstring)
 FITTED_FIGURES = ("precision_e_max", "grouped_gemm_efficiency")
 RIDGE = 0.3           # pull of each figure's prior, against one run's (reweighted) error
@@ -145,7 +174,8 @@ def _release_key(release: str) -> tuple:
     return tuple(int(x) for x in release.split("."))
 
 
-def read_rows(path: pathlib.Path = DATA) -> tuple[list[Run], list[tuple[dict, str]]]:
+def read_rows(path: pathlib.Path = DATA, release: str = "26.04.01"
+              ) -> tuple[list[Run], list[tuple[dict, str]]]:
     """The usable runs and the skipped rows with their reasons."""
     with open(path, newline="") as f:
         raw = list(csv.DictReader(line for line in f if not line.startswith("#")))
@@ -167,7 +197,10 @@ def read_rows(path: pathlib.Path = DATA) -> tuple[list[Run], list[tuple[dict, st
             continue
         candidates.append(r)
     latest: dict[tuple, str] = {}
+    scored = _release_key(release)
     for r in candidates:
+        if _release_key(r["release"]) > scored:
+            continue
         key = (MODELS[r["model"]][2], r["system"], PRECISIONS[r["Precision"]])
         if key not in latest or _release_key(r["release"]) > _release_key(latest[key]):
             latest[key] = r["release"]
@@ -175,6 +208,10 @@ def read_rows(path: pathlib.Path = DATA) -> tuple[list[Run], list[tuple[dict, st
     for r in candidates:
         model, mtp, family = MODELS[r["model"]]
         precision = PRECISIONS[r["Precision"]]
+        if _release_key(r["release"]) > scored:
+            skipped.append((r, f"after release {release}, the last to publish every GPU: newer "
+                               f"software than the rest of {SYSTEMS[r['system']]}'s runs"))
+            continue
         if r["release"] != latest[(family, r["system"], precision)]:
             skipped.append((r, f"superseded: release {latest[(family, r['system'], precision)]}"
                                f" published {family} on {r['system']} in {precision}"))
@@ -206,6 +243,8 @@ def build_plan(run: Run, hardware: "Hardware | None" = None) -> "pipesim.Plan":
         ep = max(1, ep // run.tp)
     # NVL72 racks run jobs of 64-GPU multiples: the NVLink domain a job sees is 64 GPUs
     domain = 64 if run.gpu in ("GB200", "GB300") else None
+    dispatcher, ep_overlap = EP_RECIPES.get((run.family, run.gpu, run.precision),
+                                            ("alltoall", False))
     return pipesim.Plan.create(
         model, hw, schedule="interleaved" if run.vp > 1 else "1f1b", tp=run.tp, pp=run.pp,
         nvlink_domain=domain,
@@ -213,7 +252,7 @@ def build_plan(run: Run, hardware: "Hardware | None" = None) -> "pipesim.Plan":
         global_batch_size=run.gbs, sequence_parallel=run.tp > 1,
         zero=3 if run.fsdp else 1, recompute="none", precision=run.precision,
         flash_attention=True, overlap_grad_reduce=True, overlap_param_gather=True,
-        overlap_tp_comm=run.tp > 1)
+        overlap_tp_comm=run.tp > 1, ep_dispatcher=dispatcher, overlap_ep_comm=ep_overlap)
 
 
 def rate_run(run: Run, **space: object):

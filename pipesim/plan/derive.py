@@ -27,7 +27,10 @@ thousands. For each stage and one microbatch on one rank of its tensor/context-p
   sequence's K/V and their gradients (``2 * 2 e b s kv / t``) per rank. EP: two all-to-alls
   of the ``k`` routed copies (dispatch, combine) in F and two in I per MoE layer, and in F the
   per-expert counts' all-to-all (``8 E`` bytes a rank) that sizes them (dropless: variable
-  splits). ZeRO-3 gathers each layer's weights in F and again in I, every microbatch,
+  splits); with ``ep_dispatcher="flex"`` (DeepEP / HybridEP) one copy a destination rank and
+  one a remote domain (:func:`pipesim.plan.collectives.flex_dispatch`); with
+  ``overlap_ep_comm`` (Megatron's EP overlap) hidden under the layer's compute but what does
+  not fit and what hiding costs (:mod:`pipesim.plan.overlap`). ZeRO-3 gathers each layer's weights in F and again in I, every microbatch,
   prefetched (overlapped); ZeRO-2/3 reducing once a microbatch (``grad_reduce
   "per_microbatch"``, DeepSpeed's stage 2) reduce-scatter each layer's gradients in W;
 * point-to-point: one activation ``2 b s h / sp`` bytes (Megatron sends the sequence-parallel
@@ -151,7 +154,7 @@ def derive(plan) -> PlanCosts:
     # userbuffers' overlap needs sequence parallelism (Megatron refuses --tp-comm-overlap
     # without it); without, the older bound: the longer of compute and communication
     userbuffers = par.overlap_tp_comm and par.sequence_parallel and t > 1
-    u_tp, u_cp, u_dp = (usage(links[k], hw) for k in ("tp", "cp", "dp"))
+    u_tp, u_cp, u_dp, u_ep = (usage(links[k], hw) for k in ("tp", "cp", "dp", "ep"))
     tp_pass = 2 * tp_one                                  # two per pass (attention, MLP)
     kv_bytes = 2 * e * b * s * model.kv_size / t          # K and V, whole sequence, per tp rank
     gathered = par.cp_comm == "all_gather"
@@ -162,7 +165,15 @@ def derive(plan) -> PlanCosts:
     # EP (dropless, pipeexec's and Megatron's all-to-all dispatcher): per MoE layer, F
     # exchanges the per-expert token counts (E int64 a rank), then dispatches each token's k
     # copies to their experts' ranks and combines the outputs back; I runs the two reverse
-    ep_pass = 2 * coll.all_to_all(model.top_k * act_bytes / sp, par.ep, links["ep"]) if model.is_moe else 0.0
+    # (the flex dispatcher, DeepEP / HybridEP: one copy a destination rank, one a remote
+    # domain, pipesim.plan.collectives.flex_dispatch)
+    if model.is_moe and par.ep_dispatcher == "flex":
+        ep_pass = 2 * coll.flex_dispatch(act_bytes / sp, model.top_k, model.experts, par.ep,
+                                         links["ep"])
+    elif model.is_moe:
+        ep_pass = 2 * coll.all_to_all(model.top_k * act_bytes / sp, par.ep, links["ep"])
+    else:
+        ep_pass = 0.0
     ep_f = ep_pass + (coll.all_to_all(8 * model.experts, par.ep, links["ep"]) if model.is_moe else 0.0)
     wbytes, gbytes, _ = bytes_per_param(par)
     per_mb = par.grads_sharded          # ZeRO-2/3 reduce-scatter inside every backward
@@ -242,8 +253,17 @@ def derive(plan) -> PlanCosts:
                        ((tp_ag, "qkv"), (tp_rs, "proj"), (tp_ag, "fc1"), (tp_rs, "fc2")))
             ub_i = sum(added(c, g(n, "I"), u_tp, t) for c, n in
                        ((tp_rs, "qkv"), (tp_ag, "proj"), (tp_rs, "fc1"), (tp_ag, "fc2")))
-        f = op(comp_f, a, tp_pass, cp_f, ep, z3, ub_f)
-        i = op(comp_i + recomputed_attention, a_i, tp_pass, cp_i, ep_b, z3, ub_i)
+        ep_x, ep_bx = ep, ep_b
+        if par.overlap_ep_comm and ep + ep_b > 0:
+            # Megatron's EP overlap (overlap_moe_expert_parallel_comm, with delay_wgrad_compute):
+            # the forward of one microbatch and the backward of another run interleaved, each
+            # one's dispatch / combine under the other's compute: the layer's F + I + W hide
+            # its F and I exchanges, slowed by what they hide (pipesim.plan.overlap); what
+            # shows is split between F and I as the exchanges are
+            shown = added(ep + ep_b, comp_f + comp_i + comp_w, u_ep)
+            ep_x, ep_bx = shown * ep / (ep + ep_b), shown * ep_b / (ep + ep_b)
+        f = op(comp_f, a, tp_pass, cp_f, ep_x, z3, ub_f)
+        i = op(comp_i + recomputed_attention, a_i, tp_pass, cp_i, ep_bx, z3, ub_i)
         w = max(comp_w, z3_rs)
         return {"F": f, "I": i, "W": w, "attn": a, "params": lp_rank, "achieved": achieved,
                 "attn_recompute": recomputed_attention,
