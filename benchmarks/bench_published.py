@@ -83,31 +83,32 @@ SYSTEMS = {"DGX-H100": "H100", "DGX-B200": "B200", "DGX-B300": "B300", "DGX-GB20
 # How each MoE run moved its routed tokens, as its recipe says (Megatron-Bridge
 # scripts/performance/configs/*/*_workload_base_configs.py at the release's tag: v0.4.2 for
 # 26.04.01, whose DeepSeek-V3 B200 layout pp 8 vp 2 ep 32 is the row's; v0.2.x for 25.11):
-# (family, GPU, precision) -> (Megatron's token dispatcher: "flex" where the recipe names
-# moe_flex_dispatcher_backend deepep / hybridep, else "alltoall", which the scripts then set;
-# moe_a2a_overlap, Megatron's overlap_moe_expert_parallel_comm). A run not listed: alltoall,
-# no overlap (Megatron's defaults).
+# (family, GPU, precision) -> (Megatron's token dispatcher: the flex dispatcher's backend
+# where the recipe names moe_flex_dispatcher_backend, deepep or hybridep, else "alltoall",
+# which the scripts then set; moe_a2a_overlap, Megatron's overlap_moe_expert_parallel_comm).
+# A run not listed: alltoall, no overlap (Megatron's defaults). Qwen3 30B-A3B: hybridep on all
+# five GPUs; the 25.11 rows: every GB200 / GB300 MoE recipe of v0.2.x names hybridep.
 EP_RECIPES = {
-    ("deepseek-v3", "GB300", "mxfp8"): ("flex", False),     # hybridep
-    ("deepseek-v3", "GB200", "mxfp8"): ("flex", False),     # hybridep
-    ("deepseek-v3", "B300", "mxfp8"): ("flex", False),      # hybridep
-    ("deepseek-v3", "B200", "mxfp8"): ("flex", True),       # deepep, moe_a2a_overlap
-    ("deepseek-v3", "GB300", "bf16"): ("flex", False),      # 25.11: hybridep
-    ("deepseek-v3", "GB200", "bf16"): ("flex", False),      # 25.11: hybridep
-    ("gpt-oss-120b", "GB200", "bf16"): ("alltoall", True),  # moe_a2a_overlap
-    ("gpt-oss-120b", "B300", "bf16"): ("flex", False),      # hybridep
-    ("qwen3-30b-a3b", "GB300", "mxfp8"): ("flex", False),   # hybridep (all five GPUs)
-    ("qwen3-30b-a3b", "GB200", "mxfp8"): ("flex", False),
-    ("qwen3-30b-a3b", "B300", "mxfp8"): ("flex", False),
-    ("qwen3-30b-a3b", "B200", "mxfp8"): ("flex", False),
-    ("qwen3-30b-a3b", "H100", "fp8"): ("flex", False),
-    ("qwen3-235b-a22b", "GB300", "mxfp8"): ("flex", False),  # hybridep
-    ("qwen3-235b-a22b", "GB200", "mxfp8"): ("flex", False),  # hybridep
-    ("qwen3-235b-a22b", "B300", "mxfp8"): ("flex", False),   # hybridep
-    ("qwen3-235b-a22b", "H100", "fp8"): ("alltoall", True),  # moe_a2a_overlap
-    ("qwen3-235b-a22b", "GB300", "bf16"): ("flex", False),   # 25.11: hybridep
-    ("qwen3-235b-a22b", "GB200", "bf16"): ("flex", False),   # 25.11: hybridep
-    ("kimi-k2", "GB300", "mxfp8"): ("flex", False),          # hybridep
+    ("deepseek-v3", "GB300", "mxfp8"): ("hybridep", False),
+    ("deepseek-v3", "GB200", "mxfp8"): ("hybridep", False),
+    ("deepseek-v3", "B300", "mxfp8"): ("hybridep", False),
+    ("deepseek-v3", "B200", "mxfp8"): ("deepep", True),
+    ("deepseek-v3", "GB300", "bf16"): ("hybridep", False),  # 25.11
+    ("deepseek-v3", "GB200", "bf16"): ("hybridep", False),  # 25.11
+    ("gpt-oss-120b", "GB200", "bf16"): ("alltoall", True),
+    ("gpt-oss-120b", "B300", "bf16"): ("hybridep", False),
+    ("qwen3-30b-a3b", "GB300", "mxfp8"): ("hybridep", False),
+    ("qwen3-30b-a3b", "GB200", "mxfp8"): ("hybridep", False),
+    ("qwen3-30b-a3b", "B300", "mxfp8"): ("hybridep", False),
+    ("qwen3-30b-a3b", "B200", "mxfp8"): ("hybridep", False),
+    ("qwen3-30b-a3b", "H100", "fp8"): ("hybridep", False),
+    ("qwen3-235b-a22b", "GB300", "mxfp8"): ("hybridep", False),
+    ("qwen3-235b-a22b", "GB200", "mxfp8"): ("hybridep", False),
+    ("qwen3-235b-a22b", "B300", "mxfp8"): ("hybridep", False),
+    ("qwen3-235b-a22b", "H100", "fp8"): ("alltoall", True),
+    ("qwen3-235b-a22b", "GB300", "bf16"): ("hybridep", False),  # 25.11
+    ("qwen3-235b-a22b", "GB200", "bf16"): ("hybridep", False),  # 25.11
+    ("kimi-k2", "GB300", "mxfp8"): ("hybridep", False),
 }
 # the figures fitted per GPU (see the module docstring)
 FITTED_FIGURES = ("precision_e_max", "grouped_gemm_efficiency")
@@ -232,7 +233,9 @@ def build_plan(run: Run, hardware: "Hardware | None" = None) -> "pipesim.Plan":
     where the FSDP column says, gradient reduce and parameter gather overlapped, sequence
     parallelism and the tensor-parallel communication overlap with tp > 1, the interleaved
     schedule with VP > 1, EP's all-to-all (dropless, balanced: the summary forces the
-    balance), no recomputation (the summary states none), flash attention. EP: Megatron
+    balance), each MoE recipe's token dispatcher and EP A2A overlap (:data:`EP_RECIPES`),
+    gradients reduced in bf16 (every recipe: ``cfg.ddp.grad_reduce_in_fp32 = False``), no
+    recomputation (the summary states none), flash attention. EP: Megatron
     folds expert parallelism over tp x dp ("MoE parallel folding"); where ep does not divide
     dp x cp, the experts are spread over tp x (ep / tp) ranks, the same experts a rank."""
     hw = get_hardware(run.gpu) if hardware is None else hardware
@@ -252,7 +255,8 @@ def build_plan(run: Run, hardware: "Hardware | None" = None) -> "pipesim.Plan":
         global_batch_size=run.gbs, sequence_parallel=run.tp > 1,
         zero=3 if run.fsdp else 1, recompute="none", precision=run.precision,
         flash_attention=True, overlap_grad_reduce=True, overlap_param_gather=True,
-        overlap_tp_comm=run.tp > 1, ep_dispatcher=dispatcher, overlap_ep_comm=ep_overlap)
+        overlap_tp_comm=run.tp > 1, ep_dispatcher=dispatcher, overlap_ep_comm=ep_overlap,
+        grad_reduce_in_fp32=False)
 
 
 def rate_run(run: Run, **space: object):

@@ -224,7 +224,7 @@ def test_the_flex_dispatcher_sends_a_token_once_to_each_rank_holding_its_experts
     assert coll.miss(8, 7, 2) == 0.0
     T, h = 128, 64
     base = plan(MOE, cp=1, dp=2, ep=2).derive()
-    flex = plan(MOE, cp=1, dp=2, ep=2, ep_dispatcher="flex").derive()
+    flex = plan(MOE, cp=1, dp=2, ep=2, ep_dispatcher="deepep").derive()
     counts = ring("all_to_all", 8 * 4)
     assert flex.stage_comm[0]["I"]["ep"] == pytest.approx(
         2 * ring("all_to_all", 2 * 5 / 6 * T * h * 4), rel=1e-12)
@@ -237,7 +237,7 @@ def test_the_flex_dispatcher_sends_a_token_once_to_each_rank_holding_its_experts
                     vocab=256, mlp="swiglu", norm="rmsnorm", position="rotary", bias=False,
                     tied_embeddings=False, dropout=False, vocab_divisible_by=1, experts=2,
                     top_k=1, moe_ffn_hidden=128)
-    assert plan(one, cp=1, dp=2, ep=2, ep_dispatcher="flex").derive().stage_comm[0]["I"]["ep"] \
+    assert plan(one, cp=1, dp=2, ep=2, ep_dispatcher="deepep").derive().stage_comm[0]["I"]["ep"] \
         == pytest.approx(plan(one, cp=1, dp=2, ep=2).derive().stage_comm[0]["I"]["ep"])
 
 
@@ -292,12 +292,54 @@ def test_ep_overlap_hides_the_exchanges_under_the_layers_compute_at_its_processo
 
 
 def test_ep_dispatcher_is_checked_and_both_knobs_round_trip_in_a_plan_file(tmp_path):
-    with pytest.raises(PlanError, match="parallelism.ep_dispatcher: 'deepep' is not one of "
-                                        "alltoall, flex"):
-        Parallelism(ep=2, dp=2, ep_dispatcher="deepep")
-    p = plan(MOE, cp=1, dp=2, ep=2, ep_dispatcher="flex", overlap_ep_comm=True)
+    with pytest.raises(PlanError, match="parallelism.ep_dispatcher: 'flex' is not one of "
+                                        "alltoall, deepep, hybridep"):
+        Parallelism(ep=2, dp=2, ep_dispatcher="flex")
+    p = plan(MOE, cp=1, dp=2, ep=2, ep_dispatcher="deepep", overlap_ep_comm=True)
     path = tmp_path / "plan.json"
     p.to_json(path)
     back = pipesim.Plan.from_json(path)
-    assert back.parallelism.ep_dispatcher == "flex" and back.parallelism.overlap_ep_comm
-    assert "ep=2(flex)+overlap" in back.parallelism.short()
+    assert back.parallelism.ep_dispatcher == "deepep" and back.parallelism.overlap_ep_comm
+    assert "ep=2(deepep)+overlap" in back.parallelism.short()
+
+
+def test_the_dispatchers_permute_the_routed_copies_as_megatron_does():
+    """Megatron's token_dispatcher.py: DeepEP permutes the k routed copies for the experts and
+    back (2 passes, each a read and a write of T k h); the all-to-all dispatcher also sorts
+    the received chunks by local expert and back (4, with more than one expert a rank);
+    HybridEP permutes inside its dispatch and combine kernels (0)."""
+    from pipesim.plan.operators import layer_ops
+
+    T, k, h, e = 128, 2, 64, 4
+    def permute(**par):
+        ops = layer_ops(MOE, Parallelism(precision="fp32", **par), moe=True)
+        return sum(o.bytes for o in ops if o.name == "permute")
+    assert permute(dp=2, ep=2, ep_dispatcher="deepep") == 2 * 2 * e * T * k * h
+    assert permute(dp=2, ep=2) == 4 * 2 * e * T * k * h          # 2 experts a rank: sorted
+    assert permute(dp=4, ep=4) == 2 * 2 * e * T * k * h          # 1 expert a rank: no sort
+    assert permute(dp=2, ep=1) == 2 * 2 * e * T * k * h
+    assert permute(dp=2, ep=2, ep_dispatcher="hybridep") == 0
+
+
+def test_expert_gradients_reduce_over_their_own_group_on_its_members_nics():
+    """64 B200s, 8 a node, dp 64, ep 8 (EP folded innermost over dp): the ranks holding the
+    same experts are 8 apart, one a node: their reduce-scatter and gather run on one GPU's
+    NIC (the network's bus bandwidth of one GPU), not on the dense group's 8 GPUs a node."""
+    from pipesim.plan import collectives as coll
+
+    p = pipesim.Plan.create("qwen3-30b-a3b", "B200", dp=64, ep=8, global_batch_size=64,
+                            ep_dispatcher="deepep", grad_reduce_in_fp32=False, zero=1)
+    links = p.cluster.group_links(p.parallelism)
+    edp, dp = links["edp"], links["dp"]
+    hw = p.cluster.hardware
+    nic = hw.network_bandwidth * hw.network_bus_efficiency
+    assert (edp.nodes, edp.per_domain, edp.bandwidth) == (8, 1, pytest.approx(nic))
+    assert (dp.nodes, dp.per_domain) == (8, 8)
+    d = p.derive()
+    dense, expert = d.stage_params[0]["dense"], d.stage_params[0]["expert"]
+    want = (coll.reduce_scatter(2 * dense, 64, dp) + coll.reduce_scatter(2 * expert, 8, edp)
+            + coll.all_gather(2 * dense, 64, dp) + coll.all_gather(2 * expert, 8, edp))
+    assert d.tail[0].dp_comm == pytest.approx(want, rel=1e-12)
+    # ep 64 (one expert group over all): nothing left to reduce the experts over
+    assert pipesim.Plan.create("qwen3-30b-a3b", "B200", dp=64, ep=64, global_batch_size=64
+                               ).cluster.group_links(Parallelism(dp=64, ep=64))["edp"].nodes == 1

@@ -21,7 +21,7 @@ its bytes, ``(p - p_local) / p``, over each GPU's own NICs and the on-domain sha
 ``(p_local - 1) / p`` over NVLink, at once: the slower of the two, each with its own latency
 per message (``p_local`` the fewest members of the group in one domain).
 
-Megatron's ``flex`` dispatcher (DeepEP, HybridEP) sends a token once to each rank holding
+Megatron's flex dispatcher (DeepEP, HybridEP) sends a token once to each rank holding
 some of its experts and once to each remote domain holding some (:func:`flex_dispatch`),
 where the all-to-all dispatcher sends one copy an expert.
 
@@ -120,7 +120,7 @@ def miss(experts: int, held: float, k: int) -> float:
 
 
 def flex_dispatch(nbytes: float, k: int, experts: int, p: int, link: Link) -> float:
-    """One dispatch (or combine) of Megatron's ``flex`` token dispatcher (DeepEP, HybridEP)
+    """One dispatch (or combine) of Megatron's flex token dispatcher (DeepEP, HybridEP)
     over ``p`` expert-parallel ranks, ``nbytes`` a rank's tokens (one copy of each): a token
     goes once to each rank holding some of its ``k`` experts (the all-to-all dispatcher sends
     one copy an expert), and across NVLink domains once to each remote domain holding some,

@@ -27,7 +27,7 @@ thousands. For each stage and one microbatch on one rank of its tensor/context-p
   sequence's K/V and their gradients (``2 * 2 e b s kv / t``) per rank. EP: two all-to-alls
   of the ``k`` routed copies (dispatch, combine) in F and two in I per MoE layer, and in F the
   per-expert counts' all-to-all (``8 E`` bytes a rank) that sizes them (dropless: variable
-  splits); with ``ep_dispatcher="flex"`` (DeepEP / HybridEP) one copy a destination rank and
+  splits); with the flex dispatcher (``ep_dispatcher`` deepep / hybridep) one copy a destination rank and
   one a remote domain (:func:`pipesim.plan.collectives.flex_dispatch`); with
   ``overlap_ep_comm`` (Megatron's EP overlap) hidden under the layer's compute but what does
   not fit and what hiding costs (:mod:`pipesim.plan.overlap`). ZeRO-3 gathers each layer's weights in F and again in I, every microbatch,
@@ -44,7 +44,9 @@ thousands. For each stage and one microbatch on one rank of its tensor/context-p
   step unless ZeRO-2/3 reduce once a microbatch, and, with sharded optimizer below ZeRO-3, the
   parameter all-gather) over the dp x cp group, overlapped with the
   last microbatch's backward (``overlap_grad_reduce``: all but what that window cannot hide,
-  at least the last 40M-parameter bucket) and the next forward (``overlap_param_gather``), and
+  at least the last 40M-parameter bucket) and the next forward (``overlap_param_gather``), the
+  experts' over their own expert-data-parallel group (``dp x cp / ep`` ranks ``ep`` apart:
+  across nodes, one GPU a node on its own NIC), and
   an optimizer step bound by HBM bandwidth (28 bytes read and written per parameter updated).
 
 The CostModel carries what the engine reads; its ``grad_bytes`` / ``dp_*`` / ``optimizer``
@@ -66,6 +68,7 @@ from . import collectives as coll
 from .cluster import Link
 from .operators import embedding_ops, head_ops, layer_ops, pass_times
 from .overlap import added, usage
+from .parallelism import FLEX_DISPATCHERS
 from .flops import head_flops, layer_flops, model_flops, recompute_flops
 from .footprint import (
     activation_element_bytes,
@@ -167,7 +170,7 @@ def derive(plan) -> PlanCosts:
     # copies to their experts' ranks and combines the outputs back; I runs the two reverse
     # (the flex dispatcher, DeepEP / HybridEP: one copy a destination rank, one a remote
     # domain, pipesim.plan.collectives.flex_dispatch)
-    if model.is_moe and par.ep_dispatcher == "flex":
+    if model.is_moe and par.ep_dispatcher in FLEX_DISPATCHERS:
         ep_pass = 2 * coll.flex_dispatch(act_bytes / sp, model.top_k, model.experts, par.ep,
                                          links["ep"])
     elif model.is_moe:
@@ -181,12 +184,12 @@ def derive(plan) -> PlanCosts:
     def zero_gather(dense: float, expert: float) -> float:
         """ZeRO-3: all-gather these parameters' weights whole."""
         return (coll.all_gather(wbytes * dense, d, links["dp"])
-                + coll.all_gather(wbytes * expert, d_exp, links["dp"]))
+                + coll.all_gather(wbytes * expert, d_exp, links["edp"]))
 
     def zero_reduce(dense: float, expert: float) -> float:
         """ZeRO-2/3: reduce-scatter one backward's gradients of these parameters."""
         return (coll.reduce_scatter(gbytes * dense, d, links["dp"])
-                + coll.reduce_scatter(gbytes * expert, d_exp, links["dp"]))
+                + coll.reduce_scatter(gbytes * expert, d_exp, links["edp"]))
 
     def kind(moe: bool) -> dict[str, float]:
         lf = layer_flops(model, b, moe=moe, causal=par.flash_attention)   # flash skips masked blocks
@@ -403,16 +406,16 @@ def derive(plan) -> PlanCosts:
         expert = sum(params_st[st]["expert"] for st in sts)
         if par.zero == 0:
             comm_s = coll.all_reduce(gbytes * dense, d, links["dp"]) + \
-                coll.all_reduce(gbytes * expert, d_exp, links["dp"])
+                coll.all_reduce(gbytes * expert, d_exp, links["edp"])
             gather = 0.0
         else:
             # once a step: one reduce-scatter of the whole buffer in the tail (ZeRO-1, and
             # ZeRO-2/3 as Megatron and FSDP run them); once a microbatch, in every backward
             # (W's cost above), not here
             comm_s = (0.0 if per_mb else (coll.reduce_scatter(gbytes * dense, d, links["dp"])
-                                          + coll.reduce_scatter(gbytes * expert, d_exp, links["dp"])))
+                                          + coll.reduce_scatter(gbytes * expert, d_exp, links["edp"])))
             gather = 0.0 if par.zero == 3 else (coll.all_gather(wbytes * dense, d, links["dp"])
-                                                + coll.all_gather(wbytes * expert, d_exp, links["dp"]))
+                                                + coll.all_gather(wbytes * expert, d_exp, links["edp"]))
         window_b = sum(inp[st] + wgt[st] for st in sts)
         window_f = sum(fwd[st] for st in sts)
         total = dense + expert

@@ -34,10 +34,13 @@ CP_COMM = ("p2p", "all_gather")     # Megatron's cp_comm_type names; a2a (Ulysse
 # "per_microbatch", reduce-scattered bucket by bucket inside every backward, only the shard
 # kept (DeepSpeed's ZeRO stage 2). ZeRO-0/1 always reduce once a step.
 GRAD_REDUCE = ("per_step", "per_microbatch")
-# Megatron's moe_token_dispatcher_type: "alltoall" (NCCL all-to-all, one copy of a token an
-# expert; Megatron's default, pipeexec's) or "flex" (DeepEP / HybridEP: one copy a destination
-# rank, and across NVLink domains one a destination domain, forwarded there over NVLink)
-EP_DISPATCHERS = ("alltoall", "flex")
+# Megatron's token dispatchers (megatron/core/transformer/moe/token_dispatcher.py):
+# "alltoall" (MoEAlltoAllTokenDispatcher: NCCL all-to-all, one copy of a token an expert;
+# Megatron's default, pipeexec's) or the flex dispatcher with its backend, "deepep" or
+# "hybridep" (one copy a destination rank, and across NVLink domains one a destination domain,
+# forwarded there over NVLink); they differ too in the permutes around the experts (operators.py)
+EP_DISPATCHERS = ("alltoall", "deepep", "hybridep")
+FLEX_DISPATCHERS = ("deepep", "hybridep")
 
 
 @dataclass(frozen=True)
@@ -165,7 +168,8 @@ class Parallelism:
                  f"cp={self.cp}" + ("(all_gather)" if self.cp > 1 and self.cp_comm == "all_gather"
                                     else ""), f"pp={self.pp}", f"vpp={self.vpp}", f"dp={self.dp}"]
         if self.ep > 1:
-            parts.append(f"ep={self.ep}" + ("(flex)" if self.ep_dispatcher == "flex" else "")
+            parts.append(f"ep={self.ep}" + (f"({self.ep_dispatcher})"
+                                             if self.ep_dispatcher != "alltoall" else "")
                          + ("+overlap" if self.overlap_ep_comm else ""))
         parts += [f"mbs={self.micro_batch_size}", f"gbs={self.gbs} (m={self.microbatches})",
                   f"recompute={self.recompute}"
