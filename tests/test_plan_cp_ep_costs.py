@@ -246,7 +246,8 @@ def test_the_flex_dispatcher_crosses_the_network_once_a_remote_domain():
     remote nodes each hit with chance 1 - C(192, 8) / C(256, 8) (DeepEP's normal kernels:
     RDMA once a node, NVLink inside it), against the all-to-all dispatcher's 8 * 24/32 = 6
     copies; over NVLink, the 7 other local ranks each hit with 1 - C(248, 8) / C(256, 8);
-    the slower of the two, each with its latency a message."""
+    the slower of the two, each one message latency (one kernel writes to every peer). In
+    one domain: one latency and the copies to the p - 1 other ranks over NVLink."""
     from math import comb
 
     from pipesim.plan import collectives as coll
@@ -257,9 +258,12 @@ def test_the_flex_dispatcher_crosses_the_network_once_a_remote_domain():
     n = 4096 * 7168 * 2                            # one microbatch's tokens, bf16
     remote = 3 * (1 - comb(192, 8) / comb(256, 8))
     local = 7 * (1 - comb(248, 8) / comb(256, 8))
-    want = max(7 * 2e-6 + local * n / 700e9, 3 * 5e-6 + remote * n / 45e9)
+    want = max(2e-6 + local * n / 700e9, 5e-6 + remote * n / 45e9)
     assert coll.flex_dispatch(n, 8, 256, 32, link) == pytest.approx(want, rel=1e-12)
     assert remote == pytest.approx(2.71, abs=0.005)
+    nvl = Link("intra", latency=2e-6, bandwidth=700e9)
+    assert coll.flex_dispatch(n, 8, 256, 64, nvl) == pytest.approx(
+        2e-6 + 63 * (1 - comb(252, 8) / comb(256, 8)) * n / 700e9, rel=1e-12)
     assert coll.all_to_all(8 * n, 32, link) == pytest.approx(
         max(7 * 2e-6 + 7 / 32 * 8 * n / 700e9, 24 * 5e-6 + 24 / 32 * 8 * n / 45e9))
 

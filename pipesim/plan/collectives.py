@@ -120,28 +120,33 @@ def miss(experts: int, held: float, k: int) -> float:
 
 
 def flex_dispatch(nbytes: float, k: int, experts: int, p: int, link: Link) -> float:
-    """One dispatch (or combine) of Megatron's flex token dispatcher (DeepEP, HybridEP)
-    over ``p`` expert-parallel ranks, ``nbytes`` a rank's tokens (one copy of each): a token
-    goes once to each rank holding some of its ``k`` experts (the all-to-all dispatcher sends
-    one copy an expert), and across NVLink domains once to each remote domain holding some,
-    over the rank's own NIC, to be forwarded inside that domain over NVLink (DeepEP's normal
+    """One dispatch (or combine) of Megatron's flex token dispatcher (DeepEP, HybridEP) over
+    ``p`` expert-parallel ranks, ``nbytes`` a rank's tokens (one copy of each): a token goes
+    once to each rank holding some of its ``k`` experts (the all-to-all dispatcher sends one
+    copy an expert), and across NVLink domains once to each remote domain holding some, over
+    the rank's own NIC, to be forwarded inside that domain over NVLink (DeepEP's normal
     kernels, deepseek-ai/DeepEP README: "asymmetric-domain bandwidth forwarding ... from
     NVLink domain to RDMA domain"; DeepSeek-V3 technical report, section 3.2.2: IB once a
-    node, then NVLink to the GPUs hosting the experts). The forwarding runs under the network
-    transfer; combine moves the same bytes back (reduced where they were forwarded)."""
+    node, then NVLink to the GPUs hosting the experts). One kernel writes to every peer at
+    once: one message latency, not a ring's ``p - 1`` (DeepEP V1's normal kernels move 4,096
+    tokens of 7,168 at 153-158 GB/s of H800's ~160 GB/s NVLink, docs/legacy.md, which leaves
+    no room for a latency a peer). The forwarding runs under the network transfer; combine
+    moves the same bytes back (reduced where they were forwarded)."""
     if p <= 1 or nbytes <= 0 or k <= 0:
         return 0.0
     ranks = 1 - miss(experts, experts / p, k)            # a destination rank is hit
-    if link.nodes <= 1 or link.measured("all_to_all"):
+    if link.measured("all_to_all"):
         return collective_time("all_to_all", p * ranks * nbytes, p, link)
+    if link.nodes <= 1:
+        return link.latency + (p - 1) * ranks * nbytes / link.bandwidth
     local = min(p, link.per_domain or max(1, p // max(1, link.nodes)))
     domains = max(1, round(p / local))
     lat_l = link.latency if link.local_latency is None else link.local_latency
     bw_l = link.bandwidth if link.local_bandwidth is None else link.local_bandwidth
     bw_n = link.bandwidth if link.nic_bandwidth is None else link.nic_bandwidth
-    on = (local - 1) * lat_l + (local - 1) * ranks * nbytes / bw_l
+    on = lat_l + (local - 1) * ranks * nbytes / bw_l
     remote = (domains - 1) * (1 - miss(experts, experts / domains, k))
-    off = (domains - 1) * link.latency + remote * nbytes / bw_n
+    off = link.latency + remote * nbytes / bw_n
     return max(on, off)
 
 
