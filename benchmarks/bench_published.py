@@ -7,11 +7,19 @@ the framework ran it (:func:`build_plan`) and simulated; its predicted tokens/s/
 ``GBS * seq / (step seconds * GPUs)``.
 
 Usable runs: pre-training rows of the models pipesim has (Llama 3 8B/70B/405B, Qwen3 30B-A3B
-and 235B-A22B, GPT-OSS 120B, DeepSeek-V3, Kimi K2), of the latest release that published
-each (model, GPU, precision): identical layouts run 10-55% faster release after release
-(Qwen3 30B-A3B on GB200, MXFP8: 26,112 tokens/s/GPU in 26.04.01, 40,706 in 26.06), so the
-older rows measure older software, not a different cost. Every skipped row is listed with
-its reason (``--skipped``).
+and 235B-A22B, GPT-OSS 120B, DeepSeek-V3, Kimi K2), of the latest release up to 26.04.01 that
+published each (model, GPU, precision). Identical layouts run 10-55% faster release after
+release (Qwen3 30B-A3B on GB200, MXFP8: 26,112 tokens/s/GPU in 26.04.01, 40,706 in 26.06, its
+recipe gaining the EP A2A overlap, full-iteration CUDA graphs, the fused grouped MLP and FP8
+attention), and the software matures family by family, so a GPU's figures must be fitted and
+scored on one release: 26.04.01, the last to publish every GPU (26.06 has no B200 row,
+26.06.01 and 26.08 only GB200 / GB300), every family on it but Llama 3 8B. Rows of later
+releases are skipped as newer software than the rest of their GPU's runs (among them the
+26.06.01 GPT-OSS rows the summary footnotes as a known regression,
+github.com/NVIDIA/cudnn-frontend/issues/256: the grouped-GEMM dGLU kernel); older rows
+superseded by a later release of the same model, GPU and precision are skipped as older
+software (a family the release lacks on a GPU keeps its latest earlier row: Llama 3 8B and
+the BF16 MoE rows of 25.11). Every skipped row is listed with its reason (``--skipped``).
 
 Fitted figures, per GPU (:data:`FITTED_FIGURES`), each with a prior (the preset's own
 figure) it is pulled back to where the data say little: ``precision_e_max`` per low
@@ -235,7 +243,11 @@ def build_plan(run: Run, hardware: "Hardware | None" = None) -> "pipesim.Plan":
     schedule with VP > 1, EP's all-to-all (dropless, balanced: the summary forces the
     balance), each MoE recipe's token dispatcher and EP A2A overlap (:data:`EP_RECIPES`),
     gradients reduced in bf16 (every recipe: ``cfg.ddp.grad_reduce_in_fp32 = False``), no
-    recomputation (the summary states none), flash attention. EP: Megatron
+    recomputation (the summary states none; the MoE recipes' selective modules, DeepSeek-V3's
+    and Kimi K2's mla_up_proj and mlp, GPT-OSS's layernorm and moe_act on B200 / GB200 /
+    H100, are not modelled: their forwards again are 0.4-2.3% of a step), flash attention
+    (cuDNN's fused attention on Blackwell; GPT-OSS's sinks disable FlashAttention in
+    Transformer Engine, which leaves cuDNN's). EP: Megatron
     folds expert parallelism over tp x dp ("MoE parallel folding"); where ep does not divide
     dp x cp, the experts are spread over tp x (ep / tp) ranks, the same experts a rank."""
     hw = get_hardware(run.gpu) if hardware is None else hardware
@@ -465,9 +477,10 @@ def published_error(run: Run, seconds: float) -> float:
     return run.published_seconds / seconds - 1
 
 
-# the scores docs/planning.md states (median, worst |error|), which the slow test holds; the
-# targets are LOMO median <= 5%, worst <= 15%
-STATED = {"fit": (0.08, 0.95), "lomo": (0.13, 1.2)}
+# the scores docs/planning.md states (median, worst |error|), which the slow test holds
+# (measured 2026-12-05: fitted 5.2% / 56.8%, LOMO 8.4% / 87.9%); the targets are LOMO
+# median <= 5%, worst <= 15%
+STATED = {"fit": (0.055, 0.6), "lomo": (0.09, 0.9)}
 
 
 # -- the report --------------------------------------------------------------------------------
