@@ -118,6 +118,21 @@ EP_RECIPES = {
     ("qwen3-235b-a22b", "GB200", "bf16"): ("hybridep", False),  # 25.11
     ("kimi-k2", "GB300", "mxfp8"): ("hybridep", False),
 }
+# Megatron-Bridge's pipeline layouts for DeepSeek-V3 and Kimi K2 (61 layers), by (pp, vp)
+# (src/megatron/bridge/recipes/deepseek/deepseek_v3.py
+# set_deepseek_v3_pipeline_model_parallel_layout and recipes/kimi/kimi_k2.py
+# _get_kimi_k2_pipeline_layout, the same maps in v0.2.0 and v0.4.2; DeepSeek-V3's GB300 and
+# B200 perf configs name the 16-stage one as pp_layout): the embedding and 4 or 8 layers
+# first, the last layer(s) with the MTP module and the loss last. A (pp, vp) neither names
+# (DeepSeek-V3's pp 2 vp 4 of 25.11) keeps Megatron's even split.
+_L16 = {"deepseek-v3": "Et*4|(t*4|)*14tmL", "kimi-k2": "Et*4|(t*4|)*14tL"}
+_L8 = {"deepseek-v3": "Et*8|(t*8|)*6t*5mL", "kimi-k2": "Et*8|(t*8|)*6t*5L"}
+LAYOUTS = {
+    **{(f, pp, vp): v for f, v in _L16.items() for pp, vp in ((16, 1), (8, 2), (4, 4))},
+    **{(f, pp, vp): v for f, v in _L8.items() for pp, vp in ((8, 1), (4, 2))},
+    ("deepseek-v3", 2, 8): _L16["deepseek-v3"],      # GB300's perf config: pp_layout
+    ("kimi-k2", 2, 8): _L16["kimi-k2"],
+}
 # the figures fitted per GPU (see the module docstring)
 FITTED_FIGURES = ("precision_e_max", "grouped_gemm_efficiency")
 RIDGE = 0.3           # pull of each figure's prior, against one run's (reweighted) error
@@ -242,6 +257,7 @@ def build_plan(run: Run, hardware: "Hardware | None" = None) -> "pipesim.Plan":
     parallelism and the tensor-parallel communication overlap with tp > 1, the interleaved
     schedule with VP > 1, EP's all-to-all (dropless, balanced: the summary forces the
     balance), each MoE recipe's token dispatcher and EP A2A overlap (:data:`EP_RECIPES`),
+    DeepSeek-V3's and Kimi K2's pipeline layouts (:data:`LAYOUTS`),
     gradients reduced in bf16 (every recipe: ``cfg.ddp.grad_reduce_in_fp32 = False``), no
     recomputation (the summary states none; the MoE recipes' selective modules, DeepSeek-V3's
     and Kimi K2's mla_up_proj and mlp, GPT-OSS's layernorm and moe_act on B200 / GB200 /
@@ -260,6 +276,9 @@ def build_plan(run: Run, hardware: "Hardware | None" = None) -> "pipesim.Plan":
     domain = 64 if run.gpu in ("GB200", "GB300") else None
     dispatcher, ep_overlap = EP_RECIPES.get((run.family, run.gpu, run.precision),
                                             ("alltoall", False))
+    layout = LAYOUTS.get((run.family, run.pp, run.vp))
+    if layout is not None and not run.mtp:
+        layout = layout.replace("m", "")
     return pipesim.Plan.create(
         model, hw, schedule="interleaved" if run.vp > 1 else "1f1b", tp=run.tp, pp=run.pp,
         nvlink_domain=domain,
@@ -268,7 +287,7 @@ def build_plan(run: Run, hardware: "Hardware | None" = None) -> "pipesim.Plan":
         zero=3 if run.fsdp else 1, recompute="none", precision=run.precision,
         flash_attention=True, overlap_grad_reduce=True, overlap_param_gather=True,
         overlap_tp_comm=run.tp > 1, ep_dispatcher=dispatcher, overlap_ep_comm=ep_overlap,
-        grad_reduce_in_fp32=False)
+        grad_reduce_in_fp32=False, partition_layout=layout)
 
 
 def rate_run(run: Run, **space: object):
