@@ -23,8 +23,9 @@ the BF16 MoE rows of 25.11). Every skipped row is listed with its reason (``--sk
 
 Fitted figures, per GPU (:data:`FITTED_FIGURES`), each with a prior (the preset's own
 figure) it is pulled back to where the data say little: ``precision_e_max`` per low
-precision (the GEMM efficiency at large shapes, of that precision's own peak; fp8 and mxfp8
-one figure, :data:`TIED`) and ``grouped_gemm_efficiency`` (the routed experts' grouped GEMM
+precision where a dense run of that GPU pins it (the GEMM efficiency at large shapes, of that
+precision's own peak; fp8 and mxfp8 one figure, :data:`TIED`; on MoE runs alone it cannot be
+told from the grouped figure, so B300, with no dense run, keeps its prior) and ``grouped_gemm_efficiency`` (the routed experts' grouped GEMM
 against a dense GEMM of its shape: it absorbs what MoE layers lose beyond their rooflines:
 small groups, routing and permutation kernels, the dispatch the model leaves exposed). bf16
 GEMMs keep the MAMF-derived ``gemm_e_max`` (every bf16 run published here is MoE, which
@@ -323,11 +324,16 @@ def _params(runs: list[Run]) -> list[tuple[str, str, str]]:
     each GPU x precision (bf16 on H100 excepted: MAMF-derived, the A100 fit's carry-over,
     which the dense H100 checks hold to) and each GPU's memory-bound efficiency."""
     out = set()
+    # a low precision's GEMM figure where a dense run of that GPU pins it: on MoE runs alone it
+    # cannot be told from the grouped-GEMM figure (B300 has no dense run), so it keeps its prior
+    dense = {(r.gpu, TIED.get(r.precision, r.precision)) for r in runs
+             if not PRESETS[r.model].is_moe}
     for r in runs:
         if PRESETS[r.model].is_moe:
             out.add((r.gpu, "grouped_gemm_efficiency", ""))
-        if r.precision != "bf16":
-            out.add((r.gpu, "precision_e_max", TIED.get(r.precision, r.precision)))
+        p = TIED.get(r.precision, r.precision)
+        if r.precision != "bf16" and (r.gpu, p) in dense:
+            out.add((r.gpu, "precision_e_max", p))
     return sorted(out)
 
 
@@ -497,9 +503,9 @@ def published_error(run: Run, seconds: float) -> float:
 
 
 # the scores docs/planning.md states (median, worst |error|), which the slow test holds
-# (measured 2026-12-05: fitted 5.5% / 56.8%, LOMO 7.4% / 83.8%); the targets are LOMO
+# (measured 2026-12-05: fitted 5.5% / 56.8%, LOMO 7.4% / 64.1%); the targets are LOMO
 # median <= 5%, worst <= 15%
-STATED = {"fit": (0.06, 0.6), "lomo": (0.08, 0.9)}
+STATED = {"fit": (0.06, 0.6), "lomo": (0.08, 0.7)}
 
 
 # -- the report --------------------------------------------------------------------------------
