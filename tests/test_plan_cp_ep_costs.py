@@ -208,3 +208,142 @@ def test_a_calibrate_hardware_file_prices_cp_and_ep_at_its_measured_figures():
                      "1f1b").derive()
     assert d.stage_comm[0]["I"]["ep"] == pytest.approx(2 * at("all_to_all", 128 * 2 * 64 * 4),
                                                         rel=1e-12)
+
+
+# -- Megatron's flex dispatcher (DeepEP / HybridEP) and its EP overlap -------------------------
+def test_the_flex_dispatcher_sends_a_token_once_to_each_rank_holding_its_experts():
+    """4 experts, top 2, ep 2 (2 experts a rank): a token misses a rank's 2 experts with
+    chance C(2, 2) / C(4, 2) = 1/6, so it goes to 5/6 of the ranks, p * 5/6 = 5/3 copies of
+    its h fp32 values in the all-to-all's convention (the all-to-all dispatcher: k = 2)."""
+    from math import comb
+
+    from pipesim.plan import collectives as coll
+
+    assert coll.miss(4, 2, 2) == pytest.approx(comb(2, 2) / comb(4, 2))
+    assert coll.miss(256, 64, 8) == pytest.approx(comb(192, 8) / comb(256, 8))
+    assert coll.miss(8, 7, 2) == 0.0
+    T, h = 128, 64
+    base = plan(MOE, cp=1, dp=2, ep=2).derive()
+    flex = plan(MOE, cp=1, dp=2, ep=2, ep_dispatcher="deepep").derive()
+    counts = ring("all_to_all", 8 * 4)
+    assert flex.stage_comm[0]["I"]["ep"] == pytest.approx(
+        2 * ring("all_to_all", 2 * 5 / 6 * T * h * 4), rel=1e-12)
+    assert flex.stage_comm[0]["F"]["ep"] == pytest.approx(
+        2 * ring("all_to_all", 2 * 5 / 6 * T * h * 4) + counts, rel=1e-12)
+    assert flex.costs.forward[0] - base.costs.forward[0] == pytest.approx(
+        flex.stage_comm[0]["F"]["ep"] - base.stage_comm[0]["F"]["ep"], rel=1e-9)
+    # one expert a rank: a token's k experts are k ranks, the all-to-all's k copies
+    one = ModelSpec("tiny-moe2", layers=2, hidden=64, heads=4, kv_heads=2, seq_length=128,
+                    vocab=256, mlp="swiglu", norm="rmsnorm", position="rotary", bias=False,
+                    tied_embeddings=False, dropout=False, vocab_divisible_by=1, experts=2,
+                    top_k=1, moe_ffn_hidden=128)
+    assert plan(one, cp=1, dp=2, ep=2, ep_dispatcher="deepep").derive().stage_comm[0]["I"]["ep"] \
+        == pytest.approx(plan(one, cp=1, dp=2, ep=2).derive().stage_comm[0]["I"]["ep"])
+
+
+def test_the_flex_dispatcher_crosses_the_network_once_a_remote_domain():
+    """DeepSeek-V3's ep 32 over four 8-GPU nodes (256 experts, top 8): over the NICs, the 3
+    remote nodes each hit with chance 1 - C(192, 8) / C(256, 8) (DeepEP's normal kernels:
+    RDMA once a node, NVLink inside it), against the all-to-all dispatcher's 8 * 24/32 = 6
+    copies; over NVLink, the 7 other local ranks each hit with 1 - C(248, 8) / C(256, 8);
+    the slower of the two, each one message latency (one kernel writes to every peer). In
+    one domain: one latency and the copies to the p - 1 other ranks over NVLink."""
+    from math import comb
+
+    from pipesim.plan import collectives as coll
+    from pipesim.plan.cluster import Link
+
+    link = Link("inter", latency=5e-6, bandwidth=45e9, nodes=4, per_domain=8,
+                local_latency=2e-6, local_bandwidth=700e9, nic_bandwidth=45e9)
+    n = 4096 * 7168 * 2                            # one microbatch's tokens, bf16
+    remote = 3 * (1 - comb(192, 8) / comb(256, 8))
+    local = 7 * (1 - comb(248, 8) / comb(256, 8))
+    want = max(2e-6 + local * n / 700e9, 5e-6 + remote * n / 45e9)
+    assert coll.flex_dispatch(n, 8, 256, 32, link) == pytest.approx(want, rel=1e-12)
+    assert remote == pytest.approx(2.71, abs=0.005)
+    nvl = Link("intra", latency=2e-6, bandwidth=700e9)
+    assert coll.flex_dispatch(n, 8, 256, 64, nvl) == pytest.approx(
+        2e-6 + 63 * (1 - comb(252, 8) / comb(256, 8)) * n / 700e9, rel=1e-12)
+    assert coll.all_to_all(8 * n, 32, link) == pytest.approx(
+        max(7 * 2e-6 + 7 / 32 * 8 * n / 700e9, 24 * 5e-6 + 24 / 32 * 8 * n / 45e9))
+
+
+def test_ep_overlap_hides_the_exchanges_under_the_layers_compute_at_its_processor_cost():
+    """Megatron's overlap_moe_expert_parallel_comm: the F and I exchanges of a MoE layer
+    (2 x dispatch + combine, and F's counts) run under the layer's F + I + W of another
+    microbatch: what shows is Calculon's added(comm, window, u), u the NVLink processor
+    usage, split between F and I as the exchanges are."""
+    from pipesim.plan.overlap import added
+
+    T, h, k = 128, 64, 2
+    p = plan(MOE, cp=1, dp=2, ep=2, pp=2)
+    rate = p.cluster.hardware.fp32_peak_flops * 0.5
+    g = (2 * T * h * 128 + 2 * T * 64 * h + k * 3 * 2 * T * h * 128) / rate
+    a = 4 * 128 * 128 * 64 / 2 / rate
+    a2a = 2 * ring("all_to_all", T * k * h * 4)
+    counts = ring("all_to_all", 8 * 4)
+    d = plan(MOE, cp=1, dp=2, ep=2, pp=2, overlap_ep_comm=True).derive()
+    u = p.cluster.hardware.link_processor_usage
+    shown = added(2 * a2a + counts, (g + a) + (g + 2 * a) + g, u)
+    assert shown == pytest.approx(2 * a2a + counts - (3 * g + 3 * a))   # too long: the excess
+    # stage 1 holds the second MoE layer and the head; stage 0 the first and the embedding
+    base = p.derive()
+    assert d.costs.forward[0] - base.costs.forward[0] == pytest.approx(
+        shown * (a2a + counts) / (2 * a2a + counts) - (a2a + counts), rel=1e-9)
+    assert d.costs.backward_input[0] - base.costs.backward_input[0] == pytest.approx(
+        shown * a2a / (2 * a2a + counts) - a2a, rel=1e-9)
+    assert d.stage_comm[0] == base.stage_comm[0]          # the exchange itself is unchanged
+
+
+def test_ep_dispatcher_is_checked_and_both_knobs_round_trip_in_a_plan_file(tmp_path):
+    with pytest.raises(PlanError, match="parallelism.ep_dispatcher: 'flex' is not one of "
+                                        "alltoall, deepep, hybridep"):
+        Parallelism(ep=2, dp=2, ep_dispatcher="flex")
+    p = plan(MOE, cp=1, dp=2, ep=2, ep_dispatcher="deepep", overlap_ep_comm=True)
+    path = tmp_path / "plan.json"
+    p.to_json(path)
+    back = pipesim.Plan.from_json(path)
+    assert back.parallelism.ep_dispatcher == "deepep" and back.parallelism.overlap_ep_comm
+    assert "ep=2(deepep)+overlap" in back.parallelism.short()
+
+
+def test_the_dispatchers_permute_the_routed_copies_as_megatron_does():
+    """Megatron's token_dispatcher.py: DeepEP permutes the k routed copies for the experts and
+    back (2 passes, each a read and a write of T k h); the all-to-all dispatcher also sorts
+    the received chunks by local expert and back (4, with more than one expert a rank);
+    HybridEP permutes inside its dispatch and combine kernels (0)."""
+    from pipesim.plan.operators import layer_ops
+
+    T, k, h, e = 128, 2, 64, 4
+    def permute(**par):
+        ops = layer_ops(MOE, Parallelism(precision="fp32", **par), moe=True)
+        return sum(o.bytes for o in ops if o.name == "permute")
+    assert permute(dp=2, ep=2, ep_dispatcher="deepep") == 2 * 2 * e * T * k * h
+    assert permute(dp=2, ep=2) == 4 * 2 * e * T * k * h          # 2 experts a rank: sorted
+    assert permute(dp=4, ep=4) == 2 * 2 * e * T * k * h          # 1 expert a rank: no sort
+    assert permute(dp=2, ep=1) == 2 * 2 * e * T * k * h
+    assert permute(dp=2, ep=2, ep_dispatcher="hybridep") == 0
+
+
+def test_expert_gradients_reduce_over_their_own_group_on_its_members_nics():
+    """64 B200s, 8 a node, dp 64, ep 8 (EP folded innermost over dp): the ranks holding the
+    same experts are 8 apart, one a node: their reduce-scatter and gather run on one GPU's
+    NIC (the network's bus bandwidth of one GPU), not on the dense group's 8 GPUs a node."""
+    from pipesim.plan import collectives as coll
+
+    p = pipesim.Plan.create("qwen3-30b-a3b", "B200", dp=64, ep=8, global_batch_size=64,
+                            ep_dispatcher="deepep", grad_reduce_in_fp32=False, zero=1)
+    links = p.cluster.group_links(p.parallelism)
+    edp, dp = links["edp"], links["dp"]
+    hw = p.cluster.hardware
+    nic = hw.network_bandwidth * hw.network_bus_efficiency
+    assert (edp.nodes, edp.per_domain, edp.bandwidth) == (8, 1, pytest.approx(nic))
+    assert (dp.nodes, dp.per_domain) == (8, 8)
+    d = p.derive()
+    dense, expert = d.stage_params[0]["dense"], d.stage_params[0]["expert"]
+    want = (coll.reduce_scatter(2 * dense, 64, dp) + coll.reduce_scatter(2 * expert, 8, edp)
+            + coll.all_gather(2 * dense, 64, dp) + coll.all_gather(2 * expert, 8, edp))
+    assert d.tail[0].dp_comm == pytest.approx(want, rel=1e-12)
+    # ep 64 (one expert group over all): nothing left to reduce the experts over
+    assert pipesim.Plan.create("qwen3-30b-a3b", "B200", dp=64, ep=64, global_batch_size=64
+                               ).cluster.group_links(Parallelism(dp=64, ep=64))["edp"].nodes == 1

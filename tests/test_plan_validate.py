@@ -179,8 +179,13 @@ def test_megatron_layout_string():
     # a standalone embedding stage, interleaved: 8 virtual stages
     p = plan(model="llama3-8b", pp=4, vpp=2, schedule="interleaved", partition_layout="E|(tttt|)*6t*8L")
     assert p.validate().stage_layers() == [0] + [4] * 6 + [8]
-    with pytest.raises(PlanError, match="partition_layout: MTP"):
+    with pytest.raises(PlanError, match="partition_layout: MTP layers .* last stage only"):
         parse_layout("Et*3|(tt|)*29,m|L", 61, 32)
+    # Megatron-Bridge's DeepSeek-V3 layout at pp x vp = 16 (recipes/deepseek/deepseek_v3.py):
+    # the embedding and 4 layers, 14 stages of 4, the last layer with the MTP module and loss
+    assert parse_layout("Et*4|(t*4|)*14tmL", 61, 16, mtp_layers=1) == [4] * 15 + [1]
+    with pytest.raises(PlanError, match="1 MTP layers .* the model has 0"):
+        parse_layout("Et*4|(t*4|)*14tmL", 61, 16, mtp_layers=0)
     with pytest.raises(PlanError, match="partition_layout: .* has 3 stages, the plan pp \\* vpp = 4"):
         parse_layout("Ett|tt|ttttL", 8, 4)
     with pytest.raises(PlanError, match="'E' must come once, first"):

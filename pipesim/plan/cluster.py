@@ -182,9 +182,14 @@ class Cluster:
         return replace(link, bandwidth=min(link.bandwidth, link.nic_bandwidth), per_domain=1)
 
     def group_links(self, par: Parallelism) -> dict[str, Link]:
-        """The link each group crosses: tp, cp, dp (with cp: the gradient group), pp, ep."""
+        """The link each group crosses: tp, cp, dp (with cp: the gradient group), pp, ep, and
+        edp, the experts' gradient group (Megatron's expert-data-parallel group: the dp x cp
+        ranks holding the same experts, ``ep`` of the group apart, expert parallelism folded
+        innermost over dp x cp)."""
         w, tp, cp, dp = par.world_size, par.tp, par.cp, par.dp
+        edp = max(1, cp * dp // par.ep)
         return {
+            "edp": self.link(tp * min(par.ep, cp * dp), edp, w),
             "tp": self.link(1, tp, w),
             "cp": self.link(tp, cp, w),
             "dp": self.link(tp, cp * dp, w),           # data x context: Megatron's grad group

@@ -21,6 +21,10 @@ its bytes, ``(p - p_local) / p``, over each GPU's own NICs and the on-domain sha
 ``(p_local - 1) / p`` over NVLink, at once: the slower of the two, each with its own latency
 per message (``p_local`` the fewest members of the group in one domain).
 
+Megatron's flex dispatcher (DeepEP, HybridEP) sends a token once to each rank holding
+some of its experts and once to each remote domain holding some (:func:`flex_dispatch`),
+where the all-to-all dispatcher sends one copy an expert.
+
 An all-reduce across NVLink domains (``link.nodes > 1``) may run NCCL's tree instead, and does
 where the tree is faster, as NCCL's tuner picks (NVIDIA/nccl ``src/graph/tuning.cc``, commit
 5067397, Simple protocol): latency ``2 ((ppn - 1) + log2(nodes))`` steps (``ppn`` the group's
@@ -100,6 +104,49 @@ def hierarchical_all_to_all(nbytes: float, p: int, link: Link) -> float:
     bw_n = link.bandwidth if link.nic_bandwidth is None else link.nic_bandwidth
     on = (local - 1) * lat_l + (local - 1) / p * nbytes / bw_l
     off = (p - local) * link.latency + (p - local) / p * nbytes / bw_n
+    return max(on, off)
+
+
+def miss(experts: int, held: float, k: int) -> float:
+    """The chance that a token's ``k`` experts, a uniformly random ``k``-subset of ``experts``
+    (the summary's force-balanced routing draws the router's logits at random), all miss the
+    ``held`` experts of one destination: ``C(E - x, k) / C(E, k)``."""
+    out = 1.0
+    for i in range(k):
+        if experts - held - i <= 0:
+            return 0.0
+        out *= (experts - held - i) / (experts - i)
+    return out
+
+
+def flex_dispatch(nbytes: float, k: int, experts: int, p: int, link: Link) -> float:
+    """One dispatch (or combine) of Megatron's flex token dispatcher (DeepEP, HybridEP) over
+    ``p`` expert-parallel ranks, ``nbytes`` a rank's tokens (one copy of each): a token goes
+    once to each rank holding some of its ``k`` experts (the all-to-all dispatcher sends one
+    copy an expert), and across NVLink domains once to each remote domain holding some, over
+    the rank's own NIC, to be forwarded inside that domain over NVLink (DeepEP's normal
+    kernels, deepseek-ai/DeepEP README: "asymmetric-domain bandwidth forwarding ... from
+    NVLink domain to RDMA domain"; DeepSeek-V3 technical report, section 3.2.2: IB once a
+    node, then NVLink to the GPUs hosting the experts). One kernel writes to every peer at
+    once: one message latency, not a ring's ``p - 1`` (DeepEP V1's normal kernels move 4,096
+    tokens of 7,168 at 153-158 GB/s of H800's ~160 GB/s NVLink, docs/legacy.md, which leaves
+    no room for a latency a peer). The forwarding runs under the network transfer; combine
+    moves the same bytes back (reduced where they were forwarded)."""
+    if p <= 1 or nbytes <= 0 or k <= 0:
+        return 0.0
+    ranks = 1 - miss(experts, experts / p, k)            # a destination rank is hit
+    if link.measured("all_to_all"):
+        return collective_time("all_to_all", p * ranks * nbytes, p, link)
+    if link.nodes <= 1:
+        return link.latency + (p - 1) * ranks * nbytes / link.bandwidth
+    local = min(p, link.per_domain or max(1, p // max(1, link.nodes)))
+    domains = max(1, round(p / local))
+    lat_l = link.latency if link.local_latency is None else link.local_latency
+    bw_l = link.bandwidth if link.local_bandwidth is None else link.local_bandwidth
+    bw_n = link.bandwidth if link.nic_bandwidth is None else link.nic_bandwidth
+    on = lat_l + (local - 1) * ranks * nbytes / bw_l
+    remote = (domains - 1) * (1 - miss(experts, experts / domains, k))
+    off = link.latency + remote * nbytes / bw_n
     return max(on, off)
 
 

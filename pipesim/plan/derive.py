@@ -27,7 +27,10 @@ thousands. For each stage and one microbatch on one rank of its tensor/context-p
   sequence's K/V and their gradients (``2 * 2 e b s kv / t``) per rank. EP: two all-to-alls
   of the ``k`` routed copies (dispatch, combine) in F and two in I per MoE layer, and in F the
   per-expert counts' all-to-all (``8 E`` bytes a rank) that sizes them (dropless: variable
-  splits). ZeRO-3 gathers each layer's weights in F and again in I, every microbatch,
+  splits); with the flex dispatcher (``ep_dispatcher`` deepep / hybridep) one copy a destination rank and
+  one a remote domain (:func:`pipesim.plan.collectives.flex_dispatch`); with
+  ``overlap_ep_comm`` (Megatron's EP overlap) hidden under the layer's compute but what does
+  not fit and what hiding costs (:mod:`pipesim.plan.overlap`). ZeRO-3 gathers each layer's weights in F and again in I, every microbatch,
   prefetched (overlapped); ZeRO-2/3 reducing once a microbatch (``grad_reduce
   "per_microbatch"``, DeepSpeed's stage 2) reduce-scatter each layer's gradients in W;
 * point-to-point: one activation ``2 b s h / sp`` bytes (Megatron sends the sequence-parallel
@@ -41,7 +44,9 @@ thousands. For each stage and one microbatch on one rank of its tensor/context-p
   step unless ZeRO-2/3 reduce once a microbatch, and, with sharded optimizer below ZeRO-3, the
   parameter all-gather) over the dp x cp group, overlapped with the
   last microbatch's backward (``overlap_grad_reduce``: all but what that window cannot hide,
-  at least the last 40M-parameter bucket) and the next forward (``overlap_param_gather``), and
+  at least the last 40M-parameter bucket) and the next forward (``overlap_param_gather``), the
+  experts' over their own expert-data-parallel group (``dp x cp / ep`` ranks ``ep`` apart:
+  across nodes, one GPU a node on its own NIC), and
   an optimizer step bound by HBM bandwidth (28 bytes read and written per parameter updated).
 
 The CostModel carries what the engine reads; its ``grad_bytes`` / ``dp_*`` / ``optimizer``
@@ -63,6 +68,7 @@ from . import collectives as coll
 from .cluster import Link
 from .operators import embedding_ops, head_ops, layer_ops, pass_times
 from .overlap import added, usage
+from .parallelism import FLEX_DISPATCHERS
 from .flops import head_flops, layer_flops, model_flops, recompute_flops
 from .footprint import (
     activation_element_bytes,
@@ -151,7 +157,7 @@ def derive(plan) -> PlanCosts:
     # userbuffers' overlap needs sequence parallelism (Megatron refuses --tp-comm-overlap
     # without it); without, the older bound: the longer of compute and communication
     userbuffers = par.overlap_tp_comm and par.sequence_parallel and t > 1
-    u_tp, u_cp, u_dp = (usage(links[k], hw) for k in ("tp", "cp", "dp"))
+    u_tp, u_cp, u_dp, u_ep = (usage(links[k], hw) for k in ("tp", "cp", "dp", "ep"))
     tp_pass = 2 * tp_one                                  # two per pass (attention, MLP)
     kv_bytes = 2 * e * b * s * model.kv_size / t          # K and V, whole sequence, per tp rank
     gathered = par.cp_comm == "all_gather"
@@ -162,7 +168,15 @@ def derive(plan) -> PlanCosts:
     # EP (dropless, pipeexec's and Megatron's all-to-all dispatcher): per MoE layer, F
     # exchanges the per-expert token counts (E int64 a rank), then dispatches each token's k
     # copies to their experts' ranks and combines the outputs back; I runs the two reverse
-    ep_pass = 2 * coll.all_to_all(model.top_k * act_bytes / sp, par.ep, links["ep"]) if model.is_moe else 0.0
+    # (the flex dispatcher, DeepEP / HybridEP: one copy a destination rank, one a remote
+    # domain, pipesim.plan.collectives.flex_dispatch)
+    if model.is_moe and par.ep_dispatcher in FLEX_DISPATCHERS:
+        ep_pass = 2 * coll.flex_dispatch(act_bytes / sp, model.top_k, model.experts, par.ep,
+                                         links["ep"])
+    elif model.is_moe:
+        ep_pass = 2 * coll.all_to_all(model.top_k * act_bytes / sp, par.ep, links["ep"])
+    else:
+        ep_pass = 0.0
     ep_f = ep_pass + (coll.all_to_all(8 * model.experts, par.ep, links["ep"]) if model.is_moe else 0.0)
     wbytes, gbytes, _ = bytes_per_param(par)
     per_mb = par.grads_sharded          # ZeRO-2/3 reduce-scatter inside every backward
@@ -170,12 +184,12 @@ def derive(plan) -> PlanCosts:
     def zero_gather(dense: float, expert: float) -> float:
         """ZeRO-3: all-gather these parameters' weights whole."""
         return (coll.all_gather(wbytes * dense, d, links["dp"])
-                + coll.all_gather(wbytes * expert, d_exp, links["dp"]))
+                + coll.all_gather(wbytes * expert, d_exp, links["edp"]))
 
     def zero_reduce(dense: float, expert: float) -> float:
         """ZeRO-2/3: reduce-scatter one backward's gradients of these parameters."""
         return (coll.reduce_scatter(gbytes * dense, d, links["dp"])
-                + coll.reduce_scatter(gbytes * expert, d_exp, links["dp"]))
+                + coll.reduce_scatter(gbytes * expert, d_exp, links["edp"]))
 
     def kind(moe: bool) -> dict[str, float]:
         lf = layer_flops(model, b, moe=moe, causal=par.flash_attention)   # flash skips masked blocks
@@ -242,8 +256,17 @@ def derive(plan) -> PlanCosts:
                        ((tp_ag, "qkv"), (tp_rs, "proj"), (tp_ag, "fc1"), (tp_rs, "fc2")))
             ub_i = sum(added(c, g(n, "I"), u_tp, t) for c, n in
                        ((tp_rs, "qkv"), (tp_ag, "proj"), (tp_rs, "fc1"), (tp_ag, "fc2")))
-        f = op(comp_f, a, tp_pass, cp_f, ep, z3, ub_f)
-        i = op(comp_i + recomputed_attention, a_i, tp_pass, cp_i, ep_b, z3, ub_i)
+        ep_x, ep_bx = ep, ep_b
+        if par.overlap_ep_comm and ep + ep_b > 0:
+            # Megatron's EP overlap (overlap_moe_expert_parallel_comm, with delay_wgrad_compute):
+            # the forward of one microbatch and the backward of another run interleaved, each
+            # one's dispatch / combine under the other's compute: the layer's F + I + W hide
+            # its F and I exchanges, slowed by what they hide (pipesim.plan.overlap); what
+            # shows is split between F and I as the exchanges are
+            shown = added(ep + ep_b, comp_f + comp_i + comp_w, u_ep)
+            ep_x, ep_bx = shown * ep / (ep + ep_b), shown * ep_b / (ep + ep_b)
+        f = op(comp_f, a, tp_pass, cp_f, ep_x, z3, ub_f)
+        i = op(comp_i + recomputed_attention, a_i, tp_pass, cp_i, ep_bx, z3, ub_i)
         w = max(comp_w, z3_rs)
         return {"F": f, "I": i, "W": w, "attn": a, "params": lp_rank, "achieved": achieved,
                 "attn_recompute": recomputed_attention,
@@ -383,16 +406,16 @@ def derive(plan) -> PlanCosts:
         expert = sum(params_st[st]["expert"] for st in sts)
         if par.zero == 0:
             comm_s = coll.all_reduce(gbytes * dense, d, links["dp"]) + \
-                coll.all_reduce(gbytes * expert, d_exp, links["dp"])
+                coll.all_reduce(gbytes * expert, d_exp, links["edp"])
             gather = 0.0
         else:
             # once a step: one reduce-scatter of the whole buffer in the tail (ZeRO-1, and
             # ZeRO-2/3 as Megatron and FSDP run them); once a microbatch, in every backward
             # (W's cost above), not here
             comm_s = (0.0 if per_mb else (coll.reduce_scatter(gbytes * dense, d, links["dp"])
-                                          + coll.reduce_scatter(gbytes * expert, d_exp, links["dp"])))
+                                          + coll.reduce_scatter(gbytes * expert, d_exp, links["edp"])))
             gather = 0.0 if par.zero == 3 else (coll.all_gather(wbytes * dense, d, links["dp"])
-                                                + coll.all_gather(wbytes * expert, d_exp, links["dp"]))
+                                                + coll.all_gather(wbytes * expert, d_exp, links["edp"]))
         window_b = sum(inp[st] + wgt[st] for st in sts)
         window_f = sum(fwd[st] for st in sts)
         total = dense + expert

@@ -54,6 +54,9 @@ from .parallelism import Parallelism
 # per-tensor amax pass: 2 + 2 + 2 * (0.5 + 1/16).
 CAST_BYTES = {"fp8": 6.0, "mxfp8": 2.0 + 2 * (1 + 1 / 32), "nvfp4": 4.0 + 2 * (0.5 + 1 / 16)}
 
+# Memory passes over a MoE layer's routed copies (T k h), by token dispatcher (see layer_ops)
+PERMUTE_PASSES = {"alltoall": 4, "deepep": 2, "hybridep": 0}
+
 # Flash attention's backward over its forward, in FLOPs: it recomputes the scores and runs
 # five matmuls to the forward's two (Dao 2023, FlashAttention-2, section 4: "the backward pass
 # ... 2.5x the forward"). MFU still counts the backward as twice the forward (Megatron's).
@@ -152,7 +155,17 @@ def layer_ops(model: ModelSpec, par: Parallelism, moe: bool = False) -> list[Op]
     if moe:
         k, E = model.top_k, model.experts
         gemm("router", T, E, h, counted=False)
-        mem("permute", 2 * 2 * e * T * k * h, 2 * 2 * e * T * k * h)     # permute + unpermute
+        # the permutes of the k routed copies, each a read and a write of T k h (Megatron's
+        # token_dispatcher.py): DeepEP permutes them for the experts after its dispatch and
+        # back before its combine (2); the all-to-all dispatcher permutes before the exchange
+        # and unpermutes after it, and with several experts a rank sorts the received chunks
+        # by expert and back (sort_chunks_by_idxs: 4); HybridEP does both inside its
+        # dispatch and combine kernels (0)
+        passes = PERMUTE_PASSES[par.ep_dispatcher]
+        if par.ep_dispatcher == "alltoall" and (par.ep == 1 or E <= par.ep):
+            passes = 2
+        if passes:
+            mem("permute", passes * 2 * e * T * k * h, passes * 2 * e * T * k * h)
         routed = T * k                                  # token copies a rank's experts take
         local = max(1.0, E / par.ep)
         # grouped GEMM: the local experts' FLOPs, each expert's m its share of the copies

@@ -10,7 +10,9 @@ Engine's ``cp_comm_type``: ``p2p``, the ring overlapped with the attention; ``al
 all-gathered before each attention and again in its backward, which recomputes the attention,
 the exchange exposed: what pipeexec runs), and how the data-parallel gradients are
 reduced under ZeRO-2/3 (``grad_reduce``, `GRAD_REDUCE`) and in which dtype
-(``grad_reduce_in_fp32``). A frozen value; :meth:`pipesim.Plan.validate` checks it against the model and cluster.
+(``grad_reduce_in_fp32``), and how expert parallelism moves the routed tokens
+(``ep_dispatcher``, `EP_DISPATCHERS`) and whether it hides that exchange under another
+microbatch's compute (``overlap_ep_comm``). A frozen value; :meth:`pipesim.Plan.validate` checks it against the model and cluster.
 """
 from __future__ import annotations
 
@@ -32,6 +34,13 @@ CP_COMM = ("p2p", "all_gather")     # Megatron's cp_comm_type names; a2a (Ulysse
 # "per_microbatch", reduce-scattered bucket by bucket inside every backward, only the shard
 # kept (DeepSpeed's ZeRO stage 2). ZeRO-0/1 always reduce once a step.
 GRAD_REDUCE = ("per_step", "per_microbatch")
+# Megatron's token dispatchers (megatron/core/transformer/moe/token_dispatcher.py):
+# "alltoall" (MoEAlltoAllTokenDispatcher: NCCL all-to-all, one copy of a token an expert;
+# Megatron's default, pipeexec's) or the flex dispatcher with its backend, "deepep" or
+# "hybridep" (one copy a destination rank, and across NVLink domains one a destination domain,
+# forwarded there over NVLink); they differ too in the permutes around the experts (operators.py)
+EP_DISPATCHERS = ("alltoall", "deepep", "hybridep")
+FLEX_DISPATCHERS = ("deepep", "hybridep")
 
 
 @dataclass(frozen=True)
@@ -60,6 +69,10 @@ class Parallelism:
     # fp32); None: the precision's default, as Megatron-LM sets it (fp32 for bf16 / fp8 / fp32,
     # fp16 for fp16); False: in the 16-bit compute dtype (--grad-reduce-in-bf16)
     grad_reduce_in_fp32: bool | None = None
+    ep_dispatcher: str = "alltoall"         # EP_DISPATCHERS: how EP moves the routed tokens
+    # Megatron's overlap_moe_expert_parallel_comm (Megatron-Bridge's moe_a2a_overlap): one
+    # microbatch's dispatch / combine run under another's compute (default off, as Megatron's)
+    overlap_ep_comm: bool = False
 
     def __post_init__(self) -> None:
         for f in ("tp", "pp", "dp", "vpp", "cp", "ep", "micro_batch_size"):
@@ -94,6 +107,9 @@ class Parallelism:
         if self.grad_reduce not in GRAD_REDUCE:
             raise PlanError(f"parallelism.grad_reduce: {self.grad_reduce!r} is not one of "
                             f"{', '.join(GRAD_REDUCE)}")
+        if self.ep_dispatcher not in EP_DISPATCHERS:
+            raise PlanError(f"parallelism.ep_dispatcher: {self.ep_dispatcher!r} is not one of "
+                            f"{', '.join(EP_DISPATCHERS)}")
         if self.grad_reduce_in_fp32 is not None and not isinstance(self.grad_reduce_in_fp32, bool):
             raise PlanError(f"parallelism.grad_reduce_in_fp32: must be true, false or null (the "
                             f"precision's default), got {self.grad_reduce_in_fp32!r}")
@@ -152,7 +168,9 @@ class Parallelism:
                  f"cp={self.cp}" + ("(all_gather)" if self.cp > 1 and self.cp_comm == "all_gather"
                                     else ""), f"pp={self.pp}", f"vpp={self.vpp}", f"dp={self.dp}"]
         if self.ep > 1:
-            parts.append(f"ep={self.ep}")
+            parts.append(f"ep={self.ep}" + (f"({self.ep_dispatcher})"
+                                             if self.ep_dispatcher != "alltoall" else "")
+                         + ("+overlap" if self.overlap_ep_comm else ""))
         parts += [f"mbs={self.micro_batch_size}", f"gbs={self.gbs} (m={self.microbatches})",
                   f"recompute={self.recompute}"
                   + (f"[{self.recompute_layers}]" if self.recompute_layers is not None else ""),

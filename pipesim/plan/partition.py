@@ -8,9 +8,10 @@ others share the rest evenly), and ``account_for_embedding`` / ``account_for_los
 (``--account-for-embedding-in-pipeline-split`` / ``...-loss-in-...``: the embedding, or the
 head and loss, counts as one layer when splitting, so the first / last stage takes one layer
 fewer). Megatron's layout string (``--pipeline-model-parallel-layout``, e.g.
-``"Et*3|(tt|)*29,m|L"``: stages split by ``|``, ``E`` embedding, ``t`` a transformer layer,
-``L`` the loss, ``X*n`` and ``(...)*n`` repeat, commas are cosmetic) or an explicit list of
-layers per stage override all of these.
+``"Et*4|(t*4|)*14tmL"``: stages split by ``|``, ``E`` embedding, ``t`` a transformer layer,
+``m`` a multi-token-prediction module (on the last stage, where pipesim places them), ``L``
+the loss, ``X*n`` and ``(...)*n`` repeat, commas are cosmetic) or an explicit list of layers
+per stage override all of these.
 """
 from __future__ import annotations
 
@@ -86,10 +87,13 @@ _GROUP = re.compile(r"\(([^()]+)\)\*(\d+)")
 _SINGLE = re.compile(r"(.)\*(\d+)")
 
 
-def parse_layout(layout: str, layers: int, num_stages: int) -> list[int]:
+def parse_layout(layout: str, layers: int, num_stages: int,
+                 mtp_layers: int | None = None) -> list[int]:
     """Transformer layers per stage from Megatron's layout string (the format of
     megatron/core/transformer/pipeline_parallel_layer_layout.py ``parse_str_to_list``);
-    PlanError naming ``partition_layout`` and the rule broken."""
+    PlanError naming ``partition_layout`` and the rule broken. Multi-token-prediction modules
+    (``m``) go on the last stage with the loss, where pipesim places them (Megatron-Bridge's
+    DeepSeek-V3 layouts: ``...|t*4|tmL``); ``mtp_layers``: the model's, checked if given."""
     text = str(layout).replace(",", "")
     text = _GROUP.sub(lambda m: m.group(1) * int(m.group(2)), text)
     text = _SINGLE.sub(lambda m: m.group(1) * int(m.group(2)), text)
@@ -97,9 +101,14 @@ def parse_layout(layout: str, layers: int, num_stages: int) -> list[int]:
     bad = sorted(set(text) - set("ELt|m"))
     if bad:
         raise PlanError(f"partition_layout: unknown layer character(s) {''.join(bad)!r} in "
-                        f"{layout!r}; known: E (embedding), t (transformer layer), L (loss)")
-    if "m" in text:
-        raise PlanError("partition_layout: MTP layers ('m') are not modelled by pipesim")
+                        f"{layout!r}; known: E (embedding), t (transformer layer), m (MTP), "
+                        "L (loss)")
+    if "m" in "".join(stages[:-1]):
+        raise PlanError("partition_layout: MTP layers ('m') are modelled on the last stage only, "
+                        f"with the loss ({layout!r})")
+    if mtp_layers is not None and stages[-1].count("m") not in (0, mtp_layers):
+        raise PlanError(f"partition_layout: {stages[-1].count('m')} MTP layers ('m') in "
+                        f"{layout!r}, the model has {mtp_layers}")
     if len(stages) != num_stages:
         raise PlanError(f"partition_layout: {layout!r} has {len(stages)} stages, the plan "
                         f"pp * vpp = {num_stages}")

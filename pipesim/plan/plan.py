@@ -109,7 +109,7 @@ class Plan:
             if self.partition is not None:
                 raise PlanError("partition_layout: give a layout or an explicit partition, not both")
             return parse_layout(self.partition_layout, self.model.layers,
-                                self.parallelism.num_stages)
+                                self.parallelism.num_stages, self.model.mtp_layers)
         return stage_layers(self.model.layers, self.parallelism.num_stages,
                             explicit=self.partition, first=self.first_stage_layers,
                             last=self.last_stage_layers,
