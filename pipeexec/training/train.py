@@ -56,6 +56,7 @@ from ..parallel.context import ContextParallelBatches
 from ..models.hf_expert_parallel import is_expert
 from ..parallel.tp_grads import TensorParallelGrads
 
+
 @dataclass
 class StepStats:
     iteration: int
