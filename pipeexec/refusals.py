@@ -60,6 +60,15 @@ def expert_parallel_refusals(model: Any, par: Any, *, custom_stack: bool = False
     out = []
     if isinstance(ep, bool) or not isinstance(ep, int) or ep < 1:
         return [f"{flag}: must be a positive integer"]
+    if par.ep_dispatcher != "alltoall":
+        out.append(f"parallelism.ep_dispatcher = {par.ep_dispatcher!r} (a plan file's field): "
+                   "pipeexec moves the routed tokens with torch.distributed's all-to-all "
+                   "(Megatron's 'alltoall' dispatcher); DeepEP and HybridEP are priced by pipesim "
+                   "for planning only: set it to 'alltoall' to run the plan")
+    if par.overlap_ep_comm:
+        out.append("parallelism.overlap_ep_comm = True (a plan file's field): pipeexec does not "
+                   "hide the expert all-to-all under another microbatch's compute: set it to "
+                   "false to run the plan")
     if (par.dp * par.cp) % ep:
         out.append(f"{flag} must divide dp * cp = {par.dp} * {par.cp} = {par.dp * par.cp} "
                    "(--dp, --cp): expert parallelism is carved out of data x context "

@@ -45,3 +45,22 @@ def test_local_experts_and_their_refusal():
     assert local_experts(8, ExpertParallel(None, 4, 3)) == range(6, 8)
     with pytest.raises(ValueError, match="6 experts do not divide over ep = 4"):
         local_experts(6, ExpertParallel(None, 4, 0))
+
+
+def test_a_plan_priced_with_deepep_or_the_a2a_overlap_is_refused_naming_the_field():
+    """pipesim prices Megatron's flex dispatchers and its EP all-to-all overlap for planning;
+    the executor runs torch's all-to-all without overlap, so such a plan is refused before
+    launch instead of running something else than it predicts."""
+    from pipeexec.refusals import expert_parallel_refusals
+    from pipesim.plan import Parallelism
+
+    model = pipesim.plan.get_model("qwen3-30b-a3b")
+    plain = Parallelism(dp=2, ep=2)
+    assert expert_parallel_refusals(model, plain) == []
+    deepep = expert_parallel_refusals(model, Parallelism(dp=2, ep=2, ep_dispatcher="deepep"))
+    assert len(deepep) == 1 and "parallelism.ep_dispatcher = 'deepep'" in deepep[0]
+    assert "set it to 'alltoall'" in deepep[0]
+    overlap = expert_parallel_refusals(model, Parallelism(dp=2, ep=2, overlap_ep_comm=True))
+    assert len(overlap) == 1 and "parallelism.overlap_ep_comm = True" in overlap[0]
+    # at ep 1 nothing is dispatched: the knobs mean nothing and refuse nothing
+    assert expert_parallel_refusals(model, Parallelism(dp=2, ep_dispatcher="hybridep")) == []
