@@ -395,11 +395,13 @@ assert best_res.fits and best_plan.parallelism.sequence_parallel
 # The sweep above tried 24 hand-picked plans of one schedule. `pipesim plan` searches them
 # all for the same job (Llama-3 70B, 256 H100s, a global batch of 512): every tp (inside the
 # node), cp, pp, vpp, micro-batch size, recomputation and optimizer sharding, under every
-# schedule. A sound lower bound on each plan's memory and step time prunes what cannot fit or
-# cannot win (the property test `tests/test_planner.py` checks it against brute force); the
-# rest is simulated with the full discrete-event model. It writes every evaluated plan, the
-# best plan as a file (`pipesim simulate --plan` and `pipeexec train --plan` read it), the
-# frontier picture and the winner's Gantt chart.
+# schedule. Here the pipeline depth is held to the sweep's (`--pp 4,8`), which halves the
+# search; without `--pp` it tries every depth the layers allow. A sound lower bound on each
+# plan's memory and step time prunes what cannot fit or cannot win (the property test
+# `tests/test_planner.py` checks it against brute force); the rest is simulated with the full
+# discrete-event model. It writes every evaluated plan, the best plan as a file (`pipesim
+# simulate --plan` and `pipeexec train --plan` read it), the frontier picture and the
+# winner's Gantt chart.
 
 # %%
 import tempfile
@@ -412,7 +414,7 @@ from pipesim.cli import main as pipesim_cli
 out = Path(tempfile.mkdtemp())
 t0 = time.perf_counter()
 code = pipesim_cli(["plan", "--model", "llama3-70b", "--gpus", "256", "--hardware", "H100",
-                    "--gbs", "512", "--top", "8", "--no-progress", "--workers", "2",
+                    "--gbs", "512", "--pp", "4,8", "--top", "8", "--no-progress", "--workers", "2",
                     "--out", str(out / "plans.csv"), "--plan-out", str(out / "plan.json"),
                     "--frontier", str(out / "frontier.png"), "--gantt", str(out / "gantt.png")])
 print(f"pipesim plan: {time.perf_counter() - t0:.1f} s, exit {code}")

@@ -164,6 +164,10 @@ def launch(fn: Callable[..., Any], nproc: int, args: tuple = (), *, timeout: flo
         if torch is not None and torch.cuda.is_initialized():
             raise RuntimeError("refusing to fork: CUDA is initialised in the parent (children "
                                "could not use it); use start_method='spawn'")
+        if torch is not None:
+            # every worker's optimizer imports torch._dynamo (about a CPU second each):
+            # imported once here, the forked workers share it
+            import torch._dynamo  # noqa: F401
     if timeout is not None and not (timeout > 0 and timeout < float("inf")):
         raise ValueError(f"launch: timeout must be a finite number of seconds > 0, got {timeout!r}")
     previous = _catch_stop_signals()
