@@ -139,6 +139,8 @@ class ShardedOptimizer:
         # takes (any dtype): the runtime needs no binding (``owns_grads``)
         self.owns_grads = level >= 2
         self.grads_in_place = self.owns_grads or dtype == torch.float32
+        # ZeRO-2/3 gather parameters and reduce gradients around a stage's actions
+        self.stage_hooks = (self,) if level >= 2 else ()
         self._master_is_param = dtype == torch.float32 and level < 3
         # the step's gradients whole (ZeRO-1, and ZeRO-2/3 reducing once a step) or a shard
         self.full_grads = level == 1 or grad_reduce == "per_step"
@@ -453,16 +455,17 @@ class ShardedOptimizer:
         s, slot = self._slot_of[id(param)]
         return [self._grad_piece(s, pc) for pc in self.pieces[s] if pc.slot.index == slot.index]
 
-    def local_grad_sq(self) -> torch.Tensor:
+    def local_grad_sq(self, minus: torch.Tensor | None = None) -> torch.Tensor:
         """This rank's share of the squared global gradient norm: its shard's pieces of the
         parameters that count (a tied parameter once). Summed over every rank (one
         all-reduce, not divided by the shards) it is the squared norm of the model's gradient.
-        The one place the norm is computed."""
+        The one place the norm is computed. ``minus``: the squared norm of gradients in the
+        shard that count on another rank (tensor parallelism's replicated parameters)."""
         sq = torch.zeros((), dtype=torch.float32, device=self.device)
         for g, rs in self._norm.values():
             for a, b in rs:
                 sq = sq + torch.dot(g[a:b], g[a:b])
-        return sq
+        return sq if minus is None else sq - minus
 
     def poison(self) -> None:
         """Fault injection: an inf in this rank's gradient (the fp16 skip path)."""
@@ -636,6 +639,7 @@ class ExpertShardedOptimizer:
         self.holders = [h for h in (self.dense, self.expert) if h is not None]
         self.level, self.owns_grads = level, self.dense.owns_grads
         self.grads_in_place = self.dense.grads_in_place
+        self.stage_hooks = (self,) if level >= 2 else ()
         self._mask = {s: [is_expert(p) for p in st.parameters()] for s, st in stages.items()}
 
     def _of(self, param: torch.Tensor) -> ShardedOptimizer:
@@ -682,10 +686,11 @@ class ExpertShardedOptimizer:
     def grad_pieces(self, param: torch.Tensor) -> list[torch.Tensor]:
         return self._of(param).grad_pieces(param)
 
-    def local_grad_sq(self) -> torch.Tensor:
+    def local_grad_sq(self, minus: torch.Tensor | None = None) -> torch.Tensor:
         """Each expert counted once: its pieces are cut over its expert-data-parallel group,
         and the ep groups' ranks hold different experts."""
-        return sum((h.local_grad_sq() for h in self.holders[1:]), self.dense.local_grad_sq())
+        sq = sum((h.local_grad_sq() for h in self.holders[1:]), self.dense.local_grad_sq())
+        return sq if minus is None else sq - minus
 
     def poison(self) -> None:
         self.dense.poison()
