@@ -21,6 +21,8 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
+from pipesim.schedule.sharding import Sharding
+
 from .ddp import GradBuffer
 from .optim import adamw_state_for, build_adamw, set_lr
 from .precision import MasterWeights
@@ -33,19 +35,24 @@ class GradientHolder(Protocol):
     Life: construction (the parameters may move into the holder's buffers); ``grad_view`` of
     every parameter for the tied-parameter rule; ``start(tied)`` once the tied instances are
     equal. Per step: ``zero``; the runtime's backward actions (``accumulate``, or autograd into
-    the bound ``.grad`` when ``grads_in_place``; ``stage_hooks`` around the stage's actions);
+    the bound ``.grad`` when ``grads_in_place``) and the program's sharding actions;
     ``reduce_gradients``; ``local_grad_sq`` into the caller's all-reduce; ``step`` unless the
     step is skipped. State by global parameter name, whole tensors: ``full_masters``,
     ``full_optimizer_state``, ``load``."""
 
     grads_in_place: bool
-    stage_hooks: tuple
+    # ZeRO-2/3: the Sharding the runtime's schedule is lowered with; its UNSHARD / RESHARD /
+    # REDUCE_GRAD actions call `unshard` / `reshard` / `reduce_grad` (None: none inserted)
+    sharding: Sharding | None
+    owns_grads: bool
 
     @property
     def optimizer(self) -> torch.optim.Optimizer: ...
     def grad_view(self, param: torch.Tensor) -> torch.Tensor | None: ...
     def start(self, tied=None) -> None: ...
-    def expect_backwards(self, counts: Mapping[int, int]) -> None: ...
+    def unshard(self, stage: int) -> None: ...
+    def reshard(self, stage: int) -> None: ...
+    def reduce_grad(self, stage: int) -> None: ...
     def zero(self) -> None: ...
     def accumulate(self, stage: int, grads: Sequence[torch.Tensor | None]) -> None: ...
     def reduce_gradients(self) -> None: ...
@@ -69,7 +76,8 @@ class ReplicatedOptimizer:
     (``is_expert``) summed over ``expert_group`` (``expert_size`` ranks) and divided by
     ``size`` as the dense ones (`ddp.GradBuffer`)."""
 
-    stage_hooks: tuple = ()
+    sharding = None                 # nothing sharded: no sharding actions
+    owns_grads = False
 
     def __init__(self, stages: Mapping[int, nn.Module], *, names: Sequence[str],
                  dtype: torch.dtype, device: torch.device,
@@ -111,8 +119,14 @@ class ReplicatedOptimizer:
         self._optimizer = build_adamw(list(zip(self.names, self.masters.masters)),
                                       **self._hyper)
 
-    def expect_backwards(self, counts: Mapping[int, int]) -> None:
-        """Nothing to do: the gradients are reduced after the step's backward."""
+    def unshard(self, stage: int) -> None:
+        """The weights are always whole."""
+
+    def reshard(self, stage: int) -> None:
+        """The weights are always whole."""
+
+    def reduce_grad(self, stage: int) -> None:
+        """Reduced after the step's backward (`reduce_gradients`)."""
 
     def zero(self) -> None:
         self.buffer.zero()

@@ -15,8 +15,9 @@ every rank agrees on (fp16 skips the step together) and the mean loss of the glo
 
 The gradients, fp32 masters and AdamW state are a `training.holder.GradientHolder`'s: the
 replicated one (`holder.ReplicatedOptimizer`, one averaging all-reduce) or, with ``--zero 1|2|3``
-and more than one data-parallel replica, ZeRO's (`training.zero.ShardedOptimizer`, also the
-runtime's stage hooks for ZeRO-2/3): it reduce-scatters instead of all-reducing, gives its
+and more than one data-parallel replica, ZeRO's (`training.zero.ShardedOptimizer`; under
+ZeRO-2/3 the runtime's schedule carries its UNSHARD / RESHARD / REDUCE_GRAD actions,
+`pipesim.schedule.sharding`): it reduce-scatters instead of all-reducing, gives its
 shard's squared norm (summed over all ranks in the same all-reduce, not divided by dp) and
 steps its shard. The step asks the holder, never which one it is.
 
@@ -191,7 +192,7 @@ class Trainer:
         self.tp_grads = TensorParallelGrads([p for _, p in named], self.holder.grad_pieces,
                                             self.tp)
         self.holder.start(self.tied)        # masters and AdamW (ZeRO-3 releases the weights)
-        self.stage_hooks = tuple(self.holder.stage_hooks)
+        self.stage_hooks: tuple[StageHooks, ...] = ()
         self.scaler = LossScaler(dynamic=config.precision == "fp16", initial=config.loss_scale,
                                  growth=config.loss_scale_growth, backoff=config.loss_scale_backoff,
                                  growth_interval=config.loss_scale_growth_interval,
@@ -234,9 +235,10 @@ class Trainer:
         self.runtime.add_observer(observer)
 
     def add_stage_hooks(self, hooks: StageHooks) -> None:
-        """Run ``hooks`` around every F, B, I and W from the next step on, after the ZeRO
-        holder's (`pipeexec.pipeline.runtime.StageHooks`; a memory meter reading inside the
-        actions). Rebuilds the runtimes, keeping their observers."""
+        """Run ``hooks`` around every F, B, I and W from the next step on
+        (`pipeexec.pipeline.runtime.StageHooks`; a memory meter reading inside the actions,
+        which ZeRO-3's UNSHARD / RESHARD surround). Rebuilds the runtimes, keeping their
+        observers."""
         self.stage_hooks = (*self.stage_hooks, hooks)
         self.runtime = self._make_runtime(self.schedule)
         self._fwd_runtime = None
@@ -268,12 +270,9 @@ class Trainer:
 
     def _make_runtime(self, schedule: Schedule) -> PipelineRuntime:
         topology, config = self.topology, self.config
-        counts: dict[int, int] = {}     # ZeRO-2/3 once a step: after each stage's last backward
-        for a in schedule.compute_parts(topology.pp_rank):
-            if a.op in (Op.B, Op.I, Op.W):
-                counts[a.stage] = counts.get(a.stage, 0) + 1
-        self.holder.expect_backwards(counts)
-        return PipelineRuntime(schedule, topology.pp_rank, self.stages, self.spec.loss_fn,
+        # ZeRO-2/3: the program carries the holder's UNSHARD / RESHARD / REDUCE_GRAD actions
+        return PipelineRuntime(schedule.with_sharding(self.holder.sharding), topology.pp_rank,
+                               self.stages, self.spec.loss_fn,
                                self.holder.accumulate, self.p2p, global_rank=topology.rank,
                                device=topology.device, compute_dtype=self.dtype,
                                observers=self.observers,
@@ -281,7 +280,7 @@ class Trainer:
                                # fp32: the masters are the parameters, .grad bound above
                                # (ZeRO-2/3: any dtype, the holder takes each .grad)
                                grads_in_place=self.holder.grads_in_place,
-                               stage_hooks=self.stage_hooks)
+                               stage_hooks=self.stage_hooks, sharding=self.holder)
 
     def set_schedule(self, schedule: Schedule) -> None:
         """Run ``schedule`` from the next step on. Every rank must switch at the same step
@@ -427,13 +426,15 @@ class Trainer:
                                       forward_only=True).validate()
             else:               # the builder's (or the file's) forward-only schedule
                 sched = cfg.replace(forward_only=True).build_schedule()
-            self._fwd_runtime = PipelineRuntime(sched, self.topology.pp_rank, self.stages,
+            self._fwd_runtime = PipelineRuntime(sched.with_sharding(self.holder.sharding),
+                                                self.topology.pp_rank, self.stages,
                                                 self.spec.loss_fn, self.holder.accumulate,
                                                 self.p2p, global_rank=self.topology.rank,
                                                 device=self.topology.device, compute_dtype=self.dtype,
                                                 observers=[o for o in (self._board_observer,)
                                                            if o is not None],
-                                                stage_hooks=self.stage_hooks)
+                                                stage_hooks=self.stage_hooks,
+                                                sharding=self.holder)
         return self._fwd_runtime
 
     # -- state, keyed by global parameter names ---------------------------------------------
