@@ -182,7 +182,7 @@ class Program:
                 if posts or row not in waited:
                     out.append((row, code, stage, msg, -1, -1, -1, ()))
             elif code >= FIRST_SHARD_CODE:
-                continue                    # (the simulator does not time them yet)
+                out.append((row, code, stage, -1, -1, -1, -1, ()))
             else:
                 out.append((row, code, stage, wait, wait_row, gate, gate_row, ()))
         if pending:
@@ -219,7 +219,8 @@ class Program:
 
 def _attach(out: list, sends: list) -> None:
     """Sends to the step before them when it is a computation (or sends), else a lone group."""
-    if out and out[-1][1] != CODE_RECV_F and out[-1][1] != CODE_RECV_B:
+    if out and out[-1][1] != CODE_RECV_F and out[-1][1] != CODE_RECV_B and \
+            out[-1][1] < FIRST_SHARD_CODE:
         last = out[-1]
         out[-1] = last[:7] + (last[7] + tuple(sends),)
     else:
