@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING, Any
 import pipesim
 from pipesim.sim.chrome import chrome_trace as chrome_events
 from pipesim.sim.result import SimResult
-from pipesim.schedule.action import B, F, I, RECV_B, RECV_F, SEND_B, SEND_F, W
+from pipesim.schedule.action import B, F, I, RECV_B, RECV_F, SEND_B, SEND_F, SHARD_OPS, W
 
 from .profile_meta import KEYS as MEASUREMENT_KEYS, Measurement
 from .run_plan import RunPlan, schedule_from_meta
@@ -123,6 +123,11 @@ def build_trace(records: Sequence[Sequence[ActionRecord]], offsets: Sequence[flo
                 rows.append(row)
                 key = (rec.step, RECV_F, s + 1, mb) if op == SEND_F else (rec.step, RECV_B, s - 1, mb)
                 sends.append((row, key))
+            elif op in SHARD_OPS:
+                # ZeRO's UNSHARD / RESHARD / REDUCE_GRAD: no row of their own yet (the
+                # simulator does not time them); their time falls in the next compute's row,
+                # which starts where the rank's previous compute ended
+                continue
             else:
                 raise ValueError(f"rank {rank}: unknown op {op!r} in the profile")
     # Receives: bytes from the posting action; a posted receive nobody waited on keeps its

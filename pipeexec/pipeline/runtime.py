@@ -28,13 +28,17 @@ Stage hooks (`StageHooks`, ``stage_hooks=``) are the other seam, for work that m
 around a stage's computation rather than be watched: ``before(action)`` / ``after(action)``
 around every F, B, I and W (each part of an ``OVERLAP_F_B`` on its own), inside the observers'
 ``start`` / ``end`` (so a profiled action's time includes the hooks' work, e.g. a collective).
-Several hook objects run ``before`` in their order and ``after`` in reverse. The ZeRO holder
-(`pipeexec.training.zero`) gathers a stage's parameters before its action and releases them
-after (ZeRO-3), and reduce-scatters a backward's gradients (ZeRO-2: its post-accumulate hooks
-take each gradient autograd puts in ``.grad``, its after hook reduce-scatters what is left).
-A hook object whose ``owns_grads`` is true takes every gradient autograd accumulates into a
-parameter's ``.grad``, so under ``grads_in_place`` the runtime neither requires nor checks a
-``.grad`` bound to a buffer between actions.
+Several hook objects run ``before`` in their order and ``after`` in reverse.
+
+ZeRO is actions of the program (`pipesim.schedule.sharding`): ``UNSHARD`` / ``RESHARD`` /
+``REDUCE_GRAD`` of a stage, each one method here calling the ``sharding`` object's
+``unshard(stage)`` / ``reshard(stage)`` / ``reduce_grad(stage)`` (the ZeRO holder,
+`pipeexec.training.zero`: it gathers a stage's parameters and releases them, and
+reduce-scatters its gradients; its post-accumulate hooks take each gradient autograd puts in
+``.grad``). The observers see them as any action. A hook or sharding object whose
+``owns_grads`` is true takes every gradient autograd accumulates into a parameter's ``.grad``,
+so under ``grads_in_place`` the runtime neither requires nor checks a ``.grad`` bound to a
+buffer between actions.
 """
 from __future__ import annotations
 
@@ -45,8 +49,8 @@ from typing import Protocol
 import torch
 from torch.autograd.graph import get_gradient_edge
 
-from pipesim.schedule.action import (B, F, I, OVERLAP_F_B, RECV_B, RECV_F, SEND_B, SEND_F, W,
-                                     Action)
+from pipesim.schedule.action import (B, F, I, OVERLAP_F_B, RECV_B, RECV_F, REDUCE_GRAD, RESHARD,
+                                     SEND_B, SEND_F, SHARD_OPS, UNSHARD, W, Action)
 
 from .backward import backward_input, full_backward
 from .p2p import BWD, FWD, P2P, P2PError
@@ -83,6 +87,16 @@ class StageHooks(Protocol):
     def after(self, action: Action) -> None: ...
 
 
+class ShardingOps(Protocol):
+    """What the program's sharding actions do, on one stage (the ZeRO holder)."""
+
+    owns_grads: bool
+
+    def unshard(self, stage: int) -> None: ...
+    def reshard(self, stage: int) -> None: ...
+    def reduce_grad(self, stage: int) -> None: ...
+
+
 _COMPUTE_OPS = frozenset((F, B, I, W))
 
 
@@ -113,7 +127,10 @@ class PipelineRuntime:
                  compute_dtype: torch.dtype = torch.float32,
                  observers: Sequence[ActionObserver] = (),
                  deallocate_outputs: bool = True, grads_in_place: bool = False,
-                 stage_hooks: Sequence[StageHooks] = ()) -> None:
+                 stage_hooks: Sequence[StageHooks] = (),
+                 sharding: ShardingOps | None = None) -> None:
+        """``sharding``: runs the schedule's UNSHARD / RESHARD / REDUCE_GRAD actions (needed
+        when it has any)."""
         self.schedule = schedule
         self.pp_rank = pp_rank
         self.global_rank = global_rank
@@ -134,7 +151,9 @@ class PipelineRuntime:
         self._before = tuple(h.before for h in self.stage_hooks)
         self._after = tuple(h.after for h in self.stage_hooks)[::-1]
         self._bound: list = []
-        hooks_own = any(getattr(h, "owns_grads", False) for h in self.stage_hooks)
+        self.sharding = sharding
+        hooks_own = any(getattr(h, "owns_grads", False)
+                        for h in (*self.stage_hooks, sharding) if h is not None)
         if grads_in_place and not hooks_own:
             _check_bound_grads(self.params, global_rank)
             self._bound = [(s, k, p, p.grad) for s, ps in self.params.items()
@@ -152,10 +171,16 @@ class PipelineRuntime:
                 raise PipelineError(f"rank {global_rank}: schedule gives action {a} for stage "
                                     f"{a.stage}, which this rank does not hold "
                                     f"(holds {sorted(stages)})", global_rank, str(a), -1)
+            if a.op in SHARD_OPS and sharding is None:
+                raise PipelineError(f"rank {global_rank}: schedule gives action {a}, and the "
+                                    "runtime has no sharding (a ZeRO holder) to run it",
+                                    global_rank, str(a), -1)
         self._ops = {F: self._forward, B: self._backward, I: self._backward_input,
                      W: self._backward_weight, SEND_F: self._send_forward,
                      RECV_F: self._recv_forward, SEND_B: self._send_backward,
-                     RECV_B: self._recv_backward, OVERLAP_F_B: self._overlapped}
+                     RECV_B: self._recv_backward, OVERLAP_F_B: self._overlapped,
+                     UNSHARD: self._unshard, RESHARD: self._reshard,
+                     REDUCE_GRAD: self._reduce_grad}
         if self.stage_hooks:
             for op in _COMPUTE_OPS:
                 self._ops[op] = self._hooked(op, self._ops[op])
@@ -425,6 +450,17 @@ class PipelineRuntime:
                 hook(part, step)
 
 
+    # -- data-parallel sharding (ZeRO) -------------------------------------------------------
+    def _unshard(self, s: int, mb: int) -> None:
+        self.sharding.unshard(s)
+
+    def _reshard(self, s: int, mb: int) -> None:
+        self.sharding.reshard(s)
+
+    def _reduce_grad(self, s: int, mb: int) -> None:
+        self.sharding.reduce_grad(s)
+
+
 def _check_bound_grads(params: dict[int, list[torch.nn.Parameter]], rank: int) -> None:
     """``grads_in_place`` needs every parameter's ``.grad`` to be its gradient buffer already."""
     for s, ps in params.items():
@@ -436,5 +472,5 @@ def _check_bound_grads(params: dict[int, list[torch.nn.Parameter]], rank: int) -
                                  f"{'no .grad' if g is None else f'a {g.dtype} {tuple(g.shape)} .grad'}")
 
 
-__all__ = ["PipelineRuntime", "PipelineError", "ActionObserver", "StageHooks", "StepOutput",
-           "InjectedFault", "P2PError"]
+__all__ = ["PipelineRuntime", "PipelineError", "ActionObserver", "StageHooks", "ShardingOps",
+           "StepOutput", "InjectedFault", "P2PError"]

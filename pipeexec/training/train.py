@@ -13,10 +13,13 @@ over the data-parallel group (one bucketed all-reduce), then one all-reduce over
 [squared gradient norm / dp, loss sum]: it gives the global norm for clipping, the inf/nan check
 every rank agrees on (fp16 skips the step together) and the mean loss of the global batch.
 
-With ``--zero 1|2|3`` and more than one data-parallel replica the gradients, masters and AdamW
-state are the ZeRO holder's (`training.zero.ShardedOptimizer`, also the runtime's stage hooks
-for ZeRO-2/3): it reduce-scatters instead of all-reducing, gives its shard's squared norm
-(summed over all ranks in the same all-reduce, not divided by dp) and steps its shard.
+The gradients, fp32 masters and AdamW state are a `training.holder.GradientHolder`'s: the
+replicated one (`holder.ReplicatedOptimizer`, one averaging all-reduce) or, with ``--zero 1|2|3``
+and more than one data-parallel replica, ZeRO's (`training.zero.ShardedOptimizer`; under
+ZeRO-2/3 the runtime's schedule carries its UNSHARD / RESHARD / REDUCE_GRAD actions,
+`pipesim.schedule.sharding`): it reduce-scatters instead of all-reducing, gives its
+shard's squared norm (summed over all ranks in the same all-reduce, not divided by dp) and
+steps its shard. The step asks the holder, never which one it is.
 
 Expert parallelism (``ep`` > 1, `parallel.experts`): a MoE layer's experts are cut over the ep
 group; their gradients are summed over the expert-data-parallel group and divided by dp x cp
@@ -40,17 +43,16 @@ from pipesim import Schedule
 from pipesim.progress import progress_bar
 from pipesim.schedule.op import Op
 
-from .ddp import GradBuffer
 from .metrics_log import (LogOptions, model_flops_per_step, open_sinks, step_scalars,
                           valid_scalars, writes_metrics)
 from .rank import RankParts
 from .tied import tied_parameters
 from .validation import EvalOptions, Evaluation, valid_batches
-from .zero import ExpertShardedOptimizer, ShardedOptimizer
-from .optim import adamw_state_for, build_adamw, clip_coefficient, lr_at, set_lr
+from .holder import GradientHolder, ReplicatedOptimizer, gradient_holder
+from .optim import clip_coefficient, lr_at
 from ..pipeline.p2p import check_channels_exist, check_p2p_order
 from .divergence import DivergenceGuard
-from .precision import LossScaler, MasterWeights
+from .precision import LossScaler
 from ..pipeline.runtime import ActionObserver, PipelineRuntime, StageHooks
 from ..parallel.context import ContextParallelBatches
 from ..models.hf_expert_parallel import is_expert
@@ -112,45 +114,18 @@ class Trainer:
         self.tp, self.cp, self.ep = parts.tp, parts.cp, parts.ep
         self.schedule, self._custom_schedule = parts.schedule, parts.custom_schedule
         self.bounds, self.stages, self.dtype = parts.bounds, parts.stages, parts.dtype
-        dev = topology.device
         # Stage parameters are already named by global layer index: layers.<i>.<name>.
         named = [(name, p) for s in sorted(self.stages) for name, p in self.stages[s].named_parameters()]
         self.param_names = [n for n, _ in named]
-        # ZeRO 1-3 (`training.zero`): gradients, fp32 masters and AdamW's state sharded over
-        # the data-parallel group; with one replica there is nothing to shard (as Megatron's,
-        # a no-op), and the holder is the replicated one below.
-        self.sharded: ShardedOptimizer | None = None
-        # (sharded over dp x cp, the dense parameters' gradient group)
-        hyper = dict(lr=config.lr, weight_decay=config.weight_decay,
-                     betas=(config.beta1, config.beta2), eps=config.eps,
-                     timeout=config.collective_timeout)
-        if config.zero and topology.ep > 1:
-            # experts sharded over their expert-data-parallel group, the rest over dp x cp
-            self.sharded = ExpertShardedOptimizer(
-                self.stages, is_expert=is_expert, level=config.zero, dtype=self.dtype,
-                dense_group=topology.dp_cp_group, dense_shards=topology.dp_cp,
-                dense_rank=topology.dp_cp_rank, expert_group=topology.edp_group,
-                expert_shards=topology.edp, expert_rank=topology.edp_rank, device=dev,
-                grad_reduce=config.grad_reduce, **hyper)
-            self.grads = None
-            views = {id(p): self.sharded.grad_view(p) for _, p in named}
-        elif config.zero and topology.dp_cp > 1:
-            self.sharded = ShardedOptimizer(
-                self.stages, level=config.zero, dtype=self.dtype, group=topology.dp_cp_group,
-                shards=topology.dp_cp, rank=topology.dp_cp_rank, device=dev, lr=config.lr,
-                weight_decay=config.weight_decay, betas=(config.beta1, config.beta2),
-                eps=config.eps, timeout=config.collective_timeout,
-                grad_reduce=config.grad_reduce)
-            self.grads = None
-            views = {id(p): self.sharded.grad_view(p) for _, p in named}
-        else:
-            self.grads = GradBuffer({s: list(st.parameters()) for s, st in self.stages.items()},
-                                    dev, is_expert=is_expert)
-            views = {id(p): v for s, st in self.stages.items()
-                     for p, v in zip(st.parameters(), self.grads.views[s])}
+        # Who holds the gradients, fp32 masters and AdamW state (`training.holder`): ZeRO 1-3
+        # sharded over the data-parallel group, or replicated; the step talks to it only.
+        self.holder: GradientHolder = gradient_holder(config, topology, self.stages,
+                                                      names=self.param_names, dtype=self.dtype,
+                                                      is_expert=is_expert)
         # Parameters held more than once (a tied head, a schedule's second copy of a stage):
         # one value, summed gradients, counted once in the norm.
-        self.tied = tied_parameters([(n, spec.canonical(n), p, views[id(p)]) for n, p in named],
+        self.tied = tied_parameters([(n, spec.canonical(n), p, self.holder.grad_view(p))
+                                     for n, p in named],
                                     # a "replica" is one pipeline: one (dp, cp, tp) position
                                     pp_rank=topology.pp_rank,
                                     dp_rank=topology.dp_cp_rank * topology.tp + topology.tp_rank,
@@ -161,23 +136,10 @@ class Trainer:
                                         tp_rank=d % topology.tp),
                                     timeout=config.collective_timeout)
         self.tied.copy_from_source()
-        grads_of = (self.sharded.grad_pieces if self.sharded is not None
-                    else (lambda p: [views[id(p)]]))
-        self.tp_grads = TensorParallelGrads([p for _, p in named], grads_of, self.tp)
-        if self.sharded is not None:
-            self.sharded.start(self.tied)           # the master shards; ZeRO-3 releases
-            self.masters = None
-            self.optimizer = self.sharded.optimizer
-        else:
-            self.masters = MasterWeights([p for _, p in named], self.dtype)
-            flat_views = [v for s in self.stages for v in self.grads.views[s]]
-            for master, view in zip(self.masters.masters, flat_views):
-                master.grad = view
-            self.optimizer = build_adamw(list(zip(self.param_names, self.masters.masters)),
-                                         lr=config.lr, weight_decay=config.weight_decay,
-                                         betas=(config.beta1, config.beta2), eps=config.eps)
-        # ZeRO-2/3 gather parameters and reduce-scatter gradients around a stage's actions
-        self.stage_hooks = (self.sharded,) if self.sharded is not None and config.zero >= 2 else ()
+        self.tp_grads = TensorParallelGrads([p for _, p in named], self.holder.grad_pieces,
+                                            self.tp)
+        self.holder.start(self.tied)        # masters and AdamW (ZeRO-3 releases the weights)
+        self.stage_hooks: tuple[StageHooks, ...] = ()
         self.scaler = LossScaler(dynamic=config.precision == "fp16", initial=config.loss_scale,
                                  growth=config.loss_scale_growth, backoff=config.loss_scale_backoff,
                                  growth_interval=config.loss_scale_growth_interval,
@@ -203,9 +165,10 @@ class Trainer:
         self.runtime.add_observer(observer)
 
     def add_stage_hooks(self, hooks: StageHooks) -> None:
-        """Run ``hooks`` around every F, B, I and W from the next step on, after the ZeRO
-        holder's (`pipeexec.pipeline.runtime.StageHooks`; a memory meter reading inside the
-        actions). Rebuilds the runtimes, keeping their observers."""
+        """Run ``hooks`` around every F, B, I and W from the next step on
+        (`pipeexec.pipeline.runtime.StageHooks`; a memory meter reading inside the actions,
+        which ZeRO-3's UNSHARD / RESHARD surround). Rebuilds the runtimes, keeping their
+        observers."""
         self.stage_hooks = (*self.stage_hooks, hooks)
         self.runtime = self._make_runtime(self.schedule)
         self._fwd_runtime = None
@@ -215,36 +178,39 @@ class Trainer:
         gradient buffers, fp32 masters and AdamW state (ZeRO's shards and whatever transient
         buffer is alive; a released ZeRO-3 parameter has an empty storage)."""
         params = [p for s in sorted(self.stages) for p in self.stages[s].parameters()]
-        if self.sharded is not None:
-            return params + list(self.sharded.held_tensors())
-        masters = self.masters.masters if self.masters.copies else []
-        moments = [v for st in self.optimizer.state.values() for v in st.values()
-                   if torch.is_tensor(v)]
-        return params + [self.grads.data] + list(masters) + moments
+        return params + list(self.holder.held_tensors())
+
+    # What tests and tools read of the holder: the ZeRO one (None when replicated), the
+    # replicated one's gradient buffer and masters (None under ZeRO), AdamW.
+    @property
+    def sharded(self):
+        return None if isinstance(self.holder, ReplicatedOptimizer) else self.holder
+
+    @property
+    def grads(self):
+        return getattr(self.holder, "buffer", None)
+
+    @property
+    def masters(self):
+        return getattr(self.holder, "masters", None)
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        return self.holder.optimizer
 
     def _make_runtime(self, schedule: Schedule) -> PipelineRuntime:
         topology, config = self.topology, self.config
-        if self.sharded is not None:     # ZeRO-2/3 once a step: after each stage's last backward
-            counts: dict[int, int] = {}
-            for a in schedule.compute_parts(topology.pp_rank):
-                if a.op in (Op.B, Op.I, Op.W):
-                    counts[a.stage] = counts.get(a.stage, 0) + 1
-            self.sharded.expect_backwards(counts)
-        return PipelineRuntime(schedule, topology.pp_rank, self.stages, self.spec.loss_fn,
-                               self._gradients().accumulate, self.p2p, global_rank=topology.rank,
+        # ZeRO-2/3: the program carries the holder's UNSHARD / RESHARD / REDUCE_GRAD actions
+        return PipelineRuntime(schedule.with_sharding(self.holder.sharding), topology.pp_rank,
+                               self.stages, self.spec.loss_fn,
+                               self.holder.accumulate, self.p2p, global_rank=topology.rank,
                                device=topology.device, compute_dtype=self.dtype,
                                observers=self.observers,
                                deallocate_outputs=config.deallocate_outputs,
                                # fp32: the masters are the parameters, .grad bound above
                                # (ZeRO-2/3: any dtype, the holder takes each .grad)
-                               grads_in_place=(self.sharded.grads_in_place
-                                               if self.sharded is not None
-                                               else self.dtype == torch.float32),
-                               stage_hooks=self.stage_hooks)
-
-    def _gradients(self):
-        """Where the backward's gradients go: the ZeRO holder, or the replicated buffer."""
-        return self.sharded if self.sharded is not None else self.grads
+                               grads_in_place=self.holder.grads_in_place,
+                               stage_hooks=self.stage_hooks, sharding=self.holder)
 
     def set_schedule(self, schedule: Schedule) -> None:
         """Run ``schedule`` from the next step on. Every rank must switch at the same step
@@ -284,48 +250,20 @@ class Trainer:
             torch.cuda.reset_peak_memory_stats(self.topology.device)
         if self.schedule.forward_only:
             return with_peaks(self._eval_step(k, t0), self.topology.device)
-        self._gradients().zero()
+        self.holder.zero()
         mbs = pinned(self.data.microbatches(k, topo.dp_rank, cfg.dp, cfg.microbatches),
                      self.topology.device)
         out = self.runtime.run(mbs, step=k, loss_scale=self.scaler.scale)
         if self.board is not None:
             self.board.set(topo.rank, k, Op.ALLREDUCE, -1, -1)
-        if self.sharded is not None:
-            # ZeRO: each shard the group's average; its squared norm summed over all ranks
-            self.sharded.reduce_gradients()
-            self.tp_grads.reduce_sequence_parallel()
-            if k in self._overflow and self.holds_last_stage:
-                self.sharded.poison()
-            share = self.sharded.local_grad_sq()
-            tp_duplicate_sq = self.tp_grads.duplicate_sq()
-            if tp_duplicate_sq is not None:       # a replicated parameter counts once over tp
-                share = share - tp_duplicate_sq
-        else:
-            # averaged over dp x cp (with cp each rank saw other tokens of the same sequences)
-            self.grads.all_reduce(topo.dp_cp_group, topo.dp_cp, cfg.collective_timeout)
-            # experts: summed over the ranks holding the same ones, / dp x cp as the dense
-            self.grads.all_reduce_experts(topo.edp_group, topo.edp, topo.dp_cp,
-                                          cfg.collective_timeout)
-            self.tp_grads.reduce_sequence_parallel()
-            if self.tied:
-                self.tied.reduce()
-            if k in self._overflow and self.holds_last_stage:
-                self.grads.data[0] = float("inf")
-            buf = self.grads.data
-            local_sq = torch.dot(buf, buf) if buf.numel() else torch.zeros((), device=buf.device)
-            duplicate_sq = self.tied.duplicate_sq()
-            if duplicate_sq is not None:          # a tied parameter counts once in the norm
-                local_sq = local_sq - duplicate_sq
-            tp_duplicate_sq = self.tp_grads.duplicate_sq()
-            if tp_duplicate_sq is not None:       # a replicated parameter counts once over tp
-                local_sq = local_sq - tp_duplicate_sq
-            # replicated: each dp x cp replica holds all of it; an expert's gradient is held
-            # by the dp x cp / ep ranks holding that expert
-            expert_sq = (torch.dot(self.grads.experts, self.grads.experts)
-                         if self.grads.experts.numel() else None)
-            share = local_sq / topo.dp_cp
-            if expert_sq is not None:
-                share = share + expert_sq * (1 / topo.edp - 1 / topo.dp_cp)
+        # each gradient (ZeRO: each shard's) the dp x cp group's average, tied ones summed
+        self.holder.reduce_gradients()
+        self.tp_grads.reduce_sequence_parallel()
+        if k in self._overflow and self.holds_last_stage:
+            self.holder.poison()
+        # this rank's share of the squared norm, summed over all ranks below; a parameter
+        # replicated over tp counts once
+        share = self.holder.local_grad_sq(minus=self.tp_grads.duplicate_sq())
         # the loss is the same on every tp rank of the last stage: counted on tp rank 0; each
         # cp rank's is the mean over its tokens (as many on every cp rank): averaged over cp
         loss_sum = (torch.stack(list(out.losses.values())).sum().float()
@@ -344,13 +282,7 @@ class Trainer:
         if self.board is not None:
             self.board.set(topo.rank, k, Op.OPTIMIZER, -1, -1)
         if not found_inf:
-            if self.sharded is not None:
-                self.sharded.step(clip_coefficient(norm, cfg.clip_grad) / scale, lr)
-            else:
-                buf.mul_(clip_coefficient(norm, cfg.clip_grad) / scale)
-                set_lr(self.optimizer, lr)
-                self.optimizer.step()
-                self.masters.copy_to_model()
+            self.holder.step(clip_coefficient(norm, cfg.clip_grad) / scale, lr)
             self.updates += 1
         self.scaler.update(found_inf)
         self.iteration += 1
@@ -424,36 +356,33 @@ class Trainer:
                                       forward_only=True).validate()
             else:               # the builder's (or the file's) forward-only schedule
                 sched = cfg.replace(forward_only=True).build_schedule()
-            self._fwd_runtime = PipelineRuntime(sched, self.topology.pp_rank, self.stages,
-                                                self.spec.loss_fn, self._gradients().accumulate,
+            self._fwd_runtime = PipelineRuntime(sched.with_sharding(self.holder.sharding),
+                                                self.topology.pp_rank, self.stages,
+                                                self.spec.loss_fn, self.holder.accumulate,
                                                 self.p2p, global_rank=self.topology.rank,
                                                 device=self.topology.device, compute_dtype=self.dtype,
                                                 observers=[o for o in (self._board_observer,)
                                                            if o is not None],
-                                                stage_hooks=self.stage_hooks)
+                                                stage_hooks=self.stage_hooks,
+                                                sharding=self.holder)
         return self._fwd_runtime
 
     # -- state, keyed by global parameter names ---------------------------------------------
     def named_parameters(self) -> dict[str, torch.Tensor]:
         """fp32 master weights of this rank, by global name ``layers.<i>.<name>``, whole.
         Under ZeRO gathered from the shards (fresh tensors): collective over the dp group."""
-        if self.sharded is not None:
-            return self.sharded.full_masters()
-        return dict(zip(self.param_names, self.masters.masters))
+        return self.holder.full_masters()
 
     @contextlib.contextmanager
     def whole_parameters(self):
         """Inside: every stage's weights whole, for code that runs the stages outside the
         runtime (the split-backward probe). Under ZeRO-3 gathered and released after:
         collective over the dp group, every rank of which enters it; else nothing to do."""
-        if self.sharded is None:
-            yield
-            return
-        self.sharded.gather_all()
+        self.holder.gather_all()
         try:
             yield
         finally:
-            self.sharded.release_all()
+            self.holder.release_all()
 
     def param_shapes(self) -> dict[str, tuple[int, ...]]:
         """Each parameter's shape by global name (no collective, whatever the zero level)."""
@@ -464,14 +393,7 @@ class Trainer:
         """(fp32 masters, AdamW state) by global name, whole tensors (a parameter never
         stepped has no AdamW entry). Under ZeRO gathered from the shards: collective over the
         dp group, every rank of which calls it (a checkpoint save, `state_dict`)."""
-        if self.sharded is not None:
-            return self.sharded.full_masters(), self.sharded.full_optimizer_state()
-        opt_state = {}
-        for name, p in zip(self.param_names, self.masters.masters):
-            st = self.optimizer.state.get(p)
-            if st:
-                opt_state[name] = st
-        return self.named_parameters(), opt_state
+        return self.holder.full_masters(), self.holder.full_optimizer_state()
 
     def state_dict(self) -> dict:
         """Collective under ZeRO (see `full_state`)."""
@@ -490,27 +412,12 @@ class Trainer:
         missing = [n for n in self.param_names if n not in model]
         if missing:
             raise KeyError(f"state lacks parameters {missing[:5]}{' ...' if len(missing) > 5 else ''}")
-        if self.sharded is not None:
-            for name, shape in self.param_shapes().items():
-                if tuple(model[name].shape) != shape:
-                    raise ValueError(f"parameter {name}: shape {tuple(model[name].shape)} in the "
-                                     f"state, {shape} in the model")
-            self.sharded.load(model, state["optimizer"] if load_optim else None)
-            if load_optim:
-                self.scaler.load_state_dict(state["scaler"])
-            self.iteration, self.updates = int(state["iteration"]), int(state["updates"])
-            return
-        for name, p in zip(self.param_names, self.masters.masters):
-            if model[name].shape != p.shape:
-                raise ValueError(f"parameter {name}: shape {tuple(model[name].shape)} in the state, "
-                                 f"{tuple(p.shape)} in the model")
-            p.copy_(model[name])
-        self.masters.copy_to_model()
+        for name, shape in self.param_shapes().items():
+            if tuple(model[name].shape) != shape:
+                raise ValueError(f"parameter {name}: shape {tuple(model[name].shape)} in the "
+                                 f"state, {shape} in the model")
+        self.holder.load(model, state["optimizer"] if load_optim else None)
         if load_optim:
-            for name, p in zip(self.param_names, self.masters.masters):
-                st = state["optimizer"].get(name)
-                if st is not None:
-                    self.optimizer.state[p] = adamw_state_for(self.optimizer, p, st)
             self.scaler.load_state_dict(state["scaler"])
         self.iteration, self.updates = int(state["iteration"]), int(state["updates"])
 

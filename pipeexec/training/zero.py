@@ -28,8 +28,8 @@ Megatron-LM's distributed optimizer semantics:
   gradient into its ``.grad`` (unbound), a post-accumulate hook moves it into its bucket's
   fp32 buffer, allocated on the bucket's first gradient, and once the bucket has all of them
   it is reduce-scattered into the accumulator and freed (Megatron's and DeepSpeed's
-  bucketed reduction, one bucket a layer); the stage's after-hook flushes buckets left
-  incomplete (an I that computes a few parameters' gradients, unused parameters). So ZeRO-1
+  bucketed reduction, one bucket a layer); the REDUCE_GRAD after each B and W flushes buckets
+  left incomplete (a few parameters' gradients from an I, unused parameters). So ZeRO-1
   reduce-scatters once a step and ZeRO-2 per microbatch once a microbatch, a bucket at a
   time, from each stage's B (or, split, its W, and an I with parameter gradients): the same
   collective, the gradient bytes times the microbatches, all inside the backward.
@@ -41,8 +41,12 @@ Megatron-LM's distributed optimizer semantics:
   during its actions (the more stages a rank holds, the smaller that is against its share).
   Its gradients are reduced per step or per microbatch as ZeRO-2's.
 
-These run through the runtime's stage hooks (`pipeexec.pipeline.runtime.StageHooks`): this
-object is one. torch's FSDP2 (``fully_shard``) does not fit this runtime: it gathers and
+These are actions of the program the runtime runs (`pipesim.schedule.sharding` inserts
+``UNSHARD s`` / ``RESHARD s`` around every compute of stage ``s`` under ZeRO-3 and
+``REDUCE_GRAD s`` after its last backward, or after each B and W, under ZeRO-2/3; the
+simulator times the same rows): the runtime calls `unshard`, `reshard` and `reduce_grad`
+(``sharding`` is the `Sharding` to lower the schedule with). `before` / `after` are the same
+as stage hooks, for a stage run by hand. torch's FSDP2 (``fully_shard``) does not fit this runtime: it gathers and
 reduces from module forward / backward hooks, but the runtime binds each fp32 parameter's
 ``.grad`` to a view of one flat gradient buffer and runs Zero Bubble's split backward (I, then
 W later) by calling autograd on internal nodes of the graph (`pipeexec.pipeline.backward`),
@@ -84,6 +88,7 @@ import torch.distributed as dist
 from torch import nn
 
 from pipesim.schedule.action import B, F, I, W, Action
+from pipesim.schedule.sharding import Sharding
 
 from .flat import Bucket, Piece, Slot, StageLayout, runs
 from .optim import adamw_state_for, build_adamw, set_lr
@@ -104,8 +109,8 @@ class ShardedOptimizer:
     parameters).
 
     Per step: `zero`; the runtime's actions (this object its ``accumulate``, and for ZeRO-2/3
-    its stage hooks, with ``grads_in_place``); `reduce_gradients`; `local_grad_sq` (into the
-    caller's all-reduce); `step` unless the step is skipped.
+    the program's sharding actions, with ``grads_in_place``); `reduce_gradients`;
+    `local_grad_sq` (into the caller's all-reduce); `step` unless the step is skipped.
     """
 
     def __init__(self, stages: Mapping[int, nn.Module], *, level: int, dtype: torch.dtype,
@@ -139,6 +144,9 @@ class ShardedOptimizer:
         # takes (any dtype): the runtime needs no binding (``owns_grads``)
         self.owns_grads = level >= 2
         self.grads_in_place = self.owns_grads or dtype == torch.float32
+        # ZeRO-2/3: the program's UNSHARD / RESHARD / REDUCE_GRAD actions, which the runtime
+        # runs through `unshard` / `reshard` / `reduce_grad` (`pipesim.schedule.sharding`)
+        self.sharding = Sharding(level, grad_reduce) if level >= 2 else None
         self._master_is_param = dtype == torch.float32 and level < 3
         # the step's gradients whole (ZeRO-1, and ZeRO-2/3 reducing once a step) or a shard
         self.full_grads = level == 1 or grad_reduce == "per_step"
@@ -359,10 +367,10 @@ class ShardedOptimizer:
         self.grad_shard[s][bucket.shard_start: bucket.shard_start + bucket.slice].add_(mine)
 
     def expect_backwards(self, counts: Mapping[int, int]) -> None:
-        """Per stage, how many backward actions (B, I, W) it runs a step: ZeRO-2/3 reducing
-        once a step reduce-scatter a stage's buffer after the last of them (`Trainer` gives
-        them from the schedule it runs). A stage without a count is reduced after the step's
-        backward, in `reduce_gradients`."""
+        """Per stage, how many backward actions (B, I, W) it runs a step, for the stage-hook
+        form (`after`): reducing once a step, a stage's buffer is reduce-scattered after the
+        last of them. (A program carries its REDUCE_GRAD actions instead.) A stage reduced by
+        neither is reduced after the step's backward, in `reduce_gradients`."""
         self._backwards = dict(counts)
 
     def _reduce_stage(self, s: int) -> None:
@@ -378,27 +386,52 @@ class ShardedOptimizer:
             self._reduce_scatter(buf, bucket)
         self._reduced.add(s)
 
+    # -- the program's sharding actions (`pipesim.schedule.sharding`) ------------------------
+    def unshard(self, stage: int) -> None:
+        """UNSHARD: ZeRO-3 gathers the stage's parameters whole (collective over the group)."""
+        if self.level == 3:
+            self._gather(stage)
+
+    def reshard(self, stage: int) -> None:
+        """RESHARD: ZeRO-3 releases the stage's gathered parameters (no communication)."""
+        if self.level == 3:
+            self._release(stage)
+
+    @torch.no_grad()
+    def reduce_grad(self, stage: int) -> None:
+        """REDUCE_GRAD: ZeRO-2/3 reduce-scatter the stage's gradients. Once a step: its whole
+        buffer, bucket by bucket (after its last backward); once a microbatch: the buckets the
+        backward left incomplete, in bucket order, the same on every rank (complete ones were
+        reduced as they filled)."""
+        if self.level < 2:
+            return
+        if self.full_grads:
+            if stage not in self._reduced:
+                self._reduce_stage(stage)
+        else:
+            for key in sorted(k for k in self._open if k[0] == stage):
+                self._reduce_bucket(*key)
+
+    # -- the same as stage hooks, for a stage run outside a program (one-process tests) --------
     def before(self, action: Action) -> None:
         """Stage hook: ZeRO-3 gathers the stage's parameters for the action."""
-        if self.level == 3 and action.op in _COMPUTE:
-            self._gather(action.stage)
+        if action.op in _COMPUTE:
+            self.unshard(action.stage)
 
     def after(self, action: Action) -> None:
-        """Stage hook: ZeRO-2/3 reduce the buckets the backward left incomplete (in bucket
-        order, the same on every rank); ZeRO-3 releases the stage's parameters."""
+        """Stage hook: ZeRO-2/3 reduce the stage's gradients after a backward (once a step:
+        after the last of the counts `expect_backwards` gave); ZeRO-3 releases the stage's
+        parameters."""
         s = action.stage
         if self.level >= 2 and action.op in _BACKWARD:
             if self.full_grads:
                 self._done[s] = self._done.get(s, 0) + 1
                 if self._done[s] == self._backwards.get(s):     # the stage's last backward
-                    with torch.no_grad():
-                        self._reduce_stage(s)
+                    self.reduce_grad(s)
             else:
-                with torch.no_grad():
-                    for key in sorted(k for k in self._open if k[0] == s):
-                        self._reduce_bucket(*key)
-        if self.level == 3 and action.op in _COMPUTE:
-            self._release(s)
+                self.reduce_grad(s)
+        if action.op in _COMPUTE:
+            self.reshard(s)
 
     # -- the step -----------------------------------------------------------------------------
     def zero(self) -> None:
@@ -453,16 +486,17 @@ class ShardedOptimizer:
         s, slot = self._slot_of[id(param)]
         return [self._grad_piece(s, pc) for pc in self.pieces[s] if pc.slot.index == slot.index]
 
-    def local_grad_sq(self) -> torch.Tensor:
+    def local_grad_sq(self, minus: torch.Tensor | None = None) -> torch.Tensor:
         """This rank's share of the squared global gradient norm: its shard's pieces of the
         parameters that count (a tied parameter once). Summed over every rank (one
         all-reduce, not divided by the shards) it is the squared norm of the model's gradient.
-        The one place the norm is computed."""
+        The one place the norm is computed. ``minus``: the squared norm of gradients in the
+        shard that count on another rank (tensor parallelism's replicated parameters)."""
         sq = torch.zeros((), dtype=torch.float32, device=self.device)
         for g, rs in self._norm.values():
             for a, b in rs:
                 sq = sq + torch.dot(g[a:b], g[a:b])
-        return sq
+        return sq if minus is None else sq - minus
 
     def poison(self) -> None:
         """Fault injection: an inf in this rank's gradient (the fp16 skip path)."""
@@ -636,6 +670,7 @@ class ExpertShardedOptimizer:
         self.holders = [h for h in (self.dense, self.expert) if h is not None]
         self.level, self.owns_grads = level, self.dense.owns_grads
         self.grads_in_place = self.dense.grads_in_place
+        self.sharding = self.dense.sharding
         self._mask = {s: [is_expert(p) for p in st.parameters()] for s, st in stages.items()}
 
     def _of(self, param: torch.Tensor) -> ShardedOptimizer:
@@ -663,6 +698,18 @@ class ExpertShardedOptimizer:
         for h in self.holders:
             h.expect_backwards(counts)
 
+    def unshard(self, stage: int) -> None:
+        for h in self.holders:
+            h.unshard(stage)
+
+    def reshard(self, stage: int) -> None:
+        for h in self.holders:
+            h.reshard(stage)
+
+    def reduce_grad(self, stage: int) -> None:
+        for h in self.holders:
+            h.reduce_grad(stage)
+
     def before(self, action: Action) -> None:
         for h in self.holders:
             h.before(action)
@@ -682,10 +729,11 @@ class ExpertShardedOptimizer:
     def grad_pieces(self, param: torch.Tensor) -> list[torch.Tensor]:
         return self._of(param).grad_pieces(param)
 
-    def local_grad_sq(self) -> torch.Tensor:
+    def local_grad_sq(self, minus: torch.Tensor | None = None) -> torch.Tensor:
         """Each expert counted once: its pieces are cut over its expert-data-parallel group,
         and the ep groups' ranks hold different experts."""
-        return sum((h.local_grad_sq() for h in self.holders[1:]), self.dense.local_grad_sq())
+        sq = sum((h.local_grad_sq() for h in self.holders[1:]), self.dense.local_grad_sq())
+        return sq if minus is None else sq - minus
 
     def poison(self) -> None:
         self.dense.poison()

@@ -27,7 +27,9 @@ PerStage = Union[float, Sequence[float]]
 
 _PER_STAGE = ("forward", "backward", "backward_input", "backward_weight", "p2p_bytes",
               "activation_bytes", "weight_grad_fraction", "stage_static_bytes", "grad_bytes",
-              "optimizer")
+              "optimizer", "unshard", "reduce_grad")
+# ZeRO as actions: written to JSON only when set, so a model without them saves as before
+_SHARDING = {"unshard": 0.0, "reduce_grad": 0.0, "overlap_sharding": 1.0}
 
 
 @dataclass(frozen=True)
@@ -62,6 +64,16 @@ class CostModel:
     rank's ``grad_bytes`` (per stage) over ``dp`` replicas, ring model
     ``2 (dp-1) dp_latency + 2 (dp-1)/dp * bytes / dp_bandwidth``, then ``optimizer`` seconds
     (per stage).
+
+    ZeRO as actions (a schedule lowered with a sharding, :mod:`pipesim.schedule.sharding`):
+    ``unshard`` seconds for one ``UNSHARD`` of a stage (the all-gather of its weights),
+    ``reduce_grad`` for one ``REDUCE_GRAD`` (the reduce-scatter of its gradients); a
+    ``RESHARD`` costs nothing. Each rank runs them on a communication lane of its own, one at a
+    time, in its order: with ``overlap_sharding`` 1.0 (the default) an UNSHARD starts as soon
+    as the lane is free but not before the rank's previous computation started (prefetched
+    one computation ahead: FSDP's and Megatron's), its computation waiting for it, and a
+    REDUCE_GRAD leaves the rank going on; with 0.0 both block the rank (pipeexec on one
+    stream). Zero by default: the actions then take no time.
     """
 
     forward: PerStage = 1.0
@@ -80,6 +92,9 @@ class CostModel:
     dp_latency: float = 0.0
     dp_bandwidth: float = math.inf
     overlap_factor: float | Callable[..., float] = 1.0
+    unshard: PerStage = 0.0
+    reduce_grad: PerStage = 0.0
+    overlap_sharding: float = 1.0
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -110,6 +125,8 @@ class CostModel:
                     raise ValueError(f"CostModel.weight_grad_fraction must be in [0, 1], got {v}")
                 if f.name in ("p2p_bandwidth", "dp_bandwidth") and v == 0:
                     raise ValueError(f"CostModel.{f.name} must be > 0")
+                if f.name == "overlap_sharding" and v not in (0.0, 1.0):
+                    raise ValueError(f"CostModel.overlap_sharding must be 0 or 1, got {v}")
 
     # -- per-stage views ----------------------------------------------------------------------
     def stage_values(self, name: str, num_stages: int) -> list[float]:
@@ -279,6 +296,8 @@ class CostModel:
                 value = [_encode(v) for v in value]
             elif value is not None:
                 value = _encode(value)
+            if f.name in _SHARDING and value == _SHARDING[f.name]:
+                continue
             out[f.name] = value
         return out
 

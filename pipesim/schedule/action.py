@@ -17,15 +17,20 @@ from .op import Op
 F, B, I, W = Op.F.value, Op.B.value, Op.I.value, Op.W.value  # noqa: E741
 SEND_F, RECV_F, SEND_B, RECV_B = Op.SEND_F.value, Op.RECV_F.value, Op.SEND_B.value, Op.RECV_B.value
 OVERLAP_F_B = Op.OVERLAP_F_B.value
+UNSHARD, RESHARD, REDUCE_GRAD = Op.UNSHARD.value, Op.RESHARD.value, Op.REDUCE_GRAD.value
 
 BASIC_COMPUTE_OPS = frozenset((F, B, I, W))
 COMPUTE_OPS = BASIC_COMPUTE_OPS | {OVERLAP_F_B}
 COMM_OPS = frozenset((SEND_F, RECV_F, SEND_B, RECV_B))
-ALL_OPS = COMPUTE_OPS | COMM_OPS
+# ZeRO as actions (`pipesim.schedule.sharding`): on a stage, for the microbatch of the compute
+# they serve (-1: none, torch's text form without a microbatch, ``0UNSHARD``)
+SHARD_OPS = frozenset((UNSHARD, RESHARD, REDUCE_GRAD))
+ALL_OPS = COMPUTE_OPS | COMM_OPS | SHARD_OPS
 BACKWARD_OPS = frozenset((B, I, W))
 
 # Longest alternatives first so "SEND_F" is not read as "S" + junk.
 _ACTION_RE = re.compile(r"^\s*(\d+)(SEND_F|RECV_F|SEND_B|RECV_B|F|B|I|W)(\d+)\s*$")
+_SHARD_RE = re.compile(r"^\s*(\d+)(UNSHARD|RESHARD|REDUCE_GRAD)(\d*)\s*$")
 _OVERLAP_RE = re.compile(r"^\s*\(([^()]*)\)OVERLAP_F_B\s*$")
 
 
@@ -42,6 +47,8 @@ class Action(NamedTuple):
     microbatch: int
 
     def __str__(self) -> str:
+        if self.microbatch < 0:             # a sharding op for no one microbatch (torch's form)
+            return f"{self.stage}{self.op}"
         return f"{self.stage}{self.op}{self.microbatch}"
 
     def __repr__(self) -> str:
@@ -60,6 +67,11 @@ class Action(NamedTuple):
     def is_comm(self) -> bool:
         return self.op in COMM_OPS
 
+    @property
+    def is_shard(self) -> bool:
+        """UNSHARD, RESHARD or REDUCE_GRAD (`pipesim.schedule.sharding`)."""
+        return self.op in SHARD_OPS
+
     @classmethod
     def parse(cls, text: str) -> "Action":
         """Parse the compact text form, e.g. ``"2F5"``, ``"1SEND_F0"`` or torch's
@@ -69,6 +81,10 @@ class Action(NamedTuple):
             return Overlap(*(cls.parse(part) for part in overlap.group(1).split(";")))
         match = _ACTION_RE.match(text)
         if match is None:
+            shard = _SHARD_RE.match(text)
+            if shard is not None:
+                mb = shard.group(3)
+                return cls(Op(shard.group(2)).value, int(shard.group(1)), int(mb) if mb else -1)
             raise ScheduleError(
                 f"cannot parse action {text!r}: expected <stage><op><microbatch> with op one of "
                 f"{', '.join(sorted(ALL_OPS))}, e.g. '2F5'"

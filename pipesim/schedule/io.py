@@ -7,6 +7,12 @@ The CSV carries no placement or microbatch count, so both are inferred from the 
 It cannot say that a microbatch skips stages or that two stages are copies of one model part
 (DualPipe), so such a schedule is refused there; the JSON keeps ``routes`` (first and last
 stage of each microbatch) and ``stage_parts``.
+
+Sharding (ZeRO as actions, :mod:`pipesim.schedule.sharding`): the JSON keeps a schedule's
+``sharding`` (``{"zero": 3, "grad_reduce": "per_step"}``, its actions inserted again on
+load); the CSV with communication writes the inserted ``UNSHARD`` / ``RESHARD`` /
+``REDUCE_GRAD`` cells, as torch's "compute_comms" CSV does, and reads them back as hand-placed
+actions (torch's ``0UNSHARD``, without a microbatch, too). A compute-only CSV holds none.
 """
 from __future__ import annotations
 
@@ -19,6 +25,7 @@ from pathlib import Path
 from ..errors import ScheduleError
 from .action import Action
 from .schedule import Schedule
+from .sharding import Sharding, insert_sharding
 
 FORMAT = "pipesim.schedule"
 VERSION = 1
@@ -42,8 +49,11 @@ def schedule_to_dict(schedule: Schedule) -> dict:
         data["routes"] = [list(r) for r in schedule.routes]      # [first, last] stage per microbatch
     if schedule.stage_parts is not None:
         data["stage_parts"] = list(schedule.stage_parts)
+    if schedule.sharding is not None:
+        data["sharding"] = schedule.sharding.to_dict()
     if schedule.has_explicit_comms:
-        data["actions"] = [[str(a) for a in schedule.actions(r)] for r in ranks]
+        plain = schedule.with_sharding(None)        # the sharding's actions: inserted on load
+        data["actions"] = [[str(a) for a in plain.actions(r)] for r in ranks]
     else:
         data["compute"] = [[str(a) for a in schedule.compute_order(r)] for r in ranks]
     return data
@@ -66,7 +76,8 @@ def schedule_from_dict(data: dict, source: str = "schedule") -> Schedule:
             [[Action.parse(t) for t in row] for row in lists],
             name=data.get("name", "custom"), forward_only=data.get("forward_only", False),
             recv_lookahead=data.get("recv_lookahead", 0), routes=data.get("routes"),
-            stage_parts=data.get("stage_parts"))
+            stage_parts=data.get("stage_parts"),
+            sharding=Sharding.from_dict(data["sharding"]) if data.get("sharding") else None)
     except ScheduleError as exc:
         raise ScheduleError(f"{source}: {exc}") from None
 
@@ -109,6 +120,8 @@ def schedule_to_csv(schedule: Schedule, path: str | os.PathLike | None = None,
         from .torch_order import single_channel_actions
 
         rows = single_channel_actions(schedule)
+        if schedule.sharding is not None and not schedule.has_explicit_comms:
+            rows = [insert_sharding(row, schedule.sharding) for row in rows]
     buf = io.StringIO()
     writer = csv.writer(buf, lineterminator="\n")
     for rank in range(schedule.pp):
@@ -152,7 +165,8 @@ def schedule_from_csv(source: str | os.PathLike, *, name: str = "custom",
         if num_stages % pp:
             raise ScheduleError(f"{where}: {num_stages} stages over {pp} ranks is not a whole number per rank")
         vpp = num_stages // pp
-    forward_only = all(a.op in ("F", "SEND_F", "RECV_F") for o in orders for a in o)
+    forward_only = all(a.op in ("F", "SEND_F", "RECV_F", "UNSHARD", "RESHARD")
+                       for o in orders for a in o)
     return Schedule(pp, vpp, max_mb + 1, [stage_rank[s] for s in range(num_stages)], orders,
                     name=name, forward_only=forward_only)
 

@@ -9,7 +9,9 @@ schedule:
 * rows, rank by rank, in the rank's order, every ``OVERLAP_F_B`` split into its parts (here and
   nowhere else): ``(code, stage, microbatch, wait, wait_row, gate, gate_row, message, link,
   boundary, overlap)``, see :class:`Row`; a row's global index is its place in the rank-major
-  concatenation (the trace's row order);
+  concatenation (the trace's row order). A sharding action (``UNSHARD``, ``RESHARD``,
+  ``REDUCE_GRAD``, :mod:`pipesim.schedule.sharding`) is a row of its own that waits for and
+  sends nothing on the pipeline (its collective is over the data-parallel group);
 * messages, numbered by :func:`message`: ``(direction * num_stages + receiving stage) *
   microbatches + microbatch``, direction 0 for an activation, 1 for a gradient;
 * per message its :class:`Transfer`: kind, sending and receiving rank, the boundary (lower)
@@ -28,7 +30,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 from .action import Action
 from .op import (CODE_B, CODE_F, CODE_I, CODE_RECV_B, CODE_RECV_F, CODE_SEND_B, CODE_SEND_F,
-                 CODE_W, FIRST_COMM_CODE, Op)
+                 CODE_W, FIRST_COMM_CODE, FIRST_SHARD_CODE, Op)
 
 if TYPE_CHECKING:
     from .schedule import Schedule
@@ -179,6 +181,8 @@ class Program:
             if code == CODE_RECV_F or code == CODE_RECV_B:
                 if posts or row not in waited:
                     out.append((row, code, stage, msg, -1, -1, -1, ()))
+            elif code >= FIRST_SHARD_CODE:
+                out.append((row, code, stage, -1, -1, -1, -1, ()))
             else:
                 out.append((row, code, stage, wait, wait_row, gate, gate_row, ()))
         if pending:
@@ -215,7 +219,8 @@ class Program:
 
 def _attach(out: list, sends: list) -> None:
     """Sends to the step before them when it is a computation (or sends), else a lone group."""
-    if out and out[-1][1] != CODE_RECV_F and out[-1][1] != CODE_RECV_B:
+    if out and out[-1][1] != CODE_RECV_F and out[-1][1] != CODE_RECV_B and \
+            out[-1][1] < FIRST_SHARD_CODE:
         last = out[-1]
         out[-1] = last[:7] + (last[7] + tuple(sends),)
     else:
@@ -293,6 +298,8 @@ def _lower(schedule: "Schedule") -> Program:
                     sends[msg] = row
                     append((code, stage, mb, -1, -1, -1, -1, msg, base + placement[stage - 1],
                             stage - 1, overlap))
+                elif code >= FIRST_SHARD_CODE:          # UNSHARD, RESHARD, REDUCE_GRAD
+                    append((code, stage, mb, -1, -1, -1, -1, -1, -1, -1, -1))
                 else:                                   # RECV_F, RECV_B
                     if code == CODE_RECV_F:
                         msg, boundary = stage * m + mb, stage - 1

@@ -4,8 +4,9 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 
 from ..errors import ScheduleError
-from .action import ALL_OPS, COMM_OPS, COMPUTE_OPS, OVERLAP_F_B, Action, flat_parts
+from .action import ALL_OPS, COMM_OPS, COMPUTE_OPS, OVERLAP_F_B, SHARD_OPS, Action, flat_parts
 from .comms import insert_comms
+from .sharding import Sharding, insert_sharding
 from .placement import make_placement, placement_kind
 
 _set = object.__setattr__        # construction and the private caches; the public face is frozen
@@ -31,11 +32,17 @@ class Schedule:
     ``0 .. num_parts-1`` in order. Together they express DeepSeek's bidirectional DualPipe
     (``pipesim.schedule.builders.dualpipe``): half of the microbatches through stages
     ``0..pp-1``, the other half through their copies ``pp..2pp-1``, fed from the other end.
+
+    ``sharding`` (optional, a :class:`pipesim.schedule.sharding.Sharding`): ZeRO as actions;
+    `actions` then holds the ``UNSHARD`` / ``RESHARD`` / ``REDUCE_GRAD`` it asks for, inserted
+    after the communication (:func:`pipesim.schedule.sharding.insert_sharding`). Lists that hold
+    sharding actions by hand are taken as they are (with their SEND/RECV), as torch's
+    "compute_comms" CSV.
     """
 
     __slots__ = ("name", "pp", "vpp", "num_microbatches", "placement", "forward_only",
                  "_orders", "_actions", "_rank_stages", "_validated", "_explicit_comms",
-                 "recv_lookahead", "routes", "stage_parts", "_program")
+                 "recv_lookahead", "routes", "stage_parts", "_program", "sharding", "_sharded")
 
     def __init__(
         self,
@@ -50,6 +57,7 @@ class Schedule:
         recv_lookahead: int = 0,
         routes: Sequence[Sequence[int]] | None = None,
         stage_parts: Sequence[int] | None = None,
+        sharding: Sharding | None = None,
     ) -> None:
         for field, value in (("pp", pp), ("vpp", vpp), ("microbatches", num_microbatches)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -94,7 +102,7 @@ class Schedule:
                     raise ScheduleError(f"rank {rank}: {a!r} is not an Action")
                 if a.op not in ALL_OPS:
                     raise ScheduleError(f"rank {rank}: action {a!r} has unknown op {a.op!r}")
-                has_comm = has_comm or a.op in COMM_OPS
+                has_comm = has_comm or a.op in COMM_OPS or a.op in SHARD_OPS
             if has_comm:
                 compute.append(tuple(a for a in order if a.op in COMPUTE_OPS))
                 full.append(order)
@@ -107,6 +115,13 @@ class Schedule:
         if self._explicit_comms and recv_lookahead:
             raise ScheduleError("recv_lookahead applies to inserted receives; this schedule's "
                                 "SEND/RECV actions are given by hand")
+        if sharding is not None and not isinstance(sharding, Sharding):
+            raise ScheduleError(f"sharding must be a Sharding, got {sharding!r}")
+        if sharding is not None and any(a.op in SHARD_OPS for o in orders for a in o):
+            raise ScheduleError("this schedule's UNSHARD / RESHARD / REDUCE_GRAD actions are given "
+                                "by hand; a sharding would insert them again")
+        _set(self, "sharding", sharding if sharding is not None and sharding.inserts else None)
+        _set(self, "_sharded", [None] * pp)  # actions with the sharding's, made on first use
         _set(self, "_validated", False)
         _set(self, "_program", None)         # lower(self), made on first use
 
@@ -191,13 +206,32 @@ class Schedule:
         return any(a.op == OVERLAP_F_B for order in self._orders for a in order)
 
     def actions(self, rank: int) -> list[Action]:
-        """All actions of ``rank`` in execution order, SEND/RECV included."""
+        """All actions of ``rank`` in execution order, SEND/RECV included (and the sharding's
+        UNSHARD / RESHARD / REDUCE_GRAD, when it has one)."""
         full = self._actions[rank]
         if full is None:
             full = tuple(insert_comms(self._orders[rank], rank, self.placement, self.recv_lookahead,
                                       self.route_bounds()))
             self._actions[rank] = full
+        if self.sharding is not None:
+            sharded = self._sharded[rank]
+            if sharded is None:
+                sharded = self._sharded[rank] = tuple(insert_sharding(full, self.sharding))
+            return list(sharded)
         return list(full)
+
+    def with_sharding(self, sharding: Sharding | None) -> "Schedule":
+        """The same schedule with ``sharding``'s actions inserted (None, or ZeRO 0/1: none)."""
+        if sharding is not None and not sharding.inserts:
+            sharding = None
+        if sharding == self.sharding:
+            return self
+        explicit = self._explicit_comms
+        orders = [self._actions[r] if explicit else self._orders[r] for r in range(self.pp)]
+        return Schedule(self.pp, self.vpp, self.num_microbatches, self.placement, orders,
+                        name=self.name, forward_only=self.forward_only,
+                        recv_lookahead=self.recv_lookahead, routes=self.routes,
+                        stage_parts=self.stage_parts, sharding=sharding)
 
     def with_recv_lookahead(self, lookahead: int) -> "Schedule":
         """The same schedule with its receives posted ``lookahead`` computations early."""
@@ -212,7 +246,7 @@ class Schedule:
                         name=self.name if name is None else name,
                         forward_only=self.forward_only if forward_only is None else forward_only,
                         recv_lookahead=self.recv_lookahead if recv_lookahead is None else recv_lookahead,
-                        routes=self.routes, stage_parts=self.stage_parts)
+                        routes=self.routes, stage_parts=self.stage_parts, sharding=self.sharding)
 
     @property
     def has_explicit_comms(self) -> bool:
@@ -253,12 +287,15 @@ class Schedule:
 
     def __getstate__(self) -> dict:
         """Pickled (and copied) without its lowered program, rebuilt on use."""
-        return {k: getattr(self, k) for k in self.__slots__ if k != "_program"}
+        return {k: getattr(self, k) for k in self.__slots__ if k not in ("_program", "_sharded")}
 
     def __setstate__(self, state: dict) -> None:
         for k, v in state.items():
             _set(self, k, list(v) if k == "_actions" else v)
         _set(self, "_program", None)
+        if "sharding" not in state:         # pickled before sharding existed
+            _set(self, "sharding", None)
+        _set(self, "_sharded", [None] * self.pp)
 
     def _key(self) -> tuple:
         return (self.pp, self.vpp, self.num_microbatches, self.placement,
@@ -268,8 +305,9 @@ class Schedule:
         if not isinstance(other, Schedule):
             return NotImplemented
         if (self.pp, self.vpp, self.num_microbatches, self.placement, self.routes,
-                self.stage_parts) != (other.pp, other.vpp, other.num_microbatches,
-                                      other.placement, other.routes, other.stage_parts):
+                self.stage_parts, self.sharding) != (other.pp, other.vpp, other.num_microbatches,
+                                                     other.placement, other.routes,
+                                                     other.stage_parts, other.sharding):
             return False
         return self._orders == other._orders and self._key() == other._key()
 
@@ -283,6 +321,8 @@ class Schedule:
                 + (", forward_only=True" if self.forward_only else "")
                 + (f", recv_lookahead={self.recv_lookahead}" if self.recv_lookahead else "")
                 + (", routed" if self.routes is not None else "")
+                + (f", zero={self.sharding.level} {self.sharding.grad_reduce}"
+                   if self.sharding is not None else "")
                 + (f", {self.num_parts} model parts" if self.stage_parts is not None else ""))
         lines = []
         for rank in range(self.pp):

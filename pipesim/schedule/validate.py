@@ -25,10 +25,12 @@ from typing import TYPE_CHECKING
 from enum import IntEnum
 
 from ..errors import ScheduleError
-from .action import B, F, I, OVERLAP_F_B, RECV_B, RECV_F, SEND_B, SEND_F, W, Action, Overlap
+from .action import (B, F, I, OVERLAP_F_B, RECV_B, RECV_F, SEND_B, SEND_F, SHARD_OPS, W, Action,
+                     Overlap)
 from .comms import peer_stage
 from .grid import format_grid
-from .op import CODE_B, CODE_F, CODE_I, CODE_SEND_B, CODE_SEND_F, CODE_W, FIRST_COMM_CODE
+from .op import (CODE_B, CODE_F, CODE_I, CODE_SEND_B, CODE_SEND_F, CODE_W, FIRST_COMM_CODE,
+                 FIRST_SHARD_CODE)
 from .program import BACKWARD, FORWARD, Row, lower, message, message_parts
 
 if TYPE_CHECKING:
@@ -42,6 +44,7 @@ def validate_schedule(schedule: "Schedule") -> None:
     _check_complete(schedule)
     if overlaps:
         _check_overlaps(schedule)
+    _check_sharding(schedule)
     if schedule.has_explicit_comms:
         # Hand-written communication is checked; inserted communication matches by construction
         # (insert_comms emits a send and its receive under the same condition).
@@ -78,6 +81,30 @@ def _step_of(actions: list[Action], action: Action) -> int | None:
         if a == action or (a.op == OVERLAP_F_B and action in a.parts):
             return i
     return None
+
+
+def _check_sharding(schedule: "Schedule") -> None:
+    """The sharding actions (inserted or by hand), if any: on their rank's stages, UNSHARD /
+    RESHARD windows closed and around the stage's compute, every gradient reduced
+    (:func:`pipesim.schedule.sharding.check_sharding`)."""
+    if schedule.sharding is None and not schedule.has_explicit_comms:
+        return
+    from .sharding import check_sharding
+
+    lists = [schedule.actions(r) for r in range(schedule.pp)]
+    if schedule.sharding is None and not any(a.op in SHARD_OPS for acts in lists for a in acts):
+        return
+    if schedule.forward_only:
+        for rank, acts in enumerate(lists):
+            for a in acts:
+                if a.op == "REDUCE_GRAD":
+                    raise _fail(schedule, rank, a, f"rank {rank}: action {a} reduces gradients "
+                                "in a forward-only schedule")
+    _check_well_formed(schedule, lists)
+    for rank, acts in enumerate(lists):
+        problem = check_sharding(acts, rank)
+        if problem is not None:
+            raise ScheduleError(problem)
 
 
 def _check_overlaps(schedule: "Schedule") -> None:
@@ -117,6 +144,15 @@ def _check_well_formed(schedule: "Schedule", lists: list[list[Action]]) -> None:
                 if not 0 <= a.stage < n:
                     raise _fail(schedule, rank, a,
                                 f"rank {rank}: action {a} names stage {a.stage}, outside 0..{n - 1}")
+                if a.op in SHARD_OPS:
+                    if not -1 <= a.microbatch < m:
+                        raise _fail(schedule, rank, a, f"rank {rank}: action {a} names microbatch "
+                                    f"{a.microbatch}, outside 0..{m - 1}")
+                    if placement[a.stage] != rank:
+                        raise _fail(schedule, rank, a, f"rank {rank}: action {a} shards stage "
+                                    f"{a.stage}, which the placement puts on rank "
+                                    f"{placement[a.stage]}")
+                    continue
                 if not 0 <= a.microbatch < m:
                     raise _fail(
                         schedule, rank, a,
@@ -341,6 +377,8 @@ def _check_no_deadlock(schedule: "Schedule", direct: bool = False) -> None:
             elif code == CODE_W:
                 if not i_done[k]:
                     need = INPUT_, k
+            elif code >= FIRST_SHARD_CODE:
+                pass                        # a data-parallel collective: waits on no pipeline peer
             elif code == CODE_SEND_F or code == CODE_SEND_B:
                 producer = f_done if code == CODE_SEND_F else g_done
                 if not producer[k]:

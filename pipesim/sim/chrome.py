@@ -56,6 +56,8 @@ def chrome_trace(trace: "pd.DataFrame") -> dict:
             lane = f"send -> rank {peer}" if peer >= 0 else "send"
         elif op.startswith("RECV"):
             lane = f"recv <- rank {peer}" if peer >= 0 else "recv"
+        elif op in ("UNSHARD", "RESHARD", "REDUCE_GRAD"):
+            lane = "sharding (data-parallel)"     # ZeRO's actions, one lane
         else:
             lane = op.lower()
         tid = lanes.get((rank, lane))

@@ -5,8 +5,10 @@ SimPy: a ready list over ranks.
 same generator, :func:`pipesim.sim.engine._run`): on a local clock, a computation waits for the
 message its row names (and an overlap's gate), a SEND occupies its directed link from when
 both the data and the link are free (FIFO: a link has one sender, so its queue follows that
-rank's order), a RECV only posts. It yields the message it needs when that message has not
-been sent yet, and is resumed once it has.
+rank's order), a RECV only posts, and the sharding actions (ZeRO's UNSHARD / RESHARD /
+REDUCE_GRAD, :mod:`pipesim.schedule.sharding`) run on the rank's own communication lane, one
+at a time (`pipesim.plan.costs.CostModel`: an UNSHARD's computation waits for it). It yields the
+message it needs when that message has not been sent yet, and is resumed once it has.
 
 In the ``async`` and ``blocking`` modes nothing a rank computes depends on *when*, in simulated
 time, another rank acts, only on the times it is sent. The step is then a dataflow problem,
@@ -23,7 +25,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Sequence
 
 from ..plan.costs import CostModel
-from ..schedule.op import FIRST_COMM_CODE, Op
+from ..schedule.op import CODE_RESHARD, CODE_UNSHARD, FIRST_COMM_CODE, FIRST_SHARD_CODE, Op
 from ..schedule.program import Program
 
 _RECV_F, _RECV_B = Op.RECV_F.code, Op.RECV_B.code
@@ -33,7 +35,8 @@ class Clocks:
     """What the ranks of one run share: every row's start and end, each message's arrival (-1
     until sent), the token of the rank parked on it, each directed link's next free time."""
 
-    __slots__ = ("starts", "ends", "arrival", "waiter", "link_free", "durations", "link_time")
+    __slots__ = ("starts", "ends", "arrival", "waiter", "link_free", "durations", "link_time",
+                 "shard_time", "shard_overlap")
 
     def __init__(self, program: Program, costs: CostModel) -> None:
         n = program.num_stages
@@ -46,6 +49,10 @@ class Clocks:
         times = costs.compute_times(n)
         self.durations = (times[Op.F], times[Op.B], times[Op.I], times[Op.W])   # by code
         self.link_time = [costs.transfer_time(x) for x in costs.stage_values("p2p_bytes", n)]
+        # UNSHARD, RESHARD (free), REDUCE_GRAD per stage, by code - FIRST_SHARD_CODE
+        self.shard_time = (costs.stage_values("unshard", n), [0.0] * n,
+                           costs.stage_values("reduce_grad", n))
+        self.shard_overlap = costs.overlap_sharding == 1.0
 
 
 def walk(steps: Sequence[tuple], clocks: Clocks, wake: Callable[[object, float], None],
@@ -63,6 +70,9 @@ def walk(steps: Sequence[tuple], clocks: Clocks, wake: Callable[[object, float],
     link_free, durations, link_time = clocks.link_free, clocks.durations, clocks.link_time
     scaled = factors is not None or scale is not None
     t = 0.0
+    lane = 0.0            # the rank's sharding lane is free from
+    gathered = 0.0        # the last UNSHARD's end: the next computation waits for it
+    began = 0.0           # the last computation's start: an overlapped UNSHARD prefetches from it
     for row, code, stage, wait, wait_row, gate, gate_row, sends in steps:
         if code >= 0:
             if code < FIRST_COMM_CODE:                   # F, B, I, W
@@ -86,12 +96,28 @@ def walk(steps: Sequence[tuple], clocks: Clocks, wake: Callable[[object, float],
                         work *= factors[row]
                     if scale is not None and row in scale:
                         work *= scale[row]
-                starts[row] = t
+                if gathered > t:
+                    t = gathered
+                starts[row] = began = t
                 if shared_cpu:
                     t = yield (t, work)
                 else:
                     t += work
                 ends[row] = t
+            elif code >= FIRST_SHARD_CODE:               # UNSHARD, RESHARD, REDUCE_GRAD
+                if code == CODE_RESHARD:
+                    starts[row] = ends[row] = t          # a release: no communication
+                    continue
+                s = began if code == CODE_UNSHARD and clocks.shard_overlap else t
+                if s < lane:
+                    s = lane
+                lane = s + clocks.shard_time[code - FIRST_SHARD_CODE][stage]
+                starts[row], ends[row] = s, lane
+                if not clocks.shard_overlap:
+                    t = lane                             # the rank waits for its collective
+                elif code == CODE_UNSHARD:
+                    gathered = lane
+                continue
             else:                                        # RECV: post only
                 starts[row] = ends[row] = t              # until the consumer waits
                 if on_recv is not None:

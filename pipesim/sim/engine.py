@@ -48,7 +48,7 @@ from simpy.events import NORMAL
 from ..plan.costs import CostModel
 from .dataflow import Clocks, run_dataflow, walk
 from .spans import Spans
-from ..schedule.op import CODE_ALLREDUCE, CODE_OPTIMIZER, FIRST_COMM_CODE, Op
+from ..schedule.op import CODE_ALLREDUCE, CODE_OPTIMIZER, FIRST_COMM_CODE, FIRST_SHARD_CODE, Op
 from ..schedule.program import Program, Row, lower
 from ..schedule.schedule import Schedule
 
@@ -221,6 +221,7 @@ def _columns(schedule: Schedule, program: Program, costs: CostModel) -> dict:
     chunk_of = np.asarray([schedule.stage_chunk(s) for s in range(n)], dtype=np.int64)
     place = np.asarray(schedule.placement, dtype=np.int64)
     is_comm = code >= FIRST_COMM_CODE
+    is_p2p = is_comm & (code < FIRST_SHARD_CODE)    # (a sharding row: a comm row, no peer)
     # A comm row's peer is across its boundary (the lower stage of the two): a forward message
     # carries the lower stage's output, a backward one the gradient of the upper stage's input,
     # which is again the lower stage's output: its bytes are the boundary's.
@@ -229,8 +230,8 @@ def _columns(schedule: Schedule, program: Program, costs: CostModel) -> dict:
         "rank": np.repeat(np.arange(pp, dtype=np.int64), [len(r) for r in program.in_turn]),
         "op": code, "stage": stage, "chunk": chunk_of[stage], "microbatch": mb,
         "kind": is_comm.astype(np.int8),
-        "bytes": np.where(is_comm, nbytes[np.clip(boundary, 0, n - 1)], 0.0),
-        "peer": np.where(is_comm, place[np.clip(peer_stage, 0, n - 1)], -1),
+        "bytes": np.where(is_p2p, nbytes[np.clip(boundary, 0, n - 1)], 0.0),
+        "peer": np.where(is_p2p, place[np.clip(peer_stage, 0, n - 1)], -1),
     }
 
 

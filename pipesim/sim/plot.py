@@ -25,6 +25,9 @@ OP_COLORS = {"F": "#3b75af", "B": "#4a9a52", "I": "#e08b2d", "W": "#8a63b8",
 # backward is a light green, a chunk-1 forward a light blue, chunk shades in the legend grey.
 COMM_COLORS = {"SEND_F": "#17becf", "SEND_B": "#bcbd22", "RECV_F": "#e7969c", "RECV_B": "#e7969c",
                "ALLREDUCE": "#c0504d"}
+# ZeRO's sharding actions (`pipesim.schedule.sharding`), drawn whatever ``comm`` says: a thin
+# band at the top of the rank's row, the data-parallel lane
+SHARD_COLORS = {"UNSHARD": "#1f77b4", "REDUCE_GRAD": "#d62728"}
 _IDLE = "#f3f3f3"
 
 
@@ -44,6 +47,8 @@ def gantt(result: "SimResult", *, comm: bool = False, memory: bool = False,
     """Draw ``result`` (a :class:`pipesim.SimResult`, simulated or measured).
 
     * ``comm``: a thin lane under each rank with its transfers (SEND spans) and waits (RECV).
+      ZeRO's UNSHARD (all-gather) and REDUCE_GRAD (reduce-scatter) spans, when the schedule
+      has them, are drawn either way, in a band at the top of the rank's row.
     * ``memory``: a subplot under the chart with each rank's bytes held over time (needs the
       result to have memory: a CostModel or a measured memory timeline).
     * ``labels``: microbatch numbers in the boxes they fit in.
@@ -114,6 +119,20 @@ def gantt(result: "SimResult", *, comm: bool = False, memory: bool = False,
                 ax.broken_barh(list(zip(cs[rs], cd[rs])), (r + 0.22, 0.18),
                                facecolors=COMM_COLORS.get(op, "#999999"), linewidth=0)
 
+    op_all = trace["op"].astype(str).to_numpy()
+    sharded = np.isin(op_all, list(SHARD_COLORS))
+    if sharded.any():
+        rows = trace[sharded]
+        ss = rows["start"].to_numpy(float) - t0
+        sd = rows["end"].to_numpy(float) - rows["start"].to_numpy(float)
+        sr = rows["rank"].to_numpy(int)
+        sop = op_all[sharded]
+        for op, color in SHARD_COLORS.items():
+            for r in sorted(set(sr[sop == op])):
+                sel = (sop == op) & (sr == r) & (sd > 0)
+                ax.broken_barh(list(zip(ss[sel], sd[sel])), (r - 0.49, 0.07),
+                               facecolors=color, linewidth=0)
+
     ax.set_ylim(ranks - 0.5, -0.5)
     ax.set_xlim(*(xlim if xlim is not None else (0.0, span)))
     ax.set_yticks(range(ranks))
@@ -137,6 +156,8 @@ def gantt(result: "SimResult", *, comm: bool = False, memory: bool = False,
         handles += [Patch(color=_shade("#555555", c, chunks),
                           label=f"chunk {c}" + (" (full colour)" if c == 0 else " (lighter)"))
                     for c in range(chunks)]
+    handles += [Patch(color=color, label=op) for op, color in SHARD_COLORS.items()
+                if sharded.any() and op in set(op_all[sharded])]
     if comm:
         handles += [Patch(color=COMM_COLORS["SEND_F"], label="send F"),
                     Patch(color=COMM_COLORS["SEND_B"], label="send B"),

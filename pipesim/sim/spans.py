@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from .memory import ComputeRows
-from ..schedule.op import TRACE_OPS
+from ..schedule.op import FIRST_SHARD_CODE, TRACE_OPS, Op
 from .trace import TRACE_COLUMNS
 
 if TYPE_CHECKING:
@@ -88,7 +88,12 @@ class Spans:
 
         op_dtype, kind_dtype = _dtypes()
         data = dict(self.columns())
-        data["op"] = pd.Categorical.from_codes(data["op"], dtype=op_dtype)
+        codes = data["op"]
+        if codes.size and codes.max() >= FIRST_SHARD_CODE:
+            # ZeRO's sharding rows: their categories after the others' (no overlap row between)
+            op_dtype = _sharded_dtype()
+            codes = np.where(codes >= FIRST_SHARD_CODE, codes - 1, codes)
+        data["op"] = pd.Categorical.from_codes(codes, dtype=op_dtype)
         data["kind"] = pd.Categorical.from_codes(data["kind"], dtype=kind_dtype)
         data["start"], data["end"] = self.starts, self.ends
         return pd.DataFrame({name: data[name] for name in TRACE_COLUMNS}, copy=False)
@@ -102,3 +107,12 @@ def _dtypes():
 
     return (pd.CategoricalDtype([op.value for op in TRACE_OPS]),
             pd.CategoricalDtype(["compute", "comm"]))
+
+
+@lru_cache(maxsize=1)
+def _sharded_dtype():
+    """The ``op`` dtype of a trace with sharding rows: `TRACE_OPS`, then the sharding ops."""
+    import pandas as pd
+
+    return pd.CategoricalDtype([op.value for op in TRACE_OPS]
+                               + [op.value for op in Op if op.is_shard])
