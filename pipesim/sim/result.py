@@ -69,9 +69,8 @@ class SimResult:
 
     @cached_property
     def _compute_spans(self):
-        """(rank, start, end) arrays of the compute rows (see :func:`metrics.compute_spans`)."""
-        if self._spans is not None:
-            return self._spans.compute_spans()
+        """(rank, start, end) arrays of the compute rows of a trace (see
+        :func:`metrics.compute_spans`)."""
         return metrics.compute_spans(self.trace)
 
     @classmethod
@@ -103,6 +102,8 @@ class SimResult:
 
     @cached_property
     def busy(self) -> list[float]:
+        if self._spans is not None:
+            return self._spans.busy(self.num_ranks)
         return metrics.busy_of(*self._compute_spans, self.num_ranks)
 
     @property
@@ -111,6 +112,8 @@ class SimResult:
 
     @cached_property
     def span(self) -> list[float]:
+        if self._spans is not None:
+            return self._spans.span(self.num_ranks)
         return metrics.span_of(*self._compute_spans, self.num_ranks)
 
     @property
