@@ -47,14 +47,12 @@ from simpy.events import NORMAL
 
 from ..plan.costs import CostModel
 from .dataflow import Clocks, run_dataflow, walk
+from .result import SimResult
 from .rows import row_arrays
 from .spans import Spans
 from ..schedule.op import CODE_ALLREDUCE, CODE_OPTIMIZER, FIRST_COMM_CODE
 from ..schedule.program import Program, Row, lower
 from ..schedule.schedule import Schedule
-
-if TYPE_CHECKING:
-    from .result import SimResult
 
 COMM_MODES = ("async", "blocking", "rendezvous")
 
@@ -73,8 +71,6 @@ def simulate(schedule: Schedule, costs: CostModel | None = None, *, comm: str = 
     :class:`pipesim.ScheduleError` for an invalid schedule and ValueError for costs that do not
     fit it.
     """
-    from .result import SimResult
-
     costs = CostModel() if costs is None else costs
     if comm not in COMM_MODES:
         raise ValueError(f"comm must be one of {', '.join(COMM_MODES)}, got {comm!r}")
@@ -104,8 +100,7 @@ def simulate(schedule: Schedule, costs: CostModel | None = None, *, comm: str = 
                                        scale)
     if not step_tail:
         rows = row_arrays(program)
-        spans = Spans(np.asarray(starts, dtype=float), np.asarray(ends, dtype=float),
-                      rows.row_rank, rows.compute_rows, rows.compute_rank,
+        spans = Spans(starts, ends, rows.row_rank, rows.compute_rows, rows.compute_rank,
                       lambda: _columns(schedule, program, costs), rows)
         return SimResult.from_spans(spans, schedule=schedule, costs=costs, options=options)
     columns = _columns(schedule, program, costs)

@@ -23,7 +23,8 @@ class RowArrays(NamedTuple):
     computations' rows (ascending; an overlap's parts in turn), with their ``compute_rank``,
     ``compute_code`` (:attr:`Op.code`), ``compute_stage`` and ``compute_microbatch``.
     ``first_compute`` / ``last_compute``: per rank, its first and last computation's row (-1 for
-    a rank without one, those ranks in ``idle_ranks``). A rank runs its rows in turn on its own clock, so its computations'
+    a rank without one, those ranks in ``idle_ranks``). ``by_rank``: each rank's computations'
+    rows, as tuples (for loops in Python over a small schedule). A rank runs its rows in turn on its own clock, so its computations'
     starts and ends never decrease from one to the next: the first starts earliest and the last
     ends latest."""
 
@@ -36,6 +37,7 @@ class RowArrays(NamedTuple):
     first_compute: np.ndarray
     last_compute: np.ndarray
     idle_ranks: np.ndarray
+    by_rank: tuple[tuple[int, ...], ...]
 
 
 def row_arrays(program: Program) -> RowArrays:
@@ -61,7 +63,8 @@ def _make_row_arrays(program: Program) -> RowArrays:
         np.fromiter(map(itemgetter(0), flat), dtype=np.int8, count=count),
         np.fromiter(map(itemgetter(1), flat), dtype=np.int64, count=count),
         np.fromiter(map(itemgetter(2), flat), dtype=np.int64, count=count),
-        first, last, np.flatnonzero(first < 0))
-    for array in arrays:
+        first, last, np.flatnonzero(first < 0),
+        tuple(tuple(rows) for rows in program.compute_rows()))
+    for array in arrays[:-1]:
         array.flags.writeable = False
     return arrays

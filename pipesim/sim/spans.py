@@ -9,7 +9,7 @@ read from the arrays equal those read from that trace (``tests/test_sim_fast_pat
 """
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from functools import lru_cache, partial
 from typing import TYPE_CHECKING
 
@@ -26,25 +26,56 @@ if TYPE_CHECKING:
     from .rows import RowArrays
 
 
+# Up to this many rows the time metrics are summed in Python from the engine's lists (see
+# Spans); above, numpy on arrays is faster.
+SMALL_ROWS = 512
+
+
 class Spans:
-    """Rows in (rank, action) order: ``starts``/``ends`` (float arrays), ``row_rank`` (each
-    row's rank), ``compute_rows`` (the compute rows' indices, ascending) with their
-    ``compute_rank``, and ``columns``, a function returning the other trace columns
-    (``engine._columns``' dict), called at most once. ``program_rows``, when the rows are the
-    program's alone (no step-tail rows): its :class:`pipesim.sim.rows.RowArrays`, from which
-    the memory model reads the computations' ops without the columns, and each rank's span is
-    its last computation's end less its first one's start."""
+    """Rows in (rank, action) order: ``starts``/``ends`` (float arrays; given as the engine's
+    lists, made arrays on first read), ``row_rank`` (each row's rank), ``compute_rows`` (the
+    compute rows' indices, ascending) with their ``compute_rank``, and ``columns``, a function
+    returning the other trace columns (``engine._columns``' dict), called at most once.
+    ``program_rows``, when the rows are the program's alone (no step-tail rows): its
+    :class:`pipesim.sim.rows.RowArrays`, from which the memory model reads the computations'
+    ops without the columns, and each rank's span is its last computation's end less its first
+    one's start.
 
-    __slots__ = ("starts", "ends", "row_rank", "compute_rows", "compute_rank", "_columns", "_made",
-                 "_program_rows")
+    The time metrics of a small schedule (up to `SMALL_ROWS` rows, given as lists) are summed
+    from the lists in Python: numpy's cost per call (a microsecond or so, a dozen calls) would
+    be most of the run. They are the same floats: the same additions in the same order as
+    ``np.bincount``, and the same maxima and minima."""
 
-    def __init__(self, starts: np.ndarray, ends: np.ndarray, row_rank: np.ndarray,
+    __slots__ = ("_starts", "_ends", "_lists", "_small", "row_rank", "compute_rows",
+                 "compute_rank", "_columns", "_made", "_program_rows")
+
+    def __init__(self, starts: "Sequence[float]", ends: "Sequence[float]", row_rank: np.ndarray,
                  compute_rows: np.ndarray, compute_rank: np.ndarray,
                  columns: Callable[[], dict], program_rows: "RowArrays | None" = None) -> None:
-        self.starts, self.ends, self.row_rank = starts, ends, row_rank
+        if isinstance(starts, list) and isinstance(ends, list):
+            self._starts = self._ends = None
+            self._lists = (starts, ends)
+        else:
+            self._starts, self._ends, self._lists = starts, ends, None
+        # the time metrics from the lists: given them, the program's rows, and few rows
+        self._small = (self._lists is not None and program_rows is not None
+                       and len(starts) <= SMALL_ROWS)
+        self.row_rank = row_rank
         self.compute_rows, self.compute_rank = compute_rows, compute_rank
         self._columns, self._made = columns, None
         self._program_rows = program_rows
+
+    @property
+    def starts(self) -> np.ndarray:
+        if self._starts is None:
+            self._starts = np.asarray(self._lists[0], dtype=float)
+        return self._starts
+
+    @property
+    def ends(self) -> np.ndarray:
+        if self._ends is None:
+            self._ends = np.asarray(self._lists[1], dtype=float)
+        return self._ends
 
     def __reduce__(self):
         """Pickled with its columns made (a closure does not pickle), e.g. to cross processes."""
@@ -62,6 +93,16 @@ class Spans:
 
     def busy(self, pp: int) -> list[float]:
         """:func:`pipesim.sim.metrics.busy_of` of the compute rows."""
+        rows = self._program_rows
+        if self._small and len(rows.by_rank) == pp:
+            starts, ends = self._lists
+            out = []
+            for computations in rows.by_rank:
+                busy = 0.0
+                for i in computations:
+                    busy += ends[i] - starts[i]
+                out.append(busy)
+            return out
         return metrics.busy_of(*self.compute_spans(), pp)
 
     def span(self, pp: int) -> list[float]:
@@ -69,8 +110,11 @@ class Spans:
         each rank's first and last computation (the same floats: those are its least start and
         its greatest end)."""
         rows = self._program_rows
-        if rows is None or len(rows.first_compute) != pp:
+        if rows is None or len(rows.by_rank) != pp:
             return metrics.span_of(*self.compute_spans(), pp)
+        if self._small:
+            starts, ends = self._lists
+            return [ends[c[-1]] - starts[c[0]] if c else 0.0 for c in rows.by_rank]
         span = self.ends[rows.last_compute] - self.starts[rows.first_compute]
         if rows.idle_ranks.size:
             span[rows.idle_ranks] = 0.0
@@ -91,6 +135,9 @@ class Spans:
                            self.starts[rows], self.ends[rows])
 
     def makespan(self) -> float:
+        if self._small:
+            starts, ends = self._lists
+            return max(ends) - min(starts)
         return float(np.maximum.reduce(self.ends) - np.minimum.reduce(self.starts))
 
     def rank_end(self, pp: int) -> list[float]:
