@@ -72,8 +72,8 @@ def slowest_of(busy: list[float], span: list[float]) -> int:
     """The rank with the largest idle share of its own span (lowest rank on ties)."""
     shares = [(s - b) / s if s > 0 else 0.0 for b, s in zip(busy, span)]
     # np.argmax's answer (the first NaN, else the first largest) without making an array
-    nan = next((r for r, x in enumerate(shares) if x != x), None)
-    return nan if nan is not None else shares.index(max(shares))
+    nan = [r for r, x in enumerate(shares) if x != x]
+    return nan[0] if nan else shares.index(max(shares))
 
 
 def bubble_fraction(trace: "pd.DataFrame", ranks: int) -> float:

@@ -47,7 +47,7 @@ class Spans:
     ``np.bincount``, and the same maxima and minima."""
 
     __slots__ = ("_starts", "_ends", "_lists", "_small", "row_rank", "compute_rows",
-                 "compute_rank", "_columns", "_made", "_program_rows")
+                 "compute_rank", "_columns", "_made", "_program_rows", "_busy_span")
 
     def __init__(self, starts: "Sequence[float]", ends: "Sequence[float]", row_rank: np.ndarray,
                  compute_rows: np.ndarray, compute_rank: np.ndarray,
@@ -64,6 +64,7 @@ class Spans:
         self.compute_rows, self.compute_rank = compute_rows, compute_rank
         self._columns, self._made = columns, None
         self._program_rows = program_rows
+        self._busy_span: tuple[list[float], list[float]] | None = None
 
     @property
     def starts(self) -> np.ndarray:
@@ -93,16 +94,8 @@ class Spans:
 
     def busy(self, pp: int) -> list[float]:
         """:func:`pipesim.sim.metrics.busy_of` of the compute rows."""
-        rows = self._program_rows
-        if self._small and len(rows.by_rank) == pp:
-            starts, ends = self._lists
-            out = []
-            for computations in rows.by_rank:
-                busy = 0.0
-                for i in computations:
-                    busy += ends[i] - starts[i]
-                out.append(busy)
-            return out
+        if self._small and len(self._program_rows.by_rank) == pp:
+            return self._small_busy_span()[0]
         return metrics.busy_of(*self.compute_spans(), pp)
 
     def span(self, pp: int) -> list[float]:
@@ -113,12 +106,26 @@ class Spans:
         if rows is None or len(rows.by_rank) != pp:
             return metrics.span_of(*self.compute_spans(), pp)
         if self._small:
-            starts, ends = self._lists
-            return [ends[c[-1]] - starts[c[0]] if c else 0.0 for c in rows.by_rank]
+            return self._small_busy_span()[1]
         span = self.ends[rows.last_compute] - self.starts[rows.first_compute]
         if rows.idle_ranks.size:
             span[rows.idle_ranks] = 0.0
         return span.tolist()
+
+    def _small_busy_span(self) -> tuple[list[float], list[float]]:
+        """Busy and span of every rank, from the lists, in one pass over the computations."""
+        if self._busy_span is None:
+            starts, ends = self._lists
+            busy, span = [], []
+            for computations in self._program_rows.by_rank:
+                total = 0.0
+                for i in computations:
+                    total += ends[i] - starts[i]
+                busy.append(total)
+                span.append(ends[computations[-1]] - starts[computations[0]]
+                            if computations else 0.0)
+            self._busy_span = busy, span
+        return self._busy_span
 
     def memory_rows(self) -> ComputeRows:
         """The compute rows of real stages, as :func:`pipesim.sim.memory.compute_rows` reads them
