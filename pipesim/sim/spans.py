@@ -32,8 +32,8 @@ SMALL_ROWS = 512
 
 
 class Spans:
-    """Rows in (rank, action) order: ``starts``/``ends`` (float arrays; given as the engine's
-    lists, made arrays on first read), ``row_rank`` (each row's rank), ``compute_rows`` (the
+    """Rows in (rank, action) order: ``starts``/``ends`` (float arrays; a small run's lists
+    made arrays on first read), ``row_rank`` (each row's rank), ``compute_rows`` (the
     compute rows' indices, ascending) with their ``compute_rank``, and ``columns``, a function
     returning the other trace columns (``engine._columns``' dict), called at most once.
     ``program_rows``, when the rows are the program's alone (no step-tail rows): its
@@ -52,14 +52,18 @@ class Spans:
     def __init__(self, starts: "Sequence[float]", ends: "Sequence[float]", row_rank: np.ndarray,
                  compute_rows: np.ndarray, compute_rank: np.ndarray,
                  columns: Callable[[], dict], program_rows: "RowArrays | None" = None) -> None:
-        if isinstance(starts, list) and isinstance(ends, list):
+        # the time metrics from the lists: given them, the program's rows, and few rows; a
+        # larger run's lists become arrays now (a float object a row, kept, would weigh three
+        # times the array on every result held)
+        self._small = (isinstance(starts, list) and isinstance(ends, list)
+                       and program_rows is not None and len(starts) <= SMALL_ROWS)
+        if self._small:
             self._starts = self._ends = None
             self._lists = (starts, ends)
         else:
-            self._starts, self._ends, self._lists = starts, ends, None
-        # the time metrics from the lists: given them, the program's rows, and few rows
-        self._small = (self._lists is not None and program_rows is not None
-                       and len(starts) <= SMALL_ROWS)
+            self._starts = np.asarray(starts, dtype=float)
+            self._ends = np.asarray(ends, dtype=float)
+            self._lists = None
         self.row_rank = row_rank
         self.compute_rows, self.compute_rank = compute_rows, compute_rank
         self._columns, self._made = columns, None
