@@ -39,7 +39,6 @@ from __future__ import annotations
 import random
 from itertools import chain, repeat
 from operator import itemgetter
-from typing import TYPE_CHECKING
 
 import numpy as np
 import simpy
