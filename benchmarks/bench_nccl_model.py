@@ -27,9 +27,8 @@ from pipesim.hardware import get_hardware
 from pipesim.plan import collectives as coll
 from pipesim.plan.cluster import Cluster
 from pipesim.plan.parallelism import Parallelism
-from pipesim.units import format_bytes
+from pipesim.units import GiB, MiB, format_bytes
 
-MiB, GiB = 2**20, 2**30
 SIZES = (4 << 10, 64 << 10, 1 * MiB, 16 * MiB, 256 * MiB, 8 * GiB)
 _212 = "NVIDIA/nccl-tests#212"
 _812 = "NVIDIA/nccl#812"

@@ -6,8 +6,7 @@ optimizer, selective recomputation, global batch 512 x 8192 tokens), simulated.
 from __future__ import annotations
 
 import pipesim
-
-GiB = 2 ** 30
+from pipesim.units import GiB
 
 
 def rows():

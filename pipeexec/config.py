@@ -28,6 +28,7 @@ from pipesim.plan.parallelism import PRECISIONS, RECOMPUTE, Parallelism
 from pipesim.plan.plan import Plan
 from pipesim.schedule.io import schedule_from_csv, schedule_from_dict, schedule_from_json
 from pipesim.schedule.placement import PLACEMENTS as PLACEMENT_CHOICES
+from pipesim.schedule.registry import schedule_refusal
 from pipesim.schedule.schedule import Schedule
 from pipesim.units import bytes_arg
 
@@ -637,11 +638,10 @@ class TrainConfig:
     def _fitted(self, s: Schedule, source: str) -> Schedule:
         """A schedule given as data (a file, the plan's): it must fit this run's layout."""
 
-        for name, want, got in (("pp", self.pp, s.pp), ("vpp", self.vpp, s.parts_per_rank),
-                                ("microbatches", self.microbatches, s.num_microbatches)):
-            if want != got:
-                raise pipesim.ScheduleError(f"{source}: the schedule has {name} = {got}, the run "
-                                            f"{name} = {want}; pass --{name} {got}")
+        why = schedule_refusal(s, self.pp, self.vpp, self.microbatches, asked="the run",
+                               flags=True)
+        if why is not None:
+            raise pipesim.ScheduleError(f"{source}: {why}")
         if self.forward_only:
             s = s.with_orders([[a for a in s.compute_parts(r) if a.op == "F"] for r in range(s.pp)],
                               name=f"{s.name} (forward only)", forward_only=True)

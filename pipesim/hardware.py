@@ -36,6 +36,8 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
+from .units import GB, GiB
+
 LINK_KINDS = ("intra", "inter")
 NCCL_ARCHS = ("", "ampere", "hopper", "blackwell")      # pipesim.plan.nccl.ARCHS, or none
 COLLECTIVE_NAMES = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all")
@@ -238,7 +240,7 @@ class Hardware:
         """Bytes held for the CUDA context, NCCL and workspaces: given, else min(4 GiB, 5%)."""
         if self.memory_reserve is not None:
             return self.memory_reserve
-        return min(4 * 2**30, 0.05 * self.memory_bytes)
+        return min(4 * GiB, 0.05 * self.memory_bytes)
 
     @property
     def usable_memory(self) -> float:
@@ -374,8 +376,6 @@ class Hardware:
         Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
 
 
-GB = 1e9
-GiB = 2**30
 H200_CUDA_BYTES = 150_109_880_320.0      # total_memory of an H200 (measured, see below)
 
 # A100 SXM 80GB: 312 TFLOP/s bf16 dense, NVLink3 600 GB/s total (300 per direction), HDR 200 Gb/s,

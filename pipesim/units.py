@@ -12,8 +12,12 @@ import argparse
 import math
 import re
 
-_UNITS = {"b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12,
-          "kib": 2 ** 10, "mib": 2 ** 20, "gib": 2 ** 30, "tib": 2 ** 40}
+# The byte units, defined here once and imported wherever a size is scaled or shown.
+KiB, MiB, GiB, TiB = 2 ** 10, 2 ** 20, 2 ** 30, 2 ** 40
+KB, MB, GB, TB = 1e3, 1e6, 1e9, 1e12
+
+_UNITS = {"b": 1, "kb": KB, "mb": MB, "gb": GB, "tb": TB,
+          "kib": KiB, "mib": MiB, "gib": GiB, "tib": TiB}
 _SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*$")
 UNITS_HELP = "decimal B, kB, MB, GB, TB or binary KiB, MiB, GiB, TiB"
 
@@ -58,7 +62,7 @@ def bytes_arg(text: str) -> float:
 
 def byte_unit(peak: float) -> tuple[float, str]:
     """(scale, name) to show byte counts up to ``peak``: GiB, MiB, KiB or bytes."""
-    return next(((size, name) for size, name in ((2**30, "GiB"), (2**20, "MiB"), (2**10, "KiB"))
+    return next(((size, name) for size, name in ((GiB, "GiB"), (MiB, "MiB"), (KiB, "KiB"))
                  if peak >= size), (1.0, "bytes"))
 
 

@@ -42,8 +42,8 @@ from typing import Any
 
 from pipesim.plan.collectives import COLLECTIVES, Fit, fit
 from pipesim.plan.derive import rank_parts    # each pipeline rank's parts, as the plan's tail
+from pipesim.units import KiB, MiB
 
-KiB, MiB = 2 ** 10, 2 ** 20
 DDP_BUCKET_BYTES = 25 * MiB  # pipeexec.training.ddp.GradBuffer's bucket_bytes default
 # 4 KiB (the tiny GPT's activation is 8 KiB) up to a whole gradient bucket, the largest message
 # a run sends. Not beyond: from 32 MiB glibc serves gloo's internal buffers with fresh mmap

@@ -15,6 +15,7 @@ from pathlib import Path
 from ..errors import PlanError
 from ..plan.model import ModelSpec
 from ..plan.flags import DESTS, apply_flags, load_model
+from ..units import GiB
 
 # Flags that only a plan can honour: given, they switch `simulate` from a schedule with
 # uniform (or --costs) costs to a plan with derived costs.
@@ -225,7 +226,7 @@ def cmd_hardware(args: argparse.Namespace) -> int:
         fp8 = f"{h.fp8_peak_flops / 1e12:.1f}" if h.has_fp8 else "-"       # A100: no FP8
         fp4 = f"{h.nvfp4_flops / 1e12:.1f}" if h.nvfp4_flops else "-"      # Blackwell only
         print(f"{h.name:<7} {h.peak_flops / 1e12:>12.1f} {fp8:>11} {fp4:>13} "
-              f"{h.memory_bytes / 2**30:>10.1f} {h.hbm_bandwidth / 1e12:>8.2f} "
+              f"{h.memory_bytes / GiB:>10.1f} {h.hbm_bandwidth / 1e12:>8.2f} "
               f"{h.link_bandwidth / 1e9:>11.0f} {h.network_bandwidth / 1e9:>8.0f} "
               f"{h.nvlink_domain:>13} {h.calibration:>12}")
     return 0

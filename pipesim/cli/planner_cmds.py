@@ -13,14 +13,12 @@ from pathlib import Path
 
 from ..plan.flags import DESTS, add_plan_flags, flatten, load_model, model_from_flags
 from ..plan.parallelism import RECOMPUTE
-from ..units import bytes_arg
+from ..units import GiB, bytes_arg
 from .plan_output import nothing_written_text, plan_gantt, summary_text, write_rows
 from .lists import names
 
 # the knobs `pipesim plan` searches (several values each); the table's other flags take one
 SEARCHED = ("tp", "cp", "pp", "vpp", "ep", "dp", "zero", "recompute", "micro_batch_size")
-
-GiB = 2 ** 30
 
 
 def add_commands(sub: argparse._SubParsersAction) -> None:

@@ -169,10 +169,12 @@ class CostModel:
 
     def check_shape(self, num_stages: int, pp: int) -> "CostModel":
         """Raise ValueError naming the first field whose list does not fit the schedule."""
-        for name in _PER_STAGE:
-            if getattr(self, name) is not None:
-                self.stage_values(name, num_stages)
-        self.rank_static_bytes(pp)
+        for name in _PER_STAGE:                  # a scalar fits any schedule
+            value = getattr(self, name)
+            if isinstance(value, tuple) and len(value) != num_stages:
+                self.stage_values(name, num_stages)     # raises, naming the field
+        if isinstance(self.static_bytes, tuple) and len(self.static_bytes) != pp:
+            self.rank_static_bytes(pp)
         return self
 
     def compute_times(self, num_stages: int) -> dict[str, list[float]]:

@@ -62,6 +62,7 @@ from dataclasses import dataclass, field
 from .costs import CostModel
 from ..errors import PlanError, ScheduleError
 from ..hardware import LOW_PRECISIONS
+from ..schedule.placement import LOOPED, rank_parts as placed_parts
 from ..schedule.registry import schedule_rank_parts
 from ..schedule.schedule import Schedule
 from . import collectives as coll
@@ -485,6 +486,6 @@ def rank_parts(plan, n: int) -> list[list[int]]:
     try:
         return [list(held) for held in schedule_rank_parts(plan.schedule_name, par.pp, par.vpp)]
     except ScheduleError:           # not a registered schedule: one stage a rank, looped
-        return [[st for st in range(n) if st % par.pp == r] for r in range(par.pp)]
+        return [list(held) for held in placed_parts(LOOPED, par.pp, n // par.pp)]
 
 

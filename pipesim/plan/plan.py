@@ -19,7 +19,7 @@ from ..errors import PlanError, ScheduleError
 from ..fields import json_value, typed_fields
 from ..hardware import Hardware, get_hardware
 from ..schedule.io import schedule_from_dict, schedule_to_dict
-from ..schedule.registry import build_schedule
+from ..schedule.registry import build_schedule, schedule_refusal
 from ..schedule.schedule import Schedule
 from ..units import format_count
 from .cluster import Cluster
@@ -120,13 +120,11 @@ class Plan:
         """The schedule this plan runs (PlanError naming the schedule's broken constraint)."""
         par = self.parallelism
         if isinstance(self.schedule, Schedule):
-            s = self.schedule
-            for name, want in (("pp", par.pp), ("vpp", par.vpp), ("microbatches", par.microbatches)):
-                got = {"pp": s.pp, "vpp": s.parts_per_rank, "microbatches": s.num_microbatches}[name]
-                if got != want:
-                    raise PlanError(f"schedule: the given Schedule has {name}={got}, the plan "
-                                    f"{name}={want}")
-            return s
+            why = schedule_refusal(self.schedule, par.pp, par.vpp, par.microbatches,
+                                   asked="the plan")
+            if why is not None:
+                raise PlanError(f"schedule: {why}")
+            return self.schedule
         try:
             return build_schedule(self.schedule, pp=par.pp, microbatches=par.microbatches,
                                   vpp=par.vpp, **dict(self.schedule_options))

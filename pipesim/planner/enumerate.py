@@ -285,6 +285,8 @@ def _per_layout(space: SearchSpace, cluster: Cluster, tp: int, cp: int, pp: int,
                     refused["layers not divisible by pp * vpp (Megatron's even split; "
                             "--uneven allows a near-even one)"] += 1
                     continue
+                # the two most common refusals counted under a short reason of their own (the
+                # builders refuse the same, in longer words, through `_refusal` below)
                 if schedule == "interleaved" and (pp < 2 or m < pp or m % pp):
                     refused["interleaved needs pp >= 2 and microbatches a multiple of pp"] += 1
                     continue

@@ -13,13 +13,13 @@ from typing import TYPE_CHECKING, Any
 
 from .search import SIMULATED, evaluate_plan
 from ..plan.parallelism import RECOMPUTE
+from ..units import GiB
 
 if TYPE_CHECKING:
     import pandas as pd
 
     from .search import SearchResult
 
-GiB = 2 ** 30
 KNOBS = ("tp", "cp", "pp", "vpp", "mbs", "recompute", "zero", "ep")
 # what a row's change names: every field of a plan's layout (microbatches follow from dp, mbs)
 CHANGED = ("schedule", "tp", "cp", "pp", "vpp", "dp", "ep", "mbs", "recompute", "zero")

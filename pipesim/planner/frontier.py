@@ -8,12 +8,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from ..units import GiB
+
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
     from .search import SearchResult
-
-GiB = 2 ** 30
 
 
 def frontier_figure(result: "SearchResult", title: str | None = None) -> "Figure":

@@ -16,8 +16,7 @@ import dataclasses
 from ..plan.footprint import ACTIVATION_BYTES, BYTES_PER_PARAM
 from ..plan.parallelism import PRECISIONS
 from .enumerate import ALL_SCHEDULES, DEFAULT_VPPS, VPP_MANY, SearchSpace
-
-GiB = 2 ** 30
+from ..units import GiB
 
 
 def fit_hints(space: SearchSpace, memory_limit: float | None = None, *,

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 from ..errors import PlanError
 from ..plan.plan import Plan
 from ..sim.plan_report import simulate_plan
+from ..units import GiB
 
-GiB = 2 ** 30
 KNOBS = ("schedule", "tp", "cp", "pp", "micro_batch_size", "recompute", "zero",
          "sequence_parallel", "ep",
          # terms the search does not vary but a plan may set (a published run's framework

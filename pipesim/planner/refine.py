@@ -21,6 +21,7 @@ from ..errors import PlanError, ScheduleError
 from ..plan.plan import Plan
 from ..sim.plan_report import simulate_plan
 from ..schedule.registry import build_schedule
+from ..units import GiB
 from ..zb_auto.search import handcrafted_origin
 from .search import SearchResult
 
@@ -115,7 +116,6 @@ def _search(base: Plan, kind: str, memory_limit: float, margin: float):
 
 
 def refinement_text(refinements: list[Refinement]) -> str:
-    GiB = 2 ** 30
     lines = [f"zb-auto on the best {len(refinements)} layouts (its order searched from each "
              "plan's costs under the same limit):",
              f"  {'plan':<58} {'step s':>8} {'zb-auto s':>9} {'gain':>7} {'peak GiB':>8}  order"]

@@ -39,11 +39,10 @@ from .bounds import bounds_key, plan_bounds
 from .enumerate import Enumeration, SearchSpace, enumerate_plans, plan_key
 from .rows import (CANDIDATE, COLUMNS, CONFIG_COLUMNS, INVALID, PRUNED_MEMORY,  # noqa: F401
                    PRUNED_TIME, SIMULATED, Assessment, PlanConfig, PlanFigures, PlanRow)
+from ..units import GiB
 
 if TYPE_CHECKING:
     import pandas as pd
-
-GiB = 2 ** 30
 
 
 # -- worker tasks (module level: a process pool or a Dask worker imports them) -----------------

@@ -26,7 +26,8 @@ the same rows when the schedule has no overlaps.
 from __future__ import annotations
 
 import gc
-from typing import TYPE_CHECKING, NamedTuple
+from collections.abc import Callable, Hashable
+from typing import TYPE_CHECKING, NamedTuple, TypeVar
 
 from .action import Action
 from .op import (CODE_B, CODE_F, CODE_I, CODE_RECV_B, CODE_RECV_F, CODE_SEND_B, CODE_SEND_F,
@@ -35,6 +36,7 @@ from .op import (CODE_B, CODE_F, CODE_I, CODE_RECV_B, CODE_RECV_F, CODE_SEND_B, 
 if TYPE_CHECKING:
     from .schedule import Schedule
 
+T = TypeVar("T")
 FORWARD, BACKWARD = 0, 1          # a message's direction: an activation, a gradient
 
 
@@ -107,7 +109,7 @@ class Program:
 
     __slots__ = ("pp", "num_stages", "num_microbatches", "in_turn", "together", "first_row",
                  "_transfers", "_links", "overlaps", "num_messages", "_steps", "_compute_rows",
-                 "_sent_forward")
+                 "_sent_forward", "_derived", "num_rows")
 
     def __init__(self, pp, num_stages, num_microbatches, in_turn, together, links,
                  overlaps) -> None:
@@ -119,6 +121,7 @@ class Program:
             first.append(row)
             row += len(rows)
         self.first_row = tuple(first)             # global index of each rank's first row
+        self.num_rows = row
         self._links = links                       # what `transfers` is made from, on use
         self._transfers: dict[int, Transfer] | None = None
         self.overlaps: tuple[tuple[int, int], ...] = overlaps   # (forward row, backward row)
@@ -126,6 +129,19 @@ class Program:
         self._steps: dict = {}
         self._compute_rows = None
         self._sent_forward: bytes | None = None
+        self._derived: dict = {}
+
+    def derived(self, make: Callable[..., T], *args: Hashable) -> T:
+        """``make(self, *args)``, made on the first call and kept with the program: what an
+        interpreter derives from the rows alone (the simulator's index arrays, its order of
+        steps) then costs one lookup a run, as the program itself is made once a schedule.
+        ``make`` must be a pure function of the program and ``args``, returning an immutable
+        value (tuples, read-only arrays): every caller of the same program shares it."""
+        key = (make, args)
+        value = self._derived.get(key)
+        if value is None:
+            value = self._derived[key] = make(self, *args)
+        return value
 
     def sent_forward(self) -> bytes:
         """A flag per ``stage * microbatches + microbatch``: 1 where that F's output is sent to
@@ -197,10 +213,6 @@ class Program:
             self._transfers = _transfers(self._links[0], self.num_stages,
                                          self.num_microbatches, *self._links[1:])
         return self._transfers
-
-    @property
-    def num_rows(self) -> int:
-        return sum(len(r) for r in self.in_turn)
 
     def rows(self, together: bool = False) -> tuple[tuple[Row, ...], ...]:
         return self.together if together else self.in_turn

@@ -5,8 +5,10 @@ The registry is filled once, at import, by the builder modules; nothing mutates 
 
 Each builder registers what a planner needs without building it: its ``check`` (the
 (pp, vpp, microbatches) it refuses with its default options, the same function the builder
-calls first: :func:`schedule_refusal`) and its placement (:func:`schedule_rank_parts`: which
-model parts each rank holds, copies included).
+calls first) and its placement (:func:`schedule_rank_parts`: which model parts each rank holds,
+copies included). :func:`schedule_refusal` is the one answer to "does this schedule fit pp, vpp,
+microbatches?", for a name or a Schedule given as data: the planner, a plan, pipeexec's config
+and the command lines ask it.
 """
 from __future__ import annotations
 
@@ -72,16 +74,30 @@ def schedule_info(name: str) -> BuilderInfo:
             f"unknown schedule {name!r}; known schedules: {', '.join(_BUILDERS)}") from None
 
 
-def schedule_refusal(name: str, pp: int, vpp: int, microbatches: int) -> str | None:
-    """Why the named builder (default options) refuses (pp, vpp, microbatches), in its own words;
-    None when it builds. Cheap: the builder's registered ``check``, not a build (a builder
-    registered without one is built, remembered as every plain build is)."""
-    info = schedule_info(name)
+def schedule_refusal(schedule: str | Schedule, pp: int, vpp: int, microbatches: int, *,
+                     asked: str = "asked", flags: bool = False) -> str | None:
+    """Why ``schedule`` does not fit (pp, vpp, microbatches), in words; None when it does.
+
+    A name: what its builder refuses with its default options, in the builder's own words.
+    Cheap: the sizes' bounds and the builder's registered ``check``, not a build (a builder
+    registered without one is built, remembered as every plain build is). A Schedule (given as
+    data: a file, a plan's): the first of pp, vpp (model parts a rank) and microbatches it has
+    otherwise, ``the schedule has vpp = 2, {asked} vpp = 1`` (``flags``: then ``; pass --vpp 2``,
+    for a command line)."""
+    if isinstance(schedule, Schedule):
+        for field, want, got in (("pp", pp, schedule.pp), ("vpp", vpp, schedule.parts_per_rank),
+                                 ("microbatches", microbatches, schedule.num_microbatches)):
+            if got != want:
+                return (f"the schedule has {field} = {got}, {asked} {field} = {want}"
+                        + (f"; pass --{field} {got}" if flags else ""))
+        return None
+    info = schedule_info(schedule)
     try:
         if info.check is None:
-            build_schedule(name, pp=pp, microbatches=microbatches, vpp=vpp)
+            build_schedule(schedule, pp=pp, microbatches=microbatches, vpp=vpp)
         else:
-            _check_sizes(name, pp, vpp, microbatches)
+            _check_sizes(schedule, pp, vpp, microbatches)
+            check_size(schedule, vpp, microbatches)
             info.check(pp, vpp, microbatches)
     except ScheduleError as exc:
         return str(exc)

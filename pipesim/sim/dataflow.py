@@ -1,9 +1,9 @@
-"""The walk of one rank over its lowered rows, and the ``async`` / ``blocking`` modes without
-SimPy: a ready list over ranks.
+"""The walk of the ranks over their lowered rows, and the ``async`` / ``blocking`` modes without
+SimPy: one pass over every rank's steps in an order of the program's data flow.
 
 :func:`walk` is the one place that says how a rank runs its rows (the SimPy engine drives the
-same generator, :func:`pipesim.sim.engine._run`): on a local clock, a computation waits for the
-message its row names (and an overlap's gate), a SEND occupies its directed link from when
+same generator, :func:`pipesim.sim.engine._run`): on the rank's clock, a computation waits for
+the message its row names (and an overlap's gate), a SEND occupies its directed link from when
 both the data and the link are free (FIFO: a link has one sender, so its queue follows that
 rank's order), a RECV only posts, and the sharding actions (ZeRO's UNSHARD / RESHARD /
 REDUCE_GRAD, :mod:`pipesim.schedule.sharding`) run on the rank's own communication lane, one
@@ -11,32 +11,42 @@ at a time (`pipesim.plan.costs.CostModel`: an UNSHARD's computation waits for it
 message it needs when that message has not been sent yet, and is resumed once it has.
 
 In the ``async`` and ``blocking`` modes nothing a rank computes depends on *when*, in simulated
-time, another rank acts, only on the times it is sent. The step is then a dataflow problem,
-solved by running each rank until it needs a message not yet sent, parking it there, and waking
-it when the message is sent, in any order: no event heap, no SimPy events
-(``tests/test_sim_engine.py`` compares the spans with the SimPy engine's on every builder).
+time, another rank acts, only on the times it is sent: a message's arrival is fixed by its
+sender's steps before it (its link has no other sender). So any order of all the steps that
+keeps each rank's steps in turn and each computation after the SEND of what it waits for gives
+the same times, to the bit. :func:`dataflow_order` finds one once a program (kept with it,
+:meth:`Program.derived`), by running the ranks as a ready list would, each until it needs a
+message not yet sent; a run is then one walk over that order, which never waits: no parking
+and waking of ranks (a rank waits about every other action in a 1F1B steady state), no event
+heap, no SimPy events (``tests/test_sim_engine.py`` compares the spans with the SimPy engine's
+on every builder).
 
 The modes whose result depends on the order of events in time (``rendezvous``: a link serves
 transfers in the order they become ready; shared cores: a computation's speed depends on what
-runs beside it) drive :func:`walk` from SimPy, through its two hooks.
+runs beside it) drive :func:`walk` from SimPy, one walk per rank, through its two hooks.
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from operator import itemgetter
 
 from ..plan.costs import CostModel
 from ..schedule.op import CODE_RESHARD, CODE_UNSHARD, FIRST_COMM_CODE, FIRST_SHARD_CODE, Op
 from ..schedule.program import Program
 
-_RECV_F, _RECV_B = Op.RECV_F.code, Op.RECV_B.code
-
+# CostModel.compute_times' lists in code order (F, B, I, W), by their names' plain strings (a
+# str-Enum member hashes through a Python-level __hash__)
+_by_code = itemgetter(*(Op.of_code(code).value for code in range(FIRST_COMM_CODE)))
 
 class Clocks:
     """What the ranks of one run share: every row's start and end, each message's arrival (-1
-    until sent), the token of the rank parked on it, each directed link's next free time."""
+    until sent), the token of the rank parked on it, each directed link's next free time, each
+    rank's clock, and each rank's sharding lane: when it is free, when its last UNSHARD ends
+    (the next computation waits for it) and when its last computation began (an overlapped
+    UNSHARD prefetches from there)."""
 
-    __slots__ = ("starts", "ends", "arrival", "waiter", "link_free", "durations", "link_time",
-                 "shard_time", "shard_overlap")
+    __slots__ = ("starts", "ends", "arrival", "waiter", "link_free", "clock", "durations",
+                 "link_time", "shard_time", "shard_overlap", "lane", "gathered", "began")
 
     def __init__(self, program: Program, costs: CostModel) -> None:
         n = program.num_stages
@@ -46,21 +56,25 @@ class Clocks:
         self.arrival = [-1.0] * program.num_messages
         self.waiter: list = [None] * program.num_messages
         self.link_free = [0.0] * (program.pp * program.pp)
-        times = costs.compute_times(n)
-        self.durations = (times[Op.F], times[Op.B], times[Op.I], times[Op.W])   # by code
+        self.clock = [0.0] * program.pp
+        self.durations = _by_code(costs.compute_times(n))
         self.link_time = [costs.transfer_time(x) for x in costs.stage_values("p2p_bytes", n)]
         # UNSHARD, RESHARD (free), REDUCE_GRAD per stage, by code - FIRST_SHARD_CODE
         self.shard_time = (costs.stage_values("unshard", n), [0.0] * n,
                            costs.stage_values("reduce_grad", n))
         self.shard_overlap = costs.overlap_sharding == 1.0
+        self.lane = [0.0] * program.pp
+        self.gathered = [0.0] * program.pp
+        self.began = [0.0] * program.pp
 
 
-def walk(steps: Sequence[tuple], clocks: Clocks, wake: Callable[[object, float], None],
-         factors: Sequence[float] | None, scale: dict[int, float] | None, blocking: bool,
-         on_send: Callable | None = None, on_recv: Callable | None = None,
-         shared_cpu: bool = False) -> Iterator:
-    """Run one rank's ``steps`` (:meth:`Program.steps`); yields the message number it waits
-    for, and resumes once that message's arrival is set.
+def walk(steps: Iterable[tuple[int, tuple]], clocks: Clocks,
+         wake: Callable[[object, float], None], factors: Sequence[float] | None,
+         scale: dict[int, float] | None, blocking: bool, on_send: Callable | None = None,
+         on_recv: Callable | None = None, shared_cpu: bool = False) -> Iterator:
+    """Run ``steps``: ``(rank, step)`` pairs, a step as :meth:`Program.steps` makes it, each on
+    its rank's clock (``clocks.clock``); yields the message number a step waits for when it has
+    not been sent, and resumes once that message's arrival is set.
 
     ``wake(token, arrival)`` is called when a message somebody is parked on (``waiter``) is
     sent. ``on_send(msg, row, link, seconds, t)`` / ``on_recv(msg, t)`` (rendezvous): a SEND
@@ -68,65 +82,73 @@ def walk(steps: Sequence[tuple], clocks: Clocks, wake: Callable[[object, float],
     ``shared_cpu``: a computation yields ``(t, work)`` and is sent its end time back."""
     starts, ends, arrival, waiter = clocks.starts, clocks.ends, clocks.arrival, clocks.waiter
     link_free, durations, link_time = clocks.link_free, clocks.durations, clocks.link_time
+    clock, gathered = clocks.clock, clocks.gathered
     scaled = factors is not None or scale is not None
-    t = 0.0
-    lane = 0.0            # the rank's sharding lane is free from
-    gathered = 0.0        # the last UNSHARD's end: the next computation waits for it
-    began = 0.0           # the last computation's start: an overlapped UNSHARD prefetches from it
-    for row, code, stage, wait, wait_row, gate, gate_row, sends in steps:
+    first_comm = FIRST_COMM_CODE
+    for rank, (row, code, stage, wait, wait_row, gate, gate_row, sends) in steps:
+        t = clock[rank]
         if code >= 0:
-            if code < FIRST_COMM_CODE:                   # F, B, I, W
-                if wait >= 0 or gate >= 0:
-                    # The wait for a posted receive happens here, in the compute that needs it
-                    # (an overlap's forward part first waits for its backward part's input).
-                    for need, at in ((gate, gate_row), (wait, wait_row)):
-                        if need < 0:
-                            continue
-                        e = arrival[need]
-                        if e < 0.0:
-                            yield need
-                            e = arrival[need]
-                        starts[at] = t
-                        if e > t:
-                            t = e
-                        ends[at] = t
+            if code < first_comm:                       # F, B, I, W
+                # The wait for a posted receive happens here, in the compute that needs it (an
+                # overlap's forward part first waits for its backward part's input, its gate).
+                if gate >= 0:
+                    e = arrival[gate]
+                    if e < 0.0:
+                        yield gate
+                        e = arrival[gate]
+                    starts[gate_row] = t
+                    if e > t:
+                        t = e
+                    ends[gate_row] = t
+                if wait >= 0:
+                    e = arrival[wait]
+                    if e < 0.0:
+                        yield wait
+                        e = arrival[wait]
+                    starts[wait_row] = t
+                    if e > t:
+                        t = e
+                    ends[wait_row] = t
                 work = durations[code][stage]
                 if scaled:
                     if factors is not None:
                         work *= factors[row]
                     if scale is not None and row in scale:
                         work *= scale[row]
-                if gathered > t:
-                    t = gathered
-                starts[row] = began = t
+                if gathered[rank] > t:
+                    t = gathered[rank]
+                starts[row] = t
+                clocks.began[rank] = t
                 if shared_cpu:
                     t = yield (t, work)
                 else:
                     t += work
                 ends[row] = t
-            elif code >= FIRST_SHARD_CODE:               # UNSHARD, RESHARD, REDUCE_GRAD
-                if code == CODE_RESHARD:
-                    starts[row] = ends[row] = t          # a release: no communication
-                    continue
-                s = began if code == CODE_UNSHARD and clocks.shard_overlap else t
-                if s < lane:
-                    s = lane
-                lane = s + clocks.shard_time[code - FIRST_SHARD_CODE][stage]
-                starts[row], ends[row] = s, lane
-                if not clocks.shard_overlap:
-                    t = lane                             # the rank waits for its collective
-                elif code == CODE_UNSHARD:
-                    gathered = lane
+            elif code >= FIRST_SHARD_CODE:              # UNSHARD, RESHARD, REDUCE_GRAD
+                if code != CODE_RESHARD:                # a release: no communication
+                    overlap = clocks.shard_overlap
+                    s = clocks.began[rank] if code == CODE_UNSHARD and overlap else t
+                    lane = clocks.lane[rank]
+                    if s < lane:
+                        s = lane
+                    lane = clocks.lane[rank] = s + clocks.shard_time[code - FIRST_SHARD_CODE][stage]
+                    starts[row], ends[row] = s, lane
+                    if not overlap:
+                        clock[rank] = lane              # the rank waits for its collective
+                    elif code == CODE_UNSHARD:
+                        gathered[rank] = lane
+                else:
+                    starts[row] = ends[row] = t
                 continue
-            else:                                        # RECV: post only
-                starts[row] = ends[row] = t              # until the consumer waits
+            else:                                       # RECV: post only
+                starts[row] = ends[row] = t             # until the consumer waits
                 if on_recv is not None:
                     on_recv(wait, t)
                 continue
-        for srow, msg, link, boundary in sends:          # SEND_F, SEND_B
+        for srow, msg, link, boundary in sends:         # SEND_F, SEND_B
             c = link_time[boundary]
             if on_send is not None:
-                starts[srow] = ends[srow] = t            # until the transfer is placed
+                starts[srow] = ends[srow] = t           # until the transfer is placed
                 on_send(msg, srow, link, c, t)
                 continue
             s = link_free[link]
@@ -143,6 +165,47 @@ def walk(steps: Sequence[tuple], clocks: Clocks, wake: Callable[[object, float],
             if w is not None:
                 waiter[msg] = None
                 wake(w, e)
+        clock[rank] = t
+
+
+def dataflow_order(program: Program, together: bool) -> tuple[tuple[int, tuple], ...]:
+    """Every rank's steps (:meth:`Program.steps`), as ``(rank, step)`` pairs in one order that
+    keeps each rank's steps in turn and puts each computation after the SEND of every message
+    it waits for. Found by running the ranks, lowest first, each until it needs a message not
+    yet sent (it is run again once that message is sent). Raises RuntimeError naming the ranks
+    left waiting (a deadlock that ``Schedule.validate`` refuses)."""
+    per_rank = program.steps(together)
+    pp = program.pp
+    sent = bytearray(program.num_messages)
+    parked: dict[int, int] = {}                         # message -> the rank waiting for it
+    done = [0] * pp                                     # steps of each rank in the order so far
+    ready = list(range(pp - 1, -1, -1))                 # ranks to run, rank 0 first
+    order: list[tuple[int, tuple]] = []
+    append = order.append
+    while ready:
+        rank = ready.pop()
+        steps = per_rank[rank]
+        i = done[rank]
+        while i < len(steps):
+            step = steps[i]
+            if 0 <= step[1] < FIRST_COMM_CODE:          # a computation: its gate, then its input
+                need = next((m for m in (step[5], step[3]) if m >= 0 and not sent[m]), -1)
+                if need >= 0:
+                    parked[need] = rank
+                    break
+            append((rank, step))
+            for _row, msg, _link, _boundary in step[7]:
+                sent[msg] = 1
+                waiting = parked.pop(msg, None)
+                if waiting is not None:
+                    ready.append(waiting)
+            i += 1
+        done[rank] = i
+    stuck = [r for r in range(pp) if done[r] < len(per_rank[r])]
+    if stuck:
+        raise RuntimeError(f"simulation stopped with rank(s) {stuck} waiting on a receive; "
+                           "validate() should have caught this deadlock")
+    return tuple(order)
 
 
 def run_dataflow(program: Program, costs: CostModel, factors: Sequence[float] | None,
@@ -153,27 +216,12 @@ def run_dataflow(program: Program, costs: CostModel, factors: Sequence[float] | 
     rows); ``scale``: per row, the factor that makes an overlap's parts take
     ``CostModel.overlap_time``. Raises RuntimeError if ranks are left waiting (a deadlock that
     ``Schedule.validate`` should have refused)."""
-    pp = program.pp
     clocks = Clocks(program, costs)
-    waiter = clocks.waiter
-    ready: list[int] = []                               # ranks to resume
-
-    def wake(rank: int, _arrival: float) -> None:
-        ready.append(rank)
-
-    processes = [walk(steps, clocks, wake, factors, scale, blocking)
-                 for steps in program.steps(together)]
-    done = [False] * pp
-    ready.extend(range(pp - 1, -1, -1))                 # rank 0 first
-    while ready:
-        rank = ready.pop()
-        msg = next(processes[rank], None)
-        if msg is None:
-            done[rank] = True
-        else:
-            waiter[msg] = rank
-    if not all(done):
-        stuck = [r for r in range(pp) if not done[r]]
-        raise RuntimeError(f"simulation stopped with rank(s) {stuck} waiting on a receive; "
-                           "validate() should have caught this deadlock")
+    order = program.derived(dataflow_order, together)
+    for msg in walk(order, clocks, _no_waiter, factors, scale, blocking):
+        raise AssertionError(f"the dataflow order runs a step before message {msg} is sent")
     return clocks.starts, clocks.ends, program.compute_rows()
+
+
+def _no_waiter(token: object, arrival: float) -> None:
+    """`walk`'s ``wake`` in one pass over a dataflow order: nobody is ever parked."""

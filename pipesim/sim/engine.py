@@ -37,9 +37,8 @@ a generator seeded by ``seed``, in rank then action order.
 from __future__ import annotations
 
 import random
-from itertools import chain
+from itertools import chain, repeat
 from operator import itemgetter
-from typing import TYPE_CHECKING
 
 import numpy as np
 import simpy
@@ -47,13 +46,12 @@ from simpy.events import NORMAL
 
 from ..plan.costs import CostModel
 from .dataflow import Clocks, run_dataflow, walk
+from .result import SimResult
+from .rows import row_arrays
 from .spans import Spans
-from ..schedule.op import CODE_ALLREDUCE, CODE_OPTIMIZER, FIRST_COMM_CODE, FIRST_SHARD_CODE, Op
+from ..schedule.op import CODE_ALLREDUCE, CODE_OPTIMIZER, FIRST_COMM_CODE, FIRST_SHARD_CODE
 from ..schedule.program import Program, Row, lower
 from ..schedule.schedule import Schedule
-
-if TYPE_CHECKING:
-    from .result import SimResult
 
 COMM_MODES = ("async", "blocking", "rendezvous")
 
@@ -72,8 +70,6 @@ def simulate(schedule: Schedule, costs: CostModel | None = None, *, comm: str = 
     :class:`pipesim.ScheduleError` for an invalid schedule and ValueError for costs that do not
     fit it.
     """
-    from .result import SimResult
-
     costs = CostModel() if costs is None else costs
     if comm not in COMM_MODES:
         raise ValueError(f"comm must be one of {', '.join(COMM_MODES)}, got {comm!r}")
@@ -88,28 +84,23 @@ def simulate(schedule: Schedule, costs: CostModel | None = None, *, comm: str = 
     costs.check_shape(schedule.num_stages, schedule.pp)
     program = lower(schedule)
     together = costs.overlaps_parts and bool(program.overlaps)   # parts run together: both inputs
-    scale = _overlap_scale(schedule, program, costs) if program.overlaps else None
+    # parts that run in turn take what they take alone: no factor (x * 1.0 is x, to the bit)
+    scale = _overlap_scale(schedule, program, costs) if together else None
     factors = _jitter(program.num_rows, jitter, seed)
     shared = cores if cores is not None and cores < schedule.pp else None
     options = {"comm": comm, "step_tail": step_tail, "dp": dp, "jitter": jitter, "seed": seed,
                "cores": cores}
-    row_rank = np.repeat(np.arange(schedule.pp, dtype=np.int64), [len(r) for r in program.in_turn])
     if comm == "rendezvous" or shared is not None:      # depend on event order in time
         starts, ends = _run(program, costs, factors, comm == "blocking", comm == "rendezvous",
                             shared, together, scale)
-        compute = None
     else:
         # A dataflow (no event heap); the timing-free columns wait until the trace is asked for.
-        starts, ends, compute = run_dataflow(program, costs, factors, comm == "blocking",
-                                             together, scale)
+        starts, ends, _ = run_dataflow(program, costs, factors, comm == "blocking", together,
+                                       scale)
     if not step_tail:
-        if compute is None:
-            compute = program.compute_rows()
-        rank = np.repeat(np.arange(schedule.pp, dtype=np.int64), [len(c) for c in compute])
-        spans = Spans(np.asarray(starts, dtype=float), np.asarray(ends, dtype=float), row_rank,
-                      np.fromiter(chain.from_iterable(compute), dtype=np.int64, count=len(rank)),
-                      rank, lambda: _columns(schedule, program, costs),
-                      lambda: _compute_ops(program))
+        rows = row_arrays(program)
+        spans = Spans(starts, ends, rows.row_rank, rows.compute_rows, rows.compute_rank,
+                      lambda: _columns(schedule, program, costs), rows)
         return SimResult.from_spans(spans, schedule=schedule, costs=costs, options=options)
     columns = _columns(schedule, program, costs)
     _append_tail(schedule, costs, dp, columns, starts, ends)
@@ -235,17 +226,6 @@ def _columns(schedule: Schedule, program: Program, costs: CostModel) -> dict:
     }
 
 
-def _compute_ops(program: Program) -> tuple:
-    """(op names, stage, microbatch) of the compute rows, in row order (an overlap's parts in
-    turn), which is all the memory model reads of a result without its trace."""
-    flat = [r for r in chain.from_iterable(program.in_turn) if r[0] < FIRST_COMM_CODE]
-    rows = len(flat)
-    names = np.asarray([op.value for op in Op], dtype=object)
-    return (names[np.fromiter(map(itemgetter(0), flat), dtype=np.int64, count=rows)],
-            np.fromiter(map(itemgetter(1), flat), dtype=np.int64, count=rows),
-            np.fromiter(map(itemgetter(2), flat), dtype=np.int64, count=rows))
-
-
 def _run(program: Program, costs: CostModel, factors: list[float] | None, blocking: bool,
          rendezvous: bool = False, cores: float | None = None, together: bool = False,
          scale: dict[int, float] | None = None) -> tuple[list[float], list[float]]:
@@ -330,7 +310,7 @@ def _run(program: Program, costs: CostModel, factors: list[float] | None, blocki
         done[rank] = True
 
     for rank, steps in enumerate(program.steps(together, posts=rendezvous)):
-        walker = walk(steps, clocks, wake, factors, scale, blocking,
+        walker = walk(zip(repeat(rank), steps), clocks, wake, factors, scale, blocking,
                       on_send if rendezvous else None, on_recv if rendezvous else None,
                       shared is not None)
         env.process(process(rank, walker))

@@ -41,7 +41,8 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
-from ..schedule.op import CODE_RECV_B, CODE_RECV_F, FIRST_COMM_CODE, Op
+from ..schedule.op import (CODE_B, CODE_F, CODE_I, CODE_RECV_B, CODE_RECV_F, CODE_W,
+                           FIRST_COMM_CODE, TRACE_OPS)
 from ..schedule.program import lower
 
 if TYPE_CHECKING:
@@ -56,7 +57,7 @@ class ComputeRows(NamedTuple):
     order: what the memory model reads, whether or not a DataFrame was built."""
 
     rank: np.ndarray
-    op: np.ndarray          # op names (str objects)
+    code: np.ndarray        # op codes (:attr:`Op.code`; -1 for an op the trace names and Op not)
     stage: np.ndarray
     microbatch: np.ndarray
     start: np.ndarray
@@ -89,9 +90,23 @@ class MemoryEvents(NamedTuple):
 def compute_rows(trace: "pd.DataFrame") -> ComputeRows:
     rows = trace[trace["kind"] == "compute"]
     rows = rows[rows["stage"] >= 0]
-    return ComputeRows(rows["rank"].to_numpy(int), rows["op"].to_numpy(object),
+    return ComputeRows(rows["rank"].to_numpy(int), op_codes(rows["op"]),
                        rows["stage"].to_numpy(int), rows["microbatch"].to_numpy(int),
                        rows["start"].to_numpy(float), rows["end"].to_numpy(float))
+
+
+def op_codes(ops: "pd.Series") -> np.ndarray:
+    """A trace's ``op`` column as :attr:`Op.code` values (-1 for a name that is no Op): the
+    categorical's codes when its categories are the trace's own (as the simulator makes it),
+    else name by name (a measured trace's strings)."""
+    cat = getattr(ops, "cat", None) if str(ops.dtype) == "category" else None
+    if cat is not None and tuple(cat.categories) == _TRACE_OP_NAMES:
+        return cat.codes.to_numpy(np.int8)
+    return np.fromiter((_CODE_OF.get(str(op), -1) for op in ops), dtype=np.int8, count=len(ops))
+
+
+_TRACE_OP_NAMES = tuple(op.value for op in TRACE_OPS)
+_CODE_OF = {op.value: op.code for op in TRACE_OPS}
 
 
 def memory_timeline(trace: "pd.DataFrame", costs: "CostModel", num_stages: int, pp: int,
@@ -114,17 +129,18 @@ def memory_events(rows: ComputeRows, t0: float, costs: "CostModel", num_stages: 
     wshare = np.asarray(costs.stage_values("weight_grad_fraction", num_stages), float)
     static_stage = costs.stage_values("stage_static_bytes", num_stages)
     static_rank = costs.rank_static_bytes(pp)
-    ops, stage, start, end, rank = rows.op, rows.stage, rows.start, rows.end, rows.rank
+    code, stage, start, end, rank = rows.code, rows.stage, rows.start, rows.end, rows.rank
     if len(stage) and stage.max() >= num_stages:
         raise ValueError(f"trace names stage {stage.max()}, outside 0..{num_stages - 1}")
-    has_backward = bool(np.isin(ops, ("B", "I", "W")).any())
+    is_b, is_i, is_w = code == CODE_B, code == CODE_I, code == CODE_W
+    has_backward = bool(is_b.any() or is_i.any() or is_w.any())
     parts = []  # (mask, time, delta, prio)
-    is_f = ops == "F"
+    is_f = code == CODE_F
     parts.append((is_f, start, act[stage], 1))
     if has_backward:
-        parts.append((ops == "B", end, -act[stage], 0))
-        parts.append((ops == "I", end, -(1 - wshare[stage]) * act[stage], 0))
-        parts.append((ops == "W", end, -wshare[stage] * act[stage], 0))
+        parts.append((is_b, end, -act[stage], 0))
+        parts.append((is_i, end, -(1 - wshare[stage]) * act[stage], 0))
+        parts.append((is_w, end, -wshare[stage] * act[stage], 0))
     else:
         parts.append((is_f, end, -act[stage], 0))
     times = np.concatenate([t[m] for m, t, _, _ in parts])
@@ -173,7 +189,7 @@ def _send_buffers(rows: ComputeRows, schedule: "Schedule", nbytes: Sequence[floa
     sent = np.frombuffer(lower(schedule).sent_forward(), dtype=np.uint8).astype(bool)
     size = np.asarray(list(nbytes), float)
     key = rows.stage * m + np.clip(rows.microbatch, 0, m - 1)
-    mask = (rows.op == "F") & (rows.microbatch < m) & sent[np.clip(key, 0, len(sent) - 1)]
+    mask = (rows.code == CODE_F) & (rows.microbatch < m) & sent[np.clip(key, 0, len(sent) - 1)]
     mask &= size[rows.stage] > 0
     if not mask.any():
         return None
@@ -196,12 +212,12 @@ def _local_handoffs(rows: ComputeRows, schedule: "Schedule", nbytes: Sequence[fl
     near = np.isin(rows.stage, local + [s + 1 for s in local])
     f_start: dict = {}
     back_end: dict = {}
-    for r, o, s, b, t0, t1 in zip(rows.rank[near].tolist(), rows.op[near].tolist(),
+    for r, o, s, b, t0, t1 in zip(rows.rank[near].tolist(), rows.code[near].tolist(),
                                   rows.stage[near].tolist(), rows.microbatch[near].tolist(),
                                   rows.start[near].tolist(), rows.end[near].tolist()):
-        if o == "F":
+        if o == CODE_F:
             f_start[(r, s, b)] = t0
-        elif o in ("B", "I"):
+        elif o == CODE_B or o == CODE_I:
             back_end[(r, s, b)] = t1
     out: list[tuple[int, float, float, int]] = []
     local_set = set(local)
@@ -222,7 +238,7 @@ def _receive_buffers(rows: ComputeRows, schedule: "Schedule", nbytes: Sequence[f
                      ) -> list[tuple[int, float, float, int]]:
     """(rank, time, +/- bytes, priority) of the receive buffers a schedule's RECVs hold, read
     from its lowered rows (an overlap holds what its parts do)."""
-    span = dict(zip(zip(rows.rank.tolist(), rows.op.tolist(), rows.stage.tolist(),
+    span = dict(zip(zip(rows.rank.tolist(), rows.code.tolist(), rows.stage.tolist(),
                         rows.microbatch.tolist()), zip(rows.start.tolist(), rows.end.tolist())))
     out: list[tuple[int, float, float, int]] = []
     for rank, lowered in enumerate(lower(schedule).in_turn):
@@ -234,17 +250,16 @@ def _receive_buffers(rows: ComputeRows, schedule: "Schedule", nbytes: Sequence[f
                 continue
             if not posted or code >= FIRST_COMM_CODE:
                 continue
-            op = Op.of_code(code).value
-            at = span.get((rank, op, stage, mb))
+            at = span.get((rank, code, stage, mb))
             for rcode, s, b in posted:
                 if rcode == CODE_RECV_F:
-                    use = span.get((rank, "F", s, b))
-                    if at is None or use is None or (op == "F" and (s, b) == (stage, mb)):
+                    use = span.get((rank, CODE_F, s, b))
+                    if at is None or use is None or (code == CODE_F and (s, b) == (stage, mb)):
                         continue             # posted right before its F: in activation_bytes
                     size = nbytes[s - 1]
                     out += [(rank, at[0], size, 1), (rank, use[0], -size, 0)]
                 else:
-                    use = span.get((rank, "B", s, b)) or span.get((rank, "I", s, b))
+                    use = span.get((rank, CODE_B, s, b)) or span.get((rank, CODE_I, s, b))
                     if at is None or use is None:
                         continue
                     size = nbytes[s]

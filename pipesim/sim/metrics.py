@@ -70,8 +70,15 @@ def span_per_rank(trace: "pd.DataFrame", ranks: int) -> list[float]:
 
 def slowest_of(busy: list[float], span: list[float]) -> int:
     """The rank with the largest idle share of its own span (lowest rank on ties)."""
-    shares = [(s - b) / s if s > 0 else 0.0 for b, s in zip(busy, span)]
-    return int(np.argmax(shares))
+    # np.argmax's answer over the shares (the first NaN, else the first largest), in one loop
+    slowest, most = 0, None
+    for r, (b, s) in enumerate(zip(busy, span)):
+        share = (s - b) / s if s > 0 else 0.0
+        if share != share:
+            return r
+        if most is None or share > most:
+            slowest, most = r, share
+    return slowest
 
 
 def bubble_fraction(trace: "pd.DataFrame", ranks: int) -> float:

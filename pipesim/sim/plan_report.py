@@ -31,12 +31,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..plan.derive import PlanCosts
+from ..units import GiB
 
 if TYPE_CHECKING:
     from .result import SimResult
     from ..plan.plan import Plan
-
-GiB = 2 ** 30
 
 
 @dataclass(frozen=True)
