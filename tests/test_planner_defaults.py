@@ -49,7 +49,7 @@ def test_the_405b_default_space_on_16384_h100_holds_the_plan_docs_planning_repor
     plan (tests/test_planner.py), so the whole search finds a plan too; a whole default search
     runs in tests/test_readme.py (the README's Llama 3 70B line)."""
     from pipesim.hardware import get_hardware
-    from pipesim.plan.report import simulate_plan
+    from pipesim.sim.plan_report import simulate_plan
     from pipesim.planner.search import search
 
     space = SearchSpace(PRESETS["llama3-405b"], 16384, 2048, seq_length=8192,

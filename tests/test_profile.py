@@ -588,7 +588,8 @@ def test_measured_trace_of_a_real_run_is_well_formed(real_runs, name):
     assert shares[0]["embedding"]["F"] == layers["0"]["embedding"]["share_cpu"]["F"]
     # the measured run scores and draws like a simulated one
     result = run.result()
-    assert 0 < result.bubble_fraction < 50 and 0 <= result.bubble_rate < 1
+    # 0 when the busiest rank's actions tile the step (its waits measured inside them)
+    assert 0 <= result.bubble_fraction < 50 and 0 <= result.bubble_rate < 1
     assert len(result.peak_memory) == schedule.pp and min(result.peak_memory) > 0
     assert result.gantt(comm=True) is not None
     events = result.to_chrome_trace()["traceEvents"]
