@@ -449,7 +449,6 @@ class PipelineRuntime:
             for hook in self._on_end:
                 hook(part, step)
 
-
     # -- data-parallel sharding (ZeRO) -------------------------------------------------------
     def _unshard(self, s: int, mb: int) -> None:
         self.sharding.unshard(s)

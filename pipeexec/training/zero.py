@@ -45,8 +45,7 @@ These are actions of the program the runtime runs (`pipesim.schedule.sharding` i
 ``UNSHARD s`` / ``RESHARD s`` around every compute of stage ``s`` under ZeRO-3 and
 ``REDUCE_GRAD s`` after its last backward, or after each B and W, under ZeRO-2/3; the
 simulator times the same rows): the runtime calls `unshard`, `reshard` and `reduce_grad`
-(``sharding`` is the `Sharding` to lower the schedule with). `before` / `after` are the same
-as stage hooks, for a stage run by hand. torch's FSDP2 (``fully_shard``) does not fit this runtime: it gathers and
+(``sharding`` is the `Sharding` to lower the schedule with). torch's FSDP2 (``fully_shard``) does not fit this runtime: it gathers and
 reduces from module forward / backward hooks, but the runtime binds each fp32 parameter's
 ``.grad`` to a view of one flat gradient buffer and runs Zero Bubble's split backward (I, then
 W later) by calling autograd on internal nodes of the graph (`pipeexec.pipeline.backward`),
@@ -87,7 +86,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from pipesim.schedule.action import B, F, I, W, Action
 from pipesim.schedule.sharding import Sharding
 
 from .flat import Bucket, Piece, Slot, StageLayout, runs
@@ -95,8 +93,6 @@ from .optim import adamw_state_for, build_adamw, set_lr
 
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-_COMPUTE = frozenset((F, B, I, W))
-_BACKWARD = frozenset((B, I, W))
 
 
 class ShardedOptimizer:
@@ -151,8 +147,6 @@ class ShardedOptimizer:
         # the step's gradients whole (ZeRO-1, and ZeRO-2/3 reducing once a step) or a shard
         self.full_grads = level == 1 or grad_reduce == "per_step"
         self.grad_reduce = grad_reduce
-        self._backwards: dict[int, int] = {}        # stage -> backward actions a step
-        self._done: dict[int, int] = {}             # stage -> those run this step
         self._reduced: set[int] = set()             # stages reduce-scattered this step
         self.reduce_scatters = 0                    # bucket reduce-scatters this step
         self.param_flat: dict[int, torch.Tensor] = {}
@@ -366,13 +360,6 @@ class ShardedOptimizer:
         mine = self._reduce_scatter(buf, bucket)
         self.grad_shard[s][bucket.shard_start: bucket.shard_start + bucket.slice].add_(mine)
 
-    def expect_backwards(self, counts: Mapping[int, int]) -> None:
-        """Per stage, how many backward actions (B, I, W) it runs a step, for the stage-hook
-        form (`after`): reducing once a step, a stage's buffer is reduce-scattered after the
-        last of them. (A program carries its REDUCE_GRAD actions instead.) A stage reduced by
-        neither is reduced after the step's backward, in `reduce_gradients`."""
-        self._backwards = dict(counts)
-
     def _reduce_stage(self, s: int) -> None:
         """Once a step: stage ``s``'s whole buffer reduce-scattered in place, bucket by bucket
         (ZeRO-2/3 first copy the tied instances' gradients out, as the per-microbatch
@@ -413,31 +400,10 @@ class ShardedOptimizer:
                 self._reduce_bucket(*key)
 
     # -- the same as stage hooks, for a stage run outside a program (one-process tests) --------
-    def before(self, action: Action) -> None:
-        """Stage hook: ZeRO-3 gathers the stage's parameters for the action."""
-        if action.op in _COMPUTE:
-            self.unshard(action.stage)
-
-    def after(self, action: Action) -> None:
-        """Stage hook: ZeRO-2/3 reduce the stage's gradients after a backward (once a step:
-        after the last of the counts `expect_backwards` gave); ZeRO-3 releases the stage's
-        parameters."""
-        s = action.stage
-        if self.level >= 2 and action.op in _BACKWARD:
-            if self.full_grads:
-                self._done[s] = self._done.get(s, 0) + 1
-                if self._done[s] == self._backwards.get(s):     # the stage's last backward
-                    self.reduce_grad(s)
-            else:
-                self.reduce_grad(s)
-        if action.op in _COMPUTE:
-            self.reshard(s)
-
     # -- the step -----------------------------------------------------------------------------
     def zero(self) -> None:
         """Start of a step: no gradient yet."""
         self._grad_all.zero_()
-        self._done.clear()
         self._reduced.clear()
         self.reduce_scatters = 0
         if self._tied_buf is not None:
@@ -694,10 +660,6 @@ class ExpertShardedOptimizer:
         if self.expert is not None:
             self.expert.accumulate(stage, [g for g, e in zip(grads, mask) if e])
 
-    def expect_backwards(self, counts: Mapping[int, int]) -> None:
-        for h in self.holders:
-            h.expect_backwards(counts)
-
     def unshard(self, stage: int) -> None:
         for h in self.holders:
             h.unshard(stage)
@@ -709,14 +671,6 @@ class ExpertShardedOptimizer:
     def reduce_grad(self, stage: int) -> None:
         for h in self.holders:
             h.reduce_grad(stage)
-
-    def before(self, action: Action) -> None:
-        for h in self.holders:
-            h.before(action)
-
-    def after(self, action: Action) -> None:
-        for h in self.holders:
-            h.after(action)
 
     def zero(self) -> None:
         for h in self.holders:

@@ -82,7 +82,7 @@ def walk(steps: Iterable[tuple[int, tuple]], clocks: Clocks,
     ``shared_cpu``: a computation yields ``(t, work)`` and is sent its end time back."""
     starts, ends, arrival, waiter = clocks.starts, clocks.ends, clocks.arrival, clocks.waiter
     link_free, durations, link_time = clocks.link_free, clocks.durations, clocks.link_time
-    clock, gathered = clocks.clock, clocks.gathered
+    clock, gathered, began = clocks.clock, clocks.gathered, clocks.began
     scaled = factors is not None or scale is not None
     first_comm = FIRST_COMM_CODE
     for rank, (row, code, stage, wait, wait_row, gate, gate_row, sends) in steps:
@@ -117,8 +117,7 @@ def walk(steps: Iterable[tuple[int, tuple]], clocks: Clocks,
                         work *= scale[row]
                 if gathered[rank] > t:
                     t = gathered[rank]
-                starts[row] = t
-                clocks.began[rank] = t
+                starts[row] = began[rank] = t
                 if shared_cpu:
                     t = yield (t, work)
                 else:
@@ -127,11 +126,12 @@ def walk(steps: Iterable[tuple[int, tuple]], clocks: Clocks,
             elif code >= FIRST_SHARD_CODE:              # UNSHARD, RESHARD, REDUCE_GRAD
                 if code != CODE_RESHARD:                # a release: no communication
                     overlap = clocks.shard_overlap
-                    s = clocks.began[rank] if code == CODE_UNSHARD and overlap else t
+                    s = began[rank] if code == CODE_UNSHARD and overlap else t
                     lane = clocks.lane[rank]
                     if s < lane:
                         s = lane
-                    lane = clocks.lane[rank] = s + clocks.shard_time[code - FIRST_SHARD_CODE][stage]
+                    lane = s + clocks.shard_time[code - FIRST_SHARD_CODE][stage]
+                    clocks.lane[rank] = lane
                     starts[row], ends[row] = s, lane
                     if not overlap:
                         clock[rank] = lane              # the rank waits for its collective

@@ -41,7 +41,6 @@ from pipeexec.training.train import train
 from pipeexec.run.assemble import assemble
 from pipeexec.training.zero import ShardedOptimizer
 from pipesim.plan.footprint import BYTES_PER_PARAM
-from pipesim.schedule.action import Action
 
 from exec_helpers import TINY, layout_config
 from test_exec_equivalence import (BF16_NORM_RTOL, initial_params, merged_params, reference,
@@ -93,19 +92,21 @@ def test_zero3_releases_parameters_and_the_backward_sees_them_gathered_again(gra
     zero = ShardedOptimizer({1: stage}, level=3, dtype=torch.float32, group=None, shards=1, rank=0,
                             device=torch.device("cpu"), lr=1e-3, weight_decay=0.1,
                             betas=(0.9, 0.95), eps=1e-8, grad_reduce=grad_reduce)
-    zero.expect_backwards({1: 1})
     zero.start()
     assert all(p.untyped_storage().nbytes() == 0 for p in stage.parameters())
     x = torch.randn(2, cfg.seq_len, cfg.hidden)
     target = torch.randint(0, cfg.vocab, (2, cfg.seq_len))
-    zero.before(Action("F", 1, 0))
+    # the program's actions for stage 1, one microbatch: UNSHARD F RESHARD, then
+    # UNSHARD B REDUCE_GRAD RESHARD (its one backward is also its last)
+    zero.unshard(1)
     loss = spec.loss_fn(stage(x), target)
-    zero.after(Action("F", 1, 0))
+    zero.reshard(1)
     assert all(p.untyped_storage().nbytes() == 0 for p in stage.parameters())
-    zero.before(Action("B", 1, 0))
+    zero.unshard(1)
     full_backward(torch.autograd.graph.get_gradient_edge(loss), None, None,
                   list(stage.parameters()), into_grad=True)
-    zero.after(Action("B", 1, 0))
+    zero.reduce_grad(1)
+    zero.reshard(1)
     want = torch.autograd.grad(spec.loss_fn(plain(x), target), list(plain.parameters()))
     got = zero.full_masters()        # (the weights, unchanged) and the shard's gradients:
     lay = zero.layouts[1]
