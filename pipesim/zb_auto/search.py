@@ -42,6 +42,7 @@ with activations it cannot move on).
 """
 from __future__ import annotations
 
+import heapq
 import math
 from collections import deque
 from collections.abc import Sequence
@@ -161,7 +162,12 @@ def greedy_order(pp: int, m: int, costs, limits: Sequence[float], prefer_i: bool
     held = [0] * pp                       # stage-microbatches between their F and their W
     pending_w: list[list[int]] = [[] for _ in range(pp)]    # stages, in the order their I ran
     free = [0.0] * pp
-    blocked = [False] * pp
+    # The rank to move next is the live, awake one with the least (free, rank): a heap of
+    # (free, rank) entries, one pushed whenever a rank's free time changes or it wakes (an
+    # entry is current while its time is the rank's and the rank live and awake), so a step
+    # costs log pp, not a pass over every rank (at pp 32, m 256 that pass was most of it).
+    queue = [(0.0, r) for r in range(pp)]
+    blocked: set[int] = set()             # ranks waiting on what is not scheduled yet
     orders: list[list[Action]] = [[] for _ in range(pp)]
     # The transfers of each channel (kind, sender, receiver), in the order they are sent: the
     # receiver takes them in that order (pipeexec's channels, NCCL's matching), so a stage's
@@ -222,30 +228,33 @@ def greedy_order(pp: int, m: int, costs, limits: Sequence[float], prefer_i: bool
             mem[r] -= keep[s]
             held[r] -= 1
         free[r] = end
+        heapq.heappush(queue, (end, r))
         orders[r].append(Action(op, s, k))
         if op != W and follow is not None:
             pos[r] += 1
-        for q in range(pp):
-            blocked[q] = False
+        for q in blocked:                # something new is scheduled: every rank looks again
+            heapq.heappush(queue, (free[q], q))
+        blocked.clear()
 
     def run_w(r: int) -> None:
         run(r, W, pending_w[r].pop(0), free[r])
 
     while True:
-        live = [r for r in range(pp) if w_left[r]]
-        if not live:
-            break
-        awake = [r for r in live if not blocked[r]]
-        if not awake:
+        while queue and (not w_left[queue[0][1]] or queue[0][1] in blocked
+                         or queue[0][0] != free[queue[0][1]]):
+            heapq.heappop(queue)          # a rank done, asleep, or moved on since
+        if not queue:
+            if not any(w_left):
+                break
             # Every rank waits on something not scheduled yet: the earliest one with a W runs it.
-            r = min((r for r in live if pending_w[r]), key=lambda q: (free[q], q), default=None)
+            r = min((r for r in range(pp) if w_left[r] and pending_w[r]),
+                    key=lambda q: (free[q], q), default=None)
             if r is None:
                 raise StuckError(f"zb-auto: no rank can move under memory_limit {list(limits)}; "
                                  "raise the limit")
             run_w(r)
             continue
-        r = min(awake, key=free.__getitem__)      # ties: the lowest rank (awake ascends)
-        e = free[r]
+        e, r = heapq.heappop(queue)      # the least free time; ties: the lowest rank
         fs, is_ = [], []                 # (ready time, preference, stage) of each candidate
         if follow is None:
             more_f = any(nf[s] < m for s in stages_of[r])
@@ -295,8 +304,9 @@ def greedy_order(pp: int, m: int, costs, limits: Sequence[float], prefer_i: bool
                 run_w(r)
             elif nxt is not None:
                 free[r] = nxt
+                heapq.heappush(queue, (nxt, r))
             else:
-                blocked[r] = True
+                blocked.add(r)
     return orders
 
 
