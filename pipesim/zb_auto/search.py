@@ -168,6 +168,14 @@ def greedy_order(pp: int, m: int, costs, limits: Sequence[float], prefer_i: bool
     # costs log pp, not a pass over every rank (at pp 32, m 256 that pass was most of it).
     queue = [(0.0, r) for r in range(pp)]
     blocked: set[int] = set()             # ranks waiting on what is not scheduled yet
+    # What a rank can start depends on its own state and on what the ranks holding its stages'
+    # neighbours (s - 1, s + 1) ran: a blocked rank is woken by a run there or its own, not by
+    # every run (it would look again and block again: most of the steps at pp 16).
+    wakes: list[set[int]] = [{r} for r in range(pp)]
+    for s in range(n):
+        for t in (s - 1, s + 1):
+            if 0 <= t < n:
+                wakes[where[t]].add(where[s])
     orders: list[list[Action]] = [[] for _ in range(pp)]
     # The transfers of each channel (kind, sender, receiver), in the order they are sent: the
     # receiver takes them in that order (pipeexec's channels, NCCL's matching), so a stage's
@@ -232,9 +240,10 @@ def greedy_order(pp: int, m: int, costs, limits: Sequence[float], prefer_i: bool
         orders[r].append(Action(op, s, k))
         if op != W and follow is not None:
             pos[r] += 1
-        for q in blocked:                # something new is scheduled: every rank looks again
-            heapq.heappush(queue, (free[q], q))
-        blocked.clear()
+        for q in wakes[r]:
+            if q in blocked:
+                blocked.discard(q)
+                heapq.heappush(queue, (free[q], q))
 
     def run_w(r: int) -> None:
         run(r, W, pending_w[r].pop(0), free[r])
