@@ -229,6 +229,25 @@ def state_worker(board, pp: int, dp: int, schedule: str, steps: int, state: dict
         destroy_topology(topo)
 
 
+def measured_peaks(configs: list[TrainConfig], stop: int = 2,
+                   timeout: float = 300) -> list[list[float]]:
+    """Each config's measured peak of held tensors per rank in step 1, the configs trained
+    side by side in one job (`pipeexec.run.paired.paired_runs`, steps ``1..stop-1``
+    profiled).
+
+    Without the split probe: after the profiled steps it times each stage's F, B, I and W
+    apart (calibration for zero-bubble schedules), half the job's CPU time, and the
+    held-tensor meter is closed before it runs, so a peak is the same without it. One
+    clock-alignment round, not 16: the offsets place the trace's times, which a peak does not
+    read."""
+    from pipeexec.measuring.profile_options import ProfileOptions
+    from pipeexec.run.paired import paired_runs
+
+    options = ProfileOptions(probe_split=False, align_rounds=1)
+    runs = paired_runs(configs, 1, stop, timeout=timeout, profile=options)
+    return [run.result(1).peak_memory for run in runs]
+
+
 def merge_states(results: list[dict]) -> dict:
     """Union of the ranks' state dicts (entries are keyed by global parameter name)."""
     merged = {"model": {}, "optimizer": {}}

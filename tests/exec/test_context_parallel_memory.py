@@ -15,7 +15,7 @@ import functools
 
 import pytest
 
-from exec_helpers import TINY
+from exec_helpers import TINY, measured_peaks
 from pipeexec.analysis.plan_memory import predicted_activation_peaks
 
 pytestmark = pytest.mark.slow
@@ -31,9 +31,7 @@ def config(cp: int, schedule: str, vpp: int):
 @functools.lru_cache(maxsize=None)
 def measured(cp: int) -> dict:
     """Peaks per rank of both schedules at this cp, from one job (`paired_runs`)."""
-    from pipeexec.run.paired import paired_runs
-    runs = paired_runs([config(cp, *c) for c in SCHEDULES], 1, 2, timeout=300)
-    return {c: run.result(1).peak_memory for c, run in zip(SCHEDULES, runs)}
+    return dict(zip(SCHEDULES, measured_peaks([config(cp, *c) for c in SCHEDULES])))
 
 
 @pytest.mark.parametrize("cp", (1, 2))

@@ -25,7 +25,7 @@ import functools
 
 import pytest
 
-from exec_helpers import TINY
+from exec_helpers import TINY, measured_peaks
 from test_hf_models import write_model
 from pipeexec.analysis.plan_memory import predicted_activation_peaks
 
@@ -52,9 +52,7 @@ def config(directory: str, ep: int, schedule: str, vpp: int):
 @functools.lru_cache(maxsize=None)
 def measured(directory: str, ep: int) -> dict:
     """Peaks per pipeline rank of both schedules at this ep, from one job (`paired_runs`)."""
-    from pipeexec.run.paired import paired_runs
-    runs = paired_runs([config(directory, ep, *c) for c in SCHEDULES], 1, 2, timeout=300)
-    return {c: run.result(1).peak_memory for c, run in zip(SCHEDULES, runs)}
+    return dict(zip(SCHEDULES, measured_peaks([config(directory, ep, *c) for c in SCHEDULES])))
 
 
 @pytest.mark.parametrize("schedule,vpp", SCHEDULES, ids=[s for s, _ in SCHEDULES])

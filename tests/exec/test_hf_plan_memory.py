@@ -13,7 +13,7 @@ import functools
 
 import pytest
 
-from exec_helpers import TINY
+from exec_helpers import TINY, measured_peaks
 from test_hf_models import write_model
 from pipeexec.analysis.hf_activations import layer_extra, stage_extras
 from pipeexec.analysis.plan_memory import predicted_activation_peaks
@@ -44,9 +44,7 @@ def config(directory: str, schedule: str, precision: str, recompute: str):
 
 @functools.lru_cache(maxsize=None)
 def measured(directory: str) -> dict:
-    from pipeexec.run.paired import paired_runs
-    runs = paired_runs([config(directory, *c) for c in CASES], 1, 2, timeout=300)
-    return {c: run.result(1).peak_memory for c, run in zip(CASES, runs)}
+    return dict(zip(CASES, measured_peaks([config(directory, *c) for c in CASES])))
 
 
 @pytest.mark.slow

@@ -32,7 +32,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from exec_helpers import TINY
+from exec_helpers import TINY, measured_peaks
 from pipeexec.config import TrainConfig
 from pipeexec.models import layer_stack
 from pipeexec.pipeline.stage import build_stage
@@ -152,18 +152,15 @@ def _configs(pp: int) -> list[TrainConfig]:
 
 
 @functools.lru_cache(maxsize=None)
-def measured_peaks(pp: int) -> dict:
+def peaks_at(pp: int) -> dict:
     """Every case's measured peaks per rank at this pp, from one job: the configs train side
     by side in the same workers (`paired_runs`), each with its own runtime and meter."""
-    from pipeexec.run.paired import paired_runs
-
     configs = _configs(pp)
-    runs = paired_runs(configs, 1, pp, timeout=300)
-    return {_key(c): run.result(1).peak_memory for c, run in zip(configs, runs)}
+    return {_key(c): peaks for c, peaks in zip(configs, measured_peaks(configs, stop=pp))}
 
 
 def _check(cfg: TrainConfig) -> None:
-    measured = measured_peaks(cfg.pp)[_key(cfg)]
+    measured = peaks_at(cfg.pp)[_key(cfg)]
     predicted = predicted_activation_peaks(cfg)
     assert len(measured) == len(predicted) == cfg.pp
     for rank, (m, p) in enumerate(zip(measured, predicted)):

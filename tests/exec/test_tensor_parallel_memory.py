@@ -15,7 +15,7 @@ import functools
 
 import pytest
 
-from exec_helpers import TINY
+from exec_helpers import TINY, measured_peaks
 from pipeexec.analysis.plan_memory import predicted_activation_peaks
 
 pytestmark = pytest.mark.slow
@@ -33,10 +33,8 @@ def config(tp: int, sp: bool, schedule: str, vpp: int):
 @functools.lru_cache(maxsize=None)
 def measured(tp: int) -> dict:
     """Peaks per rank of every case at this tp, from one job (`paired_runs`)."""
-    from pipeexec.run.paired import paired_runs
     cases = [(sp, s, v) for t, sp in LAYOUTS if t == tp for s, v in SCHEDULES]
-    runs = paired_runs([config(tp, *c) for c in cases], 1, 2, timeout=300)
-    return {c: run.result(1).peak_memory for c, run in zip(cases, runs)}
+    return dict(zip(cases, measured_peaks([config(tp, *c) for c in cases])))
 
 
 @pytest.mark.parametrize("tp,sp", LAYOUTS, ids=["tp1", "tp2", "tp2-sp"])
