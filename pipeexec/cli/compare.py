@@ -54,6 +54,7 @@ def profiled_run(config: Any, first: int, stop: int, *, trace_out: str | None = 
     alignment, split probe), default `ProfileOptions`' defaults."""
     from ..launching.devices import start_method_for
     from ..launching.launcher import launch
+    from ..models import worker_modules
     from ..run.prepare import prepare
     from ..run.worker import WorkerArgs, run_training
 
@@ -64,7 +65,8 @@ def profiled_run(config: Any, first: int, stop: int, *, trace_out: str | None = 
     results = launch(run_training, config.world_size,
                      (WorkerArgs(config, progress=False, profile=options, prepared=prepared),),
                      timeout=timeout, cpus_per_rank=cpus_per_rank,
-                     start_method=start_method_for(config.device, config.backend))
+                     start_method=start_method_for(config.device, config.backend),
+                     preload=worker_modules(config))
     run = results[0].measured
     if run is None:
         raise RuntimeError("rank 0 returned no measured run (was the profiled range empty?)")

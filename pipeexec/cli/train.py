@@ -156,6 +156,7 @@ def train_main(args: list[str]) -> None:
     from ..launching.cpu_quota import QuotaUnavailable
     from ..launching.devices import cuda_device_count, may_use_cuda, start_method_for
     from ..launching.launcher import WorkerFailed, launch
+    from ..models import worker_modules
     from ..run.preflight import check_train
     from ..run.worker import WorkerArgs, run_training
 
@@ -199,7 +200,8 @@ def train_main(args: list[str]) -> None:
             run_training(None, args)
         else:
             launch(run_training, world, (args,), timeout=ns.timeout, cpus_per_rank=ns.cpus_per_rank,
-                   start_method=start_method_for(config.device, config.backend))
+                   start_method=start_method_for(config.device, config.backend),
+                   preload=worker_modules(config))
     except KeyboardInterrupt as exc:
         # The launcher's cleanup has run (every worker stopped, quotas removed) on the way here;
         # SIGTERM / SIGHUP arrive as its Stopped, Ctrl-C as a plain KeyboardInterrupt.

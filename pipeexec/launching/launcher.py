@@ -3,6 +3,9 @@
 Forking is the fast path (8 gloo ranks start in a fraction of a second, where spawn or torchrun
 re-import torch in every worker for seconds each). It is only safe while the parent has no
 threads, so the launcher refuses to fork a multi-threaded parent unless told to use "spawn".
+What every worker would import on its own (torch's compiler front end, which the optimizer
+imports; ``preload``: a Hugging Face family's modeling code) is imported in the parent first,
+once, and the forked workers share it.
 A run that may use CUDA must spawn (a forked child cannot initialise CUDA once the parent has):
 the CLI picks the method with `pipeexec.launching.devices.start_method_for`.
 Each worker gets torchrun's variables (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT)
@@ -24,6 +27,7 @@ both behind.
 """
 from __future__ import annotations
 
+import importlib
 import multiprocessing
 import os
 import pickle
@@ -33,7 +37,7 @@ import tempfile
 import threading
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from multiprocessing.connection import wait as wait_sentinels
 from pathlib import Path
 from typing import Any
@@ -145,7 +149,8 @@ def _worker(fn: Callable, rank: int, nproc: int, port: int, workdir: str, board:
 
 def launch(fn: Callable[..., Any], nproc: int, args: tuple = (), *, timeout: float | None = None,
            start_method: str = "fork", env: dict | None = None, grace: float = 2.0,
-           cpus_per_rank: float | None = None, report_wait: float = 2.0) -> list[Any]:
+           cpus_per_rank: float | None = None, report_wait: float = 2.0,
+           preload: Sequence[str] = ()) -> list[Any]:
     """Run ``fn(board, *args)`` in ``nproc`` workers; return their results by rank.
 
     Raises `WorkerFailed` (naming the failed rank that caused it, its action and its error)
@@ -154,7 +159,17 @@ def launch(fn: Callable[..., Any], nproc: int, args: tuple = (), *, timeout: flo
     (from the main thread, whose handlers it sets while the workers run).
     ``cpus_per_rank``: confine each worker to that many CPUs (`pipeexec.launching.cpu_quota.RankQuotas`;
     raises `QuotaUnavailable` before starting any worker when the machine does not allow it).
+    ``preload``: modules every worker will import (`pipeexec.models.worker_modules`), imported
+    here first when forking, so that the workers share them instead of each importing its
+    own; one that cannot be imported is left to the workers, which report it as their error.
     """
+    if start_method == "fork":
+        # before the thread check: an import that started a thread is refused as any thread is
+        for name in preload:
+            try:
+                importlib.import_module(name)
+            except ImportError:
+                pass
     if start_method == "fork" and threading.active_count() > 1:
         raise RuntimeError(f"refusing to fork: the parent has {threading.active_count()} threads "
                            "(forked children would inherit their locks); use start_method='spawn'")

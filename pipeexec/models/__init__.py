@@ -60,6 +60,20 @@ def model_refusals(model: Any, hf_model: str | None = None) -> list[str]:
     return family_refusals(model, hf_model)
 
 
+def worker_modules(config: Any) -> tuple[str, ...]:
+    """What a rank of ``config``'s run (a `TrainConfig`) imports to build its layers beyond
+    pipeexec's worker code: for a Hugging Face family, pipeexec's adapter and the family's
+    modeling module (with it transformers' hub, loss and generation code, about a CPU second
+    a rank). A launcher that forks the ranks imports them once first, so that the ranks share
+    them (`pipeexec.launching.launcher.launch`'s ``preload``); the built-in GPT needs none."""
+    family = config.plan.model.family
+    if family is None:
+        return ()
+    from .hf_config import modeling_module
+
+    return ("pipeexec.models.hf", modeling_module(family))
+
+
 def layer_stack(config: Any, tp: Any = None, cp: Any = None, ep: Any = None):
     """The `pipeexec.model.LayerStack` ``config`` (a `TrainConfig`) trains: its plan's model,
     as the built-in GPT or its Hugging Face family (weights from ``config.hf_model``); ``tp``:

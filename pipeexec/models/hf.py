@@ -57,8 +57,8 @@ from ..parallel import context, regions
 from ..parallel.context import ContextParallel
 from ..parallel.layers import vocab_parallel_cross_entropy
 from ..parallel.regions import NONE, TensorParallel
-from .hf_config import (HFModelError, HFModelInfo, config_for, info_from_config, plan_model_of,
-                        read_hf_config, weight_files)
+from .hf_config import (HFModelError, HFModelInfo, config_for, info_from_config, modeling_module,
+                        plan_model_of, read_hf_config, weight_files)
 from .hf_context_parallel import cp_decoder_layer, cp_embedding
 from .hf_router_loss import RouterLoss, router_loss_of, split_head_output
 from .hf_tensor_parallel import cut_decoder_layer, cut_embedding, cut_head
@@ -102,7 +102,7 @@ FAMILIES = {
 def _modeling(model_type: str):
     import importlib
     _transformers()
-    return importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
+    return importlib.import_module(modeling_module(model_type))
 
 
 def hf_config_object(info: HFModelInfo):

@@ -37,6 +37,12 @@ SUPPORTED = {
 }
 
 
+def modeling_module(model_type: str) -> str:
+    """The transformers module holding a family's classes (its decoder layer, rotary
+    embedding), imported where a rank builds its layers."""
+    return f"transformers.models.{model_type}.modeling_{model_type}"
+
+
 class HFModelError(ValueError):
     """A Hugging Face model directory that cannot run, naming the file and what to do."""
 

@@ -19,6 +19,7 @@ from ..config import TrainConfig
 from ..launching.launcher import launch
 from ..measuring.profile_options import ProfileOptions
 from ..measuring.session import ProfileSession
+from ..models import worker_modules
 from ..topology import destroy_topology, init_topology
 from .assemble import assemble_prepared
 from .prepare import PreparedRun, prepare
@@ -80,8 +81,9 @@ def paired_runs(configs: Sequence[TrainConfig], first: int, stop: int, *,
     outs = tuple(trace_outs) if trace_outs is not None else (None,) * len(configs)
     runs = tuple(prepare(c, world_size=base.world_size) for c in configs)
     job = PairedJob(runs, first, stop, outs, cpus_per_rank, profile)
+    preload = tuple(dict.fromkeys(m for c in configs for m in worker_modules(c)))
     runs = launch(paired_worker, base.world_size, (job,), timeout=timeout,
-                  cpus_per_rank=cpus_per_rank)[0]
+                  cpus_per_rank=cpus_per_rank, preload=preload)[0]
     if runs is None or any(r is None for r in runs):
         raise RuntimeError("rank 0 returned no measured runs (was the profiled range empty?)")
     return runs
