@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from cli_helpers import run_pipeexec
+
 ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "training.md"
 SECTIONS = ("## Validation and logging", "## Export to Hugging Face")
@@ -46,23 +48,6 @@ def test_the_sections_have_lines_and_every_pipeexec_line_parses():
             train_parser().parse_args(argv[1:])
         else:
             _parser().parse_args(argv)
-
-
-def run_pipeexec(argv: list[str], capfd) -> subprocess.CompletedProcess:
-    """``python3 -m pipeexec ARGV`` through the command's own entry point (what ``python3 -m
-    pipeexec`` calls) in this process, its ranks forked from here: the run is the same, without
-    a Python that imports torch first for each line (2-3 CPU seconds a line). Its status and
-    what it printed (the ranks' output too, captured at the file descriptors)."""
-    from pipeexec.cli.main import main
-
-    capfd.readouterr()
-    try:
-        main(argv)
-        status = 0
-    except SystemExit as exc:
-        status = exc.code if isinstance(exc.code, int) else int(exc.code is not None)
-    out, err = capfd.readouterr()
-    return subprocess.CompletedProcess(argv, status, out, err)
 
 
 @pytest.mark.slow

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from cli_helpers import run_pipeexec
 from data_helpers import make_corpus, make_tokenizer
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -35,16 +36,18 @@ def test_the_section_has_its_commands():
 
 
 @pytest.mark.slow
-def test_the_data_section_runs_as_written(tmp_path):
+def test_the_data_section_runs_as_written(tmp_path, monkeypatch, capfd):
+    """The ``pipeexec`` lines run in this process (`cli_helpers.run_pipeexec`), the Python
+    example as a script, in a folder holding the corpora and the tokenizer."""
     make_tokenizer(tmp_path / "tokenizer", make_corpus(tmp_path), 300)
     make_corpus(tmp_path, documents=40, seed=1, name="other.txt")
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    monkeypatch.chdir(tmp_path)
     for block in blocks("bash"):
         for line in filter(str.strip, block.splitlines()):
             argv = shlex.split(line)
             assert argv[0] == "pipeexec"
-            p = subprocess.run([sys.executable, "-m", "pipeexec", *argv[1:]], cwd=tmp_path,
-                               env=env, capture_output=True, text=True, timeout=300)
+            p = run_pipeexec(argv[1:], capfd)
             assert p.returncode == 0, f"{line}\n{p.stdout}\n{p.stderr}"
     assert (tmp_path / "corpus.idx").is_file() and (tmp_path / "other.bin").is_file()
     (tmp_path / "example.py").write_text(blocks("python")[0] + "\nassert len(sample) == 33\n")
