@@ -8,7 +8,7 @@
   vpp 2->1) and loaded as is. Losses and parameters follow the uninterrupted run within fp32
   tolerance (the reduction order changes with the layout, so not bitwise).
 * A rank SIGKILLed in the middle of a save (its temporary file written, not renamed) through
-  the real CLI: the run fails naming the rank, the tracker still names the previous
+  the CLI (its entry point, run in the test's process: `cli_helpers.run_pipeexec`): the run fails naming the rank, the tracker still names the previous
   checkpoint, and a resumed run reproduces the uninterrupted run's losses bitwise. A corrupt
   file then fails the CLI with the file named.
 """
@@ -16,14 +16,12 @@ from __future__ import annotations
 
 import functools
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from checkpoint_helpers import TINY, checkpoint_worker, flip_bit, merge_params
+from cli_helpers import run_pipeexec
 from pipeexec import launch
 from pipeexec.cli.train import config_from_args
 from pipeexec.cli.main import _parser
@@ -109,14 +107,18 @@ def test_dualpipe_saves_each_tied_parameter_once_and_resumes_in_any_layout(tmp_p
         close(merge_params(res, 4), params)
 
 
-def _cli(args, fault=None, timeout=240):
-    env = {k: v for k, v in os.environ.items() if k != FAULT_ENV}
-    env.update(OMP_NUM_THREADS="1", **({FAULT_ENV: fault} if fault else {}))
-    return subprocess.run([sys.executable, "-m", "pipeexec", "train", *args], capture_output=True,
-                          text=True, env=env, timeout=timeout)
+def _cli(args, capfd, monkeypatch, fault=None):
+    """``pipeexec train ARGS`` in this process (`cli_helpers.run_pipeexec`), its ranks told
+    ``fault`` (`FAULT_ENV`) when given."""
+    with monkeypatch.context() as env:
+        if fault:
+            env.setenv(FAULT_ENV, fault)
+        else:
+            env.delenv(FAULT_ENV, raising=False)
+        return run_pipeexec(["train", *args], capfd)
 
 
-def test_sigkill_mid_save_then_resume(tmp_path, capsys):
+def test_sigkill_mid_save_then_resume(tmp_path, capfd, monkeypatch):
     common = ["--pp", "2", "--schedule", "1f1b", "--microbatches", "2", "--micro-batch-size", "2",
               "--layers", "2", "--hidden", "16", "--heads", "2", "--seq-len", "8", "--vocab", "32",
               "--steps", "4", "--warmup-steps", "1", "--decay-steps", "4", "--seed", "5",
@@ -126,7 +128,8 @@ def test_sigkill_mid_save_then_resume(tmp_path, capsys):
     cfg = config_from_args(_parser().parse_args(["train", *common]))
     ref_losses = run(cfg)[0]["losses"]
 
-    killed = _cli(common + ["--save", str(d), "--save-interval", "2"], fault="kill:1:4:before-rename")
+    killed = _cli(common + ["--save", str(d), "--save-interval", "2"], capfd, monkeypatch,
+                  fault="kill:1:4:before-rename")
     assert killed.returncode != 0
     assert "rank 1 was killed by signal SIGKILL" in killed.stderr, killed.stderr
     assert "step 3 (4 of 4)" in killed.stdout           # it died in the save after step 3
@@ -139,7 +142,7 @@ def test_sigkill_mid_save_then_resume(tmp_path, capsys):
     assert "iter_0000004: INCOMPLETE" in text and "pipeline rank 1 is missing" in text
 
     resumed = _cli(common + ["--save", str(d), "--save-interval", "2", "--load", str(d),
-                             "--metrics-out", str(tmp_path / "res.json")])
+                             "--metrics-out", str(tmp_path / "res.json")], capfd, monkeypatch)
     assert resumed.returncode == 0, resumed.stderr
     assert "checkpoint: loaded iter_0000002" in resumed.stdout
     metrics = json.loads((tmp_path / "res.json").read_text())
@@ -150,11 +153,11 @@ def test_sigkill_mid_save_then_resume(tmp_path, capsys):
     # a corrupt file: non-zero exit, the file and the bad record named, no training
     path = state_file(d, 4, 1)
     record = flip_bit(path, "data.pkl")     # rank 0 reads this record too (the save's id)
-    capsys.readouterr()
+    capfd.readouterr()
     with pytest.raises(SystemExit) as exit_:
         cli_main(["train", *common, "--load", str(d), "--steps", "6"])
     assert exit_.value.code == 1
-    err = capsys.readouterr().err
+    err = capfd.readouterr().err
     # whichever rank reports first, the file and its record are named as failing the CRC
     assert str(path) in err and "CRC-32" in err and "CheckpointError" in err, err
     assert record in err, err

@@ -7,9 +7,6 @@ context-parallel ranks of one replica share its samples."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -17,6 +14,7 @@ import pytest
 import torch
 
 from checkpoint_helpers import TINY, checkpoint_worker, fake_topology
+from cli_helpers import run_pipeexec
 from data_helpers import make_corpus, make_tokenizer
 from pipeexec import launch
 from pipeexec.checkpoint import CheckpointOptions
@@ -26,8 +24,6 @@ from pipeexec.datasets import build_datasets
 from pipeexec.datasets.preprocess import PreprocessOptions, preprocess
 from pipeexec.training.train import train
 from pipeexec.run.assemble import assemble
-
-ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(scope="module")
@@ -126,9 +122,10 @@ def test_resume_into_another_layout_sees_the_uninterrupted_samples(corpus, tmp_p
 
 
 @pytest.mark.slow
-def test_cli_resume_from_tp2_pp2_into_pp4_dp2(corpus, tmp_path):
+def test_cli_resume_from_tp2_pp2_into_pp4_dp2(corpus, tmp_path, capfd):
     """Through the CLI: tp 2 x pp 2 (4 ranks) trains 2 of 4 steps and saves; pp 4 x dp 2 (8
-    ranks) resumes and trains the last 2; every loss is the one-process run's."""
+    ranks) resumes and trains the last 2; every loss is the one-process run's (the command
+    run in this process: `cli_helpers.run_pipeexec`)."""
     base = config(corpus, steps=4, decay_steps=4, microbatches=4, micro_batch_size=2)
     ref = _reference(base, 4)
     common = ["--data-path", corpus["prefix"], "--split", "98,2,0", "--tokenizer",
@@ -137,16 +134,13 @@ def test_cli_resume_from_tp2_pp2_into_pp4_dp2(corpus, tmp_path):
               "--warmup-steps", "1", "--weight-decay", "0.1", "--clip-grad", "0.5",
               "--seed", "11", "--decay-steps", "4", "--microbatches", "4", "--no-progress",
               "--device", "cpu"]
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     runs = [(["--tp", "2", "--pp", "2", "--micro-batch-size", "2", "--steps", "2", "--save",
               str(tmp_path / "ck")], ref[:2]),
             (["--pp", "4", "--dp", "2", "--micro-batch-size", "1", "--steps", "4", "--load",
               str(tmp_path / "ck")], ref[2:])]
     for k, (args, want) in enumerate(runs):
         out = tmp_path / f"m{k}.json"
-        p = subprocess.run([sys.executable, "-m", "pipeexec", "train", *common, *args,
-                            "--metrics-out", str(out)], capture_output=True, text=True, env=env,
-                           timeout=600)
+        p = run_pipeexec(["train", *common, *args, "--metrics-out", str(out)], capfd)
         assert p.returncode == 0, p.stdout + p.stderr
         torch.testing.assert_close(json.loads(out.read_text())["losses"], want, rtol=1e-5,
                                    atol=0)
