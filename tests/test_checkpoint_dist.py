@@ -8,9 +8,10 @@
   vpp 2->1) and loaded as is. Losses and parameters follow the uninterrupted run within fp32
   tolerance (the reduction order changes with the layout, so not bitwise).
 * A rank SIGKILLed in the middle of a save (its temporary file written, not renamed) through
-  the CLI (its entry point, run in the test's process: `cli_helpers.run_pipeexec`): the run fails naming the rank, the tracker still names the previous
-  checkpoint, and a resumed run reproduces the uninterrupted run's losses bitwise. A corrupt
-  file then fails the CLI with the file named.
+  the CLI (its entry point, run in the test's process: `cli_helpers.run_pipeexec`): the run
+  fails naming the rank, the tracker still names the previous checkpoint, and a resumed run
+  reproduces the uninterrupted run's losses bitwise. A corrupt file then fails the CLI with
+  the file named.
 """
 from __future__ import annotations
 
