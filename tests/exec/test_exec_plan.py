@@ -114,26 +114,22 @@ def test_fp8_and_every_other_refusal_come_at_once_with_flags(tmp_path, capsys):
 
 
 @pytest.mark.slow
-def test_train_runs_a_plan_file_as_its_flags(tmp_path):
-    """The same run from flags and from the plan file: the same losses, bitwise."""
+def test_train_runs_a_plan_file_as_its_flags(tmp_path, capfd):
+    """The same run from flags and from the plan file: the same losses, bitwise (the command
+    run in this process: `cli_helpers.run_pipeexec`)."""
     import json
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
+
+    from cli_helpers import run_pipeexec
 
     flags = ["--schedule", "zbv", "--pp", "2", "--vpp", "2", "--microbatches", "4",
              "--layers", "2", "--hidden", "16", "--heads", "2", "--seq-len", "8", "--vocab", "32"]
     path = tmp_path / "plan.json"
     from_argv(flags).plan.to_json(path)
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2]),
-           "OMP_NUM_THREADS": "1"}
     losses = []
     for argv, name in ((flags, "flags"), (["--plan", str(path)], "file")):
         out = tmp_path / f"{name}.json"
-        done = subprocess.run([sys.executable, "-m", "pipeexec", "train", *argv, "--steps", "2",
-                               "--no-progress", "--metrics-out", str(out)],
-                              capture_output=True, text=True, timeout=240, env=env)
+        done = run_pipeexec(["train", *argv, "--steps", "2", "--no-progress", "--metrics-out",
+                             str(out)], capfd)
         assert done.returncode == 0, done.stderr[-3000:]
         losses.append(json.loads(out.read_text())["losses"])
     assert losses[0] == losses[1] and len(losses[0]) == 2

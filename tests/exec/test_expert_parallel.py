@@ -222,22 +222,20 @@ def test_what_expert_parallelism_cannot_run_is_refused_naming_the_flag(tmp_path)
 
 
 @pytest.mark.slow
-def test_a_plan_with_ep_runs_from_the_cli(mixtral_dir, tmp_path):
+def test_a_plan_with_ep_runs_from_the_cli(mixtral_dir, tmp_path, capfd):
     """pipesim's plan of the Mixtral at ep 2 x dp 2 x pp 2 (--save-plan) runs as it is; the
-    first line names ep."""
-    import subprocess
-    import sys
+    first line names ep (both commands run in this process: `cli_helpers.run_pipeexec`)."""
     from pathlib import Path
-    root = Path(__file__).resolve().parents[2]
+
+    from pipesim.cli import main as pipesim_main
+
+    from cli_helpers import run_pipeexec
     plan = tmp_path / "plan.json"
-    subprocess.run([sys.executable, "-m", "pipesim", "simulate", "1f1b", "--model",
-                    str(Path(mixtral_dir) / "config.json"), "--seq-len", str(SEQ), "--dp", "2",
-                    "--ep", "2", "--pp", "2", "--microbatches", "4", "--precision", "fp32",
-                    "--save-plan", str(plan)], check=True, capture_output=True, cwd=root,
-                   timeout=120)
-    out = subprocess.run([sys.executable, "-m", "pipeexec", "train", "--plan", str(plan),
-                          "--steps", "2", "--device", "cpu"], capture_output=True, text=True,
-                         cwd=root, timeout=300)
+    assert pipesim_main(["simulate", "1f1b", "--model", str(Path(mixtral_dir) / "config.json"),
+                         "--seq-len", str(SEQ), "--dp", "2", "--ep", "2", "--pp", "2",
+                         "--microbatches", "4", "--precision", "fp32", "--save-plan",
+                         str(plan)]) == 0
+    out = run_pipeexec(["train", "--plan", str(plan), "--steps", "2", "--device", "cpu"], capfd)
     assert out.returncode == 0, out.stderr
     assert "1f1b ep=2 pp=2 vpp=1 dp=2" in out.stdout + out.stderr
     assert "step 1 (2 of 2)" in out.stdout + out.stderr

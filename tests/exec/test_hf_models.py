@@ -44,6 +44,7 @@ from pipeexec.model import lm_loss  # noqa: E402
 from pipeexec.models.hf import hf_dir_stack, hf_name, hf_reference_model  # noqa: E402
 from pipeexec.models.hf_config import read_hf_config  # noqa: E402
 
+from cli_helpers import run_pipeexec  # noqa: E402
 from exec_helpers import (TINY, assert_grad_norms, choose_microbatches, layouts_worker,  # noqa: E402
                           reference_lr)
 
@@ -223,10 +224,9 @@ def test_bad_directories_are_refused_with_the_reason(tmp_path, model_dirs):
         TrainConfig().with_hf_model(str(dense))
 
 
-def test_cli_refuses_before_any_worker_starts(tmp_path, model_dirs):
+def test_cli_refuses_before_any_worker_starts(tmp_path, model_dirs, capfd):
     def run(*args):
-        return subprocess.run([sys.executable, "-m", "pipeexec", "train", *args],
-                              capture_output=True, text=True, cwd=ROOT, timeout=120)
+        return run_pipeexec(["train", *args], capfd)
     out = run("--hf-model", str(tmp_path / "absent"), "--pp", "2")
     assert out.returncode == 2 and "no such directory" in out.stderr
     out = run("--hf-model", model_dirs["llama"], "--layers", "4")
@@ -486,15 +486,15 @@ def test_hf_model_checks_and_plans_need_no_torch(model_dirs):
 
 
 @pytest.mark.slow
-def test_checkpoint_of_an_hf_model_resumes_in_another_layout(model_dirs, tmp_path):
+def test_checkpoint_of_an_hf_model_resumes_in_another_layout(model_dirs, tmp_path, capfd):
     """Saved at pp 2 after 2 steps, resumed at pp 1: steps 2 and 3 are the uninterrupted
-    run's (the CLI's log, 4 decimals)."""
+    run's (the CLI's log, 4 decimals; the command run in this process,
+    `cli_helpers.run_pipeexec`)."""
     common = ["--hf-model", model_dirs["gpt2"], "--microbatches", "4", "--seq-len", "8",
               "--decay-steps", "4", "--no-progress"]
 
     def losses(*args):
-        out = subprocess.run([sys.executable, "-m", "pipeexec", "train", *common, *args],
-                             capture_output=True, text=True, cwd=ROOT, timeout=300)
+        out = run_pipeexec(["train", *common, *args], capfd)
         assert out.returncode == 0, out.stderr[-2000:]
         return [line.split(" loss ")[1].split()[0] for line in out.stdout.splitlines()
                 if line.startswith("step ")]
