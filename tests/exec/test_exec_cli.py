@@ -1,5 +1,7 @@
 """The command line: `pipeexec train` (local workers) and torchrun give the losses of the
-single-process reference (`--pp 1 --dp 1`), log a line per step and write the metrics file."""
+single-process reference (`--pp 1 --dp 1`), log a line per step and write the metrics file.
+``python -m pipeexec`` and torchrun start their processes; the reference and the runs that
+check other flags' losses call the same entry point in this process (`_train_here`)."""
 from __future__ import annotations
 
 import json
@@ -24,13 +26,23 @@ def _train(tmp_path, name, launcher, *layout):
     return json.loads(out.read_text()), proc.stdout
 
 
+def _train_here(tmp_path, name, *layout) -> dict:
+    """`_train`'s metrics from ``pipeexec train`` run in this process (its ranks forked from
+    here, no new Python importing torch first)."""
+    from pipeexec.cli.main import main
+
+    out = tmp_path / f"{name}.json"
+    main(["train", *layout, *MODEL, "--metrics-out", str(out)])
+    return json.loads(out.read_text())
+
+
 PIPEEXEC = [sys.executable, "-m", "pipeexec"]
 
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    return _train(tmp_path_factory.mktemp("ref"), "ref", PIPEEXEC, "--pp", "1", "--dp", "1",
-                  "--microbatches", "4", "--micro-batch-size", "2")[0]
+    return _train_here(tmp_path_factory.mktemp("ref"), "ref", "--pp", "1", "--dp", "1",
+                       "--microbatches", "4", "--micro-batch-size", "2")
 
 
 def test_local_launcher_matches_single_process(tmp_path, reference):
@@ -50,9 +62,9 @@ def test_local_launcher_matches_single_process(tmp_path, reference):
 
 def test_nccl_matching_run_matches_single_process(tmp_path, reference):
     # gpipe, pp 2, lookahead 1: the layout whose losses went wrong under NCCL's matching
-    metrics, _ = _train(tmp_path, "nccl", PIPEEXEC, "--schedule", "gpipe", "--pp", "2",
-                        "--microbatches", "4", "--micro-batch-size", "2", "--recv-lookahead", "1",
-                        "--nccl-matching")
+    metrics = _train_here(tmp_path, "nccl", "--schedule", "gpipe", "--pp", "2",
+                          "--microbatches", "4", "--micro-batch-size", "2", "--recv-lookahead",
+                          "1", "--nccl-matching")
     assert metrics["config"]["nccl_matching"] is True
     assert metrics["losses"] == pytest.approx(reference["losses"], rel=1e-5)
 
@@ -67,9 +79,8 @@ def test_torchrun_matches_single_process(tmp_path, reference):
 
 
 def test_forward_only_run(tmp_path, reference):
-    metrics, _ = _train(tmp_path, "eval", PIPEEXEC, "--schedule", "interleaved", "--pp", "2",
-                        "--vpp", "2", "--microbatches", "4", "--micro-batch-size", "2",
-                        "--forward-only")
+    metrics = _train_here(tmp_path, "eval", "--schedule", "interleaved", "--pp", "2", "--vpp",
+                          "2", "--microbatches", "4", "--micro-batch-size", "2", "--forward-only")
     # no update happens, so every step's loss is that step's batch under the initial weights;
     # step 0's equals the reference's first (pre-update) loss
     assert metrics["losses"][0] == pytest.approx(reference["losses"][0], rel=1e-5)
