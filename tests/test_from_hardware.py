@@ -52,20 +52,18 @@ def test_ranks_sharing_fewer_cores_are_simulated_sharing_them():
 
 
 @pytest.mark.slow
-def test_compare_prints_the_hardware_prediction_before_the_run_and_beside_its_figures(tmp_path):
+def test_compare_prints_the_hardware_prediction_before_the_run_and_beside_its_figures(tmp_path,
+                                                                                      capfd):
+    """(The command run in this process: `cli_helpers.run_pipeexec`.)"""
     import json
-    import os
-    import subprocess
-    import sys
 
-    root = Path(__file__).resolve().parents[1]
-    env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"}
+    from cli_helpers import run_pipeexec
+
     report = tmp_path / "r.json"
-    done = subprocess.run(
-        [sys.executable, "-m", "pipeexec", "compare", "--hardware", HW, "--pp", "2",
-         "--microbatches", "4", "--layers", "4", "--hidden", "64", "--heads", "4",
-         "--seq-len", "32", "--steps", "4", "--no-progress", "--report-out", str(report)],
-        capture_output=True, text=True, timeout=600, env=env)
+    done = run_pipeexec(
+        ["compare", "--hardware", HW, "--pp", "2", "--microbatches", "4", "--layers", "4",
+         "--hidden", "64", "--heads", "4", "--seq-len", "32", "--steps", "4", "--no-progress",
+         "--report-out", str(report)], capfd)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     out = done.stdout
     before = out.index("prediction before running, from ")
