@@ -180,9 +180,15 @@ def test_a_stuck_rank_ends_the_benchmark_in_its_timeout_naming_rank_collective_a
 
 
 @pytest.mark.slow
-def test_calibrate_hardware_writes_measured_collectives_that_hardware_file_reads(tmp_path):
+def test_calibrate_hardware_writes_measured_collectives_that_hardware_file_reads(tmp_path, capfd):
     """The command end to end (quick sweep), its file read by ``pipesim plan --hardware FILE``,
-    and the benchmark script's side-by-side table."""
+    and the benchmark script's side-by-side table. (The measuring command and the script run
+    in their own processes, as a user runs them; the file's reader and a refused flag in this
+    one, `cli_helpers.run_pipeexec`.)"""
+    from pipesim.cli import main as pipesim_main
+
+    from cli_helpers import run_pipeexec
+
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     hw_file = tmp_path / "cpu.json"
     done = subprocess.run([sys.executable, "-m", "pipeexec", "calibrate-hardware", "--quick",
@@ -200,16 +206,13 @@ def test_calibrate_hardware_writes_measured_collectives_that_hardware_file_reads
     ar = data["collectives"]["intra"]["all_reduce"]["2"]
     assert (hw.link_latency, hw.link_bandwidth) == (ar["latency"], ar["bandwidth"])
     report = tmp_path / "report.json"
-    done = subprocess.run([sys.executable, "-m", "pipesim", "simulate", "1f1b", "--model",
-                           "llama3-8b", "--hardware", str(hw_file), "--tp", "2", "--pp", "2",
-                           "--global-batch-size", "4", "--report-out", str(report)],
-                          capture_output=True, text=True, timeout=300, env=env)
-    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    assert pipesim_main(["simulate", "1f1b", "--model", "llama3-8b", "--hardware", str(hw_file),
+                         "--tp", "2", "--pp", "2", "--global-batch-size", "4", "--report-out",
+                         str(report)]) == 0
     tp = json.loads(report.read_text())["links"]["tp"]
     assert {c["collective"] for c in tp["collectives"]} == set(data["collectives"]["intra"])
-    done = subprocess.run([sys.executable, "-m", "pipeexec", "calibrate-hardware", "--out",
-                           str(hw_file), "--collective-sizes", "4"], capture_output=True,
-                          text=True, timeout=300, env=env)
+    done = run_pipeexec(["calibrate-hardware", "--out", str(hw_file), "--collective-sizes",
+                         "4"], capfd)
     assert done.returncode == 2 and "--collective-sizes '4'" in done.stdout
     done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_collectives.py"),
                            "--groups", "2", "--sizes", "4KiB,32MiB", "--repeats", "5"],
@@ -237,10 +240,11 @@ def test_a_cuda_device_is_stated_against_the_preset_its_name_names(monkeypatch):
     assert base_preset("cuda", "H100").name == "H100"
 
 
-def test_base_is_refused_on_a_cpu(tmp_path):
-    done = subprocess.run([sys.executable, "-m", "pipeexec", "calibrate-hardware", "--out",
-                           str(tmp_path / "x.json"), "--base", "H200"], capture_output=True,
-                          text=True, timeout=120)
+def test_base_is_refused_on_a_cpu(tmp_path, capfd):
+    from cli_helpers import run_pipeexec
+
+    done = run_pipeexec(["calibrate-hardware", "--out", str(tmp_path / "x.json"), "--base",
+                         "H200"], capfd)
     assert done.returncode == 2 and "--base H200: only for a CUDA device" in done.stdout
     assert not (tmp_path / "x.json").exists()
 
