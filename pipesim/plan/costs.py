@@ -113,6 +113,11 @@ class CostModel:
                     raise ValueError(f"CostModel.{f.name} must be a number, got a list")
                 if not value:
                     raise ValueError(f"CostModel.{f.name} is an empty list")
+                if _plain_figures(f.name, value):
+                    # the common case (a plan derives thousands of these): no element to
+                    # convert, no value to refuse
+                    object.__setattr__(self, f.name, tuple(value))
+                    continue
                 values = tuple(_number(f.name, v) for v in value)
                 object.__setattr__(self, f.name, values)
             else:
@@ -318,6 +323,15 @@ class CostModel:
         except json.JSONDecodeError as exc:
             raise ValueError(f"{path}: not valid JSON: {exc}") from None
         return cls.from_dict(data, source=str(path))
+
+
+def _plain_figures(field: str, values: Sequence[Any]) -> bool:
+    """Whether every one of ``values`` is a float already (which `_number` returns as it is)
+    that the field's rules below take (not NaN, >= 0, a weight-gradient fraction <= 1): then
+    there is nothing to convert or refuse. Otherwise the rules' loop runs and names the value."""
+    if not all(type(v) is float for v in values) or any(v != v for v in values):
+        return False
+    return min(values) >= 0 and (field != "weight_grad_fraction" or max(values) <= 1)
 
 
 def _number(field: str, value: Any) -> float:
