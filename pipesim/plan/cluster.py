@@ -21,7 +21,9 @@ bandwidth replaces them all (the override is the link: the plain alpha-beta ring
 """
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, fields, replace
+from functools import lru_cache
 from typing import Any
 
 from ..errors import PlanError
@@ -67,6 +69,9 @@ class Link:
         return lat, bw
 
 
+# A pure function of four integers that a search asks for each group of every plan it
+# derives (the same few dozen layouts each time): computed once per distinct layout.
+@lru_cache(maxsize=4096)
 def group_placement(stride: int, size: int, world: int, domain: int) -> tuple[int, int]:
     """``(domains, fewest members in one)`` of the slowest group of ``size`` ranks ``stride``
     apart among ``world`` ranks placed ``domain`` to an NVLink domain in order: the one with
@@ -80,28 +85,11 @@ def group_placement(stride: int, size: int, world: int, domain: int) -> tuple[in
               for o in range(min(stride, domain))}
     worst = (1, size)
     for r0 in starts:
-        here = _spread(r0, stride, size, domain)
+        counts = Counter((r0 + i * stride) // domain for i in range(size))
+        here = (len(counts), min(counts.values()))
         if (here[0] > 1, -here[1], here[0]) > (worst[0] > 1, -worst[1], worst[0]):
             worst = here
     return worst
-
-
-def _spread(r0: int, stride: int, size: int, domain: int) -> tuple[int, int]:
-    """``(domains, fewest members in one)`` of the ranks ``r0 + i * stride`` (``i < size``),
-    ``domain`` ranks to a domain in order, counted a domain at a time (a planner asks this of
-    every plan's groups: not a pass over the members). Members ``stride >= domain`` apart
-    each have a domain of their own; closer ones fill every domain from the first member's to
-    the last's, domain ``k`` holding those from ``ceil((k domain - r0) / stride)`` to before
-    ``ceil(((k + 1) domain - r0) / stride)``."""
-    if stride >= domain:
-        return size, 1
-    first, last = r0 // domain, (r0 + (size - 1) * stride) // domain
-    fewest = size
-    for k in range(first, last + 1):
-        lo = max(0, -((r0 - k * domain) // stride))
-        hi = min(size, -((r0 - (k + 1) * domain) // stride))
-        fewest = min(fewest, hi - lo)
-    return last - first + 1, fewest
 
 
 @dataclass(frozen=True)

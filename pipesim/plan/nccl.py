@@ -45,6 +45,7 @@ bind at these counts except LL's ``llMaxBw``).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 ARCHS = ("ampere", "hopper", "blackwell")
 PROTOCOLS = ("LL", "LL128", "Simple")
@@ -110,6 +111,10 @@ def nvls_graph_bandwidth(arch: str, local_bw: float, gpus: int) -> tuple[float, 
     return c * NVLS_SPEEDS[arch][-1], c
 
 
+# A pure function of immutable values (a Choice is frozen) that a search asks for every
+# collective of every plan it derives, a few hundred distinct ones among hundreds of thousands:
+# computed once per distinct argument.
+@lru_cache(maxsize=4096)
 def nccl_time(name: str, nbytes: float, p: int, *, arch: str, bus: float, local_bus: float,
               nodes: int = 1, per_domain: int | None = None, links: int = 18,
               nvls: bool = False) -> Choice:
