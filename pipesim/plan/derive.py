@@ -291,7 +291,7 @@ def derive(plan) -> PlanCosts:
     fwd, inp, wgt, act, wfrac, params_st, mem_st = [], [], [], [], [], [], []
     buffers_stage = []
     start = 0
-    comm = {"tp": 0.0, "cp": 0.0, "ep": 0.0}
+    groups = ("tp", "cp", "ep")                # the collectives' groups inside the layers
     stage_comm: list[dict[str, dict[str, float]]] = []
     recomputed_total = 0
     # every layer of a kind (dense / MoE, its recomputation) has the same activations and
@@ -304,39 +304,66 @@ def derive(plan) -> PlanCosts:
             kind_acts[moe, rec] = layer_activations(model, par, moe, recompute=rec)
         return kind_acts[moe, rec]
 
+    def layer_step(moe: bool, rec: str) -> tuple:
+        """What one layer of a kind under recomputation ``rec`` adds to its stage's sums, in
+        the order the loop below adds them: computed once per kind, where the loop runs once per
+        layer of every plan a search derives (the same additions, so the same sums)."""
+        k, full = kinds[moe], rec == "full"
+        la, lp = acts_of(moe, rec), kind_params[moe]
+        cf, ci = k["comm_F"], k["comm_I"]
+        # (all_gather cp recomputes the attention already)
+        attn = (k["attn"] if rec == "selective" and not par.flash_attention
+                and not k["attn_recompute"] else None)
+        return (k["F"], k["I"] + (k["F"] if full else 0.0), attn, k["W"], la.total,
+                la.weight_grad, acts_of(moe, "none").total if full else None,
+                lp["dense"] / t, lp["expert"] / (t * par.ep),
+                tuple(cf[c] for c in groups),
+                # full recomputation runs the forward's collectives again inside I
+                tuple(ci[c] + (cf[c] if full else 0.0) for c in groups),
+                tuple(cf[c] + ci[c] for c in groups))
+
+    steps: dict[tuple[bool, str], tuple] = {}
+    # the collectives' seconds per group (tp, cp, ep), the whole pipeline's and each stage's
+    c_tp = c_cp = c_ep = 0.0
     for stage, count in enumerate(layers):
         f = i = w = a_bytes = w_bytes = 0.0
         dense_p = expert_p = 0.0
         transient = 0.0
-        sc = {p: {"tp": 0.0, "cp": 0.0, "ep": 0.0} for p in ("F", "I")}
+        f_tp = f_cp = f_ep = i_tp = i_cp = i_ep = 0.0
         for j, moe in enumerate(pattern[start:start + count]):
-            k = kinds[moe]
             rec = par.recompute
             if rec == "full" and par.recompute_layers is not None and j >= par.recompute_layers:
                 rec = "none"
-            f += k["F"]
-            i += k["I"] + (k["F"] if rec == "full" else 0.0)
-            if rec == "selective" and not par.flash_attention and not k["attn_recompute"]:
-                i += k["attn"]          # (all_gather cp recomputes the attention already)
-            w += k["W"]
-            la = acts_of(moe, rec)
-            a_bytes += la.total
-            w_bytes += la.weight_grad
-            if rec == "full":
+            step = steps.get((moe, rec))
+            if step is None:
+                step = steps[moe, rec] = layer_step(moe, rec)
+            df, di, dattn, dw, da, dwg, recomputed, dd, de, on_f, on_i, on_both = step
+            f += df
+            i += di
+            if dattn is not None:
+                i += dattn
+            w += dw
+            a_bytes += da
+            w_bytes += dwg
+            if recomputed is not None:
                 recomputed_total += 1
-                transient = max(transient, acts_of(moe, "none").total)
-            lp = kind_params[moe]
-            dense_p += lp["dense"] / t
-            expert_p += lp["expert"] / (t * par.ep)
-            for c in comm:
-                sc["F"][c] += k["comm_F"][c]
-                # full recomputation runs the forward's collectives again inside I
-                sc["I"][c] += k["comm_I"][c] + (k["comm_F"][c] if rec == "full" else 0.0)
-                comm[c] += k["comm_F"][c] + k["comm_I"][c]
+                transient = max(transient, recomputed)
+            dense_p += dd
+            expert_p += de
+            f_tp += on_f[0]
+            f_cp += on_f[1]
+            f_ep += on_f[2]
+            i_tp += on_i[0]
+            i_cp += on_i[1]
+            i_ep += on_i[2]
+            c_tp += on_both[0]
+            c_cp += on_both[1]
+            c_ep += on_both[2]
             if gathered and cp > 1:
                 # the whole sequence's K/V gathered inside one attention, and in its backward
                 # their gradients too before the reduce-scatter
                 transient = max(transient, 2 * kv_bytes)
+        sc = {"F": {"tp": f_tp, "cp": f_cp, "ep": f_ep}, "I": {"tp": i_tp, "cp": i_cp, "ep": i_ep}}
         start += count
         if stage == 0:
             emb_p = model.embedding_params(t) / t
@@ -397,6 +424,7 @@ def derive(plan) -> PlanCosts:
             transient += largest * gbytes
         buffers_stage.append(transient)
         stage_comm.append(sc)
+    comm = {"tp": c_tp, "cp": c_cp, "ep": c_ep}
 
     schedule_stages = rank_parts(plan, n)
     rank_buffers = [max((buffers_stage[st] for st in sts), default=0.0) for sts in schedule_stages]
