@@ -94,11 +94,11 @@ def _rejects(name, pp, vpp, m) -> bool:
 
 
 @pytest.mark.slow
-def test_cli_reports_bad_layout_and_exits_non_zero():
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-m", "pipeexec", "train", "--pp", "2", "--dp", "2",
-                           "--nproc", "3", "--layers", "2"], capture_output=True, text=True,
-                          timeout=60, env=env)
+def test_cli_reports_bad_layout_and_exits_non_zero(capfd):
+    from cli_helpers import run_pipeexec
+
+    proc = run_pipeexec(["train", "--pp", "2", "--dp", "2", "--nproc", "3", "--layers", "2"],
+                        capfd)
     assert proc.returncode == 2
     assert "world size 3 != tp * cp * pp * dp = 1 * 1 * 2 * 2" in proc.stderr
 
