@@ -148,6 +148,10 @@ def greedy_order(pp: int, m: int, costs, limits: Sequence[float], prefer_i: bool
     # (The cap on held stage-microbatches keeps the same room.)
     deeper = [[q for q in stages_of[where[s]] if q > s] for s in range(n)]
     reserve = [sum(act[q] for q in deeper[s]) for s in range(n)]
+    # what an F of stage s needs beyond its activations, and the stages after it on its rank
+    room = [max(buf[s], reserve[s]) for s in range(n)]
+    after = [len(deeper[s]) for s in range(n)]
+    deepest_first = chunk == "deep"
     for r in range(pp):
         need = max(act[s] + buf[s] for s in stages_of[r])
         if mem[r] + need > limits[r]:
@@ -266,15 +270,15 @@ def greedy_order(pp: int, m: int, costs, limits: Sequence[float], prefer_i: bool
         e, r = heapq.heappop(queue)      # the least free time; ties: the lowest rank
         fs, is_ = [], []                 # (ready time, preference, stage) of each candidate
         if follow is None:
-            more_f = any(nf[s] < m for s in stages_of[r])
+            more_f = None                # whether a stage has an F left: asked below if need be
             allowed_f = False            # an F that the cap and the memory limit let start
             for s in stages_of[r]:
-                if (nf[s] < m and held[r] + len(deeper[s]) < caps[r]
-                        and mem[r] + act[s] + max(buf[s], reserve[s]) <= limits[r]):
+                if (nf[s] < m and held[r] + after[s] < caps[r]
+                        and mem[r] + act[s] + room[s] <= limits[r]):
                     allowed_f = True
                     t = ready(s, F)
                     if t is not None and in_turn(s, F):
-                        fs.append((t, -s if chunk == "deep" else t, s))
+                        fs.append((t, -s if deepest_first else t, s))
                 if ni[s] < nf[s]:
                     t = ready(s, I)
                     if t is not None and in_turn(s, I):
@@ -298,7 +302,7 @@ def greedy_order(pp: int, m: int, costs, limits: Sequence[float], prefer_i: bool
                         is_.append((t, s))
         f_now = [c for c in fs if c[0] <= e]
         i_now = [c for c in is_ if c[0] <= e]
-        f_pick = min(f_now, key=lambda c: (c[1], c[2]))[2] if f_now else None
+        f_pick = min((c[1], c[2]) for c in f_now)[1] if f_now else None
         i_pick = min(i_now)[1] if i_now else None
         if i_pick is not None and (prefer_i or f_pick is None):
             run(r, I, i_pick, e)
@@ -307,6 +311,8 @@ def greedy_order(pp: int, m: int, costs, limits: Sequence[float], prefer_i: bool
         else:
             known = [c[0] for c in fs] + [c[0] for c in is_]
             nxt = min(known) if known else None
+            if more_f is None:
+                more_f = any(nf[s] < m for s in stages_of[r])
             if pending_w[r] and (fill == "eager"
                                  or (nxt is not None and e + tw[pending_w[r][0]] <= nxt)
                                  or (more_f and not allowed_f)):
