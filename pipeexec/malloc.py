@@ -20,7 +20,6 @@ trainer call it for CPU runs.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 
 # mallopt parameters (glibc malloc.h)
 M_TRIM_THRESHOLD = -1
@@ -34,13 +33,11 @@ TRIM_THRESHOLD = 2 ** 31 - 1
 
 def keep_freed_memory() -> bool:
     """Tune this process's malloc as the module docstring says; True when it was applied
-    (glibc found and both settings accepted)."""
-    name = ctypes.util.find_library("c")
-    if name is None:
-        return False
+    (glibc's mallopt found and both settings accepted). The process's own symbols hold the C
+    library's: no ``ctypes.util.find_library``, which runs ``ldconfig -p`` on every call (a
+    worker calls this for every trainer it assembles)."""
     try:
-        libc = ctypes.CDLL(name)
-        mallopt = libc.mallopt
+        mallopt = ctypes.CDLL(None).mallopt
     except (OSError, AttributeError):
         return False
     mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
