@@ -2,14 +2,18 @@
 
 The notebooks assert their own key facts (e.g. the simulated 1F1B bubble equals (p-1)/m), so a
 notebook whose story stops being true fails here too. Those with real multi-process training
-are marked ``slow``. The committed notebooks are built from ``notebooks/src/*.py`` by
-``scripts/run_notebooks.py``; a cheap test checks the two agree and that the committed ones
-carry their outputs.
+are marked ``slow``. The notebooks a session checks run side by side, each in a process of its
+own (tests/notebook_runner.py), started when the first of their tests asks: a notebook is
+mostly one busy Python, so two keep both cores of a 2-core machine busy where one at a time
+leaves one idle (their checks hold whatever the load: they assert no timing). The committed
+notebooks are built from ``notebooks/src/*.py`` by ``scripts/run_notebooks.py``; a cheap test
+checks the two agree and that the committed ones carry their outputs.
 """
 from __future__ import annotations
 
 import importlib.util
-import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -20,6 +24,7 @@ nbclient = pytest.importorskip("nbclient")
 ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOKS = ROOT / "notebooks"
 SLOW = {"03_real_training", "04_predicted_vs_measured"}   # real training with pipeexec
+RUNNER = Path(__file__).resolve().parent / "notebook_runner.py"
 
 
 def _runner():
@@ -59,18 +64,35 @@ def test_committed_notebook_matches_source_and_has_outputs(path):
     assert not errors, f"{path.name} is committed with an error output: {errors[0].ename}"
 
 
+@pytest.fixture(scope="module")
+def notebook_runs(request, tmp_path_factory):
+    """Every notebook this session checks (the selected parameters of `test_notebook_executes`)
+    executing afresh, all started now, each in its own process and scratch folder
+    (tests/notebook_runner.py: a copy, outputs cleared, nbclient); by notebook, the process
+    and the file its errors go to. Any still running at the end are stopped."""
+    here = Path(__file__).resolve()
+    paths = [item.callspec.params["path"] for item in request.session.items
+             if item.path == here and getattr(item, "originalname", "") == "test_notebook_executes"]
+    runs = {}
+    try:
+        for path in paths:
+            folder = tmp_path_factory.mktemp(path.stem)
+            errors = folder / "errors.txt"
+            with open(errors, "w") as err:
+                proc = subprocess.Popen([sys.executable, str(RUNNER), str(path), str(folder)],
+                                        stdout=subprocess.DEVNULL, stderr=err)
+            runs[path] = (proc, errors)
+        yield runs
+    finally:
+        for proc, _ in runs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+
 @pytest.mark.parametrize("path", _notebooks())
-def test_notebook_executes(path, tmp_path, monkeypatch):
-    # A fresh copy in a temporary directory: whatever a notebook writes lands there.
-    copy = tmp_path / path.name
-    shutil.copy(path, copy)
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    monkeypatch.setenv("MPLBACKEND", "Agg")
-    monkeypatch.setenv("TMPDIR", str(tmp_path))      # the notebooks' scratch folders too
-    nb = nbformat.read(copy, as_version=4)
-    for cell in nb.cells:
-        if cell.cell_type == "code":
-            cell.outputs, cell.execution_count = [], None
-    client = nbclient.NotebookClient(nb, timeout=600, kernel_name="python3",
-                                     resources={"metadata": {"path": str(tmp_path)}})
-    client.execute()   # raises CellExecutionError naming the cell on any error
+def test_notebook_executes(path, notebook_runs):
+    proc, errors = notebook_runs[path]
+    status = proc.wait(timeout=3600)
+    # on a failing cell, the runner names it with nbclient's CellExecutionError
+    assert status == 0, errors.read_text()[-6000:]
