@@ -32,7 +32,7 @@ one) is read wherever a preset name is: ``--hardware FILE`` / ``get_hardware("cp
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -167,6 +167,9 @@ class Hardware:
     # the routed experts' grouped GEMM: the fraction of a dense GEMM's efficiency (same shape)
     # each group reaches
     grouped_gemm_efficiency: float = 1.0
+    # the dimension at which one side of a group costs a doubling (None: gemm_dim_half): small
+    # per-expert GEMMs reach less of the tensor cores than dense GEMMs of the same shape
+    grouped_dim_half: float | None = None
     # quantize / cast kernels (fp8, mxfp8, nvfp4 GEMM inputs): fraction of hbm_bandwidth they
     # reach (None: mem_efficiency)
     cast_efficiency: float | None = None
@@ -217,6 +220,11 @@ class Hardware:
             if not 0 < getattr(self, f) <= 1:
                 raise ValueError(f"hardware {self.name}: {f} must be in (0, 1], got "
                                  f"{getattr(self, f)!r}")
+        v = self.grouped_dim_half
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))
+                              or not 0 < v < float("inf")):
+            raise ValueError(f"hardware {self.name}: grouped_dim_half must be a finite number > 0"
+                             f" or null (null: the dense gemm_dim_half), got {v!r}")
         if not self.fragmentation >= 1:
             raise ValueError(f"hardware {self.name}: fragmentation must be >= 1 (bytes the "
                              f"allocator holds per byte of tensors), got {self.fragmentation!r}")
@@ -255,9 +263,13 @@ class Hardware:
     def source(self, figure: str) -> str:
         return dict(self.sources).get(figure, "")
 
-    def gemm_efficiency(self, m: float, n: float, k: float, precision: str = "bf16") -> float:
-        """Fraction of the precision's peak a GEMM of this shape reaches (the fitted curve)."""
+    def gemm_efficiency(self, m: float, n: float, k: float, precision: str = "bf16",
+                        grouped: bool = False) -> float:
+        """Fraction of the precision's peak a GEMM of this shape reaches (the fitted curve);
+        ``grouped``: one group of the routed experts' grouped GEMM (its own dim-half)."""
         d = self.gemm_dim_half
+        if grouped and self.grouped_dim_half is not None:
+            d = max(d, self.grouped_dim_half)
         return self.precision_gemm_e_max(precision) / (1.0 + d * (1.0 / m + 1.0 / n + 1.0 / k))
 
     def with_(self, **changes: Any) -> "Hardware":
@@ -343,6 +355,8 @@ class Hardware:
             out["collectives"] = nested
         else:
             del out["collectives"]                     # files stay as they were without them
+        if out["grouped_dim_half"] is None:
+            del out["grouped_dim_half"]                # files stay as they were without it
         for f in ("nccl_arch", "link_processor_usage", "network_processor_usage"):
             if not out[f]:
                 del out[f]                             # files without them stay as they were
@@ -457,6 +471,8 @@ _A100_SOURCES = {
     "mxfp8_flops": "none: block-scaled MXFP8 tensor cores are Blackwell's (B200 and later)",
     "nvfp4_flops": "none: NVFP4 tensor cores are Blackwell's (B200 and later)",
     "fp32_flops": "TF32 dense: half the bf16 dense peak on every datasheet listed",
+    "grouped_dim_half": "null: a group's shape costs what a dense GEMM's does (gemm_dim_half;"
+                        " assumed where no MoE run was fitted)",
     "grouped_gemm_efficiency": "1: a grouped GEMM's groups as fast as dense GEMMs of their "
                                "shape (assumed, where no MoE run was fitted)",
     "nvlink_domain": "8 GPUs an HGX / DGX node's NVSwitches join (GB200: its NVL72 rack, 72)",
@@ -589,7 +605,8 @@ _ALIASES = {"GB200-NVL72": "GB200", "GB200_NVL72": "GB200", "NVL72": "GB200",
 FITTED_FILE = Path(__file__).parent / "data" / "fitted.json"
 FITTED_FORMAT = "pipesim.fitted/1"
 _FITTABLE = ("gemm_e_max", "precision_e_max", "mem_efficiency", "flash_e_max",
-             "grouped_gemm_efficiency")
+             "grouped_gemm_efficiency", "grouped_dim_half")
+_DIMENSIONS = ("grouped_dim_half",)     # fitted figures that are sizes, not fractions
 
 
 def read_fitted(path: "str | Path" = FITTED_FILE) -> dict:
@@ -621,7 +638,11 @@ def read_fitted(path: "str | Path" = FITTED_FILE) -> dict:
             values = value.values() if fig == "precision_e_max" and isinstance(value, dict) \
                 else [value]
             for v in values:
-                if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v <= 1:
+                if fig in _DIMENSIONS:
+                    if isinstance(v, bool) or not isinstance(v, (int, float)) or \
+                            not 0 < v < float("inf"):
+                        raise ValueError(f"{p}: gpus.{gpu}.{fig}: a finite number > 0, got {v!r}")
+                elif isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v <= 1:
                     raise ValueError(f"{p}: gpus.{gpu}.{fig}: a number in (0, 1], got {v!r}")
     return data
 

@@ -230,8 +230,8 @@ def pass_times(ops: list[Op], hw, precision: str) -> PassTimes:
         # the routed experts' grouped GEMM: a fraction of a dense GEMM's efficiency
         grouped = hw.grouped_gemm_efficiency if o.grouped else 1.0
         if low and o.quantized:
-            return low_peak * hw.gemm_efficiency(m, n, k, precision) * grouped
-        return bf16 * hw.gemm_efficiency(m, n, k) * grouped
+            return low_peak * hw.gemm_efficiency(m, n, k, precision, o.grouped) * grouped
+        return bf16 * hw.gemm_efficiency(m, n, k, grouped=o.grouped) * grouped
 
     for o in ops:
         if o.kind == "memory":
