@@ -41,6 +41,22 @@ def refusals(config: Any, *, custom_stack: bool = False) -> list[str]:
         out += tensor_parallel_refusals(plan.model, par)
     out += context_parallel_refusals(plan.model, par)
     out += expert_parallel_refusals(plan.model, par, custom_stack=custom_stack)
+    out += memory_refusals(par)
+    return out
+
+
+def memory_refusals(par: Any) -> list[str]:
+    """What pipesim plans for memory that pipeexec does not run: Megatron's per-module
+    selective recomputation and activation offloading to host memory."""
+    out = []
+    if par.recompute_modules:
+        out.append(f"parallelism.recompute_modules = {list(par.recompute_modules)} (a plan "
+                   "file's field): pipeexec recomputes the core attention (recompute "
+                   "selective) or whole blocks (full), not Megatron's per-module list; drop it "
+                   "or re-plan with --recompute selective / full")
+    if par.offload_layers:
+        out.append(f"parallelism.offload_layers = {par.offload_layers} (a plan file's field): "
+                   "pipeexec keeps every activation on its device; set it to 0")
     return out
 
 

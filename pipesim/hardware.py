@@ -176,6 +176,9 @@ class Hardware:
     mem_efficiency: float = 0.70     # fraction of hbm_bandwidth element-wise kernels reach
     flash_e_max: float = 0.70        # flash attention (fwd + bwd) at long sequences, head dim 128
     launch_overhead: float = 4e-6    # seconds a kernel costs beyond its roofline
+    # bytes/s one GPU moves to or from host memory, each direction (activation offloading);
+    # None: not known (a plan offloading activations there is refused)
+    host_bandwidth: float | None = None
     # -- memory a GPU cannot give to tensors ------------------------------------------------
     memory_reserve: float | None = None  # CUDA context, NCCL, workspaces (None: min(4 GiB, 5%))
     fragmentation: float = 1.05          # caching allocator: bytes reserved per byte allocated
@@ -220,6 +223,11 @@ class Hardware:
             if not 0 < getattr(self, f) <= 1:
                 raise ValueError(f"hardware {self.name}: {f} must be in (0, 1], got "
                                  f"{getattr(self, f)!r}")
+        h = self.host_bandwidth
+        if h is not None and (isinstance(h, bool) or not isinstance(h, (int, float))
+                              or not 0 < h < float("inf")):
+            raise ValueError(f"hardware {self.name}: host_bandwidth must be a finite number > 0"
+                             f" (bytes/s a direction) or null, got {h!r}")
         v = self.grouped_dim_half
         if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))
                               or not 0 < v < float("inf")):
@@ -355,8 +363,9 @@ class Hardware:
             out["collectives"] = nested
         else:
             del out["collectives"]                     # files stay as they were without them
-        if out["grouped_dim_half"] is None:
-            del out["grouped_dim_half"]                # files stay as they were without it
+        for f in ("grouped_dim_half", "host_bandwidth"):
+            if out[f] is None:
+                del out[f]                             # files stay as they were without them
         for f in ("nccl_arch", "link_processor_usage", "network_processor_usage"):
             if not out[f]:
                 del out[f]                             # files without them stay as they were
@@ -511,6 +520,9 @@ def _preset(name: str, *args: float, calibration: str = "extrapolated",
         kw.setdefault("link_bus_efficiency", eff)
         src["link_bus_efficiency"] = (f"NCCL's NVLink bus bandwidth over the raw link: {why} "
                                       f"(NVIDIA/nccl src/graph/topo.h), {eff}")
+    if name in _HOST:
+        kw.setdefault("host_bandwidth", _HOST[name][0])
+        src["host_bandwidth"] = _HOST[name][1]
     if name in _NCCL_ARCH:
         kw.setdefault("nccl_arch", _NCCL_ARCH[name])
         src["nccl_arch"] = (f"NCCL's tuner class of the GPU ({_NCCL_ARCH[name]}: its compute "
@@ -556,6 +568,25 @@ _BLACKWELL_PEAKS = {
                              "for 72 GPUs, 5 PFLOP/s dense a GPU (MXFP8 at the FP8 rate)",
               "nvfp4_flops": "NVIDIA GB300 NVL72 datasheet (2025): FP4 1,440 PFLOP/s sparse | "
                              "1,080 PFLOP/s dense for 72 GPUs, 15 PFLOP/s dense a GPU"},
+}
+
+# GPU <-> host memory, bytes/s a direction a GPU (activation offloading): the host link of each
+# datasheet; PCIe's raw rate (x16 lanes: Gen4 32 GB/s, Gen5 64 GB/s a direction)
+_PCIE4, _PCIE5 = 32 * GB, 64 * GB
+_C2C = 225 * GB
+_HOST = {
+    "A100": (_PCIE4, "PCIe Gen4 x16, 32 GB/s a direction (A100 SXM datasheet: PCIe Gen4 64 GB/s)"),
+    "H100": (_PCIE5, "PCIe Gen5 x16, 64 GB/s a direction (H100 SXM datasheet: PCIe Gen5 "
+                     "128 GB/s)"),
+    "H200": (_PCIE5, "PCIe Gen5 x16, 64 GB/s a direction (as H100 SXM)"),
+    "B200": (_PCIE5, "PCIe Gen5 x16, 64 GB/s a direction (DGX B200: Gen5 host links)"),
+    "B300": (_PCIE5, "assumed as B200's PCIe Gen5 x16, 64 GB/s a direction"),
+    "GB200": (_C2C, "NVLink-C2C 900 GB/s both directions a Grace CPU, shared by its two GPUs "
+                    "(GB200 NVL72 datasheet): 225 GB/s a GPU a direction"),
+    "GB300": (_C2C, "NVLink-C2C 900 GB/s both directions a Grace CPU, shared by its two GPUs "
+                    "(GB300 NVL72 datasheet): 225 GB/s a GPU a direction"),
+    "MI300X": (_PCIE5, "PCIe Gen5 x16, 64 GB/s a direction (MI300X data sheet: PCIe Gen5 "
+                       "128 GB/s)"),
 }
 
 _MAMF = {"A100": 0.869, "H100": 0.803, "H200": 0.803, "B200": 0.776, "GB200": 0.729,

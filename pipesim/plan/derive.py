@@ -67,7 +67,7 @@ from ..schedule.registry import schedule_rank_parts
 from ..schedule.schedule import Schedule
 from . import collectives as coll
 from .cluster import Link
-from .operators import embedding_ops, head_ops, layer_ops, pass_times
+from .operators import embedding_ops, head_ops, layer_ops, pass_times, recomputed_ops
 from .overlap import added, usage
 from .parallelism import FLEX_DISPATCHERS
 from .flops import head_flops, layer_flops, model_flops, recompute_flops
@@ -266,10 +266,20 @@ def derive(plan) -> PlanCosts:
             # shows is split between F and I as the exchanges are
             shown = added(ep + ep_b, comp_f + comp_i + comp_w, u_ep)
             ep_x, ep_bx = shown * ep / (ep + ep_b), shown * ep_b / (ep + ep_b)
+        # selective recomputation's modules (the core attention apart): their forwards again
+        # inside I, and a recomputed MoE block's dispatch and combine with them
+        again = recomputed_ops(layer_ops(model, par, moe), par.recomputed_modules - {"core_attn"})
+        if per_op:
+            rec_f = pass_times(again, hw, par.precision).F if again else 0.0
+        else:
+            rec_f = sum(o.flops for o in again if o.kind == "gemm") / gemm_rate
+        rec_ep = ep if (moe and "moe" in par.recomputed_modules) else 0.0
+        rec_flops = sum(o.flops for o in again if o.counted and o.kind != "memory") * shard
         f = op(comp_f, a, tp_pass, cp_f, ep_x, z3, ub_f)
         i = op(comp_i + recomputed_attention, a_i, tp_pass, cp_i, ep_bx, z3, ub_i)
         w = max(comp_w, z3_rs)
         return {"F": f, "I": i, "W": w, "attn": a, "params": lp_rank, "achieved": achieved,
+                "rec_F": rec_f + rec_ep, "rec_ep": rec_ep, "rec_flops": rec_flops,
                 "attn_recompute": recomputed_attention,
                 # each group's collective seconds per pass (the exchange, whatever of it shows)
                 "comm_F": {"tp": tp_pass, "cp": cp_f, "ep": ep},
@@ -304,7 +314,17 @@ def derive(plan) -> PlanCosts:
             kind_acts[moe, rec] = layer_activations(model, par, moe, recompute=rec)
         return kind_acts[moe, rec]
 
+    offload = par.offload_layers
+    if offload and hw.host_bandwidth is None:
+        raise PlanError(f"parallelism.offload_layers: {offload} layers' activations to host "
+                        f"memory, but hardware {hw.name} names no host_bandwidth (the GPU's "
+                        "link to host memory, bytes/s a direction): add it to the hardware "
+                        "file, or set offload_layers to 0")
     for stage, count in enumerate(layers):
+        if offload and count and offload >= count:
+            raise PlanError(f"parallelism.offload_layers: {offload} must be below the layers of "
+                            f"every stage (stage {stage} holds {count}); Megatron refuses "
+                            "--cpu-offloading-num-layers >= a chunk's layers")
         f = i = w = a_bytes = w_bytes = 0.0
         dense_p = expert_p = 0.0
         transient = 0.0
@@ -316,12 +336,25 @@ def derive(plan) -> PlanCosts:
                 rec = "none"
             f += k["F"]
             i += k["I"] + (k["F"] if rec == "full" else 0.0)
-            if rec == "selective" and not par.flash_attention and not k["attn_recompute"]:
-                i += k["attn"]          # (all_gather cp recomputes the attention already)
+            if rec == "selective":
+                i += k["rec_F"]
+                if "core_attn" in par.recomputed_modules and not par.flash_attention and \
+                        not k["attn_recompute"]:
+                    i += k["attn"]      # (all_gather cp recomputes the attention already)
             w += k["W"]
             la = acts_of(moe, rec)
-            a_bytes += la.total
-            w_bytes += la.weight_grad
+            if j < offload:
+                # Megatron's --cpu-offloading-num-layers (Transformer Engine's CPU offload):
+                # the first layers' activations copied to host memory after their forward,
+                # back before their backward, each copy under the next layer's compute (what
+                # it cannot hide shows), one layer's in flight on the GPU
+                copy = la.total / hw.host_bandwidth
+                f += max(0.0, copy - k["F"])
+                i += max(0.0, copy - k["I"])
+                transient = max(transient, la.total)
+            else:
+                a_bytes += la.total
+                w_bytes += la.weight_grad
             if rec == "full":
                 recomputed_total += 1
                 transient = max(transient, acts_of(moe, "none").total)
@@ -331,7 +364,8 @@ def derive(plan) -> PlanCosts:
             for c in comm:
                 sc["F"][c] += k["comm_F"][c]
                 # full recomputation runs the forward's collectives again inside I
-                sc["I"][c] += k["comm_I"][c] + (k["comm_F"][c] if rec == "full" else 0.0)
+                sc["I"][c] += k["comm_I"][c] + (k["comm_F"][c] if rec == "full" else 0.0) + \
+                    (k["rec_ep"] if rec == "selective" and c == "ep" else 0.0)
                 comm[c] += k["comm_F"][c] + k["comm_I"][c]
             if gathered and cp > 1:
                 # the whole sequence's K/V gathered inside one attention, and in its backward
@@ -467,7 +501,12 @@ def derive(plan) -> PlanCosts:
             start += count
     else:
         extra = recompute_flops(model, gbs, par.recompute, flash=par.flash_attention,
-                                causal=par.flash_attention)
+                                causal=par.flash_attention) \
+            if "core_attn" in par.recomputed_modules or par.recompute != "selective" else 0.0
+        if par.recompute == "selective":
+            # the modules' forwards again: a microbatch's FLOPs on one rank, over every rank of
+            # its tensor x context group, each layer, every microbatch
+            extra += sum(kinds[moe]["rec_flops"] for moe in pattern) * gbs / b
     return PlanCosts(costs=costs, stage_layers=layers, efficiency=eff, links=links,
                      stage_params=params_st, stage_memory=mem_st, rank_buffers=rank_buffers,
                      tail=tail, comm=comm, stage_comm=stage_comm, model_flops=mflops, hardware_flops=mflops + extra,
