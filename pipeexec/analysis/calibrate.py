@@ -5,6 +5,11 @@ line fitted through the sends whose arrival was seen (``arrival_observed``: the 
 waiting), each timed from when both sides had posted (``link_start``) to the arrival; all
 through ``fit_costs``.
 
+ZeRO-2/3 (a run whose program holds UNSHARD / RESHARD / REDUCE_GRAD): ``unshard`` and
+``reduce_grad`` per stage are the means of its UNSHARD and REDUCE_GRAD rows, run as the
+executor runs them (blocking: ``overlap_sharding`` 0); re-partitioned per layer kind, a
+collective per bucket and a bucket per layer.
+
 Memory (the activation model of `pipesim.sim.memory`): for each (stage, microbatch) the bytes its
 forward leaves held, i.e. the meter's growth over RECV_F + F + SEND_F of that pair (input
 buffer, saved tensors, output while not yet sent); ``activation_bytes`` is the per-stage mean.
