@@ -19,6 +19,7 @@ import pytest
 from pipeexec import launch
 from pipeexec.analysis.calibrate import fit_run
 from pipeexec.analysis.compare import compare_runs
+from pipeexec.analysis.predict import program_of
 from pipeexec.analysis.sharding_rows import sharding_report, sharding_text
 from pipeexec.cli.compare import write_outputs
 from pipesim.schedule.sharding import Sharding
@@ -70,6 +71,9 @@ def test_the_measured_trace_holds_exactly_the_programs_sharding_actions(schedule
     run = runs()[(schedule, zero, grad_reduce)]
     s = run.schedule
     assert s.sharding == Sharding(zero, grad_reduce)      # the program that ran is recorded
+    # the one a prediction before the run simulates (compare --calibrate-from)
+    assert program_of(layout_config(schedule, 1, 2, zero=zero, grad_reduce=grad_reduce,
+                                    steps=2)) == s
     program = [str(a) for a in s.actions(0)]
     t = run.trace
     assert run.steps == [0, 1]
