@@ -33,7 +33,7 @@ report's ``predicted_collectives`` the same per rank.
 
 A ZeRO-2/3 run (its program holds UNSHARD / RESHARD / REDUCE_GRAD) adds a row per (action,
 stage) under the table, in the markdown and in the report (``sharding_actions``): count, the
-median per action (what calibration prices them with) and the sum per step, measured and
+mean per action (what calibration prices them with) and the sum per step, measured and
 predicted (`pipeexec.analysis.sharding_rows`); a run without them shows and reports none.
 
 Errors: ``step_time_error = (predicted - measured) / measured``; bubble_fraction error in
