@@ -80,6 +80,19 @@ def prediction_costs(layout: Layout, calibration_run: MeasuredRun,
     return cal
 
 
+def program_of(config: Any) -> "pipesim.Schedule":
+    """The program ``config`` runs, without running it: its schedule, lowered with ZeRO-2/3's
+    sharding where its gradient holder shards (`pipeexec.training.holder.gradient_holder`:
+    ZeRO with more than one data-parallel replica over dp x cp, or expert parallelism), so
+    that a prediction before the run times the UNSHARD / RESHARD / REDUCE_GRAD it will run."""
+    from pipesim.schedule.sharding import Sharding
+
+    schedule = config.build_schedule()
+    if config.zero and (config.dp * config.cp > 1 or config.ep > 1):
+        return schedule.with_sharding(Sharding(config.zero, config.grad_reduce))
+    return schedule
+
+
 def layout_of(config: Any, spec: Any = None) -> Layout:
     """The layout ``config`` will cut ``spec`` (default: the model ``config`` trains, `pipeexec.models.layer_stack`) into,
     computed without running, by the Trainer's own `partition.stage_bounds`."""

@@ -16,7 +16,7 @@ from pipesim.units import byte_unit
 from ..analysis.compare import Comparison, compare_runs
 from ..analysis.measured_run import MeasuredRun
 from ..analysis.plan_memory import predicted_activation_peaks
-from ..analysis.predict import layout_of, predict
+from ..analysis.predict import layout_of, predict, program_of
 from ..analysis.run_description import inherit
 from ..config import ConfigError
 from ..measuring.profile_options import ProfileOptions
@@ -279,7 +279,7 @@ def compare_main(argv: list[str]) -> int:
                   f"{from_hw.result.bubble_fraction:.3f}", flush=True)
         if source is not None:
             layout = layout_of(config)
-            predicted, cal = predict(config.build_schedule(), layout, source, carry=carry)
+            predicted, cal = predict(program_of(config), layout, source, carry=carry)
             print(f"prediction before running, calibrated from {ns.calibrate_from}: "
                   f"{predicted.makespan * 1e3:.1f} ms, bubble_fraction "
                   f"{predicted.bubble_fraction:.3f}", flush=True)

@@ -103,7 +103,9 @@ class ProfileSession:
                            if p["dp_rank"] == 0 and p["tp_rank"] == 0 and p["cp_rank"] == 0),
                           key=lambda p: p["pp_rank"])
         cfg = trainer.config
-        schedule = trainer.schedule
+        # the program that ran: the schedule lowered with the holder's sharding (ZeRO-2/3's
+        # UNSHARD / RESHARD / REDUCE_GRAD), which the trace's rows and the simulation follow
+        schedule = trainer.runtime.schedule
         trace = build_trace([p["records"] for p in pipeline], [p["offset"] for p in pipeline],
                             schedule)
         plan = RunPlan(schedule, trainer.bounds, trainer.spec.kinds(), dp=cfg.dp,
