@@ -96,7 +96,8 @@ OPTIMIZER_BYTES = 28          # Adam: bytes read + written per parameter updated
 class RankTail:
     """One pipeline rank's step tail, after its last pipeline action (seconds)."""
 
-    dp_comm: float          # data-parallel gradient reduction (+ ZeRO's parameter gather)
+    dp_comm: float          # data-parallel gradient reduction below ZeRO-2 (ZeRO-2/3 reduce in
+    #                         the program's REDUCE_GRAD), + the parameter gather of ZeRO-1/2
     dp_exposed: float       # what of it (and of tied_comm) the backward does not hide
     tied_comm: float        # gradient sum of parts held by two ranks (dualpipe's copies)
     optimizer: float        # the optimizer step, HBM-bound
