@@ -341,6 +341,35 @@ def rate_run(run: Run, **space: object):
     return rate_plan(mine, result.best, result.memory_limit), result
 
 
+def explained(rating) -> str:
+    """How a rating meets the planner's bar, or "" where it does not: within 10% of the pick,
+    the layout does not fit pipesim's memory model, or one knob changed alone closes at least
+    half of the gap (the why-table names that term)."""
+    if 0.9 <= rating.relative <= 1.1:
+        return "within 10%"
+    if not rating.fits:
+        return "does not fit"
+    gap = rating.step_time - rating.best_step_time
+    for c in rating.changes:
+        if c.step_time is not None and (rating.step_time - c.step_time) / gap >= 0.5:
+            return f"{c.knob} {c.mine} -> {c.best}"
+    return ""
+
+
+def rate_all(runs: list[Run]) -> int:
+    """Rate every run against the planner's pick on its cluster (one search each: minutes for
+    256 GPUs); print one line a run; return how many the bar misses."""
+    missed = 0
+    print(f"{'run':<78} {'relative':>8}  why")
+    for run in runs:
+        rating, _ = rate_run(run)
+        why = explained(rating)
+        missed += not why
+        print(f"{run.name:<78} {rating.relative:>8.2f}  {why or 'NOT EXPLAINED'}", flush=True)
+    print(f"\n{len(runs) - missed} of {len(runs)} runs within 10% of the pick or explained")
+    return missed
+
+
 def simulate_seconds(run: Run, hardware: "Hardware | None" = None) -> float:
     from pipesim.sim.plan_report import simulate_plan
 
@@ -592,6 +621,8 @@ def main() -> None:
                     "(e.g. 'llama3-70b 64xH100') against the planner's pick on its cluster "
                     "(the 1f1b and interleaved schedules, every other knob at the search's "
                     "defaults: minutes for 256 GPUs)")
+    ap.add_argument("--rate-all", action="store_true", help="rate every run against the "
+                    "planner's pick on its cluster, one line each (an hour on 2 cores)")
     ap.add_argument("--save-plan", nargs=2, metavar=("RUN", "PLAN.json"),
                     help="write the first run whose name contains RUN as a plan file (for "
                          "pipesim simulate --plan, pipesim plan --rate)")
@@ -605,6 +636,10 @@ def main() -> None:
             raise SystemExit(f"--save-plan {key!r}: no usable run's name contains it")
         build_plan(run).to_json(path)
         print(f"{run.name}: wrote {path}")
+        return
+    if args.rate_all:
+        rate_all(runs)
+        print(f"({time.perf_counter() - t0:.0f} s)")
         return
     if args.rate:
         run = next((r for r in runs if args.rate in r.name), None)

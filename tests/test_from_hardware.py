@@ -74,3 +74,26 @@ def test_compare_prints_the_hardware_prediction_before_the_run_and_beside_its_fi
     assert got["predicted_step_time"] > 0 and got["measured_step_time"] > 0
     assert got["step_time_error"] == pytest.approx(
         got["predicted_step_time"] / got["measured_step_time"] - 1)
+
+
+def test_zero3_runs_the_executors_program_each_collective_waited_for():
+    """The prediction lowers the schedule with the plan's ZeRO actions, as the Trainer does,
+    and times them as pipeexec runs them: a stage at once, the rank waiting
+    (`predict.EXECUTOR_SHARDING`): no gather before the computation before it has ended (no
+    prefetch), and every computation of a stage after its UNSHARD ends."""
+    cfg = CFG.replace(dp=2, zero=3)
+    got = hardware_prediction(cfg, HW, cpus_per_rank=1.0, host_cpus=8)
+    t = got.result.trace
+    assert got.result.schedule.sharding == cfg.plan_as_run().parallelism.sharding
+    assert got.result.costs.overlap_sharding == 0.0
+    for r in range(2):
+        rows = t[t["rank"] == r].reset_index(drop=True)
+        computed = 0.0
+        for i, row in rows.iterrows():
+            if row["op"] == "UNSHARD":
+                assert row["start"] >= computed
+                nxt = rows.loc[i + 1:]
+                assert nxt[nxt["kind"] == "compute"].iloc[0]["start"] >= row["end"]
+            elif row["kind"] == "compute":
+                computed = row["end"]
+    assert (t["op"] == "REDUCE_GRAD").sum() == 2

@@ -35,6 +35,9 @@ if TYPE_CHECKING:
 # How pipeexec's transports move a message: gloo (and NCCL) start a point-to-point transfer only
 # once the receiver has posted its receive (at the schedule's RECV action).
 EXECUTOR_COMM = "rendezvous"
+# How pipeexec runs ZeRO's UNSHARD / REDUCE_GRAD (`pipeexec.training.zero`): each one collective
+# of a whole stage on the compute stream, the rank waiting for it (`pipesim.CostModel`)
+EXECUTOR_SHARDING = {"overlap_sharding": 0.0}
 
 
 def predict(schedule: "pipesim.Schedule", layout: Layout, calibration_run: MeasuredRun,

@@ -30,9 +30,17 @@ thousands. For each stage and one microbatch on one rank of its tensor/context-p
   splits); with the flex dispatcher (``ep_dispatcher`` deepep / hybridep) one copy a destination rank and
   one a remote domain (:func:`pipesim.plan.collectives.flex_dispatch`); with
   ``overlap_ep_comm`` (Megatron's EP overlap) hidden under the layer's compute but what does
-  not fit and what hiding costs (:mod:`pipesim.plan.overlap`). ZeRO-3 gathers each layer's weights in F and again in I, every microbatch,
-  prefetched (overlapped); ZeRO-2/3 reducing once a microbatch (``grad_reduce
-  "per_microbatch"``, DeepSpeed's stage 2) reduce-scatter each layer's gradients in W;
+  not fit and what hiding costs (:mod:`pipesim.plan.overlap`);
+* ZeRO-2/3: not in F / I / W. They are actions of the plan's program (``Plan.build_schedule``
+  lowers the schedule with ``Parallelism.sharding``, :mod:`pipesim.schedule.sharding`, the
+  program pipeexec runs), priced here per stage and timed by the simulator on each rank's
+  lane: ``unshard``, the ZeRO-3 all-gather of the stage's weights (the weights' bytes), and
+  ``reduce_grad``, the reduce-scatter of one backward's gradients (the gradients' bytes), dense
+  parameters over dp x cp, experts over their expert-data-parallel group, each the sum over
+  the stage's units (a layer, the embedding, the head, an MTP module), which FSDP and Megatron
+  gather and reduce one at a time, streamed with the computations (``unshard_units``,
+  ``reduce_grad_units``; the reduction only with ``overlap_grad_reduce``); the rank waits for
+  each reduction once a microbatch (``overlap_reduce_grad`` 0), the step's end once a step;
 * point-to-point: one activation ``2 b s h / sp`` bytes (Megatron sends the sequence-parallel
   shard) over the pipeline group's link;
 * memory: activations per stage and microbatch (:mod:`pipesim.plan.footprint`), the share W
@@ -40,8 +48,8 @@ thousands. For each stage and one microbatch on one rank of its tensor/context-p
   buffers (one layer's recomputed activations with full recomputation, two gathered layers
   with ZeRO-3, their gradients too when reduced once a microbatch, and ZeRO-2's one bucket, a
   layer's gradients, then);
-* the step tail per rank: the data-parallel gradient all-reduce (or reduce-scatter, once a
-  step unless ZeRO-2/3 reduce once a microbatch, and, with sharded optimizer below ZeRO-3, the
+* the step tail per rank: the data-parallel gradient all-reduce (ZeRO-1: reduce-scatter; ZeRO-2/3
+  reduce in their REDUCE_GRAD actions instead; with sharded optimizer below ZeRO-3, the
   parameter all-gather) over the dp x cp group, overlapped with the
   last microbatch's backward (``overlap_grad_reduce``: all but what that window cannot hide,
   at least the last 40M-parameter bucket) and the next forward (``overlap_param_gather``), the
@@ -88,7 +96,8 @@ OPTIMIZER_BYTES = 28          # Adam: bytes read + written per parameter updated
 class RankTail:
     """One pipeline rank's step tail, after its last pipeline action (seconds)."""
 
-    dp_comm: float          # data-parallel gradient reduction (+ ZeRO's parameter gather)
+    dp_comm: float          # data-parallel gradient reduction below ZeRO-2 (ZeRO-2/3 reduce in
+    #                         the program's REDUCE_GRAD), + the parameter gather of ZeRO-1/2
     dp_exposed: float       # what of it (and of tied_comm) the backward does not hide
     tied_comm: float        # gradient sum of parts held by two ranks (dualpipe's copies)
     optimizer: float        # the optimizer step, HBM-bound
@@ -183,12 +192,16 @@ def derive(plan) -> PlanCosts:
     per_mb = par.grads_sharded          # ZeRO-2/3 reduce-scatter inside every backward
 
     def zero_gather(dense: float, expert: float) -> float:
-        """ZeRO-3: all-gather these parameters' weights whole."""
+        """ZeRO-3: all-gather these parameters' weights whole (0 below ZeRO-3)."""
+        if par.zero < 3:
+            return 0.0
         return (coll.all_gather(wbytes * dense, d, links["dp"])
                 + coll.all_gather(wbytes * expert, d_exp, links["edp"]))
 
     def zero_reduce(dense: float, expert: float) -> float:
-        """ZeRO-2/3: reduce-scatter one backward's gradients of these parameters."""
+        """ZeRO-2/3: reduce-scatter one backward's gradients of these parameters (0 below)."""
+        if par.zero < 2:
+            return 0.0
         return (coll.reduce_scatter(gbytes * dense, d, links["dp"])
                 + coll.reduce_scatter(gbytes * expert, d_exp, links["edp"]))
 
@@ -200,16 +213,9 @@ def derive(plan) -> PlanCosts:
         g, a = lf.gemm / shard / gemm_rate, masked * lf.attention / shard / bf16_rate
         lp = model.layer_params(moe)
         lp_rank = lp["dense"] / t + lp["expert"] / (t * par.ep)
-        # ZeRO-3: the layer's weights gathered whole (the collective's output: the weights'
-        # bytes a parameter) for each F and I; ZeRO-2 and 3 reducing once a microbatch: every
-        # backward's gradients reduce-scattered from the whole (the gradients' bytes), as W
-        # makes them (pipeexec: a bucket, a layer, at a time inside each B or W; DeepSpeed:
-        # per bucket); once a step (Megatron, FSDP with accumulation) they go in the tail
-        z3 = zero_gather(lp["dense"] / t, lp["expert"] / (t * par.ep)) if par.zero == 3 else 0.0
-        z3_rs = zero_reduce(lp["dense"] / t, lp["expert"] / (t * par.ep)) if per_mb else 0.0
         ep, ep_b = (ep_f, ep_pass) if moe else (0.0, 0.0)
 
-        def op(compute: float, attn: float, tp_c: float, cp_c: float, extra: float, z: float,
+        def op(compute: float, attn: float, tp_c: float, cp_c: float, extra: float,
                tp_ub: float) -> float:
             if userbuffers:         # what the GEMMs cannot hide, and what hiding costs them
                 x = compute + tp_ub
@@ -218,8 +224,7 @@ def derive(plan) -> PlanCosts:
             # p2p: the ring's transfers hide behind the attention, only the excess shows (and
             # the attention slowed by what it hides); all_gather: the exchange happens before
             # (F) / around (I) the attention, exposed
-            x += (cp_c if gathered else added(cp_c, attn, u_cp)) + extra
-            return max(x, z)
+            return x + (cp_c if gathered else added(cp_c, attn, u_cp)) + extra
 
         if per_op:      # the operators' rooflines (pipesim.plan.operators)
             ops = layer_ops(model, par, moe)
@@ -275,11 +280,14 @@ def derive(plan) -> PlanCosts:
             rec_f = sum(o.flops for o in again if o.kind == "gemm") / gemm_rate
         rec_ep = ep if (moe and "moe" in par.recomputed_modules) else 0.0
         rec_flops = sum(o.flops for o in again if o.counted and o.kind != "memory") * shard
-        f = op(comp_f, a, tp_pass, cp_f, ep_x, z3, ub_f)
-        i = op(comp_i + recomputed_attention, a_i, tp_pass, cp_i, ep_bx, z3, ub_i)
-        w = max(comp_w, z3_rs)
-        return {"F": f, "I": i, "W": w, "attn": a, "params": lp_rank, "achieved": achieved,
+        f = op(comp_f, a, tp_pass, cp_f, ep_x, ub_f)
+        i = op(comp_i + recomputed_attention, a_i, tp_pass, cp_i, ep_bx, ub_i)
+        return {"F": f, "I": i, "W": comp_w, "attn": a, "params": lp_rank, "achieved": achieved,
                 "rec_F": rec_f + rec_ep, "rec_ep": rec_ep, "rec_flops": rec_flops,
+                # ZeRO's collectives of the layer, one unit of its stage's UNSHARD (the weights'
+                # bytes) and REDUCE_GRAD (the gradients' bytes)
+                "gather": zero_gather(lp["dense"] / t, lp["expert"] / (t * par.ep)),
+                "reduce": zero_reduce(lp["dense"] / t, lp["expert"] / (t * par.ep)),
                 "attn_recompute": recomputed_attention,
                 # each group's collective seconds per pass (the exchange, whatever of it shows)
                 "comm_F": {"tp": tp_pass, "cp": cp_f, "ep": ep},
@@ -300,6 +308,10 @@ def derive(plan) -> PlanCosts:
 
     fwd, inp, wgt, act, wfrac, params_st, mem_st = [], [], [], [], [], [], []
     buffers_stage = []
+    # ZeRO-2/3 as the program's actions: per stage its UNSHARD (all-gather of its weights) and
+    # REDUCE_GRAD (reduce-scatter of one backward's gradients), each the sum over the stage's
+    # units (a layer, the embedding, the head, an MTP module) gathered / reduced one by one
+    unshard_st, reduce_st, units_st = [], [], []
     start = 0
     comm = {"tp": 0.0, "cp": 0.0, "ep": 0.0}
     stage_comm: list[dict[str, dict[str, float]]] = []
@@ -327,6 +339,8 @@ def derive(plan) -> PlanCosts:
                             "--cpu-offloading-num-layers >= a chunk's layers")
         f = i = w = a_bytes = w_bytes = 0.0
         dense_p = expert_p = 0.0
+        gather_s = reduce_s = 0.0
+        units = 0
         transient = 0.0
         sc = {p: {"tp": 0.0, "cp": 0.0, "ep": 0.0} for p in ("F", "I")}
         for j, moe in enumerate(pattern[start:start + count]):
@@ -361,6 +375,9 @@ def derive(plan) -> PlanCosts:
             lp = kind_params[moe]
             dense_p += lp["dense"] / t
             expert_p += lp["expert"] / (t * par.ep)
+            gather_s += k["gather"]
+            reduce_s += k["reduce"]
+            units += 1
             for c in comm:
                 sc["F"][c] += k["comm_F"][c]
                 # full recomputation runs the forward's collectives again inside I
@@ -378,9 +395,9 @@ def derive(plan) -> PlanCosts:
             a_bytes += embedding_activations(model, par)
             f += emb_comm + emb_f
             i += emb_comm + emb_i
-            if par.zero >= 2:           # the embedding's share of the per-microbatch traffic
-                f += zero_gather(emb_p, 0.0) if par.zero == 3 else 0.0
-                w += zero_reduce(emb_p, 0.0) if per_mb else 0.0
+            gather_s += zero_gather(emb_p, 0.0)
+            reduce_s += zero_reduce(emb_p, 0.0)
+            units += 1
         if stage == n - 1:
             head_p = model.head_params(t)
             if model.tied_embeddings and n > 1:
@@ -389,11 +406,9 @@ def derive(plan) -> PlanCosts:
             f += head_f
             i += head_i
             w += head_w
-            if par.zero >= 2:
-                if par.zero == 3:
-                    f += zero_gather(head_p / t, 0.0)
-                    i += zero_gather(head_p / t, 0.0)
-                w += zero_reduce(head_p / t, 0.0) if per_mb else 0.0
+            gather_s += zero_gather(head_p / t, 0.0)
+            reduce_s += zero_reduce(head_p / t, 0.0)
+            units += 1
             a_bytes += head_activations(model, par)
             w_bytes += e * b * (s / cp) * model.hidden / sp       # the head's input, for W
             if model.mtp_layers:
@@ -412,9 +427,15 @@ def derive(plan) -> PlanCosts:
                         head_activations(model, par)
                     dense_p += (mp["dense"] + 0.0) / t
                     expert_p += mp["expert"] / (t * par.ep)
+                    gather_s += zero_gather(mp["dense"] / t, mp["expert"] / (t * par.ep))
+                    reduce_s += zero_reduce(mp["dense"] / t, mp["expert"] / (t * par.ep))
+                    units += 1
         fwd.append(f)
         inp.append(i)
         wgt.append(w)
+        unshard_st.append(gather_s)
+        reduce_st.append(reduce_s)
+        units_st.append(float(max(units, 1)))
         act.append(a_bytes)
         wfrac.append(min(1.0, w_bytes / a_bytes) if a_bytes > 0 else 0.0)
         params_st.append({"dense": dense_p, "expert": expert_p})
@@ -444,11 +465,11 @@ def derive(plan) -> PlanCosts:
                 coll.all_reduce(gbytes * expert, d_exp, links["edp"])
             gather = 0.0
         else:
-            # once a step: one reduce-scatter of the whole buffer in the tail (ZeRO-1, and
-            # ZeRO-2/3 as Megatron and FSDP run them); once a microbatch, in every backward
-            # (W's cost above), not here
-            comm_s = (0.0 if per_mb else (coll.reduce_scatter(gbytes * dense, d, links["dp"])
-                                          + coll.reduce_scatter(gbytes * expert, d_exp, links["edp"])))
+            # ZeRO-1: one reduce-scatter of the whole buffer in the tail; ZeRO-2/3 reduce in
+            # the program's REDUCE_GRAD actions (once a step or once a microbatch), not here
+            comm_s = (coll.reduce_scatter(gbytes * dense, d, links["dp"])
+                      + coll.reduce_scatter(gbytes * expert, d_exp, links["edp"])
+                      if par.zero == 1 else 0.0)
             gather = 0.0 if par.zero == 3 else (coll.all_gather(wbytes * dense, d, links["dp"])
                                                 + coll.all_gather(wbytes * expert, d_exp, links["edp"]))
         window_b = sum(inp[st] + wgt[st] for st in sts)
@@ -475,6 +496,16 @@ def derive(plan) -> PlanCosts:
     dp_ar = dp_link.figure("all_reduce", d)     # the engine's own tail is an all-reduce
     pp_link = links["pp"]
     stage_static = [sum(m.values()) for m in mem_st]
+    # ZeRO-2/3, timed on each rank's lane from the program's actions (pipesim.sim.dataflow):
+    # gathered a layer at a time, the next prefetched under the computation (FSDP's, Megatron's);
+    # the gradients reduced a unit at a time as the backward makes them (with
+    # overlap_grad_reduce; else once it ends), the step's end waiting for them once a step
+    # (Megatron's finalize_model_grads), each backward's end once a microbatch (DeepSpeed's
+    # epilogue, FSDP's post-backward callback)
+    sharding = dict(unshard=unshard_st, reduce_grad=reduce_st, overlap_sharding=1.0,
+                    overlap_reduce_grad=0.0 if per_mb else 1.0, unshard_units=units_st,
+                    reduce_grad_units=units_st if par.overlap_grad_reduce else 1.0
+                    ) if par.zero >= 2 else {}
     costs = CostModel(
         forward=fwd, backward=[x + y for x, y in zip(inp, wgt)], backward_input=inp,
         backward_weight=wgt, p2p_latency=pp_link.latency, p2p_bandwidth=pp_link.bandwidth,
@@ -485,6 +516,7 @@ def derive(plan) -> PlanCosts:
                                       + p["expert"] / (d_exp if par.zero >= 1 else 1)) / hw.hbm_bandwidth
                    for p in params_st],
         dp_latency=dp_ar[0], dp_bandwidth=dp_ar[1],
+        **sharding,
     )
     gbs = par.gbs
     # causal attention with flash kernels computes half the scores: count what runs, as

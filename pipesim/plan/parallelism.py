@@ -24,6 +24,7 @@ from typing import Any
 
 from ..errors import PlanError
 from ..fields import typed_fields
+from ..schedule.sharding import GRAD_REDUCE, Sharding
 
 RECOMPUTE = ("none", "selective", "full")
 # Megatron-Core's selective recomputation modules (--recompute-modules, TransformerConfig
@@ -41,8 +42,8 @@ CP_COMM = ("p2p", "all_gather")     # Megatron's cp_comm_type names; a2a (Ulysse
 # a full buffer and reduce-scattered once, overlapped with the last microbatch's backward
 # (Megatron-LM's DDP: `no_sync` until the last microbatch; FSDP under gradient accumulation);
 # "per_microbatch", reduce-scattered bucket by bucket inside every backward, only the shard
-# kept (DeepSpeed's ZeRO stage 2). ZeRO-0/1 always reduce once a step.
-GRAD_REDUCE = ("per_step", "per_microbatch")
+# kept (DeepSpeed's ZeRO stage 2). ZeRO-0/1 always reduce once a step. The program's own names
+# (pipesim.schedule.sharding), so the plan and the actions it is lowered with cannot disagree.
 # Megatron's token dispatchers (megatron/core/transformer/moe/token_dispatcher.py):
 # "alltoall" (MoEAlltoAllTokenDispatcher: NCCL all-to-all, one copy of a token an expert;
 # Megatron's default, pipeexec's) or the flex dispatcher with its backend, "deepep" or
@@ -180,6 +181,16 @@ class Parallelism:
         if self.recompute != "selective":
             return frozenset()
         return frozenset(self.recompute_modules or ("core_attn",))
+
+    @property
+    def sharding(self) -> Sharding | None:
+        """The ZeRO actions the plan's program is lowered with (`pipesim.schedule.sharding`):
+        ZeRO-2/3 with its ``grad_reduce``; None below (ZeRO-0/1 insert nothing) and with one
+        data-parallel replica (nothing to shard: Megatron's and pipeexec's holder run it
+        unsharded)."""
+        if self.zero < 2 or self.dp * self.cp == 1:
+            return None
+        return Sharding(self.zero, self.grad_reduce)
 
     @property
     def grads_fp32(self) -> bool:

@@ -2,10 +2,13 @@
 
 A :class:`PlanResult` is the simulation's :class:`pipesim.SimResult` (``.sim``; its attributes,
 ``makespan``, ``bubble_fraction``, ``trace``... read through) plus the plan's figures. The
-schedule is simulated under ``plan.costs()``; the in-flight microbatches, and so the
-activation peak of each rank, come from the simulator's memory timeline (not a closed form).
-The step time is the pipeline's makespan plus, per rank, the exposed data-parallel
-communication and the optimizer step (:mod:`pipesim.plan.derive`): the latest rank finishing.
+plan's program (``plan.build_schedule()``: under ZeRO-2/3 with its UNSHARD / RESHARD /
+REDUCE_GRAD actions, the program pipeexec runs) is simulated under ``plan.costs()``, which
+prices those actions; the trace, Gantt and Chrome trace show them. The in-flight
+microbatches, and so the activation peak of each rank, come from the simulator's memory
+timeline (not a closed form). The step time is, per rank, the end of its last row (a
+computation, or a reduction on its lane) plus the exposed data-parallel communication of its
+tail and the optimizer step (:mod:`pipesim.plan.derive`): the latest rank finishing.
 
 * ``tokens_per_s_per_gpu = global_batch * seq_length / step_time / world_size``;
 * ``mfu = model FLOPs / (step_time * world_size * peak)``, model FLOPs as Korthikanti et al.
