@@ -33,11 +33,11 @@ def refusals(config: Any, *, custom_stack: bool = False) -> list[str]:
     if par.gbs % (par.micro_batch_size * par.dp):
         out.append(f"parallelism.global_batch_size = {par.gbs} (--global-batch-size) is not a "
                    f"multiple of micro_batch_size * dp = {par.micro_batch_size * par.dp}")
-    steps = config.steps
+    steps = config.optimizer.steps
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         out.append(f"steps must be a positive integer (--steps), got {steps!r}")
     if not custom_stack:
-        out += model_refusals(plan.model, config.hf_model)
+        out += model_refusals(plan.model, config.inputs.hf_model)
         out += tensor_parallel_refusals(plan.model, par)
     out += context_parallel_refusals(plan.model, par)
     out += expert_parallel_refusals(plan.model, par, custom_stack=custom_stack)

@@ -13,8 +13,8 @@ from pipeexec.analysis.predict import EXECUTOR_COMM
 from pipeexec.config import TrainConfig
 
 HW = str(Path(__file__).parent / "data" / "cpu_2core_hardware.json")
-CFG = TrainConfig(schedule="1f1b", pp=2, microbatches=4, layers=4, hidden=64, heads=4,
-                  seq_len=32, vocab=64, device="cpu")
+CFG = TrainConfig.from_flat(schedule="1f1b", pp=2, microbatches=4, layers=4, hidden=64, heads=4,
+                            seq_len=32, vocab=64, device="cpu")
 
 
 def test_a_core_each_is_the_plans_own_step():
@@ -42,7 +42,7 @@ def test_a_share_of_a_core_stretches_every_time_by_its_inverse():
 
 
 def test_ranks_sharing_fewer_cores_are_simulated_sharing_them():
-    cfg = CFG.replace(dp=2)                         # 4 ranks, 2 pipelines, on 2 cores
+    cfg = CFG.with_flat(dp=2)                         # 4 ranks, 2 pipelines, on 2 cores
     got = hardware_prediction(cfg, HW, cpus_per_rank=None, host_cpus=2)
     assert got.cores == 1.0 and got.share is None   # the pipeline's half of the 2 cores
     alone = hardware_prediction(cfg, HW, cpus_per_rank=None, host_cpus=8)

@@ -88,7 +88,7 @@ def hardware_prediction(config: Any, hardware: Any, *, cpus_per_rank: float | No
     if cpus_per_rank is not None:
         share = float(cpus_per_rank)
         costs = confined_costs(costs, schedule.num_stages, share)
-    elif ranks > host_cpus and not str(config.device).startswith("cuda"):
+    elif ranks > host_cpus and not str(config.runtime.device).startswith("cuda"):
         # the simulation runs one pipeline (pp ranks); the other dp x tp x cp copies of it
         # run at the same time on the same cores
         share, cores = None, float(host_cpus) * schedule.pp / ranks
