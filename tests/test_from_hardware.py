@@ -81,7 +81,7 @@ def test_zero3_runs_the_executors_program_each_collective_waited_for():
     and times them as pipeexec runs them: a stage at once, the rank waiting
     (`predict.EXECUTOR_SHARDING`): no gather before the computation before it has ended (no
     prefetch), and every computation of a stage after its UNSHARD ends."""
-    cfg = CFG.replace(dp=2, zero=3)
+    cfg = CFG.with_flat(dp=2, zero=3)
     got = hardware_prediction(cfg, HW, cpus_per_rank=1.0, host_cpus=8)
     t = got.result.trace
     assert got.result.schedule.sharding == cfg.plan_as_run().parallelism.sharding

@@ -91,8 +91,9 @@ def program_of(config: Any) -> "pipesim.Schedule":
     from pipesim.schedule.sharding import Sharding
 
     schedule = config.build_schedule()
-    if config.zero and (config.dp * config.cp > 1 or config.ep > 1):
-        return schedule.with_sharding(Sharding(config.zero, config.grad_reduce))
+    par = config.plan.parallelism
+    if par.zero and (par.dp * par.cp > 1 or par.ep > 1):
+        return schedule.with_sharding(Sharding(par.zero, par.grad_reduce))
     return schedule
 
 
