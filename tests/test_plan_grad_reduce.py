@@ -146,7 +146,7 @@ def test_once_a_step_overlaps_with_the_last_backward_down_to_the_last_bucket():
         assert reduce["start"].item() == pytest.approx(start, rel=1e-12)
         assert reduce["end"].item() == pytest.approx(max(start + rg, last_b["end"] + rg / units),
                                                      rel=1e-12)
-        assert result.rank_end[r] == pytest.approx(reduce["end"].item(), rel=1e-12)
+        assert result.sim.rank_end[r] == pytest.approx(reduce["end"].item(), rel=1e-12)
         assert result.rank_step_time[r] == pytest.approx(
             reduce["end"].item() + exposed + d.tail[r].optimizer, rel=1e-12)
 

@@ -122,7 +122,7 @@ def test_two_stages_on_a_slow_link_chain_their_gathers_through_both_ranks():
     r0_end = max(r0_start + R[0], b0_end + R[0] / L[0])
     assert min(U) > max(F + B)                 # the gathers show: the slow link's regime
     result = pipesim.simulate(p)
-    assert result.rank_end == pytest.approx([r0_end, r1_end], rel=1e-12)
+    assert result.sim.rank_end == pytest.approx([r0_end, r1_end], rel=1e-12)
     assert result.step_time == pytest.approx(max(r0_end + d.tail[0].seconds,
                                                  r1_end + d.tail[1].seconds), rel=1e-12)
 
