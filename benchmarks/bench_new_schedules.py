@@ -157,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
         lo, med, hi = quartiles(per_round(run, ref))
         peak = max(v for v in own["measured_peak_memory"] if v is not None) \
             if "measured_peak_memory" in own else float("nan")
-        rows.append({"schedule": label, "vpp": cfg.vpp, "run": run, "same": same,
+        rows.append({"schedule": label, "vpp": cfg.plan.parallelism.vpp, "run": run, "same": same,
                      "placement": cfg.build_schedule().placement_kind,
                      "measured_ms": measured * 1e3, "ratio": (lo, med, hi),
                      "cross_ms": predicted.makespan * 1e3,

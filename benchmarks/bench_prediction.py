@@ -68,11 +68,11 @@ def add_model_args(p: argparse.ArgumentParser, steps: int) -> None:
 
 
 def model_config(args: argparse.Namespace, schedule: str, pp: int, vpp: int) -> TrainConfig:
-    return TrainConfig(schedule=schedule, pp=pp, vpp=vpp, microbatches=args.microbatches,
-                       micro_batch_size=args.micro_batch_size, layers=args.layers,
-                       hidden=args.hidden, heads=args.heads, seq_len=args.seq_len,
-                       vocab=args.vocab, steps=args.steps, backend="gloo", device="cpu",
-                       p2p_timeout=600.0, collective_timeout=900.0)
+    return TrainConfig.from_flat(schedule=schedule, pp=pp, vpp=vpp, microbatches=args.microbatches,
+                                 micro_batch_size=args.micro_batch_size, layers=args.layers,
+                                 hidden=args.hidden, heads=args.heads, seq_len=args.seq_len,
+                                 vocab=args.vocab, steps=args.steps, backend="gloo", device="cpu",
+                                 p2p_timeout=600.0, collective_timeout=900.0)
 
 
 def pct(x: float) -> str:
@@ -129,7 +129,8 @@ def main(argv: list[str] | None = None) -> int:
             tag = name.split(" ")[0]
             write_outputs(own, report_out=str(out / subdir(pp, cpus) / f"{tag}-{len(rows)}.report.json"))
         mem_err = max(abs(e) for e in mine["peak_memory_error"] if e is not None)
-        row = {"pp": pp, "cpus": cpus, "schedule": name, "vpp": cfg.vpp, "calib": calib_label,
+        row = {"pp": pp, "cpus": cpus, "schedule": name, "vpp": cfg.plan.parallelism.vpp,
+               "calib": calib_label,
                "measured_ms": mine["measured_step_time"] * 1e3,
                "self_ms": mine["predicted_step_time"] * 1e3, "self_err": mine["step_time_error"],
                "bf_meas": mine["measured_bubble_fraction"],

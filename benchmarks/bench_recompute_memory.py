@@ -51,13 +51,14 @@ def main(argv: list[str] | None = None) -> int:
     for pp in args.pp:
         for name in args.schedules:
             for mode in args.modes:
-                cfg = model_config(args, name, pp, SCHEDULES[name]).replace(
+                cfg = model_config(args, name, pp, SCHEDULES[name]).with_flat(
                     precision=args.precision, recompute=mode)
-                run = profiled_run(cfg, cfg.steps - 1, cfg.steps, timeout=args.timeout)
-                measured = run.result(cfg.steps - 1).peak_memory
+                steps = cfg.optimizer.steps
+                run = profiled_run(cfg, steps - 1, steps, timeout=args.timeout)
+                measured = run.result(steps - 1).peak_memory
                 predicted = predicted_activation_peaks(cfg)
                 errors = [(q - m) / m for q, m in zip(predicted, measured)]
-                rows.append((pp, name, cfg.vpp, mode, measured, predicted, errors))
+                rows.append((pp, name, cfg.plan.parallelism.vpp, mode, measured, predicted, errors))
                 print(f"pp={pp} {name} {mode}: measured "
                       + " ".join(f"{m / MIB:.2f}" for m in measured) + " MiB, predicted "
                       + " ".join(f"{q / MIB:.2f}" for q in predicted), flush=True)

@@ -40,11 +40,11 @@ ZEROS = ((0, "per_step"), (1, "per_step"), (2, "per_step"), (2, "per_microbatch"
 
 def config(tp: int, zero: int, schedule: str = "1f1b", vpp: int = 1,
            grad_reduce: str = "per_step") -> TrainConfig:
-    return TrainConfig(layers=8, hidden=64, heads=4, seq_len=32, vocab=128, pp=2, dp=2, tp=tp,
-                       sequence_parallel=tp > 1, microbatches=4, micro_batch_size=1,
-                       schedule=schedule, vpp=vpp, zero=zero, grad_reduce=grad_reduce,
-                       steps=2, device="cpu",
-                       p2p_timeout=120.0, collective_timeout=300.0)
+    return TrainConfig.from_flat(layers=8, hidden=64, heads=4, seq_len=32, vocab=128, pp=2, dp=2,
+                                 tp=tp, sequence_parallel=tp > 1, microbatches=4,
+                                 micro_batch_size=1, schedule=schedule, vpp=vpp, zero=zero,
+                                 grad_reduce=grad_reduce, steps=2, device="cpu",
+                                 p2p_timeout=120.0, collective_timeout=300.0)
 
 
 def memory_worker(board, tp: int) -> dict:

@@ -12,7 +12,8 @@ Command line::
 From Python (each process, e.g. under torchrun or `launch`)::
 
     topo = init_topology(pp, dp, tp=1, cp=1)           # the mesh's groups, passed explicitly
-    trainer = assemble(TrainConfig(...), topo)         # this rank, built once: the plan's
+    config = TrainConfig.from_flat(pp=2, layers=4)     # or TrainConfig(plan, sections...)
+    trainer = assemble(config, topo)                   # this rank, built once: the plan's
                                                        # model, or pass a stack: gpt_stack(model),
                                                        # hf_dir_stack(DIR) (pipeexec.models.hf),
                                                        # your own LayerStack

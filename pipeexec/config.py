@@ -3,14 +3,17 @@ cluster, schedule, partition: the one description of what is run, read by simula
 executor alike) plus the sections only the executor has: its own layout knobs, the data and
 weights, the optimizer, loss scaling and the runtime.
 
-The plan's facts read flat as views (``config.pp``, ``config.layers``, ``config.schedule``) and
-are given flat (``TrainConfig(pp=2, layers=4, lr=3e-4)``), but each is stored once, in the plan.
-The CLI builds it (`pipeexec.cli.train`: the plan's flags from `pipesim.plan.flags`, the rest
-generated from the sections' fields), the launcher pickles it to the workers, a checkpoint and a
-measured run store it (`to_dict`) and compare it on load. Nothing reads configuration from
-module globals. ``validate`` checks everything that can be checked without a process group,
-including what of the plan the executor cannot run (`pipeexec.refusals`), so a bad run fails
-before any process starts, with every reason.
+Each fact is stored once and read where it lives (``config.plan.parallelism.pp``,
+``config.optimizer.lr``), so a reader says which object it depends on. Flat names (``pp``,
+``layers``, ``lr``) belong to the edges that spell a run flat: the command line and scripts
+(`TrainConfig.from_flat`, `TrainConfig.with_flat`) and the stored flat form older pipeexecs
+wrote (`TrainConfig.to_dict` / `from_dict`, `legacy_flat`). The CLI builds the config
+(`pipeexec.cli.train`: the plan's flags from `pipesim.plan.flags`, the rest generated from the
+sections' fields), the launcher pickles it to the workers, a checkpoint and a measured run store
+it (`to_dict`) and compare it on load. Nothing reads configuration from module globals.
+``validate`` checks everything that can be checked without a process group, including what of
+the plan the executor cannot run (`pipeexec.refusals`), so a bad run fails before any process
+starts, with every reason.
 """
 from __future__ import annotations
 
@@ -18,7 +21,7 @@ import dataclasses
 import math
 import os
 from argparse import SUPPRESS, BooleanOptionalAction
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import pipesim
@@ -168,7 +171,7 @@ class LayoutConfig:
             self._validate_memory_limit(plan, steps=steps, forward_only=forward_only)
 
     def _validate_memory_limit(self, plan: Plan, *, steps: int, forward_only: bool) -> None:
-        schedule = _view(plan, "schedule")
+        schedule = plan.schedule_name
         par, model = plan.parallelism, plan.model
         if schedule != "zb-auto":
             raise ConfigError(f"memory_limit applies to the zb-auto schedule (a search under "
@@ -419,53 +422,70 @@ def _plan_with(plan: Plan, views: dict[str, Any]) -> Plan:
     return dataclasses.replace(plan, parallelism=par, model=model, **plan_changes)
 
 
-@dataclass(frozen=True, init=False)
+@dataclass(frozen=True)
 class TrainConfig:
     """A run: ``plan`` (what is run) and the executor's own sections ``layout``, ``inputs``,
     ``optimizer``, ``mixed_precision``, ``runtime`` (checkpointing and profiling are
-    `CheckpointOptions` and `ProfileOptions`). Fields read flat (``config.pp``: a plan view,
-    `PLAN_VIEWS`; ``config.lr``: a section's) and are given flat (``TrainConfig(pp=2,
-    lr=3e-4)``), as sections, or as a plan (``TrainConfig(plan=p)``)."""
+    `CheckpointOptions` and `ProfileOptions`). Each reads as itself: ``config.plan.parallelism.pp``,
+    ``config.plan.model.layers``, ``config.optimizer.lr``; what several rooms derive from them
+    has a name here (`world_size`, `num_stages`, `global_batch`, `num_layers`, `placement`).
 
-    plan: Plan
-    layout: LayoutConfig
-    inputs: DataConfig
-    optimizer: OptimizerConfig
-    mixed_precision: PrecisionConfig
-    runtime: RuntimeConfig
+    Flat names (``pp``, ``layers``, ``lr``: `PLAN_VIEWS` and the sections' fields, the names of
+    the command line's flags and of the stored flat form) are the edge's spelling, translated
+    in one place: `from_flat` and `with_flat` write them, `to_flat` reads them."""
 
-    def __init__(self, plan: Plan | None = None, layout: LayoutConfig | None = None,
-                 inputs: DataConfig | None = None, optimizer: OptimizerConfig | None = None,
-                 mixed_precision: PrecisionConfig | None = None,
-                 runtime: RuntimeConfig | None = None, **flat: Any) -> None:
-        given = {"layout": layout, "inputs": inputs, "optimizer": optimizer,
-                 "mixed_precision": mixed_precision, "runtime": runtime}
-        routed: dict[str, dict[str, Any]] = {name: {} for name in SECTIONS}
+    plan: Plan = DEFAULT_PLAN
+    layout: LayoutConfig = field(default_factory=LayoutConfig)
+    inputs: DataConfig = field(default_factory=DataConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    mixed_precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.plan, Plan):
+            raise TypeError(f"TrainConfig: plan must be a pipesim.Plan, got "
+                            f"{type(self.plan).__name__}")
+        for name, cls in SECTIONS.items():
+            if not isinstance(getattr(self, name), cls):
+                raise TypeError(f"TrainConfig: {name} must be a {cls.__name__}, got "
+                                f"{type(getattr(self, name)).__name__}")
+
+    # -- the flat edge: the command line's and scripts' names ---------------------------------
+    @classmethod
+    def from_flat(cls, plan: Plan = DEFAULT_PLAN, **fields: Any) -> "TrainConfig":
+        """The entry of the command line and of scripts: a run given by flat names
+        (``TrainConfig.from_flat(pp=2, layers=4, lr=3e-4)``) over ``plan`` (default: the
+        built-in GPT's `DEFAULT_PLAN`) and the sections' defaults; see `with_flat`."""
+        return cls(plan=plan).with_flat(**fields)
+
+    def with_flat(self, **fields: Any) -> "TrainConfig":
+        """A copy with flat fields changed: each plan view (`PLAN_VIEWS`) written into the plan,
+        each section field into its section. The microbatches per replica stay as they are
+        unless given, whatever dp or the micro-batch size become (the global batch follows).
+        TypeError for a name that is no field; ConfigError for a plan the values break."""
         views: dict[str, Any] = {}
-        for key, value in flat.items():
+        routed: dict[str, dict[str, Any]] = {name: {} for name in SECTIONS}
+        for key, value in fields.items():
             if key in PLAN_VIEWS:
                 views[key] = value
             elif key in _SECTION_OF:
                 routed[_SECTION_OF[key]][key] = value
             else:
                 raise TypeError(f"TrainConfig: unknown field {key!r}")
-        base = DEFAULT_PLAN if plan is None else plan
-        if not isinstance(base, Plan):
-            raise TypeError(f"TrainConfig: plan must be a pipesim.Plan, got {type(base).__name__}")
-        object.__setattr__(self, "plan", _plan_with(base, views) if views else base)
-        for name, cls in SECTIONS.items():
-            section = given[name] if given[name] is not None else cls()
-            if routed[name]:
-                section = dataclasses.replace(section, **routed[name])
-            object.__setattr__(self, name, section)
+        changes: dict[str, Any] = {name: dataclasses.replace(getattr(self, name), **values)
+                                   for name, values in routed.items() if values}
+        if views:
+            changes["plan"] = _plan_with(self.plan, views)
+        return dataclasses.replace(self, **changes)
 
-    def __getattr__(self, name: str) -> Any:
-        if name in PLAN_VIEWS and "plan" in self.__dict__:
-            return _view(self.__dict__["plan"], name)
-        section = _SECTION_OF.get(name)
-        if section is None or section not in self.__dict__:
-            raise AttributeError(f"TrainConfig has no field {name!r}")
-        return getattr(self.__dict__[section], name)
+    def to_flat(self) -> dict[str, Any]:
+        """Every flat field -> its value: the plan's views (`PLAN_VIEWS`), then the sections'
+        fields (what `to_dict` stores flat, and what a stored flat form is compared with)."""
+        out: dict[str, Any] = {name: plan_view(self.plan, name) for name in PLAN_VIEWS}
+        for name in SECTIONS:
+            section = getattr(self, name)
+            out.update({f.name: getattr(section, f.name) for f in dataclasses.fields(section)})
+        return out
 
     @staticmethod
     def field_names() -> tuple[str, ...]:
@@ -491,17 +511,22 @@ class TrainConfig:
             return f"{name} (no flag)"
         return flag_of(f)
 
+    # -- what several rooms derive from the plan -----------------------------------------------
     @property
     def world_size(self) -> int:
-        return self.tp * self.cp * self.pp * self.dp
+        """Processes the run takes: tp * cp * pp * dp."""
+        return self.plan.parallelism.world_size
 
     @property
     def num_stages(self) -> int:
-        return self.pp * self.vpp
+        """Pipeline stages: pp * vpp."""
+        return self.plan.parallelism.num_stages
 
     @property
     def global_batch(self) -> int:
-        return self.dp * self.microbatches * self.micro_batch_size
+        """Sequences per step over every replica: dp * microbatches * micro_batch_size."""
+        par = self.plan.parallelism
+        return par.dp * self.plan.microbatches * par.micro_batch_size
 
     @property
     def model(self) -> ModelSpec:
@@ -511,24 +536,32 @@ class TrainConfig:
     @property
     def num_layers(self) -> int:
         """Length of the layer stack the plan's model is built as: embedding, blocks, head."""
-        return self.layers + 2
+        return self.plan.model.layers + 2
+
+    @property
+    def placement(self) -> str | None:
+        """Where zb-auto puts its stages at vpp 2 (``looped`` or ``v``; None: searched), a
+        schedule option of the plan."""
+        return plan_view(self.plan, "placement")
 
     def plan_as_run(self) -> Plan:
         """The plan as this run cuts it: the plan itself, or with the executor's own cut
         (``boundaries``) written in as its partition (blocks per stage), so pipesim predicts
         the stages that run. ConfigError for a cut by parameter counts without boundaries (it
         needs the layers' parameter counts: give --boundaries)."""
-        if self.boundaries is None and self.partition == "layers":
+        layout = self.layout
+        if layout.boundaries is None and layout.partition == "layers":
             return self.plan
-        if self.boundaries is None:
+        if layout.boundaries is None:
             raise ConfigError("a plan holds an explicit partition: with --partition params, give "
                               "the cut as --boundaries")
 
         try:
-            bounds = explicit(self.boundaries, self.num_layers, self.num_stages)
+            bounds = explicit(layout.boundaries, self.num_layers, self.num_stages)
         except PartitionError as exc:
             raise ConfigError(str(exc)) from None
-        blocks = [min(b1, self.layers + 1) - max(b0, 1) for b0, b1 in zip(bounds, bounds[1:])]
+        last = self.plan.model.layers + 1
+        blocks = [min(b1, last) - max(b0, 1) for b0, b1 in zip(bounds, bounds[1:])]
         return dataclasses.replace(self.plan, partition=tuple(blocks), partition_layout=None,
                                    first_stage_layers=None, last_stage_layers=None,
                                    account_for_embedding=False, account_for_loss=False)
@@ -539,21 +572,25 @@ class TrainConfig:
         the weights (raises ConfigError with the reason)."""
 
         try:
-            model = plan_model_of(path, seq_length=self.seq_len)
+            model = plan_model_of(path, seq_length=self.plan.model.seq_length)
         except HFModelError as exc:
             raise ConfigError(str(exc)) from None
-        return self.replace(plan=dataclasses.replace(self.plan, model=model), hf_model=str(path))
+        return self.replace(plan=dataclasses.replace(self.plan, model=model),
+                            inputs=dataclasses.replace(self.inputs, hf_model=str(path)))
 
     def replace(self, **changes: Any) -> "TrainConfig":
-        """A copy with flat fields, whole sections or the plan changed."""
-        parts = {name: changes.pop(name, getattr(self, name)) for name in ("plan", *SECTIONS)}
-        return TrainConfig(**parts, **changes)
+        """A copy with the plan or whole sections changed (flat names: `with_flat`)."""
+        flat = sorted(set(changes) - {"plan", *SECTIONS})
+        if flat:
+            raise TypeError(f"TrainConfig.replace takes the plan and whole sections; "
+                            f"{', '.join(flat)}: flat names, given to with_flat")
+        return dataclasses.replace(self, **changes)
 
     def to_dict(self) -> dict:
         """What checkpoints and measured runs store: ``plan`` (`Plan.to_dict`) and, flat,
         field -> value for every field, the plan's views included (as older pipeexecs wrote
         it: readers of either read the same flat keys)."""
-        out: dict[str, Any] = {name: _jsonable(_view(self.plan, name)) for name in PLAN_VIEWS}
+        out: dict[str, Any] = {name: _jsonable(plan_view(self.plan, name)) for name in PLAN_VIEWS}
         for name in SECTIONS:
             out.update(dataclasses.asdict(getattr(self, name)))
         out["plan"] = self.plan.to_dict()
@@ -574,7 +611,7 @@ class TrainConfig:
             except PlanError as exc:
                 raise ConfigError(str(exc)) from None
             values = {k: v for k, v in values.items() if k not in PLAN_VIEWS}
-            return cls(plan=plan, **values)
+            return cls.from_flat(plan, **values)
         # the older flat form: the views hold the plan's facts (kv_heads, ffn_hidden resolved:
         # their defaults, heads and 4 x hidden, stay the model's defaults)
         hidden, heads = values.get("hidden", GPT_MODEL.hidden), values.get("heads", GPT_MODEL.heads)
@@ -582,7 +619,7 @@ class TrainConfig:
             values.pop("ffn_hidden")
         if values.get("kv_heads") == heads:
             values.pop("kv_heads")
-        return cls(**values)
+        return cls.from_flat(**values)
 
     def validate(self, world_size: int | None = None, num_layers: int | None = None, *,
                  check_schedule: bool = True) -> "TrainConfig":
@@ -596,22 +633,25 @@ class TrainConfig:
         if refused:
             raise ConfigError("the plan asks for what pipeexec cannot run:\n  "
                               + "\n  ".join(refused))
+        par = self.plan.parallelism
         if world_size is not None and world_size != self.world_size:
-            raise ConfigError(f"world size {world_size} != tp * cp * pp * dp = {self.tp} * "
-                              f"{self.cp} * {self.pp} * {self.dp} = {self.world_size}")
-        self.layout.validate(self.plan, num_layers=num_layers, steps=self.steps,
-                             forward_only=self.forward_only)
+            raise ConfigError(f"world size {world_size} != tp * cp * pp * dp = {par.tp} * "
+                              f"{par.cp} * {par.pp} * {par.dp} = {self.world_size}")
+        self.layout.validate(self.plan, num_layers=num_layers, steps=self.optimizer.steps,
+                             forward_only=self.runtime.forward_only)
         self.inputs.validate(self.plan.model)
         self.optimizer.validate()
         self.mixed_precision.validate()
         self.runtime.validate()
-        if self.placement is not None:
-            if self.placement not in PLACEMENT_CHOICES:
+        placement = self.placement
+        if placement is not None:
+            if placement not in PLACEMENT_CHOICES:
                 raise ConfigError(f"placement must be one of {', '.join(PLACEMENT_CHOICES)}, got "
-                                  f"{self.placement!r}")
-            if self.schedule != "zb-auto" or self.vpp != 2:
+                                  f"{placement!r}")
+            schedule = self.plan.schedule_name
+            if schedule != "zb-auto" or par.vpp != 2:
                 raise ConfigError(f"placement chooses where zb-auto puts its stages at vpp = 2; "
-                                  f"got schedule {self.schedule!r} with vpp = {self.vpp} (the "
+                                  f"got schedule {schedule!r} with vpp = {par.vpp} (the "
                                   "other schedules fix their own placement)")
         if check_schedule:
             self.build_schedule()
@@ -629,24 +669,26 @@ class TrainConfig:
         if sched.endswith((".json", ".csv")):
             loaded = (_schedule_json if sched.endswith(".json") else schedule_from_csv)(sched)
             return self._fitted(loaded.validate(), sched)
-        schedule = pipesim.build_schedule(sched, pp=self.pp, microbatches=self.microbatches,
-                                          vpp=self.vpp, forward_only=self.forward_only,
-                                          recv_lookahead=self.recv_lookahead,
+        par, runtime = self.plan.parallelism, self.runtime
+        schedule = pipesim.build_schedule(sched, pp=par.pp, microbatches=self.plan.microbatches,
+                                          vpp=par.vpp, forward_only=runtime.forward_only,
+                                          recv_lookahead=runtime.recv_lookahead,
                                           **dict(self.plan.schedule_options))
         return schedule.validate()
 
     def _fitted(self, s: Schedule, source: str) -> Schedule:
         """A schedule given as data (a file, the plan's): it must fit this run's layout."""
 
-        why = schedule_refusal(s, self.pp, self.vpp, self.microbatches, asked="the run",
+        par, runtime = self.plan.parallelism, self.runtime
+        why = schedule_refusal(s, par.pp, par.vpp, self.plan.microbatches, asked="the run",
                                flags=True)
         if why is not None:
             raise pipesim.ScheduleError(f"{source}: {why}")
-        if self.forward_only:
+        if runtime.forward_only:
             s = s.with_orders([[a for a in s.compute_parts(r) if a.op == "F"] for r in range(s.pp)],
                               name=f"{s.name} (forward only)", forward_only=True)
-        if self.recv_lookahead and not s.has_explicit_comms:
-            s = s.with_recv_lookahead(self.recv_lookahead)
+        if runtime.recv_lookahead and not s.has_explicit_comms:
+            s = s.with_recv_lookahead(runtime.recv_lookahead)
         return s.validate()
 
 
@@ -675,8 +717,10 @@ _VIEW_FLAGS = {"microbatches": "--microbatches", "seq_len": "--seq-len",
                "ffn_hidden": "--ffn-hidden"}
 
 
-def _view(plan: Plan, name: str) -> Any:
-    """The plan's fact that flat field ``name`` reads (`PLAN_VIEWS`)."""
+def plan_view(plan: Plan, name: str) -> Any:
+    """The fact of ``plan`` that flat field ``name`` names (`PLAN_VIEWS`): the flat edge's
+    reading side, for the stored flat form (`TrainConfig.to_flat`) and the command line's
+    defaults."""
     if name == "schedule":
         return plan.schedule_name if isinstance(plan.schedule, Schedule) else plan.schedule
     if name == "placement":

@@ -123,12 +123,13 @@ class IndexedBatches(BatchSource):
 
 def batch_source(config) -> BatchSource:
     """The run's batches: ``--data-path``'s train split, else synthetic or ``--data FILE``."""
-    if config.data_path:
+    model = config.plan.model
+    if config.inputs.data_path:
         from .datasets import build_datasets
 
         train, _, _ = build_datasets(config)
-        return IndexedBatches(train, seq_len=config.seq_len, vocab=config.vocab,
+        return IndexedBatches(train, seq_len=model.seq_length, vocab=model.vocab,
                               global_batch=config.global_batch)
-    return BatchSource(seed=config.seed, seq_len=config.seq_len, vocab=config.vocab,
-                       global_batch=config.global_batch, data=config.data,
-                       tokenizer=config.tokenizer)
+    return BatchSource(seed=config.runtime.seed, seq_len=model.seq_length, vocab=model.vocab,
+                       global_batch=config.global_batch, data=config.inputs.data,
+                       tokenizer=config.inputs.tokenizer)

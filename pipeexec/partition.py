@@ -110,12 +110,12 @@ def stage_bounds(stack: Any, config: Any) -> tuple[int, ...]:
     (a `LayerStack`: num_layers, blocks, layer_param_counts) into: the one place a run's
     partition is computed (the Trainer, and prediction before running). A stack of the plan's
     model is cut as the plan cuts it (`plan_bounds`)."""
-    if (config.boundaries is None and config.partition == "layers"
+    if (config.layout.boundaries is None and config.layout.partition == "layers"
             and stack.blocks is not None and stack.blocks == config.plan.model.layers):
         return plan_bounds(config.plan)
-    counts = stack.layer_param_counts() if config.partition == "params" else None
-    return make_partition(stack.num_layers, config.num_stages, config.partition,
-                          config.boundaries, counts)
+    counts = stack.layer_param_counts() if config.layout.partition == "params" else None
+    return make_partition(stack.num_layers, config.num_stages, config.layout.partition,
+                          config.layout.boundaries, counts)
 
 
 def stage_layers(bounds: Sequence[int], stage: int) -> range:

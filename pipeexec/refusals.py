@@ -33,14 +33,30 @@ def refusals(config: Any, *, custom_stack: bool = False) -> list[str]:
     if par.gbs % (par.micro_batch_size * par.dp):
         out.append(f"parallelism.global_batch_size = {par.gbs} (--global-batch-size) is not a "
                    f"multiple of micro_batch_size * dp = {par.micro_batch_size * par.dp}")
-    steps = config.steps
+    steps = config.optimizer.steps
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         out.append(f"steps must be a positive integer (--steps), got {steps!r}")
     if not custom_stack:
-        out += model_refusals(plan.model, config.hf_model)
+        out += model_refusals(plan.model, config.inputs.hf_model)
         out += tensor_parallel_refusals(plan.model, par)
     out += context_parallel_refusals(plan.model, par)
     out += expert_parallel_refusals(plan.model, par, custom_stack=custom_stack)
+    out += memory_refusals(par)
+    return out
+
+
+def memory_refusals(par: Any) -> list[str]:
+    """What pipesim plans for memory that pipeexec does not run: Megatron's per-module
+    selective recomputation and activation offloading to host memory."""
+    out = []
+    if par.recompute_modules:
+        out.append(f"parallelism.recompute_modules = {list(par.recompute_modules)} (a plan "
+                   "file's field): pipeexec recomputes the core attention (recompute "
+                   "selective) or whole blocks (full), not Megatron's per-module list; drop it "
+                   "or re-plan with --recompute selective / full")
+    if par.offload_layers:
+        out.append(f"parallelism.offload_layers = {par.offload_layers} (a plan file's field): "
+                   "pipeexec keeps every activation on its device; set it to 0")
     return out
 
 

@@ -32,7 +32,7 @@ one) is read wherever a preset name is: ``--hardware FILE`` / ``get_hardware("cp
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -167,12 +167,18 @@ class Hardware:
     # the routed experts' grouped GEMM: the fraction of a dense GEMM's efficiency (same shape)
     # each group reaches
     grouped_gemm_efficiency: float = 1.0
+    # the dimension at which one side of a group costs a doubling (None: gemm_dim_half): small
+    # per-expert GEMMs reach less of the tensor cores than dense GEMMs of the same shape
+    grouped_dim_half: float | None = None
     # quantize / cast kernels (fp8, mxfp8, nvfp4 GEMM inputs): fraction of hbm_bandwidth they
     # reach (None: mem_efficiency)
     cast_efficiency: float | None = None
     mem_efficiency: float = 0.70     # fraction of hbm_bandwidth element-wise kernels reach
     flash_e_max: float = 0.70        # flash attention (fwd + bwd) at long sequences, head dim 128
     launch_overhead: float = 4e-6    # seconds a kernel costs beyond its roofline
+    # bytes/s one GPU moves to or from host memory, each direction (activation offloading);
+    # None: not known (a plan offloading activations there is refused)
+    host_bandwidth: float | None = None
     # -- memory a GPU cannot give to tensors ------------------------------------------------
     memory_reserve: float | None = None  # CUDA context, NCCL, workspaces (None: min(4 GiB, 5%))
     fragmentation: float = 1.05          # caching allocator: bytes reserved per byte allocated
@@ -217,6 +223,16 @@ class Hardware:
             if not 0 < getattr(self, f) <= 1:
                 raise ValueError(f"hardware {self.name}: {f} must be in (0, 1], got "
                                  f"{getattr(self, f)!r}")
+        h = self.host_bandwidth
+        if h is not None and (isinstance(h, bool) or not isinstance(h, (int, float))
+                              or not 0 < h < float("inf")):
+            raise ValueError(f"hardware {self.name}: host_bandwidth must be a finite number > 0"
+                             f" (bytes/s a direction) or null, got {h!r}")
+        v = self.grouped_dim_half
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))
+                              or not 0 < v < float("inf")):
+            raise ValueError(f"hardware {self.name}: grouped_dim_half must be a finite number > 0"
+                             f" or null (null: the dense gemm_dim_half), got {v!r}")
         if not self.fragmentation >= 1:
             raise ValueError(f"hardware {self.name}: fragmentation must be >= 1 (bytes the "
                              f"allocator holds per byte of tensors), got {self.fragmentation!r}")
@@ -255,9 +271,13 @@ class Hardware:
     def source(self, figure: str) -> str:
         return dict(self.sources).get(figure, "")
 
-    def gemm_efficiency(self, m: float, n: float, k: float, precision: str = "bf16") -> float:
-        """Fraction of the precision's peak a GEMM of this shape reaches (the fitted curve)."""
+    def gemm_efficiency(self, m: float, n: float, k: float, precision: str = "bf16",
+                        grouped: bool = False) -> float:
+        """Fraction of the precision's peak a GEMM of this shape reaches (the fitted curve);
+        ``grouped``: one group of the routed experts' grouped GEMM (its own dim-half)."""
         d = self.gemm_dim_half
+        if grouped and self.grouped_dim_half is not None:
+            d = max(d, self.grouped_dim_half)
         return self.precision_gemm_e_max(precision) / (1.0 + d * (1.0 / m + 1.0 / n + 1.0 / k))
 
     def with_(self, **changes: Any) -> "Hardware":
@@ -343,6 +363,9 @@ class Hardware:
             out["collectives"] = nested
         else:
             del out["collectives"]                     # files stay as they were without them
+        for f in ("grouped_dim_half", "host_bandwidth"):
+            if out[f] is None:
+                del out[f]                             # files stay as they were without them
         for f in ("nccl_arch", "link_processor_usage", "network_processor_usage"):
             if not out[f]:
                 del out[f]                             # files without them stay as they were
@@ -457,6 +480,8 @@ _A100_SOURCES = {
     "mxfp8_flops": "none: block-scaled MXFP8 tensor cores are Blackwell's (B200 and later)",
     "nvfp4_flops": "none: NVFP4 tensor cores are Blackwell's (B200 and later)",
     "fp32_flops": "TF32 dense: half the bf16 dense peak on every datasheet listed",
+    "grouped_dim_half": "null: a group's shape costs what a dense GEMM's does (gemm_dim_half;"
+                        " assumed where no MoE run was fitted)",
     "grouped_gemm_efficiency": "1: a grouped GEMM's groups as fast as dense GEMMs of their "
                                "shape (assumed, where no MoE run was fitted)",
     "nvlink_domain": "8 GPUs an HGX / DGX node's NVSwitches join (GB200: its NVL72 rack, 72)",
@@ -495,6 +520,9 @@ def _preset(name: str, *args: float, calibration: str = "extrapolated",
         kw.setdefault("link_bus_efficiency", eff)
         src["link_bus_efficiency"] = (f"NCCL's NVLink bus bandwidth over the raw link: {why} "
                                       f"(NVIDIA/nccl src/graph/topo.h), {eff}")
+    if name in _HOST:
+        kw.setdefault("host_bandwidth", _HOST[name][0])
+        src["host_bandwidth"] = _HOST[name][1]
     if name in _NCCL_ARCH:
         kw.setdefault("nccl_arch", _NCCL_ARCH[name])
         src["nccl_arch"] = (f"NCCL's tuner class of the GPU ({_NCCL_ARCH[name]}: its compute "
@@ -540,6 +568,25 @@ _BLACKWELL_PEAKS = {
                              "for 72 GPUs, 5 PFLOP/s dense a GPU (MXFP8 at the FP8 rate)",
               "nvfp4_flops": "NVIDIA GB300 NVL72 datasheet (2025): FP4 1,440 PFLOP/s sparse | "
                              "1,080 PFLOP/s dense for 72 GPUs, 15 PFLOP/s dense a GPU"},
+}
+
+# GPU <-> host memory, bytes/s a direction a GPU (activation offloading): the host link of each
+# datasheet; PCIe's raw rate (x16 lanes: Gen4 32 GB/s, Gen5 64 GB/s a direction)
+_PCIE4, _PCIE5 = 32 * GB, 64 * GB
+_C2C = 225 * GB
+_HOST = {
+    "A100": (_PCIE4, "PCIe Gen4 x16, 32 GB/s a direction (A100 SXM datasheet: PCIe Gen4 64 GB/s)"),
+    "H100": (_PCIE5, "PCIe Gen5 x16, 64 GB/s a direction (H100 SXM datasheet: PCIe Gen5 "
+                     "128 GB/s)"),
+    "H200": (_PCIE5, "PCIe Gen5 x16, 64 GB/s a direction (as H100 SXM)"),
+    "B200": (_PCIE5, "PCIe Gen5 x16, 64 GB/s a direction (DGX B200: Gen5 host links)"),
+    "B300": (_PCIE5, "assumed as B200's PCIe Gen5 x16, 64 GB/s a direction"),
+    "GB200": (_C2C, "NVLink-C2C 900 GB/s both directions a Grace CPU, shared by its two GPUs "
+                    "(GB200 NVL72 datasheet): 225 GB/s a GPU a direction"),
+    "GB300": (_C2C, "NVLink-C2C 900 GB/s both directions a Grace CPU, shared by its two GPUs "
+                    "(GB300 NVL72 datasheet): 225 GB/s a GPU a direction"),
+    "MI300X": (_PCIE5, "PCIe Gen5 x16, 64 GB/s a direction (MI300X data sheet: PCIe Gen5 "
+                       "128 GB/s)"),
 }
 
 _MAMF = {"A100": 0.869, "H100": 0.803, "H200": 0.803, "B200": 0.776, "GB200": 0.729,
@@ -589,7 +636,8 @@ _ALIASES = {"GB200-NVL72": "GB200", "GB200_NVL72": "GB200", "NVL72": "GB200",
 FITTED_FILE = Path(__file__).parent / "data" / "fitted.json"
 FITTED_FORMAT = "pipesim.fitted/1"
 _FITTABLE = ("gemm_e_max", "precision_e_max", "mem_efficiency", "flash_e_max",
-             "grouped_gemm_efficiency")
+             "grouped_gemm_efficiency", "grouped_dim_half")
+_DIMENSIONS = ("grouped_dim_half",)     # fitted figures that are sizes, not fractions
 
 
 def read_fitted(path: "str | Path" = FITTED_FILE) -> dict:
@@ -621,7 +669,11 @@ def read_fitted(path: "str | Path" = FITTED_FILE) -> dict:
             values = value.values() if fig == "precision_e_max" and isinstance(value, dict) \
                 else [value]
             for v in values:
-                if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v <= 1:
+                if fig in _DIMENSIONS:
+                    if isinstance(v, bool) or not isinstance(v, (int, float)) or \
+                            not 0 < v < float("inf"):
+                        raise ValueError(f"{p}: gpus.{gpu}.{fig}: a finite number > 0, got {v!r}")
+                elif isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v <= 1:
                     raise ValueError(f"{p}: gpus.{gpu}.{fig}: a number in (0, 1], got {v!r}")
     return data
 

@@ -151,13 +151,14 @@ def compare_meters(device: str) -> None:
             self._read(action, step, "finish")
 
     try:
-        cfg = TrainConfig(schedule="1f1b", pp=1, layers=4, hidden=256, heads=4, seq_len=128,
-                          vocab=512, micro_batch_size=2, microbatches=4, steps=3, device=device)
+        cfg = TrainConfig.from_flat(schedule="1f1b", pp=1, layers=4, hidden=256, heads=4,
+                                    seq_len=128, vocab=512, micro_batch_size=2, microbatches=4,
+                                    steps=3, device=device)
         rec = Both()
         trainer = assemble(cfg, topo, recorder=rec)
         rec.held = HeldTensorMeter(trainer.runtime, exclude=[p for st in trainer.stages.values()
                                                              for p in st.parameters()])
-        for _ in range(cfg.steps):
+        for _ in range(cfg.optimizer.steps):
             trainer.step()
         rec.held.close()
     finally:

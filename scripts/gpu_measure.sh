@@ -22,7 +22,7 @@ if ! python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 
 fi
 status=0
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv 2>/dev/null
-preset=$(python -c "from pipeexec.calibrate_hardware import base_preset; print(base_preset('cuda', None).name)") \
+preset=$(python -c "from pipeexec.measuring.calibrate_hardware import base_preset; print(base_preset('cuda', None).name)") \
   || { echo "gpu_measure: the device names no preset: run calibrate-hardware with --base" >&2; exit 2; }
 echo "== calibrate-hardware on $preset's datasheet"
 timeout 240 python -m pipeexec calibrate-hardware --device cuda --out "$out/gpu_hardware.json" \

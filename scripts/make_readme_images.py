@@ -109,10 +109,11 @@ def predicted_vs_measured(path: Path, dpi: int) -> None:
 
     # The prediction benchmark's model (benchmarks/bench_prediction.py): at a smaller width the
     # actions last a millisecond or two and per-action overheads the costs do not carry dominate.
-    model = TrainConfig(pp=2, microbatches=8, layers=6, hidden=256, heads=4, seq_len=128,
-                        vocab=256, micro_batch_size=4, steps=6, backend="gloo", device="cpu")
-    calib, run = paired_runs([model.replace(schedule="1f1b"),
-                              model.replace(schedule="interleaved", vpp=2)], 1, model.steps)
+    model = TrainConfig.from_flat(pp=2, microbatches=8, layers=6, hidden=256, heads=4,
+                                  seq_len=128, vocab=256, micro_batch_size=4, steps=6,
+                                  backend="gloo", device="cpu")
+    calib, run = paired_runs([model.with_flat(schedule="1f1b"),
+                              model.with_flat(schedule="interleaved", vpp=2)], 1, model.steps)
     comparison = compare_runs(run, calib)
     print(comparison.headline())
     fig = comparison.figure()

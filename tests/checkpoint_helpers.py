@@ -16,10 +16,10 @@ from pipeexec.topology import Topology, channel_keys, destroy_topology, init_top
 from pipeexec.training.train import Trainer, train
 
 # decay_steps is fixed so that a run stopped early (smaller --steps) follows the same LR curve.
-TINY = TrainConfig(layers=6, hidden=16, heads=2, seq_len=8, vocab=32, steps=4, decay_steps=8,
-                   lr=3e-3, min_lr=3e-4, warmup_steps=1, weight_decay=0.1, clip_grad=0.5,
-                   microbatches=2, micro_batch_size=4, seed=11, p2p_timeout=60.0,
-                   collective_timeout=120.0)
+TINY = TrainConfig.from_flat(layers=6, hidden=16, heads=2, seq_len=8, vocab=32, steps=4,
+                             decay_steps=8, lr=3e-3, min_lr=3e-4, warmup_steps=1,
+                             weight_decay=0.1, clip_grad=0.5, microbatches=2, micro_batch_size=4,
+                             seed=11, p2p_timeout=60.0, collective_timeout=120.0)
 
 
 def fake_topology(pp: int = 1, dp: int = 1, pp_rank: int = 0, dp_rank: int = 0,
@@ -30,7 +30,8 @@ def fake_topology(pp: int = 1, dp: int = 1, pp_rank: int = 0, dp_rank: int = 0,
 
 
 def local_trainer(cfg: TrainConfig, pp_rank: int = 0, dp_rank: int = 0, store=None) -> Trainer:
-    return assemble(cfg, fake_topology(cfg.pp, cfg.dp, pp_rank, dp_rank, store))
+    par = cfg.plan.parallelism
+    return assemble(cfg, fake_topology(par.pp, par.dp, pp_rank, dp_rank, store))
 
 
 def params_of(trainer: Trainer) -> dict[str, torch.Tensor]:
@@ -42,7 +43,7 @@ def checkpoint_worker(board, cfg: TrainConfig, options, snapshot_at: tuple[int, 
     at the iterations in ``snapshot_at`` and at the end, and the checkpoint metrics."""
     from pipeexec.checkpoint import CheckpointManager
 
-    topo = init_topology(cfg.pp, cfg.dp, timeout=120)
+    topo = init_topology(cfg.plan.parallelism.pp, cfg.plan.parallelism.dp, timeout=120)
     try:
         trainer = assemble(cfg, topo, board=board)
         manager = CheckpointManager(options)

@@ -19,7 +19,7 @@ def test_a_prepared_run_is_assembled_without_validating_or_building_again(monkey
     path = tmp_path / "s.json"
     pipesim.schedule.io.schedule_to_json(pipesim.build_schedule("1f1b", pp=1, microbatches=2),
                                          str(path))
-    cfg = TINY.replace(schedule=str(path))
+    cfg = TINY.with_flat(schedule=str(path))
     run = prepare(cfg, world_size=1)
     calls = []
     monkeypatch.setattr(TrainConfig, "validate", lambda self, *a, **k: calls.append("validate"))
@@ -38,11 +38,11 @@ def test_assemble_validates_once_and_refuses_another_topology(monkeypatch):
     assert len(count) == 1
     tp2 = Topology.of(Mesh(tp=2), 0, device=torch.device("cpu"), backend="gloo")
     with pytest.raises(ValueError, match="but topology"):       # dp 2 on a tp 2 world
-        assemble(TINY.replace(dp=2), tp2)
+        assemble(TINY.with_flat(dp=2), tp2)
 
 
 def test_worker_args_refuse_another_configs_preparation():
     run = prepare(TINY, world_size=1)
     assert WorkerArgs(TINY, prepared=run).prepared is run
     with pytest.raises(ValueError, match="another run's"):
-        WorkerArgs(TINY.replace(lr=1e-4), prepared=run)
+        WorkerArgs(TINY.with_flat(lr=1e-4), prepared=run)

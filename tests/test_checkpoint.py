@@ -29,7 +29,7 @@ from pipeexec.training.train import train
 def trained(tmp_path_factory):
     """A pp=1 run saved at iterations 2 (dir ``two``) and the same run continued to 4."""
     root = tmp_path_factory.mktemp("ckpt")
-    t = local_trainer(TINY.replace(steps=2))
+    t = local_trainer(TINY.with_flat(steps=2))
     first = train(t).losses
     save_checkpoint(t, root / "two")
     at2 = params_of(t)
@@ -53,7 +53,8 @@ def test_file_holds_the_complete_state(trained):
     assert tracker_path(d).read_text() == "2\n"
     f = torch.load(state_file(d, 2, 0), weights_only=True)
     assert f["checkpoint_version"] == 1 and f["iteration"] == 2 and f["release"] is False
-    assert f["config"]["hidden"] == TINY.hidden and f["consumed_samples"] == 2 * TINY.global_batch
+    assert (f["config"]["hidden"] == TINY.plan.model.hidden
+            and f["consumed_samples"] == 2 * TINY.global_batch)
     assert f["layout"]["layers"] == [list(range(TINY.num_layers))]
     assert set(f["model"]) == set(trained["at2"])
     for n, v in trained["at2"].items():
@@ -149,7 +150,7 @@ def test_keep_last(trained, tmp_path):
     t = local_trainer(TINY)
     (tmp_path / "iter_0000009").mkdir()                 # an abandoned later run: left alone
     for it in range(1, 5):
-        t.config = TINY.replace(steps=it)
+        t.config = TINY.with_flat(steps=it)
         train(t)
         report = save_checkpoint(t, tmp_path, keep_last=2)
     assert report.removed == [2]
@@ -216,7 +217,7 @@ def test_errors_name_the_file_and_field(trained, tmp_path, case):
     elif case == "version":
         _rewrite(f, lambda s: s.__setitem__("checkpoint_version", 99))
         field = "checkpoint_version"
-    cfg = TINY.replace(hidden=32, heads=2) if case == "config" else TINY
+    cfg = TINY.with_flat(hidden=32, heads=2) if case == "config" else TINY
     t = local_trainer(cfg)
     before = params_of(t)
     with pytest.raises(CheckpointError) as err:
@@ -234,9 +235,9 @@ def test_a_file_read_for_its_header_only_has_its_pickle_checked(trained, tmp_pat
     file's pickle record is a CRC failure naming the file and record, never an unpickling error
     or a silently changed value (both happened before: which one depends on where the bit
     lands, since the pickle holds the save's random id)."""
-    cfg = TINY.replace(pp=2, schedule="1f1b")
+    cfg = TINY.with_flat(pp=2, schedule="1f1b")
     convert_checkpoint(trained["dir"], tmp_path, pp=2, vpp=1, schedule="1f1b",
-                       microbatches=cfg.microbatches)
+                       microbatches=cfg.plan.microbatches)
     other = state_file(tmp_path, 2, 1)
     record = flip_bit(other, "data.pkl")
     t = local_trainer(cfg, pp_rank=0)
@@ -253,15 +254,17 @@ def _expected_layers(cfg, pp_rank):
     import pipesim
     from pipeexec.partition import make_partition
     from pipeexec.models import layer_stack
-    if cfg.partition == "layers" and cfg.boundaries is None:
+    if cfg.layout.partition == "layers" and cfg.layout.boundaries is None:
         # pipesim's cut of the plan's blocks, the embedding first and the head last
         blocks = cfg.plan.stage_layers()
         sizes = [n + (s == 0) + (s == len(blocks) - 1) for s, n in enumerate(blocks)]
         bounds = tuple(sum(sizes[:s]) for s in range(len(sizes) + 1))
     else:
-        bounds = make_partition(cfg.num_layers, cfg.num_stages, cfg.partition, cfg.boundaries,
-                                layer_stack(cfg).layer_param_counts())
-    sched = pipesim.build_schedule(cfg.schedule, pp=cfg.pp, vpp=cfg.vpp, microbatches=cfg.microbatches)
+        bounds = make_partition(cfg.num_layers, cfg.num_stages, cfg.layout.partition,
+                                cfg.layout.boundaries, layer_stack(cfg).layer_param_counts())
+    par = cfg.plan.parallelism
+    sched = pipesim.build_schedule(cfg.plan.schedule_name, pp=par.pp, vpp=par.vpp,
+                                   microbatches=cfg.plan.microbatches)
     return {i for s in sched.rank_stages(pp_rank) for i in range(bounds[s], bounds[s + 1])}
 
 
@@ -274,13 +277,15 @@ RESHARD = [dict(pp=2, schedule="1f1b"), dict(pp=2, vpp=2, schedule="interleaved"
 def test_resharded_load_and_convert(trained, tmp_path, changes):
     """Every rank of another layout gets exactly its layers' weights and AdamW state, whether it
     loads the pp=1 checkpoint directly or a converted copy (which then loads as is)."""
-    cfg = TINY.replace(**changes)
-    convert_checkpoint(trained["dir"], tmp_path, pp=cfg.pp, vpp=cfg.vpp, schedule=cfg.schedule,
-                       microbatches=cfg.microbatches, partition=cfg.partition)
+    cfg = TINY.with_flat(**changes)
+    par = cfg.plan.parallelism
+    convert_checkpoint(trained["dir"], tmp_path, pp=par.pp, vpp=par.vpp,
+                       schedule=cfg.plan.schedule_name, microbatches=cfg.plan.microbatches,
+                       partition=cfg.layout.partition)
     assert read_tracker(tmp_path) == 2
     for source, resharded in ((trained["dir"], True), (tmp_path, False)):
         seen = set()
-        for r in range(cfg.pp):
+        for r in range(cfg.plan.parallelism.pp):
             t = local_trainer(cfg, pp_rank=r)
             report = load_checkpoint(t, source)
             assert report.resharded == resharded and t.iteration == 2
@@ -293,10 +298,10 @@ def test_resharded_load_and_convert(trained, tmp_path, changes):
             seen |= set(got)
         assert seen == set(trained["at2"])
     # the converted files are the new layout's own
-    for r in range(cfg.pp):
+    for r in range(cfg.plan.parallelism.pp):
         f = torch.load(state_file(tmp_path, 2, r), weights_only=True)
         held = {i for chunk in f["layout"]["layers"] for i in chunk}
-        assert held == _expected_layers(cfg, r) and f["config"]["pp"] == cfg.pp
+        assert held == _expected_layers(cfg, r) and f["config"]["pp"] == cfg.plan.parallelism.pp
 
 
 def _threaded_save(cfg, trainers, root, **kwargs):
@@ -320,7 +325,7 @@ def _threaded_save(cfg, trainers, root, **kwargs):
 
 def test_multi_rank_checkpoint_back_to_one_rank(trained, tmp_path):
     """pp=4 vpp=2 (written by four ranks) loads into pp=1: the same weights by name."""
-    cfg = TINY.replace(pp=4, vpp=2, schedule="interleaved", microbatches=4, micro_batch_size=2)
+    cfg = TINY.with_flat(pp=4, vpp=2, schedule="interleaved", microbatches=4, micro_batch_size=2)
     store = dist.HashStore()
     ranks = [local_trainer(cfg, pp_rank=r, store=store) for r in range(4)]
     for t in ranks:
@@ -339,7 +344,7 @@ def test_multi_rank_checkpoint_back_to_one_rank(trained, tmp_path):
 
 
 def test_barrier_names_the_missing_rank(trained, tmp_path):
-    cfg = TINY.replace(pp=2)
+    cfg = TINY.with_flat(pp=2)
     t = local_trainer(cfg, pp_rank=0, store=dist.HashStore())
     load_checkpoint(t, trained["dir"])
     with pytest.raises(CheckpointError, match=r"waiting for ranks \[1\]"):
@@ -366,14 +371,15 @@ def test_inspect(trained, tmp_path, capsys):
 def test_mixed_precision_resume_is_exact(tmp_path, precision):
     """fp32 masters, the 16-bit weights, the loss scale and the LR position (updates, which lag
     the iteration after a skipped fp16 step) all come back: the continued run is bitwise the same."""
-    cfg = TINY.replace(precision=precision, inject=("overflow:1",) if precision == "fp16" else ())
+    cfg = TINY.with_flat(precision=precision, inject=("overflow:1",) if precision == "fp16" else ())
     full = local_trainer(cfg)
     losses = train(full).losses
-    first = local_trainer(cfg.replace(steps=2))
+    first = local_trainer(cfg.with_flat(steps=2))
     train(first)
     save_checkpoint(first, tmp_path)
     if precision == "fp16":
-        assert (first.updates, first.scaler.scale) == (1, cfg.loss_scale / 2)   # step 1 skipped
+        # step 1 skipped
+        assert (first.updates, first.scaler.scale) == (1, cfg.mixed_precision.loss_scale / 2)
     resumed = local_trainer(cfg)
     load_checkpoint(resumed, tmp_path)
     assert (resumed.updates, resumed.scaler.scale) == (first.updates, first.scaler.scale)
@@ -388,7 +394,7 @@ def test_manager_follows_the_flags(trained, tmp_path):
     loaded at its last iteration does not re-save; --release ends with a weights-only save."""
     from pipeexec.checkpoint import CheckpointManager, CheckpointOptions
 
-    t = local_trainer(TINY.replace(steps=5))
+    t = local_trainer(TINY.with_flat(steps=5))
     m = CheckpointManager(CheckpointOptions(save=str(tmp_path), save_interval=2, keep_last=2,
                                             fault=None))
     train(t, on_step=m.on_step)
@@ -398,7 +404,7 @@ def test_manager_follows_the_flags(trained, tmp_path):
     assert len(m.metrics()["save_times"]) == 3 and all(s > 0 for s in m.metrics()["save_times"])
 
     again = CheckpointManager(CheckpointOptions(save=str(tmp_path), load=str(tmp_path), fault=None))
-    t2 = local_trainer(TINY.replace(steps=5))
+    t2 = local_trainer(TINY.with_flat(steps=5))
     assert again.load(t2).iteration == 5
     train(t2, on_step=again.on_step)
     again.finish(t2)
@@ -432,7 +438,7 @@ def test_files_of_different_saves_are_not_mixed(trained, tmp_path):
     A later save with fewer pipeline ranks removes the earlier save's extra rank directories."""
     import shutil
 
-    cfg = TINY.replace(pp=4, vpp=2, schedule="interleaved", microbatches=4, micro_batch_size=2)
+    cfg = TINY.with_flat(pp=4, vpp=2, schedule="interleaved", microbatches=4, micro_batch_size=2)
     store = dist.HashStore()
     ranks = [local_trainer(cfg, pp_rank=r, store=store) for r in range(4)]
     for t in ranks:
@@ -444,7 +450,7 @@ def test_files_of_different_saves_are_not_mixed(trained, tmp_path):
         load_checkpoint(local_trainer(cfg, pp_rank=0), tmp_path / "a")   # reads only file 0
     assert err.value.path == str(state_file(tmp_path / "a", 2, 3)) and err.value.field == "save_id"
 
-    two = TINY.replace(pp=2)
+    two = TINY.with_flat(pp=2)
     pair = [local_trainer(two, pp_rank=r, store=store) for r in range(2)]
     for t in pair:
         load_checkpoint(t, trained["dir"])

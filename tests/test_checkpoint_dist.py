@@ -32,9 +32,9 @@ from pipeexec.checkpoint import (FAULT_ENV, CheckpointOptions, convert_checkpoin
 
 pytestmark = pytest.mark.slow
 
-BASE = TINY.replace(schedule="1f1b", pp=2, dp=2, microbatches=2, micro_batch_size=4)   # batch 16
-PP4 = TINY.replace(schedule="interleaved", pp=4, vpp=2, dp=1, microbatches=4, micro_batch_size=4)
-PP2 = TINY.replace(schedule="gpipe", pp=2, vpp=1, dp=1, microbatches=4, micro_batch_size=4)
+BASE = TINY.with_flat(schedule="1f1b", pp=2, dp=2, microbatches=2, micro_batch_size=4)   # batch 16
+PP4 = TINY.with_flat(schedule="interleaved", pp=4, vpp=2, dp=1, microbatches=4, micro_batch_size=4)
+PP2 = TINY.with_flat(schedule="gpipe", pp=2, vpp=1, dp=1, microbatches=4, micro_batch_size=4)
 
 
 def run(cfg, options=CheckpointOptions(), snapshot_at=()):
@@ -43,7 +43,7 @@ def run(cfg, options=CheckpointOptions(), snapshot_at=()):
 
 @functools.lru_cache(maxsize=None)
 def uninterrupted():
-    res = run(BASE.replace(steps=8), snapshot_at=(4, 6))
+    res = run(BASE.with_flat(steps=8), snapshot_at=(4, 6))
     return res[0]["losses"], {it: merge_params(res, it) for it in (4, 6, 8)}, res
 
 
@@ -59,26 +59,27 @@ def test_exact_resume_then_reshard(tmp_path):
     # the two replicas of the uninterrupted run agree (so comparing replica 0 is enough below)
     assert all(torch.equal(v, merge_params(full, 8, 1)[n]) for n, v in params[8].items())
 
-    first = run(BASE.replace(steps=2), CheckpointOptions(save=str(a)))
+    first = run(BASE.with_flat(steps=2), CheckpointOptions(save=str(a)))
     assert first[0]["losses"] == losses[:2] and read_tracker(a) == 2
     f = torch.load(state_file(a, 2, 1), weights_only=True)
     assert len(f["rng_state"]) == 2 and f["layout"]["dp"] == 2     # both replicas' RNG states
 
-    second = run(BASE.replace(steps=4), CheckpointOptions(save=str(a), load=str(a), save_interval=2))
+    second = run(BASE.with_flat(steps=4),
+                 CheckpointOptions(save=str(a), load=str(a), save_interval=2))
     assert second[0]["start"] == 2 and second[0]["losses"] == losses[2:4]      # bitwise
     for dp_rank in (0, 1):
         got = merge_params(second, 4, dp_rank)
         assert all(torch.equal(got[n], v) for n, v in params[4].items())
     assert read_tracker(a) == 4
 
-    third = run(PP4.replace(steps=6), CheckpointOptions(save=str(c), load=str(a)))
+    third = run(PP4.with_flat(steps=6), CheckpointOptions(save=str(c), load=str(a)))
     assert third[0]["loaded"]["resharded"] and third[0]["start"] == 4
     assert third[0]["loaded"]["iteration"] == 4
     torch.testing.assert_close(third[0]["losses"], losses[4:6], rtol=1e-5, atol=0)
     close(merge_params(third, 6), params[6])
 
     convert_checkpoint(c, d, pp=2, vpp=1, schedule="gpipe")
-    fourth = run(PP2.replace(steps=8), CheckpointOptions(load=str(d)))
+    fourth = run(PP2.with_flat(steps=8), CheckpointOptions(load=str(d)))
     assert not fourth[0]["loaded"]["resharded"] and fourth[0]["start"] == 6
     torch.testing.assert_close(fourth[0]["losses"], losses[6:8], rtol=1e-5, atol=0)
     close(merge_params(fourth, 8), params[8])
@@ -89,12 +90,13 @@ def test_dualpipe_saves_each_tied_parameter_once_and_resumes_in_any_layout(tmp_p
     checkpoint holds each parameter once (the part's first stage saves it), so it is the
     model's checkpoint: it resumes as dualpipe and as 1F1B, both following the uninterrupted
     run (1F1B, same batch) within fp32 tolerance."""
-    dual = TINY.replace(schedule="dualpipe", pp=2, vpp=1, dp=1, microbatches=4, micro_batch_size=4)
-    one = dual.replace(schedule="1f1b")
-    full = run(one.replace(steps=4), snapshot_at=(2,))
+    dual = TINY.with_flat(schedule="dualpipe", pp=2, vpp=1, dp=1, microbatches=4,
+                          micro_batch_size=4)
+    one = dual.with_flat(schedule="1f1b")
+    full = run(one.with_flat(steps=4), snapshot_at=(2,))
     losses, params = full[0]["losses"], merge_params(full, 4)
     a = tmp_path / "a"
-    first = run(dual.replace(steps=2), CheckpointOptions(save=str(a)))
+    first = run(dual.with_flat(steps=2), CheckpointOptions(save=str(a)))
     torch.testing.assert_close(first[0]["losses"], losses[:2], rtol=1e-5, atol=0)
     files = [torch.load(state_file(a, 2, r), weights_only=True) for r in range(2)]
     names = [set(f["model"]) for f in files]
@@ -102,8 +104,8 @@ def test_dualpipe_saves_each_tied_parameter_once_and_resumes_in_any_layout(tmp_p
     assert [set(f["optimizer"]["state"]) for f in files] == names
     assert [f["layout"]["stages"] for f in files] == [[0], [1]]
     for cfg in (dual, one):
-        res = run(cfg.replace(steps=4), CheckpointOptions(load=str(a)))
-        assert res[0]["start"] == 2, cfg.schedule
+        res = run(cfg.with_flat(steps=4), CheckpointOptions(load=str(a)))
+        assert res[0]["start"] == 2, cfg.plan.schedule_name
         torch.testing.assert_close(res[0]["losses"], losses[2:4], rtol=1e-5, atol=0)
         close(merge_params(res, 4), params)
 

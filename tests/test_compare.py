@@ -221,7 +221,7 @@ def test_without_profile_nothing_is_timed_or_synchronised(monkeypatch):
     results = launch(run_training, 2, (WorkerArgs(cfg, progress=False),),
                      timeout=120)                                      # forked: patched too
     assert all(r.measured is None and "profile" not in r.metrics for r in results)
-    assert len(results[0].metrics["losses"]) == cfg.steps
+    assert len(results[0].metrics["losses"]) == cfg.optimizer.steps
 
 
 def torch_cpu():

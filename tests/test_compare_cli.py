@@ -17,8 +17,8 @@ from pipeexec.analysis.run_description import cpu_share, inherit
 
 from test_compare import jittered_run
 
-CAL = TrainConfig(schedule="1f1b", pp=4, microbatches=8, layers=6, hidden=256, heads=4,
-                  seq_len=128, micro_batch_size=4, steps=4)
+CAL = TrainConfig.from_flat(schedule="1f1b", pp=4, microbatches=8, layers=6, hidden=256, heads=4,
+                            seq_len=128, micro_batch_size=4, steps=4)
 
 
 def calibration_run(tmp_path, cpus_per_rank=0.5):
@@ -47,21 +47,23 @@ def test_explicit_dests_sees_abbreviations_and_equals_forms():
 
 def test_inherit_takes_the_model_and_cpu_share_unless_set():
     meta = {"config": CAL.to_dict(), "cpus_per_rank": 0.5}
-    target = TrainConfig(schedule="zb-h1", pp=2)
+    target = TrainConfig.from_flat(schedule="zb-h1", pp=2)
     got = inherit(target, {"schedule", "pp"}, meta, cpus_per_rank=None, source="cal.json")
     c = got.config
-    assert (c.layers, c.hidden, c.heads, c.seq_len, c.micro_batch_size) == (6, 256, 4, 128, 4)
-    assert (c.schedule, c.pp) == ("zb-h1", 2) and got.cpus_per_rank == 0.5
+    model, par = c.plan.model, c.plan.parallelism
+    assert (model.layers, model.hidden, model.heads, model.seq_length,
+            par.micro_batch_size) == (6, 256, 4, 128, 4)
+    assert (c.plan.schedule_name, par.pp) == ("zb-h1", 2) and got.cpus_per_rank == 0.5
     assert {"layers", "hidden", "seq_len", "micro_batch_size", "cpus_per_rank"} <= set(got.taken)
     # the same values given explicitly are no mismatch
-    same = inherit(target.replace(hidden=256), {"hidden"}, meta, cpus_per_rank=0.5,
+    same = inherit(target.with_flat(hidden=256), {"hidden"}, meta, cpus_per_rank=0.5,
                    source="cal.json")
-    assert same.config.hidden == 256 and same.cpus_per_rank == 0.5
+    assert same.config.plan.model.hidden == 256 and same.cpus_per_rank == 0.5
 
 
 def test_inherit_refuses_every_differing_field_with_both_values():
     meta = {"config": CAL.to_dict(), "cpus_per_rank": 0.5}
-    target = TrainConfig(layers=6, hidden=512, seq_len=64, precision="bf16")
+    target = TrainConfig.from_flat(layers=6, hidden=512, seq_len=64, precision="bf16")
     with pytest.raises(ConfigError) as info:
         inherit(target, {"layers", "hidden", "seq_len", "precision", "cpus_per_rank"}, meta,
                 cpus_per_rank=None, source="cal.json")
@@ -83,22 +85,28 @@ def test_cpu_share_of_runs_recorded_before_the_field():
 
 
 def test_compare_defaults_make_a_meaningful_run():
-    c, said = compare_defaults(TrainConfig(schedule="zbv", pp=4, vpp=2), {"schedule", "pp", "vpp"})
-    assert (c.microbatches, c.layers, c.steps) == (8, 6, DEFAULT_STEPS)
-    assert (c.hidden, c.seq_len, c.micro_batch_size) == (256, 128, 4)    # the benchmark's model
+    c, said = compare_defaults(TrainConfig.from_flat(schedule="zbv", pp=4, vpp=2),
+                               {"schedule", "pp", "vpp"})
+    assert (c.plan.microbatches, c.plan.model.layers, c.optimizer.steps) == (8, 6, DEFAULT_STEPS)
+    assert (c.plan.model.hidden, c.plan.model.seq_length,
+            c.plan.parallelism.micro_batch_size) == (256, 128, 4)    # the benchmark's model
     assert c.validate() and "microbatches 8" in said
-    c, _ = compare_defaults(TrainConfig(schedule="interleaved", pp=8, vpp=2),
+    c, _ = compare_defaults(TrainConfig.from_flat(schedule="interleaved", pp=8, vpp=2),
                             {"schedule", "pp", "vpp", "hidden"})
-    assert c.layers == 14 and c.hidden == TrainConfig().hidden and c.validate()
+    default = TrainConfig().plan.model
+    assert c.plan.model.layers == 14 and c.plan.model.hidden == default.hidden and c.validate()
     # with a calibration run, the model is the run's (inherit) and m at least its m
-    c, _ = compare_defaults(TrainConfig(pp=2), {"pp"}, jittered_run("1f1b", pp=4, m=8, steps=1))
-    assert (c.microbatches, c.hidden, c.layers) == (8, TrainConfig().hidden, TrainConfig().layers)
+    c, _ = compare_defaults(TrainConfig.from_flat(pp=2), {"pp"},
+                            jittered_run("1f1b", pp=4, m=8, steps=1))
+    assert (c.plan.microbatches, c.plan.model.hidden, c.plan.model.layers) == (
+        8, default.hidden, default.layers)
     # the user's values stay
-    c, said = compare_defaults(TrainConfig(pp=2, microbatches=3, steps=3, hidden=32, layers=2,
-                                           heads=4, seq_len=32, micro_batch_size=1),
+    c, said = compare_defaults(TrainConfig.from_flat(pp=2, microbatches=3, steps=3, hidden=32,
+                                                     layers=2, heads=4, seq_len=32,
+                                                     micro_batch_size=1),
                                {"pp", "microbatches", "steps", "hidden", "layers", "heads",
                                 "seq_len", "micro_batch_size"})
-    assert (c.microbatches, c.steps) == (3, 3) and said == []
+    assert (c.plan.microbatches, c.optimizer.steps) == (3, 3) and said == []
 
 
 def test_compare_refuses_a_mismatch_before_running(tmp_path, capsys):
@@ -122,9 +130,10 @@ def test_compare_names_the_missing_file_the_user_gave(tmp_path, capsys):
 def test_alongside_config_and_its_refusals(tmp_path, capsys):
     from pipeexec.cli.compare import alongside_config
 
-    c = TrainConfig(schedule="zbv", pp=2, vpp=2, microbatches=4, layers=2)
-    assert (alongside_config(c, "1f1b").schedule, alongside_config(c, "1f1b").vpp) == ("1f1b", 1)
-    assert alongside_config(c, "interleaved:2").vpp == 2
+    c = TrainConfig.from_flat(schedule="zbv", pp=2, vpp=2, microbatches=4, layers=2)
+    assert (alongside_config(c, "1f1b").plan.schedule_name,
+            alongside_config(c, "1f1b").plan.parallelism.vpp) == ("1f1b", 1)
+    assert alongside_config(c, "interleaved:2").plan.parallelism.vpp == 2
     with pytest.raises(ValueError, match="expected NAME or NAME:VPP"):
         alongside_config(c, "1f1b:x")
     assert run_cli(["compare", "--alongside", "1f1b",
@@ -181,8 +190,8 @@ def test_an_inherited_cpu_share_the_machine_cannot_give_says_where_it_came_from(
 def test_layout_notes_say_ramp_only_where_there_is_a_pipeline():
     from pipeexec.cli.compare import layout_notes
 
-    TINY = TrainConfig(layers=4, hidden=16, heads=2, seq_len=8, vocab=32)
-    assert layout_notes(TINY.replace(pp=1, microbatches=1), 5) == []      # no pipeline: no ramp
-    ramp = layout_notes(TINY.replace(pp=2, microbatches=2), 5)
+    TINY = TrainConfig.from_flat(layers=4, hidden=16, heads=2, seq_len=8, vocab=32)
+    assert layout_notes(TINY.with_flat(pp=1, microbatches=1), 5) == []      # no pipeline: no ramp
+    ramp = layout_notes(TINY.with_flat(pp=2, microbatches=2), 5)
     assert len(ramp) == 1 and "ramp-up and ramp-down" in ramp[0]
-    assert "profiled step(s)" in layout_notes(TINY.replace(pp=1, microbatches=1), 2)[0]
+    assert "profiled step(s)" in layout_notes(TINY.with_flat(pp=1, microbatches=1), 2)[0]

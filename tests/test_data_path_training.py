@@ -39,7 +39,7 @@ def corpus(tmp_path_factory):
 def config(corpus, **changes):
     fields = dict(layers=4, vocab=300, data_path=(corpus["prefix"],), split="98,2,0",
                   tokenizer=corpus["tokenizer"])
-    return TINY.replace(**{**fields, **changes})
+    return TINY.with_flat(**{**fields, **changes})
 
 
 def test_each_replica_reads_its_rows_of_the_global_batch(corpus):
@@ -63,7 +63,7 @@ def test_each_replica_reads_its_rows_of_the_global_batch(corpus):
     past = len(train_ds) // g          # whole epochs: a few steps more than asked for
     with pytest.raises(DataError, match=rf"step {past} needs train samples up to"):
         src.global_batch_at(past)
-    small = IndexedBatches(train_ds, seq_len=cfg.seq_len, vocab=100, global_batch=g)
+    small = IndexedBatches(train_ds, seq_len=cfg.plan.model.seq_length, vocab=100, global_batch=g)
     with pytest.raises(DataError, match=r"hold token id \d+, the model's vocabulary is 100"):
         small.global_batch_at(0)
 
@@ -83,13 +83,13 @@ def test_bad_data_paths_are_refused_before_any_process(corpus, tmp_path):
                          ({"data": corpus["text"]}, "not both"),
                          ({"split": "0,1,0"}, "train split .* holds 0 tokens")):
         with pytest.raises(ConfigError, match=why):
-            cfg.replace(**changes).validate()
+            cfg.with_flat(**changes).validate()
 
 
 def test_a_text_file_with_a_tokenizer_trains_on_its_tokens(corpus):
     from transformers import AutoTokenizer
 
-    cfg = TINY.replace(layers=4, vocab=300, data=corpus["text"], tokenizer=corpus["tokenizer"])
+    cfg = TINY.with_flat(layers=4, vocab=300, data=corpus["text"], tokenizer=corpus["tokenizer"])
     src = batch_source(cfg)
     ids = AutoTokenizer.from_pretrained(corpus["tokenizer"], local_files_only=True).encode(
         Path(corpus["text"]).read_text(), add_special_tokens=False)
@@ -101,7 +101,7 @@ def test_a_text_file_with_a_tokenizer_trains_on_its_tokens(corpus):
 
 
 def _reference(cfg, steps):
-    trainer = assemble(cfg.replace(pp=1, dp=1, tp=1, vpp=1, schedule="1f1b"), fake_topology())
+    trainer = assemble(cfg.with_flat(pp=1, dp=1, tp=1, vpp=1, schedule="1f1b"), fake_topology())
     return train(trainer).losses[:steps]
 
 
@@ -110,11 +110,11 @@ def test_resume_into_another_layout_sees_the_uninterrupted_samples(corpus, tmp_p
     run's (fp32, rtol 1e-5: the layouts reduce in other orders)."""
     base = config(corpus, steps=4, decay_steps=4, microbatches=2, micro_batch_size=4)
     ref = _reference(base, 4)
-    first = base.replace(pp=2, dp=1, steps=2)
+    first = base.with_flat(pp=2, dp=1, steps=2)
     a = launch(checkpoint_worker, 2, (first, CheckpointOptions(save=str(tmp_path / "a"))),
                timeout=300)
     torch.testing.assert_close(a[0]["losses"], ref[:2], rtol=1e-5, atol=0)
-    second = base.replace(pp=1, dp=2, micro_batch_size=2)             # the same global batch
+    second = base.with_flat(pp=1, dp=2, micro_batch_size=2)             # the same global batch
     b = launch(checkpoint_worker, 2, (second, CheckpointOptions(load=str(tmp_path / "a"))),
                timeout=300)
     assert b[0]["start"] == 2
@@ -169,13 +169,13 @@ def test_a_resume_that_would_draw_other_samples_is_warned_of(corpus):
     cfg = config(corpus, steps=4, decay_steps=None)
     saved = cfg.to_dict()
     assert data_change_warning(cfg, saved) is None
-    assert data_change_warning(cfg.replace(steps=6), saved) is None      # still one epoch
-    assert "--split '98,2,0' -> '90,10,0'" in data_change_warning(cfg.replace(split="90,10,0"),
+    assert data_change_warning(cfg.with_flat(steps=6), saved) is None      # still one epoch
+    assert "--split '98,2,0' -> '90,10,0'" in data_change_warning(cfg.with_flat(split="90,10,0"),
                                                                    saved)
-    assert "--seed 11 -> 12" in data_change_warning(cfg.replace(seed=12), saved)
+    assert "--seed 11 -> 12" in data_change_warning(cfg.with_flat(seed=12), saved)
     # enough steps for a second epoch: the shuffle of the whole split changes
     epoch = len(build_datasets(cfg)[0]) // cfg.global_batch + 1
-    longer = cfg.replace(steps=epoch)
+    longer = cfg.with_flat(steps=epoch)
     assert train_order(cfg) == ((1, False),) and train_order(longer)[0][0] == 2
     assert "the number of epochs" in data_change_warning(longer, saved)
     assert data_change_warning(longer, longer.to_dict()) is None
@@ -203,13 +203,14 @@ def test_a_corpus_of_wider_ids_than_the_vocabulary_is_warned_of(corpus, tmp_path
     wide = config(corpus, data_path=(str(tmp_path / "wide"),))
     assert "tokens stored as 32-bit ids" in token_dtype_warning(wide)
     assert "--vocab is 300" in token_dtype_warning(wide)
-    assert token_dtype_warning(wide.replace(vocab=70000)) is None
+    assert token_dtype_warning(wide.with_flat(vocab=70000)) is None
 
 
 def _cp_worker(board, cfg):
     from pipeexec.topology import destroy_topology, init_topology
 
-    topo = init_topology(cfg.pp, cfg.dp, cp=cfg.cp, timeout=120)
+    par = cfg.plan.parallelism
+    topo = init_topology(par.pp, par.dp, cp=par.cp, timeout=120)
     try:
         return train(assemble(cfg, topo, board=board)).losses
     finally:
@@ -221,5 +222,5 @@ def test_context_parallel_ranks_share_the_replicas_samples(corpus):
     are the one-process run's."""
     cfg = config(corpus, steps=2, microbatches=2, micro_batch_size=2)
     ref = _reference(cfg, 2)
-    got = launch(_cp_worker, 2, (cfg.replace(cp=2),), timeout=300)
+    got = launch(_cp_worker, 2, (cfg.with_flat(cp=2),), timeout=300)
     torch.testing.assert_close(got[0], ref, rtol=1e-5, atol=0)

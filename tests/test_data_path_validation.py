@@ -27,7 +27,7 @@ def corpus(tmp_path_factory):
 
 
 def config(prefix, **changes):
-    return TINY.replace(**{**dict(layers=4, vocab=300, data_path=(prefix,), split="90,10,0",
+    return TINY.with_flat(**{**dict(layers=4, vocab=300, data_path=(prefix,), split="90,10,0",
                                   microbatches=4, micro_batch_size=2, steps=2), **changes})
 
 
@@ -50,7 +50,7 @@ def test_one_process_validation_is_the_mean_loss_of_the_split_through_the_layers
     options = EvalOptions(eval_only=True, eval_iters=2)
     res = train(assemble(cfg, fake_topology()), evaluation=options)
     spec = layer_stack(cfg)
-    layers = [spec.build_layer(i, cfg.seed) for i in range(spec.num_layers)]
+    layers = [spec.build_layer(i, cfg.runtime.seed) for i in range(spec.num_layers)]
     data, total = valid_batches(cfg, options), 0.0
     with torch.no_grad():
         for i in range(2):
@@ -69,7 +69,7 @@ def test_a_pipelined_run_validates_as_one_process_does(corpus):
     cfg = config(corpus, pp=2)
     options = EvalOptions(eval_interval=1, eval_iters=2)
     got = launch(_worker, 2, (cfg, options), timeout=240)
-    ref = train(assemble(cfg.replace(pp=1), fake_topology()), evaluation=options)
+    ref = train(assemble(cfg.with_flat(pp=1), fake_topology()), evaluation=options)
     losses = [v["loss"] for v in got[-1]["validation"]]
     assert losses == pytest.approx([v["loss"] for v in ref.validation], rel=1e-5)
 

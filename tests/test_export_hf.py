@@ -66,9 +66,9 @@ def train_and_save(cfg: TrainConfig, save: Path) -> None:
 def one_process_config(ckpt: Path) -> TrainConfig:
     """The checkpoint's run at tp 1, pp 1, dp 1, one microbatch of its global batch."""
     cfg, _ = config_from_dict(CheckpointReader(ckpt).config)
-    return cfg.replace(tp=1, pp=1, dp=1, ep=1, cp=1, zero=0, vpp=1, schedule="1f1b",
-                       sequence_parallel=False, boundaries=None, microbatches=1,
-                       micro_batch_size=cfg.global_batch)
+    return cfg.with_flat(tp=1, pp=1, dp=1, ep=1, cp=1, zero=0, vpp=1, schedule="1f1b",
+                         sequence_parallel=False, boundaries=None, microbatches=1,
+                         micro_batch_size=cfg.global_batch)
 
 
 def one_process_logits(ckpt: Path) -> tuple[torch.Tensor, torch.Tensor, float]:
@@ -109,8 +109,8 @@ def check_export(ckpt: Path, out: Path, **kwargs) -> None:
 def gpt_checkpoint(tmp_path_factory) -> Path:
     """The built-in GPT (untied head), pp 2 x vpp 2 interleaved, one step."""
     root = tmp_path_factory.mktemp("gpt")
-    cfg = TrainConfig(layers=2, hidden=32, heads=4, ffn_hidden=48, vocab=64, pp=2, vpp=2,
-                      schedule="interleaved", **BASE)
+    cfg = TrainConfig.from_flat(layers=2, hidden=32, heads=4, ffn_hidden=48, vocab=64, pp=2, vpp=2,
+                                schedule="interleaved", **BASE)
     train_and_save(cfg, root / "ckpt")
     return root / "ckpt"
 
@@ -206,7 +206,8 @@ def test_tokenizer_files_are_copied(tmp_path):
 def test_tied_builtin_gpt_and_hf_model_resume(tmp_path):
     """A tied head is written once (GPT-2's wte); ``--hf-model OUT_DIR`` then trains from the
     exported weights: its first forward loss is the checkpoint's."""
-    cfg = TrainConfig(layers=2, hidden=32, heads=4, vocab=64, pp=2, tie_embeddings=True, **BASE)
+    cfg = TrainConfig.from_flat(layers=2, hidden=32, heads=4, vocab=64, pp=2, tie_embeddings=True,
+                                **BASE)
     train_and_save(cfg, tmp_path / "ckpt")
     out = tmp_path / "hf"
     check_export(tmp_path / "ckpt", out)
@@ -221,13 +222,13 @@ def assert_hf_model_resumes(ckpt: Path, out: Path) -> None:
     checkpoint's, so the exported weights were loaded."""
     _, _, loss = one_process_logits(ckpt)
     resumed = one_process_config(ckpt).with_hf_model(str(out))
-    assert resumed.hf_model == str(out)
+    assert resumed.inputs.hf_model == str(out)
     assert assemble(resumed, fake_topology()).forward(0).losses[0].item() == pytest.approx(
         loss, rel=1e-5)
 
 
 def family_config(family: str, root: Path, **layout) -> TrainConfig:
-    return TrainConfig(**BASE, **layout).with_hf_model(model_dir(root, family))
+    return TrainConfig.from_flat(**BASE, **layout).with_hf_model(model_dir(root, family))
 
 
 @pytest.mark.parametrize("family,layout", [

@@ -13,8 +13,8 @@ from pipeexec.analysis.predict import EXECUTOR_COMM
 from pipeexec.config import TrainConfig
 
 HW = str(Path(__file__).parent / "data" / "cpu_2core_hardware.json")
-CFG = TrainConfig(schedule="1f1b", pp=2, microbatches=4, layers=4, hidden=64, heads=4,
-                  seq_len=32, vocab=64, device="cpu")
+CFG = TrainConfig.from_flat(schedule="1f1b", pp=2, microbatches=4, layers=4, hidden=64, heads=4,
+                            seq_len=32, vocab=64, device="cpu")
 
 
 def test_a_core_each_is_the_plans_own_step():
@@ -42,7 +42,7 @@ def test_a_share_of_a_core_stretches_every_time_by_its_inverse():
 
 
 def test_ranks_sharing_fewer_cores_are_simulated_sharing_them():
-    cfg = CFG.replace(dp=2)                         # 4 ranks, 2 pipelines, on 2 cores
+    cfg = CFG.with_flat(dp=2)                         # 4 ranks, 2 pipelines, on 2 cores
     got = hardware_prediction(cfg, HW, cpus_per_rank=None, host_cpus=2)
     assert got.cores == 1.0 and got.share is None   # the pipeline's half of the 2 cores
     alone = hardware_prediction(cfg, HW, cpus_per_rank=None, host_cpus=8)
@@ -72,3 +72,26 @@ def test_compare_prints_the_hardware_prediction_before_the_run_and_beside_its_fi
     assert got["predicted_step_time"] > 0 and got["measured_step_time"] > 0
     assert got["step_time_error"] == pytest.approx(
         got["predicted_step_time"] / got["measured_step_time"] - 1)
+
+
+def test_zero3_runs_the_executors_program_each_collective_waited_for():
+    """The prediction lowers the schedule with the plan's ZeRO actions, as the Trainer does,
+    and times them as pipeexec runs them: a stage at once, the rank waiting
+    (`predict.EXECUTOR_SHARDING`): no gather before the computation before it has ended (no
+    prefetch), and every computation of a stage after its UNSHARD ends."""
+    cfg = CFG.with_flat(dp=2, zero=3)
+    got = hardware_prediction(cfg, HW, cpus_per_rank=1.0, host_cpus=8)
+    t = got.result.trace
+    assert got.result.schedule.sharding == cfg.plan_as_run().parallelism.sharding
+    assert got.result.costs.overlap_sharding == 0.0
+    for r in range(2):
+        rows = t[t["rank"] == r].reset_index(drop=True)
+        computed = 0.0
+        for i, row in rows.iterrows():
+            if row["op"] == "UNSHARD":
+                assert row["start"] >= computed
+                nxt = rows.loc[i + 1:]
+                assert nxt[nxt["kind"] == "compute"].iloc[0]["start"] >= row["end"]
+            elif row["kind"] == "compute":
+                computed = row["end"]
+    assert (t["op"] == "REDUCE_GRAD").sum() == 2

@@ -183,7 +183,7 @@ def _train(argv, capsys):
 
 def test_pipeexec_refuses_a_plan_value_of_the_wrong_type(tmp_path, capsys):
     from pipeexec.config import TrainConfig
-    data = TrainConfig(pp=1).plan.to_dict()
+    data = TrainConfig.from_flat(pp=1).plan.to_dict()
     data["parallelism"]["sequence_parallel"] = "false"
     path = tmp_path / "plan.json"
     path.write_text(json.dumps(data))
@@ -245,7 +245,7 @@ def test_pipeexec_refuses_a_plan_whose_hf_config_is_out_of_range(tmp_path, capsy
     refused before any worker, not as transformers' validator line inside one."""
     from pipeexec.config import TrainConfig
     model = ModelSpec.from_hf_config({**LLAMA, "rms_norm_eps": 1e-5}, seq_length=8)
-    data = TrainConfig(pp=1).plan.to_dict()
+    data = TrainConfig.from_flat(pp=1).plan.to_dict()
     data["model"] = {**model.to_dict(), "vocab_divisible_by": 1,
                      "hf_config": {**model.hf_config, "rms_norm_eps": -1.0}}
     path = tmp_path / "plan.json"

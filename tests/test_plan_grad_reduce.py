@@ -4,14 +4,15 @@
 * ``per_step`` (the default; Megatron-LM's DDP holds the reduction with ``no_sync`` until the
   last microbatch, megatron/core/distributed/distributed_data_parallel.py, and its buckets start
   it from ``register_grad_ready`` only when ``is_last_microbatch``, param_and_grad_buffer.py):
-  the whole gradient buffer held through the step, one reduce-scatter of it in the tail,
-  overlapped with the last backward down to the last 40M-parameter bucket; no reduce-scatter in
-  W. So ZeRO-2 costs exactly ZeRO-1 (Megatron's distributed-optimizer row, 6 + 12/d bytes a
-  parameter in bf16), and ZeRO-3 ZeRO-1 less the weights' (d - 1)/d;
+  the whole gradient buffer held through the step, one reduce-scatter of it a step: the
+  program's REDUCE_GRAD after each stage's last backward, a layer a unit, streamed with that
+  backward down to the last unit; nothing in W nor in the tail. So ZeRO-2 holds exactly what
+  ZeRO-1 does (Megatron's distributed-optimizer row, 6 + 12/d bytes a parameter in bf16), and
+  ZeRO-3 ZeRO-1 less the weights' (d - 1)/d;
 * ``per_microbatch`` (DeepSpeed's ZeRO stage 2: gradients reduced as the backward makes them,
   each rank keeping its partition): the shard held, plus one bucket (a layer's gradients) while
-  it fills, one reduce-scatter per layer per microbatch inside W (m a step), none in the tail;
-* ZeRO-3 gathers each layer's weights in F and again in I, every microbatch;
+  it fills, the same REDUCE_GRAD after every backward (m a step), none in the tail;
+* ZeRO-3 gathers each stage's weights, a layer a unit, before every computation (UNSHARD);
 * 16-bit gradients (``grad_reduce_in_fp32=False``, Megatron-LM's ``--grad-reduce-in-bf16``):
   2 bytes a parameter in the buffer and on the wire, the optimizer's fp32 copy of its shard's
   gradients 4 more: Megatron's fp16 row (20, or 4 + 16/d distributed).
@@ -23,7 +24,6 @@ import pytest
 import pipesim
 from pipesim.errors import PlanError
 from pipesim.plan import collectives as coll
-from pipesim.plan.derive import BUCKET_PARAMS
 from pipesim.plan.footprint import bytes_per_param, param_bytes
 from pipesim.plan.model import ModelSpec
 from pipesim.plan.flags import BY_DEST
@@ -47,7 +47,16 @@ def test_the_default_is_once_a_step_and_zero2_then_costs_what_zero1_does():
     assert Parallelism().grad_reduce == "per_step"
     z1, z2 = plan(1).derive(), plan(2).derive()
     assert z1.stage_memory == z2.stage_memory
-    assert [t.dp_comm for t in z1.tail] == [t.dp_comm for t in z2.tail]
+    # the same reduce-scatter a step: ZeRO-1's in the tail, ZeRO-2's in its REDUCE_GRAD actions
+    # (a layer a message: NCCL's per-message cost makes them a little dearer, never cheaper);
+    # the weights' all-gather in the tail for both
+    net = z1.links["dp"]
+    for r in range(4):
+        n = sum(z2.stage_params[r].values())
+        rs, ag = coll.reduce_scatter(4 * n, D, net), coll.all_gather(2 * n, D, net)
+        assert z1.tail[r].dp_comm == pytest.approx(rs + ag, rel=1e-12)
+        assert z2.tail[r].dp_comm == pytest.approx(ag, rel=1e-12)
+        assert rs * (1 - 1e-9) <= z2.costs.reduce_grad[r] < 1.1 * rs
     assert z1.costs.backward_weight == z2.costs.backward_weight
     assert z1.rank_buffers == z2.rank_buffers == [0.0] * 4
     # Megatron's distributed optimizer, bf16 with fp32 gradients: 6 + 12/d bytes a parameter
@@ -77,8 +86,9 @@ def test_memory_whole_buffer_per_step_shard_plus_bucket_per_microbatch(zero):
 
 
 def test_communication_once_in_the_tail_or_once_per_layer_per_microbatch():
-    """No overlap: the tail is the closed form; a middle stage's W per microbatch is each
-    layer's weight gradients or its reduce-scatter, whichever is longer."""
+    """No overlap: the tail is the closed form (the weights' all-gather); a middle stage's
+    reduction is its layers' reduce-scatters, once a step or once a microbatch (the program's
+    REDUCE_GRAD actions), its W the plain one."""
     kw = dict(overlap_grad_reduce=False, overlap_param_gather=False)
     z0, step, micro = (plan(0, **kw).derive(), plan(2, **kw).derive(),
                        plan(2, "per_microbatch", **kw).derive())
@@ -88,62 +98,77 @@ def test_communication_once_in_the_tail_or_once_per_layer_per_microbatch():
     rs_layer = coll.reduce_scatter(4 * layer_params(), D, net)
     for r in range(4):
         n = sum(step.stage_params[r].values())
-        rs, ag = coll.reduce_scatter(4 * n, D, net), coll.all_gather(2 * n, D, net)
-        assert step.tail[r].dp_comm == pytest.approx(rs + ag, rel=1e-12)      # once a step
-        assert step.tail[r].dp_exposed == pytest.approx(rs + ag, rel=1e-12)
-        assert micro.tail[r].dp_comm == pytest.approx(ag, rel=1e-12)          # only the gather
-        assert step.costs.backward_weight[r] == z0.costs.backward_weight[r]
+        ag = coll.all_gather(2 * n, D, net)
+        for d in (step, micro):                         # the reduction is the actions'
+            assert d.tail[r].dp_comm == pytest.approx(ag, rel=1e-12)
+            assert d.tail[r].dp_exposed == pytest.approx(ag, rel=1e-12)
+            assert d.costs.backward_weight[r] == z0.costs.backward_weight[r]
     for r in (1, 2):                                   # no embedding, no head: layers only
         layers = step.stage_layers[r]
-        w0 = z0.costs.backward_weight[r] / layers
-        assert micro.costs.backward_weight[r] == pytest.approx(layers * max(w0, rs_layer),
-                                                               rel=1e-12)
-        # per step the reduce-scatter runs once, per microbatch m times (this link is slow
-        # enough that it outlasts the weight gradients: W is all reduce-scatter)
-        assert rs_layer > w0
-        moved_micro = m * layers * rs_layer
-        moved_step = coll.reduce_scatter(4 * layers * layer_params(), D, net)
-        # m times the bytes, in messages a layer each: NCCL's per-message cost (its tuner's
-        # latency and protocol choice) makes the small messages dearer, never cheaper
-        assert m * (1 - 1e-9) <= moved_micro / moved_step < 1.2 * m
+        for d in (step, micro):
+            assert d.costs.reduce_grad[r] == pytest.approx(layers * rs_layer, rel=1e-12)
+            # not streamed without the overlap: after the backward, a stage at once
+            assert d.costs.stage_values("reduce_grad_units", 4)[r] == 1.0
+    # per step the reduce-scatter runs once a stage, per microbatch m times
+    for p, per_stage in ((plan(2, **kw), 1), (plan(2, "per_microbatch", **kw), m)):
+        trace = pipesim.simulate(p).trace
+        counts = trace[trace["op"] == "REDUCE_GRAD"].groupby("stage").size()
+        assert counts.tolist() == [per_stage] * 4
 
 
 def test_once_a_step_overlaps_with_the_last_backward_down_to_the_last_bucket():
-    d = plan(2).derive()
+    """The REDUCE_GRAD after a stage's last B streams its L units (layers, embedding, head)
+    with that B: it starts once the B made its first unit's gradients, ends one unit's
+    reduction after the B at the soonest, and the rank's step ends with it; the tail keeps the
+    weights' all-gather, overlapped with the next forward."""
+    p = plan(2)
+    d = p.derive()
     net = d.links["dp"]
     costs = d.costs
+    hw = p.cluster.hardware
+    u = hw.network_processor_usage if net.kind == "inter" else hw.link_processor_usage
+    result = pipesim.simulate(p)
+    t = result.trace
     for r in range(4):
         n = sum(d.stage_params[r].values())
-        rs, ag = coll.reduce_scatter(4 * n, D, net), coll.all_gather(2 * n, D, net)
-        window_b = costs.backward_input[r] + costs.backward_weight[r]
-        # all but the last bucket hide under the backward and slow it by the link's processor
-        # usage u (Calculon's model, pipesim.plan.overlap), or show where they outlast it
-        hw = plan(2).cluster.hardware
-        u = hw.network_processor_usage if net.kind == "inter" else hw.link_processor_usage
-        last = rs * min(1.0, BUCKET_PARAMS / n)
-        hidden = rs - last
-        exposed = last + (hidden - window_b if hidden * (1 - u) > window_b else hidden * u)
-        exposed += ag - costs.forward[r] if ag * (1 - u) > costs.forward[r] else ag * u
+        ag = coll.all_gather(2 * n, D, net)
+        # all but the link's processor usage u of the gather hides under the next forward
+        # (Calculon's model, pipesim.plan.overlap), or shows where it outlasts it
+        exposed = ag - costs.forward[r] if ag * (1 - u) > costs.forward[r] else ag * u
         assert d.tail[r].dp_exposed == pytest.approx(exposed, rel=1e-12)
+        units = d.stage_layers[r] + (r in (0, 3))
+        assert costs.reduce_grad_units[r] == units
+        last_b = t[(t["rank"] == r) & (t["op"] == "B")].iloc[-1]
+        reduce = t[(t["rank"] == r) & (t["op"] == "REDUCE_GRAD")]
+        assert len(reduce) == 1
+        rg = costs.reduce_grad[r]
+        start = last_b["start"] + (last_b["end"] - last_b["start"]) / units
+        assert reduce["start"].item() == pytest.approx(start, rel=1e-12)
+        assert reduce["end"].item() == pytest.approx(max(start + rg, last_b["end"] + rg / units),
+                                                     rel=1e-12)
+        assert result.sim.rank_end[r] == pytest.approx(reduce["end"].item(), rel=1e-12)
+        assert result.rank_step_time[r] == pytest.approx(
+            reduce["end"].item() + exposed + d.tail[r].optimizer, rel=1e-12)
 
 
 def test_zero3_gathers_each_layer_in_f_and_again_in_i_every_microbatch():
-    """A slow link (one node per GPU group: dp crosses the network) so the gathers outlast the
-    compute: a middle stage's F and I are each its layers' all-gathers."""
+    """The program gathers a stage before each of its F and B (1F1B: an F and a B a
+    microbatch), its layers' all-gathers; F / I / W are ZeRO-0's and the tail carries no
+    data-parallel traffic (no all-gather: the weights are gathered per action; the reduction
+    is REDUCE_GRAD's)."""
     z0, z3 = plan(0).derive(), plan(3).derive()
     ag = coll.all_gather(2 * layer_params(), D, z3.links["dp"])
+    assert z3.costs.forward == z0.costs.forward
+    assert z3.costs.backward_input == z0.costs.backward_input
     for r in (1, 2):
         layers = z3.stage_layers[r]
-        f0, i0 = z0.costs.forward[r] / layers, z0.costs.backward_input[r] / layers
-        assert z3.costs.forward[r] == pytest.approx(layers * max(f0, ag), rel=1e-12)
-        assert z3.costs.backward_input[r] == pytest.approx(layers * max(i0, ag), rel=1e-12)
-        assert ag > f0      # so the gathers show: once in F and once in I, per microbatch
-    # once a step its tail reduce-scatters (no all-gather: the weights are gathered per action)
-    for r in range(4):
-        n = sum(z3.stage_params[r].values())
-        assert z3.tail[r].dp_comm == pytest.approx(coll.reduce_scatter(4 * n, D, z3.links["dp"]),
-                                                   rel=1e-12)
-    assert all(t.dp_comm == 0 for t in plan(3, "per_microbatch").derive().tail)
+        assert z3.costs.unshard[r] == pytest.approx(layers * ag, rel=1e-12)
+        assert z3.costs.unshard_units[r] == layers
+    m = plan(3).parallelism.microbatches
+    trace = pipesim.simulate(plan(3)).trace
+    assert trace[trace["op"] == "UNSHARD"].groupby("stage").size().tolist() == [2 * m] * 4
+    for grad_reduce in ("per_step", "per_microbatch"):
+        assert all(t.dp_comm == 0 for t in plan(3, grad_reduce).derive().tail)
 
 
 def test_sixteen_bit_gradients_are_megatrons_fp16_row_and_halve_the_traffic():

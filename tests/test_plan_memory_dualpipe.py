@@ -13,7 +13,7 @@ from pipesim.plan.footprint import BYTES_PER_PARAM
 
 
 def dualpipe() -> TrainConfig:
-    return TrainConfig(schedule="dualpipe", pp=2, microbatches=4, layers=4)
+    return TrainConfig.from_flat(schedule="dualpipe", pp=2, microbatches=4, layers=4)
 
 
 def held_peaks(config: TrainConfig) -> list[float]:

@@ -4,11 +4,13 @@ tests/test_plan_grad_reduce.py's):
 
 * ZeRO-1 reduce-scatters the gradients once a step, in the tail, then all-gathers the weights;
 * ZeRO-2 reduce-scatters them once a microbatch, as every backward makes them (pipeexec: a
-  bucket, a layer, at a time inside each B or W): its W carries the reduce-scatter and its tail
-  only the weights' all-gather, so with m microbatches it moves m times ZeRO-1's gradient
-  bytes (before, the plan charged ZeRO-2 exactly as ZeRO-1);
-* ZeRO-3 also gathers the weights before each F and I: its tail has no data-parallel traffic;
-  its transient (two gathered layers: weights and gradients) at the precision's bytes.
+  bucket, a layer, at a time inside each B or W): the program's REDUCE_GRAD after every B
+  carries the reduce-scatter (``costs.reduce_grad``, a layer's collective a unit), its tail only
+  the weights' all-gather, so with m microbatches it moves m times ZeRO-1's gradient bytes;
+  F / I / W are ZeRO-1's;
+* ZeRO-3 also gathers the weights before each computation (``costs.unshard``): its tail has no
+  data-parallel traffic; its transient (two gathered layers: weights and gradients) at the
+  precision's bytes.
 """
 import pytest
 
@@ -39,17 +41,22 @@ def test_zero2_reduce_scatters_every_microbatch_in_the_backward_not_once_in_the_
         assert z1.tail[r].dp_comm == pytest.approx(coll.reduce_scatter(4 * params, 8, net)
                                                    + coll.all_gather(2 * params, 8, net))
         assert z2.tail[r].dp_comm == pytest.approx(coll.all_gather(2 * params, 8, net))
-        # W: ZeRO-1 adds nothing; ZeRO-2 at least every block's reduce-scatter, every
-        # microbatch (on this link the reduce-scatter outlasts a block's weight gradients)
+        # W: nobody's adds anything; ZeRO-2's REDUCE_GRAD is every block's reduce-scatter and
+        # the rest of the stage's (embedding, head) as one unit more
         w0, w1, w2 = (d.costs.backward_weight[r] for d in (z0, z1, z2))
-        assert w1 == w0
-        assert w2 >= layers * rs > w0
-    # over a step ZeRO-2's backward moves about m times ZeRO-1's tail reduce-scatter
-    per_step = sum(m * (z2.costs.backward_weight[r] - z0.costs.backward_weight[r])
-                   for r in range(2))
+        assert w1 == w0 == w2
+        rest = params - layers * layer
+        assert z2.costs.reduce_grad[r] == pytest.approx(
+            layers * rs + coll.reduce_scatter(4 * rest, 8, net), rel=1e-12)
+    # the program reduces after every B: over a step ZeRO-2 moves about m times ZeRO-1's tail
+    # reduce-scatter
+    result = pipesim.simulate(plan(2))
+    reduces = result.trace[result.trace["op"] == "REDUCE_GRAD"]
+    assert reduces.groupby("stage").size().tolist() == [m, m]
+    per_step = sum(m * z2.costs.reduce_grad[r] for r in range(2))
     tail_rs = sum(z1.tail[r].dp_comm - z2.tail[r].dp_comm for r in range(2))
     assert per_step > (m - 1) * tail_rs
-    assert pipesim.simulate(plan(2)).step_time > pipesim.simulate(plan(1)).step_time
+    assert result.step_time > pipesim.simulate(plan(1)).step_time
 
 
 def test_zero3_has_no_tail_traffic_and_its_transient_follows_the_precision():
@@ -59,6 +66,12 @@ def test_zero3_has_no_tail_traffic_and_its_transient_follows_the_precision():
         w, g, _ = BYTES_PER_PARAM[precision]
         largest = sum(GPT.layer_params().values()) / 2
         assert d.rank_buffers[0] == pytest.approx(2 * largest * (w + g)), precision
-        # the weights gathered for each F and I
+        # the weights gathered for each computation by the program's UNSHARD, not in F
         z2 = plan(2, precision).derive()
-        assert d.costs.forward[1] > z2.costs.forward[1]
+        assert d.costs.forward == z2.costs.forward
+        params = sum(d.stage_params[1].values())
+        layers = d.stage_layers[1]
+        net = d.links["dp"]
+        assert d.costs.unshard[1] == pytest.approx(
+            layers * coll.all_gather(w * largest, 8, net)
+            + coll.all_gather(w * (params - layers * largest), 8, net), rel=1e-12), precision

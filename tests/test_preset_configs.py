@@ -76,7 +76,7 @@ def test_a_preset_plan_is_built_as_its_family():
     plan = pipesim.Plan.create(small, "A100", schedule="1f1b", pp=1, dp=1, micro_batch_size=1,
                                global_batch_size=1, precision="fp32")
     assert model_refusals(plan.model) == []
-    stack = layer_stack(TrainConfig(plan=plan, device="cpu"))
+    stack = layer_stack(TrainConfig.from_flat(plan=plan, device="cpu"))
     import torch
 
     block = stack.factory(1, torch.Generator().manual_seed(0))       # layer 0: the embedding

@@ -457,9 +457,10 @@ def profiled_worker(board, cases):
     out = {}
     try:
         for name, vpp in cases:
-            cfg = TrainConfig(schedule=name, pp=len(SKEWS), vpp=vpp, microbatches=4,
-                              micro_batch_size=2, layers=4, hidden=16, heads=2, seq_len=8,
-                              vocab=32, steps=3, p2p_timeout=60.0, collective_timeout=120.0)
+            cfg = TrainConfig.from_flat(schedule=name, pp=len(SKEWS), vpp=vpp, microbatches=4,
+                                        micro_batch_size=2, layers=4, hidden=16, heads=2,
+                                        seq_len=8, vocab=32, steps=3, p2p_timeout=60.0,
+                                        collective_timeout=120.0)
             session = ProfileSession(ProfileOptions(1, 3, align_rounds=8), topo,
                                      clock=lambda: time.perf_counter() + skew)
             trainer = assemble(cfg, topo, board=board, recorder=session.profiler)
@@ -675,8 +676,8 @@ def probe_worker(board):
 
     topo = init_topology(1, 1, timeout=60)
     try:
-        cfg = TrainConfig(schedule="1f1b", pp=1, microbatches=2, micro_batch_size=2, layers=2,
-                          hidden=16, heads=2, seq_len=8, vocab=32, steps=1)
+        cfg = TrainConfig.from_flat(schedule="1f1b", pp=1, microbatches=2, micro_batch_size=2,
+                                    layers=2, hidden=16, heads=2, seq_len=8, vocab=32, steps=1)
         trainer = assemble(cfg, topo, board=board)
         train(trainer)
         grads = trainer.grads.data.clone()

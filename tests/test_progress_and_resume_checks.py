@@ -45,7 +45,8 @@ RECORD = {"num_updates": 10, "max_lr": 3e-4, "min_lr": 0.0, "warmup_steps": 0, "
 def _config(**kw):
     from pipeexec.config import TrainConfig
 
-    return TrainConfig(**{"lr": 3e-4, "min_lr": 0.0, "warmup_steps": 0, "steps": 20, **kw})
+    return TrainConfig.from_flat(**{"lr": 3e-4, "min_lr": 0.0, "warmup_steps": 0, "steps": 20,
+                                    **kw})
 
 
 def test_a_resume_that_would_reshape_the_lr_schedule_is_refused_naming_both():

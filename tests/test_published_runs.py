@@ -82,6 +82,33 @@ def test_a_low_precision_gemm_runs_at_its_own_peak_and_efficiency_plus_its_quant
     assert pass_times([head], hw, precision).F == pytest.approx(pass_times([head], hw, "bf16").F)
 
 
+def test_a_grouped_gemms_group_runs_on_its_own_dim_half_at_the_grouped_fraction():
+    """One group of the routed experts' grouped GEMM (m tokens an expert, n x k): F = flops /
+    (peak * e_max / (1 + D (1/m + 1/n + 1/k)) * g) + launch, with D = max(gemm_dim_half,
+    grouped_dim_half) and g = grouped_gemm_efficiency; a dense GEMM of the same shape keeps
+    gemm_dim_half, and without a grouped_dim_half a group takes the dense curve."""
+    hw = get_hardware("B200").with_(grouped_dim_half=1500.0, grouped_gemm_efficiency=0.8)
+    m, n, k = 8192.0, 1536.0, 2048.0
+    flops = 2 * m * n * k
+    grouped = Op("expert_fc1", "gemm", flops, 2 * (m * k + k * n + m * n), (m, n, k),
+                 weights=True, grouped=True)
+    dense = Op("fc1", "gemm", flops, 2 * (m * k + k * n + m * n), (m, n, k), weights=True)
+
+    def expected(d: float, g: float) -> float:
+        return flops / (hw.peak_flops * hw.gemm_e_max / (1 + d * (1 / m + 1 / n + 1 / k)) * g) \
+            + hw.launch_overhead
+
+    assert pass_times([grouped], hw, "bf16").F == pytest.approx(expected(1500.0, 0.8))
+    assert pass_times([dense], hw, "bf16").F == pytest.approx(expected(hw.gemm_dim_half, 1.0))
+    plain = hw.with_(grouped_dim_half=None)
+    assert pass_times([grouped], plain, "bf16").F == pytest.approx(
+        expected(hw.gemm_dim_half, 0.8))
+    # a grouped dim-half below the dense one never makes a group faster than a dense GEMM
+    small = hw.with_(grouped_dim_half=1.0, grouped_gemm_efficiency=1.0)
+    assert pass_times([grouped], small, "bf16").F == pytest.approx(
+        pass_times([dense], small, "bf16").F)
+
+
 def test_mfu_stays_against_the_bf16_peak_while_fp8_runs_faster():
     """MFU = model FLOPs / (step time x GPUs x bf16 dense peak), whatever the GEMM precision;
     the fp8 step is shorter (FP8 at its own peak), so its MFU is higher."""
@@ -222,7 +249,7 @@ def test_fit_and_leave_one_model_out_scores_hold_what_docs_state():
     bench = _bench()
     runs, _ = bench.read_rows()
     params = bench._params(runs)
-    point = {(g, f, p): bench._value(get_hardware(g), f, p) for g, f, p in params}
+    point = bench.current_point(params)
     fitted = [abs(bench.published_error(r, bench.simulate_seconds(r))) for r in runs]
     assert statistics.median(fitted) <= bench.STATED["fit"][0]
     assert max(fitted) <= bench.STATED["fit"][1]

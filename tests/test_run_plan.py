@@ -100,7 +100,8 @@ TORCH_FREE = textwrap.dedent('''
     from pipeexec.analysis.plan_memory import predicted_activation_peaks
     from pipeexec.measuring.profile_options import ProfileOptions
     assert ProfileOptions(1, 3).stop == 3
-    peaks = predicted_activation_peaks(TrainConfig(pp=2, microbatches=4, layers=4, recompute="full"))
+    peaks = predicted_activation_peaks(TrainConfig.from_flat(pp=2, microbatches=4, layers=4,
+                                                             recompute="full"))
     assert len(peaks) == 2 and min(peaks) > 0, peaks
     assert "torch" not in {m.split(".")[0] for m in sys.modules if sys.modules[m] is not None}
     print("ok", predicted.makespan)
@@ -125,13 +126,15 @@ def hand_made_worker(board, cfg, options, profile_first):
     from pipeexec.training.train import train
     from pipeexec.run.assemble import assemble
 
-    topo = init_topology(cfg.pp, cfg.dp, timeout=120)
+    topo = init_topology(cfg.plan.parallelism.pp, cfg.plan.parallelism.dp, timeout=120)
     try:
         session = None
         if profile_first is not None:
-            session = ProfileSession(ProfileOptions(profile_first, cfg.steps, align_rounds=4), topo)
-        trainer = assemble(cfg, topo, board=board, schedule=hand_made(cfg.pp, cfg.microbatches),
-                          recorder=None if session is None else session.profiler)
+            session = ProfileSession(ProfileOptions(profile_first, cfg.optimizer.steps,
+                                                    align_rounds=4), topo)
+        trainer = assemble(cfg, topo, board=board,
+                           schedule=hand_made(cfg.plan.parallelism.pp, cfg.plan.microbatches),
+                           recorder=None if session is None else session.profiler)
         if session is not None:
             session.attach(trainer)
         manager = CheckpointManager(options)
@@ -156,17 +159,18 @@ def test_hand_made_schedule_survives_a_measured_run_and_a_checkpoint(tmp_path):
     from pipeexec.checkpoint.reader import CheckpointReader
     from pipeexec.analysis import MeasuredRun
 
-    cfg = TINY.replace(schedule="interleaved", pp=2, vpp=2, dp=1, microbatches=4,
-                       micro_batch_size=2, steps=4)
+    cfg = TINY.with_flat(schedule="interleaved", pp=2, vpp=2, dp=1, microbatches=4,
+                         micro_batch_size=2, steps=4)
     full = launch(hand_made_worker, 2, (cfg, CheckpointOptions(), 1), timeout=300)
     run = full[0]["run"]
     run.save(tmp_path / "run.json")
     measured = MeasuredRun.load(tmp_path / "run.json")
     assert schedule_to_dict(measured.schedule) == schedule_to_dict(hand_made())
-    assert measured.plan.layer_kinds == ("embedding",) + ("block",) * cfg.layers + ("head",)
+    assert measured.plan.layer_kinds == (("embedding",) + ("block",) * cfg.plan.model.layers
+                                         + ("head",))
 
     ckpt = tmp_path / "ckpt"
-    launch(hand_made_worker, 2, (cfg.replace(steps=2), CheckpointOptions(save=str(ckpt)), None),
+    launch(hand_made_worker, 2, (cfg.with_flat(steps=2), CheckpointOptions(save=str(ckpt)), None),
            timeout=300)
     reader = CheckpointReader(ckpt)
     assert schedule_to_dict(reader.schedule()) == schedule_to_dict(hand_made())

@@ -140,3 +140,100 @@ def test_the_cost_models_json_keeps_them_and_unset_writes_nothing_new():
     assert back == c
     with pytest.raises(ValueError, match="overlap_sharding must be 0 or 1"):
         CostModel(overlap_sharding=0.5)
+
+
+# -- a stage made of units, streamed (FSDP's and Megatron's layer at a time) -------------------
+# One rank, F = 1, B = 2, two microbatches: UNSHARD before each of F0 B0 F1 B1, REDUCE_GRAD
+# after B1 once a step. A gather of L units lets its computation start on the first unit
+# (u / L) and end no sooner than the last unit's share of it (X / L) after the gather ends; a
+# reduction of L units starts once its backward made the first unit's gradients (B / L in)
+# and ends no sooner than one unit's reduction (r / L) after that backward.
+
+def test_a_streamed_gather_shows_only_its_first_unit():
+    u, r, units = 0.5, 0.25, 4
+    res = pipesim.simulate(one_rank(), CostModel(forward=F_, backward=B_, unshard=u,
+                                                 reduce_grad=r, unshard_units=units))
+    assert res.makespan == pytest.approx(u / units + 2 * (F_ + B_) + r)
+
+
+def test_a_longer_streamed_gather_paces_the_computations_by_their_last_units():
+    u, r, units = 3.0, 0.25, 4
+    res = pipesim.simulate(one_rank(), CostModel(forward=F_, backward=B_, unshard=u,
+                                                 reduce_grad=r, unshard_units=units))
+    t = res.trace
+    comp = t[t["kind"] == "compute"]
+    # gathers back to back on the lane; computation k starts on its first unit, ends its last
+    # unit's share after its gather
+    assert t[t["op"] == "UNSHARD"]["start"].tolist() == pytest.approx([0.0, u, 2 * u, 3 * u])
+    assert comp["start"].tolist() == pytest.approx([k * u + u / units for k in range(4)])
+    assert comp["end"].tolist() == pytest.approx(
+        [(k + 1) * u + x / units for k, x in enumerate((F_, B_, F_, B_))])
+    assert res.makespan == pytest.approx(4 * u + B_ / units + r)
+
+
+@pytest.mark.parametrize("r", [1.0, 3.0])
+def test_a_streamed_reduction_shows_its_last_bucket_or_what_the_backward_cannot_hide(r):
+    units = 4
+    s = pipesim.build_schedule("1f1b", pp=1, microbatches=2).with_sharding(Sharding(2))
+    res = pipesim.simulate(s, CostModel(forward=F_, backward=B_, reduce_grad=r,
+                                        reduce_grad_units=units))
+    red = res.trace[res.trace["op"] == "REDUCE_GRAD"]
+    began = F_ + B_ + F_                                  # the last B's start
+    assert red["start"].tolist() == pytest.approx([began + B_ / units])
+    assert res.makespan == pytest.approx(max(2 * (F_ + B_) + r / units, began + B_ / units + r))
+
+
+def test_waited_reductions_end_every_backward():
+    """Once a microbatch with ``overlap_reduce_grad`` 0 (DeepSpeed's epilogue, FSDP's
+    post-backward callback): the rank goes on only once each backward's reduction is done."""
+    r = 0.5
+    s = pipesim.build_schedule("1f1b", pp=1, microbatches=2).with_sharding(
+        Sharding(2, "per_microbatch"))
+    res = pipesim.simulate(s, CostModel(forward=F_, backward=B_, reduce_grad=r,
+                                        overlap_reduce_grad=0.0))
+    comp = res.trace[res.trace["kind"] == "compute"]
+    assert comp["start"].tolist() == pytest.approx([0.0, F_, F_ + B_ + r, 2 * F_ + B_ + r])
+    assert res.makespan == pytest.approx(2 * (F_ + B_ + r))
+    with pytest.raises(ValueError, match="overlap_reduce_grad must be 0 or 1"):
+        CostModel(overlap_reduce_grad=0.5)
+    with pytest.raises(ValueError, match="unshard_units must be >= 1"):
+        CostModel(unshard_units=[1.0, 0.5])
+
+
+def test_units_are_ignored_when_the_collectives_block():
+    """pipeexec (overlap_sharding 0) gathers and reduces a stage at once, the rank waiting."""
+    u, r = 0.5, 0.25
+    blocking = CostModel(forward=F_, backward=B_, unshard=u, reduce_grad=r, overlap_sharding=0.0)
+    a = pipesim.simulate(one_rank(), blocking)
+    b = pipesim.simulate(one_rank(), blocking.with_(unshard_units=4, reduce_grad_units=4))
+    pd.testing.assert_frame_equal(a.trace, b.trace, check_exact=True)
+
+
+def test_a_reduction_once_a_step_leaves_the_ranks_later_computations_alone():
+    """Interleaved, ZeRO-2 once a step, long reductions: each stage's REDUCE_GRAD runs on the
+    lane after its last backward while the rank computes its other stage; every computation
+    where the unsharded schedule has it (Megatron's overlap_grad_reduce)."""
+    plain = pipesim.build_schedule("interleaved", pp=2, vpp=2, microbatches=4)
+    costs = CostModel(forward=F_, backward=B_, reduce_grad=5.0, reduce_grad_units=4)
+    base = pipesim.simulate(plain, costs)
+    r = pipesim.simulate(plain.with_sharding(Sharding(2)), costs)
+    cols = ["rank", "op", "stage", "microbatch", "start", "end"]
+    comp, bcomp = (x.trace[x.trace["kind"] == "compute"][cols].reset_index(drop=True)
+                   for x in (r, base))
+    pd.testing.assert_frame_equal(comp.astype({"op": str}), bcomp.astype({"op": str}))
+    assert r.makespan > base.makespan
+
+
+@pytest.mark.parametrize("grad_reduce", ["per_step", "per_microbatch"])
+def test_the_simpy_engine_walks_streamed_units_the_same(grad_reduce):
+    s = pipesim.build_schedule("zbv", pp=2, vpp=2, microbatches=4).with_sharding(
+        Sharding(3, grad_reduce))
+    costs = CostModel(forward=1.0, backward=2.0, unshard=0.7, reduce_grad=0.9, unshard_units=3,
+                      reduce_grad_units=[2, 3, 4, 5],
+                      overlap_reduce_grad=0.0 if grad_reduce == "per_microbatch" else 1.0)
+    flow = pipesim.simulate(s, costs)
+    other = pipesim.simulate(s, costs, comm="rendezvous")
+    keep = ~flow.trace["op"].isin(["RECV_F", "RECV_B", "SEND_F", "SEND_B"])
+    for col in ("start", "end"):
+        np.testing.assert_allclose(other.trace[col][keep].to_numpy(),
+                                   flow.trace[col][keep].to_numpy())

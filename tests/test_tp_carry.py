@@ -14,13 +14,13 @@ from pipesim.hardware import get_hardware
 from pipeexec.analysis.tensor_parallel import OPS, carry_to_layout as carry_to_tp
 from pipeexec.config import TrainConfig
 
-CFG = TrainConfig(pp=2, microbatches=4, micro_batch_size=4, layers=6, hidden=256, heads=4,
-                  seq_len=128, schedule="zbv", vpp=2)
+CFG = TrainConfig.from_flat(pp=2, microbatches=4, micro_batch_size=4, layers=6, hidden=256, heads=4,
+                            seq_len=128, schedule="zbv", vpp=2)
 HW = get_hardware("A100")
 
 
 def plan_costs(tp: int, sp: bool = False, free: bool = False):
-    plan = CFG.replace(tp=tp, sequence_parallel=sp).plan_as_run()
+    plan = CFG.with_flat(tp=tp, sequence_parallel=sp).plan_as_run()
     cluster = plan.cluster.with_(hardware=HW)
     if free:
         cluster = cluster.with_(intra_bandwidth=1e30, intra_latency=0.0, inter_bandwidth=1e30,
@@ -65,7 +65,7 @@ def test_the_calibration_runs_own_collectives_are_taken_out():
 
 def test_a_different_stage_count_is_refused():
     src_plan, src = plan_costs(1)
-    other = CFG.replace(tp=2, pp=3, vpp=1, schedule="1f1b").plan_as_run()
+    other = CFG.with_flat(tp=2, pp=3, vpp=1, schedule="1f1b").plan_as_run()
     with pytest.raises(ValueError, match="the calibration is for 4 stages, the target has 3"):
         carry_to_tp(src, src_plan, other.with_(cluster=other.cluster.with_(hardware=HW)), HW)
 
@@ -83,7 +83,7 @@ def test_compare_from_a_run_at_another_tp_asks_for_the_hardware_file(capsys):
 # -- cp and ep: the same carry, both plans priced as pipeexec runs cp (all-gather) -------------
 def layout_costs(free: bool = False, **sizes):
     from pipeexec.analysis.tensor_parallel import as_executed
-    plan = as_executed(CFG.replace(**sizes).plan_as_run())
+    plan = as_executed(CFG.with_flat(**sizes).plan_as_run())
     cluster = plan.cluster.with_(hardware=HW)
     if free:
         cluster = cluster.with_(intra_bandwidth=1e30, intra_latency=0.0, inter_bandwidth=1e30,
@@ -117,9 +117,9 @@ def test_the_plans_own_costs_carry_to_cp_2_with_its_gathers_priced():
 def test_an_ep_carry_prices_the_all_to_alls_of_a_moe_model():
     from pipeexec.analysis.tensor_parallel import carry_to_layout, layout_note
     moe = CFG.plan.model.with_(experts=4, top_k=2, moe_ffn_hidden=256, family=None)
-    cfg = CFG.replace(plan=CFG.plan.with_(model=moe), dp=2)
+    cfg = CFG.replace(plan=CFG.plan.with_(model=moe)).with_flat(dp=2)
     src_plan = cfg.plan_as_run()
-    tgt_plan = cfg.replace(ep=2).plan_as_run()
+    tgt_plan = cfg.with_flat(ep=2).plan_as_run()
     src = src_plan.with_(cluster=src_plan.cluster.with_(hardware=HW)).derive().costs
     carried, summary = carry_to_layout(src, src_plan, tgt_plan, HW)
     ep = summary["collectives"]["ep"]

@@ -28,9 +28,9 @@ from pipeexec.training.train import train
 from pipeexec.run.assemble import assemble
 from pipeexec.training.validation import EvalOptions, valid_batches
 
-TINY = TrainConfig(layers=4, hidden=16, heads=2, seq_len=8, vocab=32, steps=2, lr=1e-2,
-                   microbatches=4, micro_batch_size=2, seed=5, device="cpu",
-                   p2p_timeout=60.0, collective_timeout=120.0)
+TINY = TrainConfig.from_flat(layers=4, hidden=16, heads=2, seq_len=8, vocab=32, steps=2, lr=1e-2,
+                             microbatches=4, micro_batch_size=2, seed=5, device="cpu",
+                             p2p_timeout=60.0, collective_timeout=120.0)
 EVAL = EvalOptions(eval_interval=1, eval_iters=2)
 
 
@@ -38,7 +38,7 @@ def direct_valid_loss(cfg: TrainConfig, options: EvalOptions) -> float:
     """The mean loss of the validation batches through the initial layers, one after the
     other in this process (no schedule, no runtime)."""
     spec = layer_stack(cfg)
-    layers = [spec.build_layer(i, cfg.seed) for i in range(spec.num_layers)]
+    layers = [spec.build_layer(i, cfg.runtime.seed) for i in range(spec.num_layers)]
     data = valid_batches(cfg, options)
     total = 0.0
     with torch.no_grad():
@@ -52,8 +52,9 @@ def direct_valid_loss(cfg: TrainConfig, options: EvalOptions) -> float:
 
 def one_process(cfg: TrainConfig, options: EvalOptions, **kwargs):
     """The run at pp 1, dp 1 (the same global batch), trained in this process."""
-    ref = cfg.replace(pp=1, vpp=1, dp=1, tp=1, cp=1, ep=1, zero=0, schedule="1f1b",
-                      sequence_parallel=False, microbatches=cfg.microbatches * cfg.dp)
+    ref = cfg.with_flat(pp=1, vpp=1, dp=1, tp=1, cp=1, ep=1, zero=0, schedule="1f1b",
+                        sequence_parallel=False,
+                        microbatches=cfg.plan.microbatches * cfg.plan.parallelism.dp)
     return train(assemble(ref, fake_topology()), evaluation=options, **kwargs)
 
 
@@ -82,7 +83,7 @@ def test_text_validation_reads_the_held_out_file(tmp_path):
     train_file, valid_file = tmp_path / "train.txt", tmp_path / "valid.txt"
     train_file.write_bytes(bytes(range(256)) * 4)
     valid_file.write_bytes(b"the held-out text, a little of it, " * 8)
-    cfg = TINY.replace(data=str(train_file), vocab=256)
+    cfg = TINY.with_flat(data=str(train_file), vocab=256)
     options = EvalOptions(eval_only=True, eval_iters=2, valid_data=str(valid_file)).validate(cfg)
     x, _ = valid_batches(cfg, options).microbatches(0, 0, 1, 1)[0]
     assert set(x.flatten().tolist()) <= set(valid_file.read_bytes())
@@ -95,7 +96,7 @@ def test_text_validation_reads_the_held_out_file(tmp_path):
     dict(dp=2, zero=3, microbatches=2),
 ])
 def test_validation_of_two_ranks_is_one_process_s(layout):
-    cfg = TINY.replace(**layout)
+    cfg = TINY.with_flat(**layout)
     results = launch(run_training, 2, (WorkerArgs(cfg, progress=False, evaluation=EVAL),),
                      timeout=240)
     ref = one_process(cfg, EVAL)
@@ -117,7 +118,7 @@ MIXTRAL = dict(model_type="mixtral", hidden_size=16, intermediate_size=24, num_h
                                     dict(dp=2, ep=2, microbatches=2, hf="mixtral")])
 def test_validation_under_tensor_context_and_expert_parallelism_is_one_process_s(layout,
                                                                                tmp_path):
-    cfg = TINY.replace(**{k: v for k, v in layout.items() if k != "hf"})
+    cfg = TINY.with_flat(**{k: v for k, v in layout.items() if k != "hf"})
     if layout.get("hf"):
         pytest.importorskip("transformers")
         import json
@@ -131,7 +132,7 @@ def test_validation_under_tensor_context_and_expert_parallelism_is_one_process_s
 
 
 def test_eval_only_evaluates_the_loaded_checkpoint(tmp_path):
-    cfg = TINY.replace(pp=2)
+    cfg = TINY.with_flat(pp=2)
     trained = launch(run_training, 2, (WorkerArgs(
         cfg, progress=False, evaluation=EvalOptions(eval_interval=2, eval_iters=2),
         checkpoint=CheckpointOptions(save=str(tmp_path / "ckpt"))),), timeout=240)
@@ -199,7 +200,7 @@ def read_scalars(directory: Path) -> dict[str, list[tuple[int, float]]]:
 
 def test_tensorboard_scalars_are_the_runs_metrics(tmp_path):
     pytest.importorskip("tensorboard")
-    cfg = TINY.replace(pp=2, steps=3)
+    cfg = TINY.with_flat(pp=2, steps=3)
     tb = tmp_path / "tb"
     results = launch(run_training, 2, (WorkerArgs(
         cfg, progress=False, evaluation=EvalOptions(eval_interval=2, eval_iters=1),
@@ -231,7 +232,7 @@ def test_tensorboard_scalars_are_the_runs_metrics(tmp_path):
 def test_log_interval_thins_the_lines_and_the_scalars(tmp_path):
     pytest.importorskip("tensorboard")
     lines: list[str] = []
-    cfg = TINY.replace(steps=5)
+    cfg = TINY.with_flat(steps=5)
     train(assemble(cfg, fake_topology()), log=lines.append,
           logging=LogOptions(log_interval=2, tensorboard_dir=str(tmp_path)))
     assert [line.split(" (")[0] for line in lines] == ["step 1", "step 3", "step 4"]
@@ -254,7 +255,7 @@ def test_wandb_offline_run_is_written(tmp_path):
         "from pipeexec.run.assemble import assemble\n"
         "from pipeexec.training.train import train\n"
         "from pipeexec.training.validation import EvalOptions\n"
-        "cfg = TrainConfig(layers=2, hidden=16, heads=2, seq_len=8, vocab=32, steps=2, "
+        "cfg = TrainConfig.from_flat(layers=2, hidden=16, heads=2, seq_len=8, vocab=32, steps=2, "
         "device='cpu')\n"
         "res = train(assemble(cfg, fake_topology()), evaluation=EvalOptions(eval_interval=1), "
         f"logging=LogOptions(wandb_project='pipeexec-test', wandb_dir={str(tmp_path)!r}))\n"
@@ -279,7 +280,7 @@ def test_a_terminal_gets_a_progress_bar_with_eta_and_no_step_lines(monkeypatch):
     screen = _Terminal()
     monkeypatch.setattr("sys.stdout", screen)
     lines: list[str] = []
-    train(assemble(TINY.replace(steps=3), fake_topology()), log=lines.append, progress=True,
+    train(assemble(TINY.with_flat(steps=3), fake_topology()), log=lines.append, progress=True,
           evaluation=EvalOptions(eval_interval=3))
     out = screen.getvalue()
     assert "3/3" in out and "<00:00" in out and "loss" in out        # count, ETA, postfix
@@ -290,7 +291,7 @@ def test_a_terminal_gets_a_progress_bar_with_eta_and_no_step_lines(monkeypatch):
 def test_without_a_terminal_each_step_has_its_line(monkeypatch):
     monkeypatch.setattr("sys.stdout", io.StringIO())
     lines: list[str] = []
-    train(assemble(TINY.replace(steps=2), fake_topology()), log=lines.append, progress=True,
+    train(assemble(TINY.with_flat(steps=2), fake_topology()), log=lines.append, progress=True,
           evaluation=EVAL)
     assert [line.split(" loss")[0] for line in lines] == [
         "step 0 (1 of 2)", "validation iteration 1", "step 1 (2 of 2)", "validation iteration 2"]

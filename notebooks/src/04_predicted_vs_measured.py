@@ -120,7 +120,7 @@ SOURCE = {"1f1b": "1f1b", "zb-h1": "zb-h1", "gpipe": "1f1b", "interleaved": "1f1
           "zb-h2": "zb-h1", "zbv": "zb-h1"}
 predictions = {}
 for name, vpp in SCHEDULES.items():
-    config = TrainConfig(schedule=name, pp=PP, vpp=vpp, microbatches=M, **MODEL)
+    config = TrainConfig.from_flat(schedule=name, pp=PP, vpp=vpp, microbatches=M, **MODEL)
     predictions[name], _ = predict(config.build_schedule(), layout_of(config),
                                    calibration_runs[SOURCE[name]])
 before = pd.DataFrame({

@@ -5,6 +5,11 @@ line fitted through the sends whose arrival was seen (``arrival_observed``: the 
 waiting), each timed from when both sides had posted (``link_start``) to the arrival; all
 through ``fit_costs``.
 
+ZeRO-2/3 (a run whose program holds UNSHARD / RESHARD / REDUCE_GRAD): ``unshard`` and
+``reduce_grad`` per stage are the means of its UNSHARD and REDUCE_GRAD rows, run as the
+executor runs them (blocking: ``overlap_sharding`` 0); re-partitioned per layer kind, a
+collective per bucket and a bucket per layer.
+
 Memory (the activation model of `pipesim.sim.memory`): for each (stage, microbatch) the bytes its
 forward leaves held, i.e. the meter's growth over RECV_F + F + SEND_F of that pair (input
 buffer, saved tensors, output while not yet sent); ``activation_bytes`` is the per-stage mean.
@@ -74,6 +79,11 @@ if TYPE_CHECKING:
 
 _TIME_FIELDS = (("F", "forward"), ("B", "backward"), ("I", "backward_input"),
                 ("W", "backward_weight"))
+# How pipeexec runs ZeRO's UNSHARD / REDUCE_GRAD (`CostModel.overlap_sharding`): in their place
+# in the program, the rank waiting for each collective (its wait is on the compute stream), no
+# prefetch; the measured trace times them so (`measured_run.build_trace`).
+EXECUTOR_SHARDING_OVERLAP = 0.0
+_SHARDING_FIELDS = ("unshard", "reduce_grad")
 
 
 @dataclass
@@ -139,11 +149,14 @@ def stage_memory(run: MeasuredRun, steps: Sequence[int] | None = None
 
 def fit_run(run: MeasuredRun, steps: Sequence[int] | None = None) -> CostModel:
     """Per-stage costs of the run's own layout (time and memory), from ``steps`` (default:
-    every profiled step)."""
+    every profiled step); ZeRO-2/3's ``unshard`` / ``reduce_grad`` from its sharding rows
+    (`pipesim.sim.calibrate.fit_costs`: their per-stage means), run as the executor runs
+    them (`EXECUTOR_SHARDING_OVERLAP`)."""
     n = run.plan.num_stages
     memory = stage_memory(run, steps) or {}
     return fit_costs(calibration_trace(run, steps), num_stages=n,
-                                stage_parts=run.plan.schedule.stage_parts, **memory)
+                     stage_parts=run.plan.schedule.stage_parts,
+                     overlap_sharding=EXECUTOR_SHARDING_OVERLAP, **memory)
 
 
 def has_cpu_times(run: MeasuredRun) -> bool:
@@ -162,7 +175,7 @@ def fit_work(run: MeasuredRun, steps: Sequence[int] | None = None) -> CostModel:
     n = run.plan.num_stages
     memory = stage_memory(run, steps) or {}
     return fit_costs(t, num_stages=n, stage_parts=run.plan.schedule.stage_parts,
-                                **memory)
+                     overlap_sharding=EXECUTOR_SHARDING_OVERLAP, **memory)
 
 
 def probed_split(costs: CostModel, run: MeasuredRun, clock: str = "wall") -> CostModel:
@@ -267,7 +280,8 @@ def repartition(costs: CostModel, source: Layout, target: Layout,
     ``own`` the computation's fixed cost, fitted jointly when the source identifies it (else
     zero), ``once`` 1 less the stage's pinned layers (each timed alone, paying ``own`` in its
     own time); the kinds in ``pinned[field]`` (seconds, `pinned_layers`) fixed, not solved.
-    ``per_kind[field]["per action"]``: executor + own. Memory: per layer only."""
+    ``per_kind[field]["per action"]``: executor + own. Memory, and ZeRO's ``unshard`` /
+    ``reduce_grad`` (a collective per bucket, a bucket per layer): per layer only."""
     if source.layer_kinds != target.layer_kinds:
         raise ValueError(f"calibration layout has {len(source.layer_kinds)} layers "
                          f"({_kinds_text(source.layer_kinds)}), the target "
@@ -347,6 +361,17 @@ def repartition(costs: CostModel, source: Layout, target: Layout,
     act_dst = changes.get("activation_bytes", [0.0] * target.num_stages)
     changes["weight_grad_fraction"] = [
         float(np.clip(1.0 - fr / a, 0.0, 1.0)) if a > 0 else 1.0 for fr, a in zip(a_dst @ x, act_dst)]
+    # ZeRO's collectives act on a stage's buckets, one a layer (`pipeexec.training.flat`): per
+    # layer kind, as the activations (a run without them: none)
+    for name in _SHARDING_FIELDS:
+        values = np.asarray(costs.stage_values(name, n_src), float)
+        if not values.any():
+            changes[name] = 0.0
+            continue
+        x = _nnls(a_src, values) if rank >= len(kinds) else np.clip(
+            np.linalg.lstsq(a_src, values, rcond=None)[0], 0.0, None)
+        per_kind[name] = dict(zip(kinds, map(float, x)))
+        changes[name] = [float(v) for v in a_dst @ x]
     # Message sizes are per stage boundary, not per layer: use their mean.
     p2p = costs.stage_values("p2p_bytes", n_src)
     sent = [b for b in p2p[:-1] if b > 0]
@@ -414,10 +439,16 @@ def _kinds_text(kinds: Sequence[str]) -> str:
 
 
 def costs_summary(costs: CostModel, num_stages: int) -> dict[str, Any]:
-    """Per-stage F/B/I/W seconds, p2p line and activation bytes, JSON-ready."""
+    """Per-stage F/B/I/W seconds, p2p line and activation bytes, JSON-ready; ZeRO's
+    UNSHARD / REDUCE_GRAD seconds per stage (and whether they overlap) where they cost
+    anything, so a run without them reports as before."""
     times = costs.compute_times(num_stages)
-    return {"F": times["F"], "B": times["B"], "I": times["I"], "W": times["W"],
-            "p2p_latency": costs.p2p_latency,
-            "p2p_bandwidth": None if math.isinf(costs.p2p_bandwidth) else costs.p2p_bandwidth,
-            "activation_bytes": costs.stage_values("activation_bytes", num_stages),
-            "weight_grad_fraction": costs.stage_values("weight_grad_fraction", num_stages)}
+    out = {"F": times["F"], "B": times["B"], "I": times["I"], "W": times["W"],
+           "p2p_latency": costs.p2p_latency,
+           "p2p_bandwidth": None if math.isinf(costs.p2p_bandwidth) else costs.p2p_bandwidth,
+           "activation_bytes": costs.stage_values("activation_bytes", num_stages),
+           "weight_grad_fraction": costs.stage_values("weight_grad_fraction", num_stages)}
+    sharding = {name: costs.stage_values(name, num_stages) for name in _SHARDING_FIELDS}
+    if any(any(v) for v in sharding.values()):
+        out.update(sharding, overlap_sharding=costs.overlap_sharding)
+    return out

@@ -31,6 +31,11 @@ table's ``<group>_collectives_predicted`` columns (tp, cp, ep) are each rank's s
 per step (``m`` microbatches through the stages it holds; "all": the largest rank's), and the
 report's ``predicted_collectives`` the same per rank.
 
+A ZeRO-2/3 run (its program holds UNSHARD / RESHARD / REDUCE_GRAD) adds a row per (action,
+stage) under the table, in the markdown and in the report (``sharding_actions``): count, the
+mean per action (what calibration prices them with) and the sum per step, measured and
+predicted (`pipeexec.analysis.sharding_rows`); a run without them shows and reports none.
+
 Errors: ``step_time_error = (predicted - measured) / measured``; bubble_fraction error in
 points (predicted - measured); memory errors relative, per rank.
 
@@ -55,6 +60,8 @@ from .contention import time_sharing_note
 from .measured_run import MeasuredRun
 from .overlay import overlay_figure
 from .predict import predict
+from .sharding_rows import (PER_MICROBATCH_NOTE, sharding_markdown, sharding_report,
+                            sharding_table, sharding_text)
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -179,6 +186,11 @@ class Comparison:
         frame.attrs["step_ranks"] = {"measured": bound_m, "predicted": bound_p}
         return frame
 
+    def sharding_table(self) -> "pd.DataFrame":
+        """ZeRO's actions, one row per (action, stage), measured over the compared steps and
+        predicted (`sharding_rows.sharding_table`); no rows for a run without them."""
+        return sharding_table(self.run.trace, self.steps, self.predicted.trace)
+
     def predicted_collectives(self) -> dict[str, list[float]]:
         """Per group (tp, cp, ep), each rank's seconds per step of the layers' collectives the
         prediction holds, where a carry priced them (`tensor_parallel.carry_to_layout`; its
@@ -219,6 +231,9 @@ class Comparison:
                 f"{_points(r.idle_over_busy_measured, r.idle_over_busy_predicted)} | "
                 f"{r.peak_memory_measured / mib:.2f} | {r.peak_memory_predicted / mib:.2f} | "
                 f"{_pct(r.peak_memory_error)} |")
+        shard = sharding_markdown(self.sharding_table())
+        if shard:
+            lines += ["", *shard]
         return "\n".join(lines)
 
     def text(self) -> str:
@@ -251,6 +266,12 @@ class Comparison:
                for _, row in t.iterrows()):
             lines.append("n/a: an idle/busy ratio above 1 (a rank idle most of the step) has no "
                          "error in points worth reading; compare its busy and bubble columns")
+        shard = sharding_text(self.sharding_table())
+        if shard:
+            lines += ["", *shard]
+            sharding = self.run.schedule.sharding
+            if sharding is not None and sharding.grad_reduce == "per_microbatch":
+                lines.append(PER_MICROBATCH_NOTE)
         coll = self.predicted_collectives()
         if coll:
             lines.append("collectives in the prediction, ms per step per rank: " + "; ".join(
@@ -337,6 +358,7 @@ class Comparison:
                     for r, row in t.drop(index="all").iterrows()]
         n = ps.schedule.num_stages
         plan, measurement = self.run.plan, self.run.measurement
+        shard = self.sharding_table()
         return {
             "schedule": plan.schedule_name, "pp": plan.pp, "vpp": plan.parts_per_rank,
             "microbatches": plan.microbatches, "device": plan.device,
@@ -369,6 +391,7 @@ class Comparison:
                             "costs": costs_summary(self.calibration.costs, n)},
             "config": None if plan.config is None else dict(plan.config),
             "note": time_sharing_note(plan),
+            **({"sharding_actions": sharding_report(shard)} if len(shard) else {}),
         }
 
     def figure(self) -> "Figure":

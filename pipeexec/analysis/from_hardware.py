@@ -12,8 +12,10 @@ is a step for ranks that each have such a device. A run on this machine rarely h
   as predictions from a run whose ranks competed for cores do: `pipeexec.analysis.predict`);
 * otherwise each rank has its core, and the plan's figures stand.
 
-The prediction moves messages as the executor does (`predict.EXECUTOR_COMM`) and is the
-pipeline's makespan, the figure ``pipeexec compare`` measures (the optimizer step is not in it).
+The prediction moves messages as the executor does (`predict.EXECUTOR_COMM`), runs the program
+the executor runs (under ZeRO-2/3 the schedule lowered with the plan's UNSHARD / RESHARD /
+REDUCE_GRAD, each waited for: `predict.EXECUTOR_SHARDING`) and is the pipeline's makespan, the
+figure ``pipeexec compare`` measures (the optimizer step is not in it).
 """
 from __future__ import annotations
 
@@ -22,13 +24,14 @@ from typing import TYPE_CHECKING, Any
 
 import pipesim
 
-from .predict import EXECUTOR_COMM
+from .predict import EXECUTOR_COMM, EXECUTOR_SHARDING
 from .tensor_parallel import as_executed
 
 if TYPE_CHECKING:
     from pipesim import SimResult
 
-TIME_FIELDS = ("forward", "backward", "backward_input", "backward_weight")
+TIME_FIELDS = ("forward", "backward", "backward_input", "backward_weight", "unshard",
+               "reduce_grad")
 
 
 @dataclass(frozen=True)
@@ -78,14 +81,14 @@ def hardware_prediction(config: Any, hardware: Any, *, cpus_per_rank: float | No
     hw = get_hardware(hardware) if isinstance(hardware, str) else hardware
     plan = as_executed(config.plan_as_run())
     plan = plan.with_(cluster=plan.cluster.with_(hardware=hw))
-    schedule = config.build_schedule()
-    costs = plan.derive().costs.for_schedule(schedule)
+    schedule = config.build_schedule().with_sharding(plan.parallelism.sharding)
+    costs = plan.derive().costs.for_schedule(schedule).with_(**EXECUTOR_SHARDING)
     ranks = config.world_size
     share, cores = 1.0, None
     if cpus_per_rank is not None:
         share = float(cpus_per_rank)
         costs = confined_costs(costs, schedule.num_stages, share)
-    elif ranks > host_cpus and not str(config.device).startswith("cuda"):
+    elif ranks > host_cpus and not str(config.runtime.device).startswith("cuda"):
         # the simulation runs one pipeline (pp ranks); the other dp x tp x cp copies of it
         # run at the same time on the same cores
         share, cores = None, float(host_cpus) * schedule.pp / ranks

@@ -22,6 +22,15 @@ and only waits for messages:
   it, and the row ends at that moment, an upper bound of the arrival. ``link_start`` is when
   both sides had posted (the later posting), the start of the transfer proper.
 
+* UNSHARD / REDUCE_GRAD (ZeRO-2/3's collectives, :mod:`pipesim.schedule.sharding`): the
+  runtime runs each in its place in the program, the rank waiting for it (the simulator's
+  ``CostModel.overlap_sharding`` 0), so like a computation: from when the rank was free (the
+  end of its previous computation or sharding action, the executor's work since included) to
+  its end; the next computation starts no earlier. RESHARD (a release, free in the model): its
+  own duration, from when the rank was free; the executor's work before it (the sends posted
+  after its computation) stays in the next row, which a model without a RESHARD price still
+  holds. Kind "comm", no peer, no bytes, as the simulator's rows.
+
 ``cpu`` (compute rows of CPU runs): the CPU seconds the rank's thread used over the same span
 (from the end of its previous computation), i.e. its work without the time it lost to other
 processes sharing its core (waits block and use none).
@@ -43,7 +52,8 @@ from typing import TYPE_CHECKING, Any
 import pipesim
 from pipesim.sim.chrome import chrome_trace as chrome_events
 from pipesim.sim.result import SimResult
-from pipesim.schedule.action import B, F, I, RECV_B, RECV_F, SEND_B, SEND_F, SHARD_OPS, W
+from pipesim.schedule.action import (B, F, I, RECV_B, RECV_F, RESHARD, SEND_B, SEND_F, SHARD_OPS,
+                                     W)
 
 from .profile_meta import KEYS as MEASUREMENT_KEYS, Measurement
 from .run_plan import RunPlan, schedule_from_meta
@@ -124,10 +134,17 @@ def build_trace(records: Sequence[Sequence[ActionRecord]], offsets: Sequence[flo
                 key = (rec.step, RECV_F, s + 1, mb) if op == SEND_F else (rec.step, RECV_B, s - 1, mb)
                 sends.append((row, key))
             elif op in SHARD_OPS:
-                # ZeRO's UNSHARD / RESHARD / REDUCE_GRAD: no row of their own yet (the
-                # simulator does not time them); their time falls in the next compute's row,
-                # which starts where the rank's previous compute ended
-                continue
+                # ZeRO's UNSHARD / REDUCE_GRAD: the rank runs each in its place and waits for
+                # its collective, so, as a computation, from when it was free; a RESHARD (free
+                # in the model) keeps its own time only, from then: the executor's work before
+                # it stays with the next row, as without sharding
+                end = t1 if op != RESHARD else free_at + (t1 - t0)
+                row = [rank, op, s, chunk, mb, free_at, end, "comm", 0, -1, rec.step,
+                       rec.mem_start, rec.mem_end, False, math.nan, math.nan, math.nan]
+                rows.append(row)
+                free_at = end
+                cpu_free = (rec.cpu_end if op != RESHARD
+                            else cpu_free + (rec.cpu_end - rec.cpu_start))
             else:
                 raise ValueError(f"rank {rank}: unknown op {op!r} in the profile")
     # Receives: bytes from the posting action; a posted receive nobody waited on keeps its
@@ -169,6 +186,14 @@ def build_trace(records: Sequence[Sequence[ActionRecord]], offsets: Sequence[flo
     for c in ("start", "end", "link_start", "compute_start"):
         frame[c] -= t0
     return _shift(frame)
+
+
+def step_origin(rows: "pd.DataFrame") -> float:
+    """When one step's rows begin, as a simulation's: the first computation's start, or a
+    sharding action's before it (ZeRO-3's first UNSHARD, which the simulator runs at 0 with
+    the computation waiting for it); receive waits before it are not the schedule's."""
+    own = (rows["kind"] == "compute") | rows["op"].astype(str).isin(SHARD_OPS)
+    return float(rows.loc[own, "start"].min())
 
 
 def _shift(frame: "pd.DataFrame") -> "pd.DataFrame":
@@ -249,17 +274,19 @@ class MeasuredRun:
         return sorted(int(s) for s in self.trace["step"].unique())
 
     def step_trace(self, step: int) -> "pd.DataFrame":
-        """The rows of one step, times from the step's first computation.
+        """The rows of one step, times from the step's first computation (or ZeRO-3's first
+        gather, `step_origin`).
 
-        As in a simulation, the step starts with the first compute; a rank that entered the
-        step earlier and waited for its first input has that wait clipped to the step start
-        (the wait measures when the previous step's tail let the rank go, not the schedule).
+        As in a simulation, the step starts with the first compute (a sharded program's first
+        UNSHARD before it); a rank that entered the step earlier and waited for its first input
+        has that wait clipped to the step start (the wait measures when the previous step's
+        tail let the rank go, not the schedule).
         """
         rows = self.trace[self.trace["step"] == step]
         if len(rows) == 0:
             raise ValueError(f"step {step} was not profiled (profiled: {self.steps})")
         rows = rows.copy()
-        t0 = rows.loc[rows["kind"] == "compute", "start"].min()
+        t0 = step_origin(rows)
         for c in ("start", "end", "link_start", "compute_start"):
             if c in rows.columns:
                 rows[c] = (rows[c] - t0).clip(lower=0.0)
@@ -293,7 +320,7 @@ class MeasuredRun:
         out = {}
         for s in self.steps:
             rows = self.trace[self.trace["step"] == s]
-            t0 = rows.loc[rows["kind"] == "compute", "start"].min()
+            t0 = step_origin(rows)
             out[s] = float(rows["end"].max() - t0)
         return out
 

@@ -45,4 +45,11 @@ def overlay_figure(predicted: "SimResult", measured: "SimResult", *, title: str 
     top.set_xlabel("")
     if lines:
         fig.suptitle("\n".join(lines), fontsize=11)
+    # a panel as tall as its legend at least (a ZeRO run's adds its actions' entries; with a
+    # rank or two the bars alone would leave the legend no room)
+    entries = max(len(ax.get_legend().get_texts()) if ax.get_legend() else 0
+                  for ax in (top, bottom))
+    need = 2 * (0.5 + 0.2 * entries) + 0.25 * len(lines) + 0.3 * bool(lines)
+    if need > height:
+        fig.set_size_inches(width, need)
     return fig

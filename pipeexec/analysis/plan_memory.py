@@ -46,7 +46,7 @@ def predicted_activation_peaks(config: Any, schedule: "pipesim.Schedule | None" 
     sched = config.build_schedule() if schedule is None else schedule
     costs = executor_split(as_built(plan.derive().costs, plan), plan, sched)
     costs = replace(costs, static_bytes=0.0, stage_static_bytes=0.0)
-    if not config.deallocate_outputs:
+    if not config.runtime.deallocate_outputs:
         costs = _outputs_kept(costs, sched)
     result = pipesim.simulate(sched, costs, comm=EXECUTOR_COMM)
     return [float(x) for x in result.peak_memory]
@@ -99,7 +99,7 @@ def predicted_peaks(config: Any, schedule: "pipesim.Schedule | None" = None) -> 
         tied_extra.append(4 * tied if par.zero >= 2 and d > 1 else 0.0)
     costs = replace(executor_split(as_built(derived.costs, plan), plan, sched),
                     static_bytes=tuple(a + b for a, b in zip(transient, tied_extra)))
-    if not config.deallocate_outputs:
+    if not config.runtime.deallocate_outputs:
         costs = _outputs_kept(costs, sched)
     result = pipesim.simulate(sched, costs, comm=EXECUTOR_COMM)
     return [float(x) for x in result.peak_memory]

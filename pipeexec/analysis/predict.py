@@ -35,6 +35,9 @@ if TYPE_CHECKING:
 # How pipeexec's transports move a message: gloo (and NCCL) start a point-to-point transfer only
 # once the receiver has posted its receive (at the schedule's RECV action).
 EXECUTOR_COMM = "rendezvous"
+# How pipeexec runs ZeRO's UNSHARD / REDUCE_GRAD (`pipeexec.training.zero`): each one collective
+# of a whole stage on the compute stream, the rank waiting for it (`pipesim.CostModel`)
+EXECUTOR_SHARDING = {"overlap_sharding": 0.0}
 
 
 def predict(schedule: "pipesim.Schedule", layout: Layout, calibration_run: MeasuredRun,
@@ -78,6 +81,20 @@ def prediction_costs(layout: Layout, calibration_run: MeasuredRun,
     trace = calibration_run.trace
     cal.model, cal.cores = "processor-sharing", effective_cores(trace[trace["step"].isin(steps)])
     return cal
+
+
+def program_of(config: Any) -> "pipesim.Schedule":
+    """The program ``config`` runs, without running it: its schedule, lowered with ZeRO-2/3's
+    sharding where its gradient holder shards (`pipeexec.training.holder.gradient_holder`:
+    ZeRO with more than one data-parallel replica over dp x cp, or expert parallelism), so
+    that a prediction before the run times the UNSHARD / RESHARD / REDUCE_GRAD it will run."""
+    from pipesim.schedule.sharding import Sharding
+
+    schedule = config.build_schedule()
+    par = config.plan.parallelism
+    if par.zero and (par.dp * par.cp > 1 or par.ep > 1):
+        return schedule.with_sharding(Sharding(par.zero, par.grad_reduce))
+    return schedule
 
 
 def layout_of(config: Any, spec: Any = None) -> Layout:

@@ -96,15 +96,17 @@ def inherit(config: TrainConfig, given: set[str], meta: dict[str, Any], *,
             config = config.replace(plan=replace(config.plan, model=theirs))
             # the fields that differ as given (a kv_heads or ffn_hidden left to its default
             # follows heads or hidden, and is not named)
-            taken.update({k: getattr(config, k) for k in SHAPE_FIELDS[:-1]
+            flat = config.to_flat()
+            taken.update({k: flat[k] for k in SHAPE_FIELDS[:-1]
                           if getattr(theirs, MODEL_VIEWS[k]) != getattr(before.model,
                                                                       MODEL_VIEWS[k])})
             if theirs.family != before.model.family:
                 taken["model"] = theirs.family or theirs.name
+    flat = config.to_flat()          # the recorded form's names
     for name in COST_FIELDS:
         if name not in recorded:
             continue
-        theirs, ours = recorded[name], getattr(config, name)
+        theirs, ours = recorded[name], flat[name]
         if name in given or (name == "cpu_keep_freed_memory" and "cpu_return_freed_memory" in given):
             if ours != theirs:
                 differ.append(f"{flag(name)} {_shown(name, ours)} (calibration run: "
@@ -134,7 +136,7 @@ def inherit(config: TrainConfig, given: set[str], meta: dict[str, Any], *,
         notes.append(f"the calibration run's host had {host_cpus} CPUs, this one has {here}: "
                      "costs measured on another machine")
     weights = changes.pop("hf_model", None)
-    config = config.replace(**changes)
+    config = config.with_flat(**changes)
     if weights:                 # an older run's Hugging Face directory: its model, as then
         config = config.with_hf_model(weights)
     return Inherited(config, cpus_per_rank, taken, tuple(notes))

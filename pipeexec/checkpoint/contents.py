@@ -91,10 +91,11 @@ def layout_record(config, bounds: Sequence[int], stages: Sequence[int], pp_rank:
     a hand-made one is read back as itself, not rebuilt from ``config.schedule``); ``shards``:
     name -> `ShardSpec` of this file's tensor-parallel parameters; ``experts``: the names of
     its expert tensors (cut over ep along dim 0)."""
-    out = {"tp": int(config.tp), "tp_rank": int(tp_rank), "cp": int(config.cp),
+    par = config.plan.parallelism
+    out = {"tp": int(par.tp), "tp_rank": int(tp_rank), "cp": int(par.cp),
            "shards": {n: spec.to_dict() for n, spec in (shards or {}).items()},
-           "ep": int(config.ep), "ep_rank": int(ep_rank), "experts": sorted(experts),
-           "pp": config.pp, "vpp": config.vpp, "dp": config.dp, "schedule": config.schedule,
+           "ep": int(par.ep), "ep_rank": int(ep_rank), "experts": sorted(experts),
+           "pp": par.pp, "vpp": par.vpp, "dp": par.dp, "schedule": config.plan.schedule_name,
            "pp_rank": pp_rank, "bounds": [int(b) for b in bounds],
            "stages": [int(s) for s in stages],
            "layers": [list(stage_layer_range(schedule, bounds, s)) for s in stages],
@@ -152,9 +153,9 @@ def optimizer_record(trainer, names: set[str] | None = None,
 
 
 def scheduler_record(trainer) -> dict:
-    cfg = trainer.config
-    return {"num_updates": int(trainer.updates), "max_lr": cfg.lr, "min_lr": cfg.min_lr,
-            "warmup_steps": cfg.warmup_steps, "decay_steps": cfg.decay_steps or cfg.steps}
+    opt = trainer.config.optimizer
+    return {"num_updates": int(trainer.updates), "max_lr": opt.lr, "min_lr": opt.min_lr,
+            "warmup_steps": opt.warmup_steps, "decay_steps": opt.decay_steps or opt.steps}
 
 
 def rank_contents(trainer, *, release: bool = False,
@@ -178,7 +179,7 @@ def rank_contents(trainer, *, release: bool = False,
                                 experts=expert_names(trainer, stages)),
     }
     for c, s in enumerate(stages):
-        out[chunk_key(c, cfg.vpp)] = chunk_state(trainer.stages[s], masters)
+        out[chunk_key(c, cfg.plan.parallelism.vpp)] = chunk_state(trainer.stages[s], masters)
     if not release:
         saved = {n for s in stages for n, _ in trainer.stages[s].named_parameters()}
         out["optimizer"] = optimizer_record(trainer, saved, opt_state)

@@ -87,7 +87,7 @@ def convert_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, *, tag: T
         notes.append(f"expert-parallel shards of ep {reader.ep} put together: the converted "
                      "checkpoint holds every expert in each tensor (ep 1), which a run at any "
                      "ep cuts on load")
-    new_cfg = old_cfg.replace(**changes)
+    new_cfg = old_cfg.with_flat(**changes)       # the command's flags, by their names
     num_layers = int(reader.layout["num_layers"])
     new_cfg.validate(num_layers=num_layers)
     if new_cfg.global_batch != old_cfg.global_batch:
@@ -117,19 +117,19 @@ def convert_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, *, tag: T
     for n, t in model.items():
         counts[layer_of(n)] += t.numel()
     kinds = reader.layout.get("layer_kinds") or []
-    if (new_cfg.partition == "layers" and new_cfg.boundaries is None
+    if (new_cfg.layout.partition == "layers" and new_cfg.layout.boundaries is None
             and num_layers == new_cfg.num_layers and kinds[:1] == ["embedding"]
             and kinds[-1:] == ["head"]):
         bounds = plan_bounds(new_cfg.plan)        # the plan's model: cut as the Trainer cuts it
     else:
-        bounds = make_partition(num_layers, new_cfg.num_stages, new_cfg.partition,
-                                new_cfg.boundaries, counts)
+        bounds = make_partition(num_layers, new_cfg.num_stages, new_cfg.layout.partition,
+                                new_cfg.layout.boundaries, counts)
     sched = new_cfg.build_schedule()
     first = reader.file(0)
     report = ConvertReport(reader.tag, 0.0, dict(reader.layout, pp_rank=None), {})
     save_id = uuid.uuid4().hex
     known = set(param_names)
-    for r in range(new_cfg.pp):
+    for r in range(new_cfg.plan.parallelism.pp):
         stages = saved_stages(sched, r)             # copies of a part are saved once
         out: dict[str, Any] = {k: first[k] for k in ("checkpoint_version", "iteration", "release")}
         out["save_id"] = save_id
@@ -142,7 +142,7 @@ def convert_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, *, tag: T
             # Keep the source's order within a layer (parameters as the module lists them).
             chunk = {n: t.clone() for n, t in model.items() if layer_of(n) in layers}
             chunk = dict(sorted(chunk.items(), key=lambda kv: layer_of(kv[0])))
-            out[chunk_key(c, new_cfg.vpp)] = chunk
+            out[chunk_key(c, new_cfg.plan.parallelism.vpp)] = chunk
             names_here.extend(n for n in chunk if n in known)
         if not reader.release:
             out["optimizer"] = {
@@ -153,7 +153,8 @@ def convert_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, *, tag: T
             for k in ("opt_param_scheduler", "loss_scaler", "consumed_samples"):
                 out[k] = first[k]
             src_rng = reader.file(min(r, reader.pp - 1))["rng_state"]
-            out["rng_state"] = [src_rng[d if d < len(src_rng) else 0] for d in range(new_cfg.dp)]
+            out["rng_state"] = [src_rng[d if d < len(src_rng) else 0]
+                                for d in range(new_cfg.plan.parallelism.dp)]
         path = state_file(dst, reader.tag, r)
         remove_stale_temps(path.parent)
         atomic_write(path, lambda fh, out=out: torch.save(out, fh))
@@ -165,8 +166,9 @@ def convert_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, *, tag: T
     report.notes = notes
     if log is not None:
         lay = reader.layout
+        par = new_cfg.plan.parallelism
         log(f"checkpoint: converted {tag_dir_name(reader.tag)} from pp={lay['pp']} vpp={lay['vpp']} "
-            f"dp={lay['dp']} {lay['schedule']} (bounds {lay['bounds']}) to pp={new_cfg.pp} "
-            f"vpp={new_cfg.vpp} dp={new_cfg.dp} {new_cfg.schedule} (bounds {list(bounds)}) in "
+            f"dp={lay['dp']} {lay['schedule']} (bounds {lay['bounds']}) to pp={par.pp} "
+            f"vpp={par.vpp} dp={par.dp} {new_cfg.plan.schedule_name} (bounds {list(bounds)}) in "
             f"{report.seconds:.3f} s: {dst}" + (f"; notes: {'; '.join(notes)}" if notes else ""))
     return report

@@ -85,10 +85,10 @@ class TensorParallelCut:
 
 def same_layout(reader: CheckpointReader, trainer) -> bool:
     lay = reader.layout
-    cfg = trainer.config
-    return (int(lay.get("tp", 1)) == cfg.tp and int(lay.get("ep", 1)) == cfg.ep
-            and int(lay["pp"]) == cfg.pp
-            and int(lay["vpp"]) == cfg.vpp
+    par = trainer.config.plan.parallelism
+    return (int(lay.get("tp", 1)) == par.tp and int(lay.get("ep", 1)) == par.ep
+            and int(lay["pp"]) == par.pp
+            and int(lay["vpp"]) == par.vpp
             and [int(b) for b in lay["bounds"]] == [int(b) for b in trainer.bounds]
             and reader.rank_layers(trainer.topology.pp_rank) ==
             {i for s in saved_stages(trainer.schedule, trainer.topology.pp_rank)

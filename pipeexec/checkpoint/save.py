@@ -136,8 +136,8 @@ def save_checkpoint(trainer, root: str | os.PathLike, *, release: bool = False,
             raise CheckpointError(f"cannot write the state file ({e})", path=path) from e
         report.write_seconds, report.bytes, report.path = time.perf_counter() - tw, size, str(path)
     if topo.rank == 0:
-        remove_other_layouts(root, tag, trainer.config.pp, trainer.config.tp,
-                             getattr(trainer.config, "ep", 1))
+        par = trainer.config.plan.parallelism
+        remove_other_layouts(root, tag, par.pp, par.tp, par.ep)
     if topo.world_size > 1:
         store_barrier(store, barrier, topo.rank, topo.world_size, timeout)
     if topo.rank == 0:

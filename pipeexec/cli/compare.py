@@ -16,7 +16,7 @@ from pipesim.units import byte_unit
 from ..analysis.compare import Comparison, compare_runs
 from ..analysis.measured_run import MeasuredRun
 from ..analysis.plan_memory import predicted_activation_peaks
-from ..analysis.predict import layout_of, predict
+from ..analysis.predict import layout_of, predict, program_of
 from ..analysis.run_description import inherit
 from ..config import ConfigError
 from ..measuring.profile_options import ProfileOptions
@@ -60,12 +60,12 @@ def profiled_run(config: Any, first: int, stop: int, *, trace_out: str | None = 
 
     options = (profile or ProfileOptions()).replace(first=first, stop=stop, trace_out=trace_out,
                                                     cpus_per_rank=cpus_per_rank).validate()
-    options.check(config.steps)
+    options.check(config.optimizer.steps)
     prepared = prepare(config, world_size=config.world_size)     # once, before the workers
     results = launch(run_training, config.world_size,
                      (WorkerArgs(config, progress=False, profile=options, prepared=prepared),),
                      timeout=timeout, cpus_per_rank=cpus_per_rank,
-                     start_method=start_method_for(config.device, config.backend),
+                     start_method=start_method_for(config.runtime.device, config.runtime.backend),
                      preload=worker_modules(config))
     run = results[0].measured
     if run is None:
@@ -133,7 +133,8 @@ def compare_defaults(config: Any, given: set[str], calibration: MeasuredRun | No
     periods dominate). Returns the config and what was defaulted, in words."""
     changes: dict[str, Any] = {}
     if "microbatches" not in given:
-        m = max(2 * config.pp, calibration.plan.microbatches if calibration else 0)
+        pp = config.plan.parallelism.pp
+        m = max(2 * pp, calibration.plan.microbatches if calibration else 0)
         changes["microbatches"] = m
     if calibration is None:
         for name, value in DEFAULT_MODEL.items():
@@ -143,9 +144,10 @@ def compare_defaults(config: Any, given: set[str], calibration: MeasuredRun | No
             changes["layers"] = max(DEFAULT_MODEL["layers"], config.num_stages - 2)
     if "steps" not in given:
         changes["steps"] = DEFAULT_STEPS
-    changes = {k: v for k, v in changes.items() if getattr(config, k) != v}
+    flat = config.to_flat()
+    changes = {k: v for k, v in changes.items() if flat[k] != v}
     said = [f"{k.replace('_', '-')} {v}" for k, v in changes.items()]
-    return config.replace(**changes), said
+    return config.with_flat(**changes), said
 
 
 def layout_notes(config: Any, profiled: int) -> list[str]:
@@ -153,9 +155,9 @@ def layout_notes(config: Any, profiled: int) -> list[str]:
     pipeline's depth (a step that is mostly ramp-up and ramp-down; no pipeline at pp 1), and
     few profiled steps."""
     notes = []
-    if config.pp > 1 and config.microbatches < 2 * config.pp:
-        notes.append(f"m = {config.microbatches} < 2 pp = {2 * config.pp}: a step is "
-                     "mostly ramp-up and ramp-down")
+    pp, m = config.plan.parallelism.pp, config.plan.microbatches
+    if pp > 1 and m < 2 * pp:
+        notes.append(f"m = {m} < 2 pp = {2 * pp}: a step is mostly ramp-up and ramp-down")
     if profiled < 3:
         notes.append(f"{profiled} profiled step(s): single steps move by 10% and more on "
                      f"a shared machine; --steps {DEFAULT_STEPS} (the default) profiles "
@@ -187,7 +189,7 @@ def alongside_config(config: Any, text: str) -> Any:
     except ValueError:
         raise ValueError(f"--alongside {text!r}: expected NAME or NAME:VPP (e.g. 1f1b, "
                          "interleaved:2)") from None
-    partner = config.replace(schedule=name, vpp=v)
+    partner = config.with_flat(schedule=name, vpp=v)
     partner.validate(world_size=partner.world_size)
     return partner
 
@@ -219,7 +221,7 @@ def compare_main(argv: list[str]) -> int:
         config = config_from_args(tns)
         if tns.plan:                 # the plan's fields are set, as flags are
             given |= set(PLAN_DESTS)
-        if config.hf_model or "model" in given:   # and so are a named model's
+        if config.inputs.hf_model or "model" in given:   # and so are a named model's
             given |= set(HF_FIELDS) | ({"seq_len"} if "model" in given else set())
         if "global_batch_size" in given:          # the microbatches it makes
             given.add("microbatches")
@@ -239,11 +241,11 @@ def compare_main(argv: list[str]) -> int:
                       flush=True)
         config, defaulted = compare_defaults(config, given, source)
         if ns.profile is not None and "steps" not in given:
-            config = config.replace(steps=parse_step_range(ns.profile)[1])
+            config = config.with_flat(steps=parse_step_range(ns.profile)[1])
             defaulted = [d for d in defaulted if not d.startswith("steps")]
         if defaulted:
             print(f"compare defaults: {', '.join(defaulted)} (set them to change)", flush=True)
-        first, stop = parse_step_range(ns.profile) if ns.profile else (1, config.steps)
+        first, stop = parse_step_range(ns.profile) if ns.profile else (1, config.optimizer.steps)
         notes += layout_notes(config, stop - first)
         check_cpus_per_rank(cpus_per_rank, config.world_size)
         check_timeout(getattr(tns, "timeout", None))
@@ -256,8 +258,8 @@ def compare_main(argv: list[str]) -> int:
         except ConfigError as exc:
             if source is not None and "layers" not in given and "stages" in str(exc):
                 raise ConfigError(f"{exc} (the calibration run's model has --layers "
-                                  f"{config.layers}; calibrate from a run with more layers)"
-                                  ) from None
+                                  f"{config.plan.model.layers}; calibrate from a run with more "
+                                  "layers)") from None
             if tns.plan:
                 raise ConfigError(f"--plan {tns.plan}: {exc}") from None
             raise
@@ -281,7 +283,7 @@ def compare_main(argv: list[str]) -> int:
                   f"{from_hw.result.bubble_fraction:.3f}", flush=True)
         if source is not None:
             layout = layout_of(config)
-            predicted, cal = predict(config.build_schedule(), layout, source, carry=carry)
+            predicted, cal = predict(program_of(config), layout, source, carry=carry)
             print(f"prediction before running, calibrated from {ns.calibrate_from}: "
                   f"{predicted.makespan * 1e3:.1f} ms, bubble_fraction "
                   f"{predicted.bubble_fraction:.3f}", flush=True)
@@ -292,8 +294,8 @@ def compare_main(argv: list[str]) -> int:
                                       trace_outs=[None, ns.trace_out],
                                       timeout=getattr(tns, "timeout", None),
                                       cpus_per_rank=cpus_per_rank, profile=profile)
-            print(f"predicted from the {partner.schedule} steps of the same job (alternating "
-                  f"with the {config.schedule} steps)", flush=True)
+            print(f"predicted from the {partner.plan.schedule_name} steps of the same job "
+                  f"(alternating with the {config.plan.schedule_name} steps)", flush=True)
         else:
             run = profiled_run(config, first, stop, trace_out=ns.trace_out,
                                timeout=getattr(tns, "timeout", None),
@@ -351,11 +353,12 @@ def layout_carry(config: Any, source: MeasuredRun, hardware: str | None, path: s
     from ..config import TrainConfig
 
     theirs = TrainConfig.from_dict(source.meta["config"])
-    keys = ("tp", "sequence_parallel", "cp", "ep")
-    src = {k: getattr(theirs, k) for k in keys}
-    tgt = {k: getattr(config, k) for k in keys}
-    src["sequence_parallel"] = bool(src["sequence_parallel"])
-    tgt["sequence_parallel"] = bool(tgt["sequence_parallel"])
+    def sizes(c: TrainConfig) -> dict[str, Any]:
+        par = c.plan.parallelism
+        return {"tp": par.tp, "sequence_parallel": bool(par.sequence_parallel), "cp": par.cp,
+                "ep": par.ep}
+
+    src, tgt = sizes(theirs), sizes(config)
     if src == tgt:
         return None
     if hardware is None:
@@ -369,7 +372,7 @@ def layout_carry(config: Any, source: MeasuredRun, hardware: str | None, path: s
                          "machine) to carry the costs and price the layers' collectives")
     # the source: this run's model and stages at the calibration run's sizes (its dp: ep is
     # carved out of dp x cp)
-    source_config = config.replace(dp=theirs.dp, **src)
+    source_config = config.with_flat(dp=theirs.plan.parallelism.dp, **src)
     return LayoutCarry(source_config.plan_as_run(), config.plan_as_run(), get_hardware(hardware))
 
 
@@ -426,7 +429,7 @@ def plan_memory(config: Any, measured: list[float]) -> tuple[dict[str, Any], str
         for r, (p, m, e) in enumerate(zip(predicted, measured, errors)))
     return ({"plan_predicted_peak_memory": predicted, "plan_peak_memory_error": errors},
             f"peak activation memory predicted from the plan alone (model shape, recompute "
-            f"{config.recompute}; no calibration): {per_rank}")
+            f"{config.plan.parallelism.recompute}; no calibration): {per_rank}")
 
 
 def write_outputs(comparison: Comparison, *, report_out: str | None = None,

@@ -29,7 +29,7 @@ def _parser() -> argparse.ArgumentParser:
     add_train_arguments(t)
     add_commands(sub)
     add_compare_command(sub)
-    from ..calibrate_hardware import add_command as add_calibrate_hardware
+    from .calibrate_hardware import add_command as add_calibrate_hardware
     add_calibrate_hardware(sub)
     from .preprocess import add_command as add_preprocess_data
     add_preprocess_data(sub)
@@ -76,7 +76,7 @@ def _main(argv: list[str] | None) -> None:
         from .preprocess import run as preprocess_data
         sys.exit(preprocess_data(ns))
     if ns.command == "calibrate-hardware":
-        from ..calibrate_hardware import run as calibrate_hardware
+        from .calibrate_hardware import run as calibrate_hardware
         sys.exit(calibrate_hardware(ns))
     train_main(args[1:])          # unreachable: train and compare are handled above
 

@@ -22,7 +22,7 @@ def evaluation_from_args(ns: argparse.Namespace, config: TrainConfig) -> EvalOpt
     options = EvalOptions(**values_from_args(EvalOptions, ns)).validate(config)
     if options.eval_only:
         for flag, given in (("--profile", getattr(ns, "profile", None) is not None),
-                            ("--memory-limit", config.memory_limit is not None)):
+                            ("--memory-limit", config.layout.memory_limit is not None)):
             if given:
                 raise ConfigError(f"--eval-only trains no step for {flag} to profile; drop "
                                   f"one of them")

@@ -20,7 +20,7 @@ from pipesim.schedule.placement import PLACEMENTS
 
 from .checkpoint import add_train_flags, options_from_args
 from .given import GivenFlagsParser
-from ..config import DEFAULT_PLAN, PLAN_VIEWS, SECTIONS, ConfigError, TrainConfig
+from ..config import DEFAULT_PLAN, PLAN_VIEWS, SECTIONS, ConfigError, TrainConfig, plan_view
 from ..models.hf_config import HF_FIELDS
 from ..flag_fields import add_arguments, values_from_args
 from ..run.prepare import PreparedRun, prepare
@@ -40,10 +40,9 @@ def _shown_defaults() -> dict[str, Any]:
     shown in ``--help``; a flag left out is not applied (`GivenFlagsParser`), so a plan file's
     value stands."""
 
-    base = TrainConfig(plan=DEFAULT_PLAN)
     out: dict[str, Any] = {}
     for dest in DESTS:
-        value = getattr(base, dest) if dest in PLAN_VIEWS else None
+        value = plan_view(DEFAULT_PLAN, dest) if dest in PLAN_VIEWS else None
         if isinstance(value, bool) or value is None:
             continue
         out[dest] = value
@@ -117,8 +116,8 @@ def config_from_args(ns: argparse.Namespace) -> TrainConfig:
     and the executor's sections. A Hugging Face directory (``--hf-model``) is the model unless
     a plan names one. Raises ConfigError naming the flag or the plan file."""
     given = set(ns.given) & set(PLAN_DESTS)
-    sections = {k: v for cls in SECTIONS.values() for k, v in values_from_args(cls, ns).items()}
-    hf_model = sections.get("hf_model")
+    sections = {name: cls(**values_from_args(cls, ns)) for name, cls in SECTIONS.items()}
+    hf_model = sections["inputs"].hf_model
     if hf_model and not ns.plan:
         clash = sorted(set(given) & (set(HF_FIELDS) | {"model"}))
         if clash:
@@ -131,7 +130,7 @@ def config_from_args(ns: argparse.Namespace) -> TrainConfig:
     except PlanError as exc:
         raise ConfigError(f"--plan {ns.plan}: {exc}" if ns.plan else str(exc)) from None
     views = {d: getattr(ns, d) for d in _SCHEDULE_FLAGS if d in given}
-    config = TrainConfig(plan=plan, **sections, **views)
+    config = TrainConfig(plan, **sections).with_flat(**views)
     if hf_model and not ns.plan:          # after the flags: its sequence length is the run's
         config = config.with_hf_model(hf_model)
     return config
@@ -176,11 +175,12 @@ def train_main(args: list[str]) -> None:
         if under_torchrun and ns.cpus_per_rank is not None:
             raise ConfigError("--cpus-per-rank confines the workers of a local run; under "
                               "torchrun, set CPU limits where the processes are started")
-        if (config.device or "").startswith("cuda") and cuda_device_count() == 0:
-            raise ConfigError(f"--device {config.device}: no CUDA device is visible here (NVML "
+        device, backend = config.runtime.device, config.runtime.backend
+        if (device or "").startswith("cuda") and cuda_device_count() == 0:
+            raise ConfigError(f"--device {device}: no CUDA device is visible here (NVML "
                               "counts none; check the driver and CUDA_VISIBLE_DEVICES), or use "
                               "--device cpu")
-        if ns.cpus_per_rank is not None and may_use_cuda(config.device, config.backend):
+        if ns.cpus_per_rank is not None and may_use_cuda(device, backend):
             raise ConfigError("--cpus-per-rank is for CPU runs: on CUDA it would throttle the "
                               "threads that launch kernels and drive NCCL (drop it, or use "
                               "--device cpu)")
@@ -200,7 +200,7 @@ def train_main(args: list[str]) -> None:
             run_training(None, args)
         else:
             launch(run_training, world, (args,), timeout=ns.timeout, cpus_per_rank=ns.cpus_per_rank,
-                   start_method=start_method_for(config.device, config.backend),
+                   start_method=start_method_for(device, backend),
                    preload=worker_modules(config))
     except KeyboardInterrupt as exc:
         # The launcher's cleanup has run (every worker stopped, quotas removed) on the way here;

@@ -136,8 +136,8 @@ def build_datasets(config: Any, *, valid_samples: int | None = None,
     ``seq_len + 1`` token ids of sample ``i`` (int64). Train is built for the run's planned
     length (`train_samples`); valid and test for ``*_samples`` (None: one epoch of each
     corpus's split)."""
-    plan = check_data_path(config.data_path, config.split, config.seq_len)
-    kw = dict(seq_len=config.seq_len, seed=config.seed)
+    plan = _checked(config)
+    kw = dict(seq_len=config.plan.model.seq_length, seed=config.runtime.seed)
     return (build_split(plan, 0, num_samples=train_samples(config), **kw),
             build_split(plan, 1, num_samples=valid_samples, **kw),
             build_split(plan, 2, num_samples=test_samples, **kw))
@@ -148,9 +148,9 @@ def build_dataset(config: Any, split: str, num_samples: int | None = None) -> An
     ``num_samples`` is the run's, `train_samples`), for code that needs only that one."""
     if split not in SPLITS:
         raise ValueError(f"split must be one of {', '.join(SPLITS)}, got {split!r}")
-    plan = check_data_path(config.data_path, config.split, config.seq_len)
+    plan = _checked(config)
     index = SPLITS.index(split)
-    return build_split(plan, index, seq_len=config.seq_len, seed=config.seed,
+    return build_split(plan, index, seq_len=config.plan.model.seq_length, seed=config.runtime.seed,
                        num_samples=train_samples(config) if index == 0 else num_samples)
 
 
@@ -159,7 +159,7 @@ def train_samples(config: Any) -> int:
     planned length, ``max(--steps, --decay-steps)`` iterations, so a run stopped early (a
     smaller --steps, --decay-steps fixed: the same LR curve) and resumed draws the samples
     the whole run draws (the epoch count, hence the shuffle, depends on this number)."""
-    return max(config.steps, config.decay_steps or 0) * config.global_batch
+    return max(config.optimizer.steps, config.optimizer.decay_steps or 0) * config.global_batch
 
 
 def train_order(config: Any) -> tuple[tuple[int, bool], ...]:
@@ -167,8 +167,16 @@ def train_order(config: Any) -> tuple[tuple[int, bool], ...]:
     the seed and the sequence length, what fixes the order of the train samples (a blend's
     assignment does not depend on its length). Two runs with equal values draw the same
     samples at every step."""
-    plan = check_data_path(config.data_path, config.split, config.seq_len)
+    plan = _checked(config)
     n = train_samples(config)
     sizes = [n] if plan.weights is None and len(plan.prefixes) == 1 else target_sizes(
         plan.weights or normalize([t[0] for t in plan.tokens]), n, SURPLUS)
-    return tuple(epoch_plan(t[0], config.seq_len, k) for t, k in zip(plan.tokens, sizes))
+    seq_len = config.plan.model.seq_length
+    return tuple(epoch_plan(t[0], seq_len, k) for t, k in zip(plan.tokens, sizes))
+
+
+def _checked(config: Any) -> Any:
+    """``config``'s ``--data-path`` and ``--split`` read and checked for its sequence length
+    (`check_data_path`)."""
+    return check_data_path(config.inputs.data_path, config.inputs.split,
+                           config.plan.model.seq_length)

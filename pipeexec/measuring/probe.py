@@ -46,7 +46,7 @@ def _outside_training(trainer: Any, body: Any, repeats: int) -> dict:
     devices = [device] if device.type == "cuda" else []
     with torch.random.fork_rng(devices=devices):
         gen = torch.Generator(device=device)
-        gen.manual_seed(trainer.config.seed)
+        gen.manual_seed(trainer.config.runtime.seed)
         tokens, targets = _first_microbatch(trainer, device)
         return body(trainer, device, gen, tokens, targets, repeats)
 
@@ -179,9 +179,9 @@ def _measure(trainer: Any, stage: Any, x: torch.Tensor, params: Any, targets: to
 
 
 def _first_microbatch(trainer: Any, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    cfg = trainer.config
-    tokens, targets = trainer.data.microbatches(0, trainer.topology.dp_rank, cfg.dp,
-                                                cfg.microbatches)[0]
+    plan = trainer.config.plan
+    tokens, targets = trainer.data.microbatches(0, trainer.topology.dp_rank, plan.parallelism.dp,
+                                                plan.microbatches)[0]
     return tokens.to(device), targets.to(device)
 
 

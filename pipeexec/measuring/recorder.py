@@ -146,11 +146,6 @@ class ActionProfiler:
         if self._cur is not None:
             self._bytes += nbytes
 
-    def add_bytes(self, nbytes: int) -> None:
-        """Bytes of a message of the current action (ProfiledP2P's way in)."""
-        if self._cur is not None:
-            self._bytes += nbytes
-
     # -- results --------------------------------------------------------------------------------
     def records(self) -> list[ActionRecord]:
         """Every recorded action with times resolved to seconds on this rank's clock.
@@ -194,35 +189,4 @@ class ActionProfiler:
             return float(mark)
         ref, cpu = self._ref
         return cpu + ref.elapsed_time(mark) / 1e3
-
-
-class ProfiledP2P:
-    """A `pipeexec.pipeline.p2p.P2P` that tells the profiler the size of every message it sends or
-    receives (for a P2P used outside `PipelineRuntime`; the runtime reports sizes to its
-    observers itself). Everything else is delegated unchanged."""
-
-    def __init__(self, inner: Any, profiler: ActionProfiler) -> None:
-        self._inner = inner
-        self._profiler = profiler
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._inner, name)
-
-    def send(self, tensor: torch.Tensor, *args: Any, **kwargs: Any) -> None:
-        self._profiler.add_bytes(tensor.nelement() * tensor.element_size())
-        return self._inner.send(tensor, *args, **kwargs)
-
-    def recv_activation(self, *args: Any, **kwargs: Any) -> Any:
-        return self._posted(self._inner.recv_activation(*args, **kwargs))
-
-    def recv_gradient(self, *args: Any, **kwargs: Any) -> Any:
-        return self._posted(self._inner.recv_gradient(*args, **kwargs))
-
-    def _posted(self, pending: Any) -> Any:
-        # A boundary's first activation is posted only when waited for (its shape arrives
-        # with it), so its RECV records no bytes.
-        t = pending.tensor
-        if t is not None:
-            self._profiler.add_bytes(t.nelement() * t.element_size())
-        return pending
 

@@ -52,9 +52,10 @@ JUDGED_STEPS = 2                            # counted steps each side needs to j
 def profiled_schedule(config: Any) -> pipesim.Schedule:
     """The schedule the first steps of a ``--memory-limit`` run train (and profile) with: one
     with a split backward (F, I and W timed apart) on the stages the search will keep."""
-    common = dict(pp=config.pp, microbatches=config.microbatches,
-                  recv_lookahead=config.recv_lookahead)
-    if config.vpp == 1:
+    par = config.plan.parallelism
+    common = dict(pp=par.pp, microbatches=config.plan.microbatches,
+                  recv_lookahead=config.runtime.recv_lookahead)
+    if par.vpp == 1:
         return pipesim.build_schedule(PROFILED_SCHEDULE, **common).validate()
     if (config.placement or "v") == "v":
         return pipesim.build_schedule(PROFILED_V_SCHEDULE, vpp=2, **common).validate()
@@ -112,8 +113,9 @@ def reschedule(trainer: Any, session: Any, memory_limit: float,
     payload: list = [None]
     if topo.rank == 0:
         try:
-            schedule, info = search_from_run(run, memory_limit, trainer.config.recv_lookahead,
-                                             trainer.config.reschedule_margin)
+            config = trainer.config
+            schedule, info = search_from_run(run, memory_limit, config.runtime.recv_lookahead,
+                                             config.layout.reschedule_margin)
             payload = [{"info": info}]
         except pipesim.ScheduleError as exc:     # every rank must hear it, or they would hang
             payload = [{"error": str(exc)}]
@@ -225,15 +227,16 @@ def one_microbatch_floor(trainer: Any) -> float:
     (micro_batch_size x seq_len x hidden values of the compute dtype; hidden read from the
     embedding of the stages here when they have one, a Hugging Face model's own size)."""
 
-    cfg = trainer.config
-    hidden = cfg.hidden
+    plan = trainer.config.plan
+    hidden = plan.model.hidden
     for stage in trainer.stages.values():
         emb = next((mod for mod in stage.modules() if isinstance(mod, torch.nn.Embedding)), None)
         if emb is not None:
             hidden = emb.embedding_dim
             break
-    element = torch.empty((), dtype=compute_dtype(cfg.precision)).element_size()
-    return float(cfg.micro_batch_size * cfg.seq_len * hidden * element)
+    par = plan.parallelism
+    element = torch.empty((), dtype=compute_dtype(par.precision)).element_size()
+    return float(par.micro_batch_size * plan.model.seq_length * hidden * element)
 
 
 def check_memory_limit(trainer: Any, memory_limit: float) -> None:

@@ -72,7 +72,7 @@ class ProfileSession:
             memory.close()
         topo = self.topology
         probe = layers = None
-        if self.options.probe_split and not trainer.config.forward_only:
+        if self.options.probe_split and not trainer.config.runtime.forward_only:
             # ZeRO-3: the stages' weights gathered (collective over dp) while dp rank 0 probes
             # (with ep the probe's layers run the all-to-alls: whole cp and ep groups probe,
             # the first lcm(cp, ep) ranks of dp x cp, dp rank 0's among them)
@@ -103,14 +103,17 @@ class ProfileSession:
                            if p["dp_rank"] == 0 and p["tp_rank"] == 0 and p["cp_rank"] == 0),
                           key=lambda p: p["pp_rank"])
         cfg = trainer.config
-        schedule = trainer.schedule
+        # the program that ran: the schedule lowered with the holder's sharding (ZeRO-2/3's
+        # UNSHARD / RESHARD / REDUCE_GRAD), which the trace's rows and the simulation follow
+        schedule = trainer.runtime.schedule
         trace = build_trace([p["records"] for p in pipeline], [p["offset"] for p in pipeline],
                             schedule)
-        plan = RunPlan(schedule, trainer.bounds, trainer.spec.kinds(), dp=cfg.dp,
+        plan = RunPlan(schedule, trainer.bounds, trainer.spec.kinds(),
+                       dp=cfg.plan.parallelism.dp,
                        device=str(topo.device), backend=topo.backend, hosts=host_loads(gathered),
                        rank_cpus=tuple(p["cpus"] for p in pipeline), host_cpus=os.cpu_count(),
                        cpus_per_rank=self.options.cpus_per_rank, config=cfg.to_dict(),
-                       schedule_name=cfg.schedule)
+                       schedule_name=cfg.plan.schedule_name)
         measurement = Measurement(
             clock_offsets=tuple(p["offset"] for p in pipeline),
             clock_rtts=tuple(p["rtt"] for p in pipeline),

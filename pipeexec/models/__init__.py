@@ -81,7 +81,7 @@ def layer_stack(config: Any, tp: Any = None, cp: Any = None, ep: Any = None):
     `pipeexec.parallel.context.ContextParallel` (None: cp 1); ``ep``: its
     `pipeexec.parallel.experts.ExpertParallel` (None: ep 1; a MoE family's experts cut,
     `hf_expert_parallel`). Raises ConfigError when the model cannot be built here."""
-    refused = model_refusals(config.plan.model, config.hf_model)
+    refused = model_refusals(config.plan.model, config.inputs.hf_model)
     if refused:
         raise ConfigError("the plan's model cannot be built here:\n  " + "\n  ".join(refused))
     return checked_layer_stack(config, tp, cp, ep)
@@ -95,7 +95,7 @@ def checked_layer_stack(config: Any, tp: Any = None, cp: Any = None, ep: Any = N
     from ..parallel.regions import NONE
     if model.family is not None:
         from .hf import hf_layer_stack
-        stack = hf_layer_stack(model, weights=config.hf_model, tp=tp or NONE,
+        stack = hf_layer_stack(model, weights=config.inputs.hf_model, tp=tp or NONE,
                                cp=cp or context.NONE)
         if ep is not None and ep.active:
             from .hf_expert_parallel import expert_parallel_stack

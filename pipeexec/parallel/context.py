@@ -87,9 +87,10 @@ def merge_sequence(parts: Sequence[torch.Tensor], dim: int = 1) -> torch.Tensor:
 
 
 class ContextParallelBatches:
-    """A `pipeexec.data.BatchSource` seen by one cp rank: every cp rank of a data-parallel
-    replica is given the same microbatches and keeps its two chunks of each (tokens and
-    targets alike). Everything else is the source's."""
+    """A `pipeexec.data.BatchSource` (or validation data) seen by one cp rank: every cp rank of
+    a data-parallel replica is given the same microbatches and keeps its two chunks of each
+    (tokens and targets alike). ``microbatches`` is all a run reads of its data; the whole
+    source is ``source``."""
 
     def __init__(self, source: Any, cp: ContextParallel) -> None:
         self.source, self.cp = source, cp
@@ -99,9 +100,6 @@ class ContextParallelBatches:
         cp = self.cp
         return [tuple(split_sequence(t, cp.size, cp.rank) for t in mb)
                 for mb in self.source.microbatches(step, dp_rank, dp, m)]
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.source, name)
 
 
 def _global_order(size: int) -> list[tuple[int, int]]:

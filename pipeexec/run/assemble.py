@@ -44,10 +44,11 @@ def assemble(config: TrainConfig, topology: Topology, spec: LayerStack | None = 
     ``recorder`` (shorthand for `Trainer.add_observer`)."""
     run = prepare(config, world_size=topology.world_size, schedule=schedule,
                   num_layers=None if spec is None else spec.num_layers)
-    if (config.tp, config.cp, config.pp, config.dp, config.ep) != (
+    par = config.plan.parallelism
+    if (par.tp, par.cp, par.pp, par.dp, par.ep) != (
             topology.tp, topology.cp, topology.pp, topology.dp, topology.ep):
-        raise ValueError(f"config tp={config.tp} cp={config.cp} pp={config.pp} dp={config.dp} "
-                         f"ep={config.ep} but topology tp={topology.tp} cp={topology.cp} "
+        raise ValueError(f"config tp={par.tp} cp={par.cp} pp={par.pp} dp={par.dp} "
+                         f"ep={par.ep} but topology tp={topology.tp} cp={topology.cp} "
                          f"pp={topology.pp} dp={topology.dp} ep={topology.ep}")
     return assemble_prepared(run, topology, spec, recorder=recorder, board=board, data=data)
 
@@ -63,19 +64,19 @@ def assemble_prepared(run: PreparedRun, topology: Topology, spec: LayerStack | N
     schedule = run.schedule
     bounds = stage_bounds(spec, config)
     dev = topology.device
-    if dev.type == "cpu" and config.cpu_keep_freed_memory:
+    if dev.type == "cpu" and config.runtime.cpu_keep_freed_memory:
         keep_freed_memory()         # no fresh pages, hence no page faults, every step
     # A stage builds the model part it computes: a copy of a part (dualpipe's second
     # direction) has the same layers and global names, so the Trainer ties their parameters.
     part = schedule.stage_part
-    stages = {s: build_stage(spec, part(s), bounds, seed=config.seed, device=dev,
+    stages = {s: build_stage(spec, part(s), bounds, seed=config.runtime.seed, device=dev,
                              dtype=torch.float32)
               for s in schedule.rank_stages(topology.pp_rank)}
-    kinds = spec.kinds()
+    kinds, par = spec.kinds(), config.plan.parallelism
     for s, stage in stages.items():
-        stage.set_recompute(config.recompute, kinds[bounds[part(s)]:bounds[part(s) + 1]],
-                            config.recompute_layers)
-    faults, overflow = parse_faults(config.inject, topology.rank)
+        stage.set_recompute(par.recompute, kinds[bounds[part(s)]:bounds[part(s) + 1]],
+                            par.recompute_layers)
+    faults, overflow = parse_faults(config.runtime.inject, topology.rank)
     board_observer = None if board is None else BoardObserver(board, topology.rank)
     observers = [o for o in (board_observer, FaultInjector(faults) if faults else None, recorder)
                  if o is not None]
@@ -85,7 +86,7 @@ def assemble_prepared(run: PreparedRun, topology: Topology, spec: LayerStack | N
     return Trainer(RankParts(
         config=config, topology=topology, tp=tp, cp=cp, ep=ep, spec=spec, schedule=schedule,
         custom_schedule=run.custom_schedule, bounds=bounds, stages=stages,
-        dtype=compute_dtype(config.precision), p2p=_p2p(config, topology, schedule),
+        dtype=compute_dtype(par.precision), p2p=_p2p(config, topology, schedule),
         data=batches, board=board, board_observer=board_observer, observers=observers,
         overflow=overflow))
 
@@ -95,9 +96,10 @@ def _parallel_groups(config: TrainConfig, topology: Topology
     """This rank's tensor-parallel (with sequence parallelism), context-parallel (each
     sequence cut over the cp group) and expert-parallel (a MoE layer's experts over the ep
     group) groups."""
-    timeout = config.collective_timeout
+    timeout = config.runtime.collective_timeout
+    sequence_parallel = bool(config.plan.parallelism.sequence_parallel) and topology.tp > 1
     return (TensorParallel(topology.tp_group, topology.tp, topology.tp_rank, timeout=timeout,
-                           sequence_parallel=bool(config.sequence_parallel) and topology.tp > 1),
+                           sequence_parallel=sequence_parallel),
             ContextParallel(topology.cp_group, topology.cp, topology.cp_rank, timeout=timeout),
             ExpertParallel(topology.ep_group, topology.ep, topology.ep_rank, timeout=timeout))
 
@@ -105,13 +107,14 @@ def _parallel_groups(config: TrainConfig, topology: Topology
 def _p2p(config: TrainConfig, topology: Topology, schedule: Schedule) -> P2P | None:
     """The pipeline's transfers (None at pp 1), the schedule's channels and (on NCCL, or gloo
     matching as NCCL does) its posting order checked before the first step."""
-    if config.pp == 1:
+    if config.plan.parallelism.pp == 1:
         return None
+    runtime = config.runtime
     check_channels_exist(schedule, topology.pp_rank, topology.p2p_groups)
-    if topology.backend == "nccl" or config.nccl_matching:
+    if topology.backend == "nccl" or runtime.nccl_matching:
         check_p2p_order(schedule, collectives=topology.tp > 1 or topology.cp > 1
-                        or topology.ep > 1 or config.zero >= 2)
+                        or topology.ep > 1 or config.plan.parallelism.zero >= 2)
     return P2P(rank=topology.rank, pp_rank=topology.pp_rank, groups=topology.p2p_groups,
                peers=topology.pp_ranks, num_stages=schedule.num_stages,
-               num_microbatches=config.microbatches, device=topology.device,
-               timeout=config.p2p_timeout, nccl_matching=config.nccl_matching)
+               num_microbatches=config.plan.microbatches, device=topology.device,
+               timeout=runtime.p2p_timeout, nccl_matching=runtime.nccl_matching)

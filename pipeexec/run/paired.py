@@ -43,8 +43,9 @@ class PairedJob:
 def paired_worker(board: Any, job: PairedJob) -> list[MeasuredRun | None]:
     """One rank of a paired job; returns (on rank 0) one `MeasuredRun` per config."""
     cfg0 = job.runs[0].config
-    topo = init_topology(cfg0.pp, cfg0.dp, tp=cfg0.tp, cp=cfg0.cp, ep=cfg0.ep, backend=cfg0.backend,
-                         device=cfg0.device, timeout=cfg0.collective_timeout)
+    par, runtime = cfg0.plan.parallelism, cfg0.runtime
+    topo = init_topology(par.pp, par.dp, tp=par.tp, cp=par.cp, ep=par.ep, backend=runtime.backend,
+                         device=runtime.device, timeout=runtime.collective_timeout)
     try:
         pairs = []
         for run, out in zip(job.runs, job.trace_outs):
@@ -54,12 +55,20 @@ def paired_worker(board: Any, job: PairedJob) -> list[MeasuredRun | None]:
             trainer = assemble_prepared(run, topo, board=board, recorder=session.profiler)
             session.attach(trainer)
             pairs.append((session, trainer))
-        for _ in range(cfg0.steps):
+        for _ in range(cfg0.optimizer.steps):
             for _, trainer in pairs:
                 trainer.step()
         return [session.finish(trainer) for session, trainer in pairs]
     finally:
         destroy_topology(topo)
+
+
+def _shared(config: TrainConfig) -> dict[str, Any]:
+    """What configs trained in one job must agree on: the process layout, the steps and the
+    transports."""
+    par, runtime = config.plan.parallelism, config.runtime
+    return {"tp": par.tp, "cp": par.cp, "ep": par.ep, "pp": par.pp, "dp": par.dp,
+            "steps": config.optimizer.steps, "backend": runtime.backend, "device": runtime.device}
 
 
 def paired_runs(configs: Sequence[TrainConfig], first: int, stop: int, *,
@@ -73,11 +82,12 @@ def paired_runs(configs: Sequence[TrainConfig], first: int, stop: int, *,
     configs = list(configs)
     base = configs[0]
     for c in configs[1:]:
-        for name in ("tp", "cp", "ep", "pp", "dp", "steps", "backend", "device"):
-            if getattr(c, name) != getattr(base, name):
+        ours, theirs = _shared(base), _shared(c)
+        for name in ours:
+            if ours[name] != theirs[name]:
                 raise ValueError(f"paired runs share their processes: {name} must be equal, got "
-                                 f"{getattr(base, name)!r} ({base.schedule}) and "
-                                 f"{getattr(c, name)!r} ({c.schedule})")
+                                 f"{ours[name]!r} ({base.plan.schedule_name}) and "
+                                 f"{theirs[name]!r} ({c.plan.schedule_name})")
     outs = tuple(trace_outs) if trace_outs is not None else (None,) * len(configs)
     runs = tuple(prepare(c, world_size=base.world_size) for c in configs)
     job = PairedJob(runs, first, stop, outs, cpus_per_rank, profile)

@@ -6,7 +6,7 @@ keeps the checkpoint's learning-rate schedule."""
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -75,12 +75,12 @@ def data_warning(data: str) -> str | None:
 
 def check_tokenizer(config: TrainConfig) -> None:
     """Refuse a ``--tokenizer`` that does not load, or whose vocabulary exceeds the model's."""
-    if config.tokenizer is None:
+    if config.inputs.tokenizer is None:
         return
     from ..datasets.tokenizer import TokenizerError, check_vocab, load_tokenizer
 
     try:
-        check_vocab(load_tokenizer(config.tokenizer), config.vocab)
+        check_vocab(load_tokenizer(config.inputs.tokenizer), config.plan.model.vocab)
     except TokenizerError as exc:
         raise ConfigError(str(exc)) from None
 
@@ -89,7 +89,7 @@ def token_dtype_warning(config: TrainConfig) -> str | None:
     """Why ``--data-path``'s corpora look tokenized for a larger vocabulary than the model's,
     or None: preprocessing stores ids as int32 only for a vocabulary of 65,500 ids or more
     (Megatron's ``DType.optimal_dtype``). O(1): the ids themselves are checked batch by batch."""
-    if not config.data_path or config.vocab >= 65500:
+    if not config.inputs.data_path or config.plan.model.vocab >= 65500:
         return None
     import numpy as np
 
@@ -97,7 +97,7 @@ def token_dtype_warning(config: TrainConfig) -> str | None:
     from ..datasets.indexed import IndexedDatasetError, idx_path, read_header
 
     try:
-        prefixes, _ = parse_data_path(config.data_path)
+        prefixes, _ = parse_data_path(config.inputs.data_path)
         wide = [p for p in prefixes if np.dtype(read_header(idx_path(p)).dtype).itemsize > 2]
     except (BlendError, IndexedDatasetError, OSError):
         return None                       # validate() names what is wrong
@@ -105,7 +105,7 @@ def token_dtype_warning(config: TrainConfig) -> str | None:
         return None
     return (f"--data-path {', '.join(wide)}: tokens stored as 32-bit ids, as preprocessing "
             f"writes them for a vocabulary of 65,500 ids or more, but --vocab is "
-            f"{config.vocab}: an id past it stops the run at its batch")
+            f"{config.plan.model.vocab}: an id past it stops the run at its batch")
 
 
 def microbatch_warning(pp: int, microbatches: int) -> str | None:
@@ -157,13 +157,13 @@ def check_train(config: TrainConfig, checkpoint: Any, *, nproc: int,
     check_timeout(timeout)
     check_tokenizer(config)
     warnings = []
-    w = data_warning(config.data)
+    w = data_warning(config.inputs.data)
     if w:
-        warnings.append(w + ("; training on its bytes anyway" if config.tokenizer is None
+        warnings.append(w + ("; training on its bytes anyway" if config.inputs.tokenizer is None
                              else "; tokenizing it anyway"))
-    for w in (token_dtype_warning(config), microbatch_warning(config.pp, config.microbatches),
-              cp_comm_warning(config.plan.parallelism),
-              tp_comm_overlap_warning(config.plan.parallelism)):
+    par = config.plan.parallelism
+    for w in (token_dtype_warning(config), microbatch_warning(par.pp, config.plan.microbatches),
+              cp_comm_warning(par), tp_comm_overlap_warning(par)):
         if w:
             warnings.append(w)
     nothing = None
@@ -173,11 +173,12 @@ def check_train(config: TrainConfig, checkpoint: Any, *, nproc: int,
             raise CheckpointError(missing_checkpoint(Path(checkpoint.load), tag,
                                                      asked=checkpoint.ckpt_step is not None))
     if checkpoint is not None and checkpoint.load is not None and not checkpoint.finetune:
-        if tag != RELEASE and int(tag) >= config.steps and not config.forward_only:
+        steps = config.optimizer.steps
+        if tag != RELEASE and int(tag) >= steps and not config.runtime.forward_only:
             nothing = (f"nothing to train: the checkpoint in {checkpoint.load} is at iteration "
-                       f"{tag} and --steps {config.steps} counts iterations in total (like "
-                       f"Megatron's --train-iters); pass --steps {int(tag) + config.steps} to "
-                       f"train {config.steps} more")
+                       f"{tag} and --steps {steps} counts iterations in total (like "
+                       f"Megatron's --train-iters); pass --steps {int(tag) + steps} to "
+                       f"train {steps} more")
         elif tag != RELEASE:
             try:
                 reader = CheckpointReader(checkpoint.load, tag, verify=False)
@@ -187,7 +188,7 @@ def check_train(config: TrainConfig, checkpoint: Any, *, nproc: int,
             if isinstance(first.get("config"), dict):     # another model: refused here, first
                 check_model(first["config"], config.to_dict(), path=where,
                             allow=tuple(getattr(checkpoint, "allow_model_change", ()) or ()))
-            if not (checkpoint.override_opt_param_scheduler or config.forward_only):
+            if not (checkpoint.override_opt_param_scheduler or config.runtime.forward_only):
                 check_lr_schedule(config, first.get("opt_param_scheduler"), checkpoint.load)
             w = data_change_warning(config, first.get("config"))
             if w:
@@ -206,26 +207,29 @@ def data_change_warning(config: TrainConfig, saved: dict | None) -> str | None:
     if not isinstance(saved, dict):
         return None
     changed = []
+    ours_flat, default = config.to_flat(), TrainConfig().to_flat()   # the saved form's names
     for name in _DATA_FIELDS:
-        ours = getattr(config, name)
-        theirs = saved.get(name, getattr(TrainConfig(), name))
+        ours = ours_flat[name]
+        theirs = saved.get(name, default[name])
         if name == "data_path":
             theirs = tuple(theirs or ())
-        if name == "tokenizer" and config.data == "synthetic":
+        if name == "tokenizer" and config.inputs.data == "synthetic":
             continue
         if ours != theirs:
             changed.append(f"{TrainConfig.flag(name)} {theirs!r} -> {ours!r}")
     if changed:
         return ("the data differs from the checkpoint's run (" + "; ".join(changed)
                 + "): the steps after it draw other samples than that run would have")
-    if not config.data_path:
+    if not config.inputs.data_path:
         return None
     from ..datasets import DataPathError
     from ..datasets.build import train_order
 
     try:
-        before = train_order(config.replace(steps=int(saved.get("steps", config.steps)),
-                                            decay_steps=saved.get("decay_steps")))
+        optimizer = replace(config.optimizer,
+                            steps=int(saved.get("steps", config.optimizer.steps)),
+                            decay_steps=saved.get("decay_steps"))
+        before = train_order(config.replace(optimizer=optimizer))
         now = train_order(config)
     except (DataPathError, ConfigError, TypeError, ValueError):
         return None
@@ -250,16 +254,18 @@ def check_lr_schedule(config: TrainConfig, record: dict | None, load: str) -> No
     ``record``: the checkpoint's ``opt_param_scheduler`` (None: an old checkpoint, not checked)."""
     if not record:
         return
-    run = {"max_lr": config.lr, "min_lr": config.min_lr, "warmup_steps": config.warmup_steps,
-           "decay_steps": config.decay_steps or config.steps}
+    opt = config.optimizer
+    run = {"max_lr": opt.lr, "min_lr": opt.min_lr, "warmup_steps": opt.warmup_steps,
+           "decay_steps": opt.decay_steps or opt.steps}
     differ = [k for k in _SCHEDULE if k in record and not _same(record[k], run[k])]
     if not differ:
         return
     what = []
     for k in differ:
         field, flag = _SCHEDULE[k]
-        yours = (f"{flag} {run[k]:g}" if k != "decay_steps" or config.decay_steps else
-                 f"--steps {config.steps} (the decay ends at --steps unless --decay-steps is given)")
+        yours = (f"{flag} {run[k]:g}" if k != "decay_steps" or opt.decay_steps else
+                 f"--steps {opt.steps} (the decay ends at --steps unless --decay-steps is "
+                 "given)")
         what.append(f"{k} {record[k]:g} in the checkpoint, {run[k]:g} in this run ({yours})")
     keep = " ".join(f"{_SCHEDULE[k][1]} {record[k]:g}" for k in differ)
     raise ConfigError(

@@ -32,8 +32,9 @@ def prepare(config: TrainConfig, *, world_size: int | None = None,
     config.validate(world_size=world_size, num_layers=num_layers, check_schedule=False)
     if schedule is not None:
         got = (schedule.pp, schedule.parts_per_rank, schedule.num_microbatches)
-        if got != (config.pp, config.vpp, config.microbatches):
+        ours = (config.plan.parallelism.pp, config.plan.parallelism.vpp, config.plan.microbatches)
+        if got != ours:
             raise ValueError(f"schedule {schedule.name!r} has pp, vpp, microbatches = {got}, the "
-                             f"config {(config.pp, config.vpp, config.microbatches)}")
+                             f"config {ours}")
         return PreparedRun(config, schedule.validate(), custom_schedule=True)
     return PreparedRun(config, config.build_schedule())

@@ -79,13 +79,14 @@ def run_training(board: ActionBoard | None, args: WorkerArgs) -> RunOutcome:
                         "it as launch(run_training, n, (WorkerArgs(config, ...),)))")
     config, metrics_out, progress = args.config, args.metrics_out, args.progress
     checkpoint, profile = args.checkpoint, args.profile
-    topology = init_topology(config.pp, config.dp, tp=config.tp, cp=config.cp, ep=config.ep,
-                             backend=config.backend,
-                             device=config.device,
-                             timeout=config.collective_timeout, p2p_timeout=config.p2p_timeout)
+    par, runtime = config.plan.parallelism, config.runtime
+    topology = init_topology(par.pp, par.dp, tp=par.tp, cp=par.cp, ep=par.ep,
+                             backend=runtime.backend,
+                             device=runtime.device,
+                             timeout=runtime.collective_timeout, p2p_timeout=runtime.p2p_timeout)
     try:
         session = None
-        auto = config.memory_limit is not None        # zb-auto searched from this run's costs
+        auto = config.layout.memory_limit is not None   # zb-auto searched from this run's costs
         if auto and profile is not None:
             raise ValueError("--profile and zb-auto's --memory-limit both profile the run; "
                              "give one of them")
@@ -94,7 +95,7 @@ def run_training(board: ActionBoard | None, args: WorkerArgs) -> RunOutcome:
             run = profiled_start(run)
         if profile is not None or auto:
             session = ProfileSession(profile or ProfileOptions(
-                RESCHEDULE_WARMUP_STEPS, RESCHEDULE_WARMUP_STEPS + config.reschedule_after),
+                RESCHEDULE_WARMUP_STEPS, RESCHEDULE_WARMUP_STEPS + config.layout.reschedule_after),
                 topology)
         trainer = assemble_prepared(run, topology, board=board,
                                     recorder=None if session is None else session.profiler)
@@ -108,7 +109,7 @@ def run_training(board: ActionBoard | None, args: WorkerArgs) -> RunOutcome:
         on_step = None if manager is None else manager.on_step
         switch = None
         if auto:
-            check_memory_limit(trainer, config.memory_limit)    # before step 0
+            check_memory_limit(trainer, config.layout.memory_limit)    # before step 0
             on_step = switch = ZbAutoSwitch(config, session, on_step, _log)
         evaluation = args.evaluation
         result = train(trainer, log=_log, progress=progress, on_step=on_step,
@@ -143,24 +144,26 @@ def run_training(board: ActionBoard | None, args: WorkerArgs) -> RunOutcome:
 
 def _log_start(config: TrainConfig, topology: Any, trainer: Any, auto: bool) -> None:
     """Rank 0's first lines: the run's layout and the versions it runs on."""
-    layout = (f"tp={config.tp}{' (sequence parallel)' if config.sequence_parallel else ''} "
-              if config.tp > 1 else "")
-    if config.cp > 1:
-        layout += f"cp={config.cp} "
-    if config.ep > 1:
-        layout += f"ep={config.ep} "
-    if config.zero:
-        layout += f"zero={config.zero} " + (
+    plan, par = config.plan, config.plan.parallelism
+    layout = (f"tp={par.tp}{' (sequence parallel)' if par.sequence_parallel else ''} "
+              if par.tp > 1 else "")
+    if par.cp > 1:
+        layout += f"cp={par.cp} "
+    if par.ep > 1:
+        layout += f"ep={par.ep} "
+    if par.zero:
+        layout += f"zero={par.zero} " + (
             "(gradients reduced per microbatch) "
-            if config.zero >= 2 and config.grad_reduce == "per_microbatch" else "")
-    _log(f"pipeexec: {config.schedule} {layout}pp={config.pp} vpp={config.vpp} dp={config.dp} "
-         f"m={config.microbatches} b={config.micro_batch_size} precision={config.precision} "
-         f"layers={config.layers}+2 hidden={config.hidden}"
-         + (f" hf-model={config.hf_model}" if config.hf_model else
-            f" hf-family={config.plan.model.family}" if config.plan.model.family else "")
+            if par.zero >= 2 and par.grad_reduce == "per_microbatch" else "")
+    hf_model = config.inputs.hf_model
+    _log(f"pipeexec: {plan.schedule_name} {layout}pp={par.pp} vpp={par.vpp} dp={par.dp} "
+         f"m={plan.microbatches} b={par.micro_batch_size} precision={par.precision} "
+         f"layers={plan.model.layers}+2 hidden={plan.model.hidden}"
+         + (f" hf-model={hf_model}" if hf_model else
+            f" hf-family={plan.model.family}" if plan.model.family else "")
          + f" on {topology.backend}/"
          f"{topology.device.type}; stage bounds {list(trainer.bounds)}")
-    if config.schedule == "zb-auto" and not auto:
+    if plan.schedule_name == "zb-auto" and not auto:
         _log("pipeexec: zb-auto without --memory-limit searches its order from equal "
              "costs (F = I = W) with no limit; give --memory-limit to profile this run "
              "and search from its own costs")

@@ -26,10 +26,10 @@ class ZbAutoSwitch:
 
     def __init__(self, config: TrainConfig, session: ProfileSession,
                  then: Callable[[Any, Any], None] | None, log: Callable[[str], None]) -> None:
-        self.memory_limit, self.session, self.then, self.log = (config.memory_limit, session,
+        self.memory_limit, self.session, self.then, self.log = (config.layout.memory_limit, session,
                                                                 then, log)
-        self.switch_at = RESCHEDULE_WARMUP_STEPS + config.reschedule_after
-        self.trial = trial_steps(config.steps, self.switch_at)
+        self.switch_at = RESCHEDULE_WARMUP_STEPS + config.layout.reschedule_after
+        self.trial = trial_steps(config.optimizer.steps, self.switch_at)
         self.baseline_at = self.switch_at + self.trial
         self.judge_at = self.switch_at + 2 * self.trial
         self.switched: dict[str, Any] = {}

@@ -222,22 +222,22 @@ def gradient_holder(config, topology, stages: Mapping[int, nn.Module], *, names:
     data-parallel replica (dense parameters sharded over dp x cp; with ep > 1 experts over
     their expert-data-parallel group), else the replicated one (ZeRO with one replica is a
     no-op, as Megatron's)."""
-    hyper = dict(lr=config.lr, weight_decay=config.weight_decay,
-                 betas=(config.beta1, config.beta2), eps=config.eps,
-                 timeout=config.collective_timeout)
+    opt, par = config.optimizer, config.plan.parallelism
+    hyper = dict(lr=opt.lr, weight_decay=opt.weight_decay, betas=(opt.beta1, opt.beta2),
+                 eps=opt.eps, timeout=config.runtime.collective_timeout)
     dev = topology.device
-    if config.zero and topology.ep > 1:
+    if par.zero and topology.ep > 1:
         return ExpertShardedOptimizer(
-            stages, is_expert=is_expert, level=config.zero, dtype=dtype,
+            stages, is_expert=is_expert, level=par.zero, dtype=dtype,
             dense_group=topology.dp_cp_group, dense_shards=topology.dp_cp,
             dense_rank=topology.dp_cp_rank, expert_group=topology.edp_group,
             expert_shards=topology.edp, expert_rank=topology.edp_rank, device=dev,
-            grad_reduce=config.grad_reduce, **hyper)
-    if config.zero and topology.dp_cp > 1:
-        return ShardedOptimizer(stages, level=config.zero, dtype=dtype,
+            grad_reduce=par.grad_reduce, **hyper)
+    if par.zero and topology.dp_cp > 1:
+        return ShardedOptimizer(stages, level=par.zero, dtype=dtype,
                                 group=topology.dp_cp_group, shards=topology.dp_cp,
                                 rank=topology.dp_cp_rank, device=dev,
-                                grad_reduce=config.grad_reduce, **hyper)
+                                grad_reduce=par.grad_reduce, **hyper)
     return ReplicatedOptimizer(stages, names=names, dtype=dtype, device=dev,
                                is_expert=is_expert, group=topology.dp_cp_group,
                                size=topology.dp_cp, expert_group=topology.edp_group,

@@ -152,7 +152,7 @@ def model_flops_per_step(config: TrainConfig) -> float:
     pipesim counts them for MFU (`pipesim.plan.flops.model_flops`)."""
     from pipesim.plan.flops import model_flops
 
-    return model_flops(config.plan.model, config.global_batch, tp=config.tp,
+    return model_flops(config.plan.model, config.global_batch, tp=config.plan.parallelism.tp,
                        causal=config.plan.parallelism.flash_attention)
 
 

@@ -35,6 +35,7 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -134,19 +135,23 @@ class Trainer:
                                         pp_rank=p, dp_rank=d // (topology.tp * topology.cp),
                                         cp_rank=d // topology.tp % topology.cp,
                                         tp_rank=d % topology.tp),
-                                    timeout=config.collective_timeout)
+                                    timeout=config.runtime.collective_timeout)
         self.tied.copy_from_source()
         self.tp_grads = TensorParallelGrads([p for _, p in named], self.holder.grad_pieces,
                                             self.tp)
         self.holder.start(self.tied)        # masters and AdamW (ZeRO-3 releases the weights)
         self.stage_hooks: tuple[StageHooks, ...] = ()
-        self.scaler = LossScaler(dynamic=config.precision == "fp16", initial=config.loss_scale,
-                                 growth=config.loss_scale_growth, backoff=config.loss_scale_backoff,
-                                 growth_interval=config.loss_scale_growth_interval,
-                                 min_scale=config.min_loss_scale)
-        self.divergence = DivergenceGuard(dynamic_scale=self.scaler.dynamic,
-                                          precision=config.precision,
-                                          max_skipped_steps=config.max_skipped_steps)
+        precision, mp = config.plan.parallelism.precision, config.mixed_precision
+        self.scaler = LossScaler(dynamic=precision == "fp16", initial=mp.loss_scale,
+                                 growth=mp.loss_scale_growth, backoff=mp.loss_scale_backoff,
+                                 growth_interval=mp.loss_scale_growth_interval,
+                                 min_scale=mp.min_loss_scale)
+        self.divergence = DivergenceGuard(dynamic_scale=self.scaler.dynamic, precision=precision,
+                                          max_skipped_steps=mp.max_skipped_steps)
+        # a step's loss summed over its m microbatches on every dp x cp rank (each cp rank's
+        # over its chunks of the sequences), divided by this: the mean per microbatch
+        par = config.plan.parallelism
+        self._losses_per_step = config.plan.microbatches * par.dp * par.cp
         self._overflow = parts.overflow
         self.board, self._board_observer = parts.board, parts.board_observer
         self.observers: list[ActionObserver] = list(parts.observers)
@@ -206,7 +211,7 @@ class Trainer:
                                self.holder.accumulate, self.p2p, global_rank=topology.rank,
                                device=topology.device, compute_dtype=self.dtype,
                                observers=self.observers,
-                               deallocate_outputs=config.deallocate_outputs,
+                               deallocate_outputs=config.runtime.deallocate_outputs,
                                # fp32: the masters are the parameters, .grad bound above
                                # (ZeRO-2/3: any dtype, the holder takes each .grad)
                                grads_in_place=self.holder.grads_in_place,
@@ -218,9 +223,10 @@ class Trainer:
         stages on this rank. The new runtime has the same observers."""
         got = (schedule.pp, schedule.parts_per_rank, schedule.num_microbatches)
         cfg = self.config
-        if got != (cfg.pp, cfg.vpp, cfg.microbatches):
+        ours = (cfg.plan.parallelism.pp, cfg.plan.parallelism.vpp, cfg.plan.microbatches)
+        if got != ours:
             raise ValueError(f"schedule {schedule.name!r} has pp, vpp, microbatches = {got}, the "
-                             f"run {(cfg.pp, cfg.vpp, cfg.microbatches)}")
+                             f"run {ours}")
         schedule.validate()
         mine = set(schedule.rank_stages(self.topology.pp_rank))
         if mine != set(self.stages) or any(schedule.stage_part(s) != self.schedule.stage_part(s)
@@ -231,10 +237,10 @@ class Trainer:
                              f"{[self.schedule.stage_part(s) for s in sorted(self.stages)]})")
         if self.p2p is not None:
             check_channels_exist(schedule, self.topology.pp_rank, self.topology.p2p_groups)
-            if self.topology.backend == "nccl" or cfg.nccl_matching:
+            if self.topology.backend == "nccl" or cfg.runtime.nccl_matching:
                 check_p2p_order(schedule, collectives=self.topology.tp > 1
                                 or self.topology.cp > 1 or self.topology.ep > 1
-                                or cfg.zero >= 2)
+                                or cfg.plan.parallelism.zero >= 2)
         self.schedule = schedule
         self._custom_schedule = True
         self.runtime = self._make_runtime(schedule)
@@ -251,9 +257,8 @@ class Trainer:
         if self.schedule.forward_only:
             return with_peaks(self._eval_step(k, t0), self.topology.device)
         self.holder.zero()
-        mbs = pinned(self.data.microbatches(k, topo.dp_rank, cfg.dp, cfg.microbatches),
-                     self.topology.device)
-        out = self.runtime.run(mbs, step=k, loss_scale=self.scaler.scale)
+        out = self.runtime.run(self._microbatches(self.data, k), step=k,
+                               loss_scale=self.scaler.scale)
         if self.board is not None:
             self.board.set(topo.rank, k, Op.ALLREDUCE, -1, -1)
         # each gradient (ZeRO: each shard's) the dp x cp group's average, tied ones summed
@@ -275,28 +280,26 @@ class Trainer:
         found_inf = not math.isfinite(sq)
         scale = self.scaler.scale
         # a diverged run stops here, on every rank alike, before the optimizer step
-        self.divergence.check(k, loss_total / (cfg.microbatches * cfg.dp * cfg.cp), sq, scale)
-        lr = lr_at(self.updates, lr=cfg.lr, min_lr=cfg.min_lr, warmup=cfg.warmup_steps,
-                   decay_steps=cfg.decay_steps or cfg.steps)
+        self.divergence.check(k, loss_total / self._losses_per_step, sq, scale)
+        opt = cfg.optimizer
+        lr = lr_at(self.updates, lr=opt.lr, min_lr=opt.min_lr, warmup=opt.warmup_steps,
+                   decay_steps=opt.decay_steps or opt.steps)
         norm = math.sqrt(sq) / scale if not found_inf else float("inf")
         if self.board is not None:
             self.board.set(topo.rank, k, Op.OPTIMIZER, -1, -1)
         if not found_inf:
-            self.holder.step(clip_coefficient(norm, cfg.clip_grad) / scale, lr)
+            self.holder.step(clip_coefficient(norm, opt.clip_grad) / scale, lr)
             self.updates += 1
         self.scaler.update(found_inf)
         self.iteration += 1
         dt = time.perf_counter() - t0
-        return with_peaks(StepStats(k, loss_total / (cfg.microbatches * cfg.dp * cfg.cp), dt,
-                                    norm, lr,
-                                    scale, found_inf, cfg.global_batch * cfg.seq_len / dt),
+        return with_peaks(StepStats(k, loss_total / self._losses_per_step, dt, norm, lr, scale,
+                                    found_inf, self._tokens_per_step() / dt),
                           self.topology.device)
 
     def _eval_step(self, k: int, t0: float) -> StepStats:
-        cfg, topo = self.config, self.topology
-        out = self.runtime.run(pinned(self.data.microbatches(k, topo.dp_rank, cfg.dp,
-                                                             cfg.microbatches), topo.device),
-                               step=k, forward_only=True)
+        topo = self.topology
+        out = self.runtime.run(self._microbatches(self.data, k), step=k, forward_only=True)
         dev = topo.device
         loss = (torch.stack(list(out.losses.values())).sum().float()
                 if out.losses and topo.tp_rank == 0 else torch.zeros((), device=dev))
@@ -304,16 +307,24 @@ class Trainer:
             dist.all_reduce(loss)
         self.iteration += 1
         dt = time.perf_counter() - t0
-        return StepStats(k, loss.item() / (cfg.microbatches * cfg.dp * cfg.cp), dt, 0.0, 0.0,
-                         self.scaler.scale, True, cfg.global_batch * cfg.seq_len / dt)
+        return StepStats(k, loss.item() / self._losses_per_step, dt, 0.0, 0.0,
+                         self.scaler.scale, True, self._tokens_per_step() / dt)
 
     # -- forward only -----------------------------------------------------------------------
     def forward(self, step: int, keep_outputs: bool = False):
         """Forward-only pass over the batch of ``step``; returns this rank's StepOutput."""
-        mbs = pinned(self.data.microbatches(step, self.topology.dp_rank, self.config.dp,
-                                            self.config.microbatches), self.topology.device)
-        return self._forward_runtime().run(mbs, step=step, forward_only=True,
-                                           keep_outputs=keep_outputs)
+        return self._forward_runtime().run(self._microbatches(self.data, step), step=step,
+                                           forward_only=True, keep_outputs=keep_outputs)
+
+    def _microbatches(self, data: Any, step: int) -> list:
+        """This rank's microbatches of ``step`` from ``data`` (its replica's m of them), on
+        its device."""
+        return pinned(data.microbatches(step, self.topology.dp_rank,
+                                        self.config.plan.parallelism.dp,
+                                        self.config.plan.microbatches), self.topology.device)
+
+    def _tokens_per_step(self) -> int:
+        return self.config.global_batch * self.config.plan.model.seq_length
 
     @torch.no_grad()
     def evaluate(self, data, iters: int) -> float:
@@ -322,7 +333,7 @@ class Trainer:
         microbatches, through the forward-only schedule with the stages in eval mode (no
         dropout); the weights and the training state are untouched. Collective: every rank
         calls it; all get the same value."""
-        cfg, topo = self.config, self.topology
+        topo = self.topology
         if self.cp.active:
             data = ContextParallelBatches(data, self.cp)
         runtime = self._forward_runtime()
@@ -332,9 +343,8 @@ class Trainer:
             for st in self.stages.values():
                 st.eval()
             for i in range(iters):
-                mbs = pinned(data.microbatches(i, topo.dp_rank, cfg.dp, cfg.microbatches),
-                             topo.device)
-                out = runtime.run(mbs, step=self.iteration, forward_only=True)
+                out = runtime.run(self._microbatches(data, i), step=self.iteration,
+                                  forward_only=True)
                 if out.losses and topo.tp_rank == 0:   # tp ranks of the last stage: one loss
                     total += torch.stack(list(out.losses.values())).double().sum()
         finally:
@@ -342,7 +352,7 @@ class Trainer:
                 st.train(modes[s])
         if topo.world_size > 1:
             dist.all_reduce(total)
-        return total.item() / (iters * cfg.microbatches * cfg.dp * cfg.cp)
+        return total.item() / (iters * self._losses_per_step)
 
     def _forward_runtime(self) -> PipelineRuntime:
         """The runtime of the forward-only variant of this run's schedule (built once)."""
@@ -355,7 +365,8 @@ class Trainer:
                                       name=f"{s.name} (forward only)",
                                       forward_only=True).validate()
             else:               # the builder's (or the file's) forward-only schedule
-                sched = cfg.replace(forward_only=True).build_schedule()
+                forward = dataclasses.replace(cfg.runtime, forward_only=True)
+                sched = cfg.replace(runtime=forward).build_schedule()
             self._fwd_runtime = PipelineRuntime(sched.with_sharding(self.holder.sharding),
                                                 self.topology.pp_rank, self.stages,
                                                 self.spec.loss_fn, self.holder.accumulate,
@@ -442,12 +453,14 @@ def train(trainer: Trainer, *, on_step: Callable[[Trainer, StepStats], None] | N
           log: Callable[[str], None] | None = None, progress: bool = False,
           evaluation: EvalOptions | None = None, logging: LogOptions | None = None
           ) -> TrainResult:
-    """Run steps until ``trainer.iteration == config.steps``; log on global rank 0: a line per
-    ``logging.log_interval`` steps, or, with ``progress`` and stdout a terminal, a progress bar
-    with its ETA. ``evaluation``: the validation loss every ``eval_interval`` iterations and at
-    the end (`training.validation`; ``eval_only``: once, no training); ``logging``: its
-    TensorBoard / W&B scalars, written by the rank holding the loss (`training.metrics_log`)."""
+    """Run steps until ``trainer.iteration == config.optimizer.steps``; log on global rank 0:
+    a line per ``logging.log_interval`` steps, or, with ``progress`` and stdout a terminal, a
+    progress bar with its ETA. ``evaluation``: the validation loss every ``eval_interval``
+    iterations and at the end (`training.validation`; ``eval_only``: once, no training);
+    ``logging``: its TensorBoard / W&B scalars, written by the rank holding the loss
+    (`training.metrics_log`)."""
     cfg = trainer.config
+    steps = cfg.optimizer.steps
     result = TrainResult()
     is_logger = trainer.topology.rank == 0
     interval = logging.log_interval if logging is not None else 1
@@ -460,7 +473,7 @@ def train(trainer: Trainer, *, on_step: Callable[[Trainer, StepStats], None] | N
     skipped = 0
     bar = None
     if progress and is_logger:
-        bar = progress_bar(total=cfg.steps, initial=trainer.iteration, desc="train", unit="step",
+        bar = progress_bar(total=steps, initial=trainer.iteration, desc="train", unit="step",
                            file=sys.stdout, dynamic_ncols=True)
         if bar.disable:             # not a terminal: the step lines instead
             bar.close()
@@ -494,16 +507,16 @@ def train(trainer: Trainer, *, on_step: Callable[[Trainer, StepStats], None] | N
             validate()
             return result
         evaluated_at = None
-        while trainer.iteration < cfg.steps:
+        while trainer.iteration < steps:
             stats = trainer.step()
             result.add(stats)
             skipped += stats.skipped
             done = stats.iteration + 1
-            due = done % interval == 0 or done == cfg.steps
+            due = done % interval == 0 or done == steps
             if bar is None and due:
                 # Steps are numbered from 0 everywhere (--profile A:B, traces, reports,
                 # errors); "k of N" counts iterations done, as the checkpoint names do.
-                msg = (f"step {stats.iteration} ({stats.iteration + 1} of {cfg.steps}) "
+                msg = (f"step {stats.iteration} ({stats.iteration + 1} of {steps}) "
                        f"loss {stats.loss:.4f} "
                        f"step_time {stats.step_time * 1e3:.1f} ms tokens/s {stats.tokens_per_s:,.0f} "
                        f"lr {stats.lr:.2e} grad_norm {stats.grad_norm:.3f}")

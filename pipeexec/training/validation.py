@@ -73,11 +73,11 @@ class EvalOptions:
                               "--eval-only) with it")
         if not self.active:
             return self
-        if config.forward_only:
+        if config.runtime.forward_only:
             raise ConfigError("--forward-only evaluates the training batches; validation "
                               "(--eval-interval, --eval-only) runs its own forward-only "
                               "schedule: drop --forward-only")
-        if config.data_path:
+        if config.inputs.data_path:
             flag = "--eval-only" if self.eval_interval is None else "--eval-interval"
             if self.valid_data is not None:
                 raise ConfigError(f"--valid-data {self.valid_data}: --data-path validates on "
@@ -85,25 +85,26 @@ class EvalOptions:
             from ..datasets import DataPathError, check_split_for_eval
 
             try:
-                check_split_for_eval(config.data_path, config.split, config.seq_len, flag)
+                check_split_for_eval(config.inputs.data_path, config.inputs.split,
+                                     config.plan.model.seq_length, flag)
             except DataPathError as exc:
                 raise ConfigError(str(exc)) from None
             return self
-        if config.data == "synthetic":
+        if config.inputs.data == "synthetic":
             if self.valid_data is not None:
                 raise ConfigError(f"--valid-data {self.valid_data}: synthetic data validates on "
                                   "a stream of its own; drop --valid-data (or train on a text "
                                   "file with --data FILE)")
             return self
         if self.valid_data is None:
-            raise ConfigError(f"validation of a text run (--data {config.data}) needs a held-out "
-                              "text file: give --valid-data FILE")
+            raise ConfigError(f"validation of a text run (--data {config.inputs.data}) needs a "
+                              "held-out text file: give --valid-data FILE")
         if not os.path.isfile(self.valid_data):
             raise ConfigError(f"--valid-data: file {self.valid_data!r} does not exist")
-        size = os.path.getsize(self.valid_data)
-        if size < config.seq_len + 2:
+        size, seq_len = os.path.getsize(self.valid_data), config.plan.model.seq_length
+        if size < seq_len + 2:
             raise ConfigError(f"--valid-data: file {self.valid_data!r} has {size} bytes, fewer "
-                              f"than seq_len + 2 = {config.seq_len + 2}")
+                              f"than seq_len + 2 = {seq_len + 2}")
         return self
 
 
@@ -130,20 +131,21 @@ class HeldOutStream:
 
 def valid_batches(config: TrainConfig, options: EvalOptions) -> ValidationData:
     """The validation data of ``config``'s data source (see the module docstring)."""
-    if config.data_path:
+    model = config.plan.model
+    if config.inputs.data_path:
         from ..data import IndexedBatches
         from ..datasets import build_dataset
 
         valid = build_dataset(config, "validation", options.eval_iters * config.global_batch)
-        return IndexedBatches(valid, seq_len=config.seq_len, vocab=config.vocab,
+        return IndexedBatches(valid, seq_len=model.seq_length, vocab=model.vocab,
                               global_batch=config.global_batch,
                               source="--data-path (its validation split)")
-    data = "synthetic" if config.data == "synthetic" else options.valid_data
+    data = "synthetic" if config.inputs.data == "synthetic" else options.valid_data
     if data is None:
-        raise ConfigError(f"validation of a text run (--data {config.data}) needs --valid-data "
-                          "FILE")
-    return HeldOutStream(BatchSource(seed=config.seed, seq_len=config.seq_len,
-                                     vocab=config.vocab, global_batch=config.global_batch,
+        raise ConfigError(f"validation of a text run (--data {config.inputs.data}) needs "
+                          "--valid-data FILE")
+    return HeldOutStream(BatchSource(seed=config.runtime.seed, seq_len=model.seq_length,
+                                     vocab=model.vocab, global_batch=config.global_batch,
                                      data=data))
 
 

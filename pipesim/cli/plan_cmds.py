@@ -20,7 +20,7 @@ from ..units import GiB
 # Flags that only a plan can honour: given, they switch `simulate` from a schedule with
 # uniform (or --costs) costs to a plan with derived costs.
 _PLAN_ONLY = ("plan", "tp", "cp", "ep", "global_batch_size", "seq_len", "recompute",
-              "recompute_layers", "sequence_parallel", "distributed_optimizer", "zero",
+              "recompute_layers", "recompute_modules", "offload_layers", "sequence_parallel", "distributed_optimizer", "zero",
               "grad_reduce", "grad_reduce_in_fp32",
               "precision", "gpus_per_node", "report_out", "save_plan", "no_flash_attention",
               "tp_comm_overlap", "overlap_tp_comm", "cp_comm", "no_overlap", "no_overlap_grad_reduce",

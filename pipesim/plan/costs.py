@@ -27,9 +27,12 @@ PerStage = Union[float, Sequence[float]]
 
 _PER_STAGE = ("forward", "backward", "backward_input", "backward_weight", "p2p_bytes",
               "activation_bytes", "weight_grad_fraction", "stage_static_bytes", "grad_bytes",
-              "optimizer", "unshard", "reduce_grad")
+              "optimizer", "unshard", "reduce_grad", "unshard_units", "reduce_grad_units")
 # ZeRO as actions: written to JSON only when set, so a model without them saves as before
-_SHARDING = {"unshard": 0.0, "reduce_grad": 0.0, "overlap_sharding": 1.0}
+_SHARDING = {"unshard": 0.0, "reduce_grad": 0.0, "overlap_sharding": 1.0, "unshard_units": 1.0,
+             "reduce_grad_units": 1.0, "overlap_reduce_grad": 1.0}
+_SWITCHES = ("overlap_sharding", "overlap_reduce_grad")
+_UNITS = ("unshard_units", "reduce_grad_units")
 
 
 @dataclass(frozen=True)
@@ -73,7 +76,21 @@ class CostModel:
     as the lane is free but not before the rank's previous computation started (prefetched
     one computation ahead: FSDP's and Megatron's), its computation waiting for it, and a
     REDUCE_GRAD leaves the rank going on; with 0.0 both block the rank (pipeexec on one
-    stream). Zero by default: the actions then take no time.
+    stream). Zero by default: the actions then take no time. ``overlap_reduce_grad`` 0.0 makes
+    the rank wait for each REDUCE_GRAD, still run on the lane: the end of every backward waits
+    for its reduction (DeepSpeed's ZeRO-2 epilogue and FSDP's post-backward callback when they
+    reduce every microbatch); 1.0 (the default), the step's end waits for it (Megatron's
+    ``finalize_model_grads``).
+
+    ``unshard_units`` / ``reduce_grad_units`` (per stage, >= 1; 1 by default: the stage at once,
+    pipeexec's unit): the units a stage's collective is made of, gathered or reduced one after
+    another, the size of the stage over the units each, with ``overlap_sharding`` 1.0 streamed
+    with the computation they serve. FSDP and Megatron gather a layer at a time (the next while
+    the current one computes), so an UNSHARD's computation starts once its first unit is
+    gathered and ends no sooner than the last unit's share of it after the gather ends; they
+    reduce each bucket as the backward makes its gradients, so a REDUCE_GRAD starts once the
+    backward it follows has made its first unit's and ends no sooner than one unit's reduction
+    after that backward (the last bucket, exposed).
     """
 
     forward: PerStage = 1.0
@@ -95,6 +112,9 @@ class CostModel:
     unshard: PerStage = 0.0
     reduce_grad: PerStage = 0.0
     overlap_sharding: float = 1.0
+    overlap_reduce_grad: float = 1.0
+    unshard_units: PerStage = 1.0
+    reduce_grad_units: PerStage = 1.0
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -130,8 +150,11 @@ class CostModel:
                     raise ValueError(f"CostModel.weight_grad_fraction must be in [0, 1], got {v}")
                 if f.name in ("p2p_bandwidth", "dp_bandwidth") and v == 0:
                     raise ValueError(f"CostModel.{f.name} must be > 0")
-                if f.name == "overlap_sharding" and v not in (0.0, 1.0):
-                    raise ValueError(f"CostModel.overlap_sharding must be 0 or 1, got {v}")
+                if f.name in _SWITCHES and v not in (0.0, 1.0):
+                    raise ValueError(f"CostModel.{f.name} must be 0 or 1, got {v}")
+                if f.name in _UNITS and v < 1:
+                    raise ValueError(f"CostModel.{f.name} must be >= 1 (a stage is one unit or "
+                                     f"more), got {v}")
 
     # -- per-stage views ----------------------------------------------------------------------
     def stage_values(self, name: str, num_stages: int) -> list[float]:

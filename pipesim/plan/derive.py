@@ -30,9 +30,17 @@ thousands. For each stage and one microbatch on one rank of its tensor/context-p
   splits); with the flex dispatcher (``ep_dispatcher`` deepep / hybridep) one copy a destination rank and
   one a remote domain (:func:`pipesim.plan.collectives.flex_dispatch`); with
   ``overlap_ep_comm`` (Megatron's EP overlap) hidden under the layer's compute but what does
-  not fit and what hiding costs (:mod:`pipesim.plan.overlap`). ZeRO-3 gathers each layer's weights in F and again in I, every microbatch,
-  prefetched (overlapped); ZeRO-2/3 reducing once a microbatch (``grad_reduce
-  "per_microbatch"``, DeepSpeed's stage 2) reduce-scatter each layer's gradients in W;
+  not fit and what hiding costs (:mod:`pipesim.plan.overlap`);
+* ZeRO-2/3: not in F / I / W. They are actions of the plan's program (``Plan.build_schedule``
+  lowers the schedule with ``Parallelism.sharding``, :mod:`pipesim.schedule.sharding`, the
+  program pipeexec runs), priced here per stage and timed by the simulator on each rank's
+  lane: ``unshard``, the ZeRO-3 all-gather of the stage's weights (the weights' bytes), and
+  ``reduce_grad``, the reduce-scatter of one backward's gradients (the gradients' bytes), dense
+  parameters over dp x cp, experts over their expert-data-parallel group, each the sum over
+  the stage's units (a layer, the embedding, the head, an MTP module), which FSDP and Megatron
+  gather and reduce one at a time, streamed with the computations (``unshard_units``,
+  ``reduce_grad_units``; the reduction only with ``overlap_grad_reduce``); the rank waits for
+  each reduction once a microbatch (``overlap_reduce_grad`` 0), the step's end once a step;
 * point-to-point: one activation ``2 b s h / sp`` bytes (Megatron sends the sequence-parallel
   shard) over the pipeline group's link;
 * memory: activations per stage and microbatch (:mod:`pipesim.plan.footprint`), the share W
@@ -40,8 +48,8 @@ thousands. For each stage and one microbatch on one rank of its tensor/context-p
   buffers (one layer's recomputed activations with full recomputation, two gathered layers
   with ZeRO-3, their gradients too when reduced once a microbatch, and ZeRO-2's one bucket, a
   layer's gradients, then);
-* the step tail per rank: the data-parallel gradient all-reduce (or reduce-scatter, once a
-  step unless ZeRO-2/3 reduce once a microbatch, and, with sharded optimizer below ZeRO-3, the
+* the step tail per rank: the data-parallel gradient all-reduce (ZeRO-1: reduce-scatter; ZeRO-2/3
+  reduce in their REDUCE_GRAD actions instead; with sharded optimizer below ZeRO-3, the
   parameter all-gather) over the dp x cp group, overlapped with the
   last microbatch's backward (``overlap_grad_reduce``: all but what that window cannot hide,
   at least the last 40M-parameter bucket) and the next forward (``overlap_param_gather``), the
@@ -67,7 +75,7 @@ from ..schedule.registry import schedule_rank_parts
 from ..schedule.schedule import Schedule
 from . import collectives as coll
 from .cluster import Link
-from .operators import embedding_ops, head_ops, layer_ops, pass_times
+from .operators import embedding_ops, head_ops, layer_ops, pass_times, recomputed_ops
 from .overlap import added, usage
 from .parallelism import FLEX_DISPATCHERS
 from .flops import head_flops, layer_flops, model_flops, recompute_flops
@@ -88,7 +96,8 @@ OPTIMIZER_BYTES = 28          # Adam: bytes read + written per parameter updated
 class RankTail:
     """One pipeline rank's step tail, after its last pipeline action (seconds)."""
 
-    dp_comm: float          # data-parallel gradient reduction (+ ZeRO's parameter gather)
+    dp_comm: float          # data-parallel gradient reduction below ZeRO-2 (ZeRO-2/3 reduce in
+    #                         the program's REDUCE_GRAD), + the parameter gather of ZeRO-1/2
     dp_exposed: float       # what of it (and of tied_comm) the backward does not hide
     tied_comm: float        # gradient sum of parts held by two ranks (dualpipe's copies)
     optimizer: float        # the optimizer step, HBM-bound
@@ -183,12 +192,16 @@ def derive(plan) -> PlanCosts:
     per_mb = par.grads_sharded          # ZeRO-2/3 reduce-scatter inside every backward
 
     def zero_gather(dense: float, expert: float) -> float:
-        """ZeRO-3: all-gather these parameters' weights whole."""
+        """ZeRO-3: all-gather these parameters' weights whole (0 below ZeRO-3)."""
+        if par.zero < 3:
+            return 0.0
         return (coll.all_gather(wbytes * dense, d, links["dp"])
                 + coll.all_gather(wbytes * expert, d_exp, links["edp"]))
 
     def zero_reduce(dense: float, expert: float) -> float:
-        """ZeRO-2/3: reduce-scatter one backward's gradients of these parameters."""
+        """ZeRO-2/3: reduce-scatter one backward's gradients of these parameters (0 below)."""
+        if par.zero < 2:
+            return 0.0
         return (coll.reduce_scatter(gbytes * dense, d, links["dp"])
                 + coll.reduce_scatter(gbytes * expert, d_exp, links["edp"]))
 
@@ -200,16 +213,9 @@ def derive(plan) -> PlanCosts:
         g, a = lf.gemm / shard / gemm_rate, masked * lf.attention / shard / bf16_rate
         lp = model.layer_params(moe)
         lp_rank = lp["dense"] / t + lp["expert"] / (t * par.ep)
-        # ZeRO-3: the layer's weights gathered whole (the collective's output: the weights'
-        # bytes a parameter) for each F and I; ZeRO-2 and 3 reducing once a microbatch: every
-        # backward's gradients reduce-scattered from the whole (the gradients' bytes), as W
-        # makes them (pipeexec: a bucket, a layer, at a time inside each B or W; DeepSpeed:
-        # per bucket); once a step (Megatron, FSDP with accumulation) they go in the tail
-        z3 = zero_gather(lp["dense"] / t, lp["expert"] / (t * par.ep)) if par.zero == 3 else 0.0
-        z3_rs = zero_reduce(lp["dense"] / t, lp["expert"] / (t * par.ep)) if per_mb else 0.0
         ep, ep_b = (ep_f, ep_pass) if moe else (0.0, 0.0)
 
-        def op(compute: float, attn: float, tp_c: float, cp_c: float, extra: float, z: float,
+        def op(compute: float, attn: float, tp_c: float, cp_c: float, extra: float,
                tp_ub: float) -> float:
             if userbuffers:         # what the GEMMs cannot hide, and what hiding costs them
                 x = compute + tp_ub
@@ -218,8 +224,7 @@ def derive(plan) -> PlanCosts:
             # p2p: the ring's transfers hide behind the attention, only the excess shows (and
             # the attention slowed by what it hides); all_gather: the exchange happens before
             # (F) / around (I) the attention, exposed
-            x += (cp_c if gathered else added(cp_c, attn, u_cp)) + extra
-            return max(x, z)
+            return x + (cp_c if gathered else added(cp_c, attn, u_cp)) + extra
 
         if per_op:      # the operators' rooflines (pipesim.plan.operators)
             ops = layer_ops(model, par, moe)
@@ -266,10 +271,23 @@ def derive(plan) -> PlanCosts:
             # shows is split between F and I as the exchanges are
             shown = added(ep + ep_b, comp_f + comp_i + comp_w, u_ep)
             ep_x, ep_bx = shown * ep / (ep + ep_b), shown * ep_b / (ep + ep_b)
-        f = op(comp_f, a, tp_pass, cp_f, ep_x, z3, ub_f)
-        i = op(comp_i + recomputed_attention, a_i, tp_pass, cp_i, ep_bx, z3, ub_i)
-        w = max(comp_w, z3_rs)
-        return {"F": f, "I": i, "W": w, "attn": a, "params": lp_rank, "achieved": achieved,
+        # selective recomputation's modules (the core attention apart): their forwards again
+        # inside I, and a recomputed MoE block's dispatch and combine with them
+        again = recomputed_ops(layer_ops(model, par, moe), par.recomputed_modules - {"core_attn"})
+        if per_op:
+            rec_f = pass_times(again, hw, par.precision).F if again else 0.0
+        else:
+            rec_f = sum(o.flops for o in again if o.kind == "gemm") / gemm_rate
+        rec_ep = ep if (moe and "moe" in par.recomputed_modules) else 0.0
+        rec_flops = sum(o.flops for o in again if o.counted and o.kind != "memory") * shard
+        f = op(comp_f, a, tp_pass, cp_f, ep_x, ub_f)
+        i = op(comp_i + recomputed_attention, a_i, tp_pass, cp_i, ep_bx, ub_i)
+        return {"F": f, "I": i, "W": comp_w, "attn": a, "params": lp_rank, "achieved": achieved,
+                "rec_F": rec_f + rec_ep, "rec_ep": rec_ep, "rec_flops": rec_flops,
+                # ZeRO's collectives of the layer, one unit of its stage's UNSHARD (the weights'
+                # bytes) and REDUCE_GRAD (the gradients' bytes)
+                "gather": zero_gather(lp["dense"] / t, lp["expert"] / (t * par.ep)),
+                "reduce": zero_reduce(lp["dense"] / t, lp["expert"] / (t * par.ep)),
                 "attn_recompute": recomputed_attention,
                 # each group's collective seconds per pass (the exchange, whatever of it shows)
                 "comm_F": {"tp": tp_pass, "cp": cp_f, "ep": ep},
@@ -290,8 +308,12 @@ def derive(plan) -> PlanCosts:
 
     fwd, inp, wgt, act, wfrac, params_st, mem_st = [], [], [], [], [], [], []
     buffers_stage = []
+    # ZeRO-2/3 as the program's actions: per stage its UNSHARD (all-gather of its weights) and
+    # REDUCE_GRAD (reduce-scatter of one backward's gradients), each the sum over the stage's
+    # units (a layer, the embedding, the head, an MTP module) gathered / reduced one by one
+    unshard_st, reduce_st, units_st = [], [], []
     start = 0
-    groups = ("tp", "cp", "ep")                # the collectives' groups inside the layers
+    comm = {"tp": 0.0, "cp": 0.0, "ep": 0.0}
     stage_comm: list[dict[str, dict[str, float]]] = []
     recomputed_total = 0
     # every layer of a kind (dense / MoE, its recomputation) has the same activations and
@@ -304,66 +326,68 @@ def derive(plan) -> PlanCosts:
             kind_acts[moe, rec] = layer_activations(model, par, moe, recompute=rec)
         return kind_acts[moe, rec]
 
-    def layer_step(moe: bool, rec: str) -> tuple:
-        """What one layer of a kind under recomputation ``rec`` adds to its stage's sums, in
-        the order the loop below adds them: computed once per kind, where the loop runs once per
-        layer of every plan a search derives (the same additions, so the same sums)."""
-        k, full = kinds[moe], rec == "full"
-        la, lp = acts_of(moe, rec), kind_params[moe]
-        cf, ci = k["comm_F"], k["comm_I"]
-        # (all_gather cp recomputes the attention already)
-        attn = (k["attn"] if rec == "selective" and not par.flash_attention
-                and not k["attn_recompute"] else None)
-        return (k["F"], k["I"] + (k["F"] if full else 0.0), attn, k["W"], la.total,
-                la.weight_grad, acts_of(moe, "none").total if full else None,
-                lp["dense"] / t, lp["expert"] / (t * par.ep),
-                tuple(cf[c] for c in groups),
-                # full recomputation runs the forward's collectives again inside I
-                tuple(ci[c] + (cf[c] if full else 0.0) for c in groups),
-                tuple(cf[c] + ci[c] for c in groups))
-
-    steps: dict[tuple[bool, str], tuple] = {}
-    # the collectives' seconds per group (tp, cp, ep), the whole pipeline's and each stage's
-    c_tp = c_cp = c_ep = 0.0
+    offload = par.offload_layers
+    if offload and hw.host_bandwidth is None:
+        raise PlanError(f"parallelism.offload_layers: {offload} layers' activations to host "
+                        f"memory, but hardware {hw.name} names no host_bandwidth (the GPU's "
+                        "link to host memory, bytes/s a direction): add it to the hardware "
+                        "file, or set offload_layers to 0")
     for stage, count in enumerate(layers):
+        if offload and count and offload >= count:
+            raise PlanError(f"parallelism.offload_layers: {offload} must be below the layers of "
+                            f"every stage (stage {stage} holds {count}); Megatron refuses "
+                            "--cpu-offloading-num-layers >= a chunk's layers")
         f = i = w = a_bytes = w_bytes = 0.0
         dense_p = expert_p = 0.0
+        gather_s = reduce_s = 0.0
+        units = 0
         transient = 0.0
-        f_tp = f_cp = f_ep = i_tp = i_cp = i_ep = 0.0
+        sc = {p: {"tp": 0.0, "cp": 0.0, "ep": 0.0} for p in ("F", "I")}
         for j, moe in enumerate(pattern[start:start + count]):
+            k = kinds[moe]
             rec = par.recompute
             if rec == "full" and par.recompute_layers is not None and j >= par.recompute_layers:
                 rec = "none"
-            step = steps.get((moe, rec))
-            if step is None:
-                step = steps[moe, rec] = layer_step(moe, rec)
-            df, di, dattn, dw, da, dwg, recomputed, dd, de, on_f, on_i, on_both = step
-            f += df
-            i += di
-            if dattn is not None:
-                i += dattn
-            w += dw
-            a_bytes += da
-            w_bytes += dwg
-            if recomputed is not None:
+            f += k["F"]
+            i += k["I"] + (k["F"] if rec == "full" else 0.0)
+            if rec == "selective":
+                i += k["rec_F"]
+                if "core_attn" in par.recomputed_modules and not par.flash_attention and \
+                        not k["attn_recompute"]:
+                    i += k["attn"]      # (all_gather cp recomputes the attention already)
+            w += k["W"]
+            la = acts_of(moe, rec)
+            if j < offload:
+                # Megatron's --cpu-offloading-num-layers (Transformer Engine's CPU offload):
+                # the first layers' activations copied to host memory after their forward,
+                # back before their backward, each copy under the next layer's compute (what
+                # it cannot hide shows), one layer's in flight on the GPU
+                copy = la.total / hw.host_bandwidth
+                f += max(0.0, copy - k["F"])
+                i += max(0.0, copy - k["I"])
+                transient = max(transient, la.total)
+            else:
+                a_bytes += la.total
+                w_bytes += la.weight_grad
+            if rec == "full":
                 recomputed_total += 1
-                transient = max(transient, recomputed)
-            dense_p += dd
-            expert_p += de
-            f_tp += on_f[0]
-            f_cp += on_f[1]
-            f_ep += on_f[2]
-            i_tp += on_i[0]
-            i_cp += on_i[1]
-            i_ep += on_i[2]
-            c_tp += on_both[0]
-            c_cp += on_both[1]
-            c_ep += on_both[2]
+                transient = max(transient, acts_of(moe, "none").total)
+            lp = kind_params[moe]
+            dense_p += lp["dense"] / t
+            expert_p += lp["expert"] / (t * par.ep)
+            gather_s += k["gather"]
+            reduce_s += k["reduce"]
+            units += 1
+            for c in comm:
+                sc["F"][c] += k["comm_F"][c]
+                # full recomputation runs the forward's collectives again inside I
+                sc["I"][c] += k["comm_I"][c] + (k["comm_F"][c] if rec == "full" else 0.0) + \
+                    (k["rec_ep"] if rec == "selective" and c == "ep" else 0.0)
+                comm[c] += k["comm_F"][c] + k["comm_I"][c]
             if gathered and cp > 1:
                 # the whole sequence's K/V gathered inside one attention, and in its backward
                 # their gradients too before the reduce-scatter
                 transient = max(transient, 2 * kv_bytes)
-        sc = {"F": {"tp": f_tp, "cp": f_cp, "ep": f_ep}, "I": {"tp": i_tp, "cp": i_cp, "ep": i_ep}}
         start += count
         if stage == 0:
             emb_p = model.embedding_params(t) / t
@@ -371,9 +395,9 @@ def derive(plan) -> PlanCosts:
             a_bytes += embedding_activations(model, par)
             f += emb_comm + emb_f
             i += emb_comm + emb_i
-            if par.zero >= 2:           # the embedding's share of the per-microbatch traffic
-                f += zero_gather(emb_p, 0.0) if par.zero == 3 else 0.0
-                w += zero_reduce(emb_p, 0.0) if per_mb else 0.0
+            gather_s += zero_gather(emb_p, 0.0)
+            reduce_s += zero_reduce(emb_p, 0.0)
+            units += 1
         if stage == n - 1:
             head_p = model.head_params(t)
             if model.tied_embeddings and n > 1:
@@ -382,11 +406,9 @@ def derive(plan) -> PlanCosts:
             f += head_f
             i += head_i
             w += head_w
-            if par.zero >= 2:
-                if par.zero == 3:
-                    f += zero_gather(head_p / t, 0.0)
-                    i += zero_gather(head_p / t, 0.0)
-                w += zero_reduce(head_p / t, 0.0) if per_mb else 0.0
+            gather_s += zero_gather(head_p / t, 0.0)
+            reduce_s += zero_reduce(head_p / t, 0.0)
+            units += 1
             a_bytes += head_activations(model, par)
             w_bytes += e * b * (s / cp) * model.hidden / sp       # the head's input, for W
             if model.mtp_layers:
@@ -405,9 +427,15 @@ def derive(plan) -> PlanCosts:
                         head_activations(model, par)
                     dense_p += (mp["dense"] + 0.0) / t
                     expert_p += mp["expert"] / (t * par.ep)
+                    gather_s += zero_gather(mp["dense"] / t, mp["expert"] / (t * par.ep))
+                    reduce_s += zero_reduce(mp["dense"] / t, mp["expert"] / (t * par.ep))
+                    units += 1
         fwd.append(f)
         inp.append(i)
         wgt.append(w)
+        unshard_st.append(gather_s)
+        reduce_st.append(reduce_s)
+        units_st.append(float(max(units, 1)))
         act.append(a_bytes)
         wfrac.append(min(1.0, w_bytes / a_bytes) if a_bytes > 0 else 0.0)
         params_st.append({"dense": dense_p, "expert": expert_p})
@@ -424,7 +452,6 @@ def derive(plan) -> PlanCosts:
             transient += largest * gbytes
         buffers_stage.append(transient)
         stage_comm.append(sc)
-    comm = {"tp": c_tp, "cp": c_cp, "ep": c_ep}
 
     schedule_stages = rank_parts(plan, n)
     rank_buffers = [max((buffers_stage[st] for st in sts), default=0.0) for sts in schedule_stages]
@@ -438,11 +465,11 @@ def derive(plan) -> PlanCosts:
                 coll.all_reduce(gbytes * expert, d_exp, links["edp"])
             gather = 0.0
         else:
-            # once a step: one reduce-scatter of the whole buffer in the tail (ZeRO-1, and
-            # ZeRO-2/3 as Megatron and FSDP run them); once a microbatch, in every backward
-            # (W's cost above), not here
-            comm_s = (0.0 if per_mb else (coll.reduce_scatter(gbytes * dense, d, links["dp"])
-                                          + coll.reduce_scatter(gbytes * expert, d_exp, links["edp"])))
+            # ZeRO-1: one reduce-scatter of the whole buffer in the tail; ZeRO-2/3 reduce in
+            # the program's REDUCE_GRAD actions (once a step or once a microbatch), not here
+            comm_s = (coll.reduce_scatter(gbytes * dense, d, links["dp"])
+                      + coll.reduce_scatter(gbytes * expert, d_exp, links["edp"])
+                      if par.zero == 1 else 0.0)
             gather = 0.0 if par.zero == 3 else (coll.all_gather(wbytes * dense, d, links["dp"])
                                                 + coll.all_gather(wbytes * expert, d_exp, links["edp"]))
         window_b = sum(inp[st] + wgt[st] for st in sts)
@@ -469,6 +496,16 @@ def derive(plan) -> PlanCosts:
     dp_ar = dp_link.figure("all_reduce", d)     # the engine's own tail is an all-reduce
     pp_link = links["pp"]
     stage_static = [sum(m.values()) for m in mem_st]
+    # ZeRO-2/3, timed on each rank's lane from the program's actions (pipesim.sim.dataflow):
+    # gathered a layer at a time, the next prefetched under the computation (FSDP's, Megatron's);
+    # the gradients reduced a unit at a time as the backward makes them (with
+    # overlap_grad_reduce; else once it ends), the step's end waiting for them once a step
+    # (Megatron's finalize_model_grads), each backward's end once a microbatch (DeepSpeed's
+    # epilogue, FSDP's post-backward callback)
+    sharding = dict(unshard=unshard_st, reduce_grad=reduce_st, overlap_sharding=1.0,
+                    overlap_reduce_grad=0.0 if per_mb else 1.0, unshard_units=units_st,
+                    reduce_grad_units=units_st if par.overlap_grad_reduce else 1.0
+                    ) if par.zero >= 2 else {}
     costs = CostModel(
         forward=fwd, backward=[x + y for x, y in zip(inp, wgt)], backward_input=inp,
         backward_weight=wgt, p2p_latency=pp_link.latency, p2p_bandwidth=pp_link.bandwidth,
@@ -479,6 +516,7 @@ def derive(plan) -> PlanCosts:
                                       + p["expert"] / (d_exp if par.zero >= 1 else 1)) / hw.hbm_bandwidth
                    for p in params_st],
         dp_latency=dp_ar[0], dp_bandwidth=dp_ar[1],
+        **sharding,
     )
     gbs = par.gbs
     # causal attention with flash kernels computes half the scores: count what runs, as
@@ -495,7 +533,12 @@ def derive(plan) -> PlanCosts:
             start += count
     else:
         extra = recompute_flops(model, gbs, par.recompute, flash=par.flash_attention,
-                                causal=par.flash_attention)
+                                causal=par.flash_attention) \
+            if "core_attn" in par.recomputed_modules or par.recompute != "selective" else 0.0
+        if par.recompute == "selective":
+            # the modules' forwards again: a microbatch's FLOPs on one rank, over every rank of
+            # its tensor x context group, each layer, every microbatch
+            extra += sum(kinds[moe]["rec_flops"] for moe in pattern) * gbs / b
     return PlanCosts(costs=costs, stage_layers=layers, efficiency=eff, links=links,
                      stage_params=params_st, stage_memory=mem_st, rank_buffers=rank_buffers,
                      tail=tail, comm=comm, stage_comm=stage_comm, model_flops=mflops, hardware_flops=mflops + extra,

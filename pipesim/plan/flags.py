@@ -22,7 +22,7 @@ from typing import Any
 
 from ..errors import PlanError
 from .model import ModelSpec, get_model
-from .parallelism import CP_COMM, GRAD_REDUCE, PRECISIONS, RECOMPUTE
+from .parallelism import CP_COMM, GRAD_REDUCE, PRECISIONS, RECOMPUTE, RECOMPUTE_MODULES
 
 GROUPS = ("layout", "batch", "model")
 
@@ -92,6 +92,14 @@ PLAN_FLAGS: tuple[PlanFlag, ...] = (
     PlanFlag("--recompute-layers", "parallelism.recompute_layers", "layout",
              "with --recompute full: recompute the first N transformer blocks of each stage "
              "(Megatron's --recompute-num-layers, block method; default: all)", metavar="N"),
+    PlanFlag("--recompute-modules", "parallelism.recompute_modules", "layout",
+             "with --recompute selective: the modules recomputed in the backward (Megatron's "
+             "--recompute-modules: " + ", ".join(RECOMPUTE_MODULES) + "; default core_attn)",
+             type=None, metavar="M,N"),
+    PlanFlag("--offload-layers", "parallelism.offload_layers", "layout",
+             "keep the activations of the first N layers of each stage in host memory, copied "
+             "out after their forward and back before their backward (Megatron's "
+             "--cpu-offloading-num-layers; default 0)", metavar="N"),
     PlanFlag("--cp-comm", "parallelism.cp_comm", "layout", "how context parallelism "
              "exchanges K/V: p2p (Megatron / Transformer Engine's ring, overlapped with the "
              "attention) or all_gather (pipeexec's: gathered before each attention and again in "
@@ -207,6 +215,8 @@ def add_plan_flags(parser: Any, *, defaults: Mapping[str, Any] | None = None,
                       metavar=f.metavar or "A,B")
         else:
             kw["type"] = f.type
+            if f.dest == "recompute_modules":        # one list: --recompute-modules a,b
+                kw["type"] = values(str, RECOMPUTE_MODULES)
             if f.choices is not None:
                 kw["choices"] = f.choices
             if f.metavar is not None:

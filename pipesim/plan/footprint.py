@@ -20,6 +20,15 @@ as in the paper; 4 for fp32). With ``e = 2`` every term below is the paper's:
   input already counted); dropped by selective recomputation;
 * full recomputation keeps only the layer's input ``e sbh`` (``/sp``).
 
+Low precisions (fp8, mxfp8, nvfp4): the activations stay bf16, but each linear layer keeps the
+quantized copy of its input its weight gradient reads (Transformer Engine), ``li`` bytes an
+element (`SAVED_INPUT_BYTES`) for the QKV and MLP inputs, the output projection's and fc2's
+inputs and the routed copies. Selective recomputation by module (`Parallelism.recompute_modules`,
+Megatron's --recompute-modules) drops what each module recomputes: ``layernorm`` the two norm
+outputs, ``mla_up_proj`` MLA's Q, K, V, ``mlp`` a dense MLP's insides, ``moe_act`` the routed
+experts' activation output, ``moe`` a MoE block's routed copies and experts, ``shared_experts``
+the shared expert's; ``core_attn`` the attention core (Megatron's default, ``selective``).
+
 Left out, as in the paper: the norms' per-token statistics (mean and 1/std, ``2sb`` values per
 LayerNorm: fp32 on CUDA, the activations' type on CPU; about ``1/(4h)`` of a layer) and the
 loss's labels on the last stage (``8sb``).
@@ -64,8 +73,16 @@ from .parallelism import Parallelism
 # precision -> (weight, gradient, optimizer) bytes per parameter
 BYTES_PER_PARAM = {"fp16": (2, 2, 16), "bf16": (2, 4, 12), "fp8": (2, 4, 12), "mxfp8": (2, 4, 12),
                    "nvfp4": (2, 4, 12), "fp32": (4, 4, 8)}
-# precision -> bytes of one activation element (fp8 GEMMs keep their activations in bf16)
+# precision -> bytes of one activation element (low-precision GEMMs compute in bf16 between
+# their linear layers: norms, attention, activation functions, residuals)
 ACTIVATION_BYTES = {"fp16": 2, "bf16": 2, "fp8": 2, "mxfp8": 2, "nvfp4": 2, "fp32": 4}
+# precision -> bytes a linear layer keeps of its input for the backward, per element: in the
+# low precisions Transformer Engine's Linear saves the quantized input, only the column-wise
+# copy its weight gradient reads (transformer_engine/pytorch/module/linear.py: the saved
+# ``inputmat`` after ``update_usage(rowwise_usage=False)``): fp8 one byte; mxfp8 one byte and
+# an E8M0 scale per 32; nvfp4 half a byte and an E4M3 scale per 16. Absent: the activation's
+# own element size.
+SAVED_INPUT_BYTES = {"fp8": 1.0, "mxfp8": 1.0 + 1 / 32, "nvfp4": 0.5 + 1 / 16}
 
 
 def bytes_per_param(par: Parallelism) -> tuple[int, int, int]:
@@ -94,16 +111,22 @@ class LayerActivations:
 def layer_activations(model: ModelSpec, par: Parallelism, moe: bool = False, *,
                       recompute: str | None = None) -> LayerActivations:
     recompute = par.recompute if recompute is None else recompute
+    e = activation_element_bytes(par)
+    modules = (tuple(sorted(par.recomputed_modules or ("core_attn",)))
+               if recompute == "selective" else ())
     return _layer_activations(model, bool(moe), recompute, par.micro_batch_size, par.cp, par.tp,
-                              par.sp, activation_element_bytes(par), par.flash_attention,
-                              par.cp_comm)
+                              par.sp, e, par.flash_attention, par.cp_comm,
+                              SAVED_INPUT_BYTES.get(par.precision, e), modules)
 
 
 # A pure function of immutable values that a search asks for every layer of every plan (the
 # same few shapes each time): computed once per distinct shape, keyed by what it reads.
 @lru_cache(maxsize=4096)
 def _layer_activations(model: ModelSpec, moe: bool, recompute: str, b: int, cp: int, t: int,
-                       sp: int, e: int, flash_attention: bool, cp_comm: str) -> LayerActivations:
+                       sp: int, e: int, flash_attention: bool, cp_comm: str,
+                       li: float, modules: tuple = ()) -> LayerActivations:
+    # ``li``: bytes a linear layer's saved input takes an element (`SAVED_INPUT_BYTES`);
+    # ``modules``: what selective recomputation runs again (`Parallelism.recomputed_modules`)
     s_full = model.seq_length
     s = s_full / cp
     h, q, kv, a = model.hidden, model.q_size, model.kv_size, model.heads
@@ -111,29 +134,46 @@ def _layer_activations(model: ModelSpec, moe: bool, recompute: str, b: int, cp: 
     sbh = s * b * h
     if recompute == "full":
         return LayerActivations(e * sbh / sp, e * sbh / sp)
-    replicated = 4 * e * sbh + 2 * drop * sbh
-    mlp_per_f = (3 if model.gated else 2) * e
+    # the two norms' inputs (the residual stream) in the activations' type, the QKV and MLP
+    # inputs (the norms' outputs) as the linear layers save them ("layernorm": recomputed from
+    # the norms' inputs, not kept)
+    norm_out = 0.0 if "layernorm" in modules else 2 * li * sbh
+    replicated = 2 * e * sbh + norm_out + 2 * drop * sbh
+    # the MLP a token: fc1's output (2f gated, else f) kept by the activation function, and
+    # fc2's input (the activation's output)
+    mlp_per_f = (2 if model.gated else 1) * e + li
     if moe:
         k = model.top_k
-        mlp = k * (e * sbh + mlp_per_f * s * b * model.moe_ffn)
-        mlp += mlp_per_f * s * b * model.shared_expert_ffn_hidden
-        fc2_in = k * e * s * b * model.moe_ffn + e * s * b * model.shared_expert_ffn_hidden
-        routed_in = k * e * sbh
+        # "moe_act": the experts' activation output (fc2's input) recomputed from fc1's
+        routed_f = (2 * e if model.gated else e) + (0.0 if "moe_act" in modules else li)
+        routed = k * (li * sbh + routed_f * s * b * model.moe_ffn)
+        shared = mlp_per_f * s * b * model.shared_expert_ffn_hidden
+        if "moe" in modules:            # the whole MoE block again from its input
+            routed = shared = 0.0
+        elif "shared_experts" in modules:
+            shared = 0.0
+        mlp = routed + shared
+        fc2_in = li * (k * s * b * model.moe_ffn + s * b * model.shared_expert_ffn_hidden)
+        routed_in = k * li * sbh
     else:
-        mlp = mlp_per_f * s * b * model.ffn
-        fc2_in = e * s * b * model.ffn
+        # "mlp": the dense MLP again from its input (the norm's output, kept)
+        mlp = 0.0 if "mlp" in modules else mlp_per_f * s * b * model.ffn
+        fc2_in = li * s * b * model.ffn
         routed_in = 0.0
-    split = e * s * b * (q + 2 * kv) + e * s * b * q + mlp
+    # "mla_up_proj": multi-latent attention's Q, K, V again from the kept latents
+    qkv = 0.0 if ("mla_up_proj" in modules and model.is_mla) else \
+        e * s * b * (q + 2 * kv)
+    split = qkv + li * s * b * q + mlp
     if flash_attention:
         core = 4 * a * s * b
     else:
         core = (e + drop * (1 + e)) * a * s * s_full * b
-    if (recompute == "selective" and not flash_attention) or (
+    if ("core_attn" in modules and not flash_attention) or (
             cp > 1 and cp_comm == "all_gather"):
         # all-gather CP keeps only q, k, v: its backward recomputes the attention core
         core = 0.0
     total = replicated / sp + (split + core) / t
-    wgrad = 2 * e * sbh / sp + (e * s * b * q + fc2_in + routed_in) / t
+    wgrad = 2 * li * sbh / sp + (li * s * b * q + fc2_in + routed_in) / t
     return LayerActivations(total, wgrad)
 
 

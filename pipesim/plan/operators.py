@@ -57,6 +57,27 @@ CAST_BYTES = {"fp8": 6.0, "mxfp8": 2.0 + 2 * (1 + 1 / 32), "nvfp4": 4.0 + 2 * (0
 # Memory passes over a MoE layer's routed copies (T k h), by token dispatcher (see layer_ops)
 PERMUTE_PASSES = {"alltoall": 4, "deepep": 2, "hybridep": 0}
 
+# Operators each selective-recomputation module runs again in the backward (Megatron-Core's
+# recompute_modules; "core_attn" is the attention core, priced in pipesim.plan.derive; "mlp" is
+# a dense layer's MLP, "moe" a MoE layer's router, permutes, experts and shared expert, whose
+# dispatch derive adds too). Megatron's "layernorm" recomputes the two norms of a layer.
+RECOMPUTED_OPS = {
+    "layernorm": ("norm1", "norm2"),
+    "mla_up_proj": ("q_up", "kv_up", "rotary"),
+    "mlp": ("fc1", "activation", "fc2"),
+    "moe_act": ("expert_activation",),
+    "moe": ("router", "permute", "expert_fc1", "expert_activation", "expert_fc2",
+            "shared_fc1", "shared_activation", "shared_fc2"),
+    "shared_experts": ("shared_fc1", "shared_activation", "shared_fc2"),
+}
+
+
+def recomputed_ops(ops: list["Op"], modules) -> list["Op"]:
+    """The operators of ``ops`` that recomputing ``modules`` runs again (`RECOMPUTED_OPS`)."""
+    names = {n for m in modules for n in RECOMPUTED_OPS.get(m, ())}
+    return [o for o in ops if o.name in names]
+
+
 # Flash attention's backward over its forward, in FLOPs: it recomputes the scores and runs
 # five matmuls to the forward's two (Dao 2023, FlashAttention-2, section 4: "the backward pass
 # ... 2.5x the forward"). MFU still counts the backward as twice the forward (Megatron's).
@@ -230,8 +251,8 @@ def pass_times(ops: list[Op], hw, precision: str) -> PassTimes:
         # the routed experts' grouped GEMM: a fraction of a dense GEMM's efficiency
         grouped = hw.grouped_gemm_efficiency if o.grouped else 1.0
         if low and o.quantized:
-            return low_peak * hw.gemm_efficiency(m, n, k, precision) * grouped
-        return bf16 * hw.gemm_efficiency(m, n, k) * grouped
+            return low_peak * hw.gemm_efficiency(m, n, k, precision, o.grouped) * grouped
+        return bf16 * hw.gemm_efficiency(m, n, k, grouped=o.grouped) * grouped
 
     for o in ops:
         if o.kind == "memory":

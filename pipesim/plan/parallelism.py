@@ -3,7 +3,10 @@
 Sizes (tp, cp, pp, vpp, dp, ep), sequence parallelism, optimizer sharding (``zero``: 0 none,
 1 Megatron's distributed optimizer / ZeRO-1, 2 ZeRO-2, 3 ZeRO-3 / FSDP), recomputation
 (none / selective / full, optionally for ``recompute_layers`` layers of each stage, Megatron's
-``--recompute-num-layers`` with the block method), micro and global batch
+``--recompute-num-layers`` with the block method; selective over ``recompute_modules``,
+Megatron's ``--recompute-modules``, `RECOMPUTE_MODULES`), activations of ``offload_layers``
+layers of each stage kept in host memory (Megatron's ``--cpu-offloading-num-layers``), micro
+and global batch
 (``microbatches = global_batch_size / (micro_batch_size * dp)``), GEMM precision and the overlap
 switches, and how context parallelism exchanges K/V (``cp_comm``, Megatron / Transformer
 Engine's ``cp_comm_type``: ``p2p``, the ring overlapped with the attention; ``all_gather``, K/V
@@ -21,8 +24,15 @@ from typing import Any
 
 from ..errors import PlanError
 from ..fields import typed_fields
+from ..schedule.sharding import GRAD_REDUCE, Sharding
 
 RECOMPUTE = ("none", "selective", "full")
+# Megatron-Core's selective recomputation modules (--recompute-modules, TransformerConfig
+# .recompute_modules): what each drops from the saved activations and runs again in the
+# backward (pipesim.plan.footprint, pipesim.plan.operators.RECOMPUTED_OPS). "core_attn" is
+# Megatron's default and pipesim's recompute="selective" without modules.
+RECOMPUTE_MODULES = ("core_attn", "layernorm", "mla_up_proj", "mlp", "moe_act", "moe",
+                     "shared_experts")
 # GEMM precisions: fp8 is per-tensor scaled FP8 (current or delayed scaling: Hopper and
 # Blackwell), mxfp8 block-scaled FP8 and nvfp4 block-scaled FP4 (Blackwell only); activations,
 # master weights and the optimizer stay as bf16 training keeps them
@@ -32,8 +42,8 @@ CP_COMM = ("p2p", "all_gather")     # Megatron's cp_comm_type names; a2a (Ulysse
 # a full buffer and reduce-scattered once, overlapped with the last microbatch's backward
 # (Megatron-LM's DDP: `no_sync` until the last microbatch; FSDP under gradient accumulation);
 # "per_microbatch", reduce-scattered bucket by bucket inside every backward, only the shard
-# kept (DeepSpeed's ZeRO stage 2). ZeRO-0/1 always reduce once a step.
-GRAD_REDUCE = ("per_step", "per_microbatch")
+# kept (DeepSpeed's ZeRO stage 2). ZeRO-0/1 always reduce once a step. The program's own names
+# (pipesim.schedule.sharding), so the plan and the actions it is lowered with cannot disagree.
 # Megatron's token dispatchers (megatron/core/transformer/moe/token_dispatcher.py):
 # "alltoall" (MoEAlltoAllTokenDispatcher: NCCL all-to-all, one copy of a token an expert;
 # Megatron's default, pipeexec's) or the flex dispatcher with its backend, "deepep" or
@@ -56,6 +66,8 @@ class Parallelism:
     zero: int = 0
     recompute: str = "none"
     recompute_layers: int | None = None     # full recomputation of this many layers per stage
+    recompute_modules: tuple = ()           # RECOMPUTE_MODULES, with recompute="selective"
+    offload_layers: int = 0                 # layers of each stage whose activations go to host
     micro_batch_size: int = 1
     global_batch_size: int | None = None    # default: micro_batch_size * dp (one microbatch)
     precision: str = "bf16"
@@ -96,6 +108,27 @@ class Parallelism:
             if not isinstance(self.recompute_layers, int) or self.recompute_layers < 0:
                 raise PlanError(f"parallelism.recompute_layers: must be an integer >= 0, got "
                                 f"{self.recompute_layers!r}")
+        modules = self.recompute_modules
+        if isinstance(modules, list):
+            modules = tuple(modules)
+            object.__setattr__(self, "recompute_modules", modules)
+        if not isinstance(modules, tuple) or not all(isinstance(m, str) for m in modules):
+            raise PlanError(f"parallelism.recompute_modules: must be a list of module names, "
+                            f"got {modules!r}")
+        unknown = [m for m in modules if m not in RECOMPUTE_MODULES]
+        if unknown:
+            raise PlanError(f"parallelism.recompute_modules: {', '.join(map(repr, unknown))} "
+                            f"not one of {', '.join(RECOMPUTE_MODULES)}")
+        if len(set(modules)) != len(modules):
+            raise PlanError(f"parallelism.recompute_modules: names a module twice: {modules!r}")
+        if modules and self.recompute != "selective":
+            raise PlanError(f"parallelism.recompute_modules: only with recompute='selective' "
+                            f"(Megatron's --recompute-granularity selective), got recompute="
+                            f"{self.recompute!r}")
+        if isinstance(self.offload_layers, bool) or not isinstance(self.offload_layers, int) \
+                or self.offload_layers < 0:
+            raise PlanError(f"parallelism.offload_layers: must be an integer >= 0, got "
+                            f"{self.offload_layers!r}")
         if self.cp_comm not in CP_COMM:
             extra = (" (a2a, Ulysses' all-to-all over heads, is not modelled)"
                      if self.cp_comm == "a2a" else "")
@@ -142,6 +175,24 @@ class Parallelism:
         return self.zero >= 2 and self.grad_reduce == "per_microbatch"
 
     @property
+    def recomputed_modules(self) -> frozenset:
+        """The modules selective recomputation runs again (``recompute_modules``, or Megatron's
+        default, the core attention); empty unless ``recompute`` is selective."""
+        if self.recompute != "selective":
+            return frozenset()
+        return frozenset(self.recompute_modules or ("core_attn",))
+
+    @property
+    def sharding(self) -> Sharding | None:
+        """The ZeRO actions the plan's program is lowered with (`pipesim.schedule.sharding`):
+        ZeRO-2/3 with its ``grad_reduce``; None below (ZeRO-0/1 insert nothing) and with one
+        data-parallel replica (nothing to shard: Megatron's and pipeexec's holder run it
+        unsharded)."""
+        if self.zero < 2 or self.dp * self.cp == 1:
+            return None
+        return Sharding(self.zero, self.grad_reduce)
+
+    @property
     def grads_fp32(self) -> bool:
         """Whether gradients are accumulated and reduced in fp32 (`grad_reduce_in_fp32`)."""
         if self.grad_reduce_in_fp32 is None:
@@ -173,7 +224,9 @@ class Parallelism:
                          + ("+overlap" if self.overlap_ep_comm else ""))
         parts += [f"mbs={self.micro_batch_size}", f"gbs={self.gbs} (m={self.microbatches})",
                   f"recompute={self.recompute}"
-                  + (f"[{self.recompute_layers}]" if self.recompute_layers is not None else ""),
+                  + (f"[{self.recompute_layers}]" if self.recompute_layers is not None else "")
+                  + (f"({','.join(self.recompute_modules)})" if self.recompute_modules else "")
+                  + (f" offload={self.offload_layers}" if self.offload_layers else ""),
                   f"zero={self.zero}"
                   + ("(per microbatch)" if self.zero >= 2 and self.grads_sharded else ""),
                   self.precision + ("" if self.grad_reduce_in_fp32 is None

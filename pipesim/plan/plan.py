@@ -117,17 +117,20 @@ class Plan:
                             account_for_loss=self.account_for_loss)
 
     def build_schedule(self) -> Schedule:
-        """The schedule this plan runs (PlanError naming the schedule's broken constraint)."""
+        """The schedule this plan runs, lowered with its ZeRO actions (`Parallelism.sharding`:
+        the program the executor runs and the simulator times; a Schedule value's own sharding
+        gives way to the plan's); PlanError naming the schedule's broken constraint."""
         par = self.parallelism
         if isinstance(self.schedule, Schedule):
             why = schedule_refusal(self.schedule, par.pp, par.vpp, par.microbatches,
                                    asked="the plan")
             if why is not None:
                 raise PlanError(f"schedule: {why}")
-            return self.schedule
+            return self.schedule.with_sharding(par.sharding)
         try:
             return build_schedule(self.schedule, pp=par.pp, microbatches=par.microbatches,
-                                  vpp=par.vpp, **dict(self.schedule_options))
+                                  vpp=par.vpp, **dict(self.schedule_options)
+                                  ).with_sharding(par.sharding)
         except ScheduleError as exc:
             raise PlanError(f"schedule: {exc}") from None
         except TypeError as exc:

@@ -15,9 +15,11 @@ rank's largest stage, without building the schedule.)
 Step time, per rank ``r``: it cannot start before microbatch 0's forward has crossed every
 stage before its first one (their F times and the point-to-point transfers between ranks), it
 then computes ``m * (F + I + W)`` of each of its stages one after another, and after its last
-action comes its step tail (exposed data-parallel communication, optimizer step). The step is
-the latest rank: ``max_r head_r + busy_r + tail_r`` (the closed-form bubble ``(p - 1) F`` of
-1F1B on the last rank is this head).
+action comes its step tail (exposed data-parallel communication, optimizer step). Under
+ZeRO-2/3 its last row also ends no sooner than its sharding lane has run the fewest of its
+UNSHARD / REDUCE_GRAD actions the program can hold (``lane_r``, one at a time). The step is
+the latest rank: ``max_r max(head_r + busy_r, lane_r) + tail_r`` (the closed-form bubble
+``(p - 1) F`` of 1F1B on the last rank is this head).
 """
 from __future__ import annotations
 
@@ -63,12 +65,13 @@ def plan_bounds(plan: Plan, derived: PlanCosts | None = None, *, exact_order: bo
     # microbatches each rank runs through each of its parts: m each, unless stages are copies
     # that share the microbatches (dualpipe: part r for the first half, its copy the second)
     runs = _part_runs(plan, stages, m)
+    lanes = _lane_busy(plan, costs, runs)
     step = compute = 0.0
     for r, sts in enumerate(stages):
         busy = sum(k * (f[st] + i[st] + w[st]) for st, k in runs[r].items())
         tail = derived.tail[r].seconds
         head = min(prefix[st] for st in sts)
-        step = max(step, head + busy + tail)
+        step = max(step, max(head + busy, lanes[r]) + tail)
         compute = max(compute, busy)
 
     act = costs.stage_values("activation_bytes", n)
@@ -128,6 +131,22 @@ def _part_runs(plan: Plan, stages: list[list[int]], m: int) -> list[dict[int, in
                 runs[p] = runs.get(p, 0) + 1
         out.append(runs)
     return out
+
+
+def _lane_busy(plan: Plan, costs, runs: list[dict[int, int]]) -> list[float]:
+    """Per rank, the fewest seconds its ZeRO actions keep its sharding lane busy (they run one
+    at a time, so its last row ends no sooner): an UNSHARD a microbatch of each part (its F's;
+    an overlap may share one with a backward), and a REDUCE_GRAD a part once a step, a
+    microbatch once a microbatch. 0 without ZeRO-2/3's actions."""
+    sharding = plan.parallelism.sharding
+    if sharding is None:
+        return [0.0] * len(runs)
+    n = plan.parallelism.num_stages
+    unshard = costs.stage_values("unshard", n)
+    reduce = costs.stage_values("reduce_grad", n)
+    per_mb = sharding.grad_reduce == "per_microbatch"
+    return [sum(k * unshard[st] + (k if per_mb else 1) * reduce[st] for st, k in parts.items())
+            for parts in runs]
 
 
 def _activation_peaks(plan: Plan, act: list[float], share: list[float],

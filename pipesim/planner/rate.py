@@ -21,7 +21,8 @@ KNOBS = ("schedule", "tp", "cp", "pp", "micro_batch_size", "recompute", "zero",
          # defaults: Megatron's --tp-comm-overlap, the GEMM precision...): a rating that
          # differs from the pick in them says so, with what each costs
          "precision", "overlap_tp_comm", "overlap_grad_reduce", "overlap_param_gather",
-         "flash_attention", "cp_comm")
+         "flash_attention", "cp_comm", "ep_dispatcher", "overlap_ep_comm",
+         "recompute_modules", "offload_layers", "grad_reduce")
 
 
 @dataclass(frozen=True)

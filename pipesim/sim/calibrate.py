@@ -1,4 +1,5 @@
-"""Fit a :class:`CostModel` to a trace: per-stage means of F, B, I, W and a p2p line.
+"""Fit a :class:`CostModel` to a trace: per-stage means of F, B, I, W, a p2p line, and ZeRO's
+UNSHARD / REDUCE_GRAD per stage.
 
 This is how a measured run (the executor's trace) becomes a model that predicts other
 schedules: the compute time of an action depends on its stage, not on the schedule around it.
@@ -17,6 +18,8 @@ if TYPE_CHECKING:
     import pandas as pd
 
 _SENDS = ("SEND_F", "SEND_B")
+# ZeRO's priced actions and their CostModel fields (a RESHARD, a release, costs nothing)
+SHARDING_FIELDS = (("UNSHARD", "unshard"), ("REDUCE_GRAD", "reduce_grad"))
 
 
 def fit_costs(trace: "pd.DataFrame", num_stages: int | None = None, *,
@@ -36,8 +39,16 @@ def fit_costs(trace: "pd.DataFrame", num_stages: int | None = None, *,
       a copy that never runs some op (dualpipe's stages see only half the microbatches) gets
       its part's; the result is still per stage. A part with only full backwards B gets I
       and W as an even split of its B.
+    * ZeRO's actions (a trace of a schedule lowered with a sharding): ``unshard`` and
+      ``reduce_grad`` per stage are the mean duration of its UNSHARD and REDUCE_GRAD rows
+      (pooled per part as the computations are), fitted where the trace has such rows. The
+      mean, as for the computations, not the median: a measured collective also waits for the
+      slowest rank of its data-parallel group, a long tail, and that wait is part of the step
+      the costs must add up to (on a shared 2-core machine the median priced a ZeRO-3 step's
+      gathers 30-40% short).
     * ``overrides`` set any other field (memory is not in a trace's timing: pass
-      ``activation_bytes`` etc. here).
+      ``activation_bytes`` etc. here; how the sharding actions overlap, ``overlap_sharding``,
+      is the runner's, not the trace's).
 
     Raises ValueError naming the stage and op when a stage lacks a needed op.
     """
@@ -73,6 +84,7 @@ def fit_costs(trace: "pd.DataFrame", num_stages: int | None = None, *,
     if "backward" not in fitted and ("backward_input" in fitted) != ("backward_weight" in fitted):
         raise ValueError("fit_costs: the trace has only one of I and W and no B")
     fitted.update(_fit_p2p(trace, num_stages))
+    fitted.update(_fit_sharding(trace, num_stages, stage_parts))
     fitted.update(overrides)
     return CostModel(**fitted)
 
@@ -106,4 +118,29 @@ def _fit_p2p(trace: "pd.DataFrame", num_stages: int) -> dict[str, Any]:
     fwd = sends[sends["op"].astype(str) == "SEND_F"]
     per_stage = fwd.groupby("stage")["bytes"].mean()
     out["p2p_bytes"] = [float(per_stage.get(s, 0.0)) for s in range(num_stages)]
+    return out
+
+
+def _fit_sharding(trace: "pd.DataFrame", num_stages: int,
+                  stage_parts: "tuple[int, ...] | None") -> dict[str, Any]:
+    """``unshard`` / ``reduce_grad``: per stage, the mean duration of its UNSHARD /
+    REDUCE_GRAD rows (per part with ``stage_parts``); {} for a field whose op the trace lacks.
+    Raises ValueError naming the op and the stages when only some stages have it."""
+    ops = trace["op"].astype(str)
+    rows = trace[ops.isin([op for op, _ in SHARDING_FIELDS])]
+    if len(rows) == 0:
+        return {}
+    part = (lambda s: s) if stage_parts is None else stage_parts.__getitem__
+    where = rows["stage"] if stage_parts is None else rows["stage"].map(part)
+    means = (rows["end"] - rows["start"]).groupby([rows["op"].astype(str), where]).mean()
+    out: dict[str, Any] = {}
+    for op, field in SHARDING_FIELDS:
+        have = [s for s in range(num_stages) if (op, part(s)) in means.index]
+        if not have:
+            continue
+        if len(have) != num_stages:
+            missing = sorted(set(range(num_stages)) - set(have))
+            raise ValueError(f"fit_costs: {op} is in the trace for some stages but not for "
+                             f"stage(s) {missing} (a sharded program has it on every stage)")
+        out[field] = [max(float(means[(op, part(s))]), 0.0) for s in range(num_stages)]
     return out

@@ -7,8 +7,12 @@ the message its row names (and an overlap's gate), a SEND occupies its directed 
 both the data and the link are free (FIFO: a link has one sender, so its queue follows that
 rank's order), a RECV only posts, and the sharding actions (ZeRO's UNSHARD / RESHARD /
 REDUCE_GRAD, :mod:`pipesim.schedule.sharding`) run on the rank's own communication lane, one
-at a time (`pipesim.plan.costs.CostModel`: an UNSHARD's computation waits for it). It yields the
-message it needs when that message has not been sent yet, and is resumed once it has.
+at a time (`pipesim.plan.costs.CostModel`: an UNSHARD's computation waits for it; a stage made
+of several units streams them with the computation they serve: the computation waits for the
+first unit's gather and ends no sooner than its last unit's share after the gather ends, a
+reduction starts once its backward made the first unit's gradients and ends no sooner than one
+unit's reduction after that backward). It yields the message it needs when that message has not
+been sent yet, and is resumed once it has.
 
 In the ``async`` and ``blocking`` modes nothing a rank computes depends on *when*, in simulated
 time, another rank acts, only on the times it is sent: a message's arrival is fixed by its
@@ -41,12 +45,16 @@ _by_code = itemgetter(*(Op.of_code(code).value for code in range(FIRST_COMM_CODE
 class Clocks:
     """What the ranks of one run share: every row's start and end, each message's arrival (-1
     until sent), the token of the rank parked on it, each directed link's next free time, each
-    rank's clock, and each rank's sharding lane: when it is free, when its last UNSHARD ends
-    (the next computation waits for it) and when its last computation began (an overlapped
-    UNSHARD prefetches from there)."""
+    rank's clock, and each rank's sharding lane: when it is free, when the next computation may
+    start (its UNSHARD's end, or its first unit's), when its last UNSHARD ends and the share of
+    the computation after it (streamed units: the last unit's), and when its last computation
+    began and how long it computed (an overlapped UNSHARD prefetches from there; a streamed
+    REDUCE_GRAD starts inside it)."""
 
     __slots__ = ("starts", "ends", "arrival", "waiter", "link_free", "clock", "durations",
-                 "link_time", "shard_time", "shard_overlap", "lane", "gathered", "began")
+                 "link_time", "shard_time", "shard_unit", "shard_overlap", "reduce_waits",
+                 "streams", "lane",
+                 "gathered", "gathered_end", "gathered_tail", "began", "work")
 
     def __init__(self, program: Program, costs: CostModel) -> None:
         n = program.num_stages
@@ -63,9 +71,21 @@ class Clocks:
         self.shard_time = (costs.stage_values("unshard", n), [0.0] * n,
                            costs.stage_values("reduce_grad", n))
         self.shard_overlap = costs.overlap_sharding == 1.0
-        self.lane = [0.0] * program.pp
-        self.gathered = [0.0] * program.pp
-        self.began = [0.0] * program.pp
+        # the rank waits for its REDUCE_GRAD: blocking, or the end of each backward waits
+        self.reduce_waits = not self.shard_overlap or costs.overlap_reduce_grad == 0.0
+        # one unit's share of a stage's collective (1.0: the stage at once), by code as above;
+        # units stream only when the lane overlaps the computations (blocking: stage at once)
+        units = [costs.stage_values(name, n) for name in ("unshard_units", "reduce_grad_units")]
+        self.shard_unit = tuple([1.0 / u if self.shard_overlap else 1.0 for u in x]
+                                for x in (units[0], [1.0] * n, units[1]))
+        self.streams = self.shard_overlap and any(u > 1.0 for x in units for u in x)
+        pp = program.pp
+        self.lane = [0.0] * pp
+        self.gathered = [0.0] * pp
+        self.gathered_end = [0.0] * pp
+        self.gathered_tail = [0.0] * pp
+        self.began = [0.0] * pp
+        self.work = [0.0] * pp
 
 
 def walk(steps: Iterable[tuple[int, tuple]], clocks: Clocks,
@@ -83,6 +103,7 @@ def walk(steps: Iterable[tuple[int, tuple]], clocks: Clocks,
     starts, ends, arrival, waiter = clocks.starts, clocks.ends, clocks.arrival, clocks.waiter
     link_free, durations, link_time = clocks.link_free, clocks.durations, clocks.link_time
     clock, gathered, began = clocks.clock, clocks.gathered, clocks.began
+    streams, gathered_end, gathered_tail = clocks.streams, clocks.gathered_end, clocks.gathered_tail
     scaled = factors is not None or scale is not None
     first_comm = FIRST_COMM_CODE
     for rank, (row, code, stage, wait, wait_row, gate, gate_row, sends) in steps:
@@ -122,21 +143,46 @@ def walk(steps: Iterable[tuple[int, tuple]], clocks: Clocks,
                     t = yield (t, work)
                 else:
                     t += work
+                if streams:             # its last unit computes after the gather ends
+                    clocks.work[rank] = work
+                    e = gathered_end[rank] + work * gathered_tail[rank]
+                    if e > t:
+                        t = e
                 ends[row] = t
             elif code >= FIRST_SHARD_CODE:              # UNSHARD, RESHARD, REDUCE_GRAD
                 if code != CODE_RESHARD:                # a release: no communication
                     overlap = clocks.shard_overlap
-                    s = began[rank] if code == CODE_UNSHARD and overlap else t
+                    seconds = clocks.shard_time[code - FIRST_SHARD_CODE][stage]
+                    unit = clocks.shard_unit[code - FIRST_SHARD_CODE][stage]
+                    if code == CODE_UNSHARD:
+                        s = began[rank] if overlap else t
+                    elif unit < 1.0:            # streamed from its backward's first unit
+                        s = began[rank] + clocks.work[rank] * unit
+                    else:
+                        s = t
                     lane = clocks.lane[rank]
                     if s < lane:
                         s = lane
-                    lane = s + clocks.shard_time[code - FIRST_SHARD_CODE][stage]
+                    lane = s + seconds
+                    if code == CODE_UNSHARD:
+                        if not overlap:
+                            clock[rank] = lane          # the rank waits for its collective
+                        elif unit < 1.0:            # its computation starts on the first unit
+                            gathered[rank] = s + seconds * unit
+                            gathered_end[rank] = lane
+                            gathered_tail[rank] = unit
+                        else:
+                            gathered[rank] = lane
+                            gathered_tail[rank] = 0.0
+                    else:
+                        if unit < 1.0:              # its last bucket after the backward
+                            last = t + seconds * unit
+                            if last > lane:
+                                lane = last
+                        if clocks.reduce_waits:
+                            clock[rank] = lane
                     clocks.lane[rank] = lane
                     starts[row], ends[row] = s, lane
-                    if not overlap:
-                        clock[rank] = lane              # the rank waits for its collective
-                    elif code == CODE_UNSHARD:
-                        gathered[rank] = lane
                 else:
                     starts[row] = ends[row] = t
                 continue

@@ -1,11 +1,14 @@
 """``pipesim.simulate(plan)``: one step of a plan, with throughput, MFU/HFU and memory per rank.
 
-A :class:`PlanResult` is the simulation's :class:`pipesim.SimResult` (``.sim``; its attributes,
-``makespan``, ``bubble_fraction``, ``trace``... read through) plus the plan's figures. The
-schedule is simulated under ``plan.costs()``; the in-flight microbatches, and so the
-activation peak of each rank, come from the simulator's memory timeline (not a closed form).
-The step time is the pipeline's makespan plus, per rank, the exposed data-parallel
-communication and the optimizer step (:mod:`pipesim.plan.derive`): the latest rank finishing.
+A :class:`PlanResult` is the simulation's :class:`pipesim.SimResult` (``.sim``, of which
+``makespan``, ``bubble_fraction`` and ``trace`` have names here too) plus the plan's figures.
+The plan's program (``plan.build_schedule()``: under ZeRO-2/3 with its UNSHARD / RESHARD /
+REDUCE_GRAD actions, the program pipeexec runs) is simulated under ``plan.costs()``, which
+prices those actions; the trace, Gantt and Chrome trace show them. The in-flight
+microbatches, and so the activation peak of each rank, come from the simulator's memory
+timeline (not a closed form). The step time is, per rank, the end of its last row (a
+computation, or a reduction on its lane) plus the exposed data-parallel communication of its
+tail and the optimizer step (:mod:`pipesim.plan.derive`): the latest rank finishing.
 
 * ``tokens_per_s_per_gpu = global_batch * seq_length / step_time / world_size``;
 * ``mfu = model FLOPs / (step_time * world_size * peak)``, model FLOPs as Korthikanti et al.
@@ -34,6 +37,8 @@ from ..plan.derive import PlanCosts
 from ..units import GiB
 
 if TYPE_CHECKING:
+    import pandas as pd
+
     from .result import SimResult
     from ..plan.plan import Plan
 
@@ -47,11 +52,21 @@ class PlanResult:
     step_time: float
     rank_step_time: list[float]
 
-    def __getattr__(self, name: str) -> Any:
-        # the SimResult's own figures (makespan, bubble_fraction, trace, ...) read through
-        if name.startswith("_") or name in ("plan", "derived", "sim"):
-            raise AttributeError(name)
-        return getattr(self.sim, name)
+    # -- the pipeline's own figures (the rest of the simulation: ``sim``) ---------------------
+    @property
+    def makespan(self) -> float:
+        """The simulated schedule's makespan: the pipeline alone (the step adds each rank's
+        data-parallel and optimizer tail: `step_time`)."""
+        return self.sim.makespan
+
+    @property
+    def bubble_fraction(self) -> float:
+        return self.sim.bubble_fraction
+
+    @property
+    def trace(self) -> "pd.DataFrame":
+        """The simulated step, action by action (`pipesim.sim.trace`'s columns)."""
+        return self.sim.trace
 
     # -- throughput ----------------------------------------------------------------------------
     @property

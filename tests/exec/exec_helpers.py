@@ -21,23 +21,27 @@ from pipeexec.run.assemble import assemble
 
 GLOBAL_BATCH = 8
 MICROBATCHES = 4
-TINY = TrainConfig(layers=6, hidden=16, heads=2, seq_len=8, vocab=32, steps=3, lr=3e-3,
-                   warmup_steps=1, min_lr=3e-4, weight_decay=0.1, clip_grad=0.5,
-                   p2p_timeout=60.0, collective_timeout=120.0, seed=7, device="cpu")
+TINY = TrainConfig.from_flat(layers=6, hidden=16, heads=2, seq_len=8, vocab=32, steps=3, lr=3e-3,
+                             warmup_steps=1, min_lr=3e-4, weight_decay=0.1, clip_grad=0.5,
+                             p2p_timeout=60.0, collective_timeout=120.0, seed=7, device="cpu")
 
 
-def layout_config(schedule: str, pp: int, dp: int, **changes) -> TrainConfig:
-    """TINY with the schedule's largest workable vpp (2, else 1) and the fixed global batch,
-    cut into MICROBATCHES microbatches or, for a schedule that needs more, the next count that
-    divides it (see `choose_microbatches`)."""
+def layout_config(schedule: str, pp: int, dp: int, *, base: TrainConfig = TINY,
+                  **changes) -> TrainConfig:
+    """``base`` (TINY; its plan replaced by ``changes``' ``plan`` when given) with the
+    schedule's largest workable vpp (2, else 1) and the fixed global batch, cut into
+    MICROBATCHES microbatches or, for a schedule that needs more, the next count that divides it
+    (see `choose_microbatches`)."""
+    if "plan" in changes:
+        base = base.replace(plan=changes.pop("plan"))
     m = changes.pop("microbatches", None) or choose_microbatches(schedule, pp, dp)
     if m is None:
         raise pipesim.ScheduleError(f"{schedule} builds with no microbatch count that divides "
                                     f"the global batch {GLOBAL_BATCH} over dp={dp} at pp={pp}")
     b = GLOBAL_BATCH // (dp * m)
     vpp = choose_vpp(schedule, pp, m)
-    return TINY.replace(schedule=schedule, pp=pp, dp=dp, vpp=vpp, microbatches=m,
-                        micro_batch_size=b, **changes)
+    return base.with_flat(schedule=schedule, pp=pp, dp=dp, vpp=vpp, microbatches=m,
+                          micro_batch_size=b, **changes)
 
 
 def choose_microbatches(schedule: str, pp: int, dp: int) -> int | None:
@@ -76,16 +80,17 @@ def mirrored(schedule: pipesim.Schedule) -> pipesim.Schedule:
 
 
 def reference_lr(cfg: TrainConfig, k: int) -> float:
-    if k < cfg.warmup_steps:
-        return cfg.lr * (k + 1) / cfg.warmup_steps
-    t = (k - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
-    return cfg.min_lr + (cfg.lr - cfg.min_lr) * (1 + math.cos(math.pi * t)) / 2
+    opt = cfg.optimizer
+    if k < opt.warmup_steps:
+        return opt.lr * (k + 1) / opt.warmup_steps
+    t = (k - opt.warmup_steps) / max(1, opt.steps - opt.warmup_steps)
+    return opt.min_lr + (opt.lr - opt.min_lr) * (1 + math.cos(math.pi * t)) / 2
 
 
 def reference_model(cfg: TrainConfig) -> tuple[nn.Sequential, list[str]]:
     spec = gpt_stack(cfg.model)
-    layers = [spec.build_layer(i, cfg.seed) for i in range(spec.num_layers)]
-    if cfg.tie_embeddings:          # one Parameter: the head is the embedding
+    layers = [spec.build_layer(i, cfg.runtime.seed) for i in range(spec.num_layers)]
+    if cfg.plan.model.tied_embeddings:          # one Parameter: the head is the embedding
         layers[-1].lm_head.weight = layers[0].tok
     model = nn.Sequential(*layers)
     names = [f"layers.{n}" for n, _ in model.named_parameters()]
@@ -117,23 +122,23 @@ def reference_run(cfg: TrainConfig, steps: int | None = None,
         m.requires_grad_(True)
     if dtype != torch.float32:
         model.to(dtype)
+    hyper = cfg.optimizer
     opt = torch.optim.AdamW(
-        [{"params": [p for p in masters if p.dim() >= 2], "weight_decay": cfg.weight_decay},
+        [{"params": [p for p in masters if p.dim() >= 2], "weight_decay": hyper.weight_decay},
          {"params": [p for p in masters if p.dim() < 2], "weight_decay": 0.0}],
-        lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
-    src = BatchSource(seed=cfg.seed, seq_len=cfg.seq_len, vocab=cfg.vocab,
-                      global_batch=cfg.global_batch)
+        lr=hyper.lr, betas=(hyper.beta1, hyper.beta2), eps=hyper.eps)
+    src = reference_batches(cfg)
     losses, norms, step_grads = [], [], []
-    for k in range(cfg.steps if steps is None else steps):
+    for k in range(cfg.optimizer.steps if steps is None else steps):
         x, y = src.global_batch_at(k)
         logits = model(x)
-        loss = F.cross_entropy(logits.float().reshape(-1, cfg.vocab), y.reshape(-1))
+        loss = F.cross_entropy(logits.float().reshape(-1, cfg.plan.model.vocab), y.reshape(-1))
         grads = torch.autograd.grad(loss, params)
         for mp, g in zip(masters, grads):
             mp.grad = g.float()
         step_grads.append({n: mp.grad.clone() for n, mp in zip(names, masters)})
-        if cfg.clip_grad > 0:
-            norm = torch.nn.utils.clip_grad_norm_(masters, cfg.clip_grad)
+        if cfg.optimizer.clip_grad > 0:
+            norm = torch.nn.utils.clip_grad_norm_(masters, cfg.optimizer.clip_grad)
         else:
             norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(mp.grad)
                                                          for mp in masters]))
@@ -169,9 +174,15 @@ def assert_grad_norms(got, want, label: str = "", rtol: float = 1e-5) -> None:
                                              f"reference's {list(want)}: {m}")
 
 
+def reference_batches(cfg: TrainConfig) -> BatchSource:
+    """The batches ``cfg`` trains on (synthetic), whole: the single process's."""
+    model = cfg.plan.model
+    return BatchSource(seed=cfg.runtime.seed, seq_len=model.seq_length, vocab=model.vocab,
+                       global_batch=cfg.global_batch)
+
+
 def reference_logits(cfg: TrainConfig, model: nn.Module, step: int) -> torch.Tensor:
-    src = BatchSource(seed=cfg.seed, seq_len=cfg.seq_len, vocab=cfg.vocab, global_batch=cfg.global_batch)
-    x, _ = src.global_batch_at(step)
+    x, _ = reference_batches(cfg).global_batch_at(step)
     with torch.no_grad():
         return model(x).float()
 
@@ -189,7 +200,7 @@ def layouts_worker(board, pp: int, dp: int, cases: list[tuple[str, dict]], devic
             custom = mirrored(cfg.build_schedule()) if mirror else None
             trainer = assemble(cfg, topo, board=board, schedule=custom)
             res = train(trainer)
-            fwd = trainer.forward(cfg.steps, keep_outputs=True)
+            fwd = trainer.forward(cfg.optimizer.steps, keep_outputs=True)
             out[(schedule, tuple(sorted(changes.items())))] = {
                 "losses": res.losses, "skipped": res.skipped, "loss_scales": res.loss_scales,
                 "grad_norms": res.grad_norms,
@@ -197,7 +208,7 @@ def layouts_worker(board, pp: int, dp: int, cases: list[tuple[str, dict]], devic
                 "fwd_outputs": {mb: t.cpu().clone() for mb, t in fwd.outputs.items()},
                 "fwd_losses": {mb: t.item() for mb, t in fwd.losses.items()},
                 "final_scale": trainer.scaler.scale,
-                "pp_rank": topo.pp_rank, "dp_rank": topo.dp_rank, "vpp": cfg.vpp,
+                "pp_rank": topo.pp_rank, "dp_rank": topo.dp_rank, "vpp": cfg.plan.parallelism.vpp,
                 "config": cfg,
             }
     finally:
@@ -207,8 +218,9 @@ def layouts_worker(board, pp: int, dp: int, cases: list[tuple[str, dict]], devic
 
 def train_worker(board, config: TrainConfig) -> list[float]:
     """Train one config on a fresh topology; return the losses."""
-    topo = init_topology(config.pp, config.dp, backend=config.backend, device=config.device,
-                         timeout=config.collective_timeout)
+    par, runtime = config.plan.parallelism, config.runtime
+    topo = init_topology(par.pp, par.dp, backend=runtime.backend, device=runtime.device,
+                         timeout=runtime.collective_timeout)
     try:
         return train(assemble(config, topo, board=board)).losses
     finally:

@@ -18,7 +18,7 @@ import pytest
 import pipesim
 from pipesim.hardware import get_hardware
 
-from pipeexec.calibrate_hardware import fit_gemm_curve
+from pipeexec.measuring.calibrate_hardware import fit_gemm_curve
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -232,7 +232,7 @@ def test_a_cuda_device_is_stated_against_the_preset_its_name_names(monkeypatch):
     what to pass."""
     import torch
 
-    from pipeexec.calibrate_hardware import base_preset
+    from pipeexec.measuring.calibrate_hardware import base_preset
 
     for device_name, preset in (("NVIDIA H200", "H200"), ("NVIDIA H100 80GB HBM3", "H100"),
                                 ("NVIDIA A100-SXM4-80GB", "A100"), ("NVIDIA GB200", "GB200"),
@@ -259,7 +259,7 @@ def test_a_cpu_is_measured_with_one_thread_as_a_rank_runs_and_the_file_says_so(m
     one thread): the sweep runs with --threads (default 1) and the file records it and the load."""
     import torch
 
-    from pipeexec import calibrate_hardware as ch
+    from pipeexec.measuring import calibrate_hardware as ch
 
     seen = []
     monkeypatch.setattr(ch, "gemm_sweep", lambda device, dtype, repeat=7, sizes=ch.SIZES: (
@@ -280,7 +280,7 @@ def test_a_cpu_is_measured_with_one_thread_as_a_rank_runs_and_the_file_says_so(m
 
 
 def test_a_busy_machine_is_named_before_the_sweep():
-    from pipeexec.calibrate_hardware import busy_note
+    from pipeexec.measuring.calibrate_hardware import busy_note
 
     assert busy_note(0.4, 2) == ""
     note = busy_note(2.3, 2)

@@ -73,12 +73,12 @@ def test_the_causal_mask_is_at_the_global_positions():
 def test_uneven_sequences_are_refused_before_any_process():
     with pytest.raises(ConfigError, match=r"parallelism.cp = 2 \(--cp\): model.seq_length = 6 "
                                           r"\(--seq-len\) is not a multiple of 2 \* cp = 4"):
-        TINY.replace(cp=2, seq_len=6).validate()
+        TINY.with_flat(cp=2, seq_len=6).validate()
     with pytest.raises(ConfigError, match=r"seq_length = 12 \(--seq-len\) is not a multiple of "
                                           r"2 \* cp \* tp = 8"):
-        TINY.replace(cp=2, tp=2, sequence_parallel=True, seq_len=12).validate()
-    TINY.replace(cp=2, tp=2, seq_len=12).validate()      # without sp: 12 = 4 x 3
-    assert TINY.replace(cp=2, tp=2, pp=2, dp=2).world_size == 16
+        TINY.with_flat(cp=2, tp=2, sequence_parallel=True, seq_len=12).validate()
+    TINY.with_flat(cp=2, tp=2, seq_len=12).validate()      # without sp: 12 = 4 x 3
+    assert TINY.with_flat(cp=2, tp=2, pp=2, dp=2).world_size == 16
 
 
 # -- cp 2 x pp 2 ----------------------------------------------------------------------------
@@ -202,13 +202,13 @@ def test_hf_cp2_pp2_equals_the_unsplit_model(cp2_pp2, hf_dirs, name, schedule):
     results, _ = cp2_pp2
     key = hf_case(hf_dirs, name, schedule)
     cfg = results[0][key]["config"]
-    info = read_hf_config(cfg.hf_model)
-    ref_losses, ref_params = hf_reference_train(reference_config(cfg).replace(cp=1))
+    info = read_hf_config(cfg.inputs.hf_model)
+    ref_losses, ref_params = hf_reference_train(reference_config(cfg).with_flat(cp=1))
     losses = [r[key]["losses"] for r in results]
     assert all(ls == losses[0] for ls in losses), "ranks disagree on the losses"
     torch.testing.assert_close(torch.tensor(losses[0]), torch.tensor(ref_losses), rtol=1e-5,
                                atol=0)
-    spec = hf_dir_stack(cfg.hf_model)
+    spec = hf_dir_stack(cfg.inputs.hf_model)
     seen = set()
     for r in check_cp_replicas(results, key):
         for n, p in r[key]["params"].items():
@@ -233,7 +233,7 @@ def test_a_cp2_checkpoint_resumes_bit_exact_and_loads_into_cp1(cp2_pp2):
             assert torch.equal(p, c["straight"][n]), n
     saved = {n: p for c in ckpts if c["cp_rank"] == 0 for n, p in c["saved"].items()}
     # cp 1, pp 1 in this process: exactly the saved weights, and the same next steps
-    cfg = layout_config("1f1b", 2, 1, steps=CKPT_STEPS).replace(pp=1, vpp=1)
+    cfg = layout_config("1f1b", 2, 1, steps=CKPT_STEPS).with_flat(pp=1, vpp=1)
     alone = Topology.of(Mesh(), 0, device=torch.device("cpu"), backend="gloo")
     trainer = assemble(cfg, alone)
     load_checkpoint(trainer, root)

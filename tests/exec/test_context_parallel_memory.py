@@ -24,8 +24,8 @@ SCHEDULES = (("1f1b", 1), ("zbv", 2))
 
 
 def config(cp: int, schedule: str, vpp: int):
-    return TINY.replace(layers=4, steps=2, pp=2, cp=cp, microbatches=4, micro_batch_size=2,
-                        hidden=64, heads=4, seq_len=32, vocab=128, schedule=schedule, vpp=vpp)
+    return TINY.with_flat(layers=4, steps=2, pp=2, cp=cp, microbatches=4, micro_batch_size=2,
+                          hidden=64, heads=4, seq_len=32, vocab=128, schedule=schedule, vpp=vpp)
 
 
 @functools.lru_cache(maxsize=None)

@@ -93,9 +93,9 @@ def test_spawn_start_runs_training(tmp_path, reference):
     from pipeexec import launch
     from pipeexec.config import TrainConfig
     from pipeexec.run.worker import WorkerArgs, run_training
-    cfg = TrainConfig(schedule="1f1b", pp=2, microbatches=4, micro_batch_size=2, layers=2,
-                      hidden=16, heads=2, seq_len=8, vocab=64, steps=3, seed=3, lr=0.01,
-                      device="cpu")
+    cfg = TrainConfig.from_flat(schedule="1f1b", pp=2, microbatches=4, micro_batch_size=2, layers=2,
+                                hidden=16, heads=2, seq_len=8, vocab=64, steps=3, seed=3, lr=0.01,
+                                device="cpu")
     results = launch(run_training, 2, (WorkerArgs(cfg, progress=False),), timeout=300,
                      start_method="spawn")
     assert results[0].metrics["losses"] == pytest.approx(reference["losses"], rel=1e-5)

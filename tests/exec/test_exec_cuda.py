@@ -18,7 +18,7 @@ from exec_helpers import (GLOBAL_BATCH, MICROBATCHES, TINY, choose_microbatches,
 pytestmark = [pytest.mark.cuda, pytest.mark.slow,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
-REF_CFG = TINY.replace(microbatches=MICROBATCHES, micro_batch_size=GLOBAL_BATCH // MICROBATCHES)
+REF_CFG = TINY.with_flat(microbatches=MICROBATCHES, micro_batch_size=GLOBAL_BATCH // MICROBATCHES)
 
 
 @pytest.fixture(scope="module")

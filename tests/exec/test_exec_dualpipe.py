@@ -19,7 +19,7 @@ from exec_helpers import (GLOBAL_BATCH, MICROBATCHES, TINY, assert_grad_norms, l
                           reference_run, reference_train)
 
 pytestmark = pytest.mark.slow
-REF_CFG = TINY.replace(microbatches=MICROBATCHES, micro_batch_size=GLOBAL_BATCH // MICROBATCHES)
+REF_CFG = TINY.with_flat(microbatches=MICROBATCHES, micro_batch_size=GLOBAL_BATCH // MICROBATCHES)
 
 
 @functools.lru_cache(maxsize=None)
@@ -37,7 +37,7 @@ def test_dualpipe_trains_as_one_process(pp):
     for r in results:          # each part's two copies summed, counted once in the norm
         assert_grad_norms(r[key]["grad_norms"], reference_norms, f"pp={pp}")
     cfg = results[0][key]["config"]
-    m = cfg.microbatches
+    m = cfg.plan.microbatches
     schedule = cfg.build_schedule()
     assert schedule.has_copies and schedule.num_parts == pp and schedule.vpp == 2
     seen: dict[str, list[torch.Tensor]] = {}
@@ -65,9 +65,9 @@ def test_dualpipe_schedule_file_runs_as_itself(tmp_path):
     s = pipesim.build_schedule("dualpipe", pp=2, microbatches=4)
     path = tmp_path / "dualpipe.json"
     schedule_to_json(s, path)
-    cfg = TINY.replace(schedule=str(path), pp=2, vpp=1, microbatches=4, micro_batch_size=2)
+    cfg = TINY.with_flat(schedule=str(path), pp=2, vpp=1, microbatches=4, micro_batch_size=2)
     assert cfg.build_schedule().with_recv_lookahead(0) == s   # the run posts receives 1 early
     with pytest.raises(pipesim.ScheduleError, match="vpp = 1, the run vpp = 2"):
-        cfg.replace(vpp=2).build_schedule()
+        cfg.with_flat(vpp=2).build_schedule()
     with pytest.raises(pipesim.ScheduleError, match="different routes"):
         schedule_to_csv(s)

@@ -28,14 +28,14 @@ pytestmark = pytest.mark.slow
 
 LAYOUTS = [(2, 1), (2, 2), (4, 1), (4, 2)]
 BF16_SCHEDULES = ("1f1b", "interleaved", "zbv")
-REF_CFG = TINY.replace(microbatches=MICROBATCHES, micro_batch_size=GLOBAL_BATCH // MICROBATCHES)
+REF_CFG = TINY.with_flat(microbatches=MICROBATCHES, micro_batch_size=GLOBAL_BATCH // MICROBATCHES)
 
 
 @functools.lru_cache(maxsize=None)
 def reference(precision: str = "fp32"):
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[precision]
     losses, params, model = reference_train(REF_CFG, dtype=dtype)
-    logits = reference_logits(REF_CFG, model, REF_CFG.steps)
+    logits = reference_logits(REF_CFG, model, REF_CFG.optimizer.steps)
     return losses, params, logits
 
 
@@ -132,7 +132,7 @@ def test_schedules_match_single_process(pp, dp):
             torch.testing.assert_close(params[n], ref_params[n], rtol=1e-5, atol=1e-6,
                                        msg=lambda m: f"{label}: {n}: {m}")
         # forward-only: the last stage's logits of every microbatch of every replica
-        m = results[0][key]["config"].microbatches
+        m = results[0][key]["config"].plan.microbatches
         b = GLOBAL_BATCH // (dp * m)
         seen = 0
         for r in results:

@@ -15,8 +15,8 @@ from pipeexec import ConfigError, WorkerFailed, launch
 
 from exec_helpers import TINY, train_worker
 
-CFG = TINY.replace(schedule="1f1b", pp=4, dp=1, microbatches=4, micro_batch_size=1, steps=3,
-                   p2p_timeout=30.0, collective_timeout=30.0)
+CFG = TINY.with_flat(schedule="1f1b", pp=4, dp=1, microbatches=4, micro_batch_size=1, steps=3,
+                     p2p_timeout=30.0, collective_timeout=30.0)
 
 
 def _run_failing(config, timeout=60.0):
@@ -28,7 +28,7 @@ def _run_failing(config, timeout=60.0):
 
 @pytest.mark.slow
 def test_worker_that_raises_stops_the_run():
-    exc, elapsed = _run_failing(CFG.replace(inject=("raise:2:1:2B1",)))
+    exc, elapsed = _run_failing(CFG.with_flat(inject=("raise:2:1:2B1",)))
     msg = str(exc)
     assert exc.rank == 2
     assert "rank 2" in msg and "2B1" in msg and "step 1" in msg and "injected failure" in msg
@@ -38,8 +38,8 @@ def test_worker_that_raises_stops_the_run():
 
 @pytest.mark.slow
 def test_killed_worker_stops_the_run():
-    exc, elapsed = _run_failing(CFG.replace(schedule="zbv", vpp=2, pp=2, dp=2,
-                                            inject=("exit:2:1:2F3",)))
+    exc, elapsed = _run_failing(CFG.with_flat(schedule="zbv", vpp=2, pp=2, dp=2,
+                                              inject=("exit:2:1:2F3",)))
     msg = str(exc)
     assert exc.rank == 2   # global rank 2 = pipeline rank 1 of replica 0, which holds stage 2
     assert "rank 2 was killed by signal SIGKILL" in msg and "action 2F3 of step 1" in msg, msg
@@ -50,7 +50,7 @@ def test_killed_worker_stops_the_run():
 @pytest.mark.slow
 def test_hung_peer_times_out_naming_rank_peer_and_action():
     # rank 1 blocks before its first backward; rank 0 waits for 0RECV_B0 from it
-    exc, elapsed = _run_failing(CFG.replace(pp=2, p2p_timeout=2.0, inject=("hang:1:0:1B0",)))
+    exc, elapsed = _run_failing(CFG.with_flat(pp=2, p2p_timeout=2.0, inject=("hang:1:0:1B0",)))
     msg = str(exc)
     assert exc.rank == 0, msg
     assert "0RECV_B0" in msg and "rank 1" in msg and "timed out after 2 s" in msg, msg
@@ -68,7 +68,7 @@ def test_hung_peer_times_out_naming_rank_peer_and_action():
 ])
 def test_invalid_layouts_fail_before_any_collective(changes, reason):
     with pytest.raises((ConfigError, pipesim.ScheduleError), match=reason):
-        CFG.replace(**changes).validate(world_size=CFG.replace(**changes).world_size)
+        CFG.with_flat(**changes).validate(world_size=CFG.with_flat(**changes).world_size)
 
 
 def test_world_size_mismatch():
@@ -82,7 +82,7 @@ def test_microbatch_count_the_schedule_rejects():
     bad = next(m for m in range(1, 9)
                if _rejects("interleaved", 4, 2, m))
     with pytest.raises(pipesim.ScheduleError):
-        CFG.replace(schedule="interleaved", vpp=2, microbatches=bad).validate()
+        CFG.with_flat(schedule="interleaved", vpp=2, microbatches=bad).validate()
 
 
 def _rejects(name, pp, vpp, m) -> bool:

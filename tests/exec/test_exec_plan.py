@@ -37,19 +37,19 @@ def test_flags_and_their_plan_file_give_the_same_config(tmp_path, flags):
     path = tmp_path / "plan.json"
     by_flags.plan_as_run().to_json(path)
     by_file = from_argv(["--plan", str(path)] + REST)
-    if by_flags.boundaries is None:
+    if by_flags.layout.boundaries is None:
         assert by_file == by_flags
     else:                       # the executor's cut, written into the plan as its partition
         assert by_file == TrainConfig(plan=by_flags.plan_as_run(), layout=by_flags.layout,
                                       inputs=by_flags.inputs, optimizer=by_flags.optimizer,
                                       mixed_precision=by_flags.mixed_precision,
-                                      runtime=by_flags.runtime).replace(boundaries=None)
+                                      runtime=by_flags.runtime).with_flat(boundaries=None)
         from pipeexec.analysis.predict import layout_of
         assert layout_of(by_file).bounds == layout_of(by_flags).bounds
     # the plan simulates the layout the executor runs: same schedule, same cut
     plan = pipesim.Plan.from_json(path)
     assert plan.build_schedule().name == by_flags.build_schedule().name
-    assert sum(plan.stage_layers()) == by_flags.layers
+    assert sum(plan.stage_layers()) == by_flags.plan.model.layers
 
 
 def test_a_plan_from_pipesim_runs_its_supported_parts(tmp_path):
@@ -59,8 +59,9 @@ def test_a_plan_from_pipesim_runs_its_supported_parts(tmp_path):
                                                    global_batch_size=8, precision="fp32"),
                         schedule="1f1b", partition=(1, 3))
     cfg = TrainConfig(plan=plan)
-    assert (cfg.pp, cfg.microbatches, cfg.micro_batch_size, cfg.layers, cfg.seq_len) == \
-        (2, 4, 2, 4, 16)
+    par, model = cfg.plan.parallelism, cfg.plan.model
+    assert (par.pp, cfg.plan.microbatches, par.micro_batch_size, model.layers,
+            model.seq_length) == (2, 4, 2, 4, 16)
     from pipeexec.partition import plan_bounds
     assert plan_bounds(plan) == (0, 2, 6)  # stage 0: embedding + 1 block; stage 1: 3 blocks + head
     cfg.validate()
@@ -91,9 +92,10 @@ def test_a_flag_given_with_a_plan_overrides_that_field(tmp_path):
     """One rule in every command: the plan file is the base, a given flag overrides its field
     (the global batch stays the plan's: --dp changes the microbatches, as in pipesim)."""
     path = tmp_path / "plan.json"
-    TrainConfig(pp=2, microbatches=4, layers=4).plan.to_json(path)
+    TrainConfig.from_flat(pp=2, microbatches=4, layers=4).plan.to_json(path)
     cfg = from_argv(["--plan", str(path), "--pp", "4", "--layers", "6"])
-    assert (cfg.pp, cfg.layers, cfg.microbatches, cfg.hidden) == (4, 6, 4, 64)
+    assert (cfg.plan.parallelism.pp, cfg.plan.model.layers, cfg.plan.microbatches,
+            cfg.plan.model.hidden) == (4, 6, 4, 64)
     assert from_argv(["--plan", str(path), "--microbatches", "8"]).global_batch == 8
 
 
@@ -101,7 +103,7 @@ def test_fp8_and_every_other_refusal_come_at_once_with_flags(tmp_path, capsys):
     """A plan with fp8 (a bare KeyError before), expert parallelism and a sequence that does
     not cut over cp: one error listing each, with its flag, before any worker starts."""
     path = tmp_path / "fp8.json"
-    TrainConfig(pp=2, microbatches=2).plan.with_(precision="fp8", ep=2, dp=2,
+    TrainConfig.from_flat(pp=2, microbatches=2).plan.with_(precision="fp8", ep=2, dp=2,
                                                  cp=3).to_json(path)
     with pytest.raises(SystemExit) as exit_:
         main(["train", "--plan", str(path)])
@@ -154,11 +156,12 @@ def test_a_plan_holding_its_schedule_as_data_runs_that_schedule(tmp_path):
                                                    recv_lookahead=1))
     data["name"] = "interleaved"
     hand = schedule_from_dict(data)
-    plan = TrainConfig(pp=2, vpp=2, microbatches=4, layers=4).plan
+    plan = TrainConfig.from_flat(pp=2, vpp=2, microbatches=4, layers=4).plan
     plan = pipesim.Plan(plan.model, plan.parallelism, plan.cluster, hand, partition=plan.partition)
     path = tmp_path / "hand.json"
     plan.to_json(path)
     cfg = from_argv(["--plan", str(path)])
-    assert cfg.schedule == "interleaved" and isinstance(cfg.plan.schedule, pipesim.Schedule)
+    assert (cfg.plan.schedule_name == "interleaved"
+            and isinstance(cfg.plan.schedule, pipesim.Schedule))
     assert schedule_to_dict(cfg.validate().build_schedule()) == schedule_to_dict(hand)
     assert TrainConfig.from_dict(cfg.to_dict()) == cfg      # as a checkpoint stores it

@@ -37,7 +37,7 @@ def run_cli(argv):
 ])
 def test_config_refuses_bad_optimisation_values(field, value, match):
     with pytest.raises(ConfigError, match=match):
-        TrainConfig(**{field: value}).validate()
+        TrainConfig.from_flat(**{field: value}).validate()
 
 
 def test_bad_lr_fails_before_any_worker(capsys, monkeypatch):
@@ -77,7 +77,7 @@ def test_data_that_is_not_text_is_named(tmp_path):
 
 def test_missing_data_file_is_a_config_error():
     with pytest.raises(ConfigError, match="data: file 'nope.txt' does not exist"):
-        TrainConfig(data="nope.txt").validate()
+        TrainConfig.from_flat(data="nope.txt").validate()
 
 
 @pytest.fixture(scope="module")

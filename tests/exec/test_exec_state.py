@@ -20,7 +20,7 @@ def test_state_moves_across_layouts():
     assert state["iteration"] == 2 and state["updates"] == 2
     second = launch(state_worker, 8, (4, 2, "zbv", 1, state), timeout=300)
     final = merge_states(second)
-    cfg = TINY.replace(microbatches=MICROBATCHES, micro_batch_size=GLOBAL_BATCH // MICROBATCHES)
+    cfg = TINY.with_flat(microbatches=MICROBATCHES, micro_batch_size=GLOBAL_BATCH // MICROBATCHES)
     ref_losses, ref_params, _ = reference_train(cfg)
     losses = first[0]["losses"] + second[0]["losses"]
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=0)

@@ -49,8 +49,8 @@ def mixtral_dir(tmp_path_factory) -> str:
 
 
 def ep_config(directory: str, schedule: str, *, pp: int, dp: int, **changes):
-    base = TINY.replace(seq_len=SEQ).with_hf_model(directory)
-    return layout_config(schedule, pp, dp, plan=base.plan, hf_model=directory, eps=ADAM_EPS,
+    base = TINY.with_flat(seq_len=SEQ).with_hf_model(directory)
+    return layout_config(schedule, pp, dp, base=base, eps=ADAM_EPS,
                          **changes)
 
 
@@ -114,15 +114,15 @@ def whole_model(results: list[dict], key, tp: int, ep: int) -> dict[str, torch.T
 
 def check(runs: list[dict], key, tp: int, ep: int, label: str) -> None:
     cfg = runs[0][key]["config"]
-    info = read_hf_config(cfg.hf_model)
-    ref_losses, ref_params = _reference(reference_config(cfg).replace(
+    info = read_hf_config(cfg.inputs.hf_model)
+    ref_losses, ref_params = _reference(reference_config(cfg).with_flat(
         tp=1, ep=1, sequence_parallel=False, recompute="none"))
     losses = [r[key]["losses"] for r in runs]
     assert all(ls == losses[0] for ls in losses), f"{label}: ranks disagree on the losses"
     torch.testing.assert_close(torch.tensor(losses[0]), torch.tensor(ref_losses), rtol=1e-5,
                                atol=0, msg=lambda m: f"{label}: losses: {m}")
     assert any(e for r in runs for e in r[key]["expert"].values()), label
-    spec = hf_dir_stack(cfg.hf_model)
+    spec = hf_dir_stack(cfg.inputs.hf_model)
     seen = set()
     for n, p in whole_model(runs, key, tp, ep).items():
         hf = hf_name(info.model_type, info.layers, spec.canonical(n))
@@ -208,17 +208,17 @@ def test_tp2_ep2_pp2_sequence_parallel_equals_the_unsplit_model(mixtral_dir):
 
 def test_what_expert_parallelism_cannot_run_is_refused_naming_the_flag(tmp_path):
     mixtral = write_model(tmp_path / "mixtral", MIXTRAL)
-    cfg = TINY.replace(seq_len=SEQ).with_hf_model(str(mixtral))
-    cfg.replace(dp=2, ep=2).validate()
-    cfg.replace(dp=2, cp=2, ep=4).validate()
+    cfg = TINY.with_flat(seq_len=SEQ).with_hf_model(str(mixtral))
+    cfg.with_flat(dp=2, ep=2).validate()
+    cfg.with_flat(dp=2, cp=2, ep=4).validate()
     with pytest.raises(ConfigError, match=r"parallelism.ep = 2 \(--ep\) must divide dp \* cp = "
                                           r"3 \* 1 = 3"):
-        cfg.replace(dp=3, ep=2).validate()
+        cfg.with_flat(dp=3, ep=2).validate()
     three = write_model(tmp_path / "three", dict(MIXTRAL, num_local_experts=3))
     with pytest.raises(ConfigError, match=r"3 experts \(model.experts\) are not divisible by ep"):
-        TINY.replace(seq_len=SEQ).with_hf_model(str(three)).replace(dp=2, ep=2).validate()
+        TINY.with_flat(seq_len=SEQ).with_hf_model(str(three)).with_flat(dp=2, ep=2).validate()
     with pytest.raises(ConfigError, match=r"the model is dense .*the built-in GPT is dense"):
-        TINY.replace(dp=2, ep=2).validate()
+        TINY.with_flat(dp=2, ep=2).validate()
 
 
 @pytest.mark.slow
@@ -253,5 +253,5 @@ def test_qwen_moe_families_at_ep2_dp2_equal_the_unsplit_model(tmp_path):
     runs = _launch(1, 1, 2, 2, frozen)
     for name in MODELS:
         key = ("1f1b", (("label", name),))
-        assert read_hf_config(runs[0][key]["config"].hf_model).model_type == name
+        assert read_hf_config(runs[0][key]["config"].inputs.hf_model).model_type == name
         check(runs, key, 1, 2, f"{name} ep2 dp2")

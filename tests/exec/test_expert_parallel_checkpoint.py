@@ -36,7 +36,8 @@ pytestmark = pytest.mark.slow
 def worker(board, directory: str, ep: int, steps: int, load: str | None, save: str | None,
            zero: int = 0) -> dict:
     cfg = ep_config(directory, "1f1b", pp=1, dp=2, ep=ep, steps=steps, zero=zero)
-    topo = init_topology(cfg.pp, cfg.dp, ep=ep, device="cpu", timeout=120)
+    par = cfg.plan.parallelism
+    topo = init_topology(par.pp, par.dp, ep=ep, device="cpu", timeout=120)
     try:
         trainer = assemble(cfg, topo, board=board)
         if load:

@@ -44,9 +44,9 @@ def model_dir(tmp_path_factory) -> str:
 
 
 def config(directory: str, ep: int, schedule: str, vpp: int):
-    base = TINY.replace(seq_len=32).with_hf_model(directory)
-    return base.replace(steps=2, pp=2, dp=2, ep=ep, microbatches=4, micro_batch_size=2,
-                        schedule=schedule, vpp=vpp)
+    base = TINY.with_flat(seq_len=32).with_hf_model(directory)
+    return base.with_flat(steps=2, pp=2, dp=2, ep=ep, microbatches=4, micro_batch_size=2,
+                          schedule=schedule, vpp=vpp)
 
 
 @functools.lru_cache(maxsize=None)
@@ -75,9 +75,9 @@ STATE_MIXTRAL = dict(MIXTRAL, num_hidden_layers=2, vocab_size=32)
 
 def state_config(directory: str, ep: int, zero: int):
     # weights dominate (8 tokens a microbatch), so the peak is the state's
-    base = TINY.replace(seq_len=8).with_hf_model(directory)
-    return base.replace(steps=2, pp=2, dp=2, ep=ep, zero=zero, microbatches=4,
-                        micro_batch_size=1, schedule="1f1b", vpp=1)
+    base = TINY.with_flat(seq_len=8).with_hf_model(directory)
+    return base.with_flat(steps=2, pp=2, dp=2, ep=ep, zero=zero, microbatches=4,
+                          micro_batch_size=1, schedule="1f1b", vpp=1)
 
 
 def state_worker(board, directory: str, ep: int) -> dict:

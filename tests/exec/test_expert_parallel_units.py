@@ -64,3 +64,17 @@ def test_a_plan_priced_with_deepep_or_the_a2a_overlap_is_refused_naming_the_fiel
     assert len(overlap) == 1 and "parallelism.overlap_ep_comm = True" in overlap[0]
     # at ep 1 nothing is dispatched: the knobs mean nothing and refuse nothing
     assert expert_parallel_refusals(model, Parallelism(dp=2, ep_dispatcher="hybridep")) == []
+
+
+def test_a_plan_with_megatrons_recompute_modules_or_offloading_is_refused_naming_the_field():
+    """pipesim plans Megatron's per-module recomputation and activation offloading; the
+    executor recomputes the core attention or whole blocks and keeps activations on its device,
+    so such a plan is refused before launch."""
+    from pipeexec.refusals import memory_refusals
+    from pipesim.plan import Parallelism
+
+    assert memory_refusals(Parallelism(recompute="selective")) == []
+    mods = memory_refusals(Parallelism(recompute="selective", recompute_modules=("moe_act",)))
+    assert len(mods) == 1 and "parallelism.recompute_modules = ['moe_act']" in mods[0]
+    off = memory_refusals(Parallelism(offload_layers=2))
+    assert len(off) == 1 and "parallelism.offload_layers = 2" in off[0] and "set it to 0" in off[0]

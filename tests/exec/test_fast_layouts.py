@@ -38,7 +38,7 @@ def test_tp2_equals_one_process(case):
 
 def checkpoint_worker(board, cfg, options: CheckpointOptions) -> dict:
     """One rank: load, train, save per ``options``; its losses and final parameters."""
-    topo = init_topology(cfg.pp, cfg.dp, timeout=120)
+    topo = init_topology(cfg.plan.parallelism.pp, cfg.plan.parallelism.dp, timeout=120)
     try:
         trainer = assemble(cfg, topo, board=board)
         manager = CheckpointManager(options)
@@ -59,13 +59,13 @@ def _run(cfg, options):
 
 @pytest.mark.parametrize("schedule", ["zbv", "interleaved"])
 def test_a_checkpoint_reshards_into_another_placement(tmp_path, schedule):
-    base = TINY.replace(microbatches=4, micro_batch_size=2, decay_steps=2)
-    first = _run(base.replace(schedule="1f1b", pp=2, vpp=1, steps=1),
+    base = TINY.with_flat(microbatches=4, micro_batch_size=2, decay_steps=2)
+    first = _run(base.with_flat(schedule="1f1b", pp=2, vpp=1, steps=1),
                  CheckpointOptions(save=str(tmp_path / "a")))
-    second = _run(base.replace(schedule=schedule, pp=2, vpp=2, steps=2),
+    second = _run(base.with_flat(schedule=schedule, pp=2, vpp=2, steps=2),
                   CheckpointOptions(load=str(tmp_path / "a")))
     assert second[0]["resharded"] and second[0]["start"] == 1
-    ref = reference_run(base.replace(steps=2))
+    ref = reference_run(base.with_flat(steps=2))
     last = next(r for r in second if r["pp_rank"] == 0)
     torch.testing.assert_close(torch.tensor(first[0]["losses"] + last["losses"]),
                                torch.tensor(ref.losses), rtol=1e-5, atol=0)

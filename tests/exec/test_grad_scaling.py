@@ -63,18 +63,18 @@ def test_data_parallel_gradients_are_the_single_process_average(changes):
     cfg = results[0][key]["config"]
     ref = reference_run(cfg)
     # the norms must be above the clip threshold or clipping is never exercised
-    if cfg.clip_grad:
-        assert min(ref.grad_norms) > cfg.clip_grad
+    if cfg.optimizer.clip_grad:
+        assert min(ref.grad_norms) > cfg.optimizer.clip_grad
     for r in results:
         entry = r[key]
         assert_grad_norms(entry["grad_norms"], ref.grad_norms, f"{changes} rank")
         torch.testing.assert_close(torch.tensor(entry["losses"]), torch.tensor(ref.losses),
                                    rtol=1e-5, atol=0)
-        assert entry["params"].keys() == ref.params.keys() or cfg.tie_embeddings
+        assert entry["params"].keys() == ref.params.keys() or cfg.plan.model.tied_embeddings
         for n, p in ref.params.items():
             torch.testing.assert_close(entry["params"][n], p, rtol=1e-5, atol=1e-6,
                                        msg=lambda m: f"{changes}: {n}: {m}")
-        if entry["grads"] and not cfg.clip_grad:
+        if entry["grads"] and not cfg.optimizer.clip_grad:
             # clipping off: the buffer holds the step's averaged gradient as reduced
             for n, g in ref.grads[-1].items():
                 torch.testing.assert_close(entry["grads"][n], g, rtol=1e-5, atol=1e-7,

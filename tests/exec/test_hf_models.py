@@ -206,16 +206,17 @@ def test_bad_directories_are_refused_with_the_reason(tmp_path, model_dirs):
                                           r"\(LlamaForCausalLM\), mistral"):
         TrainConfig().with_hf_model(str(bert))
     cfg = TrainConfig().with_hf_model(model_dirs["llama"])
-    assert (cfg.layers, cfg.hidden, cfg.heads, cfg.vocab) == (6, 32, 4, 32)
+    model = cfg.plan.model
+    assert (model.layers, model.hidden, model.heads, model.vocab) == (6, 32, 4, 32)
     with pytest.raises(ConfigError, match=r"model.layers = 2: --hf-model .*llama has 6"):
-        cfg.replace(layers=2).validate()
+        cfg.with_flat(layers=2).validate()
     gpt2 = TrainConfig().with_hf_model(model_dirs["gpt2"])
     with pytest.raises(ConfigError, match="longer than the model's 16 learned positions"):
-        gpt2.replace(seq_len=32).validate()
-    assert gpt2.tie_embeddings and not cfg.tie_embeddings
+        gpt2.with_flat(seq_len=32).validate()
+    assert gpt2.plan.model.tied_embeddings and not cfg.plan.model.tied_embeddings
     with pytest.raises(ConfigError, match=r"model.tied_embeddings = False: --hf-model .*gpt2 "
                                           r"has True"):
-        gpt2.replace(tie_embeddings=False).validate()
+        gpt2.with_flat(tie_embeddings=False).validate()
     # the router loss runs (tests/exec/test_router_loss.py); a Qwen2-MoE whose dense layers the
     # plan's model cannot say is refused
     dense = write_model(tmp_path / "dense", dict(_DECODER, model_type="qwen2_moe", num_experts=4,
@@ -249,26 +250,29 @@ def hf_reference_run(cfg: TrainConfig, own_loss: bool = False
     parameters by Hugging Face name. ``own_loss``: the model's own ``loss`` (with the routers'
     ``coef * aux`` when its config asks for the router logits) instead of `lm_loss` of its
     logits."""
-    model = hf_reference_model(cfg.hf_model, cfg.seed)
+    model = hf_reference_model(cfg.inputs.hf_model, cfg.runtime.seed)
     params = dict(model.named_parameters())
+    hyper = cfg.optimizer
     opt = torch.optim.AdamW(
-        [{"params": [p for p in params.values() if p.dim() >= 2], "weight_decay": cfg.weight_decay},
+        [{"params": [p for p in params.values() if p.dim() >= 2],
+          "weight_decay": hyper.weight_decay},
          {"params": [p for p in params.values() if p.dim() < 2], "weight_decay": 0.0}],
-        lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
-    src = BatchSource(seed=cfg.seed, seq_len=cfg.seq_len, vocab=cfg.vocab,
-                      global_batch=cfg.global_batch)
+        lr=hyper.lr, betas=(hyper.beta1, hyper.beta2), eps=hyper.eps)
+    src = BatchSource(seed=cfg.runtime.seed, seq_len=cfg.plan.model.seq_length,
+                      vocab=cfg.plan.model.vocab, global_batch=cfg.global_batch)
     losses, norms = [], []          # norms: the global gradient norm before clipping
-    for k in range(cfg.steps):
+    for k in range(cfg.optimizer.steps):
         opt.zero_grad()
         total = 0.0
-        for x, y in src.microbatches(k, 0, 1, cfg.microbatches):
+        for x, y in src.microbatches(k, 0, 1, cfg.plan.microbatches):
             if own_loss:
-                loss = model(input_ids=x, labels=y, shift_labels=y).loss / cfg.microbatches
+                loss = model(input_ids=x, labels=y, shift_labels=y).loss / cfg.plan.microbatches
             else:
-                loss = lm_loss(model(input_ids=x).logits, y) / cfg.microbatches
+                loss = lm_loss(model(input_ids=x).logits, y) / cfg.plan.microbatches
             loss.backward()                      # gradients accumulate over the microbatches
             total += loss.item()
-        norms.append(torch.nn.utils.clip_grad_norm_(list(params.values()), cfg.clip_grad).item())
+        norms.append(torch.nn.utils.clip_grad_norm_(list(params.values()),
+                                                    hyper.clip_grad).item())
         for g in opt.param_groups:
             g["lr"] = reference_lr(cfg, k)
         opt.step()
@@ -309,25 +313,27 @@ def cases(model_dirs: dict[str, str], pp: int, fast: bool) -> list[tuple[str, di
 def reference_config(cfg: TrainConfig) -> TrainConfig:
     """The single-process run of ``cfg``'s global batch: dp replicas' microbatches in a row
     (replica d holds rows d*m*b .. (d+1)*m*b of each step's batch), fp32."""
-    return cfg.replace(schedule="1f1b", pp=1, vpp=1, dp=1, microbatches=cfg.microbatches * cfg.dp,
-                       precision="fp32")
+    return cfg.with_flat(schedule="1f1b", pp=1, vpp=1, dp=1,
+                         microbatches=cfg.plan.microbatches * cfg.plan.parallelism.dp,
+                         precision="fp32")
 
 
 def check_against_reference(results: list[dict], run_cases: list[tuple[str, dict]]) -> None:
     for name, changes in run_cases:
         key = (name, tuple(sorted(changes.items())))
         cfg = results[0][key]["config"]
-        info = read_hf_config(cfg.hf_model)
+        info = read_hf_config(cfg.inputs.hf_model)
         ref_losses, ref_params = reference_for(reference_config(cfg))
-        what = f"{info.model_type} {name} pp={cfg.pp} vpp={cfg.vpp}"
-        losses = next(r[key]["losses"] for r in results if r[key]["pp_rank"] == cfg.pp - 1)
+        par = cfg.plan.parallelism
+        what = f"{info.model_type} {name} pp={par.pp} vpp={par.vpp}"
+        losses = next(r[key]["losses"] for r in results if r[key]["pp_rank"] == par.pp - 1)
         assert losses == pytest.approx(ref_losses, rel=1e-5), what
         for r in results:       # a uniformly scaled gradient shows in the logged norm only
             # (a sum of squares over stages, ranks and experts, ordered otherwise than the
             # reference's: 1e-5 apart seen on Mixtral's DualPipe; a scale bug is a factor)
             assert_grad_norms(r[key]["grad_norms"], reference_norms_for(reference_config(cfg)),
                               what, rtol=5e-5)
-        spec = hf_dir_stack(cfg.hf_model)
+        spec = hf_dir_stack(cfg.inputs.hf_model)
         seen = set()
         for r in results:
             for n, p in r[key]["params"].items():
@@ -373,14 +379,14 @@ def test_hf_models_with_data_parallelism_and_bf16(model_dirs):
     for name, changes in (c for c in run_cases if "precision" in c[1]):
         key = (name, tuple(sorted(changes.items())))
         cfg = results[0][key]["config"]
-        info = read_hf_config(cfg.hf_model)
+        info = read_hf_config(cfg.inputs.hf_model)
         ref_losses, ref_params = reference_for(reference_config(cfg))
-        init = {n: p.detach() for n, p in hf_reference_model(cfg.hf_model, cfg.seed)
+        init = {n: p.detach() for n, p in hf_reference_model(cfg.inputs.hf_model, cfg.runtime.seed)
                 .named_parameters()}
         losses = next(r[key]["losses"] for r in results if r[key]["pp_rank"] == 1)
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-3,
                                    atol=0, msg=lambda m: f"{info.model_type} bf16: {m}")
-        spec = hf_dir_stack(cfg.hf_model)
+        spec = hf_dir_stack(cfg.inputs.hf_model)
         params = {hf_name(info.model_type, info.layers, spec.canonical(n)): p.float()
                   for r in results for n, p in r[key]["params"].items()}
         assert params.keys() == ref_params.keys()
@@ -408,8 +414,8 @@ def test_plan_of_an_hf_run_holds_the_config_json_model(model_dirs, tmp_path):
     from pipesim.plan.model import ModelSpec as PlanModel
 
     for family, directory in model_dirs.items():
-        cfg = TrainConfig(schedule="interleaved", pp=2, vpp=2, microbatches=4,
-                          seq_len=8).with_hf_model(directory)
+        cfg = TrainConfig.from_flat(schedule="interleaved", pp=2, vpp=2, microbatches=4,
+                                    seq_len=8).with_hf_model(directory)
         plan = cfg.plan
         # ... with the vocabulary unpadded, as the executor builds it
         read = PlanModel.from_hf_config(directory, seq_length=8)
@@ -419,13 +425,14 @@ def test_plan_of_an_hf_run_holds_the_config_json_model(model_dirs, tmp_path):
         assert plan.stage_layers() == [2, 2, 1, 1]
         path = tmp_path / f"{family}.json"
         plan.to_json(path)
-        again = TrainConfig(plan=pipesim.Plan.from_json(path), hf_model=directory)
+        again = TrainConfig.from_flat(plan=pipesim.Plan.from_json(path), hf_model=directory)
         assert again.to_dict() == cfg.to_dict(), family
         assert pipesim.simulate(plan).step_time > 0
     other = write_model(tmp_path / "wider", dict(FAMILIES["llama"], hidden_size=64))
-    llama = TrainConfig(pp=2, microbatches=4, seq_len=8).with_hf_model(model_dirs["llama"])
+    llama = TrainConfig.from_flat(pp=2, microbatches=4, seq_len=8).with_hf_model(
+        model_dirs["llama"])
     with pytest.raises(ConfigError, match=r"model.hidden = 32: --hf-model .*wider has 64"):
-        llama.replace(hf_model=str(other)).validate()
+        llama.with_flat(hf_model=str(other)).validate()
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -448,10 +455,10 @@ def test_compare_takes_the_calibration_runs_hf_model(model_dirs):
     and refuses another one naming both."""
     from pipeexec.analysis.run_description import inherit
 
-    recorded = TrainConfig(micro_batch_size=2).with_hf_model(model_dirs["mixtral"])
+    recorded = TrainConfig.from_flat(micro_batch_size=2).with_hf_model(model_dirs["mixtral"])
     meta = {"config": recorded.to_dict()}
     got = inherit(TrainConfig(), set(), meta, cpus_per_rank=None, source="run.json")
-    assert got.config.hf_model == model_dirs["mixtral"]
+    assert got.config.inputs.hf_model == model_dirs["mixtral"]
     assert got.config.to_dict() == recorded.to_dict()
     mine = TrainConfig().with_hf_model(model_dirs["llama"])
     with pytest.raises(ConfigError, match=r"--hf-model .*llama \(calibration run: .*mixtral\)"):
@@ -463,9 +470,9 @@ import sys
 sys.modules["torch"] = None            # any "import torch" now raises ImportError
 sys.modules["transformers"] = None
 from pipeexec.config import ConfigError, TrainConfig
-cfg = TrainConfig(pp=2, microbatches=4, seq_len=8).with_hf_model(sys.argv[1]).validate()
+cfg = TrainConfig.from_flat(pp=2, microbatches=4, seq_len=8).with_hf_model(sys.argv[1]).validate()
 assert TrainConfig.from_dict(cfg.to_dict()) == cfg
-assert TrainConfig(plan=cfg.plan, hf_model=sys.argv[1]).validate() == cfg
+assert TrainConfig.from_flat(cfg.plan, hf_model=sys.argv[1]).validate() == cfg
 try:
     TrainConfig().with_hf_model(sys.argv[1] + "-absent")
 except ConfigError as exc:

@@ -37,9 +37,9 @@ def dirs(tmp_path_factory) -> dict[str, str]:
 
 
 def config(directory: str, schedule: str, precision: str, recompute: str):
-    base = TINY.replace(seq_len=64).with_hf_model(directory)
-    return base.replace(steps=2, pp=2, microbatches=4, micro_batch_size=2, schedule=schedule,
-                        precision=precision, recompute=recompute)
+    base = TINY.with_flat(seq_len=64).with_hf_model(directory)
+    return base.with_flat(steps=2, pp=2, microbatches=4, micro_batch_size=2, schedule=schedule,
+                          precision=precision, recompute=recompute)
 
 
 @functools.lru_cache(maxsize=None)
@@ -79,8 +79,8 @@ def test_a_plan_naming_the_family_predicts_as_the_directory_does(dirs, family):
     gives weights, so its plan-only peaks carry the same extras (without them they were
     24-34% low through `pipeexec compare --plan`)."""
     with_dir = config(dirs[family], "1f1b", "fp32", "none")
-    plan_only = with_dir.replace(hf_model=None)
-    assert plan_only.plan.model.family == family and plan_only.hf_model is None
+    plan_only = with_dir.with_flat(hf_model=None)
+    assert plan_only.plan.model.family == family and plan_only.inputs.hf_model is None
     assert predicted_activation_peaks(plan_only) == predicted_activation_peaks(with_dir)
     # and the extras are really in both: the plan's formulas alone give less
     assert sum(stage_extras(with_dir.plan_as_run())) > 0

@@ -100,16 +100,17 @@ def test_hf_tp2_pp2_equals_the_unsplit_model(results, index):
     schedule, changes = cases[index]
     key = (schedule, tuple(sorted(changes.items())))
     cfg = runs[0][key]["config"]
-    assert (cfg.tp, cfg.pp, bool(cfg.sequence_parallel)) == (2, 2, "sequence_parallel" in changes)
-    info = read_hf_config(cfg.hf_model)
+    par = cfg.plan.parallelism
+    assert (par.tp, par.pp, bool(par.sequence_parallel)) == (2, 2, "sequence_parallel" in changes)
+    info = read_hf_config(cfg.inputs.hf_model)
     label = f"{info.model_type} {schedule} {CASES[index][2]}"
     ref_losses, ref_params = hf_reference_train(
-        reference_config(cfg).replace(tp=1, sequence_parallel=False, recompute="none"))
+        reference_config(cfg).with_flat(tp=1, sequence_parallel=False, recompute="none"))
     losses = [r[key]["losses"] for r in runs]
     assert all(ls == losses[0] for ls in losses), f"{label}: ranks disagree on the losses"
     torch.testing.assert_close(torch.tensor(losses[0]), torch.tensor(ref_losses), rtol=1e-5,
                                atol=0, msg=lambda m: f"{label}: losses: {m}")
-    spec = hf_dir_stack(cfg.hf_model)
+    spec = hf_dir_stack(cfg.inputs.hf_model)
     sharded = {n for r in runs for n, s in r[key]["specs"].items() if s is not None}
     assert sharded, label
     seen = set()
@@ -126,11 +127,11 @@ def test_what_does_not_cut_over_tp_is_refused_naming_the_field(tmp_path):
     process starts); Mixtral's expert width must cut too."""
     llama = write_model(tmp_path / "llama", FAMILIES["llama"])
     cfg = TINY.with_hf_model(str(llama))
-    cfg.replace(tp=2, sequence_parallel=True).validate()
+    cfg.with_flat(tp=2, sequence_parallel=True).validate()
     with pytest.raises(ConfigError, match=r"model.kv_heads = 2 \(--kv-heads\) is not a multiple "
                                           r"of tp = 4"):
-        cfg.replace(tp=4).validate()
+        cfg.with_flat(tp=4).validate()
     mixtral = write_model(tmp_path / "mixtral", dict(FAMILIES["mixtral"], intermediate_size=50))
     with pytest.raises(ConfigError, match=r"model.moe_ffn_hidden = 50 \(each expert's MLP "
                                           r"width\) is not a multiple of tp = 4"):
-        TINY.with_hf_model(str(mixtral)).replace(tp=4).validate()
+        TINY.with_hf_model(str(mixtral)).with_flat(tp=4).validate()

@@ -40,8 +40,8 @@ LOOKAHEADS = (0, 1, 2)
 # all-reduce runs on its own communicator), so pp 4 x dp 2 would repeat pp 2 x dp 2's check
 # on 8 processes
 LAYOUTS = [(2, 1), (2, 2), (4, 1)]
-REF_CFG = TINY.replace(microbatches=MICROBATCHES, micro_batch_size=GLOBAL_BATCH // MICROBATCHES,
-                       steps=STEPS)
+REF_CFG = TINY.with_flat(microbatches=MICROBATCHES, micro_batch_size=GLOBAL_BATCH // MICROBATCHES,
+                         steps=STEPS)
 
 
 def matching_worker(board, pp: int, dp: int, cases: list[tuple[str, int]]) -> dict:
@@ -57,7 +57,9 @@ def matching_worker(board, pp: int, dp: int, cases: list[tuple[str, int]]) -> di
             log = trainer.p2p.record_posting()
             res = train(trainer)
             out[(schedule, lookahead)] = {
-                "losses": res.losses, "grad_norms": res.grad_norms, "vpp": cfg.vpp, "schedule": trainer.schedule, "dp_rank": topo.dp_rank,
+                "losses": res.losses, "grad_norms": res.grad_norms,
+                "vpp": cfg.plan.parallelism.vpp, "schedule": trainer.schedule,
+                "dp_rank": topo.dp_rank,
                 "pp_rank": topo.pp_rank, "posted": {k: list(v) for k, v in log.items()},
                 "params": {n: p.detach().clone() for n, p in trainer.named_parameters().items()},
             }
@@ -135,6 +137,6 @@ def test_nccl_matching_equals_single_process(pp, dp):
 
 def test_nccl_matching_is_checked_before_start():
     with pytest.raises(ConfigError, match="nccl_matching emulates NCCL"):
-        TINY.replace(pp=2, nccl_matching=True, device="cuda").validate()
+        TINY.with_flat(pp=2, nccl_matching=True, device="cuda").validate()
     with pytest.raises(ConfigError, match="nccl_matching must be true or false"):
-        TINY.replace(pp=2, nccl_matching="yes").validate()
+        TINY.with_flat(pp=2, nccl_matching="yes").validate()

@@ -189,8 +189,9 @@ def test_duplicate_gpus_are_found_by_uuid(monkeypatch):
 def test_nccl_matching_flag_reaches_the_config():
     from pipeexec.cli.train import config_from_args
     from pipeexec.cli.main import _parser
-    assert config_from_args(_parser().parse_args(["train", "--nccl-matching"])).nccl_matching
-    assert not config_from_args(_parser().parse_args(["train"])).nccl_matching
+    given = config_from_args(_parser().parse_args(["train", "--nccl-matching"]))
+    assert given.runtime.nccl_matching
+    assert not config_from_args(_parser().parse_args(["train"])).runtime.nccl_matching
 
 
 def test_channel_keys_are_the_ring_neighbours_both_ways():

@@ -29,8 +29,8 @@ OLD = Path(__file__).resolve().parents[1] / "data" / "old_8ef147e"
 FLAGS = ["--pp", "2", "--microbatches", "2", "--layers", "3", "--hidden", "16", "--heads", "2",
          "--seq-len", "8", "--vocab", "64", "--decay-steps", "3"]
 # the same run as today's TrainConfig
-SAME = TrainConfig(pp=2, microbatches=2, layers=3, hidden=16, heads=2, seq_len=8, vocab=64,
-                   decay_steps=3, steps=2)
+SAME = TrainConfig.from_flat(pp=2, microbatches=2, layers=3, hidden=16, heads=2, seq_len=8,
+                             vocab=64, decay_steps=3, steps=2)
 
 
 def test_the_old_checkpoints_config_reads_as_todays():
@@ -39,14 +39,14 @@ def test_the_old_checkpoints_config_reads_as_todays():
     assert "plan" not in saved and saved["ffn_mult"] == 4          # the old flat form
     config, notes = config_from_dict(saved)
     assert config.to_dict() == SAME.to_dict() and notes == []
-    assert config.ffn_hidden == 64 and config.model.family is None
+    assert config.plan.model.ffn == 64 and config.model.family is None
     # loading compares it with today's run: no model-defining difference, and one is refused
     # (the old ffn_mult read as today's ffn_hidden)
-    assert check_config(saved, SAME.replace(steps=3).to_dict()) == []
+    assert check_config(saved, SAME.with_flat(steps=3).to_dict()) == []
     for field, value in (("hidden", 32), ("ffn_hidden", 32)):
         with pytest.raises(CheckpointError, match=f"{field}=64" if field == "ffn_hidden"
                            else f"{field}=16"):
-            check_config(saved, SAME.replace(**{field: value}).to_dict())
+            check_config(saved, SAME.with_flat(**{field: value}).to_dict())
     assert reader.layout["bounds"] == [0, 2, 5]                    # the old cut
 
 
@@ -55,9 +55,9 @@ def test_the_old_measured_run_loads_calibrates_and_predicts():
     assert run.meta["config"]["ffn_mult"] == 4 and "plan" not in run.meta["config"]
     # compare --calibrate-from reads the run's model from its flat config
     got = inherit(TrainConfig(), set(), run.meta, cpus_per_rank=None, source="run.json")
-    assert (got.config.layers, got.config.hidden, got.config.ffn_hidden, got.config.vocab) == \
-        (3, 16, 64, 64)
-    config = got.config.replace(pp=2, microbatches=2)
+    model = got.config.plan.model
+    assert (model.layers, model.hidden, model.ffn, model.vocab) == (3, 16, 64, 64)
+    config = got.config.with_flat(pp=2, microbatches=2)
     layout = layout_of(config)
     assert layout.bounds == (0, 3, 5)            # today's cut, re-partitioned from the old one
     result, _ = predict(config.build_schedule(), layout, run)

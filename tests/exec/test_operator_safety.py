@@ -20,8 +20,8 @@ from pipeexec.parallel.mesh import Mesh
 from pipeexec.training.train import Trainer, train
 from pipeexec.run.assemble import assemble
 
-TINY = TrainConfig(layers=2, hidden=16, heads=2, seq_len=8, vocab=32, steps=1, lr=3e-3,
-                   microbatches=2, micro_batch_size=2, seed=3, device="cpu")
+TINY = TrainConfig.from_flat(layers=2, hidden=16, heads=2, seq_len=8, vocab=32, steps=1, lr=3e-3,
+                             microbatches=2, micro_batch_size=2, seed=3, device="cpu")
 
 
 def alone(cfg: TrainConfig) -> Trainer:
@@ -79,7 +79,7 @@ def test_load_refuses_a_symlinked_rank_folder(stepped, tmp_path):
 
 
 def test_pruning_never_follows_a_symlinked_old_iteration(tmp_path):
-    t = alone(TINY.replace(steps=2))
+    t = alone(TINY.with_flat(steps=2))
     root, out = tmp_path / "ckpt", _outside(tmp_path)
     (out / "mp_rank_00_000").mkdir()
     root.mkdir()
@@ -178,15 +178,16 @@ def _hf_config(directory, **changes):
     import json
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "config.json").write_text(json.dumps({**MIXTRAL, **changes}))
-    return TrainConfig(seq_len=8, steps=2, decay_steps=4, microbatches=2, micro_batch_size=2, seed=3,
-                       device="cpu").with_hf_model(str(directory))
+    return TrainConfig.from_flat(seq_len=8, steps=2, decay_steps=4, microbatches=2,
+                                 micro_batch_size=2, seed=3,
+                                 device="cpu").with_hf_model(str(directory))
 
 
 @pytest.fixture(scope="module")
 def mixtral_checkpoint(tmp_path_factory):
     pytest.importorskip("transformers")
     root = tmp_path_factory.mktemp("mixtral")
-    cfg = _hf_config(root / "model").replace(steps=1)
+    cfg = _hf_config(root / "model").with_flat(steps=1)
     t = alone(cfg)
     train(t)
     save_checkpoint(t, root / "ckpt")
@@ -262,7 +263,7 @@ def test_a_diverged_fp32_run_stops_naming_the_step(tmp_path, capsys):
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "1"
     assert sorted(p.name for p in ckpt.glob("iter_*")) == ["iter_0000001"]
     # the reference: the same model and batch in one process
-    ref = alone(TrainConfig(microbatches=2, lr=1e30, steps=4, device="cpu"))
+    ref = alone(TrainConfig.from_flat(microbatches=2, lr=1e30, steps=4, device="cpu"))
     assert math.isfinite(ref.step().loss)
     with pytest.raises(TrainingDiverged, match="step 1: the loss is nan") as stopped:
         ref.step()
@@ -271,29 +272,30 @@ def test_a_diverged_fp32_run_stops_naming_the_step(tmp_path, capsys):
 
 def test_fp16_stops_after_too_many_skipped_steps():
     from pipeexec.training.divergence import TrainingDiverged
-    cfg = TINY.replace(precision="fp16", steps=5, max_skipped_steps=2,
-                       inject=("overflow:0", "overflow:1", "overflow:2", "overflow:3"))
+    cfg = TINY.with_flat(precision="fp16", steps=5, max_skipped_steps=2,
+                         inject=("overflow:0", "overflow:1", "overflow:2", "overflow:3"))
     t = alone(cfg)
     assert [t.step().skipped for _ in range(2)] == [True, True]     # the scale backs off
     with pytest.raises(TrainingDiverged, match="step 2: 3 consecutive fp16 steps overflowed"):
         t.step()
     assert t.updates == 0
     # a finite step in between starts the count again
-    t = alone(cfg.replace(inject=("overflow:0", "overflow:1", "overflow:3", "overflow:4")))
+    t = alone(cfg.with_flat(inject=("overflow:0", "overflow:1", "overflow:3", "overflow:4")))
     assert [t.step().skipped for _ in range(5)] == [True, True, False, True, True]
 
 
 def test_max_skipped_steps_is_checked():
     from pipeexec.config import ConfigError
-    assert TrainConfig().max_skipped_steps == 100
+    assert TrainConfig().mixed_precision.max_skipped_steps == 100
     with pytest.raises(ConfigError, match="max_skipped_steps must be an integer >= 1, got 0"):
-        TrainConfig(max_skipped_steps=0).validate()
+        TrainConfig.from_flat(max_skipped_steps=0).validate()
 
 
 def test_the_built_in_gpt_compares_its_resolved_shape():
     from pipeexec.checkpoint.contents import check_model, model_changes
-    base = TrainConfig(hidden=64, heads=4)
-    same = TrainConfig(hidden=64, heads=4, kv_heads=4, ffn_hidden=256)   # the defaults, spelt
+    base = TrainConfig.from_flat(hidden=64, heads=4)
+    same = TrainConfig.from_flat(hidden=64, heads=4, kv_heads=4,
+                                 ffn_hidden=256)                  # the defaults, spelt
     assert model_changes(base.to_dict(), same.to_dict()) == []
     with pytest.raises(CheckpointError, match="heads=4, this run has heads=8"):
-        check_model(base.to_dict(), TrainConfig(hidden=64, heads=8).to_dict())
+        check_model(base.to_dict(), TrainConfig.from_flat(hidden=64, heads=8).to_dict())

@@ -122,9 +122,10 @@ def test_pipeexec_runs_every_plan_the_planner_picks_on_8_cpu_ranks(tmp_path, mod
         losses, cfg = _trained(tmp_path, plan, directory, f"{family}-{i}")
         par = plan.parallelism
         what = f"{family} {plan.schedule_name} {par.short()}"
-        assert (cfg.world_size, cfg.cp, cfg.ep, cfg.dp, cfg.pp) == \
+        ran = cfg.plan.parallelism
+        assert (cfg.world_size, ran.cp, ran.ep, ran.dp, ran.pp) == \
             (GPUS, par.cp, par.ep, par.dp, par.pp), what
-        ref = reference_config(cfg.replace(hf_model=str(directory))).replace(
+        ref = reference_config(cfg.with_flat(hf_model=str(directory))).with_flat(
             cp=1, ep=1, tp=1, sequence_parallel=False, zero=0, recompute="none")
         ref_losses, _ = hf_reference_train(ref)
         assert losses == pytest.approx(ref_losses, rel=1e-5), what
@@ -149,10 +150,10 @@ def test_compare_predicts_cp_and_ep_plans_with_their_collectives_from_the_hardwa
     dp 2) from an ep 1 run: the report holds the prediction, the carried layouts, and each
     rank's cp (ep) collective seconds, non-zero, priced from the file; the table's
     <group>_collectives_predicted columns per rank. No bound on the times (a shared CPU)."""
-    gpt = TrainConfig(layers=4, hidden=32, heads=4, seq_len=64, vocab=64, pp=2, microbatches=4,
-                      micro_batch_size=2).plan
-    moe = TrainConfig(pp=2, dp=2, microbatches=4, micro_batch_size=2, seq_len=32).with_hf_model(
-        str(model_dirs["mixtral"])).plan
+    gpt = TrainConfig.from_flat(layers=4, hidden=32, heads=4, seq_len=64, vocab=64, pp=2,
+                                microbatches=4, micro_batch_size=2).plan
+    moe = TrainConfig.from_flat(pp=2, dp=2, microbatches=4, micro_batch_size=2,
+                                seq_len=32).with_hf_model(str(model_dirs["mixtral"])).plan
     for name, base, group in (("gpt", gpt, "cp"), ("mixtral", moe, "ep")):
         trace = tmp_path / f"{name}-1-trace.json"
         own = _compare(tmp_path, base, f"{name}-1", "--trace-out", str(trace))

@@ -52,7 +52,8 @@ def simulate_plan(tmp: Path, family: str) -> Path:
     out = tmp / f"{family}-simulate.json"
     if family == "gpt":
         base = tmp / "gpt-base.json"
-        TrainConfig(layers=3, hidden=16, heads=2, vocab=32, precision="fp32").plan.to_json(base)
+        TrainConfig.from_flat(layers=3, hidden=16, heads=2, vocab=32,
+                              precision="fp32").plan.to_json(base)
         argv = ["simulate", "--plan", str(base), *LAYOUT]
     else:
         argv = ["simulate", "1f1b", "--model", str(write_config(tmp / family, family)), *LAYOUT,
@@ -92,8 +93,9 @@ def test_a_saved_plan_is_the_run_and_builds_the_plans_model(tmp_path, family):
         plan = pipesim.Plan.from_json(path)
         config = config_from_args(train_parser().parse_args(["--plan", str(path)])).validate()
         assert config.plan == plan and config.model.family == plan.model.family
-        assert (config.pp, config.dp, config.microbatches, config.micro_batch_size,
-                config.precision) == (2, 1, 4, 2, "fp32")
+        par = config.plan.parallelism
+        assert (par.pp, par.dp, config.plan.microbatches, par.micro_batch_size,
+                par.precision) == (2, 1, 4, 2, "fp32")
         stack = layer_stack(config)
         # pipesim counts the vocabulary padded (Megatron's tables); pipeexec's are unpadded
         want = plan.model.with_(vocab_divisible_by=1).num_params()
@@ -109,7 +111,7 @@ def test_a_plan_cut_unevenly_splits_as_pipesim_does():
     from pipeexec.partition import plan_bounds
     from pipesim.plan.transformer import split_layers
 
-    config = TrainConfig(pp=2, layers=7)
+    config = TrainConfig.from_flat(pp=2, layers=7)
     assert config.plan.stage_layers() == split_layers(7, 2) == [4, 3]
     assert plan_bounds(config.plan) == (0, 5, 9)     # embedding + 4 blocks | 3 blocks + head
 

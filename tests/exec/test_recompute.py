@@ -31,9 +31,10 @@ class _Runtime:
 
 def held_after_forward(cfg, x):
     spec = layer_stack(cfg)
-    bounds = (0, 1, cfg.layers + 1, cfg.layers + 2)            # stage 1: the blocks alone
+    layers, par = cfg.plan.model.layers, cfg.plan.parallelism
+    bounds = (0, 1, layers + 1, layers + 2)            # stage 1: the blocks alone
     stage = build_stage(spec, 1, bounds, seed=0, device=torch.device("cpu"), dtype=torch.float32)
-    stage.set_recompute(cfg.recompute, spec.kinds()[1:cfg.layers + 1], cfg.recompute_layers)
+    stage.set_recompute(par.recompute, spec.kinds()[1:layers + 1], par.recompute_layers)
     meter = HeldTensorMeter(_Runtime(), exclude=list(stage.parameters()))
     meter.begin(Action("F", 1, 0))
     y = stage(x)
@@ -42,13 +43,13 @@ def held_after_forward(cfg, x):
 
 
 def test_full_recomputation_holds_each_block_input_only():
-    cfg = TINY.replace(layers=3)
-    b, s, h = 4, cfg.seq_len, cfg.hidden
+    cfg = TINY.with_flat(layers=3)
+    b, s, h = 4, cfg.plan.model.seq_length, cfg.plan.model.hidden
     x = torch.randn(b, s, h, requires_grad=True)
     none, y0 = held_after_forward(cfg, x)
-    full, y1 = held_after_forward(cfg.replace(recompute="full"), x)
-    one, _ = held_after_forward(cfg.replace(recompute="full", recompute_layers=1), x)
-    selective, _ = held_after_forward(cfg.replace(recompute="selective"), x)
+    full, y1 = held_after_forward(cfg.with_flat(recompute="full"), x)
+    one, _ = held_after_forward(cfg.with_flat(recompute="full", recompute_layers=1), x)
+    selective, _ = held_after_forward(cfg.with_flat(recompute="selective"), x)
     torch.testing.assert_close(y0, y1, rtol=0, atol=0)
     assert full == 3 * b * s * h * 4                    # three block inputs, fp32
     assert full < one < none and selective <= none
@@ -61,9 +62,9 @@ def test_recompute_layers_needs_full():
     # the rule is the plan's (pipesim.Parallelism), named with the flags that set it
     with pytest.raises(ConfigError, match=r"recompute_layers: only with recompute='full' "
                                           r"\(--recompute, --recompute-layers\)"):
-        TINY.replace(recompute="selective", recompute_layers=1).validate()
+        TINY.with_flat(recompute="selective", recompute_layers=1).validate()
     with pytest.raises(ConfigError, match="'some' is not one of none, selective, full"):
-        TINY.replace(recompute="some").validate()
+        TINY.with_flat(recompute="some").validate()
 
 
 @pytest.mark.slow
@@ -75,7 +76,8 @@ def test_losses_and_parameters_unchanged_by_recomputation():
         cfg = results[0][key]["config"]
         ref = reference_run(cfg)
         ref_losses, ref_params = ref.losses, ref.params
-        losses = next(r[key]["losses"] for r in results if r[key]["pp_rank"] == cfg.pp - 1)
+        last = cfg.plan.parallelism.pp - 1
+        losses = next(r[key]["losses"] for r in results if r[key]["pp_rank"] == last)
         assert losses == pytest.approx(ref_losses, rel=1e-5), (name, mode)
         for r in results:
             assert_grad_norms(r[key]["grad_norms"], ref.grad_norms, f"{name} {mode}")

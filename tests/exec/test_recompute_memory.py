@@ -57,15 +57,16 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 def saved_by_forward(cfg: TrainConfig, index: int, bounds: tuple[int, ...]) -> float:
     """Bytes the meter counts after stage ``index``'s forward (and the loss, on the last)."""
     spec = layer_stack(cfg)
-    dtype = DTYPES[cfg.precision]
+    par, model = cfg.plan.parallelism, cfg.plan.model
+    dtype = DTYPES[par.precision]
     stage = build_stage(spec, index, bounds, seed=0, device=torch.device("cpu"), dtype=dtype)
-    stage.set_recompute(cfg.recompute, spec.kinds()[bounds[index]:bounds[index + 1]])
+    stage.set_recompute(par.recompute, spec.kinds()[bounds[index]:bounds[index + 1]])
     meter = HeldTensorMeter(_NoRuntime(), exclude=list(stage.parameters()))
-    b, s = cfg.micro_batch_size, cfg.seq_len
-    x = torch.randn(b, s, cfg.hidden, dtype=dtype, requires_grad=True)
+    b, s = par.micro_batch_size, model.seq_length
+    x = torch.randn(b, s, model.hidden, dtype=dtype, requires_grad=True)
     meter.begin(Action("F", index, 0))
     y = stage(x)
-    loss = spec.loss_fn(y, torch.randint(0, cfg.vocab, (b, s))) if stage.is_last else None
+    loss = spec.loss_fn(y, torch.randint(0, model.vocab, (b, s))) if stage.is_last else None
     held = meter.finish(Action("F", index, 0))
     del y, loss                                 # (the graph lives until here)
     return held
@@ -73,10 +74,10 @@ def saved_by_forward(cfg: TrainConfig, index: int, bounds: tuple[int, ...]) -> f
 
 @pytest.mark.parametrize("mode", MODES)
 def test_stage_forward_keeps_what_the_formulas_say(mode):
-    cfg = TINY.replace(layers=3, micro_batch_size=2, recompute=mode)
-    b, s, h, a = cfg.micro_batch_size, cfg.seq_len, cfg.hidden, cfg.heads
+    cfg = TINY.with_flat(layers=3, micro_batch_size=2, recompute=mode)
     par = cfg.plan.parallelism
     model = cfg.plan.model
+    b, s, h, a = par.micro_batch_size, model.seq_length, model.hidden, model.heads
     layer = layer_activations(model, par).total
     norm_stats = 2 * 2 * 4 * s * b              # per LayerNorm: fp32 mean and 1/std per token
     lse = 4 * a * s * b                         # fused attention's fp32 log-sum-exp
@@ -97,7 +98,7 @@ def test_stage_forward_keeps_what_the_formulas_say(mode):
     last = saved_by_forward(cfg, 1, (0, 3, 5))
     block = layer + (0 if mode == "full" else norm_stats - (lse if mode == "selective" else 0))
     head = head_activations(model, par)
-    assert head == 2 * 4 * s * b * h + 4 * s * b * cfg.vocab
+    assert head == 2 * 4 * s * b * h + 4 * s * b * cfg.plan.model.vocab
     assert last == block + head + 2 * 4 * s * b + 8 * s * b + 4
 
 
@@ -111,8 +112,8 @@ def test_any_block_shape_keeps_what_the_formulas_say(b, s, heads, head_dim, ffn_
     1/std per token, in the activations' type on CPU) less, under selective recomputation,
     the fp32 log-sum-exp."""
     h = heads * head_dim
-    cfg = TINY.replace(layers=2, micro_batch_size=b, seq_len=s, hidden=h, heads=heads,
-                       ffn_hidden=ffn_mult * h, recompute=mode, precision=precision)
+    cfg = TINY.with_flat(layers=2, micro_batch_size=b, seq_len=s, hidden=h, heads=heads,
+                         ffn_hidden=ffn_mult * h, recompute=mode, precision=precision)
     plan = cfg.plan
     layer = layer_activations(plan.model, plan.parallelism).total
     e = 4 if precision == "fp32" else 2
@@ -132,15 +133,16 @@ BOUND = 0.005                   # the README's "within 0.5%"
 def case_config(name: str, vpp: int, precision: str, mode: dict, pp: int = 2,
                 layers: int = 4) -> TrainConfig:
     kept = precision == "kept outputs"              # --no-deallocate-outputs
-    return TINY.replace(layers=layers, steps=2, pp=pp, microbatches=4, micro_batch_size=2,
-                        backend="gloo", schedule=name, vpp=vpp,
-                        precision="fp32" if kept else precision, deallocate_outputs=not kept,
-                        **WIDTH, **mode)
+    return TINY.with_flat(layers=layers, steps=2, pp=pp, microbatches=4, micro_batch_size=2,
+                          backend="gloo", schedule=name, vpp=vpp,
+                          precision="fp32" if kept else precision, deallocate_outputs=not kept,
+                          **WIDTH, **mode)
 
 
 def _key(cfg: TrainConfig) -> tuple:
-    return (cfg.pp, cfg.layers, cfg.schedule, cfg.vpp, cfg.precision, cfg.deallocate_outputs,
-            cfg.recompute, cfg.recompute_layers)
+    par = cfg.plan.parallelism
+    return (par.pp, cfg.plan.model.layers, cfg.plan.schedule_name, par.vpp, par.precision,
+            cfg.runtime.deallocate_outputs, par.recompute, par.recompute_layers)
 
 
 def _configs(pp: int) -> list[TrainConfig]:
@@ -160,9 +162,9 @@ def peaks_at(pp: int) -> dict:
 
 
 def _check(cfg: TrainConfig) -> None:
-    measured = peaks_at(cfg.pp)[_key(cfg)]
+    measured = peaks_at(cfg.plan.parallelism.pp)[_key(cfg)]
     predicted = predicted_activation_peaks(cfg)
-    assert len(measured) == len(predicted) == cfg.pp
+    assert len(measured) == len(predicted) == cfg.plan.parallelism.pp
     for rank, (m, p) in enumerate(zip(measured, predicted)):
         assert p == pytest.approx(m, rel=BOUND), (_key(cfg), rank, measured, predicted)
 

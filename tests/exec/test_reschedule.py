@@ -25,12 +25,12 @@ def worker(board, config):
 @pytest.mark.parametrize("vpp, placement, profiled", [
     (1, None, "zb-h1"), (2, None, "zbv"), (2, "looped", "interleaved (I+W)")])
 def test_zb_auto_from_the_runs_own_costs_trains_like_a_single_process(vpp, placement, profiled):
-    cfg = TINY.replace(schedule="zb-auto", pp=2, vpp=vpp, placement=placement, microbatches=4,
-                       micro_batch_size=2, steps=6, memory_limit=1e9, reschedule_after=2,
-                       layers=2 * vpp)
+    cfg = TINY.with_flat(schedule="zb-auto", pp=2, vpp=vpp, placement=placement, microbatches=4,
+                         micro_batch_size=2, steps=6, memory_limit=1e9, reschedule_after=2,
+                         layers=2 * vpp)
     results = launch(worker, 2, (cfg,), timeout=300)
-    ref_losses, _, _ = reference_train(cfg.replace(pp=1, vpp=1, schedule="1f1b", placement=None,
-                                                   memory_limit=None))
+    ref_losses, _, _ = reference_train(cfg.with_flat(pp=1, vpp=1, schedule="1f1b", placement=None,
+                                                     memory_limit=None))
     torch.testing.assert_close(torch.tensor(results[0]["losses"]), torch.tensor(ref_losses),
                                rtol=1e-5, atol=0)
     info = results[0]["reschedule"]
@@ -52,8 +52,8 @@ def test_profiled_looped_schedule_is_interleaved_with_its_backward_split():
     from pipesim import CostModel, simulate
     from pipeexec.measuring.reschedule import profiled_schedule
 
-    cfg = TINY.replace(schedule="zb-auto", pp=4, vpp=2, placement="looped", microbatches=8,
-                       steps=5, memory_limit=1e9, layers=8)
+    cfg = TINY.with_flat(schedule="zb-auto", pp=4, vpp=2, placement="looped", microbatches=8,
+                         steps=5, memory_limit=1e9, layers=8)
     split = profiled_schedule(cfg)
     base = pipesim.build_schedule("interleaved", pp=4, vpp=2, microbatches=8)
     for r in range(4):
@@ -68,30 +68,31 @@ def test_profiled_looped_schedule_is_interleaved_with_its_backward_split():
 
 def test_placement_needs_zb_auto_at_vpp_2():
     with pytest.raises(ConfigError, match="placement chooses where zb-auto"):
-        TINY.replace(schedule="zbv", pp=2, vpp=2, microbatches=4, placement="v").validate()
+        TINY.with_flat(schedule="zbv", pp=2, vpp=2, microbatches=4, placement="v").validate()
     with pytest.raises(ConfigError, match="placement chooses where zb-auto"):
-        TINY.replace(schedule="zb-auto", pp=2, microbatches=4, placement="looped").validate()
+        TINY.with_flat(schedule="zb-auto", pp=2, microbatches=4, placement="looped").validate()
     with pytest.raises(ConfigError, match="placement must be one of looped, v"):
-        TINY.replace(schedule="zb-auto", pp=2, vpp=2, microbatches=4, layers=4,
-                     placement="zigzag").validate()
+        TINY.with_flat(schedule="zb-auto", pp=2, vpp=2, microbatches=4, layers=4,
+                       placement="zigzag").validate()
     with pytest.raises(ConfigError, match="vpp = 1 or 2 and a backward, got vpp = 3"):
-        TINY.replace(schedule="zb-auto", pp=2, vpp=3, microbatches=4, layers=6, steps=5,
-                     memory_limit=1e9).validate()
+        TINY.with_flat(schedule="zb-auto", pp=2, vpp=3, microbatches=4, layers=6, steps=5,
+                       memory_limit=1e9).validate()
     for bad in (-0.1, 1.0, True, "5%"):
         with pytest.raises(ConfigError, match="reschedule_margin must be a fraction"):
-            TINY.replace(schedule="zb-auto", pp=2, microbatches=4, steps=5, memory_limit=1e9,
-                         reschedule_margin=bad).validate()
-    s = TINY.replace(schedule="zb-auto", pp=2, vpp=2, microbatches=4, layers=4,
-                     placement="looped").build_schedule()
+            TINY.with_flat(schedule="zb-auto", pp=2, microbatches=4, steps=5, memory_limit=1e9,
+                           reschedule_margin=bad).validate()
+    s = TINY.with_flat(schedule="zb-auto", pp=2, vpp=2, microbatches=4, layers=4,
+                       placement="looped").build_schedule()
     assert s.placement_kind == "looped"
 
 
 def test_memory_limit_needs_zb_auto_and_enough_steps():
     with pytest.raises(ConfigError, match="memory_limit applies to the zb-auto schedule"):
-        TINY.replace(schedule="1f1b", pp=2, microbatches=4, memory_limit=1e9).validate()
+        TINY.with_flat(schedule="1f1b", pp=2, microbatches=4, memory_limit=1e9).validate()
     with pytest.raises(ConfigError, match=r"profiles steps 2..3 \(after 2 warm-up steps\).*"
                                           r"needs steps >= 5"):
-        TINY.replace(schedule="zb-auto", pp=2, microbatches=4, steps=4, memory_limit=1e9).validate()
+        TINY.with_flat(schedule="zb-auto", pp=2, microbatches=4, steps=4,
+                       memory_limit=1e9).validate()
 
 
 def test_a_searched_order_measured_slower_is_switched_back():
@@ -99,10 +100,10 @@ def test_a_searched_order_measured_slower_is_switched_back():
     replaced order's again (6, 7) the run stays on the profiled order, every rank alike; the
     losses stay those of single-process training through the switches, and the log's figures
     are recorded."""
-    cfg = TINY.replace(schedule="zb-auto", pp=2, microbatches=4, micro_batch_size=2, steps=9,
-                       memory_limit=1e9, reschedule_after=2, reschedule_margin=0.99)
+    cfg = TINY.with_flat(schedule="zb-auto", pp=2, microbatches=4, micro_batch_size=2, steps=9,
+                         memory_limit=1e9, reschedule_after=2, reschedule_margin=0.99)
     results = launch(worker, 2, (cfg,), timeout=300)
-    ref_losses, _, _ = reference_train(cfg.replace(pp=1, schedule="1f1b", memory_limit=None))
+    ref_losses, _, _ = reference_train(cfg.with_flat(pp=1, schedule="1f1b", memory_limit=None))
     torch.testing.assert_close(torch.tensor(results[0]["losses"]), torch.tensor(ref_losses),
                                rtol=1e-5, atol=0)
     info = results[0]["reschedule"]
@@ -117,8 +118,8 @@ def test_a_searched_order_measured_slower_is_switched_back():
 def test_a_limit_below_one_microbatch_is_refused_before_step_0():
     from pipeexec import WorkerFailed
 
-    cfg = TINY.replace(schedule="zb-auto", pp=2, microbatches=4, micro_batch_size=2, steps=5,
-                       memory_limit=100.0, reschedule_after=2)
+    cfg = TINY.with_flat(schedule="zb-auto", pp=2, microbatches=4, micro_batch_size=2, steps=5,
+                         memory_limit=100.0, reschedule_after=2)
     with pytest.raises(ConfigError) as info:          # by the config, before any process
         cfg.validate()
     text = str(info.value)

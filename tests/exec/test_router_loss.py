@@ -152,15 +152,15 @@ def check(entries: list[dict], key, *, whole: dict | None = None) -> None:
     """Every rank's parameters (or ``whole``: put back together over tp) and the last stage's
     losses against the reference."""
     cfg = entries[0][key]["config"]
-    info = read_hf_config(cfg.hf_model)
+    info = read_hf_config(cfg.inputs.hf_model)
     what = f"{info.model_type} {key}"
-    ref_losses, ref_params = reference_for(reference_config(cfg).replace(
+    ref_losses, ref_params = reference_for(reference_config(cfg).with_flat(
         tp=1, cp=1, ep=1, sequence_parallel=False, recompute="none"))
     losses = [e[key]["losses"] for e in entries]
     assert all(ls == losses[0] for ls in losses), f"{what}: ranks disagree on the losses"
     torch.testing.assert_close(torch.tensor(losses[0]), torch.tensor(ref_losses), rtol=1e-5,
                                atol=0, msg=lambda m: f"{what}: losses: {m}")
-    spec = hf_dir_stack(cfg.hf_model)
+    spec = hf_dir_stack(cfg.inputs.hf_model)
     params = whole if whole is not None else {n: p for e in entries
                                               for n, p in e[key]["params"].items()}
     seen = set()
@@ -293,7 +293,7 @@ def test_16bit_runs_carry_the_router_loss(model_dirs, precision):
     cfg = results[0][key]["config"]
     losses = next(r[key]["losses"] for r in results if r[key]["pp_rank"] == 1)
     on = reference_for(reference_config(cfg))[0]
-    off = reference_for(reference_config(cfg).replace(hf_model=model_dirs["mixtral-off"]))[0]
+    off = reference_for(reference_config(cfg).with_flat(hf_model=model_dirs["mixtral-off"]))[0]
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(on), rtol=1e-2, atol=0)
     assert max(abs(a - b) for a, b in zip(losses, on)) * 10 < min(
         abs(a - b) for a, b in zip(losses, off))

@@ -66,7 +66,7 @@ def test_lost_peer_tells_a_consequence_from_a_cause():
 
 
 def test_a_worker_killed_in_a_checkpoint_save_is_reported_there(tmp_path):
-    cfg = TINY.replace(schedule="1f1b", pp=2, microbatches=2, micro_batch_size=1, steps=2)
+    cfg = TINY.with_flat(schedule="1f1b", pp=2, microbatches=2, micro_batch_size=1, steps=2)
     ckpt = CheckpointOptions(save=str(tmp_path / "ckpt"), save_interval=1,
                              fault="kill:1:1:before-rename")
     with pytest.raises(WorkerFailed) as info:

@@ -16,20 +16,21 @@ def test_config_schedule_from_files(tmp_path):
     dual = pipesim.build_schedule("dualpipev", pp=2, vpp=2, microbatches=4)
     schedule_to_json(searched, tmp_path / "z.json")
     schedule_to_csv(dual, tmp_path / "d.csv", with_comms=True)
-    z = TrainConfig(schedule=str(tmp_path / "z.json"), pp=2, microbatches=4, layers=4)
+    z = TrainConfig.from_flat(schedule=str(tmp_path / "z.json"), pp=2, microbatches=4, layers=4)
     # inserted receives are posted as the run says (--recv-lookahead, 1 by default)
-    assert z.validate().build_schedule() == searched.with_recv_lookahead(z.recv_lookahead)
-    d = TrainConfig(schedule=str(tmp_path / "d.csv"), pp=2, vpp=2, microbatches=4, layers=4)
+    assert z.validate().build_schedule() == searched.with_recv_lookahead(z.runtime.recv_lookahead)
+    d = TrainConfig.from_flat(schedule=str(tmp_path / "d.csv"), pp=2, vpp=2, microbatches=4,
+                              layers=4)
     built = d.build_schedule()
     assert built.has_explicit_comms and built.compute_order(0) == dual.compute_order(0)
     assert built.validate(single_channel=True)
-    fwd = d.replace(forward_only=True).build_schedule()
+    fwd = d.with_flat(forward_only=True).build_schedule()
     assert fwd.forward_only and sum(len(fwd.compute_order(r)) for r in range(2)) == 4 * 4
     with pytest.raises(pipesim.ScheduleError, match=r"d.csv: the schedule has vpp = 2, the run "
                                                     r"vpp = 1; pass --vpp 2"):
-        d.replace(vpp=1).build_schedule()
+        d.with_flat(vpp=1).build_schedule()
     with pytest.raises(pipesim.ScheduleError, match="no such file"):
-        TrainConfig(schedule=str(tmp_path / "missing.json")).build_schedule()
+        TrainConfig.from_flat(schedule=str(tmp_path / "missing.json")).build_schedule()
 
 
 def test_measured_run_rebuilds_the_schedule_it_ran():

@@ -48,7 +48,7 @@ def tp_worker(board, tp: int, pp: int, dp: int, cases: list[tuple[str, dict]]) -
 
 @functools.lru_cache(maxsize=None)
 def reference(tie: bool = False, dtype: torch.dtype = torch.float32):
-    cfg = TINY.replace(microbatches=1, micro_batch_size=GLOBAL_BATCH, tie_embeddings=tie)
+    cfg = TINY.with_flat(microbatches=1, micro_batch_size=GLOBAL_BATCH, tie_embeddings=tie)
     losses, params, _ = reference_train(cfg, dtype=dtype)
     model, names = reference_model(cfg)
     init = {n: p.detach().clone() for n, p in zip(names, model.parameters())}
@@ -57,8 +57,8 @@ def reference(tie: bool = False, dtype: torch.dtype = torch.float32):
 
 @functools.lru_cache(maxsize=None)
 def reference_norms(tie: bool = False) -> list[float]:
-    return reference_run(TINY.replace(microbatches=1, micro_batch_size=GLOBAL_BATCH,
-                                      tie_embeddings=tie)).grad_norms
+    return reference_run(TINY.with_flat(microbatches=1, micro_batch_size=GLOBAL_BATCH,
+                                        tie_embeddings=tie)).grad_norms
 
 
 def whole_model(results: list[dict], key, tp: int) -> dict[str, torch.Tensor]:
@@ -101,7 +101,7 @@ def check(results: list[dict], key, tp: int) -> None:
     assert all(ls == losses[0] for ls in losses), f"{label}: ranks disagree on the losses"
     params = whole_model(results, key, tp)
     if changes.get("tie_embeddings"):   # the head's instance of the embedding stays equal to it
-        head = f"layers.{TINY.layers + 1}.lm_head.weight"
+        head = f"layers.{TINY.plan.model.layers + 1}.lm_head.weight"
         assert torch.equal(params.pop(head), params["layers.0.tok"]), label
     assert params.keys() == ref_params.keys(), label
     if bf16:
@@ -138,10 +138,10 @@ def test_shard_refuses_a_dimension_that_does_not_cut():
 def test_refused_before_any_process_names_the_dimension():
     from pipeexec.config import ConfigError
     with pytest.raises(ConfigError, match=r"model.heads = 2 \(--heads\) is not a multiple of tp = 4"):
-        TINY.replace(tp=4).validate()
+        TINY.with_flat(tp=4).validate()
     with pytest.raises(ConfigError, match=r"seq_length = 8 .* not a multiple of tp = 3"):
-        TINY.replace(tp=3, heads=3, hidden=18, ffn_hidden=36, vocab=33,
-                     sequence_parallel=True).validate()
+        TINY.with_flat(tp=3, heads=3, hidden=18, ffn_hidden=36, vocab=33,
+                       sequence_parallel=True).validate()
 
 
 def vocab_ce_worker(board, logits: torch.Tensor, target: torch.Tensor) -> tuple:

@@ -26,7 +26,8 @@ pytestmark = pytest.mark.slow
 
 def worker(board, tp: int, steps: int, load: str | None, save: str | None) -> dict:
     cfg = layout_config("1f1b", 2, 1, tp=tp, sequence_parallel=tp > 1, steps=steps)
-    topo = init_topology(cfg.pp, cfg.dp, tp=tp, device="cpu", timeout=120)
+    par = cfg.plan.parallelism
+    topo = init_topology(par.pp, par.dp, tp=tp, device="cpu", timeout=120)
     try:
         trainer = assemble(cfg, topo, board=board)
         if load:

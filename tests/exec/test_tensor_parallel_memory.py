@@ -25,9 +25,9 @@ LAYOUTS = ((1, False), (2, False), (2, True))
 
 
 def config(tp: int, sp: bool, schedule: str, vpp: int):
-    return TINY.replace(layers=4, steps=2, pp=2, tp=tp, sequence_parallel=sp, microbatches=4,
-                        micro_batch_size=2, hidden=64, heads=4, seq_len=32, vocab=128,
-                        schedule=schedule, vpp=vpp)
+    return TINY.with_flat(layers=4, steps=2, pp=2, tp=tp, sequence_parallel=sp, microbatches=4,
+                          micro_batch_size=2, hidden=64, heads=4, seq_len=32, vocab=128,
+                          schedule=schedule, vpp=vpp)
 
 
 @functools.lru_cache(maxsize=None)

@@ -16,7 +16,7 @@ from pipeexec.training.tied import TiedParameters, TiedSet, find_tied
 
 from exec_helpers import GLOBAL_BATCH, TINY, assert_grad_norms, layouts_worker, reference_run
 
-HEAD = f"layers.{TINY.layers + 1}.lm_head.weight"
+HEAD = f"layers.{TINY.plan.model.layers + 1}.lm_head.weight"
 
 
 def test_find_tied_names_the_sets_their_holders_and_source():
@@ -86,7 +86,7 @@ def _check(results, reference):
                                        msg=f"{case}: {name}")
 
 
-REF = TINY.replace(tie_embeddings=True, microbatches=4, micro_batch_size=GLOBAL_BATCH // 4)
+REF = TINY.with_flat(tie_embeddings=True, microbatches=4, micro_batch_size=GLOBAL_BATCH // 4)
 
 
 def _reference():

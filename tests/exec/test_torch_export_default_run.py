@@ -19,7 +19,8 @@ CASES = [("1f1b", 1, 4), ("interleaved", 2, 4), ("zbv", 2, 4)]
 def test_the_default_runs_export_gives_single_process_gradients_in_torch():
     cases = []
     for name, vpp, m in CASES:
-        s = TrainConfig(schedule=name, pp=2, vpp=vpp, microbatches=m, layers=6).build_schedule()
+        s = TrainConfig.from_flat(schedule=name, pp=2, vpp=vpp, microbatches=m,
+                                  layers=6).build_schedule()
         assert s.recv_lookahead == 1          # pipeexec's default run
         cases.append((name, vpp, m, schedule_to_csv(s, with_comms=True)))
     results = launch(torch_worker, 2, (2, cases), timeout=180)

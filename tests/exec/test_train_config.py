@@ -15,22 +15,24 @@ def test_sections_hold_every_field_once_and_read_flat():
     names = [f.name for cls in SECTIONS.values() for f in dataclasses.fields(cls)]
     names += PLAN_VIEWS                       # the plan's facts, stored in the plan alone
     assert len(names) == len(set(names)) == len(TrainConfig.field_names())
-    c = TrainConfig(pp=2, layers=4, lr=3e-4, precision="bf16", seed=5)
+    c = TrainConfig.from_flat(pp=2, layers=4, lr=3e-4, precision="bf16", seed=5)
     assert (c.plan.parallelism.pp, c.plan.model.layers, c.optimizer.lr,
             c.plan.parallelism.precision, c.runtime.seed) == (2, 4, 3e-4, "bf16", 5)
-    assert (c.pp, c.layers, c.lr, c.precision, c.seed) == (2, 4, 3e-4, "bf16", 5)
+    flat = c.to_flat()                        # the flat names, at the edge that spells them
+    assert (flat["pp"], flat["layers"], flat["lr"], flat["precision"], flat["seed"]) == (
+        2, 4, 3e-4, "bf16", 5)
     plan = DEFAULT_PLAN.with_(pp=2, precision="bf16").with_(
         model=DEFAULT_PLAN.model.with_(layers=4))
     same = TrainConfig(plan=plan, layout=LayoutConfig(), inputs=DataConfig(),
                        optimizer=OptimizerConfig(lr=3e-4), mixed_precision=PrecisionConfig(),
                        runtime=RuntimeConfig(seed=5))
     assert same == c and hash(same) == hash(c)
-    assert c.replace(pp=4).plan == plan.with_(pp=4)
-    assert c.replace(plan=DEFAULT_PLAN).layers == DEFAULT_PLAN.model.layers
+    assert c.with_flat(pp=4).plan == plan.with_(pp=4)
+    assert c.replace(plan=DEFAULT_PLAN).plan.model.layers == DEFAULT_PLAN.model.layers
     assert TrainConfig.from_dict(c.to_dict()) == c == pickle.loads(pickle.dumps(c))
     with pytest.raises(TypeError, match="unknown field 'pipeline'"):
-        TrainConfig(pipeline=2)
-    with pytest.raises(AttributeError, match="no field 'pipeline'"):
+        TrainConfig.from_flat(pipeline=2)
+    with pytest.raises(AttributeError, match="no attribute 'pipeline'"):
         c.pipeline
 
 
@@ -45,8 +47,9 @@ def test_every_field_has_a_flag_whose_default_is_the_fields():
             "--cpu-return-freed-memory", "--boundaries", "2,3", "--memory-limit", "2GB",
             "--schedule", "zb-auto", "--collective-timeout", "30"]
     c = config_from_args(parser.parse_args(argv))
-    assert (c.ffn_hidden, c.beta2, c.deallocate_outputs, c.cpu_keep_freed_memory, c.boundaries,
-            c.memory_limit, c.collective_timeout) == (128, 0.9, False, False, (2, 3), 2e9, 30.0)
+    assert (c.plan.model.ffn, c.optimizer.beta2, c.runtime.deallocate_outputs,
+            c.runtime.cpu_keep_freed_memory, c.layout.boundaries, c.layout.memory_limit,
+            c.runtime.collective_timeout) == (128, 0.9, False, False, (2, 3), 2e9, 30.0)
 
 
 def test_checkpoint_flags_are_generated_from_checkpoint_options(monkeypatch):

@@ -71,10 +71,10 @@ def test_zero_runs_with_dp_1_and_with_tp():
     data-parallel group shards its own parameters; tests/exec/test_tensor_parallel.py runs
     tp 2 x pp 2 x dp 2 under zero 1, 2 and 3 against one process)."""
     for zero in (1, 2, 3):
-        TINY.replace(zero=zero).validate()
-        TINY.replace(zero=zero, pp=2, dp=2, microbatches=2, micro_batch_size=2).validate(
+        TINY.with_flat(zero=zero).validate()
+        TINY.with_flat(zero=zero, pp=2, dp=2, microbatches=2, micro_batch_size=2).validate(
             world_size=4)
-        TINY.replace(zero=zero, tp=2, dp=2, microbatches=2, micro_batch_size=2).validate(
+        TINY.with_flat(zero=zero, tp=2, dp=2, microbatches=2, micro_batch_size=2).validate(
             world_size=4)
 
 
@@ -84,7 +84,7 @@ def test_zero3_releases_parameters_and_the_backward_sees_them_gathered_again(gra
     and gathered for its B give the gradients of plain autograd on the same stage (in the
     shard accumulator per microbatch; per step in the whole buffer, once its one backward
     has run)."""
-    cfg = TINY.replace(layers=2)
+    cfg = TINY.with_flat(layers=2)
     spec = layer_stack(cfg)
     bounds = (0, 2, 4)
     plain = build_stage(spec, 1, bounds, seed=0, device=torch.device("cpu"), dtype=torch.float32)
@@ -94,8 +94,8 @@ def test_zero3_releases_parameters_and_the_backward_sees_them_gathered_again(gra
                             betas=(0.9, 0.95), eps=1e-8, grad_reduce=grad_reduce)
     zero.start()
     assert all(p.untyped_storage().nbytes() == 0 for p in stage.parameters())
-    x = torch.randn(2, cfg.seq_len, cfg.hidden)
-    target = torch.randint(0, cfg.vocab, (2, cfg.seq_len))
+    x = torch.randn(2, cfg.plan.model.seq_length, cfg.plan.model.hidden)
+    target = torch.randint(0, cfg.plan.model.vocab, (2, cfg.plan.model.seq_length))
     # the program's actions for stage 1, one microbatch: UNSHARD F RESHARD, then
     # UNSHARD B REDUCE_GRAD RESHARD (its one backward is also its last)
     zero.unshard(1)
@@ -148,7 +148,7 @@ def test_stage_hooks_run_inside_the_observers_around_every_compute_action():
         def end(self, action, step):
             events.append(("obs", "end", action))
 
-    spec = layer_stack(TINY.replace(layers=2))
+    spec = layer_stack(TINY.with_flat(layers=2))
     sched = pipesim.build_schedule("zbv", pp=1, vpp=2, microbatches=2).validate()
     bounds = by_layers(spec.num_layers, 2)
     stages = {s: build_stage(spec, s, bounds, seed=0, device=torch.device("cpu"),
@@ -156,7 +156,7 @@ def test_stage_hooks_run_inside_the_observers_around_every_compute_action():
     rt = PipelineRuntime(sched, 0, stages, spec.loss_fn, lambda s, g: None, None, global_rank=0,
                          device=torch.device("cpu"), observers=[Observer()],
                          stage_hooks=[Hook("a"), Hook("b")])
-    rt.run(BatchSource(seed=1, seq_len=TINY.seq_len, vocab=TINY.vocab,
+    rt.run(BatchSource(seed=1, seq_len=TINY.plan.model.seq_length, vocab=TINY.plan.model.vocab,
                        global_batch=2).microbatches(0, 0, 1, 2), step=0)
     expected = []
     for a in sched.actions(0):
@@ -190,7 +190,7 @@ def shards_worker(board, cases):
             cfg = layout_config(schedule, 2, 2, **changes)
             trainer = assemble(cfg, topo, board=board)
             res = train(trainer)
-            fwd = trainer.forward(cfg.steps, keep_outputs=True)
+            fwd = trainer.forward(cfg.optimizer.steps, keep_outputs=True)
             out[(schedule, tuple(sorted(changes.items())))] = {
                 "losses": res.losses, "config": cfg, "dp_rank": topo.dp_rank,
                 "grad_norms": res.grad_norms,
@@ -201,7 +201,7 @@ def shards_worker(board, cases):
         # step, the default, they hold the whole buffer: "shards-per-step")
         for zero, reduce in ((0, "per_step"), (1, "per_step"), (2, "per_microbatch"),
                              (3, "per_microbatch"), (2, "per_step"), (3, "per_step")):
-            t = assemble(TINY.replace(schedule="1f1b", pp=2, dp=2, microbatches=2,
+            t = assemble(TINY.with_flat(schedule="1f1b", pp=2, dp=2, microbatches=2,
                                      micro_batch_size=2, zero=zero, steps=1,
                                      grad_reduce=reduce), topo, board=board)
             train(t)
@@ -254,7 +254,8 @@ def test_zero_matches_single_process(schedule, changes):
     for n in ref_params:
         torch.testing.assert_close(params[n], ref_params[n], rtol=1e-5, atol=1e-6, msg=n)
     # forward-only after training (ZeRO-3 gathers for the forward-only runtime too)
-    m, b = results[0][key]["config"].microbatches, results[0][key]["config"].micro_batch_size
+    plan = results[0][key]["config"].plan
+    m, b = plan.microbatches, plan.parallelism.micro_batch_size
     for r in results:
         entry = r[key]
         for mb, out in entry["fwd_outputs"].items():
@@ -306,9 +307,9 @@ def memory_config(schedule: str, vpp: int, zero: int) -> TrainConfig:
     # weights dominate (hidden 32, 8 tokens a microbatch), as in the models ZeRO is for;
     # ZeRO-2/3 reducing once a microbatch, keeping only the gradients' shard (once a step,
     # the default, they hold ZeRO-1's whole buffer: tests/exec/test_zero_grad_reduce.py)
-    return TINY.replace(layers=8, hidden=32, heads=2, seq_len=8, vocab=32, pp=2, dp=2,
-                        microbatches=4, micro_batch_size=1, schedule=schedule, vpp=vpp,
-                        zero=zero, steps=2, grad_reduce="per_microbatch")
+    return TINY.with_flat(layers=8, hidden=32, heads=2, seq_len=8, vocab=32, pp=2, dp=2,
+                          microbatches=4, micro_batch_size=1, schedule=schedule, vpp=vpp,
+                          zero=zero, steps=2, grad_reduce="per_microbatch")
 
 
 def memory_worker(board):
@@ -367,8 +368,8 @@ def test_measured_peak_matches_the_plan_and_falls_with_zero(schedule, vpp):
 
 
 # -- checkpoints ------------------------------------------------------------------------------
-CKPT = TINY.replace(schedule="1f1b", pp=2, dp=2, microbatches=2, micro_batch_size=4, steps=4,
-                    decay_steps=8)                         # global batch 16
+CKPT = TINY.with_flat(schedule="1f1b", pp=2, dp=2, microbatches=2, micro_batch_size=4, steps=4,
+                      decay_steps=8)                         # global batch 16
 
 
 def _whole(trainer):
@@ -384,11 +385,12 @@ def ckpt_worker(board, root: str, jobs: list) -> dict:
     from pipeexec.checkpoint import load_checkpoint, save_checkpoint
 
     cfg0 = jobs[0][1]
-    topo = init_topology(cfg0.pp, cfg0.dp, device="cpu", timeout=120)
+    par = cfg0.plan.parallelism
+    topo = init_topology(par.pp, par.dp, device="cpu", timeout=120)
     out = {"pp_rank": topo.pp_rank, "dp_rank": topo.dp_rank}
     try:
         for k, (name, cfg, steps, load, save) in enumerate(jobs):
-            t = assemble(cfg.replace(steps=steps), topo, board=board)
+            t = assemble(cfg.with_flat(steps=steps), topo, board=board)
             loaded = None
             if load is not None:
                 load_checkpoint(t, f"{root}/{load}")
@@ -412,16 +414,16 @@ def test_checkpoints_resume_bit_exact_and_reshard_between_zero_levels(tmp_path):
     root = str(tmp_path)
     jobs = []
     for z in (1, 2, 3):
-        cfg = CKPT.replace(zero=z)
+        cfg = CKPT.with_flat(zero=z)
         jobs += [(f"full{z}", cfg, 4, None, None), (f"first{z}", cfg, 2, None, f"z{z}"),
                  (f"resumed{z}", cfg, 4, f"z{z}", None)]
-    jobs += [("1->0", CKPT.replace(zero=0), 4, "z1", None),
-             ("3->1", CKPT.replace(zero=1), 4, "z3", None)]
+    jobs += [("1->0", CKPT.with_flat(zero=0), 4, "z1", None),
+             ("3->1", CKPT.with_flat(zero=1), 4, "z3", None)]
     two = launch(ckpt_worker, 4, (root, jobs), timeout=900)
-    one_jobs = [("dp2->1 (3->0)", CKPT.replace(dp=1, micro_batch_size=8), 4, "z3", None),
-                ("first dp1", CKPT.replace(dp=1, micro_batch_size=8), 2, None, "dp1")]
+    one_jobs = [("dp2->1 (3->0)", CKPT.with_flat(dp=1, micro_batch_size=8), 4, "z3", None),
+                ("first dp1", CKPT.with_flat(dp=1, micro_batch_size=8), 2, None, "dp1")]
     one = launch(ckpt_worker, 2, (root, one_jobs), timeout=600)
-    back = launch(ckpt_worker, 4, (root, [("dp1->2 (0->2)", CKPT.replace(zero=2), 4, "dp1",
+    back = launch(ckpt_worker, 4, (root, [("dp1->2 (0->2)", CKPT.with_flat(zero=2), 4, "dp1",
                                            None)]), timeout=600)
     for r in two:
         for z in (1, 2, 3):

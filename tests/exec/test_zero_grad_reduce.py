@@ -55,7 +55,7 @@ def worker(board):
                 "dp_rank": topo.dp_rank, "n": sum(p.numel() for p in params),
                 "reduce_scatters": t.sharded.reduce_scatters,
                 "buckets": sum(len(lay.buckets) for lay in t.sharded.layouts.values()),
-                "microbatches": cfg.microbatches,
+                "microbatches": cfg.plan.microbatches,
                 "params": {n: p.detach().clone() for n, p in t.named_parameters().items()}}
     finally:
         destroy_topology(topo)
@@ -70,8 +70,8 @@ def runs():
 @functools.lru_cache(maxsize=None)
 def single_process():
     norms: list[float] = []
-    cfg = TINY.replace(microbatches=MICROBATCHES, micro_batch_size=GLOBAL_BATCH // MICROBATCHES,
-                       steps=STEPS)
+    cfg = TINY.with_flat(microbatches=MICROBATCHES, micro_batch_size=GLOBAL_BATCH // MICROBATCHES,
+                         steps=STEPS)
     losses, params, _ = reference_train(cfg, norms=norms)
     return losses, params, norms
 
