@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Union
+from typing import TYPE_CHECKING, Any, TypeVar, Union
 
 from ..fields import known_fields
 from ..hardware import get_hardware
@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from .model import ModelSpec
 
 PerStage = Union[float, Sequence[float]]
+T = TypeVar("T")
 
 _PER_STAGE = ("forward", "backward", "backward_input", "backward_weight", "p2p_bytes",
               "activation_bytes", "weight_grad_fraction", "stage_static_bytes", "grad_bytes",
@@ -250,6 +251,28 @@ class CostModel:
             return 0.0
         return 2 * (dp - 1) * self.dp_latency + 2 * (dp - 1) / dp * nbytes / self.dp_bandwidth
 
+    def derived(self, make: Callable[..., T], *args: Hashable) -> T:
+        """``make(self, *args)``, made on the first call and kept with these costs: what an
+        interpreter reads from them on every run (the simulator's per-stage tables) then costs
+        one lookup when the same costs are simulated again (sweeps over schedules, zb-auto,
+        benchmarks). ``make`` must be a pure function of the costs and ``args`` returning an
+        immutable value; it may raise, and nothing is kept then. Not part of the value: not
+        compared, copied or pickled."""
+        memo = self.__dict__.get("_derived")
+        if memo is None:
+            memo = {}
+            object.__setattr__(self, "_derived", memo)
+        key = (make, args)
+        value = memo.get(key)
+        if value is None:
+            value = memo[key] = make(self, *args)
+        return value
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state.pop("_derived", None)
+        return state
+
     def with_(self, **changes: Any) -> "CostModel":
         """A copy with some fields changed."""
         return replace(self, **changes)
@@ -350,11 +373,13 @@ class CostModel:
 
 def _plain_figures(field: str, values: Sequence[Any]) -> bool:
     """Whether every one of ``values`` is a float already (which `_number` returns as it is)
-    that the field's rules below take (not NaN, >= 0, a weight-gradient fraction <= 1): then
-    there is nothing to convert or refuse. Otherwise the rules' loop runs and names the value."""
+    that the field's rules below take (not NaN, >= 0, a weight-gradient fraction <= 1, units
+    >= 1): then there is nothing to convert or refuse. Otherwise the rules' loop runs and names
+    the value."""
     if not all(type(v) is float for v in values) or any(v != v for v in values):
         return False
-    return min(values) >= 0 and (field != "weight_grad_fraction" or max(values) <= 1)
+    return (min(values) >= (1 if field in _UNITS else 0)
+            and (field != "weight_grad_fraction" or max(values) <= 1))
 
 
 def _number(field: str, value: Any) -> float:

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from operator import itemgetter
+from typing import NamedTuple
 
 from ..plan.costs import CostModel
 from ..schedule.op import CODE_RESHARD, CODE_UNSHARD, FIRST_COMM_CODE, FIRST_SHARD_CODE, Op
@@ -42,6 +43,39 @@ from ..schedule.program import Program
 # str-Enum member hashes through a Python-level __hash__)
 _by_code = itemgetter(*(Op.of_code(code).value for code in range(FIRST_COMM_CODE)))
 
+class CostTables(NamedTuple):
+    """What :func:`walk` reads from the costs, per stage: each code's compute seconds (F, B, I,
+    W), each boundary's transfer seconds, the sharding actions' seconds and one unit's share of
+    them (UNSHARD, RESHARD, REDUCE_GRAD, by code - FIRST_SHARD_CODE), and the lane's switches.
+    A pure function of (costs, stages): made once a CostModel (:meth:`CostModel.derived`)."""
+
+    durations: tuple[list[float], ...]
+    link_time: tuple[float, ...]
+    shard_time: tuple[tuple[float, ...], ...]
+    shard_unit: tuple[tuple[float, ...], ...]
+    shard_overlap: bool
+    reduce_waits: bool
+    streams: bool
+
+
+def cost_tables(costs: CostModel, n: int) -> CostTables:
+    """The :class:`CostTables` of ``costs`` over ``n`` stages (read through ``costs.derived``)."""
+    overlap = costs.overlap_sharding == 1.0
+    # units stream only when the lane overlaps the computations (blocking: the stage at once)
+    units = [costs.stage_values(name, n) for name in ("unshard_units", "reduce_grad_units")]
+    return CostTables(
+        durations=tuple(tuple(x) for x in _by_code(costs.compute_times(n))),
+        link_time=tuple(costs.transfer_time(x) for x in costs.stage_values("p2p_bytes", n)),
+        shard_time=(tuple(costs.stage_values("unshard", n)), (0.0,) * n,
+                    tuple(costs.stage_values("reduce_grad", n))),
+        shard_unit=tuple(tuple(1.0 / u if overlap else 1.0 for u in x)
+                         for x in (units[0], [1.0] * n, units[1])),
+        shard_overlap=overlap,
+        # the rank waits for its REDUCE_GRAD: blocking, or the end of each backward waits
+        reduce_waits=not overlap or costs.overlap_reduce_grad == 0.0,
+        streams=overlap and any(u > 1.0 for x in units for u in x))
+
+
 class Clocks:
     """What the ranks of one run share: every row's start and end, each message's arrival (-1
     until sent), the token of the rank parked on it, each directed link's next free time, each
@@ -49,37 +83,20 @@ class Clocks:
     start (its UNSHARD's end, or its first unit's), when its last UNSHARD ends and the share of
     the computation after it (streamed units: the last unit's), and when its last computation
     began and how long it computed (an overlapped UNSHARD prefetches from there; a streamed
-    REDUCE_GRAD starts inside it)."""
+    REDUCE_GRAD starts inside it). The costs it reads are ``tables`` (:func:`cost_tables`)."""
 
-    __slots__ = ("starts", "ends", "arrival", "waiter", "link_free", "clock", "durations",
-                 "link_time", "shard_time", "shard_unit", "shard_overlap", "reduce_waits",
-                 "streams", "lane",
-                 "gathered", "gathered_end", "gathered_tail", "began", "work")
+    __slots__ = ("starts", "ends", "arrival", "waiter", "link_free", "clock", "tables",
+                 "lane", "gathered", "gathered_end", "gathered_tail", "began", "work")
 
     def __init__(self, program: Program, costs: CostModel) -> None:
-        n = program.num_stages
-        rows = program.num_rows
+        rows, msgs, pp = program.num_rows, program.num_messages, program.pp
+        self.tables = costs.derived(cost_tables, program.num_stages)
         self.starts = [0.0] * rows
         self.ends = [0.0] * rows
-        self.arrival = [-1.0] * program.num_messages
-        self.waiter: list = [None] * program.num_messages
-        self.link_free = [0.0] * (program.pp * program.pp)
-        self.clock = [0.0] * program.pp
-        self.durations = _by_code(costs.compute_times(n))
-        self.link_time = [costs.transfer_time(x) for x in costs.stage_values("p2p_bytes", n)]
-        # UNSHARD, RESHARD (free), REDUCE_GRAD per stage, by code - FIRST_SHARD_CODE
-        self.shard_time = (costs.stage_values("unshard", n), [0.0] * n,
-                           costs.stage_values("reduce_grad", n))
-        self.shard_overlap = costs.overlap_sharding == 1.0
-        # the rank waits for its REDUCE_GRAD: blocking, or the end of each backward waits
-        self.reduce_waits = not self.shard_overlap or costs.overlap_reduce_grad == 0.0
-        # one unit's share of a stage's collective (1.0: the stage at once), by code as above;
-        # units stream only when the lane overlaps the computations (blocking: stage at once)
-        units = [costs.stage_values(name, n) for name in ("unshard_units", "reduce_grad_units")]
-        self.shard_unit = tuple([1.0 / u if self.shard_overlap else 1.0 for u in x]
-                                for x in (units[0], [1.0] * n, units[1]))
-        self.streams = self.shard_overlap and any(u > 1.0 for x in units for u in x)
-        pp = program.pp
+        self.arrival = [-1.0] * msgs
+        self.waiter: list = [None] * msgs
+        self.link_free = [0.0] * (pp * pp)
+        self.clock = [0.0] * pp
         self.lane = [0.0] * pp
         self.gathered = [0.0] * pp
         self.gathered_end = [0.0] * pp
@@ -101,9 +118,10 @@ def walk(steps: Iterable[tuple[int, tuple]], clocks: Clocks,
     only records its posting and the driver places the transfer once both sides posted.
     ``shared_cpu``: a computation yields ``(t, work)`` and is sent its end time back."""
     starts, ends, arrival, waiter = clocks.starts, clocks.ends, clocks.arrival, clocks.waiter
-    link_free, durations, link_time = clocks.link_free, clocks.durations, clocks.link_time
+    tables = clocks.tables
+    link_free, durations, link_time = clocks.link_free, tables.durations, tables.link_time
     clock, gathered, began = clocks.clock, clocks.gathered, clocks.began
-    streams, gathered_end, gathered_tail = clocks.streams, clocks.gathered_end, clocks.gathered_tail
+    streams, gathered_end, gathered_tail = tables.streams, clocks.gathered_end, clocks.gathered_tail
     scaled = factors is not None or scale is not None
     first_comm = FIRST_COMM_CODE
     for rank, (row, code, stage, wait, wait_row, gate, gate_row, sends) in steps:
@@ -151,9 +169,9 @@ def walk(steps: Iterable[tuple[int, tuple]], clocks: Clocks,
                 ends[row] = t
             elif code >= FIRST_SHARD_CODE:              # UNSHARD, RESHARD, REDUCE_GRAD
                 if code != CODE_RESHARD:                # a release: no communication
-                    overlap = clocks.shard_overlap
-                    seconds = clocks.shard_time[code - FIRST_SHARD_CODE][stage]
-                    unit = clocks.shard_unit[code - FIRST_SHARD_CODE][stage]
+                    overlap = tables.shard_overlap
+                    seconds = tables.shard_time[code - FIRST_SHARD_CODE][stage]
+                    unit = tables.shard_unit[code - FIRST_SHARD_CODE][stage]
                     if code == CODE_UNSHARD:
                         s = began[rank] if overlap else t
                     elif unit < 1.0:            # streamed from its backward's first unit
@@ -179,7 +197,7 @@ def walk(steps: Iterable[tuple[int, tuple]], clocks: Clocks,
                             last = t + seconds * unit
                             if last > lane:
                                 lane = last
-                        if clocks.reduce_waits:
+                        if tables.reduce_waits:
                             clock[rank] = lane
                     clocks.lane[rank] = lane
                     starts[row], ends[row] = s, lane

@@ -81,7 +81,7 @@ def simulate(schedule: Schedule, costs: CostModel | None = None, *, comm: str = 
         raise ValueError(f"cores must be a positive number or None, got {cores!r}")
     schedule.validate()
     costs = costs.for_schedule(schedule)       # per-part costs onto copies (DualPipe)
-    costs.check_shape(schedule.num_stages, schedule.pp)
+    costs.derived(_fits, schedule.num_stages, schedule.pp)
     program = lower(schedule)
     together = costs.overlaps_parts and bool(program.overlaps)   # parts run together: both inputs
     # parts that run in turn take what they take alone: no factor (x * 1.0 is x, to the bit)
@@ -172,6 +172,13 @@ class _SharedCores:
         for _, event in finished:
             event.succeed(self.env.now)
         self._next()
+
+
+def _fits(costs: CostModel, num_stages: int, pp: int) -> bool:
+    """True once ``costs`` fit a schedule of that shape (:meth:`CostModel.check_shape` raises
+    otherwise); kept with the costs, so the same costs are checked once a shape."""
+    costs.check_shape(num_stages, pp)
+    return True
 
 
 def _overlap_scale(schedule: Schedule, program: Program, costs: CostModel) -> dict[int, float]:

@@ -76,7 +76,13 @@ class SimResult:
                    options: dict[str, Any] | None = None) -> "SimResult":
         """A simulated result over the engine's arrays; ``trace`` is built on first access."""
         result = cls.__new__(cls)
-        result._setup(spans, schedule, costs, None, options, "simulated", schedule.pp)
+        pp = schedule.pp
+        state = result.__dict__                 # what _setup sets, at once
+        state.update(_spans=spans, schedule=schedule, costs=costs, options=dict(options or {}),
+                     source="simulated", _memory_timeline=None, num_ranks=pp)
+        times = spans.small_times(pp)
+        if times is not None:       # the cached properties' values, set as they would be
+            state["makespan"], state["busy"], state["span"] = times
         return result
 
     @cached_property

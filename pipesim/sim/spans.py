@@ -131,6 +131,16 @@ class Spans:
             self._busy_span = busy, span
         return self._busy_span
 
+    def small_times(self, pp: int) -> tuple[float, list[float], list[float]] | None:
+        """(makespan, busy, span) of a small run over ``pp`` ranks, summed from the lists in
+        one call (each read on its own costs more than the sums: the result takes all three at
+        once, see :meth:`pipesim.sim.result.SimResult.from_spans`); None for any other run."""
+        if not self._small or len(self._program_rows.by_rank) != pp:
+            return None
+        starts, ends = self._lists
+        busy, span = self._small_busy_span()
+        return max(ends) - min(starts), busy, span
+
     def memory_rows(self) -> ComputeRows:
         """The compute rows of real stages, as :func:`pipesim.sim.memory.compute_rows` reads them
         from a trace."""
