@@ -86,31 +86,41 @@ class Clocks:
     REDUCE_GRAD starts inside it). The costs it reads are ``tables`` (:func:`cost_tables`)."""
 
     __slots__ = ("starts", "ends", "arrival", "waiter", "link_free", "clock", "tables",
-                 "lane", "gathered", "gathered_end", "gathered_tail", "began", "work")
+                 "sharded", "lane", "gathered", "gathered_end", "gathered_tail", "began", "work")
 
     def __init__(self, program: Program, costs: CostModel) -> None:
         rows, msgs, pp = program.num_rows, program.num_messages, program.pp
         self.tables = costs.derived(cost_tables, program.num_stages)
+        self.sharded = program.derived(has_sharding)     # the lane is used at all
         self.starts = [0.0] * rows
         self.ends = [0.0] * rows
         self.arrival = [-1.0] * msgs
         self.waiter: list = [None] * msgs
         self.link_free = [0.0] * (pp * pp)
         self.clock = [0.0] * pp
-        self.lane = [0.0] * pp
-        self.gathered = [0.0] * pp
-        self.gathered_end = [0.0] * pp
-        self.gathered_tail = [0.0] * pp
-        self.began = [0.0] * pp
-        self.work = [0.0] * pp
+        if self.sharded or self.tables.streams:
+            self.lane = [0.0] * pp
+            self.gathered = [0.0] * pp
+            self.gathered_end = [0.0] * pp
+            self.gathered_tail = [0.0] * pp
+            self.began = [0.0] * pp
+            self.work = [0.0] * pp
+        else:                           # no lane: walk reads none of these
+            self.lane = self.gathered = self.gathered_end = self.gathered_tail = None
+            self.began = self.work = None
+
+
+def has_sharding(program: Program) -> bool:
+    """Whether the program has sharding actions (ZeRO's), made once a program."""
+    return any(row[0] >= FIRST_SHARD_CODE for rows in program.in_turn for row in rows)
 
 
 def walk(steps: Iterable[tuple[int, tuple]], clocks: Clocks,
          wake: Callable[[object, float], None], factors: Sequence[float] | None,
          scale: dict[int, float] | None, blocking: bool, on_send: Callable | None = None,
          on_recv: Callable | None = None, shared_cpu: bool = False) -> Iterator:
-    """Run ``steps``: ``(rank, step)`` pairs, a step as :meth:`Program.steps` makes it, each on
-    its rank's clock (``clocks.clock``); yields the message number a step waits for when it has
+    """Run ``steps``: ``(rank, *step)`` tuples, a step as :meth:`Program.steps` makes it with its
+    rank in front (one tuple to unpack a step), each on its rank's clock (``clocks.clock``); yields the message number a step waits for when it has
     not been sent, and resumes once that message's arrival is set.
 
     ``wake(token, arrival)`` is called when a message somebody is parked on (``waiter``) is
@@ -123,8 +133,11 @@ def walk(steps: Iterable[tuple[int, tuple]], clocks: Clocks,
     clock, gathered, began = clocks.clock, clocks.gathered, clocks.began
     streams, gathered_end, gathered_tail = tables.streams, clocks.gathered_end, clocks.gathered_tail
     scaled = factors is not None or scale is not None
+    lane_used = clocks.sharded or streams          # else the lane's lists are None
+    # a computation that only adds its time: no factor, no shared processor, no sharding lane
+    plain = not (scaled or shared_cpu or lane_used)
     first_comm = FIRST_COMM_CODE
-    for rank, (row, code, stage, wait, wait_row, gate, gate_row, sends) in steps:
+    for rank, row, code, stage, wait, wait_row, gate, gate_row, sends in steps:
         t = clock[rank]
         if code >= 0:
             if code < first_comm:                       # F, B, I, W
@@ -149,24 +162,31 @@ def walk(steps: Iterable[tuple[int, tuple]], clocks: Clocks,
                         t = e
                     ends[wait_row] = t
                 work = durations[code][stage]
-                if scaled:
-                    if factors is not None:
-                        work *= factors[row]
-                    if scale is not None and row in scale:
-                        work *= scale[row]
-                if gathered[rank] > t:
-                    t = gathered[rank]
-                starts[row] = began[rank] = t
-                if shared_cpu:
-                    t = yield (t, work)
-                else:
+                if plain:
+                    starts[row] = t
                     t += work
-                if streams:             # its last unit computes after the gather ends
-                    clocks.work[rank] = work
-                    e = gathered_end[rank] + work * gathered_tail[rank]
-                    if e > t:
-                        t = e
-                ends[row] = t
+                    ends[row] = t
+                else:
+                    if scaled:
+                        if factors is not None:
+                            work *= factors[row]
+                        if scale is not None and row in scale:
+                            work *= scale[row]
+                    if lane_used:
+                        if gathered[rank] > t:
+                            t = gathered[rank]
+                        began[rank] = t
+                    starts[row] = t
+                    if shared_cpu:
+                        t = yield (t, work)
+                    else:
+                        t += work
+                    if streams:             # its last unit computes after the gather ends
+                        clocks.work[rank] = work
+                        e = gathered_end[rank] + work * gathered_tail[rank]
+                        if e > t:
+                            t = e
+                    ends[row] = t
             elif code >= FIRST_SHARD_CODE:              # UNSHARD, RESHARD, REDUCE_GRAD
                 if code != CODE_RESHARD:                # a release: no communication
                     overlap = tables.shard_overlap
@@ -209,6 +229,9 @@ def walk(steps: Iterable[tuple[int, tuple]], clocks: Clocks,
                 if on_recv is not None:
                     on_recv(wait, t)
                 continue
+        if not sends:
+            clock[rank] = t
+            continue
         for srow, msg, link, boundary in sends:         # SEND_F, SEND_B
             c = link_time[boundary]
             if on_send is not None:
@@ -232,8 +255,8 @@ def walk(steps: Iterable[tuple[int, tuple]], clocks: Clocks,
         clock[rank] = t
 
 
-def dataflow_order(program: Program, together: bool) -> tuple[tuple[int, tuple], ...]:
-    """Every rank's steps (:meth:`Program.steps`), as ``(rank, step)`` pairs in one order that
+def dataflow_order(program: Program, together: bool) -> tuple[tuple, ...]:
+    """Every rank's steps (:meth:`Program.steps`), as ``(rank, *step)`` tuples in one order that
     keeps each rank's steps in turn and puts each computation after the SEND of every message
     it waits for. Found by running the ranks, lowest first, each until it needs a message not
     yet sent (it is run again once that message is sent). Raises RuntimeError naming the ranks
@@ -244,7 +267,7 @@ def dataflow_order(program: Program, together: bool) -> tuple[tuple[int, tuple],
     parked: dict[int, int] = {}                         # message -> the rank waiting for it
     done = [0] * pp                                     # steps of each rank in the order so far
     ready = list(range(pp - 1, -1, -1))                 # ranks to run, rank 0 first
-    order: list[tuple[int, tuple]] = []
+    order: list[tuple] = []
     append = order.append
     while ready:
         rank = ready.pop()
@@ -257,7 +280,7 @@ def dataflow_order(program: Program, together: bool) -> tuple[tuple[int, tuple],
                 if need >= 0:
                     parked[need] = rank
                     break
-            append((rank, step))
+            append((rank, *step))
             for _row, msg, _link, _boundary in step[7]:
                 sent[msg] = 1
                 waiting = parked.pop(msg, None)

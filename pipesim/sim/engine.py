@@ -37,7 +37,7 @@ a generator seeded by ``seed``, in rank then action order.
 from __future__ import annotations
 
 import random
-from itertools import chain, repeat
+from itertools import chain
 from operator import itemgetter
 
 import numpy as np
@@ -71,23 +71,17 @@ def simulate(schedule: Schedule, costs: CostModel | None = None, *, comm: str = 
     fit it.
     """
     costs = CostModel() if costs is None else costs
-    if comm not in COMM_MODES:
-        raise ValueError(f"comm must be one of {', '.join(COMM_MODES)}, got {comm!r}")
-    if not 0 <= jitter < 1:
-        raise ValueError(f"jitter must be in [0, 1), got {jitter}")
-    if not isinstance(dp, int) or dp < 1:
-        raise ValueError(f"dp must be a positive integer, got {dp!r}")
-    if cores is not None and not (isinstance(cores, (int, float)) and cores > 0):
-        raise ValueError(f"cores must be a positive number or None, got {cores!r}")
+    if not (comm == "async" and jitter == 0 and type(dp) is int and dp == 1 and cores is None):
+        _check_options(comm, jitter, dp, cores)
     schedule.validate()
     costs = costs.for_schedule(schedule)       # per-part costs onto copies (DualPipe)
-    costs.derived(_fits, schedule.num_stages, schedule.pp)
     program = lower(schedule)
-    together = costs.overlaps_parts and bool(program.overlaps)   # parts run together: both inputs
+    costs.derived(_fits, program.num_stages, program.pp)
+    together = bool(program.overlaps) and costs.overlaps_parts   # parts run together: both inputs
     # parts that run in turn take what they take alone: no factor (x * 1.0 is x, to the bit)
     scale = _overlap_scale(schedule, program, costs) if together else None
-    factors = _jitter(program.num_rows, jitter, seed)
-    shared = cores if cores is not None and cores < schedule.pp else None
+    factors = _jitter(program.num_rows, jitter, seed) if jitter else None
+    shared = cores if cores is not None and cores < program.pp else None
     options = {"comm": comm, "step_tail": step_tail, "dp": dp, "jitter": jitter, "seed": seed,
                "cores": cores}
     if comm == "rendezvous" or shared is not None:      # depend on event order in time
@@ -172,6 +166,18 @@ class _SharedCores:
         for _, event in finished:
             event.succeed(self.env.now)
         self._next()
+
+
+def _check_options(comm: str, jitter: float, dp: int, cores: float | None) -> None:
+    """Raise ValueError naming the first of `simulate`'s options that is out of range."""
+    if comm not in COMM_MODES:
+        raise ValueError(f"comm must be one of {', '.join(COMM_MODES)}, got {comm!r}")
+    if not 0 <= jitter < 1:
+        raise ValueError(f"jitter must be in [0, 1), got {jitter}")
+    if not isinstance(dp, int) or dp < 1:
+        raise ValueError(f"dp must be a positive integer, got {dp!r}")
+    if cores is not None and not (isinstance(cores, (int, float)) and cores > 0):
+        raise ValueError(f"cores must be a positive number or None, got {cores!r}")
 
 
 def _fits(costs: CostModel, num_stages: int, pp: int) -> bool:
@@ -317,7 +323,7 @@ def _run(program: Program, costs: CostModel, factors: list[float] | None, blocki
         done[rank] = True
 
     for rank, steps in enumerate(program.steps(together, posts=rendezvous)):
-        walker = walk(zip(repeat(rank), steps), clocks, wake, factors, scale, blocking,
+        walker = walk([(rank, *step) for step in steps], clocks, wake, factors, scale, blocking,
                       on_send if rendezvous else None, on_recv if rendezvous else None,
                       shared is not None)
         env.process(process(rank, walker))

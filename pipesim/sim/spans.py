@@ -55,7 +55,7 @@ class Spans:
         # the time metrics from the lists: given them, the program's rows, and few rows; a
         # larger run's lists become arrays now (a float object a row, kept, would weigh three
         # times the array on every result held)
-        self._small = (isinstance(starts, list) and isinstance(ends, list)
+        self._small = (type(starts) is list and type(ends) is list
                        and program_rows is not None and len(starts) <= SMALL_ROWS)
         if self._small:
             self._starts = self._ends = None
