@@ -241,6 +241,14 @@ def test_compare_shows_zeros_actions_predicted_vs_measured(tmp_path):
         (op, st) for op in SHARD for st in range(4)]
     md = (tmp_path / "t.md").read_text()
     assert "\n".join(sharding_markdown(t)) in md and files["report"] == str(tmp_path / "r.json")
+    write_outputs(c, table_out=str(tmp_path / "t.csv"))
+    csv = pd.read_csv(tmp_path / "t.csv", dtype={"rank": str})
+    shard = csv[csv["row"] == "sharding"].reset_index(drop=True)
+    assert list(csv["row"]) == ["rank"] * 5 + ["sharding"] * len(t)
+    assert list(zip(shard["action"], shard["stage"].astype(int), shard["rank"])) == [
+        (r.action, r.stage, str(r.rank)) for r in t.itertuples()]
+    for col in t.columns[3:]:
+        assert shard[col].tolist() == pytest.approx(t[col].tolist(), rel=1e-12, nan_ok=True)
 
 
 def test_a_run_without_sharding_shows_and_reports_none(tmp_path):
@@ -249,3 +257,7 @@ def test_a_run_without_sharding_shows_and_reports_none(tmp_path):
     assert "sharding_actions" not in c.report()
     assert "unshard" not in c.report()["calibration"]["costs"]
     assert "UNSHARD" not in c.text() and "REDUCE_GRAD" not in c.markdown()
+    write_outputs(c, table_out=str(tmp_path / "t.csv"))
+    csv = pd.read_csv(tmp_path / "t.csv", dtype={"rank": str})
+    assert set(csv["row"]) == {"rank"} and "action" not in csv.columns
+    assert list(csv["rank"]) == ["0", "1", "2", "3", "all"]

@@ -5,8 +5,10 @@
   last microbatch, megatron/core/distributed/distributed_data_parallel.py, and its buckets start
   it from ``register_grad_ready`` only when ``is_last_microbatch``, param_and_grad_buffer.py):
   the whole gradient buffer held through the step, one reduce-scatter of it a step: the
-  program's REDUCE_GRAD after each stage's last backward, a layer a unit, streamed with that
-  backward down to the last unit; nothing in W nor in the tail. So ZeRO-2 holds exactly what
+  program's REDUCE_GRAD after each stage's last backward, in Megatron's DDP buckets
+  (``max(40M, 1M * dp)`` parameters on the first rank's first stage, the stage at once
+  elsewhere: `pipesim.plan.derive.megatron_buckets`), streamed with that backward down to the
+  last bucket; nothing in W nor in the tail. So ZeRO-2 holds exactly what
   ZeRO-1 does (Megatron's distributed-optimizer row, 6 + 12/d bytes a parameter in bf16), and
   ZeRO-3 ZeRO-1 less the weights' (d - 1)/d;
 * ``per_microbatch`` (DeepSpeed's ZeRO stage 2: gradients reduced as the backward makes them,
@@ -18,6 +20,7 @@
   gradients 4 more: Megatron's fp16 row (20, or 4 + 16/d distributed).
 """
 import json
+import math
 
 import pytest
 
@@ -87,8 +90,9 @@ def test_memory_whole_buffer_per_step_shard_plus_bucket_per_microbatch(zero):
 
 def test_communication_once_in_the_tail_or_once_per_layer_per_microbatch():
     """No overlap: the tail is the closed form (the weights' all-gather); a middle stage's
-    reduction is its layers' reduce-scatters, once a step or once a microbatch (the program's
-    REDUCE_GRAD actions), its W the plain one."""
+    reduction is, once a step, one reduce-scatter of its whole buffer (Megatron without
+    overlap_grad_reduce: one bucket), once a microbatch its layers' (the program's REDUCE_GRAD
+    actions), its W the plain one."""
     kw = dict(overlap_grad_reduce=False, overlap_param_gather=False)
     z0, step, micro = (plan(0, **kw).derive(), plan(2, **kw).derive(),
                        plan(2, "per_microbatch", **kw).derive())
@@ -105,8 +109,10 @@ def test_communication_once_in_the_tail_or_once_per_layer_per_microbatch():
             assert d.costs.backward_weight[r] == z0.costs.backward_weight[r]
     for r in (1, 2):                                   # no embedding, no head: layers only
         layers = step.stage_layers[r]
+        rs_stage = coll.reduce_scatter(4 * layers * layer_params(), D, net)
+        assert step.costs.reduce_grad[r] == pytest.approx(rs_stage, rel=1e-12)
+        assert micro.costs.reduce_grad[r] == pytest.approx(layers * rs_layer, rel=1e-12)
         for d in (step, micro):
-            assert d.costs.reduce_grad[r] == pytest.approx(layers * rs_layer, rel=1e-12)
             # not streamed without the overlap: after the backward, a stage at once
             assert d.costs.stage_values("reduce_grad_units", 4)[r] == 1.0
     # per step the reduce-scatter runs once a stage, per microbatch m times
@@ -117,10 +123,11 @@ def test_communication_once_in_the_tail_or_once_per_layer_per_microbatch():
 
 
 def test_once_a_step_overlaps_with_the_last_backward_down_to_the_last_bucket():
-    """The REDUCE_GRAD after a stage's last B streams its L units (layers, embedding, head)
-    with that B: it starts once the B made its first unit's gradients, ends one unit's
-    reduction after the B at the soonest, and the rank's step ends with it; the tail keeps the
-    weights' all-gather, overlapped with the next forward."""
+    """The REDUCE_GRAD after a stage's last B streams its units, Megatron's buckets (the first
+    stage's ``ceil(P / 40M)`` at dp 8, one on the other ranks), with that B: it starts once the
+    B made its first unit's gradients, ends one unit's reduction after the B at the soonest,
+    and the rank's step ends with it; the tail keeps the weights' all-gather, overlapped with
+    the next forward."""
     p = plan(2)
     d = p.derive()
     net = d.links["dp"]
@@ -136,8 +143,10 @@ def test_once_a_step_overlaps_with_the_last_backward_down_to_the_last_bucket():
         # (Calculon's model, pipesim.plan.overlap), or shows where it outlasts it
         exposed = ag - costs.forward[r] if ag * (1 - u) > costs.forward[r] else ag * u
         assert d.tail[r].dp_exposed == pytest.approx(exposed, rel=1e-12)
-        units = d.stage_layers[r] + (r in (0, 3))
+        units = math.ceil(n / 40e6) if r == 0 else 1
         assert costs.reduce_grad_units[r] == units
+        assert costs.reduce_grad[r] == pytest.approx(
+            units * coll.reduce_scatter(4 * n / units, D, net), rel=1e-12)
         last_b = t[(t["rank"] == r) & (t["op"] == "B")].iloc[-1]
         reduce = t[(t["rank"] == r) & (t["op"] == "REDUCE_GRAD")]
         assert len(reduce) == 1
@@ -294,3 +303,30 @@ def test_a_search_that_finds_nothing_names_the_gradient_knobs():
     sharded = " | ".join(narrowed_hints(SearchSpace("llama3-8b", 16, 32, zero=(0, 1),
                                                     grad_reduce_in_fp32=False)))
     assert "--grad-reduce" not in sharded and "--no-grad-reduce-in-fp32" not in sharded
+
+
+def test_megatron_buckets_once_a_step_layers_for_fsdp():
+    """Megatron-Core's DDP (megatron/core/distributed/distributed_data_parallel.py) cuts a
+    chunk's gradient buffer into buckets of ``max(40M, 1M * dp)`` parameters, on the first
+    pipeline rank's first chunk only (training.py: later chunks and pp ranks > 0 get one
+    bucket), one bucket without overlap_grad_reduce: ZeRO-2 once a step (its distributed
+    optimizer) takes those units; ZeRO-3 (FSDP) gathers and reduces a layer at a time."""
+    from pipesim.plan.derive import megatron_buckets
+
+    assert megatron_buckets(150e6, 8) == 4 == math.ceil(150e6 / 40e6)
+    assert megatron_buckets(150e6, 64) == 3 == math.ceil(150e6 / 64e6)     # 1M * dp above 40M
+    assert megatron_buckets(150e6, 64, first_chunk=False) == 1
+    assert megatron_buckets(150e6, 64, overlap_grad_reduce=False) == 1
+    assert megatron_buckets(10e6, 8) == 1 and megatron_buckets(0.0, 8) == 1
+    for dp in (8, 64):
+        p = plan(2, dp=dp, global_batch_size=8 * dp)
+        d = p.derive()
+        n = [sum(d.stage_params[r].values()) for r in range(4)]
+        assert d.costs.reduce_grad_units[0] == math.ceil(n[0] / max(40e6, 1e6 * dp))
+        assert list(d.costs.reduce_grad_units[1:]) == [1.0, 1.0, 1.0]
+        z3 = plan(3, dp=dp, global_batch_size=8 * dp).derive()      # FSDP: a layer a unit
+        for r in range(4):
+            layers = z3.stage_layers[r] + (r in (0, 3))              # embedding, head
+            assert z3.costs.reduce_grad_units[r] == z3.costs.unshard_units[r] == layers
+        micro = plan(2, "per_microbatch", dp=dp, global_batch_size=8 * dp).derive()
+        assert list(micro.costs.reduce_grad_units) == list(z3.costs.reduce_grad_units)

@@ -277,3 +277,33 @@ def test_the_margin_reference_is_the_fastest_fitting_hand_made_order():
             assert got is None
         else:
             assert got == (min(fits, key=fits.get), min(fits.values()))
+
+
+def test_under_zero3_candidates_are_ranked_with_their_gathers():
+    """ZeRO-3 gathers a stage's weights before each of its computations (the rank waiting for
+    each: ``overlap_sharding`` 0), so an order with a split backward (F, I, W: 3m computations a
+    rank) pays m more gathers than 1F1B's (F, B: 2m). With gathers dear, zb-auto given the
+    sharding keeps the order that is fastest lowered with it; without it, it ranks the plain
+    orders and keeps a split one, slower as it will run."""
+    from pipesim.schedule.sharding import Sharding
+    from pipesim.zb_auto.search import fastest_handcrafted
+
+    sh = Sharding(3)
+    costs = CostModel(forward=1.0, backward_input=1.0, backward_weight=1.0, activation_bytes=1.0,
+                      unshard=1.5, overlap_sharding=0.0)
+    plain = pipesim.build_schedule("zb-auto", pp=4, microbatches=8, costs=costs, memory_limit=8)
+    sharded = pipesim.build_schedule("zb-auto", pp=4, microbatches=8, costs=costs,
+                                     memory_limit=8, sharding=sh)
+    assert plain.sharding is None and sharded.sharding is None     # plain orders: lowered to run
+    lowered = {name: simulate(pipesim.build_schedule(name, pp=4, microbatches=8)
+                              .with_sharding(sh), costs).makespan
+               for name in ("1f1b", "zb-h1", "zb-h2")}
+    step = simulate(sharded.with_sharding(sh), costs).makespan
+    assert step <= min(lowered.values()) + 1e-12
+    assert step < simulate(plain.with_sharding(sh), costs).makespan       # the plain ranking's
+    assert all(a.op != "I" for a in sharded.compute_order(0))      # 1F1B's kind: fewer gathers
+    best = min(lowered, key=lowered.get)
+    assert best == "1f1b"
+    assert fastest_handcrafted(4, 8, costs, 8, sharding=sh) == (best, lowered[best])
+    with pytest.raises(ScheduleError, match="sharding must be a"):
+        pipesim.build_schedule("zb-auto", pp=4, microbatches=8, costs=costs, sharding=3)

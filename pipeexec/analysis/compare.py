@@ -32,9 +32,10 @@ per step (``m`` microbatches through the stages it holds; "all": the largest ran
 report's ``predicted_collectives`` the same per rank.
 
 A ZeRO-2/3 run (its program holds UNSHARD / RESHARD / REDUCE_GRAD) adds a row per (action,
-stage) under the table, in the markdown and in the report (``sharding_actions``): count, the
-mean per action (what calibration prices them with) and the sum per step, measured and
-predicted (`pipeexec.analysis.sharding_rows`); a run without them shows and reports none.
+stage) under the table, in the markdown, in the CSV (`Comparison.csv_table`: ``row`` says
+``rank`` or ``sharding``) and in the report (``sharding_actions``): count, the mean per action
+(what calibration prices them with) and the sum per step, measured and predicted
+(`pipeexec.analysis.sharding_rows`); a run without them shows and reports none.
 
 Errors: ``step_time_error = (predicted - measured) / measured``; bubble_fraction error in
 points (predicted - measured); memory errors relative, per rank.
@@ -190,6 +191,27 @@ class Comparison:
         """ZeRO's actions, one row per (action, stage), measured over the compared steps and
         predicted (`sharding_rows.sharding_table`); no rows for a run without them."""
         return sharding_table(self.run.trace, self.steps, self.predicted.trace)
+
+    def csv_table(self) -> "pd.DataFrame":
+        """What ``--table-out FILE.csv`` writes: one frame, first column ``row`` saying which
+        table a row is from: ``rank`` (the rank rows and "all", `table`'s columns) then, for a
+        run with ZeRO's actions, ``sharding`` (one per (action, stage), `sharding_table`'s
+        columns, ``rank`` the stage's). Seconds and bytes, as the tables; a column the other
+        kind of row lacks is empty, and a run without ZeRO's actions has no sharding columns."""
+        import pandas as pd
+
+        ranks = self.table().reset_index()
+        ranks.insert(0, "row", "rank")
+        shard = self.sharding_table()
+        if len(shard) == 0:
+            return ranks
+        shard = shard.astype({"rank": str})          # as the rank rows' ("0", ..., "all")
+        shard.insert(0, "row", "sharding")
+        columns = (["row", "rank", "action", "stage"]
+                   + [c for c in ranks.columns if c not in ("row", "rank")]
+                   + [c for c in shard.columns if c not in ("row", "rank", "action", "stage")])
+        both = pd.concat([ranks, shard], ignore_index=True)
+        return both.astype({"stage": "Int64"})[columns]
 
     def predicted_collectives(self) -> dict[str, list[float]]:
         """Per group (tp, cp, ep), each rank's seconds per step of the layers' collectives the

@@ -114,7 +114,12 @@ def compare_parser() -> argparse.ArgumentParser:
       help="write the report as JSON, and (unless --plot-out names another file) the "
            "predicted-above-measured picture beside it as FILE.png")
     a("--table-out", default=None, metavar="FILE.csv|FILE.md",
-      help="write the table as CSV, or as markdown for a .md name")
+      help="write the table as CSV, or as markdown for a .md name. The CSV's first column, "
+           "row, says which table a row is from: 'rank' (a rank, or 'all': the printed "
+           "table's rows, seconds and bytes) and, for a ZeRO-2/3 run, 'sharding' (ZeRO's "
+           "actions: one row per action and stage, count / per_action / per_step measured, "
+           "predicted and error; columns action and stage); a row leaves the other kind's "
+           "columns empty")
     a("--plot-out", default=None, metavar="FILE.png",
       help="predicted and measured Gantt charts on one time axis (default: beside "
            "--report-out, as .png)")
@@ -436,8 +441,8 @@ def write_outputs(comparison: Comparison, *, report_out: str | None = None,
                   table_out: str | None = None, plot_out: str | None = None,
                   trace_out: str | None = None, extra: dict[str, Any] | None = None
                   ) -> dict[str, str]:
-    """Write the report JSON (with ``extra``'s fields), table CSV and picture; return their
-    paths."""
+    """Write the report JSON (with ``extra``'s fields), table (CSV: `Comparison.csv_table`,
+    the rank rows and ZeRO's; markdown for a .md name) and picture; return their paths."""
     files: dict[str, str] = {}
     if plot_out is None and report_out is not None:
         plot_out = str(Path(report_out).with_suffix(".png"))
@@ -446,7 +451,7 @@ def write_outputs(comparison: Comparison, *, report_out: str | None = None,
         if table_out.endswith(".md"):
             Path(table_out).write_text(comparison.headline() + "\n\n" + comparison.markdown() + "\n")
         else:
-            comparison.table().to_csv(table_out)
+            comparison.csv_table().to_csv(table_out, index=False)
         files["table"] = table_out
     if plot_out:
         Path(plot_out).parent.mkdir(parents=True, exist_ok=True)

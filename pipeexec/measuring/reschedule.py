@@ -7,7 +7,10 @@ vpp 2 ZB-V, or interleaved 1F1B with each backward run as I then W in the looped
 search keeps the profiled schedule's vpp and placement. Then, on every rank at the same step: rank 0 fits a cost model to the
 profiled steps as predictions do (:func:`pipeexec.analysis.predict.prediction_costs`: wall
 times, or CPU work and the shared cores where the ranks competed), searches zb-auto under the
-limit and predicts its step time (the simulator, the executor's rendezvous communication); the
+limit and predicts its step time (the simulator, the executor's rendezvous communication;
+under ZeRO-2/3 every candidate, the prediction and the hand-made reference lowered with the
+run's sharding, their UNSHARD / REDUCE_GRAD priced from the profiled steps' own, as the
+profiled order's prediction is: the figures compare like with like); the
 schedule is broadcast as data, validated, and every rank switches to it
 (`Trainer.set_schedule`). The log shows the measured step time before, the predicted one, and
 the measured steps after. Memory is counted as the calibrated model counts it (on CPU: the
@@ -72,12 +75,16 @@ def search_from_run(run: MeasuredRun, memory_limit: float, recv_lookahead: int =
                     margin: float = 0.0) -> tuple[pipesim.Schedule, dict]:
     """zb-auto for ``run``'s layout from its measured costs, searched and predicted as
     `pipeexec.analysis.predict` predicts the executor (rendezvous transfers, receives posted
-    ``recv_lookahead`` early, processor sharing where the ranks shared cores); a searched
-    order must be predicted ``margin`` faster than the fastest hand-made one that fits;
-    (schedule, what was decided)."""
+    ``recv_lookahead`` early, processor sharing where the ranks shared cores, ZeRO-2/3's
+    actions where the run has them: its sharding, priced from its own rows); a searched order
+    must be predicted ``margin`` faster than the fastest hand-made one that fits; (schedule,
+    what was decided: ``predicted_s`` is the searched order lowered with the run's sharding,
+    as ``predicted_before_s`` is the profiled one, which ran lowered). The schedule returned
+    is the plain order: the Trainer lowers what it runs."""
     steps = run.central_steps()
     cal = prediction_costs(run.plan.layout, run, steps)   # with the shared cores, on CPU
     profiled = run.schedule
+    sharding = profiled.sharding          # the program that ran: None without ZeRO-2/3
     schedule = pipesim.build_schedule("zb-auto", pp=profiled.pp,
                                       microbatches=profiled.num_microbatches,
                                       vpp=profiled.vpp,
@@ -85,12 +92,13 @@ def search_from_run(run: MeasuredRun, memory_limit: float, recv_lookahead: int =
                                       costs=cal.costs, memory_limit=memory_limit,
                                       comm=EXECUTOR_COMM, lookahead=recv_lookahead,
                                       recv_lookahead=recv_lookahead, cores=cal.cores,
-                                      margin=margin)
-    predicted = pipesim.simulate(schedule, cal.costs, comm=EXECUTOR_COMM, cores=cal.cores)
+                                      margin=margin, sharding=sharding)
+    predicted = pipesim.simulate(schedule.with_sharding(sharding), cal.costs, comm=EXECUTOR_COMM,
+                                 cores=cal.cores)
     reference = fastest_handcrafted(profiled.pp, profiled.num_microbatches, cal.costs,
                                     memory_limit, vpp=profiled.vpp,
                                     placement=profiled.placement_kind, comm=EXECUTOR_COMM,
-                                    lookahead=recv_lookahead, cores=cal.cores)
+                                    lookahead=recv_lookahead, cores=cal.cores, sharding=sharding)
     before = pipesim.simulate(run.schedule, cal.costs, comm=EXECUTOR_COMM, cores=cal.cores)
     makespans = run.makespans()
     info = {"profiled": run.schedule.name, "steps": list(steps),
@@ -98,6 +106,7 @@ def search_from_run(run: MeasuredRun, memory_limit: float, recv_lookahead: int =
             "predicted_before_s": before.makespan, "predicted_s": predicted.makespan,
             "predicted_peak_bytes": list(predicted.peak_memory), "memory_limit": memory_limit,
             "vpp": schedule.vpp, "placement": schedule.placement_kind,
+            "sharding": None if sharding is None else sharding.to_dict(),
             "margin": margin, "handcrafted": handcrafted_origin(schedule),
             "margin_reference": None if reference is None else reference[0],
             "margin_reference_predicted_s": None if reference is None else reference[1],
@@ -131,7 +140,10 @@ def reschedule(trainer: Any, session: Any, memory_limit: float,
             f"{info['measured_before_s'] * 1e3:.1f} ms of pipeline a step (predicted from their "
             f"own costs {info['predicted_before_s'] * 1e3:.1f} ms; profiled steps carry the "
             f"profiler's overhead); searched under {format_bytes(memory_limit)} a rank: "
-            f"predicted {info['predicted_s'] * 1e3:.1f} ms of pipeline, peak "
+            f"predicted {info['predicted_s'] * 1e3:.1f} ms of pipeline"
+            + (f" (ZeRO-{info['sharding']['zero']}'s gathers and reductions included, as in "
+               "the profiled order's)" if info.get("sharding") else "")
+            + f", peak "
             f"{format_bytes(max(info['predicted_peak_bytes']))}, vpp {info['vpp']} "
             f"{info['placement']}"
             + (f", {info['handcrafted']}'s order (a searched one must be predicted "

@@ -73,8 +73,10 @@ class CostModel:
     ``unshard`` seconds for one ``UNSHARD`` of a stage (the all-gather of its weights),
     ``reduce_grad`` for one ``REDUCE_GRAD`` (the reduce-scatter of its gradients); a
     ``RESHARD`` costs nothing. Each rank runs them on a communication lane of its own, one at a
-    time, in its order: with ``overlap_sharding`` 1.0 (the default) an UNSHARD starts as soon
-    as the lane is free but not before the rank's previous computation started (prefetched
+    time, in its order (one lane, not one per kind: FSDP2's and Megatron's gathers and
+    reductions share a communicator, which runs them in launch order; docs/DESIGN.md): with
+    ``overlap_sharding`` 1.0 (the default) an UNSHARD starts as soon as the lane is free but
+    not before the rank's previous computation started (prefetched
     one computation ahead: FSDP's and Megatron's), its computation waiting for it, and a
     REDUCE_GRAD leaves the rank going on; with 0.0 both block the rank (pipeexec on one
     stream). Zero by default: the actions then take no time. ``overlap_reduce_grad`` 0.0 makes

@@ -37,9 +37,11 @@ thousands. For each stage and one microbatch on one rank of its tensor/context-p
   lane: ``unshard``, the ZeRO-3 all-gather of the stage's weights (the weights' bytes), and
   ``reduce_grad``, the reduce-scatter of one backward's gradients (the gradients' bytes), dense
   parameters over dp x cp, experts over their expert-data-parallel group, each the sum over
-  the stage's units (a layer, the embedding, the head, an MTP module), which FSDP and Megatron
-  gather and reduce one at a time, streamed with the computations (``unshard_units``,
-  ``reduce_grad_units``; the reduction only with ``overlap_grad_reduce``); the rank waits for
+  the stage's units, gathered and reduced one at a time, streamed with the computations
+  (``unshard_units``, ``reduce_grad_units``; the reduction only with ``overlap_grad_reduce``):
+  under ZeRO-3 (FSDP) and ZeRO-2 once a microbatch a layer (the embedding, the head, an MTP
+  module), under ZeRO-2 once a step (Megatron's distributed optimizer) Megatron-Core DDP's
+  buckets (:func:`megatron_buckets`); the rank waits for
   each reduction once a microbatch (``overlap_reduce_grad`` 0), the step's end once a step;
 * point-to-point: one activation ``2 b s h / sp`` bytes (Megatron sends the sequence-parallel
   shard) over the pipeline group's link;
@@ -52,7 +54,8 @@ thousands. For each stage and one microbatch on one rank of its tensor/context-p
   reduce in their REDUCE_GRAD actions instead; with sharded optimizer below ZeRO-3, the
   parameter all-gather) over the dp x cp group, overlapped with the
   last microbatch's backward (``overlap_grad_reduce``: all but what that window cannot hide,
-  at least the last 40M-parameter bucket) and the next forward (``overlap_param_gather``), the
+  at least the last bucket, :func:`megatron_buckets`) and the next forward
+  (``overlap_param_gather``), the
   experts' over their own expert-data-parallel group (``dp x cp / ep`` ranks ``ep`` apart:
   across nodes, one GPU a node on its own NIC), and
   an optimizer step bound by HBM bandwidth (28 bytes read and written per parameter updated).
@@ -63,6 +66,7 @@ keep the engine's own (non-overlapped, all-reduce) step tail usable, while
 """
 from __future__ import annotations
 
+import math
 from collections import Counter
 
 from dataclasses import dataclass, field
@@ -88,8 +92,21 @@ from .footprint import (
     param_bytes,
 )
 
-BUCKET_PARAMS = 40e6          # Megatron DDP bucket (ddp_bucket_size default: max(40M, 1M * dp))
+BUCKET_PARAMS = 40e6          # Megatron DDP bucket floor (bucket_size default: max(40M, 1M * dp))
 OPTIMIZER_BYTES = 28          # Adam: bytes read + written per parameter updated
+
+
+def megatron_buckets(params: float, dp: int, *, first_chunk: bool = True,
+                     overlap_grad_reduce: bool = True) -> int:
+    """How many buckets Megatron-Core's DDP cuts ``params`` (one gradient buffer of a model
+    chunk, on one rank) into: ``bucket_size`` defaults to ``max(40M, 1M * dp)`` parameters (dp:
+    the data-parallel group without cp), one bucket without ``overlap_grad_reduce``, and one
+    on every chunk but the first pipeline rank's first (its reduction is off the critical
+    path); megatron/core/distributed/distributed_data_parallel.py (DistributedDataParallel
+    .__init__), megatron/training/training.py (per_chunk_bucket_sizes). At least 1."""
+    if not (overlap_grad_reduce and first_chunk) or params <= 0:
+        return 1
+    return max(1, math.ceil(params / max(BUCKET_PARAMS, 1e6 * dp)))
 
 
 @dataclass(frozen=True)
@@ -311,7 +328,11 @@ def derive(plan) -> PlanCosts:
     # ZeRO-2/3 as the program's actions: per stage its UNSHARD (all-gather of its weights) and
     # REDUCE_GRAD (reduce-scatter of one backward's gradients), each the sum over the stage's
     # units (a layer, the embedding, the head, an MTP module) gathered / reduced one by one
-    unshard_st, reduce_st, units_st = [], [], []
+    unshard_st, reduce_st, units_st, reduce_units_st = [], [], [], []
+    # ZeRO-2 once a step is Megatron's distributed optimizer: its gradients reduced in DDP's
+    # buckets (megatron_buckets), not a layer at a time as FSDP's ZeRO-3 (and DeepSpeed's
+    # per-microbatch ZeRO-2, as pipeexec runs it) reduce them
+    megatron_reduce = par.zero == 2 and not per_mb
     start = 0
     comm = {"tp": 0.0, "cp": 0.0, "ep": 0.0}
     stage_comm: list[dict[str, dict[str, float]]] = []
@@ -434,8 +455,20 @@ def derive(plan) -> PlanCosts:
         inp.append(i)
         wgt.append(w)
         unshard_st.append(gather_s)
-        reduce_st.append(reduce_s)
         units_st.append(float(max(units, 1)))
+        if megatron_reduce:
+            # each buffer (dense, experts) cut into its buckets, a reduce-scatter each
+            first = stage == 0
+            u_d = megatron_buckets(dense_p, par.dp, first_chunk=first,
+                                   overlap_grad_reduce=par.overlap_grad_reduce)
+            u_e = megatron_buckets(expert_p, par.dp, first_chunk=first,
+                                   overlap_grad_reduce=par.overlap_grad_reduce) if expert_p else 0
+            reduce_s = u_d * zero_reduce(dense_p / u_d, 0.0) + (
+                u_e * zero_reduce(0.0, expert_p / u_e) if u_e else 0.0)
+            reduce_units_st.append(float(u_d + u_e))
+        else:
+            reduce_units_st.append(units_st[-1] if par.overlap_grad_reduce else 1.0)
+        reduce_st.append(reduce_s)
         act.append(a_bytes)
         wfrac.append(min(1.0, w_bytes / a_bytes) if a_bytes > 0 else 0.0)
         params_st.append({"dense": dense_p, "expert": expert_p})
@@ -476,7 +509,13 @@ def derive(plan) -> PlanCosts:
         window_f = sum(fwd[st] for st in sts)
         total = dense + expert
         if par.overlap_grad_reduce:
-            last_bucket = comm_s * min(1.0, BUCKET_PARAMS / total) if total else 0.0
+            # the rank's last backward is its first part's: the last bucket of that part's
+            # buffer is what no backward is left to hide (Megatron buckets only the first
+            # rank's first part: elsewhere the part is one bucket, megatron_buckets)
+            first = min(sts) if sts else 0
+            part = params_st[first]["dense"] + params_st[first]["expert"] if sts else total
+            last = part / megatron_buckets(part, par.dp, first_chunk=first == 0)
+            last_bucket = comm_s * min(1.0, last / total) if total else 0.0
             # all but the last bucket under the backward, which they slow (pipesim.plan.overlap)
             exposed = last_bucket + added(comm_s - last_bucket, window_b, u_dp)
         else:
@@ -504,8 +543,7 @@ def derive(plan) -> PlanCosts:
     # epilogue, FSDP's post-backward callback)
     sharding = dict(unshard=unshard_st, reduce_grad=reduce_st, overlap_sharding=1.0,
                     overlap_reduce_grad=0.0 if per_mb else 1.0, unshard_units=units_st,
-                    reduce_grad_units=units_st if par.overlap_grad_reduce else 1.0
-                    ) if par.zero >= 2 else {}
+                    reduce_grad_units=reduce_units_st) if par.zero >= 2 else {}
     costs = CostModel(
         forward=fwd, backward=[x + y for x, y in zip(inp, wgt)], backward_input=inp,
         backward_weight=wgt, p2p_latency=pp_link.latency, p2p_bandwidth=pp_link.bandwidth,

@@ -6,7 +6,8 @@ size, recomputation, sharding: a layout that several schedules share is searched
 zb-auto search from that plan's derived costs under the same per-GPU limit, simulated as the
 search simulates (:func:`pipesim.sim.plan_report.simulate_plan`), candidates ranked by the plan's
 step (each rank's end plus its exposed data-parallel reduction and optimizer step: zb-auto's
-``tail``), not by the pipeline's makespan alone. The searched plan holds its
+``tail``; under ZeRO-2/3 each candidate lowered with the plan's sharding: ``sharding``), not by
+the pipeline's makespan alone. The searched plan holds its
 schedule as data, so ``plan.json`` carries it to ``pipesim simulate --plan`` and
 ``pipeexec train --plan``. zb-auto keeps the fastest handcrafted order of its vpp that fits when
 none of its own is faster (never predicted slower than those), so a refinement reports the
@@ -110,7 +111,8 @@ def _search(base: Plan, kind: str, memory_limit: float, margin: float):
     tail = [t.seconds for t in derived.tail]      # a plan's step
     schedule = build_schedule("zb-auto", pp=par.pp, microbatches=par.microbatches, vpp=par.vpp,
                               placement=kind, costs=derived.costs, tail=tail,
-                              memory_limit=memory_limit, margin=margin)
+                              memory_limit=memory_limit, margin=margin,
+                              sharding=par.sharding)     # ranked as the plan's program runs
     plan = dataclasses.replace(base, schedule=schedule)
     return plan, simulate_plan(plan)
 

@@ -31,7 +31,11 @@ the end of I and the rest at the end of W, plus the received gradient's buffer w
 ``memory_limit = pp * activation_bytes`` is ZB-1p's budget, twice that ZB-2p's. The candidates
 are simulated with the same cost model (and the ``comm`` mode, receive ``lookahead`` and shared
 ``cores`` the schedule will run with: options) and only those whose peak fits are kept, so the
-returned schedule's simulated peak never exceeds the limit.
+returned schedule's simulated peak never exceeds the limit. Under ZeRO-2/3 (``sharding=``) each
+candidate is simulated lowered with it, as it will run: its UNSHARD / REDUCE_GRAD priced by the
+costs' ``unshard`` / ``reduce_grad`` on the rank's communication lane, so an order is ranked
+with the gathers and reductions it makes the rank wait for (the order returned is the plain
+one: whoever runs it lowers it, `Schedule.with_sharding`).
 
 One chunk per rank (vpp == 1, looped placement) is the paper's setting. With vpp == 2 (costs for
 2 * pp stages) the same list scheduling runs over each rank's two stages, for the looped and
@@ -53,6 +57,7 @@ from ..schedule.action import B, F, I, W, Action
 from ..schedule.placement import LOOPED, PLACEMENTS, VSHAPE, make_placement
 from ..schedule.registry import build_schedule, register
 from ..schedule.schedule import Schedule
+from ..schedule.sharding import Sharding
 from ..units import format_bytes
 from .sweep_order import SWEEP_VARIANTS, SweepStuck, sweep_order
 
@@ -339,10 +344,11 @@ def _pick(ranked: list[tuple]) -> tuple:
 
 def fastest_handcrafted(pp: int, microbatches: int, costs, memory_limit=None, *, vpp: int = 1,
                         placement: str | None = None, comm: str = "async", lookahead: int = 0,
-                        cores: float | None = None) -> tuple[str, float] | None:
+                        cores: float | None = None, sharding: Sharding | None = None
+                        ) -> tuple[str, float] | None:
     """The hand-made schedule of this vpp (and placement) that zb-auto's ``margin`` is
     measured against: the fastest one whose simulated peak fits ``memory_limit``, simulated as
-    the search simulates; (name, step), or None when none fits."""
+    the search simulates (lowered with ``sharding``); (name, step), or None when none fits."""
     from ..sim.engine import simulate
 
     limits = _limits(memory_limit, pp)
@@ -356,7 +362,7 @@ def fastest_handcrafted(pp: int, microbatches: int, costs, memory_limit=None, *,
             continue
         if hand.placement_kind not in kinds:
             continue
-        r = simulate(hand, costs, comm=comm, cores=cores)
+        r = simulate(hand.with_sharding(sharding), costs, comm=comm, cores=cores)
         if any(p > lim * (1 + 1e-12) for p, lim in zip(r.peak_memory, limits)):
             continue
         if best is None or r.makespan < best[1]:
@@ -391,7 +397,8 @@ def zb_auto_schedule(pp: int, microbatches: int, costs=None, memory_limit=None, 
                      forward_only: bool = False, comm: str = "async", lookahead: int = 0,
                      vpp: int = 1, placement: str | None = None,
                      cores: float | None = None, margin: float = 0.0,
-                     tail: Sequence[float] | None = None) -> Schedule:
+                     tail: Sequence[float] | None = None,
+                     sharding: Sharding | None = None) -> Schedule:
     """The best of the heuristic's variants and the handcrafted schedules of the same vpp (see
     the module docstring), each simulated as the schedule will run: with ``comm`` (a
     `pipesim.simulate` mode), its receives posted ``lookahead`` computations early, and, where
@@ -403,7 +410,11 @@ def zb_auto_schedule(pp: int, microbatches: int, costs=None, memory_limit=None, 
 
     ``tail`` (one per rank, seconds): what each rank does after its last action (its exposed
     data-parallel reduction and optimizer step, as a plan derives them): the step a candidate is
-    ranked by is then the latest ``rank_end + tail``, not the pipeline's makespan alone."""
+    ranked by is then the latest ``rank_end + tail``, not the pipeline's makespan alone.
+
+    ``sharding`` (ZeRO-2/3's, `pipesim.schedule.sharding.Sharding`): each candidate is simulated
+    lowered with it, its UNSHARD / REDUCE_GRAD priced by ``costs``; the returned order is the
+    plain one (lower it to run or simulate it as ranked)."""
     from ..plan.costs import CostModel
     from ..sim.engine import simulate
 
@@ -426,6 +437,9 @@ def zb_auto_schedule(pp: int, microbatches: int, costs=None, memory_limit=None, 
                             f"{tail!r}")
     if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not margin >= 0:
         raise ScheduleError(f"zb-auto: margin must be a fraction >= 0 (0.05: 5%), got {margin!r}")
+    if sharding is not None and not isinstance(sharding, Sharding):
+        raise ScheduleError(f"zb-auto: sharding must be a pipesim.schedule.sharding.Sharding or "
+                            f"None, got {type(sharding).__name__}")
     candidates, stuck, handcrafted = [], None, set()
     for kind in kinds:
         for prefer_i, fill, cap, chunk in VARIANTS:
@@ -470,7 +484,8 @@ def zb_auto_schedule(pp: int, microbatches: int, costs=None, memory_limit=None, 
         if key in seen:                  # variants often agree: simulate each order once
             continue
         seen.add(key)
-        r = simulate(s.with_recv_lookahead(lookahead), costs, comm=comm, cores=cores)
+        r = simulate(s.with_sharding(sharding).with_recv_lookahead(lookahead), costs, comm=comm,
+                     cores=cores)
         if any(p > lim * (1 + 1e-12) for p, lim in zip(r.peak_memory, limits)):
             continue
         step = max(end + extra for end, extra in zip(r.rank_end, tail)) if any(tail) \
@@ -499,20 +514,22 @@ def zb_auto_schedule(pp: int, microbatches: int, costs=None, memory_limit=None, 
                       "memory_limit=bytes per rank (pp * activation_bytes: ZB-1p, twice that: "
                       "ZB-2p), cores= when the ranks share that many processors, "
                       "margin= what a searched order must gain over the handcrafted ones, "
-                      "tail= each rank's time after its last action",
+                      "tail= each rank's time after its last action, sharding= ZeRO-2/3's "
+                      "Sharding (candidates simulated with its actions)",
           description="Zero Bubble's automatic schedule: greedy variants over F / I / W from a "
                       "cost model under a per-rank memory limit, with the handcrafted schedules "
                       "of the same vpp; best simulated step kept")
 def zb_auto(pp: int, vpp: int, microbatches: int, *, forward_only: bool = False, costs=None,
             memory_limit=None, comm: str = "async", lookahead: int = 0,
             placement: str | None = None, cores: float | None = None,
-            margin: float = 0.0, tail: Sequence[float] | None = None) -> Schedule:
+            margin: float = 0.0, tail: Sequence[float] | None = None,
+            sharding: Sharding | None = None) -> Schedule:
     if vpp not in (1, 2):
         raise ScheduleError(f"zb-auto needs vpp == 1 or 2 (one or two stages per rank), got "
                             f"vpp = {vpp}")
     return zb_auto_schedule(pp, microbatches, costs, memory_limit, forward_only=forward_only,
                             comm=comm, lookahead=lookahead, vpp=vpp, placement=placement,
-                            cores=cores, margin=margin, tail=tail)
+                            cores=cores, margin=margin, tail=tail, sharding=sharding)
 
 
 def _size(nbytes: float) -> str:

@@ -128,3 +128,21 @@ def test_a_limit_below_one_microbatch_is_refused_before_step_0():
     with pytest.raises(WorkerFailed) as info:         # and by every rank, launched directly
         launch(worker, 2, (cfg,), timeout=120)
     assert "100 bytes is below what" in str(info.value)
+
+
+def test_zb_auto_under_zero3_searches_with_its_actions_and_trains_like_a_single_process():
+    """pp 2 x dp 2 with ZeRO-3: the profiled ZB-H1 ran lowered (gathers, reductions), the search
+    ranks its candidates lowered the same (the record names the sharding), and the switches
+    keep single-process training's losses (the predicted figure itself against the simulator:
+    test_reschedule_rule.py)."""
+    cfg = TINY.with_flat(schedule="zb-auto", pp=2, dp=2, zero=3, microbatches=4,
+                         micro_batch_size=1, steps=6, memory_limit=1e9, reschedule_after=2)
+    results = launch(worker, 4, (cfg,), timeout=300)
+    ref_losses, _, _ = reference_train(cfg.with_flat(pp=1, dp=1, zero=0, schedule="1f1b",
+                                                     micro_batch_size=2, memory_limit=None))
+    torch.testing.assert_close(torch.tensor(results[0]["losses"]), torch.tensor(ref_losses),
+                               rtol=1e-5, atol=0)
+    info = results[0]["reschedule"]
+    assert info["sharding"] == {"zero": 3, "grad_reduce": "per_step"}
+    assert info["profiled"] == "zb-h1" and info["predicted_s"] > 0
+    assert schedule_from_dict(info["schedule"]).sharding is None    # the Trainer lowers it

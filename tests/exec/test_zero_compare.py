@@ -7,20 +7,23 @@ pp 1 x dp 2, 2 steps, the tiny GPT; ZeRO-3 and ZeRO-2, once a step and once a mi
 * calibration from the run prices ``unshard`` / ``reduce_grad`` per stage at the mean of
   the measured rows' durations (closed form), blocking, as the executor runs them;
 * ``compare``'s rows: a row per (action, stage) of the program, counts as the program's, the
-  own trace's prices as measured; in the text, the markdown and the JSON report.
+  own trace's prices as measured; in the text, the markdown, the JSON report and the
+  ``--table-out`` CSV (its ``sharding`` rows: `sharding_rows.sharding_table`'s figures).
 """
 from __future__ import annotations
 
 import functools
 import json
 
+import pandas as pd
 import pytest
 
 from pipeexec import launch
 from pipeexec.analysis.calibrate import fit_run
 from pipeexec.analysis.compare import compare_runs
 from pipeexec.analysis.predict import program_of
-from pipeexec.analysis.sharding_rows import sharding_report, sharding_text
+from pipeexec.analysis.sharding_rows import (QUANTITIES, sharding_report, sharding_table,
+                                             sharding_text)
 from pipeexec.cli.compare import write_outputs
 from pipesim.schedule.sharding import Sharding
 
@@ -133,3 +136,59 @@ def test_compare_shows_them_predicted_vs_measured(schedule, zero, grad_reduce, t
     assert saved["sharding_actions"] == sharding_report(table)
     md = (tmp_path / "t.md").read_text()
     assert all(f"| {op} |" in md for op in set(table["action"]))
+
+
+@pytest.mark.parametrize("schedule,zero,grad_reduce", CASES[:2])
+def test_the_table_csv_holds_the_sharding_rows(schedule, zero, grad_reduce, tmp_path):
+    run = runs()[(schedule, zero, grad_reduce)]
+    c = compare_runs(run)
+    path = tmp_path / "t.csv"
+    assert write_outputs(c, table_out=str(path))["table"] == str(path)
+    csv = pd.read_csv(path, dtype={"rank": str})
+    assert csv.columns[0] == "row" and list(csv["row"]) == (
+        ["rank"] * (run.plan.pp + 1) + ["sharding"] * len(c.sharding_table()))
+    ranks = csv[csv["row"] == "rank"]
+    assert list(ranks["rank"]) == [str(r) for r in range(run.plan.pp)] + ["all"]
+    assert ranks["action"].isna().all() and ranks["count_measured"].isna().all()
+    assert ranks["finish_predicted"].tolist() == pytest.approx(
+        c.table()["finish_predicted"].tolist(), rel=1e-12)
+    # the sharding rows: the figures sharding_rows computes from the two traces
+    want = sharding_table(run.trace, c.steps, c.predicted.trace)
+    got = csv[csv["row"] == "sharding"].reset_index(drop=True)
+    assert list(got["action"]) == list(want["action"])
+    assert [int(x) for x in got["stage"]] == list(want["stage"])
+    assert list(got["rank"]) == [str(r) for r in want["rank"]]
+    program = [a for a in run.schedule.actions(0) if a.op in SHARD]
+    assert list(got["count_predicted"]) == [
+        sum(a.op == op and a.stage == st for a in program)
+        for op, st in zip(want["action"], want["stage"])]
+    for q in QUANTITIES:
+        for side in ("measured", "predicted"):
+            col = f"{q}_{side}"
+            assert got[col].tolist() == pytest.approx(want[col].tolist(), rel=1e-12,
+                                                      nan_ok=True), col
+    assert got["finish_measured"].isna().all()
+
+
+def test_compare_table_out_csv_end_to_end(tmp_path, capsys):
+    """The flag itself: ``pipeexec compare --zero 2 --table-out t.csv`` (2 ranks, 2 steps)."""
+    from pipeexec.cli.compare import compare_main
+
+    path, report = tmp_path / "t.csv", tmp_path / "r.json"
+    assert compare_main(["--schedule", "1f1b", "--pp", "1", "--dp", "2", "--zero", "2",
+                         "--layers", "2", "--hidden", "32", "--heads", "2", "--seq-len", "16",
+                         "--micro-batch-size", "2", "--microbatches", "2", "--steps", "2",
+                         "--profile", "0:2", "--table-out", str(path),
+                         "--report-out", str(report)]) == 0
+    capsys.readouterr()
+    csv = pd.read_csv(path, dtype={"rank": str})
+    shard = csv[csv["row"] == "sharding"]
+    # ZeRO-2 once a step at pp 1: one REDUCE_GRAD of the one stage a step
+    assert list(zip(shard["action"], shard["stage"].astype(int), shard["rank"])) == [
+        ("REDUCE_GRAD", 0, "0")]
+    saved = json.loads(report.read_text())["sharding_actions"]
+    assert len(saved) == 1
+    for q in QUANTITIES:
+        for side in ("measured", "predicted"):
+            assert shard[f"{q}_{side}"].iloc[0] == pytest.approx(saved[0][f"{q}_{side}"],
+                                                                 rel=1e-12)
