@@ -58,8 +58,11 @@ class CostTables(NamedTuple):
     streams: bool
 
 
-def cost_tables(costs: CostModel, n: int) -> CostTables:
-    """The :class:`CostTables` of ``costs`` over ``n`` stages (read through ``costs.derived``)."""
+def cost_tables(costs: CostModel, n: int, pp: int) -> CostTables:
+    """The :class:`CostTables` of ``costs`` over ``n`` stages on ``pp`` ranks (read through
+    ``costs.derived``); raises ValueError naming the first field that does not fit them
+    (:meth:`CostModel.check_shape`), so the same costs are checked once a shape."""
+    costs.check_shape(n, pp)
     overlap = costs.overlap_sharding == 1.0
     # units stream only when the lane overlaps the computations (blocking: the stage at once)
     units = [costs.stage_values(name, n) for name in ("unshard_units", "reduce_grad_units")]
@@ -90,7 +93,7 @@ class Clocks:
 
     def __init__(self, program: Program, costs: CostModel) -> None:
         rows, msgs, pp = program.num_rows, program.num_messages, program.pp
-        self.tables = costs.derived(cost_tables, program.num_stages)
+        self.tables = costs.derived(cost_tables, program.num_stages, program.pp)
         self.sharded = program.derived(has_sharding)     # the lane is used at all
         self.starts = [0.0] * rows
         self.ends = [0.0] * rows

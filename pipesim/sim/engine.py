@@ -76,7 +76,6 @@ def simulate(schedule: Schedule, costs: CostModel | None = None, *, comm: str = 
     schedule.validate()
     costs = costs.for_schedule(schedule)       # per-part costs onto copies (DualPipe)
     program = lower(schedule)
-    costs.derived(_fits, program.num_stages, program.pp)
     together = bool(program.overlaps) and costs.overlaps_parts   # parts run together: both inputs
     # parts that run in turn take what they take alone: no factor (x * 1.0 is x, to the bit)
     scale = _overlap_scale(schedule, program, costs) if together else None
@@ -178,13 +177,6 @@ def _check_options(comm: str, jitter: float, dp: int, cores: float | None) -> No
         raise ValueError(f"dp must be a positive integer, got {dp!r}")
     if cores is not None and not (isinstance(cores, (int, float)) and cores > 0):
         raise ValueError(f"cores must be a positive number or None, got {cores!r}")
-
-
-def _fits(costs: CostModel, num_stages: int, pp: int) -> bool:
-    """True once ``costs`` fit a schedule of that shape (:meth:`CostModel.check_shape` raises
-    otherwise); kept with the costs, so the same costs are checked once a shape."""
-    costs.check_shape(num_stages, pp)
-    return True
 
 
 def _overlap_scale(schedule: Schedule, program: Program, costs: CostModel) -> dict[int, float]:
