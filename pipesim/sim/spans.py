@@ -47,7 +47,7 @@ class Spans:
     ``np.bincount``, and the same maxima and minima."""
 
     __slots__ = ("_starts", "_ends", "_lists", "_small", "row_rank", "compute_rows",
-                 "compute_rank", "_columns", "_made", "_program_rows", "_busy_span")
+                 "compute_rank", "_columns", "_made", "_program_rows", "_times")
 
     def __init__(self, starts: "Sequence[float]", ends: "Sequence[float]", row_rank: np.ndarray,
                  compute_rows: np.ndarray, compute_rank: np.ndarray,
@@ -68,7 +68,7 @@ class Spans:
         self.compute_rows, self.compute_rank = compute_rows, compute_rank
         self._columns, self._made = columns, None
         self._program_rows = program_rows
-        self._busy_span: tuple[list[float], list[float]] | None = None
+        self._times: tuple[float, list[float], list[float]] | None = None
 
     @property
     def starts(self) -> np.ndarray:
@@ -99,7 +99,7 @@ class Spans:
     def busy(self, pp: int) -> list[float]:
         """:func:`pipesim.sim.metrics.busy_of` of the compute rows."""
         if self._small and len(self._program_rows.by_rank) == pp:
-            return self._small_busy_span()[0]
+            return self.small_times(pp)[1]
         return metrics.busy_of(*self.compute_spans(), pp)
 
     def span(self, pp: int) -> list[float]:
@@ -110,36 +110,32 @@ class Spans:
         if rows is None or len(rows.by_rank) != pp:
             return metrics.span_of(*self.compute_spans(), pp)
         if self._small:
-            return self._small_busy_span()[1]
+            return self.small_times(pp)[2]
         span = self.ends[rows.last_compute] - self.starts[rows.first_compute]
         if rows.idle_ranks.size:
             span[rows.idle_ranks] = 0.0
         return span.tolist()
 
-    def _small_busy_span(self) -> tuple[list[float], list[float]]:
-        """Busy and span of every rank, from the lists, in one pass over the computations."""
-        if self._busy_span is None:
+    def small_times(self, pp: int) -> tuple[float, list[float], list[float]] | None:
+        """(makespan, busy, span) of a small run over ``pp`` ranks, from the lists in one pass
+        over the computations (made once; the result takes all three at once when it is made,
+        :meth:`pipesim.sim.result.SimResult.from_spans`: read one by one through their
+        properties they cost more than the sums); None for any other run."""
+        rows = self._program_rows
+        if not self._small or len(rows.by_rank) != pp:
+            return None
+        if self._times is None:
             starts, ends = self._lists
             busy, span = [], []
-            for computations in self._program_rows.by_rank:
+            for computations in rows.by_rank:
                 total = 0.0
                 for i in computations:
                     total += ends[i] - starts[i]
                 busy.append(total)
                 span.append(ends[computations[-1]] - starts[computations[0]]
                             if computations else 0.0)
-            self._busy_span = busy, span
-        return self._busy_span
-
-    def small_times(self, pp: int) -> tuple[float, list[float], list[float]] | None:
-        """(makespan, busy, span) of a small run over ``pp`` ranks, summed from the lists in
-        one call (each read on its own costs more than the sums: the result takes all three at
-        once, see :meth:`pipesim.sim.result.SimResult.from_spans`); None for any other run."""
-        if not self._small or len(self._program_rows.by_rank) != pp:
-            return None
-        starts, ends = self._lists
-        busy, span = self._small_busy_span()
-        return max(ends) - min(starts), busy, span
+            self._times = max(ends) - min(starts), busy, span
+        return self._times
 
     def memory_rows(self) -> ComputeRows:
         """The compute rows of real stages, as :func:`pipesim.sim.memory.compute_rows` reads them
