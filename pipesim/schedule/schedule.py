@@ -42,7 +42,8 @@ class Schedule:
 
     __slots__ = ("name", "pp", "vpp", "num_microbatches", "placement", "forward_only",
                  "_orders", "_actions", "_rank_stages", "_validated", "_explicit_comms",
-                 "recv_lookahead", "routes", "stage_parts", "_program", "sharding", "_sharded")
+                 "recv_lookahead", "routes", "stage_parts", "_program", "sharding", "_sharded",
+                 "_with_sharding")
 
     def __init__(
         self,
@@ -124,6 +125,7 @@ class Schedule:
         _set(self, "_sharded", [None] * pp)  # actions with the sharding's, made on first use
         _set(self, "_validated", False)
         _set(self, "_program", None)         # lower(self), made on first use
+        _set(self, "_with_sharding", {})     # with_sharding's copies, made on first use
 
     # -- shape ------------------------------------------------------------------------------
     @property
@@ -226,12 +228,18 @@ class Schedule:
             sharding = None
         if sharding == self.sharding:
             return self
-        explicit = self._explicit_comms
-        orders = [self._actions[r] if explicit else self._orders[r] for r in range(self.pp)]
-        return Schedule(self.pp, self.vpp, self.num_microbatches, self.placement, orders,
-                        name=self.name, forward_only=self.forward_only,
-                        recv_lookahead=self.recv_lookahead, routes=self.routes,
-                        stage_parts=self.stage_parts, sharding=sharding)
+        # kept: a planner asks a cached schedule for the same copy once a plan (thousands),
+        # and the copy keeps its own lowering and validation
+        copy = self._with_sharding.get(sharding)
+        if copy is None:
+            explicit = self._explicit_comms
+            orders = [self._actions[r] if explicit else self._orders[r] for r in range(self.pp)]
+            copy = self._with_sharding[sharding] = Schedule(
+                self.pp, self.vpp, self.num_microbatches, self.placement, orders,
+                name=self.name, forward_only=self.forward_only,
+                recv_lookahead=self.recv_lookahead, routes=self.routes,
+                stage_parts=self.stage_parts, sharding=sharding)
+        return copy
 
     def with_recv_lookahead(self, lookahead: int) -> "Schedule":
         """The same schedule with its receives posted ``lookahead`` computations early."""
@@ -287,7 +295,8 @@ class Schedule:
 
     def __getstate__(self) -> dict:
         """Pickled (and copied) without its lowered program, rebuilt on use."""
-        return {k: getattr(self, k) for k in self.__slots__ if k not in ("_program", "_sharded")}
+        return {k: getattr(self, k) for k in self.__slots__
+                if k not in ("_program", "_sharded", "_with_sharding")}
 
     def __setstate__(self, state: dict) -> None:
         for k, v in state.items():
@@ -296,6 +305,7 @@ class Schedule:
         if "sharding" not in state:         # pickled before sharding existed
             _set(self, "sharding", None)
         _set(self, "_sharded", [None] * self.pp)
+        _set(self, "_with_sharding", {})
 
     def _key(self) -> tuple:
         return (self.pp, self.vpp, self.num_microbatches, self.placement,
