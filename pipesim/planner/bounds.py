@@ -30,7 +30,7 @@ from typing import Hashable
 from ..errors import ScheduleError
 from ..plan.derive import PlanCosts, rank_parts
 from ..plan.plan import Plan
-from ..schedule.registry import schedule_part_runs
+from ..schedule.registry import schedule_info, schedule_part_runs
 from ..schedule.schedule import Schedule
 
 
@@ -135,9 +135,12 @@ def _part_runs(plan: Plan, stages: list[list[int]], m: int) -> list[dict[int, in
 
 def _lane_busy(plan: Plan, costs, runs: list[dict[int, int]]) -> list[float]:
     """Per rank, the fewest seconds its ZeRO actions keep its sharding lane busy (they run one
-    at a time, so its last row ends no sooner): an UNSHARD a microbatch of each part (its F's;
-    an overlap may share one with a backward), and a REDUCE_GRAD a part once a step, a
-    microbatch once a microbatch. 0 without ZeRO-2/3's actions."""
+    at a time, so its last row ends no sooner): under ZeRO-3 an UNSHARD before each
+    computation (`pipesim.schedule.sharding.insert_sharding`), so two a microbatch of each
+    part (its F and a backward, each an action of its own; three where I and W are apart),
+    one where the schedule overlaps a forward with a backward (the pair may share one); and a
+    REDUCE_GRAD a part once a step, a microbatch once a microbatch. 0 without ZeRO-2/3's
+    actions."""
     sharding = plan.parallelism.sharding
     if sharding is None:
         return [0.0] * len(runs)
@@ -145,8 +148,13 @@ def _lane_busy(plan: Plan, costs, runs: list[dict[int, int]]) -> list[float]:
     unshard = costs.stage_values("unshard", n)
     reduce = costs.stage_values("reduce_grad", n)
     per_mb = sharding.grad_reduce == "per_microbatch"
-    return [sum(k * unshard[st] + (k if per_mb else 1) * reduce[st] for st, k in parts.items())
-            for parts in runs]
+    if isinstance(plan.schedule, Schedule):
+        overlapped = plan.schedule.has_overlaps
+    else:
+        overlapped = schedule_info(plan.schedule_name).overlapped
+    gathers = 1 if overlapped else 2
+    return [sum(gathers * k * unshard[st] + (k if per_mb else 1) * reduce[st]
+                for st, k in parts.items()) for parts in runs]
 
 
 def _activation_peaks(plan: Plan, act: list[float], share: list[float],

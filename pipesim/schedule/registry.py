@@ -38,6 +38,8 @@ class BuilderInfo:
     copies: bool = False  # pp * vpp model parts on 2 * vpp stages a rank (DualPipe's copies)
     # the vpp a planner searches it at (model parts a rank); None: the search's vpp values > 1
     searched_vpp: int | None = 1
+    # pairs a forward and a backward in one action (OVERLAP_F_B): one ZeRO-3 gather may serve both
+    overlapped: bool = False
 
 
 _BUILDERS: dict[str, BuilderInfo] = {}
@@ -45,12 +47,13 @@ _BUILDERS: dict[str, BuilderInfo] = {}
 
 def register(name: str, *, placement: str, constraints: str, description: str,
              check: Check | None = None, copies: bool = False,
-             searched_vpp: int | None = 1) -> Callable[[Builder], Builder]:
+             searched_vpp: int | None = 1, overlapped: bool = False
+             ) -> Callable[[Builder], Builder]:
     def wrap(fn: Builder) -> Builder:
         if name in _BUILDERS:
             raise ValueError(f"schedule {name!r} is registered twice")
         _BUILDERS[name] = BuilderInfo(name, fn, placement, constraints, description, check,
-                                      copies, searched_vpp)
+                                      copies, searched_vpp, overlapped)
         return fn
     return wrap
 
@@ -185,7 +188,8 @@ class _BuildCache:
     immutable, and a planner asks for the same (schedule, pp, vpp, m) for every plan that shares
     them (tp, cp, dp, recomputation, sharding differ), in the order of their bounds, not
     together. Least recently used first out, sized by compute actions rather than by entries
-    (a schedule keeps its validation and lowering, about 2 KB an action once simulated): a
+    (a schedule keeps its validation and lowering, about 2 KB an action once simulated, and
+    its sharded copies, `Schedule.kept_actions`): a
     search's few hundred distinct small schedules all stay, and a few large ones do not take a
     process's memory. A refusal is raised again (not remembered)."""
 
@@ -207,11 +211,12 @@ class _BuildCache:
         schedule = _BUILDERS[name].builder(pp, vpp, microbatches, forward_only=forward_only)
         schedule = schedule.with_recv_lookahead(recv_lookahead)
         self._entries[key] = schedule
-        self._actions += schedule.num_compute_actions
+        # counted again on every miss: an entry grows with the sharded copies it keeps
+        self._actions = sum(s.kept_actions for s in self._entries.values())
         while len(self._entries) > 1 and (self._actions > self.max_actions
                                            or len(self._entries) > self.max_entries):
             _, old = self._entries.popitem(last=False)
-            self._actions -= old.num_compute_actions
+            self._actions -= old.kept_actions
         return schedule
 
     def cache_clear(self) -> None:

@@ -234,11 +234,18 @@ class Schedule:
         if copy is None:
             explicit = self._explicit_comms
             orders = [self._actions[r] if explicit else self._orders[r] for r in range(self.pp)]
-            copy = self._with_sharding[sharding] = Schedule(
-                self.pp, self.vpp, self.num_microbatches, self.placement, orders,
-                name=self.name, forward_only=self.forward_only,
-                recv_lookahead=self.recv_lookahead, routes=self.routes,
-                stage_parts=self.stage_parts, sharding=sharding)
+            copy = Schedule(self.pp, self.vpp, self.num_microbatches, self.placement, orders,
+                            name=self.name, forward_only=self.forward_only,
+                            recv_lookahead=self.recv_lookahead, routes=self.routes,
+                            stage_parts=self.stage_parts, sharding=sharding)
+            if self._validated and sharding is not None and not explicit:
+                # what validate() would find again is the base's: the inserted actions are the
+                # rank's own (no message, no wait on another rank), so only they are checked
+                from .validate import validate_inserted_sharding
+
+                validate_inserted_sharding(copy)
+                _set(copy, "_validated", True)
+            self._with_sharding[sharding] = copy
         return copy
 
     def with_recv_lookahead(self, lookahead: int) -> "Schedule":
@@ -264,6 +271,12 @@ class Schedule:
     @property
     def num_compute_actions(self) -> int:
         return sum(len(o) for o in self._orders)
+
+    @property
+    def kept_actions(self) -> int:
+        """Compute actions of this schedule and of the sharded copies it keeps
+        (`with_sharding`): what a cache holding it holds, in its unit."""
+        return self.num_compute_actions * (1 + len(self._with_sharding))
 
     def validate(self, *, single_channel: bool = False) -> "Schedule":
         """Check ordering, send/receive matching and deadlock freedom; raise ScheduleError.

@@ -107,6 +107,20 @@ def _check_sharding(schedule: "Schedule") -> None:
             raise ScheduleError(problem)
 
 
+def validate_inserted_sharding(schedule: "Schedule") -> None:
+    """Check the sharding actions a validated schedule's copy had inserted
+    (`Schedule.with_sharding`): each rank's windows and reductions
+    (:func:`pipesim.schedule.sharding.check_sharding`). The rest of `validate_schedule` holds as
+    it did for the schedule they were inserted into: they are rank-local (no message to match,
+    no wait on another rank) and sit around computations that were well formed."""
+    from .sharding import check_sharding
+
+    for rank in range(schedule.pp):
+        problem = check_sharding(schedule.actions(rank), rank)
+        if problem is not None:
+            raise ScheduleError(problem)
+
+
 def _check_overlaps(schedule: "Schedule") -> None:
     """The backward part of an overlap must not need its forward part.
 

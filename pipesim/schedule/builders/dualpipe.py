@@ -103,7 +103,7 @@ def _check(pp: int, vpp: int, microbatches: int) -> None:
             f"overlapped steady state exists), got {microbatches}")
 
 
-@register("dualpipev", placement=VSHAPE, check=_check, searched_vpp=2,
+@register("dualpipev", placement=VSHAPE, check=_check, searched_vpp=2, overlapped=True,
           constraints="vpp == 2, microbatches >= 2*pp (as torch's ScheduleDualPipeV)",
           description="DualPipeV (DeepSeek): V placement, overlapped forward-and-backward "
                       "(OVERLAP_F_B) steady state, zero-bubble cool-down with deferred W")

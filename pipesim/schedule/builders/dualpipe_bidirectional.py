@@ -72,7 +72,7 @@ def _check(pp: int, vpp: int, microbatches: int) -> None:
             f"DualPipe asserts the same), got {microbatches}")
 
 
-@register("dualpipe", placement=VSHAPE, check=_check, copies=True,
+@register("dualpipe", placement=VSHAPE, check=_check, copies=True, overlapped=True,
           constraints="pp even, microbatches even and >= 2*pp (as DeepSeek's DualPipe); "
                       "vpp == 1 (pp model parts; each rank holds part r and a copy of part "
                       "pp-1-r, so the schedule's vpp is 2)",
