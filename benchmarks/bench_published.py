@@ -40,6 +40,7 @@ change:
     python3 benchmarks/bench_published.py            # the table by group, and the LOMO score
     python3 benchmarks/bench_published.py --fit      # refit, write pipesim/data/fitted.json
     python3 benchmarks/bench_published.py --skipped  # the rows left out and why
+    python3 benchmarks/bench_published.py --rate-rows 'B300|hybridep'   # rate some rows
 
 Leave-one-model-out (LOMO): each model family's runs predicted by figures fitted on the
 other families' runs alone (a figure no other family constrains stays at its prior): the
@@ -356,6 +357,12 @@ def explained(rating) -> str:
     return ""
 
 
+def _rated_name(run: Run) -> str:
+    """A run's name and its recipe's dispatcher, what ``--rate-rows`` matches."""
+    dispatcher, _ = EP_RECIPES.get((run.family, run.gpu, run.precision), ("alltoall", False))
+    return f"{run.name} {dispatcher}"
+
+
 def rate_all(runs: list[Run]) -> int:
     """Rate every run against the planner's pick on its cluster (one search each: minutes for
     256 GPUs); print one line a run; return how many the bar misses."""
@@ -623,6 +630,9 @@ def main() -> None:
                     "defaults: minutes for 256 GPUs)")
     ap.add_argument("--rate-all", action="store_true", help="rate every run against the "
                     "planner's pick on its cluster, one line each (an hour on 2 cores)")
+    ap.add_argument("--rate-rows", metavar="PATTERN", help="as --rate-all, the runs whose name "
+                    "matches the regular expression PATTERN (e.g. 'DeepSeek-V3 256xB300' or "
+                    "'hybridep': a run's name, or its recipe's dispatcher) alone")
     ap.add_argument("--save-plan", nargs=2, metavar=("RUN", "PLAN.json"),
                     help="write the first run whose name contains RUN as a plan file (for "
                          "pipesim simulate --plan, pipesim plan --rate)")
@@ -637,8 +647,17 @@ def main() -> None:
         build_plan(run).to_json(path)
         print(f"{run.name}: wrote {path}")
         return
-    if args.rate_all:
-        rate_all(runs)
+    if args.rate_all or args.rate_rows:
+        try:
+            picked = runs if args.rate_all else [r for r in runs
+                                                 if re.search(args.rate_rows, _rated_name(r))]
+        except re.error as exc:
+            raise SystemExit(f"--rate-rows {args.rate_rows!r}: not a regular expression: "
+                             f"{exc}") from None
+        if not picked:
+            raise SystemExit(f"--rate-rows {args.rate_rows!r}: no usable run's name (or "
+                             "dispatcher) matches it")
+        rate_all(picked)
         print(f"({time.perf_counter() - t0:.0f} s)")
         return
     if args.rate:

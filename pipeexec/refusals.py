@@ -77,7 +77,7 @@ def expert_parallel_refusals(model: Any, par: Any, *, custom_stack: bool = False
     if isinstance(ep, bool) or not isinstance(ep, int) or ep < 1:
         return [f"{flag}: must be a positive integer"]
     if par.ep_dispatcher != "alltoall":
-        out.append(f"parallelism.ep_dispatcher = {par.ep_dispatcher!r} (a plan file's field): "
+        out.append(f"parallelism.ep_dispatcher = {par.ep_dispatcher!r} (--ep-dispatcher): "
                    "pipeexec moves the routed tokens with torch.distributed's all-to-all "
                    "(Megatron's 'alltoall' dispatcher); DeepEP and HybridEP are priced by pipesim "
                    "for planning only: set it to 'alltoall' to run the plan")

@@ -11,7 +11,9 @@ and to the allocator (a fragmentation factor). Each figure's source is in ``sour
 (``"fitted"``, ``"measured"``) or carried over from another GPU (``"extrapolated"``: every
 figure printed from such a preset says so). ``nvlink_domain`` is how many GPUs one NVLink
 (scale-up) domain joins (8 in an HGX node, 72 in a GB200 NVL72 rack); ``fp8_flops`` the dense
-FP8 peak, for plans with fp8 GEMMs (0 where the GPU has no FP8 tensor cores: A100).
+FP8 peak, for plans with fp8 GEMMs (0 where the GPU has no FP8 tensor cores: A100);
+``ep_dispatchers`` the expert-parallel token dispatchers the system runs (DeepEP and HybridEP
+need their kernels' GPUs and links), the ones ``pipesim plan`` searches by default.
 
 ``collectives`` holds measured figures per collective where one link's pair would not do: per
 link kind (``intra``, ``inter``), per collective (``all_reduce``, ``reduce_scatter``,
@@ -41,6 +43,13 @@ from .units import GB, GiB
 LINK_KINDS = ("intra", "inter")
 NCCL_ARCHS = ("", "ampere", "hopper", "blackwell")      # pipesim.plan.nccl.ARCHS, or none
 COLLECTIVE_NAMES = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all")
+# Megatron's token dispatchers (megatron/core/transformer/moe/token_dispatcher.py): "alltoall"
+# (MoEAlltoAllTokenDispatcher: NCCL all-to-all, one copy of a token an expert; Megatron's
+# default, pipeexec's) or the flex dispatcher with its backend, "deepep" or "hybridep" (one
+# copy a destination rank, and across NVLink domains one a destination domain, forwarded there
+# over NVLink). Named here, where a GPU says which it runs (`Hardware.ep_dispatchers`);
+# `pipesim.plan.parallelism` prices them (and re-exports the names).
+EP_DISPATCHERS = ("alltoall", "deepep", "hybridep")
 
 
 LOW_PRECISIONS = ("fp8", "mxfp8", "nvfp4")
@@ -130,6 +139,16 @@ def _collective_rows(value: Any, hw: str) -> tuple:
     return tuple(sorted(out))
 
 
+def _dispatchers(value: Any, hw: str) -> tuple:
+    """``ep_dispatchers`` as a tuple of known names, each once, at least one."""
+    names = (value,) if isinstance(value, str) else tuple(value)
+    unknown = [n for n in names if n not in EP_DISPATCHERS]
+    if unknown or not names or len(set(names)) != len(names):
+        raise ValueError(f"hardware {hw}: ep_dispatchers must list each of the dispatchers it "
+                         f"runs once, from {', '.join(EP_DISPATCHERS)}; got {list(names)!r}")
+    return tuple(str(n) for n in names)
+
+
 @dataclass(frozen=True)
 class Hardware:
     """One accelerator and its links.
@@ -195,6 +214,10 @@ class Hardware:
     # 0 (files without them): overlapped communication costs the compute nothing
     link_processor_usage: float = 0.0
     network_processor_usage: float = 0.0
+    # the expert-parallel token dispatchers this system runs (`EP_DISPATCHERS`): what the
+    # planner searches by default. Files without the key: NCCL's all-to-all alone, which runs
+    # wherever NCCL does (DeepEP and HybridEP need their kernels' GPUs and links, see _PRESETS)
+    ep_dispatchers: tuple = ("alltoall",)
 
     def __post_init__(self) -> None:
         # JSON gives lists; keep the dataclass hashable (plans are compared and hashed)
@@ -205,6 +228,7 @@ class Hardware:
         object.__setattr__(self, "collectives", _collective_rows(self.collectives, self.name))
         object.__setattr__(self, "precision_e_max", _precision_rows(self.precision_e_max,
                                                                     self.name))
+        object.__setattr__(self, "ep_dispatchers", _dispatchers(self.ep_dispatchers, self.name))
         for f in ("peak_flops", "memory_bytes", "link_bandwidth", "network_bandwidth",
                   "hbm_bandwidth"):
             if not getattr(self, f) > 0:
@@ -369,6 +393,10 @@ class Hardware:
         for f in ("nccl_arch", "link_processor_usage", "network_processor_usage"):
             if not out[f]:
                 del out[f]                             # files without them stay as they were
+        if self.ep_dispatchers == ("alltoall",):
+            del out["ep_dispatchers"]                  # files without it stay as they were
+        else:
+            out["ep_dispatchers"] = list(self.ep_dispatchers)
         return out
 
     @classmethod
@@ -523,6 +551,9 @@ def _preset(name: str, *args: float, calibration: str = "extrapolated",
     if name in _HOST:
         kw.setdefault("host_bandwidth", _HOST[name][0])
         src["host_bandwidth"] = _HOST[name][1]
+    if name in _DISPATCHERS:
+        kw.setdefault("ep_dispatchers", _DISPATCHERS[name][0])
+        src["ep_dispatchers"] = _DISPATCHERS[name][1]
     if name in _NCCL_ARCH:
         kw.setdefault("nccl_arch", _NCCL_ARCH[name])
         src["nccl_arch"] = (f"NCCL's tuner class of the GPU ({_NCCL_ARCH[name]}: its compute "
@@ -587,6 +618,43 @@ _HOST = {
                     "(GB300 NVL72 datasheet): 225 GB/s a GPU a direction"),
     "MI300X": (_PCIE5, "PCIe Gen5 x16, 64 GB/s a direction (MI300X data sheet: PCIe Gen5 "
                        "128 GB/s)"),
+}
+
+# The expert-parallel dispatchers each system runs (Megatron-Core's --moe-token-dispatcher-type
+# alltoall, or flex with --moe-flex-dispatcher-backend deepep / hybridep). DeepEP
+# (deepseek-ai/DeepEP README, commit dd758ca, "Requirements"): Hopper (SM90) GPUs or others
+# with SM90 PTX ISA support, NVLink inside a node and an RDMA network across nodes; its
+# performance table lists SM90 and SM100 (B200) GPUs; A100 only inside a node (the README's
+# roadmap, hybrid-ep branch 94a9f8f). HybridEP (DeepEP's hybrid-ep branch, NVIDIA's TMA
+# kernels): Megatron-Core's MoE README (NVIDIA/Megatron-LM d98e8a6, megatron/core/transformer/
+# moe/README.md, "MCore v0.15": "HybridEP backend to Flex Dispatcher (GB200, B200, H100
+# supported)"). On NVL72 racks (one NVLink domain over 18 trays: multi-node NVLink, MNNVL)
+# HybridEP alone: Megatron-Core's TransformerConfig.moe_flex_dispatcher_backend ("Currently
+# only 'hybridep' backend supports the MNNVL case"). Both are CUDA kernels: MI300X runs the
+# all-to-all alone.
+_MCORE_HYBRIDEP = ("Megatron-Core MoE README (NVIDIA/Megatron-LM d98e8a6): HybridEP \"GB200, "
+                   "B200, H100 supported\"")
+_DEEPEP = ("DeepEP README (deepseek-ai/DeepEP dd758ca): SM90 GPUs, NVLink in a node, RDMA "
+           "across nodes")
+_DISPATCHERS = {
+    "A100": (("alltoall",), "all-to-all only: HybridEP lists no Ampere GPU (" + _MCORE_HYBRIDEP
+             + "); DeepEP runs on A100 inside a node only (DeepEP's roadmap, hybrid-ep branch "
+             "94a9f8f), which an EP group across nodes cannot use"),
+    "H100": (EP_DISPATCHERS, _DEEPEP + "; " + _MCORE_HYBRIDEP),
+    "H200": (EP_DISPATCHERS, "as H100 (Hopper, SM90): " + _DEEPEP + "; " + _MCORE_HYBRIDEP),
+    "B200": (EP_DISPATCHERS, _DEEPEP + ", its performance table SM100 (B200) as well; "
+             + _MCORE_HYBRIDEP),
+    "B300": (EP_DISPATCHERS, "as B200 (Blackwell): HybridEP in Megatron-Bridge's B300 MoE "
+             "recipes (scripts/performance/configs, v0.4.2: DeepSeek-V3, Qwen3, GPT-OSS); "
+             "DeepEP assumed as on B200"),
+    "GB200": (("alltoall", "hybridep"), "NVL72 (multi-node NVLink): Megatron-Core "
+              "TransformerConfig.moe_flex_dispatcher_backend, \"only 'hybridep' backend "
+              "supports the MNNVL case\"; " + _MCORE_HYBRIDEP),
+    "GB300": (("alltoall", "hybridep"), "NVL72 (multi-node NVLink) as GB200: only HybridEP of "
+              "the flex backends (Megatron-Core TransformerConfig.moe_flex_dispatcher_backend); "
+              "HybridEP in Megatron-Bridge's GB300 MoE recipes (v0.4.2)"),
+    "MI300X": (("alltoall",), "all-to-all only: DeepEP and HybridEP are CUDA kernels (NVLink, "
+               "TMA); RCCL's all-to-all runs"),
 }
 
 _MAMF = {"A100": 0.869, "H100": 0.803, "H200": 0.803, "B200": 0.776, "GB200": 0.729,

@@ -10,14 +10,14 @@ from pipesim.planner.rows import (COLUMNS, INVALID, PRUNED_TIME, SIMULATED, Asse
                                   PlanConfig, PlanFigures, PlanRow)
 
 GiB = 2 ** 30
-CONFIG = PlanConfig("k", "1f1b", 1, 1, 2, 1, 4, 1, 1, 8, "none", 0)
+CONFIG = PlanConfig("k", "1f1b", 1, 1, 2, 1, 4, 1, "alltoall", 1, 8, "none", 0)
 
 
 def test_the_table_columns_are_the_row_fields_in_order():
     figures = [f.name for f in dataclasses.fields(PlanFigures)]
-    assert COLUMNS[:12] == tuple(f.name for f in dataclasses.fields(PlanConfig))
-    assert COLUMNS[12:16] == ("status", "reason", "step_time_bound", "memory_bound")
-    assert list(COLUMNS[16:]) == figures and len(set(COLUMNS)) == len(COLUMNS)
+    assert COLUMNS[:13] == tuple(f.name for f in dataclasses.fields(PlanConfig))
+    assert COLUMNS[13:17] == ("status", "reason", "step_time_bound", "memory_bound")
+    assert list(COLUMNS[17:]) == figures and len(set(COLUMNS)) == len(COLUMNS)
     res = search(SearchSpace("tiny", gpus=4, gbs=8, hardware="A100"), workers=1)
     assert list(res.rows.columns) == list(COLUMNS)
     pruned = res.rows[res.rows["status"] == PRUNED_TIME]

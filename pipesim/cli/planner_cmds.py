@@ -18,7 +18,8 @@ from .plan_output import nothing_written_text, plan_gantt, summary_text, write_r
 from .lists import names
 
 # the knobs `pipesim plan` searches (several values each); the table's other flags take one
-SEARCHED = ("tp", "cp", "pp", "vpp", "ep", "dp", "zero", "recompute", "micro_batch_size")
+SEARCHED = ("tp", "cp", "pp", "vpp", "ep", "ep_dispatcher", "dp", "zero", "recompute",
+            "micro_batch_size")
 
 
 def add_commands(sub: argparse._SubParsersAction) -> None:
@@ -110,7 +111,7 @@ def space_from_args(args: argparse.Namespace):
         mbs=flatten(args.micro_batch_size) or (1, 2, 4),
         recompute=flatten(args.recompute) or RECOMPUTE,
         recompute_layers=args.recompute_layers, sequence_parallel=args.sequence_parallel,
-        zero=flatten(args.zero) or (0, 1, 2, 3),
+        zero=flatten(args.zero) or (0, 1, 2, 3), ep_dispatcher=flatten(args.ep_dispatcher),
         precision=args.precision, cp_comm=args.cp_comm, tp_across_nodes=args.tp_across_nodes,
         overlap_tp_comm=bool(args.tp_comm_overlap),
         grad_reduce=args.grad_reduce or "per_step", grad_reduce_in_fp32=args.grad_reduce_in_fp32,

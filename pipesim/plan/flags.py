@@ -22,7 +22,8 @@ from typing import Any
 
 from ..errors import PlanError
 from .model import ModelSpec, get_model
-from .parallelism import CP_COMM, GRAD_REDUCE, PRECISIONS, RECOMPUTE, RECOMPUTE_MODULES
+from .parallelism import (CP_COMM, EP_DISPATCHERS, GRAD_REDUCE, PRECISIONS, RECOMPUTE,
+                          RECOMPUTE_MODULES)
 
 GROUPS = ("layout", "batch", "model")
 
@@ -65,6 +66,13 @@ PLAN_FLAGS: tuple[PlanFlag, ...] = (
              "sequence)", searchable=True),
     PlanFlag("--ep", "parallelism.ep", "layout", "expert-parallel size (MoE models: ranks "
              "sharing the experts)", searchable=True),
+    PlanFlag("--ep-dispatcher", "parallelism.ep_dispatcher", "layout", "how expert "
+             "parallelism moves the routed tokens (Megatron's --moe-token-dispatcher-type "
+             "alltoall, or flex with --moe-flex-dispatcher-backend deepep / hybridep): alltoall "
+             "(NCCL, a copy a token an expert; Megatron's default, pipeexec's), deepep or "
+             "hybridep (a copy a destination rank, one a remote NVLink domain; `pipesim plan`'s "
+             "default: the dispatchers the hardware runs, tried at ep > 1)", type=str,
+             choices=EP_DISPATCHERS, searchable=True),
     PlanFlag("--pp", "parallelism.pp", "layout", "pipeline-parallel size (pipeline ranks)",
              searchable=True),
     PlanFlag("--vpp", "parallelism.vpp", "layout", "model chunks per pipeline rank "

@@ -24,6 +24,7 @@ from typing import Any
 
 from ..errors import PlanError
 from ..fields import typed_fields
+from ..hardware import EP_DISPATCHERS
 from ..schedule.sharding import GRAD_REDUCE, Sharding
 
 RECOMPUTE = ("none", "selective", "full")
@@ -44,13 +45,13 @@ CP_COMM = ("p2p", "all_gather")     # Megatron's cp_comm_type names; a2a (Ulysse
 # "per_microbatch", reduce-scattered bucket by bucket inside every backward, only the shard
 # kept (DeepSpeed's ZeRO stage 2). ZeRO-0/1 always reduce once a step. The program's own names
 # (pipesim.schedule.sharding), so the plan and the actions it is lowered with cannot disagree.
-# Megatron's token dispatchers (megatron/core/transformer/moe/token_dispatcher.py):
-# "alltoall" (MoEAlltoAllTokenDispatcher: NCCL all-to-all, one copy of a token an expert;
-# Megatron's default, pipeexec's) or the flex dispatcher with its backend, "deepep" or
-# "hybridep" (one copy a destination rank, and across NVLink domains one a destination domain,
-# forwarded there over NVLink); they differ too in the permutes around the experts (operators.py)
-EP_DISPATCHERS = ("alltoall", "deepep", "hybridep")
+# Megatron's token dispatchers, EP_DISPATCHERS (pipesim.hardware, where each GPU says which it
+# runs): "alltoall" (NCCL all-to-all, one copy of a token an expert; Megatron's default,
+# pipeexec's) or the flex dispatcher with its backend, "deepep" or "hybridep" (one copy a
+# destination rank, and across NVLink domains one a destination domain, forwarded there over
+# NVLink); they differ too in the permutes around the experts (operators.py)
 FLEX_DISPATCHERS = ("deepep", "hybridep")
+DEFAULT_EP_DISPATCHER = "alltoall"      # Megatron's default; the one dispatcher of ep 1
 
 
 @dataclass(frozen=True)
@@ -81,7 +82,7 @@ class Parallelism:
     # fp32); None: the precision's default, as Megatron-LM sets it (fp32 for bf16 / fp8 / fp32,
     # fp16 for fp16); False: in the 16-bit compute dtype (--grad-reduce-in-bf16)
     grad_reduce_in_fp32: bool | None = None
-    ep_dispatcher: str = "alltoall"         # EP_DISPATCHERS: how EP moves the routed tokens
+    ep_dispatcher: str = DEFAULT_EP_DISPATCHER  # EP_DISPATCHERS: how EP moves the routed tokens
     # Megatron's overlap_moe_expert_parallel_comm (Megatron-Bridge's moe_a2a_overlap): one
     # microbatch's dispatch / combine run under another's compute (default off, as Megatron's)
     overlap_ep_comm: bool = False

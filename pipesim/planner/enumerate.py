@@ -2,7 +2,8 @@
 
 A :class:`SearchSpace` names the model, the GPUs, the global batch and the knobs to try; each
 knob is a tuple of values (defaults below). :func:`enumerate_plans` walks the product
-``tp x cp x pp x dp x ep x vpp/schedule x mbs x recompute x zero`` with ``tp * cp * pp * dp``
+``tp x cp x pp x dp x ep x vpp/schedule x mbs x recompute x zero x ep_dispatcher`` with
+``tp * cp * pp * dp``
 equal to the GPU count and returns the plans that :meth:`pipesim.Plan.validate` would accept,
 checked with cheap arithmetic (no schedule is built here), and counts the refused combinations
 by reason. Rules, as Megatron-LM applies them:
@@ -15,6 +16,12 @@ by reason. Rules, as Megatron-LM applies them:
   near-even split where they do not (Megatron's ``--decoder-first/last-pipeline-num-layers``:
   126 layers of Llama 3 405B over a power-of-two pp);
 * ``m = gbs / (mbs * dp)`` is a whole number; ep (MoE only) divides the experts and ``dp * cp``;
+* the expert-parallel dispatcher (alltoall, deepep, hybridep: Megatron's
+  ``--moe-token-dispatcher-type`` / ``--moe-flex-dispatcher-backend``) is searched only where it
+  moves tokens, a MoE model at ep > 1, over those the hardware runs by default
+  (`Hardware.ep_dispatchers`: HybridEP on NVL72 racks, DeepEP and HybridEP on HGX H100 / B200);
+  a dense model and ep 1 enumerate the default (alltoall) alone (Megatron's flex dispatcher
+  needs tp x ep > 1; with ep 1 nothing crosses the expert group);
 * cp splits the sequence into ``2 * cp`` load-balanced chunks;
 * schedules: gpipe, 1f1b, zb-h1, zb-h2 and dualpipe (pp model parts, each rank holding a
   second copy) run vpp = 1; zbv, dualpipev, v-half and v-min vpp = 2; interleaved and
@@ -39,7 +46,8 @@ from ..errors import PlanError
 from ..hardware import Hardware, get_hardware
 from ..plan.cluster import Cluster
 from ..plan.model import ModelSpec, get_model
-from ..plan.parallelism import CP_COMM, RECOMPUTE, Parallelism
+from ..plan.parallelism import (CP_COMM, DEFAULT_EP_DISPATCHER, EP_DISPATCHERS, RECOMPUTE,
+                                 Parallelism)
 from ..plan.plan import Plan
 from ..schedule.registry import schedule_info, schedule_names, schedule_refusal
 
@@ -79,8 +87,9 @@ class SearchSpace:
     ``None`` for a knob means its default: tp powers of two up to the NVLink domain; cp 1, 2, 4;
     pp every divisor of the GPU count; vpp 2..8 for the interleaved schedules; mbs 1, 2, 4;
     recompute none / selective / full; zero 0 to 3 (Megatron's distributed optimizer is 1, FSDP
-    2 and 3); ep every divisor of the experts (MoE models); uneven stages where layers do not
-    divide (``uneven=False``: Megatron's even split only).
+    2 and 3); ep every divisor of the experts (MoE models); ep_dispatcher the dispatchers the
+    hardware runs (`Hardware.ep_dispatchers`; tried for MoE plans at ep > 1 only); uneven
+    stages where layers do not divide (``uneven=False``: Megatron's even split only).
     """
 
     model: ModelSpec
@@ -98,6 +107,7 @@ class SearchSpace:
     mbs: tuple[int, ...] = (1, 2, 4)
     recompute: tuple[str, ...] = RECOMPUTE
     zero: tuple[int, ...] = (0, 1, 2, 3)
+    ep_dispatcher: tuple[str, ...] | None = None
     precision: str = "bf16"
     cp_comm: str = "p2p"         # how cp exchanges K/V (Parallelism.cp_comm; pipeexec: all_gather)
     overlap_tp_comm: bool = False   # Megatron's --tp-comm-overlap (Parallelism.overlap_tp_comm)
@@ -149,6 +159,8 @@ class SearchSpace:
         if self.cp_comm not in CP_COMM:
             raise ValueError(f"search space: cp_comm must be one of {', '.join(CP_COMM)}, got "
                              f"{self.cp_comm!r}")
+        if self.ep_dispatcher is not None:
+            self._check_dispatchers()
         if any(z not in (0, 1, 2, 3) for z in self.zero):
             raise ValueError(f"search space: zero values must be 0..3, got {self.zero!r}")
         try:            # (Parallelism's own checks of the gradient-reduction fields)
@@ -156,6 +168,24 @@ class SearchSpace:
                         grad_reduce_in_fp32=self.grad_reduce_in_fp32)
         except PlanError as exc:
             raise ValueError(f"search space: {exc}") from None
+
+    def _check_dispatchers(self) -> None:
+        given = self.ep_dispatcher
+        given = (given,) if isinstance(given, str) else tuple(dict.fromkeys(given))
+        bad = [d for d in given if d not in EP_DISPATCHERS]
+        if bad or not given:
+            raise ValueError(f"search space: ep_dispatcher (--ep-dispatcher) values must be "
+                             f"among {', '.join(EP_DISPATCHERS)}, got {list(given)!r}")
+        runs = self.hardware.ep_dispatchers
+        missing = [d for d in given if d not in runs]
+        if missing:
+            why = self.hardware.source("ep_dispatchers")
+            raise ValueError(f"search space: ep_dispatcher {', '.join(missing)} does not run on "
+                             f"{self.hardware.name}, which runs {', '.join(runs)}"
+                             + (f" ({why})" if why else "")
+                             + ": choose among those, or give a hardware file whose "
+                             "ep_dispatchers lists it")
+        object.__setattr__(self, "ep_dispatcher", tuple(d for d in EP_DISPATCHERS if d in given))
 
     @property
     def cluster(self) -> Cluster:
@@ -178,7 +208,16 @@ class SearchSpace:
         if knob == "ep":
             e = self.model.experts
             return tuple(d for d in range(1, e + 1) if e % d == 0) if e else (1,)
+        if knob == "ep_dispatcher":
+            return self.hardware.ep_dispatchers
         raise KeyError(knob)
+
+    def dispatchers(self, ep: int) -> tuple[str, ...]:
+        """The dispatchers tried at ``ep``: the space's for a MoE model at ep > 1, else the
+        default alone (nothing to dispatch: no plan is tried twice)."""
+        if self.model.is_moe and ep > 1:
+            return self.values("ep_dispatcher")
+        return (DEFAULT_EP_DISPATCHER,)
 
 
 @dataclass(frozen=True)
@@ -198,7 +237,9 @@ class Enumeration:
 def plan_key(plan: Plan) -> str:
     """A short unique name of a searched plan (its knobs), used to order ties and to look up."""
     p = plan.parallelism
-    return (f"{plan.schedule_name} tp{p.tp} cp{p.cp} pp{p.pp} vpp{p.vpp} dp{p.dp} ep{p.ep} "
+    ep = f"ep{p.ep}" + ("" if p.ep_dispatcher == DEFAULT_EP_DISPATCHER
+                        else f"({p.ep_dispatcher})")
+    return (f"{plan.schedule_name} tp{p.tp} cp{p.cp} pp{p.pp} vpp{p.vpp} dp{p.dp} {ep} "
             f"mbs{p.micro_batch_size} {p.recompute} z{p.zero}")
 
 
@@ -264,6 +305,7 @@ def _per_layout(space: SearchSpace, cluster: Cluster, tp: int, cp: int, pp: int,
         if model.is_moe and (model.experts % ep or (dp * cp) % ep):
             refused["ep does not divide the experts and dp * cp"] += 1
             continue
+        dispatchers = space.dispatchers(ep)
         for mbs in space.values("mbs"):
             if gbs % (mbs * dp):
                 refused["gbs not divisible by mbs * dp"] += 1
@@ -309,16 +351,19 @@ def _per_layout(space: SearchSpace, cluster: Cluster, tp: int, cp: int, pp: int,
                             continue
                         sp = tp > 1 if space.sequence_parallel is None else space.sequence_parallel
                         layers = space.recompute_layers if recompute == "full" else None
-                        par = Parallelism(tp=tp, pp=pp, dp=dp, vpp=vpp, cp=cp, ep=ep,
-                                          sequence_parallel=sp, zero=zero,
-                                          recompute=recompute, recompute_layers=layers,
-                                          micro_batch_size=mbs,
-                                          global_batch_size=gbs, precision=space.precision,
-                                          cp_comm=space.cp_comm,
-                                          overlap_tp_comm=space.overlap_tp_comm,
-                                          grad_reduce=space.grad_reduce,
-                                          grad_reduce_in_fp32=space.grad_reduce_in_fp32)
-                        yield Plan(model, par, cluster, schedule, efficiency=space.efficiency)
+                        for dispatcher in dispatchers:
+                            par = Parallelism(tp=tp, pp=pp, dp=dp, vpp=vpp, cp=cp, ep=ep,
+                                              sequence_parallel=sp, zero=zero,
+                                              recompute=recompute, recompute_layers=layers,
+                                              micro_batch_size=mbs,
+                                              global_batch_size=gbs, precision=space.precision,
+                                              cp_comm=space.cp_comm,
+                                              overlap_tp_comm=space.overlap_tp_comm,
+                                              grad_reduce=space.grad_reduce,
+                                              grad_reduce_in_fp32=space.grad_reduce_in_fp32,
+                                              ep_dispatcher=dispatcher)
+                            yield Plan(model, par, cluster, schedule,
+                                       efficiency=space.efficiency)
 
 
 def _flat(schedule: str) -> bool:

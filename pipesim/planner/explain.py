@@ -1,8 +1,9 @@
 """Why the winner: the best plan of each other schedule, and each neighbour one knob away.
 
 A neighbour changes one knob of the winner to the next value searched, below or above (tp, cp,
-pp, vpp, mbs, recompute, zero, ep; dp absorbs the GPU count, so tp 8 -> 4 with pp fixed doubles
-dp), the schedule staying the same. A neighbour the search pruned is simulated here, so every
+pp, vpp, mbs, recompute, zero, ep, ep_dispatcher; dp absorbs the GPU count, so tp 8 -> 4 with pp
+fixed doubles dp; ep down to 1 takes the one dispatcher ep 1 has), the schedule staying the
+same. A neighbour the search pruned is simulated here, so every
 row has its step time and peak memory. Differences are the other plan minus the winner. Each
 row's ``change`` names every knob in which its plan differs from the winner's (a schedule's
 best plan may have another layout too: ``schedule zbv -> 1f1b, cp 2 -> 1, dp 32 -> 64``).
@@ -12,7 +13,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from .search import SIMULATED, evaluate_plan
-from ..plan.parallelism import RECOMPUTE
+from ..plan.parallelism import EP_DISPATCHERS, RECOMPUTE
 from ..units import GiB
 
 if TYPE_CHECKING:
@@ -20,9 +21,10 @@ if TYPE_CHECKING:
 
     from .search import SearchResult
 
-KNOBS = ("tp", "cp", "pp", "vpp", "mbs", "recompute", "zero", "ep")
+KNOBS = ("tp", "cp", "pp", "vpp", "mbs", "recompute", "zero", "ep", "ep_dispatcher")
 # what a row's change names: every field of a plan's layout (microbatches follow from dp, mbs)
-CHANGED = ("schedule", "tp", "cp", "pp", "vpp", "dp", "ep", "mbs", "recompute", "zero")
+CHANGED = ("schedule", "tp", "cp", "pp", "vpp", "dp", "ep", "ep_dispatcher", "mbs", "recompute",
+           "zero")
 
 
 def explain(result: "SearchResult") -> "pd.DataFrame":
@@ -66,7 +68,9 @@ def explain(result: "SearchResult") -> "pd.DataFrame":
                 continue
             mask = same[knob] == values[j]
             for other in KNOBS:
-                if other != knob:
+                # ep 1 has one dispatcher (the default), whichever the winner's
+                if other != knob and not (knob == "ep" and values[j] == 1
+                                          and other == "ep_dispatcher"):
                     mask &= same[other] == win[other]
             hit = same[mask]
             if len(hit):
@@ -80,7 +84,8 @@ def changes(winner, row) -> str:
 
 
 def _order(knob: str):
-    return RECOMPUTE.index if knob == "recompute" else (lambda v: v)
+    return {"recompute": RECOMPUTE.index, "ep_dispatcher": EP_DISPATCHERS.index}.get(
+        knob, lambda v: v)
 
 
 def _simulated(result: "SearchResult", row):

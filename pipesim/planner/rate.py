@@ -2,8 +2,9 @@
 
 Why: "the planner's pick is 1.37x faster" says nothing about which of your choices costs it.
 Here the user's plan is simulated as it is, then changed one knob at a time to the best plan's
-value (tp, cp and pp keep the GPU count by moving dp; the schedule and vpp move together), each
-change simulated; the changes are listed by the step time they save, the invalid ones with the
+value (tp, cp and pp keep the GPU count by moving dp; the schedule and vpp move together; ep
+to 1 takes ep 1's one dispatcher, the default, and the best plan's dispatcher is a knob only
+where its ep > 1, as the search tries them), each change simulated; the changes are listed by the step time they save, the invalid ones with the
 reason. The same cluster and memory limit as the search.
 """
 from __future__ import annotations
@@ -11,17 +12,18 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..errors import PlanError
+from ..plan.parallelism import DEFAULT_EP_DISPATCHER
 from ..plan.plan import Plan
 from ..sim.plan_report import simulate_plan
 from ..units import GiB
 
 KNOBS = ("schedule", "tp", "cp", "pp", "micro_batch_size", "recompute", "zero",
-         "sequence_parallel", "ep",
+         "sequence_parallel", "ep", "ep_dispatcher",
          # terms the search does not vary but a plan may set (a published run's framework
          # defaults: Megatron's --tp-comm-overlap, the GEMM precision...): a rating that
          # differs from the pick in them says so, with what each costs
          "precision", "overlap_tp_comm", "overlap_grad_reduce", "overlap_param_gather",
-         "flash_attention", "cp_comm", "ep_dispatcher", "overlap_ep_comm",
+         "flash_attention", "cp_comm", "overlap_ep_comm",
          "recompute_modules", "offload_layers", "grad_reduce")
 
 
@@ -99,6 +101,8 @@ def _with(plan: Plan, knob: str, value) -> Plan:
             raise PlanError(f"{knob} {value}: tp*cp*pp = {rest} does not divide the "
                             f"{par.world_size} GPUs")
         return plan.with_(**{knob: value, "dp": par.world_size // rest})
+    if knob == "ep" and value == 1:             # ep 1 has one dispatcher: the default
+        return plan.with_(ep=1, ep_dispatcher=DEFAULT_EP_DISPATCHER)
     return plan.with_(**{knob: value})
 
 
@@ -114,7 +118,7 @@ def rate_plan(mine: Plan, best: Plan, memory_limit: float) -> Rating:
     changes = []
     for knob in KNOBS:
         a, v = _value(mine, knob), _value(best, knob)
-        if a == v:
+        if a == v or (knob == "ep_dispatcher" and best.parallelism.ep == 1):
             continue
         shown_a = f"{a[0]} vpp {a[1]}" if knob == "schedule" else a
         shown_v = f"{v[0]} vpp {v[1]}" if knob == "schedule" else v

@@ -31,6 +31,7 @@ class PlanConfig:
     vpp: int
     dp: int
     ep: int
+    ep_dispatcher: str
     mbs: int
     microbatches: int
     recompute: str
@@ -40,7 +41,8 @@ class PlanConfig:
     def of(cls, plan: Plan) -> "PlanConfig":
         p = plan.parallelism
         return cls(key=plan_key(plan), schedule=plan.schedule_name, tp=p.tp, cp=p.cp, pp=p.pp,
-                   vpp=p.vpp, dp=p.dp, ep=p.ep, mbs=p.micro_batch_size,
+                   vpp=p.vpp, dp=p.dp, ep=p.ep, ep_dispatcher=p.ep_dispatcher,
+                   mbs=p.micro_batch_size,
                    microbatches=p.microbatches, recompute=p.recompute, zero=p.zero)
 
 

@@ -131,8 +131,9 @@ def _overflow_text(parts: dict, rank: int, limit: float, qualifier: str) -> str:
             f"GiB over the {limit / GiB:.1f} GiB limit; largest: {comps[0][1]}")
 
 
-# equal step time and memory: the layout with the smaller of these first, in this order
-TIE_ORDER = ("cp", "tp", "ep", "vpp", "pp")
+# equal step time and memory: the layout with the smaller of these first, in this order (the
+# dispatchers' names sort as EP_DISPATCHERS does: the all-to-all, Megatron's default, first)
+TIE_ORDER = ("cp", "tp", "ep", "ep_dispatcher", "vpp", "pp")
 
 
 # -- the search --------------------------------------------------------------------------------
