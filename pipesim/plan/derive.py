@@ -334,7 +334,6 @@ def derive(plan) -> PlanCosts:
     # per-microbatch ZeRO-2, as pipeexec runs it) reduce them
     megatron_reduce = par.zero == 2 and not per_mb
     start = 0
-    comm = {"tp": 0.0, "cp": 0.0, "ep": 0.0}
     stage_comm: list[dict[str, dict[str, float]]] = []
     recomputed_total = 0
     # every layer of a kind (dense / MoE, its recomputation) has the same activations and
@@ -347,6 +346,39 @@ def derive(plan) -> PlanCosts:
             kind_acts[moe, rec] = layer_activations(model, par, moe, recompute=rec)
         return kind_acts[moe, rec]
 
+    def layer_step(moe: bool, rec: str, offloaded: bool) -> tuple:
+        """What one layer of a kind adds to its stage's sums, each value as the loop below adds
+        it (so the same additions in the same order: the same sums): made once per (kind,
+        recomputation, offloaded), where the loop runs once per layer of every plan a search
+        derives."""
+        k = kinds[moe]
+        full, selective = rec == "full", rec == "selective"
+        la = acts_of(moe, rec)
+        lp = kind_params[moe]
+        attn = (k["attn"] if selective and "core_attn" in par.recomputed_modules
+                and not par.flash_attention and not k["attn_recompute"] else None)
+        # Megatron's --cpu-offloading-num-layers (Transformer Engine's CPU offload): the first
+        # layers' activations copied to host memory after their forward, back before their
+        # backward, each copy under the next layer's compute (what it cannot hide shows), one
+        # layer's in flight on the GPU
+        copy = la.total / hw.host_bandwidth if offloaded else 0.0
+        cf, ci = k["comm_F"], k["comm_I"]
+        groups = ("tp", "cp", "ep")
+        return (k["F"], k["I"] + (k["F"] if full else 0.0),
+                k["rec_F"] if selective else None, attn, k["W"],
+                max(0.0, copy - k["F"]), max(0.0, copy - k["I"]),
+                la.total if offloaded else None, la.total, la.weight_grad,
+                acts_of(moe, "none").total if full else None,
+                lp["dense"] / t, lp["expert"] / (t * par.ep), k["gather"], k["reduce"],
+                tuple(cf[c] for c in groups),
+                # full recomputation runs the forward's collectives again inside I
+                tuple(ci[c] + (cf[c] if full else 0.0)
+                      + (k["rec_ep"] if selective and c == "ep" else 0.0) for c in groups),
+                tuple(cf[c] + ci[c] for c in groups))
+
+    steps: dict[tuple[bool, str, bool], tuple] = {}
+    # the collectives' seconds per group (tp, cp, ep) over the whole pipeline
+    c_tp = c_cp = c_ep = 0.0
     offload = par.offload_layers
     if offload and hw.host_bandwidth is None:
         raise PlanError(f"parallelism.offload_layers: {offload} layers' activations to host "
@@ -363,52 +395,53 @@ def derive(plan) -> PlanCosts:
         gather_s = reduce_s = 0.0
         units = 0
         transient = 0.0
-        sc = {p: {"tp": 0.0, "cp": 0.0, "ep": 0.0} for p in ("F", "I")}
+        f_tp = f_cp = f_ep = i_tp = i_cp = i_ep = 0.0
         for j, moe in enumerate(pattern[start:start + count]):
-            k = kinds[moe]
             rec = par.recompute
             if rec == "full" and par.recompute_layers is not None and j >= par.recompute_layers:
                 rec = "none"
-            f += k["F"]
-            i += k["I"] + (k["F"] if rec == "full" else 0.0)
-            if rec == "selective":
-                i += k["rec_F"]
-                if "core_attn" in par.recomputed_modules and not par.flash_attention and \
-                        not k["attn_recompute"]:
-                    i += k["attn"]      # (all_gather cp recomputes the attention already)
-            w += k["W"]
-            la = acts_of(moe, rec)
-            if j < offload:
-                # Megatron's --cpu-offloading-num-layers (Transformer Engine's CPU offload):
-                # the first layers' activations copied to host memory after their forward,
-                # back before their backward, each copy under the next layer's compute (what
-                # it cannot hide shows), one layer's in flight on the GPU
-                copy = la.total / hw.host_bandwidth
-                f += max(0.0, copy - k["F"])
-                i += max(0.0, copy - k["I"])
-                transient = max(transient, la.total)
+            key = (moe, rec, j < offload)
+            step = steps.get(key)
+            if step is None:
+                step = steps[key] = layer_step(*key)
+            (df, di, dsel, dattn, dw, off_f, off_i, off_held, da, dwg, recomputed, dd, de, dg,
+             dr, on_f, on_i, on_both) = step
+            f += df
+            i += di
+            if dsel is not None:
+                i += dsel
+                if dattn is not None:
+                    i += dattn
+            w += dw
+            if off_held is not None:
+                f += off_f
+                i += off_i
+                transient = max(transient, off_held)
             else:
-                a_bytes += la.total
-                w_bytes += la.weight_grad
-            if rec == "full":
+                a_bytes += da
+                w_bytes += dwg
+            if recomputed is not None:
                 recomputed_total += 1
-                transient = max(transient, acts_of(moe, "none").total)
-            lp = kind_params[moe]
-            dense_p += lp["dense"] / t
-            expert_p += lp["expert"] / (t * par.ep)
-            gather_s += k["gather"]
-            reduce_s += k["reduce"]
+                transient = max(transient, recomputed)
+            dense_p += dd
+            expert_p += de
+            gather_s += dg
+            reduce_s += dr
             units += 1
-            for c in comm:
-                sc["F"][c] += k["comm_F"][c]
-                # full recomputation runs the forward's collectives again inside I
-                sc["I"][c] += k["comm_I"][c] + (k["comm_F"][c] if rec == "full" else 0.0) + \
-                    (k["rec_ep"] if rec == "selective" and c == "ep" else 0.0)
-                comm[c] += k["comm_F"][c] + k["comm_I"][c]
+            f_tp += on_f[0]
+            f_cp += on_f[1]
+            f_ep += on_f[2]
+            i_tp += on_i[0]
+            i_cp += on_i[1]
+            i_ep += on_i[2]
+            c_tp += on_both[0]
+            c_cp += on_both[1]
+            c_ep += on_both[2]
             if gathered and cp > 1:
                 # the whole sequence's K/V gathered inside one attention, and in its backward
                 # their gradients too before the reduce-scatter
                 transient = max(transient, 2 * kv_bytes)
+        sc = {"F": {"tp": f_tp, "cp": f_cp, "ep": f_ep}, "I": {"tp": i_tp, "cp": i_cp, "ep": i_ep}}
         start += count
         if stage == 0:
             emb_p = model.embedding_params(t) / t
@@ -485,6 +518,7 @@ def derive(plan) -> PlanCosts:
             transient += largest * gbytes
         buffers_stage.append(transient)
         stage_comm.append(sc)
+    comm = {"tp": c_tp, "cp": c_cp, "ep": c_ep}
 
     schedule_stages = rank_parts(plan, n)
     rank_buffers = [max((buffers_stage[st] for st in sts), default=0.0) for sts in schedule_stages]
