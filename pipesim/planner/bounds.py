@@ -137,8 +137,9 @@ def _lane_busy(plan: Plan, costs, runs: list[dict[int, int]]) -> list[float]:
     """Per rank, the fewest seconds its ZeRO actions keep its sharding lane busy (they run one
     at a time, so its last row ends no sooner): under ZeRO-3 an UNSHARD before each
     computation (`pipesim.schedule.sharding.insert_sharding`), so two a microbatch of each
-    part (its F and a backward, each an action of its own; three where I and W are apart),
-    one where the schedule overlaps a forward with a backward (the pair may share one); and a
+    part (its F and a backward, each an action of its own; three where the schedule splits
+    every backward into I and W, `BuilderInfo.split_backward`), one where it overlaps a forward
+    with a backward (the pair may share one); and a
     REDUCE_GRAD a part once a step, a microbatch once a microbatch. 0 without ZeRO-2/3's
     actions."""
     sharding = plan.parallelism.sharding
@@ -149,10 +150,11 @@ def _lane_busy(plan: Plan, costs, runs: list[dict[int, int]]) -> list[float]:
     reduce = costs.stage_values("reduce_grad", n)
     per_mb = sharding.grad_reduce == "per_microbatch"
     if isinstance(plan.schedule, Schedule):
-        overlapped = plan.schedule.has_overlaps
+        overlapped, split = plan.schedule.has_overlaps, False
     else:
-        overlapped = schedule_info(plan.schedule_name).overlapped
-    gathers = 1 if overlapped else 2
+        info = schedule_info(plan.schedule_name)
+        overlapped, split = info.overlapped, info.split_backward
+    gathers = 1 if overlapped else 3 if split else 2
     return [sum(gathers * k * unshard[st] + (k if per_mb else 1) * reduce[st]
                 for st, k in parts.items()) for parts in runs]
 

@@ -148,10 +148,15 @@ class Program:
         another rank (the producers of the forward transfers; what the memory model holds as a
         send buffer)."""
         if self._sent_forward is None:
-            flags = bytearray(self.num_stages * self.num_microbatches)
-            for t in self.transfers.values():
-                if t.direction == FORWARD:
-                    flags[t.boundary * self.num_microbatches + t.microbatch] = 1
+            n, m = self.num_stages, self.num_microbatches
+            flags = bytearray(n * m)
+            _placement, sends, recvs = self._links[:3]
+            # a forward message to stage s >= 1 carries boundary s - 1's output: its number
+            # (`message`) less m is that flag's index (no Transfer made for it)
+            first, end = message(FORWARD, 1, 0, n, m), message(FORWARD, n - 1, m - 1, n, m)
+            for msg in sends.keys() | recvs.keys():
+                if first <= msg <= end:
+                    flags[msg - m] = 1
             self._sent_forward = bytes(flags)
         return self._sent_forward
 

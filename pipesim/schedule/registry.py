@@ -40,6 +40,8 @@ class BuilderInfo:
     searched_vpp: int | None = 1
     # pairs a forward and a backward in one action (OVERLAP_F_B): one ZeRO-3 gather may serve both
     overlapped: bool = False
+    # every backward split into I and W, two actions (the zero-bubble family)
+    split_backward: bool = False
 
 
 _BUILDERS: dict[str, BuilderInfo] = {}
@@ -47,13 +49,13 @@ _BUILDERS: dict[str, BuilderInfo] = {}
 
 def register(name: str, *, placement: str, constraints: str, description: str,
              check: Check | None = None, copies: bool = False,
-             searched_vpp: int | None = 1, overlapped: bool = False
-             ) -> Callable[[Builder], Builder]:
+             searched_vpp: int | None = 1, overlapped: bool = False,
+             split_backward: bool = False) -> Callable[[Builder], Builder]:
     def wrap(fn: Builder) -> Builder:
         if name in _BUILDERS:
             raise ValueError(f"schedule {name!r} is registered twice")
         _BUILDERS[name] = BuilderInfo(name, fn, placement, constraints, description, check,
-                                      copies, searched_vpp, overlapped)
+                                      copies, searched_vpp, overlapped, split_backward)
         return fn
     return wrap
 

@@ -233,7 +233,7 @@ _CHECKS = {kind: vpp_check(kind, 2, " (rank r holds stages r and 2*pp-1-r)")
 
 
 @register("v-min", placement=VSHAPE, constraints="vpp == 2", check=_CHECKS["v-min"],
-          searched_vpp=2,
+          searched_vpp=2, split_backward=True,
           description="V-Min (Qi et al. 2024, controllable memory): V placement, about 1/3 of "
                       "1F1B's activation memory, bubble between ZB-V's and 1F1B's")
 def v_min(pp: int, vpp: int, microbatches: int, *, forward_only: bool = False) -> Schedule:
@@ -241,7 +241,7 @@ def v_min(pp: int, vpp: int, microbatches: int, *, forward_only: bool = False) -
 
 
 @register("v-half", placement=VSHAPE, constraints="vpp == 2", check=_CHECKS["v-half"],
-          searched_vpp=2,
+          searched_vpp=2, split_backward=True,
           description="V-Half (Qi et al. 2024, controllable memory): V placement, about 1/2 of "
                       "1F1B's activation memory, bubble between ZB-V's and 1F1B's")
 def v_half(pp: int, vpp: int, microbatches: int, *, forward_only: bool = False) -> Schedule:

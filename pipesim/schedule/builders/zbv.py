@@ -79,7 +79,7 @@ def zbv_order(rank: int, pp: int, microbatches: int) -> list[Action]:
     return [a for a in order if a.microbatch < microbatches]
 
 
-@register("zbv", placement=VSHAPE, check=_check, searched_vpp=2,
+@register("zbv", placement=VSHAPE, check=_check, searched_vpp=2, split_backward=True,
           constraints="vpp == 2; zero bubble for F = I = W, m >= 2*pp - 1",
           description="Zero Bubble V: two chunks per rank in V placement (rank r holds stages r "
                       "and 2pp-1-r); zero bubble when F = I = W with 1F1B's peak memory")

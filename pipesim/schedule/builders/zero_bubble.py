@@ -73,7 +73,7 @@ def _forward_only(pp: int, microbatches: int) -> list[list[Action]]:
     return [[Action(F, r, mb) for mb in range(microbatches)] for r in range(pp)]
 
 
-@register("zb-h1", placement=LOOPED, check=_h1_check,
+@register("zb-h1", placement=LOOPED, check=_h1_check, split_backward=True,
           constraints="vpp == 1; bubble (p-1)(F+I-W) for m >= pp, W <= min(F, I)",
           description="Zero Bubble H1: 1F1B with the backward split into I and W; W passes delayed "
                       "by r steps on rank r fill the cool-down (1F1B's peak memory)")
@@ -86,7 +86,7 @@ def zb_h1(pp: int, vpp: int, microbatches: int, *, forward_only: bool = False) -
     return Schedule(pp, 1, microbatches, LOOPED, orders, name="zb-h1", forward_only=forward_only)
 
 
-@register("zb-h2", placement=LOOPED, check=_h2_check,
+@register("zb-h2", placement=LOOPED, check=_h2_check, split_backward=True,
           constraints="vpp == 1; bubble (p-1)(F+I-2W), zero for F = I = W, m >= 2*pp - 1",
           description="Zero Bubble H2: 2(p-r)-1 warm-up forwards and W delayed 2r steps on rank r "
                       "fill warm-up and cool-down (peak memory 2p-1 microbatches)")
