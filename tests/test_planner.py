@@ -8,6 +8,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import pipesim
 from pipesim.plan.plan import Plan
 from pipesim.sim.plan_report import simulate_plan
 from pipesim.planner import SearchSpace, enumerate_plans, explain, jitter_check, search
@@ -277,3 +278,29 @@ def test_zb_auto_refinement_never_loses_to_a_handcrafted_order_of_its_layout(tmp
         assert simulate_plan(again).step_time == got.step_time
     with pytest.raises(ValueError, match="top must be a positive number"):
         refine_with_zb_auto(res, 0)
+
+
+@pytest.mark.parametrize("name", [n for n in pipesim.schedule_names() if n != "zb-auto"])
+def test_the_registry_says_what_a_zero3_lane_bound_counts(name):
+    """The lane bound counts ZeRO-3's gathers from the registry (no schedule built): one before
+    each computation, so a microbatch of a part has two (F and B), three where the builder says
+    every backward is split (F, I and W), at least one where it overlaps a forward with a
+    backward. Checked against built schedules of a few sizes."""
+    from collections import Counter
+
+    from pipesim.schedule.registry import schedule_info
+
+    info = schedule_info(name)
+    vpp = info.searched_vpp or 2
+    built = 0
+    for pp, m in ((2, 4), (4, 8), (4, 12), (8, 32)):
+        try:
+            s = pipesim.build_schedule(name, pp=pp, microbatches=m, vpp=vpp)
+        except pipesim.ScheduleError:
+            continue
+        built += 1
+        assert s.has_overlaps == info.overlapped, (name, pp, m)
+        ops = Counter(p.op for r in range(pp) for p in s.compute_parts(r))
+        if info.split_backward:
+            assert "B" not in ops and ops["F"] == ops["I"] == ops["W"], (name, ops)
+    assert built
