@@ -331,7 +331,9 @@ def rate_run(run: Run, **space: object):
     from pipesim.planner.search import search
 
     mine = build_plan(run)
-    knobs = dict(schedules=("1f1b", "interleaved"))
+    # the recipe's fixed choices the search takes as given: its EP A2A overlap
+    knobs = dict(schedules=("1f1b", "interleaved"),
+                 overlap_ep_comm=mine.parallelism.overlap_ep_comm)
     knobs.update(space)
     searched = SearchSpace(mine.model, run.gpus, run.gbs, hardware=mine.cluster.hardware,
                            precision=run.precision, **knobs)

@@ -114,6 +114,7 @@ def space_from_args(args: argparse.Namespace):
         zero=flatten(args.zero) or (0, 1, 2, 3), ep_dispatcher=flatten(args.ep_dispatcher),
         precision=args.precision, cp_comm=args.cp_comm, tp_across_nodes=args.tp_across_nodes,
         overlap_tp_comm=bool(args.tp_comm_overlap),
+        overlap_ep_comm=bool(args.overlap_moe_expert_parallel_comm),
         grad_reduce=args.grad_reduce or "per_step", grad_reduce_in_fp32=args.grad_reduce_in_fp32,
         uneven=args.uneven,
         efficiency=args.efficiency)

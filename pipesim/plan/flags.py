@@ -118,6 +118,12 @@ PLAN_FLAGS: tuple[PlanFlag, ...] = (
              "tensor-parallel all-gather / reduce-scatter in tp chunks under the GEMM it feeds "
              "or drains, only what the GEMM cannot hide shown, the GEMM slowed by what it hides "
              "(default off, as Megatron's)", type=None, boolean=True),
+    PlanFlag("--overlap-moe-expert-parallel-comm", "parallelism.overlap_ep_comm", "layout",
+             "Megatron's --overlap-moe-expert-parallel-comm (with --delay-wgrad-compute): a MoE "
+             "layer's dispatch and combine hidden under another microbatch's compute, what it "
+             "cannot hide shown, the compute slowed by what it hides (default off, as "
+             "Megatron's; MoE plans at ep > 1; pipeexec does not run it)",
+             type=None, boolean=True),
     PlanFlag("--precision", "parallelism.precision", "layout", "compute precision (bf16 / fp16 "
              "keep fp32 master weights; fp8: per-tensor scaled FP8 GEMMs, H100 and later; mxfp8, "
              "nvfp4: block-scaled FP8 / FP4 GEMMs, Blackwell only)", type=str,

@@ -111,6 +111,9 @@ class SearchSpace:
     precision: str = "bf16"
     cp_comm: str = "p2p"         # how cp exchanges K/V (Parallelism.cp_comm; pipeexec: all_gather)
     overlap_tp_comm: bool = False   # Megatron's --tp-comm-overlap (Parallelism.overlap_tp_comm)
+    # Megatron's --overlap-moe-expert-parallel-comm (Parallelism.overlap_ep_comm), on the MoE
+    # plans at ep > 1 (nothing to hide elsewhere: their keys stay as without it)
+    overlap_ep_comm: bool = False
     grad_reduce: str = "per_step"       # ZeRO-2/3's gradient reduction (Parallelism.grad_reduce)
     grad_reduce_in_fp32: bool | None = None     # (Parallelism.grad_reduce_in_fp32)
     # filters and fixed values: dp (derived from the other sizes) and microbatches (from the
@@ -359,6 +362,8 @@ def _per_layout(space: SearchSpace, cluster: Cluster, tp: int, cp: int, pp: int,
                                               global_batch_size=gbs, precision=space.precision,
                                               cp_comm=space.cp_comm,
                                               overlap_tp_comm=space.overlap_tp_comm,
+                                              overlap_ep_comm=space.overlap_ep_comm
+                                              and model.is_moe and ep > 1,
                                               grad_reduce=space.grad_reduce,
                                               grad_reduce_in_fp32=space.grad_reduce_in_fp32,
                                               ep_dispatcher=dispatcher)
