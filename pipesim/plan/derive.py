@@ -243,8 +243,8 @@ def derive(plan) -> PlanCosts:
             # (F) / around (I) the attention, exposed
             return x + (cp_c if gathered else added(cp_c, attn, u_cp)) + extra
 
+        ops = layer_ops(model, par, moe)        # (read three times below: made once)
         if per_op:      # the operators' rooflines (pipesim.plan.operators)
-            ops = layer_ops(model, par, moe)
             pt = pass_times(ops, hw, par.precision)
             at = pass_times([o for o in ops if o.kind == "attention"
                              or o.name in ("softmax", "attention_dropout")], hw, par.precision)
@@ -264,7 +264,7 @@ def derive(plan) -> PlanCosts:
             # all-gather in tp chunks under the GEMM that consumes it, each reduce-scatter
             # under the GEMM that produces it; in I the reverse collectives under the data
             # gradients' GEMMs (pipesim.plan.overlap)
-            gemms = {o.name: o for o in layer_ops(model, par, moe) if o.kind == "gemm"}
+            gemms = {o.name: o for o in ops if o.kind == "gemm"}
 
             def g(name: str, pass_: str) -> float:
                 o = gemms.get(name) or gemms.get("expert_" + name)
@@ -290,7 +290,7 @@ def derive(plan) -> PlanCosts:
             ep_x, ep_bx = shown * ep / (ep + ep_b), shown * ep_b / (ep + ep_b)
         # selective recomputation's modules (the core attention apart): their forwards again
         # inside I, and a recomputed MoE block's dispatch and combine with them
-        again = recomputed_ops(layer_ops(model, par, moe), par.recomputed_modules - {"core_attn"})
+        again = recomputed_ops(ops, par.recomputed_modules - {"core_attn"})
         if per_op:
             rec_f = pass_times(again, hw, par.precision).F if again else 0.0
         else:

@@ -7,7 +7,7 @@ pruned plan has no step time): the table shows it as missing (NaN), as before th
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 from ..plan.plan import Plan
@@ -89,7 +89,7 @@ class Assessment:
             if getattr(self, name) is not None:
                 out[name] = getattr(self, name)
         if self.figures is not None:
-            out.update(asdict(self.figures))
+            out.update(_flat(self.figures))
         return out
 
 
@@ -117,13 +117,19 @@ class PlanRow:
 
     def record(self) -> dict[str, Any]:
         """The row as table columns, the ones not computed left out (missing in the table)."""
-        out = asdict(self.config)
+        out = _flat(self.config)
         for name in ("status", "reason", "step_time_bound", "memory_bound"):
             if getattr(self, name) is not None:
                 out[name] = getattr(self, name)
         if self.figures is not None:
-            out.update(asdict(self.figures))
+            out.update(_flat(self.figures))
         return out
+
+
+def _flat(value: Any) -> dict[str, Any]:
+    """A dataclass of plain fields as a dict (what ``asdict`` gives for them, without its
+    recursive copy: a search records a row for every plan)."""
+    return {f.name: getattr(value, f.name) for f in fields(value)}
 
 
 def _first(a: Any, b: Any) -> Any:
