@@ -109,7 +109,7 @@ class Program:
 
     __slots__ = ("pp", "num_stages", "num_microbatches", "in_turn", "together", "first_row",
                  "_transfers", "_links", "overlaps", "num_messages", "_steps", "_compute_rows",
-                 "_sent_forward", "_derived", "num_rows")
+                 "_sent_forward", "_derived", "num_rows", "sharded")
 
     def __init__(self, pp, num_stages, num_microbatches, in_turn, together, links,
                  overlaps) -> None:
@@ -126,6 +126,8 @@ class Program:
         self._transfers: dict[int, Transfer] | None = None
         self.overlaps: tuple[tuple[int, int], ...] = overlaps   # (forward row, backward row)
         self.num_messages = 2 * num_stages * num_microbatches
+        # whether it has sharding actions (ZeRO's): an interpreter's lane is used at all
+        self.sharded = any(r[0] >= FIRST_SHARD_CODE for rows in in_turn for r in rows)
         self._steps: dict = {}
         self._compute_rows = None
         self._sent_forward: bytes | None = None

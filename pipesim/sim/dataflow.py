@@ -94,7 +94,7 @@ class Clocks:
     def __init__(self, program: Program, costs: CostModel) -> None:
         rows, msgs, pp = program.num_rows, program.num_messages, program.pp
         self.tables = costs.derived(cost_tables, program.num_stages, program.pp)
-        self.sharded = program.derived(has_sharding)     # the lane is used at all
+        self.sharded = program.sharded               # the lane is used at all
         self.starts = [0.0] * rows
         self.ends = [0.0] * rows
         self.arrival = [-1.0] * msgs
@@ -111,11 +111,6 @@ class Clocks:
         else:                           # no lane: walk reads none of these
             self.lane = self.gathered = self.gathered_end = self.gathered_tail = None
             self.began = self.work = None
-
-
-def has_sharding(program: Program) -> bool:
-    """Whether the program has sharding actions (ZeRO's), made once a program."""
-    return any(row[0] >= FIRST_SHARD_CODE for rows in program.in_turn for row in rows)
 
 
 def walk(steps: Iterable[tuple[int, tuple]], clocks: Clocks,

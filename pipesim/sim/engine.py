@@ -47,7 +47,7 @@ from simpy.events import NORMAL
 from ..plan.costs import CostModel
 from .dataflow import Clocks, run_dataflow, walk
 from .result import SimResult
-from .rows import row_arrays
+from .rows import make_row_arrays
 from .spans import Spans
 from ..schedule.op import CODE_ALLREDUCE, CODE_OPTIMIZER, FIRST_COMM_CODE, FIRST_SHARD_CODE
 from ..schedule.program import Program, Row, lower
@@ -74,7 +74,8 @@ def simulate(schedule: Schedule, costs: CostModel | None = None, *, comm: str = 
     if not (comm == "async" and jitter == 0 and type(dp) is int and dp == 1 and cores is None):
         _check_options(comm, jitter, dp, cores)
     schedule.validate()
-    costs = costs.for_schedule(schedule)       # per-part costs onto copies (DualPipe)
+    if schedule.stage_parts is not None:        # per-part costs onto copies (DualPipe)
+        costs = costs.for_schedule(schedule)
     program = lower(schedule)
     together = bool(program.overlaps) and costs.overlaps_parts   # parts run together: both inputs
     # parts that run in turn take what they take alone: no factor (x * 1.0 is x, to the bit)
@@ -91,7 +92,7 @@ def simulate(schedule: Schedule, costs: CostModel | None = None, *, comm: str = 
         starts, ends, _ = run_dataflow(program, costs, factors, comm == "blocking", together,
                                        scale)
     if not step_tail:
-        rows = row_arrays(program)
+        rows = program.derived(make_row_arrays)
         spans = Spans(starts, ends, rows.row_rank, rows.compute_rows, rows.compute_rank,
                       lambda: _columns(schedule, program, costs), rows)
         return SimResult.from_spans(spans, schedule=schedule, costs=costs, options=options)
