@@ -241,9 +241,9 @@ class Schedule:
             if self._validated and sharding is not None and not explicit:
                 # what validate() would find again is the base's: the inserted actions are the
                 # rank's own (no message, no wait on another rank), so only they are checked
-                from .validate import validate_inserted_sharding
+                from .validate import validate_sharding
 
-                validate_inserted_sharding(copy)
+                validate_sharding(copy)
                 _set(copy, "_validated", True)
             self._with_sharding[sharding] = copy
         return copy

@@ -44,7 +44,7 @@ def validate_schedule(schedule: "Schedule") -> None:
     _check_complete(schedule)
     if overlaps:
         _check_overlaps(schedule)
-    _check_sharding(schedule)
+    validate_sharding(schedule)
     if schedule.has_explicit_comms:
         # Hand-written communication is checked; inserted communication matches by construction
         # (insert_comms emits a send and its receive under the same condition).
@@ -83,7 +83,7 @@ def _step_of(actions: list[Action], action: Action) -> int | None:
     return None
 
 
-def _check_sharding(schedule: "Schedule") -> None:
+def validate_sharding(schedule: "Schedule") -> None:
     """The sharding actions (inserted or by hand), if any: on their rank's stages, UNSHARD /
     RESHARD windows closed and around the stage's compute, every gradient reduced
     (:func:`pipesim.schedule.sharding.check_sharding`)."""
@@ -106,20 +106,6 @@ def _check_sharding(schedule: "Schedule") -> None:
         _check_well_formed(schedule, lists)
     for rank, acts in enumerate(lists):
         problem = check_sharding(acts, rank)
-        if problem is not None:
-            raise ScheduleError(problem)
-
-
-def validate_inserted_sharding(schedule: "Schedule") -> None:
-    """Check the sharding actions a validated schedule's copy had inserted
-    (`Schedule.with_sharding`): each rank's windows and reductions
-    (:func:`pipesim.schedule.sharding.check_sharding`). The rest of `validate_schedule` holds as
-    it did for the schedule they were inserted into: they are rank-local (no message to match,
-    no wait on another rank) and sit around computations that were well formed."""
-    from .sharding import check_sharding
-
-    for rank in range(schedule.pp):
-        problem = check_sharding(schedule.actions(rank), rank)
         if problem is not None:
             raise ScheduleError(problem)
 

@@ -49,7 +49,7 @@ class CostTables(NamedTuple):
     them (UNSHARD, RESHARD, REDUCE_GRAD, by code - FIRST_SHARD_CODE), and the lane's switches.
     A pure function of (costs, stages): made once a CostModel (:meth:`CostModel.derived`)."""
 
-    durations: tuple[list[float], ...]
+    durations: tuple[tuple[float, ...], ...]
     link_time: tuple[float, ...]
     shard_time: tuple[tuple[float, ...], ...]
     shard_unit: tuple[tuple[float, ...], ...]
@@ -113,13 +113,14 @@ class Clocks:
             self.began = self.work = None
 
 
-def walk(steps: Iterable[tuple[int, tuple]], clocks: Clocks,
+def walk(steps: Iterable[tuple], clocks: Clocks,
          wake: Callable[[object, float], None], factors: Sequence[float] | None,
          scale: dict[int, float] | None, blocking: bool, on_send: Callable | None = None,
          on_recv: Callable | None = None, shared_cpu: bool = False) -> Iterator:
-    """Run ``steps``: ``(rank, *step)`` tuples, a step as :meth:`Program.steps` makes it with its
-    rank in front (one tuple to unpack a step), each on its rank's clock (``clocks.clock``); yields the message number a step waits for when it has
-    not been sent, and resumes once that message's arrival is set.
+    """Run ``steps``: ``(rank, *step)`` tuples, a step as :meth:`Program.steps` makes it with
+    its rank in front (one tuple to unpack a step), each on its rank's clock (``clocks.clock``);
+    yields the message number a step waits for when it has not been sent, and resumes once that
+    message's arrival is set.
 
     ``wake(token, arrival)`` is called when a message somebody is parked on (``waiter``) is
     sent. ``on_send(msg, row, link, seconds, t)`` / ``on_recv(msg, t)`` (rendezvous): a SEND

@@ -63,13 +63,10 @@ class SimResult:
                     schedule.pp if schedule is not None else num_ranks(trace))
 
     def _setup(self, spans, schedule, costs, memory_timeline, options, source, ranks) -> None:
-        self._spans: "Spans | None" = spans
-        self.schedule = schedule
-        self.costs = costs
-        self.options = dict(options or {})
-        self.source = source
-        self._memory_timeline = memory_timeline
-        self.num_ranks = ranks
+        # one dict update (a small simulation's result is made in microseconds)
+        self.__dict__.update(_spans=spans, schedule=schedule, costs=costs,
+                             options=dict(options or {}), source=source,
+                             _memory_timeline=memory_timeline, num_ranks=ranks)
 
     @classmethod
     def from_spans(cls, spans: "Spans", *, schedule: "Schedule", costs: "CostModel | None" = None,
@@ -77,11 +74,10 @@ class SimResult:
         """A simulated result over the engine's arrays; ``trace`` is built on first access."""
         result = cls.__new__(cls)
         pp = schedule.pp
-        state = result.__dict__                 # what _setup sets, at once
-        state.update(_spans=spans, schedule=schedule, costs=costs, options=dict(options or {}),
-                     source="simulated", _memory_timeline=None, num_ranks=pp)
+        result._setup(spans, schedule, costs, None, options, "simulated", pp)
         times = spans.small_times(pp)
         if times is not None:       # the cached properties' values, set as they would be
+            state = result.__dict__
             state["makespan"], state["busy"], state["span"] = times
         return result
 
