@@ -272,20 +272,22 @@ def test_ep_overlap_hides_the_exchanges_under_the_layers_compute_at_its_processo
     """Megatron's overlap_moe_expert_parallel_comm: the F and I exchanges of a MoE layer
     (2 x dispatch + combine, and F's counts) run under the layer's F + I + W of another
     microbatch: what shows is Calculon's added(comm, window, u), u the NVLink processor
-    usage, split between F and I as the exchanges are."""
+    usage, split between F and I as the exchanges are; the pipeline's warmup forwards and
+    cooldown backwards (pp / m of them) have no partner and show their exchanges whole."""
     from pipesim.plan.overlap import added
 
     T, h, k = 128, 64, 2
-    p = plan(MOE, cp=1, dp=2, ep=2, pp=2)
+    p = plan(MOE, cp=1, dp=2, ep=2, pp=2, global_batch_size=16)      # m = 8
     rate = p.cluster.hardware.fp32_peak_flops * 0.5
     g = (2 * T * h * 128 + 2 * T * 64 * h + k * 3 * 2 * T * h * 128) / rate
     a = 4 * 128 * 128 * 64 / 2 / rate
     a2a = 2 * ring("all_to_all", T * k * h * 4)
     counts = ring("all_to_all", 8 * 4)
-    d = plan(MOE, cp=1, dp=2, ep=2, pp=2, overlap_ep_comm=True).derive()
+    d = plan(MOE, cp=1, dp=2, ep=2, pp=2, global_batch_size=16, overlap_ep_comm=True).derive()
     u = p.cluster.hardware.link_processor_usage
-    shown = added(2 * a2a + counts, (g + a) + (g + 2 * a) + g, u)
-    assert shown == pytest.approx(2 * a2a + counts - (3 * g + 3 * a))   # too long: the excess
+    paired = added(2 * a2a + counts, (g + a) + (g + 2 * a) + g, u)
+    assert paired == pytest.approx(2 * a2a + counts - (3 * g + 3 * a))  # too long: the excess
+    shown = 0.75 * paired + 0.25 * (2 * a2a + counts)                    # 2 of 8 alone
     # stage 1 holds the second MoE layer and the head; stage 0 the first and the embedding
     base = p.derive()
     assert d.costs.forward[0] - base.costs.forward[0] == pytest.approx(
@@ -293,6 +295,25 @@ def test_ep_overlap_hides_the_exchanges_under_the_layers_compute_at_its_processo
     assert d.costs.backward_input[0] - base.costs.backward_input[0] == pytest.approx(
         shown * a2a / (2 * a2a + counts) - a2a, rel=1e-9)
     assert d.stage_comm[0] == base.stage_comm[0]          # the exchange itself is unchanged
+
+
+def test_ep_overlap_leaves_megatrons_warmup_and_cooldown_unpaired():
+    """Megatron-Core's schedules.py (get_pp_rank_microbatches): with the EP overlap an
+    interleaved rank r warms up with 2 (pp - r - 1) + (vpp - 1) pp + 1 of its m vpp forwards
+    (at most all), and without pipelining the first forward runs alone: the unpaired
+    fraction, averaged over the ranks."""
+    from pipesim.plan.derive import ep_overlap_unpaired
+
+    def megatron(pp, vpp, m):
+        if pp == 1:
+            return 1 / m
+        warm = [min(m * vpp, 2 * (pp - r - 1) + (vpp - 1) * pp + 1) for r in range(pp)]
+        return sum(warm) / (pp * m * vpp)
+
+    for pp, vpp, m in ((1, 1, 5), (1, 1, 64), (8, 2, 128), (8, 4, 512), (4, 12, 64),
+                       (2, 8, 256), (16, 2, 64)):
+        assert ep_overlap_unpaired(pp, m) == pytest.approx(megatron(pp, vpp, m), rel=1e-12)
+    assert ep_overlap_unpaired(8, 4) == 1.0               # every step is warmup or cooldown
 
 
 def test_ep_dispatcher_is_checked_and_both_knobs_round_trip_in_a_plan_file(tmp_path):

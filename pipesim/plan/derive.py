@@ -96,6 +96,20 @@ BUCKET_PARAMS = 40e6          # Megatron DDP bucket floor (bucket_size default: 
 OPTIMIZER_BYTES = 28          # Adam: bytes read + written per parameter updated
 
 
+def ep_overlap_unpaired(pp: int, microbatches: int) -> float:
+    """The fraction of a rank's forwards (and as many backwards) that Megatron's EP overlap
+    leaves unpaired, their exchanges exposed, averaged over the pipeline's ranks.
+
+    Megatron-Core's combined 1F1B (pipeline_parallel/combined_1f1b.py, schedules.py
+    ``get_pp_rank_microbatches``, NVIDIA/Megatron-LM d98e8a6) pairs the forward of one
+    microbatch with the backward of another in the 1F1B steady state only. Without pipelining
+    the first forward and the last backward run alone (one of ``m``); interleaved, rank ``r``
+    warms up with ``2 (pp - r - 1) + (vpp - 1) pp + 1`` of its ``m vpp`` forwards (the
+    overlap adds the one) and cools down with as many backwards: ``vpp pp`` on average, so
+    ``pp / m`` of them (at most all) in both cases."""
+    return min(1.0, pp / microbatches)
+
+
 def megatron_buckets(params: float, dp: int, *, first_chunk: bool = True,
                      overlap_grad_reduce: bool = True) -> int:
     """How many buckets Megatron-Core's DDP cuts ``params`` (one gradient buffer of a model
@@ -285,8 +299,12 @@ def derive(plan) -> PlanCosts:
             # the forward of one microbatch and the backward of another run interleaved, each
             # one's dispatch / combine under the other's compute: the layer's F + I + W hide
             # its F and I exchanges, slowed by what they hide (pipesim.plan.overlap); what
-            # shows is split between F and I as the exchanges are
-            shown = added(ep + ep_b, comp_f + comp_i + comp_w, u_ep)
+            # shows is split between F and I as the exchanges are. Only the pairs of the
+            # steady state overlap: the warmup's forwards and the cooldown's backwards run
+            # alone, their exchanges exposed (ep_overlap_unpaired)
+            alone = ep_overlap_unpaired(par.pp, par.microbatches)
+            shown = (1 - alone) * added(ep + ep_b, comp_f + comp_i + comp_w, u_ep) \
+                + alone * (ep + ep_b)
             ep_x, ep_bx = shown * ep / (ep + ep_b), shown * ep_b / (ep + ep_b)
         # selective recomputation's modules (the core attention apart): their forwards again
         # inside I, and a recomputed MoE block's dispatch and combine with them
