@@ -142,6 +142,13 @@ MEMORY_RECIPES = {
     ("gpt-oss-120b", "H100", "bf16"): (("layernorm", "moe_act"), 0),
     ("kimi-k2", "GB300", "mxfp8"): (("mla_up_proj",), 0),
 }
+# Overlaps the recipes turn off (the same files and tag): every pre-training recipe of v0.4.2
+# sets ``cfg.comm_overlap.tp_comm_overlap = False if precision == "nvfp4"`` (Llama 3 8B / 70B,
+# Llama 3.1 405B, GPT-OSS: scripts/performance/configs/*/*_llm_pretrain.py), and Llama 3.1
+# 405B's GB200 NVFP4 V2 recipe calls ``disable_param_gather_overlap`` (Megatron-Bridge issue
+# 3714: peak memory): the parameter all-gather after the optimizer step runs exposed.
+NO_TP_COMM_OVERLAP = ("nvfp4",)
+NO_PARAM_GATHER_OVERLAP = {("llama3-405b", "GB200", "nvfp4")}
 # Megatron-Bridge's pipeline layouts for DeepSeek-V3 and Kimi K2 (61 layers), by (pp, vp)
 # (src/megatron/bridge/recipes/deepseek/deepseek_v3.py
 # set_deepseek_v3_pipeline_model_parallel_layout and recipes/kimi/kimi_k2.py
@@ -316,8 +323,10 @@ def build_plan(run: Run, hardware: "Hardware | None" = None) -> "pipesim.Plan":
         zero=3 if run.fsdp else 1, grad_reduce="per_microbatch" if run.fsdp else "per_step",
         recompute="selective" if modules else "none",
         recompute_modules=modules, offload_layers=offload, precision=run.precision,
-        flash_attention=True, overlap_grad_reduce=True, overlap_param_gather=True,
-        overlap_tp_comm=run.tp > 1, ep_dispatcher=dispatcher, overlap_ep_comm=ep_overlap,
+        flash_attention=True, overlap_grad_reduce=True,
+        overlap_param_gather=(run.family, run.gpu, run.precision) not in NO_PARAM_GATHER_OVERLAP,
+        overlap_tp_comm=run.tp > 1 and run.precision not in NO_TP_COMM_OVERLAP,
+        ep_dispatcher=dispatcher, overlap_ep_comm=ep_overlap,
         grad_reduce_in_fp32=False, partition_layout=layout)
 
 

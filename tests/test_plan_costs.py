@@ -82,6 +82,29 @@ def test_tensor_parallel_collectives_are_alpha_beta_over_nvlink():
     assert wide.derive().links["tp"].kind == "inter"
 
 
+@pytest.mark.parametrize("gpu, precision, per_element", [
+    ("H100", "fp8", 1.0), ("B200", "mxfp8", 1 + 1 / 32), ("B200", "nvfp4", 0.5 + 1 / 16)])
+def test_sequence_parallel_all_gathers_move_the_quantized_input(gpu, precision, per_element):
+    """Transformer Engine quantizes a linear layer's input before sequence parallelism's
+    all-gather (and the output gradient before the backward's): FP8 1 byte an element, MXFP8
+    one more E8M0 scale a 32, NVFP4 half a byte and an E4M3 scale a 16; the reduce-scatters
+    of the outputs and input gradients stay bf16. A layer's pass: two of each; a stage's, its
+    eight layers'."""
+    plan = pipesim.Plan.create(GPT, gpu, tp=4, pp=2, global_batch_size=4,
+                               sequence_parallel=True, precision=precision)
+    d = plan.derive()
+    act = 2 * GPT.seq_length * GPT.hidden          # bf16 activation of one sequence
+    link = d.links["tp"]
+    n = GPT.layers // 2
+    want = n * 2 * (coll.all_gather(act * per_element / 2, 4, link)
+                    + coll.reduce_scatter(act, 4, link))
+    assert d.stage_comm[1]["F"]["tp"] == pytest.approx(want, rel=1e-12)
+    assert d.stage_comm[1]["I"]["tp"] == pytest.approx(want, rel=1e-12)
+    bf16 = plan.with_(precision="bf16").derive()
+    assert bf16.stage_comm[1]["F"]["tp"] == pytest.approx(
+        n * 2 * (coll.all_gather(act, 4, link) + coll.reduce_scatter(act, 4, link)), rel=1e-12)
+
+
 def test_recomputation_adds_the_forward_to_the_input_gradient():
     plain = pipesim.Plan.create(GPT, "H100", pp=2, global_batch_size=4, flash_attention=False, **FREE,
                                 **CONST)

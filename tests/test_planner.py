@@ -5,7 +5,7 @@ import dataclasses
 import itertools
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 import pipesim
@@ -136,6 +136,9 @@ def test_step_bound_is_the_closed_form_1f1b_on_uniform_stages():
                                            "dualpipev", "v-half", "v-min", "dualpipe"]),
                           min_size=1, max_size=3, unique=True),
        top=st.sampled_from([1, 3]))
+# zbv and dualpipev share their parts and runs but not their ZeRO-3 gathers a microbatch: a
+# bound shared between them had put dualpipev's above its simulated step
+@example(gpus=8, gbs=8, limit_gib=0.35, schedules=["zbv", "dualpipev"], top=1)
 def test_pruning_never_drops_the_best_plan(gpus, gbs, limit_gib, schedules, top):
     space = SearchSpace("tiny", gpus=gpus, gbs=gbs, hardware="A100", schedules=tuple(schedules),
                         mbs=(1, 2), recompute=("none", "full"), cp=(1, 2), vpp=(2,))

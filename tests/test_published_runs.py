@@ -321,6 +321,20 @@ def test_megatron_bridge_layouts_are_rated_against_the_pick_and_the_difference_n
     assert rating.text().startswith("your plan: ")
 
 
+def test_runs_take_the_overlaps_their_recipes_turn_off():
+    """Megatron-Bridge v0.4.2's pre-training recipes turn the tensor-parallel communication
+    overlap off in NVFP4 (``tp_comm_overlap = False if precision == "nvfp4"``), and Llama 3.1
+    405B's GB200 NVFP4 recipe its parameter gather's (``disable_param_gather_overlap``)."""
+    bench = _bench()
+    runs, _ = bench.read_rows()
+    for r in runs:
+        par = bench.build_plan(r).parallelism
+        assert par.overlap_tp_comm == (r.tp > 1 and r.precision != "nvfp4"), r.name
+        assert par.overlap_param_gather == (
+            (r.family, r.gpu, r.precision) != ("llama3-405b", "GB200", "nvfp4")), r.name
+    assert any(r.precision == "nvfp4" and r.tp > 1 for r in runs)
+
+
 def test_deepseek_v3_and_gpt_oss_configs_read_into_the_presets_shapes():
     """config.json as published (deepseek-ai/DeepSeek-V3, openai/gpt-oss-120b; the keys the
     shape needs, transcribed) reads into the preset's shape (DeepSeek-V3's with its one MTP

@@ -90,6 +90,7 @@ from .footprint import (
     head_activations,
     layer_activations,
     param_bytes,
+    SAVED_INPUT_BYTES,
 )
 
 BUCKET_PARAMS = 40e6          # Megatron DDP bucket floor (bucket_size default: max(40M, 1M * dp))
@@ -192,7 +193,12 @@ def derive(plan) -> PlanCosts:
     d, d_exp = par.dp * cp, max(1, par.dp * cp // par.ep)
 
     # per-layer-kind pieces (dense, moe), each (F, I_extra_for_recompute, I, W) seconds
-    tp_ag = coll.all_gather(act_bytes, t, links["tp"]) if par.sequence_parallel else 0.0
+    # Transformer Engine quantizes a linear layer's input before sequence parallelism's
+    # all-gather and its output gradient before the backward's (module/linear.py,
+    # gather_along_first_dim with the quantizer; userbuffers likewise): in FP8 / MXFP8 / NVFP4
+    # those move the quantized bytes (SAVED_INPUT_BYTES an element); the reduce-scatters bf16
+    gathered_bytes = act_bytes * SAVED_INPUT_BYTES.get(par.precision, e) / e
+    tp_ag = coll.all_gather(gathered_bytes, t, links["tp"]) if par.sequence_parallel else 0.0
     tp_rs = coll.reduce_scatter(act_bytes, t, links["tp"]) if par.sequence_parallel else 0.0
     tp_one = tp_ag + tp_rs if par.sequence_parallel else coll.all_reduce(act_bytes, t, links["tp"])
     # userbuffers' overlap needs sequence parallelism (Megatron refuses --tp-comm-overlap
@@ -339,7 +345,7 @@ def derive(plan) -> PlanCosts:
         head_f = head_i = head_w = head_flops(model, b, tp=t) / shard / gemm_rate
         emb_f = emb_i = 0.0
     # the embedding's output: one all-reduce, or with sequence parallelism one reduce-scatter
-    emb_comm = tp_one / 2 if par.sequence_parallel else tp_one
+    emb_comm = tp_rs if par.sequence_parallel else tp_one
 
     fwd, inp, wgt, act, wfrac, params_st, mem_st = [], [], [], [], [], [], []
     buffers_stage = []

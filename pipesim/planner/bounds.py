@@ -103,7 +103,11 @@ def bounds_key(plan: Plan) -> Hashable | None:
         runs = schedule_part_runs(plan.schedule_name, par.pp, par.vpp, par.microbatches)
     except ScheduleError:
         return None
-    key = (dataclasses.replace(plan, schedule=""), tuple(tuple(parts.items()) for parts in runs))
+    # under ZeRO-2/3 the lane bound also counts the schedule's gathers (`_lane_busy`): zbv and
+    # dualpipev share their parts and runs but not how many UNSHARDs a microbatch takes
+    lane = None if par.sharding is None else _gathers_per_microbatch(plan)
+    key = (dataclasses.replace(plan, schedule=""), tuple(tuple(parts.items()) for parts in runs),
+           lane)
     try:
         hash(key)
     except TypeError:                  # an option value that cannot be a key: on its own
@@ -133,6 +137,18 @@ def _part_runs(plan: Plan, stages: list[list[int]], m: int) -> list[dict[int, in
     return out
 
 
+def _gathers_per_microbatch(plan: Plan) -> int:
+    """The fewest ZeRO-3 UNSHARDs a microbatch of a part takes under the plan's schedule: one
+    before each of its computations, F and a backward (2), F, I and W where every backward is
+    split (3), one where a forward and a backward overlap (the pair may share it)."""
+    if isinstance(plan.schedule, Schedule):
+        overlapped, split = plan.schedule.has_overlaps, False
+    else:
+        info = schedule_info(plan.schedule_name)
+        overlapped, split = info.overlapped, info.split_backward
+    return 1 if overlapped else 3 if split else 2
+
+
 def _lane_busy(plan: Plan, costs, runs: list[dict[int, int]]) -> list[float]:
     """Per rank, the fewest seconds its ZeRO actions keep its sharding lane busy (they run one
     at a time, so its last row ends no sooner): under ZeRO-3 an UNSHARD before each
@@ -149,12 +165,7 @@ def _lane_busy(plan: Plan, costs, runs: list[dict[int, int]]) -> list[float]:
     unshard = costs.stage_values("unshard", n)
     reduce = costs.stage_values("reduce_grad", n)
     per_mb = sharding.grad_reduce == "per_microbatch"
-    if isinstance(plan.schedule, Schedule):
-        overlapped, split = plan.schedule.has_overlaps, False
-    else:
-        info = schedule_info(plan.schedule_name)
-        overlapped, split = info.overlapped, info.split_backward
-    gathers = 1 if overlapped else 3 if split else 2
+    gathers = _gathers_per_microbatch(plan)
     return [sum(gathers * k * unshard[st] + (k if per_mb else 1) * reduce[st]
                 for st, k in parts.items()) for parts in runs]
 
