@@ -259,15 +259,20 @@ def walk(steps: Iterable[tuple], clocks: Clocks,
         clock[rank] = t
 
 
-def walk_plain(order: Iterable[tuple], clocks: Clocks) -> None:
-    """:func:`walk`'s plain case, over a dataflow order (every rank's steps, each after the
-    SEND of what it waits for) in one loop: a computation only adds its time (no jitter
-    factors, no overlap scale, no sharding lane), a send only occupies its link (not blocking,
-    no rendezvous) and nobody parks. The same statements as `walk`'s for those steps (the tests
-    compare the two on every builder), apart because every default simulation runs this: a
-    generator's frame and the other cases' branches were a tenth of a small run."""
-    starts, ends, arrival, clock = clocks.starts, clocks.ends, clocks.arrival, clocks.clock
-    link_free, tables = clocks.link_free, clocks.tables
+def walk_plain(order: Iterable[tuple], program: Program, tables: CostTables
+               ) -> tuple[list[float], list[float]]:
+    """:func:`walk`'s plain case over a dataflow order of ``program`` (every rank's steps, each
+    after the SEND of what it waits for), in one loop, on clocks of its own; returns every
+    row's start and end. Plain: a computation only adds its time (no jitter factors, no
+    overlap scale, no sharding lane or streamed units), a send only occupies its link (not
+    blocking, no rendezvous) and nobody parks. The same statements as `walk`'s for those steps
+    (the tests compare the two on every builder), apart because every default simulation runs
+    this: a generator's frame, a :class:`Clocks` and the other cases' branches were a tenth of
+    a small run."""
+    rows, pp = program.num_rows, program.pp
+    starts, ends = [0.0] * rows, [0.0] * rows
+    arrival = [-1.0] * program.num_messages           # as `Clocks` starts them
+    link_free, clock = [0.0] * (pp * pp), [0.0] * pp
     durations, link_time = tables.durations, tables.link_time
     first_comm = FIRST_COMM_CODE
     for rank, row, code, stage, wait, wait_row, gate, gate_row, sends in order:
@@ -307,6 +312,7 @@ def walk_plain(order: Iterable[tuple], clocks: Clocks) -> None:
             starts[srow] = s
             ends[srow] = e
         clock[rank] = t
+    return starts, ends
 
 
 def dataflow_order(program: Program, together: bool) -> tuple[tuple, ...]:
@@ -356,13 +362,14 @@ def dataflow_spans(program: Program, costs: CostModel, factors: Sequence[float] 
     start together (the program's ``together`` rows); ``scale``: per row, the factor that makes
     an overlap's parts take ``CostModel.overlap_time``. Raises RuntimeError if ranks are left
     waiting (a deadlock that ``Schedule.validate`` should have refused)."""
-    clocks = Clocks(program, costs)
+    tables = costs.derived(cost_tables, program.num_stages, program.pp)  # checks costs first
     order = program.derived(dataflow_order, together)
-    if factors is None and scale is None and not blocking and clocks.lane is None:
-        walk_plain(order, clocks)
-    else:
-        for msg in walk(order, clocks, None, factors, scale, blocking):
-            raise AssertionError(f"the dataflow order runs a step before message {msg} is sent")
+    if (factors is None and scale is None and not blocking and not program.sharded
+            and not tables.streams):
+        return walk_plain(order, program, tables)
+    clocks = Clocks(program, costs)
+    for msg in walk(order, clocks, None, factors, scale, blocking):
+        raise AssertionError(f"the dataflow order runs a step before message {msg} is sent")
     return clocks.starts, clocks.ends
 
 
