@@ -262,13 +262,13 @@ def walk(steps: Iterable[tuple], clocks: Clocks,
 def walk_plain(order: Iterable[tuple], program: Program, tables: CostTables
                ) -> tuple[list[float], list[float]]:
     """:func:`walk`'s plain case over a dataflow order of ``program`` (every rank's steps, each
-    after the SEND of what it waits for), in one loop, on clocks of its own; returns every
-    row's start and end. Plain: a computation only adds its time (no jitter factors, no
-    overlap scale, no sharding lane or streamed units), a send only occupies its link (not
-    blocking, no rendezvous) and nobody parks. The same statements as `walk`'s for those steps
-    (the tests compare the two on every builder), apart because every default simulation runs
-    this: a generator's frame, a :class:`Clocks` and the other cases' branches were a tenth of
-    a small run."""
+    after the SEND of what it waits for), in one loop on clocks of its own; returns every row's
+    start and end. Plain: no jitter factors, overlap scale, sharding actions or streamed units
+    (a computation only adds its time; a step from FIRST_COMM_CODE up is a RECV), sends that
+    only occupy their link (not blocking, no rendezvous), and nobody parks. The same statements
+    as `walk`'s for those steps (the tests compare the two on every builder), apart because
+    every default simulation runs this: a generator's frame, a :class:`Clocks` and the other
+    cases' branches were a tenth of a small run."""
     rows, pp = program.num_rows, program.pp
     starts, ends = [0.0] * rows, [0.0] * rows
     arrival = [-1.0] * program.num_messages           # as `Clocks` starts them
