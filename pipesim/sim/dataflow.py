@@ -263,9 +263,10 @@ def walk_plain(order: Iterable[tuple], program: Program, tables: CostTables
                ) -> tuple[list[float], list[float]]:
     """:func:`walk`'s plain case over a dataflow order of ``program`` (every rank's steps, each
     after the SEND of what it waits for), in one loop on clocks of its own; returns every row's
-    start and end. Plain: no jitter factors, overlap scale, sharding actions or streamed units
-    (a computation only adds its time; a step from FIRST_COMM_CODE up is a RECV), sends that
-    only occupy their link (not blocking, no rendezvous), and nobody parks. The same statements
+    start and end. Plain: no jitter factors, overlap scale, overlapped pairs (no step has a
+    gate: `gated`), sharding actions or streamed units (a computation only adds its time; a
+    step from FIRST_COMM_CODE up is a RECV), sends that only occupy their link (not blocking,
+    no rendezvous), and nobody parks. The same statements
     as `walk`'s for those steps (the tests compare the two on every builder), apart because
     every default simulation runs this: a generator's frame, a :class:`Clocks` and the other
     cases' branches were a tenth of a small run."""
@@ -275,21 +276,12 @@ def walk_plain(order: Iterable[tuple], program: Program, tables: CostTables
     link_free, clock = [0.0] * (pp * pp), [0.0] * pp
     durations, link_time = tables.durations, tables.link_time
     first_comm = FIRST_COMM_CODE
-    for rank, row, code, stage, wait, wait_row, gate, gate_row, sends in order:
+    for rank, row, code, stage, wait, wait_row, _gate, _gate_row, sends in order:
         t = clock[rank]
         if code >= first_comm:                          # RECV: post only
             starts[row] = ends[row] = t                 # until the consumer waits
             continue
         if code >= 0:                                   # F, B, I, W
-            if gate >= 0:
-                e = arrival[gate]
-                if e < 0.0:
-                    raise AssertionError(f"the dataflow order runs a step before message "
-                                         f"{gate} is sent")
-                starts[gate_row] = t
-                if e > t:
-                    t = e
-                ends[gate_row] = t
             if wait >= 0:
                 e = arrival[wait]
                 if e < 0.0:
@@ -313,6 +305,13 @@ def walk_plain(order: Iterable[tuple], program: Program, tables: CostTables
             ends[srow] = e
         clock[rank] = t
     return starts, ends
+
+
+def gated(program: Program, together: bool) -> bool:
+    """Whether some computation of ``program`` waits for a gate (an overlapped pair's forward
+    part waits for its backward part's input): `walk_plain` leaves those to `walk`."""
+    return any(step[5] >= 0 for steps in program.steps(together) for step in steps
+               if 0 <= step[1] < FIRST_COMM_CODE)
 
 
 def dataflow_order(program: Program, together: bool) -> tuple[tuple, ...]:
@@ -365,7 +364,7 @@ def dataflow_spans(program: Program, costs: CostModel, factors: Sequence[float] 
     tables = costs.derived(cost_tables, program.num_stages, program.pp)  # checks costs first
     order = program.derived(dataflow_order, together)
     if (factors is None and scale is None and not blocking and not program.sharded
-            and not tables.streams):
+            and not tables.streams and not program.derived(gated, together)):
         return walk_plain(order, program, tables)
     clocks = Clocks(program, costs)
     for msg in walk(order, clocks, None, factors, scale, blocking):
