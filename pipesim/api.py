@@ -22,5 +22,6 @@ def simulate(target: Any, costs: Any = None, **kwargs: Any) -> Any:
             raise ValueError("simulate(plan): the plan derives its own costs; pass "
                              "simulate(plan.build_schedule(), costs) to use others")
         return simulate_plan(target, **kwargs)
-    return engine_simulate(target, costs, **kwargs)
+    # without options, a plain call: no argument tuple and dict to unpack again
+    return engine_simulate(target, costs, **kwargs) if kwargs else engine_simulate(target, costs)
 

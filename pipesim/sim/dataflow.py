@@ -23,7 +23,8 @@ the same times, to the bit. :func:`dataflow_order` finds one once a program (kep
 message not yet sent; a run is then one walk over that order, which never waits: no parking
 and waking of ranks (a rank waits about every other action in a 1F1B steady state), no event
 heap, no SimPy events (``tests/test_sim_engine.py`` compares the spans with the SimPy engine's
-on every builder).
+on every builder). The plain case (no jitter, overlap scale, sharding lane or blocking sends:
+every default simulation) runs as :func:`walk_plain`, walk's statements for it in one loop.
 
 The modes whose result depends on the order of events in time (``rendezvous``: a link serves
 transfers in the order they become ready; shared cores: a computation's speed depends on what
@@ -81,8 +82,9 @@ def cost_tables(costs: CostModel, n: int, pp: int) -> CostTables:
 
 class Clocks:
     """What the ranks of one run share: every row's start and end, each message's arrival (-1
-    until sent), the token of the rank parked on it, each directed link's next free time, each
-    rank's clock, and each rank's sharding lane: when it is free, when the next computation may
+    until sent), the token of the rank parked on it (``parking``: a SimPy run's; else None),
+    each directed link's next free time, each rank's clock, and each rank's sharding lane (None
+    without sharding actions or streamed units): when it is free, when the next computation may
     start (its UNSHARD's end, or its first unit's), when its last UNSHARD ends and the share of
     the computation after it (streamed units: the last unit's), and when its last computation
     began and how long it computed (an overlapped UNSHARD prefetches from there; a streamed
@@ -91,17 +93,18 @@ class Clocks:
     __slots__ = ("starts", "ends", "arrival", "waiter", "link_free", "clock", "tables",
                  "sharded", "lane", "gathered", "gathered_end", "gathered_tail", "began", "work")
 
-    def __init__(self, program: Program, costs: CostModel) -> None:
+    def __init__(self, program: Program, costs: CostModel, parking: bool = False) -> None:
         rows, msgs, pp = program.num_rows, program.num_messages, program.pp
-        self.tables = costs.derived(cost_tables, program.num_stages, program.pp)
-        self.sharded = program.sharded               # the lane is used at all
+        self.tables = tables = costs.derived(cost_tables, program.num_stages, pp)
+        self.sharded = sharded = program.sharded     # the lane is used at all
         self.starts = [0.0] * rows
         self.ends = [0.0] * rows
         self.arrival = [-1.0] * msgs
-        self.waiter: list = [None] * msgs
+        # a dataflow order never parks a rank: a list fewer to make a run
+        self.waiter: list | None = [None] * msgs if parking else None
         self.link_free = [0.0] * (pp * pp)
         self.clock = [0.0] * pp
-        if self.sharded or self.tables.streams:
+        if sharded or tables.streams:
             self.lane = [0.0] * pp
             self.gathered = [0.0] * pp
             self.gathered_end = [0.0] * pp
@@ -114,7 +117,7 @@ class Clocks:
 
 
 def walk(steps: Iterable[tuple], clocks: Clocks,
-         wake: Callable[[object, float], None], factors: Sequence[float] | None,
+         wake: Callable[[object, float], None] | None, factors: Sequence[float] | None,
          scale: dict[int, float] | None, blocking: bool, on_send: Callable | None = None,
          on_recv: Callable | None = None, shared_cpu: bool = False) -> Iterator:
     """Run ``steps``: ``(rank, *step)`` tuples, a step as :meth:`Program.steps` makes it with
@@ -123,8 +126,9 @@ def walk(steps: Iterable[tuple], clocks: Clocks,
     message's arrival is set.
 
     ``wake(token, arrival)`` is called when a message somebody is parked on (``waiter``) is
-    sent. ``on_send(msg, row, link, seconds, t)`` / ``on_recv(msg, t)`` (rendezvous): a SEND
-    only records its posting and the driver places the transfer once both sides posted.
+    sent; None where nobody parks (a dataflow order: its clocks have no ``waiter``).
+    ``on_send(msg, row, link, seconds, t)`` / ``on_recv(msg, t)`` (rendezvous): a SEND only
+    records its posting and the driver places the transfer once both sides posted.
     ``shared_cpu``: a computation yields ``(t, work)`` and is sent its end time back."""
     starts, ends, arrival, waiter = clocks.starts, clocks.ends, clocks.arrival, clocks.waiter
     tables = clocks.tables
@@ -247,11 +251,67 @@ def walk(steps: Iterable[tuple], clocks: Clocks,
             ends[srow] = e
             if blocking:
                 t = e
-            w = waiter[msg]
-            if w is not None:
-                waiter[msg] = None
-                wake(w, e)
+            if wake is not None:
+                w = waiter[msg]
+                if w is not None:
+                    waiter[msg] = None
+                    wake(w, e)
         clock[rank] = t
+
+
+def walk_plain(order: Iterable[tuple], program: Program, tables: CostTables
+               ) -> tuple[list[float], list[float]]:
+    """:func:`walk`'s plain case over a dataflow order of ``program`` (every rank's steps, each
+    after the SEND of what it waits for), in one loop on clocks of its own; returns every row's
+    start and end. Plain: no jitter factors, overlap scale, overlapped pairs (no step has a
+    gate: `gated`), sharding actions or streamed units (a computation only adds its time; a
+    step from FIRST_COMM_CODE up is a RECV), sends that only occupy their link (not blocking,
+    no rendezvous), and nobody parks. The same statements
+    as `walk`'s for those steps (the tests compare the two on every builder), apart because
+    every default simulation runs this: a generator's frame, a :class:`Clocks` and the other
+    cases' branches were a tenth of a small run."""
+    rows, pp = program.num_rows, program.pp
+    starts, ends = [0.0] * rows, [0.0] * rows
+    arrival = [-1.0] * program.num_messages           # as `Clocks` starts them
+    link_free, clock = [0.0] * (pp * pp), [0.0] * pp
+    durations, link_time = tables.durations, tables.link_time
+    first_comm = FIRST_COMM_CODE
+    for rank, row, code, stage, wait, wait_row, _gate, _gate_row, sends in order:
+        t = clock[rank]
+        if code >= first_comm:                          # RECV: post only
+            starts[row] = ends[row] = t                 # until the consumer waits
+            continue
+        if code >= 0:                                   # F, B, I, W
+            if wait >= 0:
+                e = arrival[wait]
+                if e < 0.0:
+                    raise AssertionError(f"the dataflow order runs a step before message "
+                                         f"{wait} is sent")
+                starts[wait_row] = t
+                if e > t:
+                    t = e
+                ends[wait_row] = t
+            starts[row] = t
+            t += durations[code][stage]
+            ends[row] = t
+        for srow, msg, link, boundary in sends:         # SEND_F, SEND_B
+            s = link_free[link]
+            if s < t:
+                s = t
+            e = s + link_time[boundary]
+            link_free[link] = e
+            arrival[msg] = e
+            starts[srow] = s
+            ends[srow] = e
+        clock[rank] = t
+    return starts, ends
+
+
+def gated(program: Program, together: bool) -> bool:
+    """Whether some computation of ``program`` waits for a gate (an overlapped pair's forward
+    part waits for its backward part's input): `walk_plain` leaves those to `walk`."""
+    return any(step[5] >= 0 for steps in program.steps(together) for step in steps
+               if 0 <= step[1] < FIRST_COMM_CODE)
 
 
 def dataflow_order(program: Program, together: bool) -> tuple[tuple, ...]:
@@ -294,20 +354,27 @@ def dataflow_order(program: Program, together: bool) -> tuple[tuple, ...]:
     return tuple(order)
 
 
+def dataflow_spans(program: Program, costs: CostModel, factors: Sequence[float] | None,
+                   blocking: bool, together: bool = False, scale: dict[int, float] | None = None
+                   ) -> tuple[list[float], list[float]]:
+    """Start and end time of every row (rank, row order). ``together``: an overlap's parts
+    start together (the program's ``together`` rows); ``scale``: per row, the factor that makes
+    an overlap's parts take ``CostModel.overlap_time``. Raises RuntimeError if ranks are left
+    waiting (a deadlock that ``Schedule.validate`` should have refused)."""
+    tables = costs.derived(cost_tables, program.num_stages, program.pp)  # checks costs first
+    order = program.derived(dataflow_order, together)
+    if (factors is None and scale is None and not blocking and not program.sharded
+            and not tables.streams and not program.derived(gated, together)):
+        return walk_plain(order, program, tables)
+    clocks = Clocks(program, costs)
+    for msg in walk(order, clocks, None, factors, scale, blocking):
+        raise AssertionError(f"the dataflow order runs a step before message {msg} is sent")
+    return clocks.starts, clocks.ends
+
+
 def run_dataflow(program: Program, costs: CostModel, factors: Sequence[float] | None,
                  blocking: bool, together: bool = False, scale: dict[int, float] | None = None
                  ) -> tuple[list[float], list[float], list[list[int]]]:
-    """Start and end time of every row (rank, row order), and each rank's compute rows
-    (ascending). ``together``: an overlap's parts start together (the program's ``together``
-    rows); ``scale``: per row, the factor that makes an overlap's parts take
-    ``CostModel.overlap_time``. Raises RuntimeError if ranks are left waiting (a deadlock that
-    ``Schedule.validate`` should have refused)."""
-    clocks = Clocks(program, costs)
-    order = program.derived(dataflow_order, together)
-    for msg in walk(order, clocks, _no_waiter, factors, scale, blocking):
-        raise AssertionError(f"the dataflow order runs a step before message {msg} is sent")
-    return clocks.starts, clocks.ends, program.compute_rows()
-
-
-def _no_waiter(token: object, arrival: float) -> None:
-    """`walk`'s ``wake`` in one pass over a dataflow order: nobody is ever parked."""
+    """`dataflow_spans`, and each rank's compute rows (ascending)."""
+    starts, ends = dataflow_spans(program, costs, factors, blocking, together, scale)
+    return starts, ends, program.compute_rows()

@@ -45,7 +45,7 @@ import simpy
 from simpy.events import NORMAL
 
 from ..plan.costs import CostModel
-from .dataflow import Clocks, run_dataflow, walk
+from .dataflow import Clocks, dataflow_spans, walk
 from .result import SimResult
 from .rows import make_row_arrays
 from .spans import Spans
@@ -89,8 +89,8 @@ def simulate(schedule: Schedule, costs: CostModel | None = None, *, comm: str = 
                             shared, together, scale)
     else:
         # A dataflow (no event heap); the timing-free columns wait until the trace is asked for.
-        starts, ends, _ = run_dataflow(program, costs, factors, comm == "blocking", together,
-                                       scale)
+        starts, ends = dataflow_spans(program, costs, factors, comm == "blocking", together,
+                                      scale)
     if not step_tail:
         rows = program.derived(make_row_arrays)
         spans = Spans(starts, ends, rows.row_rank, rows.compute_rows, rows.compute_rank,
@@ -250,7 +250,7 @@ def _run(program: Program, costs: CostModel, factors: list[float] | None, blocki
     ``env.now`` into a computation (its speed depends on the others), so it first catches up.
     """
     pp = program.pp
-    clocks = Clocks(program, costs)
+    clocks = Clocks(program, costs, parking=True)
     starts, ends, arrival, waiters = clocks.starts, clocks.ends, clocks.arrival, clocks.waiter
     link_free = clocks.link_free
     env = simpy.Environment()

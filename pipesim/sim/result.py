@@ -59,26 +59,31 @@ class SimResult:
                  costs: "CostModel | None" = None, memory_timeline: "pd.DataFrame | None" = None,
                  options: dict[str, Any] | None = None, source: str = "simulated") -> None:
         self.trace = check_trace(trace)
-        self._setup(None, schedule, costs, memory_timeline, options, source,
-                    schedule.pp if schedule is not None else num_ranks(trace))
+        self._setup(None, schedule, costs, memory_timeline, dict(options or {}), source,
+                    schedule.pp if schedule is not None else num_ranks(trace), None)
 
-    def _setup(self, spans, schedule, costs, memory_timeline, options, source, ranks) -> None:
-        # one dict update (a small simulation's result is made in microseconds)
-        self.__dict__.update(_spans=spans, schedule=schedule, costs=costs,
-                             options=dict(options or {}), source=source,
-                             _memory_timeline=memory_timeline, num_ranks=ranks)
+    def _setup(self, spans, schedule, costs, memory_timeline, options, source, ranks,
+               times) -> None:
+        # attribute stores, no __dict__ made (a small simulation's result is made in
+        # microseconds); ``times``: a small run's (makespan, busy, span), set as their cached
+        # properties would set them
+        self._spans, self.schedule, self.costs, self.options = spans, schedule, costs, options
+        self.source, self._memory_timeline, self.num_ranks = source, memory_timeline, ranks
+        if times is not None:
+            self.makespan, self.busy, self.span = times
 
     @classmethod
     def from_spans(cls, spans: "Spans", *, schedule: "Schedule", costs: "CostModel | None" = None,
                    options: dict[str, Any] | None = None) -> "SimResult":
-        """A simulated result over the engine's arrays; ``trace`` is built on first access."""
+        """A simulated result over the engine's arrays; ``trace`` is built on first access.
+        ``options`` is kept as given, not copied: the engine makes a new dict a run."""
         result = cls.__new__(cls)
         pp = schedule.pp
-        result._setup(spans, schedule, costs, None, options, "simulated", pp)
-        times = spans.small_times(pp)
-        if times is not None:       # the cached properties' values, set as they would be
-            state = result.__dict__
-            state["makespan"], state["busy"], state["span"] = times
+        times = spans.times                     # (`Spans.small_times(pp)`, without the call)
+        if times is not None and len(times[1]) != pp:
+            times = None
+        result._setup(spans, schedule, costs, None, {} if options is None else options,
+                      "simulated", pp, times)
         return result
 
     @cached_property
@@ -158,8 +163,9 @@ class SimResult:
     @property
     def bubble_rate(self) -> float:
         """Zero Bubble paper's: ``1 - busy/span`` of the slowest rank, over its own span."""
-        r = self.slowest_rank
-        return 1.0 - self.busy[r] / self.span[r] if self.span[r] > 0 else 0.0
+        busy, span = self.busy, self.span       # read once (slowest_rank reads them too)
+        r = metrics.slowest_of(busy, span)      # slowest_rank, without a second property call
+        return 1.0 - busy[r] / span[r] if span[r] > 0 else 0.0
 
     @property
     def bubble_time(self) -> float:

@@ -42,12 +42,13 @@ class Spans:
     one's start.
 
     The time metrics of a small schedule (up to `SMALL_ROWS` rows, given as lists) are summed
-    from the lists in Python: numpy's cost per call (a microsecond or so, a dozen calls) would
-    be most of the run. They are the same floats: the same additions in the same order as
-    ``np.bincount``, and the same maxima and minima."""
+    from the lists in Python when it is made, as ``times`` (makespan, busy, span; None for any
+    other run): numpy's cost per call (a microsecond or so, a dozen calls) would be most of the
+    run. They are the same floats: the same additions in the same order as ``np.bincount``, and
+    the same maxima and minima."""
 
     __slots__ = ("_starts", "_ends", "_lists", "_small", "row_rank", "compute_rows",
-                 "compute_rank", "_columns", "_made", "_program_rows", "_times")
+                 "compute_rank", "_columns", "_made", "_program_rows", "times")
 
     def __init__(self, starts: "Sequence[float]", ends: "Sequence[float]", row_rank: np.ndarray,
                  compute_rows: np.ndarray, compute_rank: np.ndarray,
@@ -57,18 +58,28 @@ class Spans:
         # times the array on every result held)
         self._small = (type(starts) is list and type(ends) is list
                        and program_rows is not None and len(starts) <= SMALL_ROWS)
-        if self._small:
-            self._starts = self._ends = None
-            self._lists = (starts, ends)
-        else:
-            self._starts = np.asarray(starts, dtype=float)
-            self._ends = np.asarray(ends, dtype=float)
-            self._lists = None
         self.row_rank = row_rank
         self.compute_rows, self.compute_rank = compute_rows, compute_rank
         self._columns, self._made = columns, None
         self._program_rows = program_rows
-        self._times: tuple[float, list[float], list[float]] | None = None
+        self.times: tuple[float, list[float], list[float]] | None = None
+        if not self._small:
+            self._starts = np.asarray(starts, dtype=float)
+            self._ends = np.asarray(ends, dtype=float)
+            self._lists = None
+            return
+        self._starts = self._ends = None
+        self._lists = (starts, ends)
+        # ``times`` now, in one pass over the computations: every small run's result takes
+        # them when it is made (`SimResult.from_spans`), and here they cost no call of their own
+        busy, span = [], []
+        for computations in program_rows.by_rank:
+            total = 0.0
+            for i in computations:
+                total += ends[i] - starts[i]
+            busy.append(total)
+            span.append(ends[computations[-1]] - starts[computations[0]] if computations else 0.0)
+        self.times = max(ends) - min(starts), busy, span
 
     @property
     def starts(self) -> np.ndarray:
@@ -117,25 +128,11 @@ class Spans:
         return span.tolist()
 
     def small_times(self, pp: int) -> tuple[float, list[float], list[float]] | None:
-        """(makespan, busy, span) of a small run over ``pp`` ranks, from the lists in one pass
-        over the computations (made once; the result takes all three at once when it is made,
-        :meth:`pipesim.sim.result.SimResult.from_spans`: read one by one through their
-        properties they cost more than the sums); None for any other run."""
-        rows = self._program_rows
-        if not self._small or len(rows.by_rank) != pp:
+        """`times` where they are over ``pp`` ranks; None for any other run."""
+        times = self.times
+        if times is None or len(times[1]) != pp:
             return None
-        if self._times is None:
-            starts, ends = self._lists
-            busy, span = [], []
-            for computations in rows.by_rank:
-                total = 0.0
-                for i in computations:
-                    total += ends[i] - starts[i]
-                busy.append(total)
-                span.append(ends[computations[-1]] - starts[computations[0]]
-                            if computations else 0.0)
-            self._times = max(ends) - min(starts), busy, span
-        return self._times
+        return times
 
     def memory_rows(self) -> ComputeRows:
         """The compute rows of real stages, as :func:`pipesim.sim.memory.compute_rows` reads them
