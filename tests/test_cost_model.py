@@ -92,6 +92,27 @@ def test_gemm_and_attention_flops_equal_the_flop_count(moe, tp, cp, flash):
     assert gemm == pytest.approx(lf.gemm / (tp * cp), rel=1e-12)
 
 
+def test_a_layers_rooflines_are_made_once_and_depend_on_its_own_knobs_alone():
+    """layer_rooflines is layer_ops and its pass times (all operators; the attention core's
+    alone), kept per distinct layer: plans that differ in pp, dp, ZeRO, recomputation or the
+    batch share one; a knob the layer reads (here the dispatcher) makes another."""
+    from pipesim.plan.operators import layer_rooflines
+
+    model = pipesim.plan.model.PRESETS["mixtral-8x7b"]
+    hw = get_hardware("H100")
+    par = Parallelism(tp=2, sequence_parallel=True, cp=2, dp=4, ep=4, micro_batch_size=2,
+                      precision="fp8")
+    ops, pt, at = layer_rooflines(model, par, hw, True)
+    fresh = layer_ops(model, par, True)
+    assert list(ops) == fresh
+    assert pt == pass_times(fresh, hw, "fp8")
+    assert at == pass_times([o for o in fresh if o.kind == "attention"], hw, "fp8")
+    same = par.with_(pp=4, vpp=2, dp=8, zero=1, recompute="selective", global_batch_size=64)
+    assert layer_rooflines(model, same, hw, True) is layer_rooflines(model, par, hw, True)
+    other = layer_rooflines(model, par.with_(ep_dispatcher="deepep"), hw, True)
+    assert other[1] != pt
+
+
 def test_each_operator_is_a_roofline_plus_a_launch():
     hw = get_hardware("A100")
     from pipesim.plan.operators import Op

@@ -79,7 +79,7 @@ from ..schedule.registry import schedule_rank_parts
 from ..schedule.schedule import Schedule
 from . import collectives as coll
 from .cluster import Link
-from .operators import embedding_ops, head_ops, layer_ops, pass_times, recomputed_ops
+from .operators import embedding_ops, head_ops, layer_rooflines, pass_times, recomputed_ops
 from .overlap import added, usage
 from .parallelism import FLEX_DISPATCHERS
 from .flops import head_flops, layer_flops, model_flops, recompute_flops
@@ -263,11 +263,9 @@ def derive(plan) -> PlanCosts:
             # (F) / around (I) the attention, exposed
             return x + (cp_c if gathered else added(cp_c, attn, u_cp)) + extra
 
-        ops = layer_ops(model, par, moe)        # (read three times below: made once)
-        if per_op:      # the operators' rooflines (pipesim.plan.operators)
-            pt = pass_times(ops, hw, par.precision)
-            at = pass_times([o for o in ops if o.kind == "attention"
-                             or o.name in ("softmax", "attention_dropout")], hw, par.precision)
+        # the operators, their rooflines and the attention core's (pipesim.plan.operators)
+        ops, pt, at = layer_rooflines(model, par, hw, moe)
+        if per_op:
             a = at.F
             a_i = at.I
             achieved = lf.forward / shard / (pt.F * hw.peak_flops)

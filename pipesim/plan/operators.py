@@ -40,6 +40,7 @@ or, without it, two batched GEMMs with softmax and dropout over the ``s x s`` sc
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 from .model import ModelSpec
 from .parallelism import Parallelism
@@ -113,10 +114,43 @@ class PassTimes:
     flops_F: float = 0.0
 
 
+def layer_key(par: Parallelism) -> tuple:
+    """The values of ``par`` a layer's operators depend on (:func:`layer_ops` reads these
+    alone): plans that differ only in pp, vpp, dp, ZeRO, recomputation or the batch share them."""
+    return (par.tp, par.sp, par.cp, par.micro_batch_size, par.precision, par.flash_attention,
+            par.cp_comm, par.ep, par.ep_dispatcher)
+
+
 def layer_ops(model: ModelSpec, par: Parallelism, moe: bool = False) -> list[Op]:
     """The operators of one transformer layer, one microbatch, one tp x cp rank."""
-    t, sp, cp, b = par.tp, par.sp, par.cp, par.micro_batch_size
-    e = 2 if par.precision != "fp32" else 4
+    return list(_layer_ops(model, bool(moe), *layer_key(par)))
+
+
+def layer_rooflines(model: ModelSpec, par: Parallelism, hw, moe: bool = False
+                    ) -> tuple[tuple[Op, ...], PassTimes, PassTimes]:
+    """A layer's operators, their pass times and the attention core's alone (its operators:
+    ``attention``, ``softmax``, ``attention_dropout``), made once per distinct layer: a search
+    derives thousands of plans whose layers are the same few (`layer_key`)."""
+    return _layer_rooflines(model, hw, bool(moe), *layer_key(par))
+
+
+# Pure functions of immutable values, asked for every plan a search derives: each made once per
+# distinct argument (as pipesim.plan.flops's counts)
+@lru_cache(maxsize=4096)
+def _layer_rooflines(model: ModelSpec, hw, moe: bool, *key) -> tuple[tuple[Op, ...], PassTimes,
+                                                                      PassTimes]:
+    ops = _layer_ops(model, moe, *key)
+    precision = key[4]
+    attention = [o for o in ops if o.kind == "attention"
+                 or o.name in ("softmax", "attention_dropout")]
+    return ops, pass_times(list(ops), hw, precision), pass_times(attention, hw, precision)
+
+
+@lru_cache(maxsize=4096)
+def _layer_ops(model: ModelSpec, moe: bool, t: int, sp: int, cp: int, b: int, precision: str,
+               flash_attention: bool, cp_comm: str, ep: int, ep_dispatcher: str
+               ) -> tuple[Op, ...]:
+    e = 2 if precision != "fp32" else 4
     s_full = model.seq_length
     T = b * s_full / cp                  # tokens a rank holds (after the tp all-gather)
     R = T / sp                           # tokens of the replicated region (sequence-parallel shard)
@@ -144,8 +178,8 @@ def layer_ops(model: ModelSpec, par: Parallelism, moe: bool = False) -> list[Op]
     s_loc = s_full / cp
     # all-gather CP (pipeexec's) attends the local queries to the whole gathered sequence
     # with an explicit (s/cp, s) mask: a masked kernel computes every block, skipping none
-    skip = 1 if (cp > 1 and par.cp_comm == "all_gather") else 2
-    if par.flash_attention:
+    skip = 1 if (cp > 1 and cp_comm == "all_gather") else 2
+    if flash_attention:
         # causal: the masked half skipped; MLA's widths and sliding windows as flops.py counts
         flops = 4 * b * s_loc * model.attention_span(s_full) * model.attention_width / t / skip
         ops.append(Op("flash_attention", "attention", flops,
@@ -182,13 +216,13 @@ def layer_ops(model: ModelSpec, par: Parallelism, moe: bool = False) -> list[Op]
         # and unpermutes after it, and with several experts a rank sorts the received chunks
         # by expert and back (sort_chunks_by_idxs: 4); HybridEP does both inside its
         # dispatch and combine kernels (0)
-        passes = PERMUTE_PASSES[par.ep_dispatcher]
-        if par.ep_dispatcher == "alltoall" and (par.ep == 1 or E <= par.ep):
+        passes = PERMUTE_PASSES[ep_dispatcher]
+        if ep_dispatcher == "alltoall" and (ep == 1 or E <= ep):
             passes = 2
         if passes:
             mem("permute", passes * 2 * e * T * k * h, passes * 2 * e * T * k * h)
         routed = T * k                                  # token copies a rank's experts take
-        local = max(1.0, E / par.ep)
+        local = max(1.0, E / ep)
         # grouped GEMM: the local experts' FLOPs, each expert's m its share of the copies
         fc1_before = len(ops)
         mlp("expert_", routed, model.moe_ffn, routed / local)
@@ -204,7 +238,7 @@ def layer_ops(model: ModelSpec, par: Parallelism, moe: bool = False) -> list[Op]
     else:
         mlp("", T, model.ffn, T)
     mem("bias_dropout_add2", (3 * e + drop) * R * h, (2 * e + drop) * R * h)
-    return ops
+    return tuple(ops)
 
 
 def head_ops(model: ModelSpec, par: Parallelism) -> list[Op]:
