@@ -12,10 +12,10 @@ from hypothesis import strategies as st
 
 import pipesim
 from pipesim.errors import PlanError
-from pipesim.hardware import Hardware, get_hardware
+from pipesim.hardware import get_hardware
 from pipesim.plan.flops import layer_flops
 from pipesim.plan.model import ModelSpec
-from pipesim.plan.operators import head_ops, layer_ops, pass_times
+from pipesim.plan.operators import layer_ops, pass_times
 from pipesim.plan.parallelism import Parallelism
 
 ROOT = pathlib.Path(__file__).parents[1]
