@@ -1,6 +1,6 @@
 """The simulator's fast paths give exactly what the full paths give.
 
-* `pipesim.sim.dataflow.run_dataflow` (async and blocking modes, no SimPy) against the SimPy
+* `pipesim.sim.dataflow.dataflow_spans` (async and blocking modes, no SimPy) against the SimPy
   engine `pipesim.sim.engine._run`, span for span, on every builder.
 * A simulated `SimResult` scores from the engine's arrays and builds its trace only when asked:
   its metrics equal those of `SimResult.from_trace` over that trace, and the trace equals one
@@ -14,7 +14,7 @@ import pytest
 import pipesim
 from pipesim import CostModel, ScheduleError
 from pipesim.sim import engine
-from pipesim.sim.dataflow import run_dataflow
+from pipesim.sim.dataflow import dataflow_spans
 from pipesim.sim.memory import peak_per_rank
 from pipesim.schedule.action import flat_parts
 from pipesim.schedule.program import lower
@@ -77,8 +77,8 @@ def test_dataflow_spans_equal_simpy_engine(schedule, comm):
                 program, factors, together, scale = engine_inputs(schedule, costs, jitter)
                 simpy_spans = engine._run(program, costs, factors, blocking, together=together,
                                           scale=scale)
-                *fast_spans, _ = run_dataflow(program, costs, factors, blocking, together, scale)
-                fast_spans = tuple(fast_spans)
+                fast_spans = tuple(dataflow_spans(program, costs, factors, blocking, together,
+                                                  scale))
                 assert fast_spans == simpy_spans, (overlap, blocking, jitter)
 
 
@@ -91,7 +91,7 @@ def test_dataflow_names_the_stuck_ranks():
     costs = CostModel()
     stuck = pipesim.Schedule(2, 1, 2, "looped", actions)          # not validated
     with pytest.raises(RuntimeError, match=r"rank\(s\) \[0, 1\]"):
-        run_dataflow(lower(stuck), costs, None, False)
+        dataflow_spans(lower(stuck), costs, None, False)
 
 
 def reference_trace(schedule, costs, comm, jitter):

@@ -23,8 +23,9 @@ the same times, to the bit. :func:`dataflow_order` finds one once a program (kep
 message not yet sent; a run is then one walk over that order, which never waits: no parking
 and waking of ranks (a rank waits about every other action in a 1F1B steady state), no event
 heap, no SimPy events (``tests/test_sim_engine.py`` compares the spans with the SimPy engine's
-on every builder). The plain case (no jitter, overlap scale, sharding lane or blocking sends:
-every default simulation) runs as :func:`walk_plain`, walk's statements for it in one loop.
+on every builder). The plain case (no jitter, overlap scale, gated overlapped pairs, sharding
+lane or blocking sends: every default simulation) runs as :func:`walk_plain`, walk's
+statements for it in one loop.
 
 The modes whose result depends on the order of events in time (``rendezvous``: a link serves
 transfers in the order they become ready; shared cores: a computation's speed depends on what
@@ -266,10 +267,10 @@ def walk_plain(order: Iterable[tuple], program: Program, tables: CostTables
     start and end. Plain: no jitter factors, overlap scale, overlapped pairs (no step has a
     gate: `gated`), sharding actions or streamed units (a computation only adds its time; a
     step from FIRST_COMM_CODE up is a RECV), sends that only occupy their link (not blocking,
-    no rendezvous), and nobody parks. The same statements
-    as `walk`'s for those steps (the tests compare the two on every builder), apart because
-    every default simulation runs this: a generator's frame, a :class:`Clocks` and the other
-    cases' branches were a tenth of a small run."""
+    no rendezvous), and nobody parks. The same statements as `walk`'s for those steps (the
+    tests compare the two on every builder), apart because every default simulation runs
+    this: a generator's frame, a :class:`Clocks` and the other cases' branches were a tenth of
+    a small run."""
     rows, pp = program.num_rows, program.pp
     starts, ends = [0.0] * rows, [0.0] * rows
     arrival = [-1.0] * program.num_messages           # as `Clocks` starts them
@@ -371,10 +372,3 @@ def dataflow_spans(program: Program, costs: CostModel, factors: Sequence[float] 
         raise AssertionError(f"the dataflow order runs a step before message {msg} is sent")
     return clocks.starts, clocks.ends
 
-
-def run_dataflow(program: Program, costs: CostModel, factors: Sequence[float] | None,
-                 blocking: bool, together: bool = False, scale: dict[int, float] | None = None
-                 ) -> tuple[list[float], list[float], list[list[int]]]:
-    """`dataflow_spans`, and each rank's compute rows (ascending)."""
-    starts, ends = dataflow_spans(program, costs, factors, blocking, together, scale)
-    return starts, ends, program.compute_rows()

@@ -47,7 +47,7 @@ from simpy.events import NORMAL
 from ..plan.costs import CostModel
 from .dataflow import Clocks, dataflow_spans, walk
 from .result import SimResult
-from .rows import make_row_arrays
+from .rows import row_arrays
 from .spans import Spans
 from ..schedule.op import CODE_ALLREDUCE, CODE_OPTIMIZER, FIRST_COMM_CODE, FIRST_SHARD_CODE
 from ..schedule.program import Program, Row, lower
@@ -92,7 +92,7 @@ def simulate(schedule: Schedule, costs: CostModel | None = None, *, comm: str = 
         starts, ends = dataflow_spans(program, costs, factors, comm == "blocking", together,
                                       scale)
     if not step_tail:
-        rows = program.derived(make_row_arrays)
+        rows = row_arrays(program)
         spans = Spans(starts, ends, rows.row_rank, rows.compute_rows, rows.compute_rank,
                       lambda: _columns(schedule, program, costs), rows)
         return SimResult.from_spans(spans, schedule=schedule, costs=costs, options=options)

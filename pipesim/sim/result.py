@@ -79,11 +79,8 @@ class SimResult:
         ``options`` is kept as given, not copied: the engine makes a new dict a run."""
         result = cls.__new__(cls)
         pp = schedule.pp
-        times = spans.times                     # (`Spans.small_times(pp)`, without the call)
-        if times is not None and len(times[1]) != pp:
-            times = None
         result._setup(spans, schedule, costs, None, {} if options is None else options,
-                      "simulated", pp, times)
+                      "simulated", pp, spans.small_times(pp))
         return result
 
     @cached_property

@@ -42,12 +42,10 @@ class RowArrays(NamedTuple):
 
 def row_arrays(program: Program) -> RowArrays:
     """The program's :class:`RowArrays`, made on first use and kept with it."""
-    return program.derived(make_row_arrays)
+    return program.derived(_make_row_arrays)
 
 
-def make_row_arrays(program: Program) -> RowArrays:
-    """The program's :class:`RowArrays`, made now (`row_arrays` keeps them with it; the
-    engine asks ``program.derived(make_row_arrays)`` itself, one call fewer a run)."""
+def _make_row_arrays(program: Program) -> RowArrays:
     per_rank = [len(rows) for rows in program.in_turn]
     row_rank = np.repeat(np.arange(program.pp, dtype=np.int64), per_rank)
     flat = [r for r in chain.from_iterable(program.in_turn) if r[0] < FIRST_COMM_CODE]
