@@ -105,6 +105,32 @@ def test_sequence_parallel_all_gathers_move_the_quantized_input(gpu, precision, 
         n * 2 * (coll.all_gather(act, 4, link) + coll.reduce_scatter(act, 4, link)), rel=1e-12)
 
 
+def test_sequence_parallel_weight_gradient_gathers_its_input_again():
+    """Sequence parallelism keeps only the rank's chunk of a column-parallel GEMM's input
+    (Megatron-Core; Transformer Engine's Linear; pipeexec's _ChunkWeightGrad): W gathers it
+    again, QKV's and FC1's, in the forward gather's bytes. Without the TP overlap the gathers
+    add to W whole (pipeexec's W waits for them); with it they hide under W's GEMMs."""
+    from pipeexec.analysis.tensor_parallel import group_collectives
+
+    plan = pipesim.Plan.create(GPT, "H100", tp=4, pp=2, global_batch_size=4,
+                               sequence_parallel=True, overlap_tp_comm=False)
+    d = plan.derive()
+    n = GPT.layers // 2
+    want = n * 2 * coll.all_gather(2 * GPT.seq_length * GPT.hidden, 4, d.links["tp"])
+    assert d.stage_comm[1]["W"]["tp"] == pytest.approx(want, rel=1e-12)
+    assert group_collectives(d)["tp"]["backward_weight"][1] == pytest.approx(want, rel=1e-12)
+    free = plan.with_(cluster=plan.cluster.with_(**FREE)).derive()
+    w, w_free = (x.costs.stage_values("backward_weight", 2) for x in (d, free))
+    assert w[1] - w_free[1] == pytest.approx(want, rel=1e-9)
+    hidden = plan.with_(overlap_tp_comm=True).derive()
+    assert hidden.stage_comm[1]["W"]["tp"] == pytest.approx(want, rel=1e-12)
+    # what W's short GEMMs (a 2k-wide model at tp 4) cannot hide shows: less than all of it
+    assert 0 < hidden.costs.stage_values("backward_weight", 2)[1] - w_free[1] < 0.9 * want
+    # no gather without sequence parallelism, none at tp 1
+    for p in (plan.with_(sequence_parallel=False), plan.with_(tp=1, sequence_parallel=False)):
+        assert p.derive().stage_comm[1]["W"]["tp"] == 0.0
+
+
 def test_recomputation_adds_the_forward_to_the_input_gradient():
     plain = pipesim.Plan.create(GPT, "H100", pp=2, global_batch_size=4, flash_attention=False, **FREE,
                                 **CONST)

@@ -28,8 +28,10 @@ OPS = ("forward", "backward", "backward_input", "backward_weight")
 FREE = 1e30        # bytes/s: a link that costs nothing
 GROUPS = ("tp", "cp", "ep")
 EXECUTOR_CP_COMM = "all_gather"     # pipeexec.parallel.context: K/V all-gathered, not a ring
-# each op's passes in PlanCosts.stage_comm (B is I and W; W runs no layer collective)
-_PASSES = {"forward": ("F",), "backward": ("I",), "backward_input": ("I",), "backward_weight": ()}
+# each op's passes in PlanCosts.stage_comm (B is I and W; W's collective: sequence
+# parallelism's input gathered again for the weight gradient)
+_PASSES = {"forward": ("F",), "backward": ("I", "W"), "backward_input": ("I",),
+           "backward_weight": ("W",)}
 
 
 def as_executed(plan: Any) -> Any:

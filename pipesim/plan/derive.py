@@ -151,7 +151,7 @@ class PlanCosts:
     rank_buffers: list[float]                     # per pipeline rank: transient bytes
     tail: list[RankTail]                          # per pipeline rank
     comm: dict[str, float] = field(default_factory=dict)   # per microbatch, whole pipeline: seconds
-    # per stage, per pass ("F", "I"), each group's ("tp", "cp", "ep") collective seconds inside
+    # per stage, per pass ("F", "I", "W"), each group's ("tp", "cp", "ep") collective seconds inside
     # the layers for one microbatch (what of it is exposed depends on the overlap settings)
     stage_comm: list[dict[str, dict[str, float]]] = field(default_factory=list)
     model_flops: float = 0.0                      # per step, all GPUs (Korthikanti eq. 7)
@@ -276,27 +276,41 @@ def derive(plan) -> PlanCosts:
             comp_f, comp_i, comp_w = g + a, g + 2 * a, g
         # all_gather keeps only q, k, v: the backward recomputes the attention core's forward
         recomputed_attention = a if gathered and cp > 1 else 0.0
+        gemms = {o.name: o for o in ops if o.kind == "gemm"}
+
+        def gemm_pass(name: str, pass_: str) -> float:
+            """One GEMM's seconds in one pass (F, I or W)."""
+            o = gemms.get(name) or gemms.get("expert_" + name)
+            if o is None:
+                return 0.0
+            if not per_op:
+                return o.flops / gemm_rate
+            pt = pass_times([o], hw, par.precision)
+            return {"F": pt.F, "I": pt.I, "W": pt.W}[pass_]
+
         ub_f = ub_i = 0.0
         if userbuffers:
             # Megatron's --tp-comm-overlap (userbuffers, with sequence parallelism): each
             # all-gather in tp chunks under the GEMM that consumes it, each reduce-scatter
             # under the GEMM that produces it; in I the reverse collectives under the data
             # gradients' GEMMs (pipesim.plan.overlap)
-            gemms = {o.name: o for o in ops if o.kind == "gemm"}
-
-            def g(name: str, pass_: str) -> float:
-                o = gemms.get(name) or gemms.get("expert_" + name)
-                if o is None:
-                    return 0.0
-                if not per_op:
-                    return o.flops / gemm_rate
-                pt = pass_times([o], hw, par.precision)
-                return pt.F if pass_ == "F" else pt.I
-
-            ub_f = sum(added(c, g(n, "F"), u_tp, t) for c, n in
+            ub_f = sum(added(c, gemm_pass(n, "F"), u_tp, t) for c, n in
                        ((tp_ag, "qkv"), (tp_rs, "proj"), (tp_ag, "fc1"), (tp_rs, "fc2")))
-            ub_i = sum(added(c, g(n, "I"), u_tp, t) for c, n in
+            ub_i = sum(added(c, gemm_pass(n, "I"), u_tp, t) for c, n in
                        ((tp_rs, "qkv"), (tp_ag, "proj"), (tp_rs, "fc1"), (tp_ag, "fc2")))
+        # sequence parallelism keeps only the rank's chunk of a column-parallel GEMM's input
+        # for the backward (Megatron-Core; Transformer Engine's Linear: backward_input_needs_
+        # gather; pipeexec's _ChunkWeightGrad): its weight gradient gathers it again, in the
+        # quantized bytes as the forward's gather, one all-gather for QKV and one for FC1.
+        # Userbuffers' bulk overlap hides it under a GEMM (what it cannot hide shows);
+        # without, it is exposed (pipeexec's W waits for it)
+        tp_w = 2 * tp_ag if (par.sequence_parallel and t > 1) else 0.0
+        if not tp_w:
+            regather = 0.0
+        elif userbuffers:
+            regather = sum(added(tp_ag, gemm_pass(n, "W"), u_tp, t) for n in ("qkv", "fc1"))
+        else:
+            regather = tp_w
         ep_x, ep_bx = ep, ep_b
         if par.overlap_ep_comm and ep + ep_b > 0:
             # Megatron's EP overlap (overlap_moe_expert_parallel_comm, with delay_wgrad_compute):
@@ -321,7 +335,7 @@ def derive(plan) -> PlanCosts:
         rec_flops = sum(o.flops for o in again if o.counted and o.kind != "memory") * shard
         f = op(comp_f, a, tp_pass, cp_f, ep_x, ub_f)
         i = op(comp_i + recomputed_attention, a_i, tp_pass, cp_i, ep_bx, ub_i)
-        return {"F": f, "I": i, "W": comp_w, "attn": a, "params": lp_rank, "achieved": achieved,
+        return {"F": f, "I": i, "W": comp_w + regather, "attn": a, "params": lp_rank, "achieved": achieved,
                 "rec_F": rec_f + rec_ep, "rec_ep": rec_ep, "rec_flops": rec_flops,
                 # ZeRO's collectives of the layer, one unit of its stage's UNSHARD (the weights'
                 # bytes) and REDUCE_GRAD (the gradients' bytes)
@@ -330,7 +344,8 @@ def derive(plan) -> PlanCosts:
                 "attn_recompute": recomputed_attention,
                 # each group's collective seconds per pass (the exchange, whatever of it shows)
                 "comm_F": {"tp": tp_pass, "cp": cp_f, "ep": ep},
-                "comm_I": {"tp": tp_pass, "cp": cp_i, "ep": ep_b}}
+                "comm_I": {"tp": tp_pass, "cp": cp_i, "ep": ep_b},
+                "comm_W": {"tp": tp_w, "cp": 0.0, "ep": 0.0}}
 
     kinds = {False: kind(False), True: kind(True) if model.is_moe else None}
     if per_op:
@@ -384,7 +399,7 @@ def derive(plan) -> PlanCosts:
         # backward, each copy under the next layer's compute (what it cannot hide shows), one
         # layer's in flight on the GPU
         copy = la.total / hw.host_bandwidth if offloaded else 0.0
-        cf, ci = k["comm_F"], k["comm_I"]
+        cf, ci, cw = k["comm_F"], k["comm_I"], k["comm_W"]
         groups = ("tp", "cp", "ep")
         return (k["F"], k["I"] + (k["F"] if full else 0.0),
                 k["rec_F"] if selective else None, attn, k["W"],
@@ -396,7 +411,8 @@ def derive(plan) -> PlanCosts:
                 # full recomputation runs the forward's collectives again inside I
                 tuple(ci[c] + (cf[c] if full else 0.0)
                       + (k["rec_ep"] if selective and c == "ep" else 0.0) for c in groups),
-                tuple(cf[c] + ci[c] for c in groups))
+                tuple(cw[c] for c in groups),
+                tuple(cf[c] + ci[c] + cw[c] for c in groups))
 
     steps: dict[tuple[bool, str, bool], tuple] = {}
     # the collectives' seconds per group (tp, cp, ep) over the whole pipeline
@@ -417,7 +433,7 @@ def derive(plan) -> PlanCosts:
         gather_s = reduce_s = 0.0
         units = 0
         transient = 0.0
-        f_tp = f_cp = f_ep = i_tp = i_cp = i_ep = 0.0
+        f_tp = f_cp = f_ep = i_tp = i_cp = i_ep = w_tp = 0.0
         for j, moe in enumerate(pattern[start:start + count]):
             rec = par.recompute
             if rec == "full" and par.recompute_layers is not None and j >= par.recompute_layers:
@@ -427,7 +443,7 @@ def derive(plan) -> PlanCosts:
             if step is None:
                 step = steps[key] = layer_step(*key)
             (df, di, dsel, dattn, dw, off_f, off_i, off_held, da, dwg, recomputed, dd, de, dg,
-             dr, on_f, on_i, on_both) = step
+             dr, on_f, on_i, on_w, on_both) = step
             f += df
             i += di
             if dsel is not None:
@@ -456,6 +472,7 @@ def derive(plan) -> PlanCosts:
             i_tp += on_i[0]
             i_cp += on_i[1]
             i_ep += on_i[2]
+            w_tp += on_w[0]
             c_tp += on_both[0]
             c_cp += on_both[1]
             c_ep += on_both[2]
@@ -463,7 +480,8 @@ def derive(plan) -> PlanCosts:
                 # the whole sequence's K/V gathered inside one attention, and in its backward
                 # their gradients too before the reduce-scatter
                 transient = max(transient, 2 * kv_bytes)
-        sc = {"F": {"tp": f_tp, "cp": f_cp, "ep": f_ep}, "I": {"tp": i_tp, "cp": i_cp, "ep": i_ep}}
+        sc = {"F": {"tp": f_tp, "cp": f_cp, "ep": f_ep}, "I": {"tp": i_tp, "cp": i_cp, "ep": i_ep},
+              "W": {"tp": w_tp, "cp": 0.0, "ep": 0.0}}
         start += count
         if stage == 0:
             emb_p = model.embedding_params(t) / t
