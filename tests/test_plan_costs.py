@@ -89,13 +89,13 @@ def test_sequence_parallel_all_gathers_move_the_quantized_input(gpu, precision, 
     all-gather (and the output gradient before the backward's): FP8 1 byte an element, MXFP8
     one more E8M0 scale a 32, NVFP4 half a byte and an E4M3 scale a 16; the reduce-scatters
     of the outputs and input gradients stay bf16. A layer's pass: two of each; a stage's, its
-    eight layers'."""
-    plan = pipesim.Plan.create(GPT, gpu, tp=4, pp=2, global_batch_size=4,
+    four layers'."""
+    plan = pipesim.Plan.create(GPT, gpu, tp=4, pp=4, global_batch_size=4,
                                sequence_parallel=True, precision=precision)
     d = plan.derive()
     act = 2 * GPT.seq_length * GPT.hidden          # bf16 activation of one sequence
     link = d.links["tp"]
-    n = GPT.layers // 2
+    n = GPT.layers // 4                            # a middle stage: layers alone
     want = n * 2 * (coll.all_gather(act * per_element / 2, 4, link)
                     + coll.reduce_scatter(act, 4, link))
     assert d.stage_comm[1]["F"]["tp"] == pytest.approx(want, rel=1e-12)
@@ -109,26 +109,47 @@ def test_sequence_parallel_weight_gradient_gathers_its_input_again():
     """Sequence parallelism keeps only the rank's chunk of a column-parallel GEMM's input
     (Megatron-Core; Transformer Engine's Linear; pipeexec's _ChunkWeightGrad): W gathers it
     again, QKV's and FC1's, in the forward gather's bytes. Without the TP overlap the gathers
-    add to W whole (pipeexec's W waits for them); with it they hide under W's GEMMs."""
+    add to W whole (pipeexec's W waits for them); with it they hide under W's GEMMs. The
+    output layer (column-parallel over the vocabulary) gathers its bf16 input in F and again
+    in W and reduce-scatters its input gradient in I; the embedding's backward all-gathers
+    the bf16 gradient its forward reduce-scattered."""
     from pipeexec.analysis.tensor_parallel import group_collectives
 
-    plan = pipesim.Plan.create(GPT, "H100", tp=4, pp=2, global_batch_size=4,
+    plan = pipesim.Plan.create(GPT, "H100", tp=4, pp=4, global_batch_size=4,
                                sequence_parallel=True, overlap_tp_comm=False)
     d = plan.derive()
-    n = GPT.layers // 2
-    want = n * 2 * coll.all_gather(2 * GPT.seq_length * GPT.hidden, 4, d.links["tp"])
+    link = d.links["tp"]
+    n = GPT.layers // 4
+    act = 2 * GPT.seq_length * GPT.hidden
+    ag = coll.all_gather(act, 4, link)
+    want = n * 2 * ag
     assert d.stage_comm[1]["W"]["tp"] == pytest.approx(want, rel=1e-12)
     assert group_collectives(d)["tp"]["backward_weight"][1] == pytest.approx(want, rel=1e-12)
     free = plan.with_(cluster=plan.cluster.with_(**FREE)).derive()
-    w, w_free = (x.costs.stage_values("backward_weight", 2) for x in (d, free))
+    w, w_free = (x.costs.stage_values("backward_weight", 4) for x in (d, free))
     assert w[1] - w_free[1] == pytest.approx(want, rel=1e-9)
+    # the head: its input gathered in F and W, its gradient reduce-scattered in I
+    assert d.stage_comm[3]["W"]["tp"] == pytest.approx(want + ag, rel=1e-12)
+    assert w[3] - w_free[3] == pytest.approx(want + ag, rel=1e-9)
+    assert d.stage_comm[3]["F"]["tp"] - d.stage_comm[1]["F"]["tp"] == pytest.approx(ag, rel=1e-9)
+    assert d.stage_comm[3]["I"]["tp"] - d.stage_comm[1]["I"]["tp"] == pytest.approx(
+        coll.reduce_scatter(act, 4, link), rel=1e-9)
+    # the embedding: F reduce-scatters its output, I all-gathers the gradient
+    assert d.stage_comm[0]["F"]["tp"] - d.stage_comm[1]["F"]["tp"] == pytest.approx(
+        coll.reduce_scatter(act, 4, link), rel=1e-9)
+    assert d.stage_comm[0]["I"]["tp"] - d.stage_comm[1]["I"]["tp"] == pytest.approx(ag, rel=1e-9)
     hidden = plan.with_(overlap_tp_comm=True).derive()
     assert hidden.stage_comm[1]["W"]["tp"] == pytest.approx(want, rel=1e-12)
     # what W's short GEMMs (a 2k-wide model at tp 4) cannot hide shows: less than all of it
-    assert 0 < hidden.costs.stage_values("backward_weight", 2)[1] - w_free[1] < 0.9 * want
-    # no gather without sequence parallelism, none at tp 1
-    for p in (plan.with_(sequence_parallel=False), plan.with_(tp=1, sequence_parallel=False)):
-        assert p.derive().stage_comm[1]["W"]["tp"] == 0.0
+    assert 0 < hidden.costs.stage_values("backward_weight", 4)[1] - w_free[1] < 0.9 * want
+    # no gather without sequence parallelism (the head's input gradient all-reduced in I),
+    # none at tp 1
+    no_sp = plan.with_(sequence_parallel=False).derive()
+    assert [sc["W"]["tp"] for sc in no_sp.stage_comm] == [0.0] * 4
+    assert no_sp.stage_comm[3]["I"]["tp"] - no_sp.stage_comm[1]["I"]["tp"] == pytest.approx(
+        coll.all_reduce(act, 4, link), rel=1e-9)
+    one = plan.with_(tp=1, sequence_parallel=False).derive()
+    assert all(sc[p]["tp"] == 0.0 for sc in one.stage_comm for p in ("F", "I", "W"))
 
 
 def test_recomputation_adds_the_forward_to_the_input_gradient():

@@ -358,7 +358,21 @@ def derive(plan) -> PlanCosts:
         head_f = head_i = head_w = head_flops(model, b, tp=t) / shard / gemm_rate
         emb_f = emb_i = 0.0
     # the embedding's output: one all-reduce, or with sequence parallelism one reduce-scatter
+    # (vocabulary-parallel: each rank holds its rows' lookups); its backward: nothing, or the
+    # all-gather of the bf16 gradient
+    sp_on = par.sequence_parallel and t > 1
     emb_comm = tp_rs if par.sequence_parallel else tp_one
+    emb_comm_i = coll.all_gather(act_bytes, t, links["tp"]) if sp_on else 0.0
+    # the output layer, column-parallel over the vocabulary (Megatron's ColumnParallelLinear,
+    # pipeexec's lm_head): with sequence parallelism F gathers the final norm's output, I
+    # reduce-scatters its gradient and W gathers the input again (the rank keeps its chunk);
+    # without, I all-reduces the input gradient. The head runs in bf16: the bf16 bytes
+    if sp_on:
+        head_ag = coll.all_gather(act_bytes, t, links["tp"])
+        head_comm = {"F": head_ag, "I": tp_rs, "W": head_ag}
+    else:
+        head_comm = {"F": 0.0, "I": coll.all_reduce(act_bytes, t, links["tp"]) if t > 1 else 0.0,
+                     "W": 0.0}
 
     fwd, inp, wgt, act, wfrac, params_st, mem_st = [], [], [], [], [], [], []
     buffers_stage = []
@@ -488,7 +502,10 @@ def derive(plan) -> PlanCosts:
             dense_p += emb_p
             a_bytes += embedding_activations(model, par)
             f += emb_comm + emb_f
-            i += emb_comm + emb_i
+            i += emb_comm_i + emb_i
+            sc["F"]["tp"] += emb_comm
+            sc["I"]["tp"] += emb_comm_i
+            c_tp += emb_comm + emb_comm_i
             gather_s += zero_gather(emb_p, 0.0)
             reduce_s += zero_reduce(emb_p, 0.0)
             units += 1
@@ -497,9 +514,12 @@ def derive(plan) -> PlanCosts:
             if model.tied_embeddings and n > 1:
                 head_p += model.padded_vocab(t) * model.hidden    # the output layer's copy
             dense_p += head_p / t
-            f += head_f
-            i += head_i
-            w += head_w
+            f += head_f + head_comm["F"]
+            i += head_i + head_comm["I"]
+            w += head_w + head_comm["W"]
+            for pass_, c in head_comm.items():
+                sc[pass_]["tp"] += c
+                c_tp += c
             gather_s += zero_gather(head_p / t, 0.0)
             reduce_s += zero_reduce(head_p / t, 0.0)
             units += 1
