@@ -152,7 +152,8 @@ class PlanCosts:
     tail: list[RankTail]                          # per pipeline rank
     comm: dict[str, float] = field(default_factory=dict)   # per microbatch, whole pipeline: seconds
     # per stage, per pass ("F", "I", "W"), each group's ("tp", "cp", "ep") collective seconds inside
-    # the layers for one microbatch (what of it is exposed depends on the overlap settings)
+    # the layers, the embedding and the output layer for one microbatch (what of it is exposed
+    # depends on the overlap settings)
     stage_comm: list[dict[str, dict[str, float]]] = field(default_factory=list)
     model_flops: float = 0.0                      # per step, all GPUs (Korthikanti eq. 7)
     hardware_flops: float = 0.0                   # per step, with recomputation
