@@ -359,7 +359,7 @@ def rate_run(run: Run, **space: object):
 def explained(rating) -> str:
     """How a rating meets the planner's bar, or "" where it does not: within 10% of the pick,
     the layout does not fit pipesim's memory model, or one knob changed alone closes at least
-    half of the gap (the why-table names that term)."""
+    half of the gap (the why-table names that term), or else the two largest together do."""
     if 0.9 <= rating.relative <= 1.1:
         return "within 10%"
     if not rating.fits:
@@ -368,6 +368,10 @@ def explained(rating) -> str:
     for c in rating.changes:
         if c.step_time is not None and (rating.step_time - c.step_time) / gap >= 0.5:
             return f"{c.knob} {c.mine} -> {c.best}"
+    t = rating.together
+    if t is not None and t.step_time is not None and (rating.step_time - t.step_time) / gap >= 0.5:
+        return " and ".join(f"{k} {a} -> {b}" for k, a, b in zip(t.knob.split(" + "), t.mine,
+                                                                   t.best))
     return ""
 
 

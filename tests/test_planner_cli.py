@@ -304,6 +304,9 @@ def test_rate_prints_your_plan_against_the_best_and_each_knob_changed_alone(tmp_
     best = Plan.from_json(best_file)
     mine_r, best_t = simulate_plan(mine), simulate_plan(best).step_time
     head, title, *changes = rating_block(out)
+    # the two changes that save the most, together, last
+    assert changes[-1].startswith("the two largest together: "), changes[-1]
+    together, changes = changes[-1], changes[:-1]
     assert head.startswith(f"your plan: {mine_r.step_time:.4g} s a step, "
                            f"{best_t / mine_r.step_time:.2f}x the best plan's throughput "
                            f"({best_t:.4g} s); ")
@@ -332,9 +335,15 @@ def test_rate_prints_your_plan_against_the_best_and_each_knob_changed_alone(tmp_
             simulate_plan(one_knob(mine, best, knob))
     times = [t for t, _ in printed.values()]
     assert times == sorted(times)                     # the largest saving first
+    k1, k2 = list(printed)[:2]
+    m = re.match(rf"the two largest together: {k1} .+ -> .+ and {k2} .+ -> .+: ([\d.e+-]+) s, ",
+                 together)
+    assert m, together
+    want = simulate_plan(one_knob(one_knob(mine, best, k1), best, k2)).step_time
+    assert float(m[1]) == pytest.approx(want, rel=1e-3)
     # --compare is the same flag
     assert main(BASE + LIMIT + ["--compare", str(tmp_path / "mine.json")]) == 0
-    assert rating_block(capsys.readouterr().out) == [head, title, *changes]
+    assert rating_block(capsys.readouterr().out) == [head, title, *changes, together]
 
 
 def test_rate_refuses_a_plan_of_another_cluster_size_before_searching(tmp_path, capsys):

@@ -77,13 +77,33 @@ def test_rate_compares_one_knob_at_a_time_with_the_best_and_sorts_by_saving():
     assert r.relative == pytest.approx(simulate_plan(best).step_time / r.step_time)
     knobs = {c.knob: c for c in r.changes}
     assert set(knobs) == {"schedule", "tp", "pp", "recompute", "zero", "sequence_parallel"}
-    # tp 1 -> 2 keeps the 16 GPUs: dp moves, 2 -> 1
+    # tp 1 -> 2 keeps the 8 GPUs: dp moves, 2 -> 1
     tp = simulate_plan(mine.with_(tp=2, dp=1)).step_time
     assert knobs["tp"].step_time == pytest.approx(tp)
     steps = [c.step_time for c in r.changes if c.step_time is not None]
     assert steps == sorted(steps)
     assert "0.60x" in r.text() or f"{r.relative:.2f}x" in r.text()
+    # the two that save the most, together: the plan with both knobs set by hand
+    first, second = [c for c in r.changes if c.step_time is not None][:2]
+    assert first.step_time < r.step_time and second.step_time < r.step_time
+    both = mine
+    for c in (first, second):
+        value = (best.schedule_name, best.parallelism.vpp) if c.knob == "schedule" else \
+            getattr(best.parallelism, c.knob)
+        if c.knob == "schedule":
+            both = both.with_(schedule=value[0], vpp=value[1])
+        elif c.knob in ("tp", "pp"):
+            sizes = {"tp": both.parallelism.tp, "pp": both.parallelism.pp, c.knob: value}
+            both = both.with_(**{c.knob: value,
+                                 "dp": mine.world_size // (sizes["tp"] * sizes["pp"])})
+        else:
+            both = both.with_(**{c.knob: value})
+    t = r.together
+    assert t.knob == f"{first.knob} + {second.knob}"
+    assert t.step_time == pytest.approx(simulate_plan(both).step_time, rel=1e-12)
+    assert "the two largest together: " in r.text()
     assert rate_plan(best, best, 70e9).changes == []
+    assert rate_plan(best, best, 70e9).together is None
     with pytest.raises(pipesim.PlanError, match="--gpus"):
         rate_plan(mine.with_(dp=1), best, 70e9)
 

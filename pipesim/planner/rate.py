@@ -5,7 +5,8 @@ Here the user's plan is simulated as it is, then changed one knob at a time to t
 value (tp, cp and pp keep the GPU count by moving dp; the schedule and vpp move together; ep
 to 1 takes ep 1's one dispatcher, the default, and the best plan's dispatcher is a knob only
 where its ep > 1, as the search tries them), each change simulated; the changes are listed by the step time they save, the invalid ones with the
-reason. The same cluster and memory limit as the search.
+reason. Where no one knob closes the gap, two often do: the two that save the most are also
+simulated together (`Rating.together`). The same cluster and memory limit as the search.
 """
 from __future__ import annotations
 
@@ -44,6 +45,8 @@ class Rating:
     fits: bool
     fit_message: str
     changes: list[KnobChange]
+    # the two changes that save the most, made together ("a + b"; None: fewer than two save)
+    together: KnobChange | None = None
 
     @property
     def relative(self) -> float:
@@ -64,6 +67,16 @@ class Rating:
             fit = "" if c.fits else "  (does not fit)"
             lines.append(f"  {c.knob} {c.mine} -> {c.best}: {c.step_time:.4g} s, "
                          f"{_faster(gain)}{fit}")
+        t = self.together
+        if t is not None:
+            what = " and ".join(f"{k} {a} -> {b}" for k, a, b in zip(t.knob.split(" + "), t.mine,
+                                                                       t.best))
+            if t.step_time is None:
+                lines.append(f"the two largest together: {what}: not valid ({t.reason})")
+            else:
+                fit = "" if t.fits else "  (does not fit)"
+                lines.append(f"the two largest together: {what}: {t.step_time:.4g} s, "
+                             f"{_faster(1 - t.step_time / self.step_time)}{fit}")
         return "\n".join(lines)
 
 
@@ -131,7 +144,27 @@ def rate_plan(mine: Plan, best: Plan, memory_limit: float) -> Rating:
             changes.append(KnobChange(knob, shown_a, shown_v, None, False, str(exc)))
     changes.sort(key=lambda c: (c.step_time is None, c.step_time or 0.0))
     fits = max(r.peak_memory) <= memory_limit
-    return Rating(r.step_time, b.step_time, fits, fit_text(r.peak_memory, memory_limit), changes)
+    return Rating(r.step_time, b.step_time, fits, fit_text(r.peak_memory, memory_limit), changes,
+                  _together(mine, best, r.step_time, changes, memory_limit))
+
+
+def _together(mine: Plan, best: Plan, step_time: float, changes: list[KnobChange],
+              memory_limit: float) -> KnobChange | None:
+    """The two changes that save the most, made one after the other on ``mine``."""
+    saving = [c for c in changes if c.step_time is not None and c.step_time < step_time]
+    if len(saving) < 2:
+        return None
+    first, second = saving[:2]
+    knob = f"{first.knob} + {second.knob}"
+    shown = (first.mine, second.mine), (first.best, second.best)
+    try:
+        plan = mine
+        for c in (first, second):
+            plan = _with(plan, c.knob, _value(best, c.knob))
+        t = simulate_plan(plan)
+    except (PlanError, ValueError) as exc:
+        return KnobChange(knob, *shown, None, False, str(exc))
+    return KnobChange(knob, *shown, t.step_time, max(t.peak_memory) <= memory_limit)
 
 
 __all__ = ["KnobChange", "Rating", "rate_plan"]
