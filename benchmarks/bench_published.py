@@ -367,11 +367,10 @@ def explained(rating) -> str:
     gap = rating.step_time - rating.best_step_time
     for c in rating.changes:
         if c.step_time is not None and (rating.step_time - c.step_time) / gap >= 0.5:
-            return f"{c.knob} {c.mine} -> {c.best}"
+            return c.what
     t = rating.together
     if t is not None and t.step_time is not None and (rating.step_time - t.step_time) / gap >= 0.5:
-        return " and ".join(f"{k} {a} -> {b}" for k, a, b in zip(t.knob.split(" + "), t.mine,
-                                                                   t.best))
+        return t.what
     return ""
 
 

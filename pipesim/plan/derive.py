@@ -305,13 +305,9 @@ def derive(plan) -> PlanCosts:
         # quantized bytes as the forward's gather, one all-gather for QKV and one for FC1.
         # Userbuffers' bulk overlap hides it under a GEMM (what it cannot hide shows);
         # without, it is exposed (pipeexec's W waits for it)
-        tp_w = 2 * tp_ag if (par.sequence_parallel and t > 1) else 0.0
-        if not tp_w:
-            regather = 0.0
-        elif userbuffers:
-            regather = sum(added(tp_ag, gemm_pass(n, "W"), u_tp, t) for n in ("qkv", "fc1"))
-        else:
-            regather = tp_w
+        tp_w = 2 * tp_ag                   # 0 without sequence parallelism (tp_ag is)
+        regather = (sum(added(tp_ag, gemm_pass(n, "W"), u_tp, t) for n in ("qkv", "fc1"))
+                    if userbuffers else tp_w)
         ep_x, ep_bx = ep, ep_b
         if par.overlap_ep_comm and ep + ep_b > 0:
             # Megatron's EP overlap (overlap_moe_expert_parallel_comm, with delay_wgrad_compute):
@@ -358,22 +354,18 @@ def derive(plan) -> PlanCosts:
     else:
         head_f = head_i = head_w = head_flops(model, b, tp=t) / shard / gemm_rate
         emb_f = emb_i = 0.0
-    # the embedding's output: one all-reduce, or with sequence parallelism one reduce-scatter
-    # (vocabulary-parallel: each rank holds its rows' lookups); its backward: nothing, or the
-    # all-gather of the bf16 gradient
-    sp_on = par.sequence_parallel and t > 1
-    emb_comm = tp_rs if par.sequence_parallel else tp_one
-    emb_comm_i = coll.all_gather(act_bytes, t, links["tp"]) if sp_on else 0.0
-    # the output layer, column-parallel over the vocabulary (Megatron's ColumnParallelLinear,
-    # pipeexec's lm_head): with sequence parallelism F gathers the final norm's output, I
-    # reduce-scatters its gradient and W gathers the input again (the rank keeps its chunk);
-    # without, I all-reduces the input gradient. The head runs in bf16: the bf16 bytes
-    if sp_on:
-        head_ag = coll.all_gather(act_bytes, t, links["tp"])
-        head_comm = {"F": head_ag, "I": tp_rs, "W": head_ag}
-    else:
-        head_comm = {"F": 0.0, "I": coll.all_reduce(act_bytes, t, links["tp"]) if t > 1 else 0.0,
-                     "W": 0.0}
+    # the embedding's and the output layer's tp collectives per pass (both outside the
+    # quantized layers: bf16 bytes). The embedding (vocabulary-parallel: each rank holds its
+    # rows' lookups): its output all-reduced, or with sequence parallelism reduce-scattered and
+    # the gradient all-gathered back. The output layer, column-parallel over the vocabulary
+    # (Megatron's ColumnParallelLinear, pipeexec's lm_head): with sequence parallelism F
+    # gathers the final norm's output, I reduce-scatters its gradient and W gathers the input
+    # again (the rank keeps its chunk); without, I all-reduces the input gradient
+    seq_par = par.sequence_parallel
+    bf16_ag = coll.all_gather(act_bytes, t, links["tp"]) if seq_par else 0.0
+    emb_comm = {"F": tp_rs if seq_par else tp_one, "I": bf16_ag, "W": 0.0}
+    head_comm = {"F": bf16_ag, "W": bf16_ag,
+                 "I": tp_rs if seq_par else coll.all_reduce(act_bytes, t, links["tp"])}
 
     fwd, inp, wgt, act, wfrac, params_st, mem_st = [], [], [], [], [], [], []
     buffers_stage = []
@@ -502,11 +494,9 @@ def derive(plan) -> PlanCosts:
             emb_p = model.embedding_params(t) / t
             dense_p += emb_p
             a_bytes += embedding_activations(model, par)
-            f += emb_comm + emb_f
-            i += emb_comm_i + emb_i
-            sc["F"]["tp"] += emb_comm
-            sc["I"]["tp"] += emb_comm_i
-            c_tp += emb_comm + emb_comm_i
+            f += emb_f + emb_comm["F"]
+            i += emb_i + emb_comm["I"]
+            c_tp += _add_tp(sc, emb_comm)
             gather_s += zero_gather(emb_p, 0.0)
             reduce_s += zero_reduce(emb_p, 0.0)
             units += 1
@@ -518,9 +508,7 @@ def derive(plan) -> PlanCosts:
             f += head_f + head_comm["F"]
             i += head_i + head_comm["I"]
             w += head_w + head_comm["W"]
-            for pass_, c in head_comm.items():
-                sc[pass_]["tp"] += c
-                c_tp += c
+            c_tp += _add_tp(sc, head_comm)
             gather_s += zero_gather(head_p / t, 0.0)
             reduce_s += zero_reduce(head_p / t, 0.0)
             units += 1
@@ -676,6 +664,13 @@ def derive(plan) -> PlanCosts:
                      stage_params=params_st, stage_memory=mem_st, rank_buffers=rank_buffers,
                      tail=tail, comm=comm, stage_comm=stage_comm, model_flops=mflops, hardware_flops=mflops + extra,
                      calibration=hw.calibration if per_op else "constant")
+
+
+def _add_tp(stage_comm: dict[str, dict[str, float]], comm: dict[str, float]) -> float:
+    """Add a piece's tp collective seconds per pass (F, I, W) to its stage's; their sum."""
+    for pass_, seconds in comm.items():
+        stage_comm[pass_]["tp"] += seconds
+    return sum(comm.values())
 
 
 def rank_parts(plan, n: int) -> list[list[int]]:

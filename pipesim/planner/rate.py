@@ -37,6 +37,19 @@ class KnobChange:
     fits: bool
     reason: str = ""
 
+    @property
+    def what(self) -> str:
+        """``knob mine -> best``; for two knobs made together (knob ``a + b``), each."""
+        if " + " not in self.knob:
+            return f"{self.knob} {self.mine} -> {self.best}"
+        return " and ".join(f"{k} {a} -> {b}" for k, a, b in
+                            zip(self.knob.split(" + "), self.mine, self.best))
+
+    def outcome(self, base: float) -> str:
+        """Its step time, the saving against ``base`` and whether it fits (valid changes)."""
+        fit = "" if self.fits else "  (does not fit)"
+        return f"{self.step_time:.4g} s, {_faster(1 - self.step_time / base)}{fit}"
+
 
 @dataclass(frozen=True)
 class Rating:
@@ -60,23 +73,13 @@ class Rating:
         if not self.changes:
             lines.append("  (none: your plan has the best plan's knobs)")
         for c in self.changes:
-            if c.step_time is None:
-                lines.append(f"  {c.knob} {c.mine} -> {c.best}: not valid alone ({c.reason})")
-                continue
-            gain = 1 - c.step_time / self.step_time
-            fit = "" if c.fits else "  (does not fit)"
-            lines.append(f"  {c.knob} {c.mine} -> {c.best}: {c.step_time:.4g} s, "
-                         f"{_faster(gain)}{fit}")
+            done = (f"not valid alone ({c.reason})" if c.step_time is None
+                    else c.outcome(self.step_time))
+            lines.append(f"  {c.what}: {done}")
         t = self.together
         if t is not None:
-            what = " and ".join(f"{k} {a} -> {b}" for k, a, b in zip(t.knob.split(" + "), t.mine,
-                                                                       t.best))
-            if t.step_time is None:
-                lines.append(f"the two largest together: {what}: not valid ({t.reason})")
-            else:
-                fit = "" if t.fits else "  (does not fit)"
-                lines.append(f"the two largest together: {what}: {t.step_time:.4g} s, "
-                             f"{_faster(1 - t.step_time / self.step_time)}{fit}")
+            done = f"not valid ({t.reason})" if t.step_time is None else t.outcome(self.step_time)
+            lines.append(f"the two largest together: {t.what}: {done}")
         return "\n".join(lines)
 
 
