@@ -41,6 +41,7 @@ run), solved, and linearised again at the solution until no figure moves more th
     python3 benchmarks/bench_published.py --fit      # refit, write pipesim/data/fitted.json
     python3 benchmarks/bench_published.py --skipped  # the rows left out and why
     python3 benchmarks/bench_published.py --rate-rows 'B300|hybridep'   # rate some rows
+    python3 benchmarks/bench_published.py --rate-others   # the layouts of the rows left out
 
 Leave-one-model-out (LOMO): each model family's runs predicted by figures fitted from the
 priors on the other families' runs alone, the whole fit run again without them (a figure no
@@ -267,7 +268,7 @@ def read_rows(path: pathlib.Path = DATA, release: str = "26.04.01"
             latest[key] = r["release"]
     runs = []
     for r in candidates:
-        model, mtp, family = MODELS[r["model"]]
+        family = MODELS[r["model"]][2]
         precision = PRECISIONS[r["Precision"]]
         if _release_key(r["release"]) > scored:
             skipped.append((r, f"after release {release}, the last to publish every GPU: newer "
@@ -277,15 +278,42 @@ def read_rows(path: pathlib.Path = DATA, release: str = "26.04.01"
             skipped.append((r, f"superseded: release {latest[(family, r['system'], precision)]}"
                                f" published {family} on {r['system']} in {precision}"))
             continue
-        runs.append(Run(
-            release=r["release"], label=r["model"], model=model, family=family, mtp=mtp,
-            gpu=SYSTEMS[r["system"]], gpus=int(r["#-GPUs"]), precision=precision,
-            gbs=_int(r["GBS"], 0), mbs=_int(r["MBS"], 1), seq=_int(r["Sequence Length"], 0),
-            fsdp=_int(r["FSDP"], 0) > 0, tp=_int(r["TP"], 1), pp=_int(r["PP"], 1),
-            cp=_int(r["CP"], 1), vp=_int(r["VP"], 1), ep=_int(r["EP"], 1),
-            tokens=float(_first(r["Tokens / sec / GPU"])),
-            tflops=float(_first(r["Model TFLOP / sec / GPU"]))))
+        runs.append(_run(r))
     return runs, skipped
+
+
+def _run(r: dict) -> Run:
+    """A row of a modelled family and precision as a run."""
+    model, mtp, family = MODELS[r["model"]]
+    return Run(
+        release=r["release"], label=r["model"], model=model, family=family, mtp=mtp,
+        gpu=SYSTEMS[r["system"]], gpus=int(r["#-GPUs"]), precision=PRECISIONS[r["Precision"]],
+        gbs=_int(r["GBS"], 0), mbs=_int(r["MBS"], 1), seq=_int(r["Sequence Length"], 0),
+        fsdp=_int(r["FSDP"], 0) > 0, tp=_int(r["TP"], 1), pp=_int(r["PP"], 1),
+        cp=_int(r["CP"], 1), vp=_int(r["VP"], 1), ep=_int(r["EP"], 1),
+        tokens=float(_first(r["Tokens / sec / GPU"])),
+        tflops=float(_first(r["Model TFLOP / sec / GPU"])))
+
+
+def _layout(run: Run) -> tuple:
+    return (run.family, run.gpu, run.precision, run.gpus, run.gbs, run.mbs, run.seq, run.tp,
+            run.pp, run.cp, run.vp, run.ep, run.fsdp)
+
+
+def other_layouts(runs: list[Run], skipped: list[tuple[dict, str]]) -> list[Run]:
+    """The layouts the usable runs do not have, from the rows left out as older or newer
+    software (every pre-training row of a modelled family and precision), each once: its
+    latest release's row. What ``--rate-others`` rates: the planner's bar is for any row."""
+    have = {_layout(r) for r in runs}
+    latest: dict[tuple, Run] = {}
+    for r, why in skipped:
+        if why.startswith(("superseded", "after release")):
+            run = _run(r)
+            key = _layout(run)
+            if key not in have and (key not in latest or _release_key(run.release)
+                                    > _release_key(latest[key].release)):
+                latest[key] = run
+    return sorted(latest.values(), key=lambda r: (r.family, r.gpu, r.precision, r.name))
 
 
 def build_plan(run: Run, hardware: "Hardware | None" = None) -> "pipesim.Plan":
@@ -380,16 +408,42 @@ def _rated_name(run: Run) -> str:
     return f"{run.name} {dispatcher}"
 
 
-def rate_all(runs: list[Run]) -> int:
+def pair_ratios(run: Run, usable: list[Run]) -> "tuple[float, float] | None":
+    """A layout against the usable run of its model, GPU and precision: the published
+    tokens/s/GPU ratio and pipesim's (None where no usable run has the three)."""
+    peer = next((u for u in usable if (u.family, u.gpu, u.precision)
+                 == (run.family, run.gpu, run.precision)), None)
+    if peer is None or peer is run:
+        return None
+    # tokens/s/GPU: the step's tokens over its seconds and GPUs
+    predicted = ((run.gbs * run.seq / (simulate_seconds(run) * run.gpus))
+                 / (peer.gbs * peer.seq / (simulate_seconds(peer) * peer.gpus)))
+    return run.tokens / peer.tokens, predicted
+
+
+def rate_all(runs: list[Run], usable: "list[Run] | None" = None) -> int:
     """Rate every run against the planner's pick on its cluster (one search each: minutes for
-    256 GPUs); print one line a run; return how many the bar misses."""
+    256 GPUs); print one line a run; return how many the bar misses. ``usable``: also print
+    each run's published and predicted throughput against the usable run of its model, GPU
+    and precision (a layout of another release)."""
     missed = 0
-    print(f"{'run':<78} {'relative':>8}  why")
+    pairs = "  published / pipesim vs the usable run" if usable else ""
+    print(f"{'run':<78} {'relative':>8}  {'why':<34}{pairs}")
     for run in runs:
         rating, _ = rate_run(run)
         why = explained(rating)
+        ratio = pair_ratios(run, usable) if usable else None
+        # a layout of another release that the summary publishes slower than its model's
+        # usable run (the same GPU and precision) by at least half the gap the planner sees:
+        # the planner is right to rate it below its pick
+        if (not why and ratio is not None and rating.relative < 0.9
+                and ratio[0] <= 1 - (1 - rating.relative) / 2):
+            why = f"published slower too ({ratio[0]:.2f}x)"
         missed += not why
-        print(f"{run.name:<78} {rating.relative:>8.2f}  {why or 'NOT EXPLAINED'}", flush=True)
+        line = f"{run.name:<78} {rating.relative:>8.2f}  {why or 'NOT EXPLAINED':<34}"
+        if ratio is not None:
+            line += f"  {ratio[0]:.2f} / {ratio[1]:.2f}"
+        print(line.rstrip(), flush=True)
     print(f"\n{len(runs) - missed} of {len(runs)} runs within 10% of the pick or explained")
     return missed
 
@@ -648,7 +702,8 @@ def main() -> None:
                     help=f"refit the figures and write {FITTED_FILE.name}")
     ap.add_argument("--skipped", action="store_true", help="list the rows left out and why")
     ap.add_argument("--no-lomo", action="store_true", help="skip the leave-one-model-out score")
-    ap.add_argument("--rate", metavar="RUN", help="rate the first run whose name contains RUN "
+    ap.add_argument("--rate", metavar="RUN", help="rate the first run (usable, else of the "
+                    "--rate-others layouts) whose name contains RUN "
                     "(e.g. 'llama3-70b 64xH100') against the planner's pick on its cluster "
                     "(the 1f1b and interleaved schedules, every other knob at the search's "
                     "defaults: minutes for 256 GPUs)")
@@ -657,6 +712,11 @@ def main() -> None:
     ap.add_argument("--rate-rows", metavar="PATTERN", help="as --rate-all, the runs whose name "
                     "matches the regular expression PATTERN (e.g. 'DeepSeek-V3 256xB300' or "
                     "'hybridep': a run's name, or its recipe's dispatcher) alone")
+    ap.add_argument("--rate-others", nargs="?", const="", metavar="PATTERN",
+                    help="as --rate-all, the layouts no usable run has, from the rows of "
+                         "older and newer releases (each once, its latest release's row; the "
+                         "recipe's settings of the usable run of the same model, GPU and "
+                         "precision), or those whose name matches PATTERN")
     ap.add_argument("--save-plan", nargs=2, metavar=("RUN", "PLAN.json"),
                     help="write the first run whose name contains RUN as a plan file (for "
                          "pipesim simulate --plan, pipesim plan --rate)")
@@ -671,23 +731,24 @@ def main() -> None:
         build_plan(run).to_json(path)
         print(f"{run.name}: wrote {path}")
         return
-    if args.rate_all or args.rate_rows:
+    if args.rate_all or args.rate_rows or args.rate_others is not None:
+        pool = runs if args.rate_others is None else other_layouts(runs, skipped)
+        pattern = args.rate_rows if args.rate_others is None else args.rate_others
         try:
-            picked = runs if args.rate_all else [r for r in runs
-                                                 if re.search(args.rate_rows, _rated_name(r))]
+            picked = pool if args.rate_all or not pattern else [
+                r for r in pool if re.search(pattern, _rated_name(r))]
         except re.error as exc:
-            raise SystemExit(f"--rate-rows {args.rate_rows!r}: not a regular expression: "
-                             f"{exc}") from None
+            raise SystemExit(f"{pattern!r}: not a regular expression: {exc}") from None
         if not picked:
-            raise SystemExit(f"--rate-rows {args.rate_rows!r}: no usable run's name (or "
-                             "dispatcher) matches it")
-        rate_all(picked)
+            raise SystemExit(f"{pattern!r}: no run's name (or dispatcher) matches it")
+        rate_all(picked, usable=runs if args.rate_others is not None else None)
         print(f"({time.perf_counter() - t0:.0f} s)")
         return
     if args.rate:
-        run = next((r for r in runs if args.rate in r.name), None)
+        run = next((r for r in runs + other_layouts(runs, skipped) if args.rate in r.name),
+                   None)
         if run is None:
-            raise SystemExit(f"--rate {args.rate!r}: no usable run's name contains it")
+            raise SystemExit(f"--rate {args.rate!r}: no run's name contains it")
         rating, result = rate_run(run)
         print(f"{run.name}\nthe planner's pick: {result.best.parallelism.short()}, "
               f"{result.best.schedule_name}\n{rating.text()}")

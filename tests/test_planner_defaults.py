@@ -108,6 +108,33 @@ def test_rate_compares_one_knob_at_a_time_with_the_best_and_sorts_by_saving():
         rate_plan(mine.with_(dp=1), best, 70e9)
 
 
+def test_rate_moves_a_named_layer_split_and_selective_modules_with_their_knobs():
+    """A layout written for 4 stages (Megatron's --pipeline-model-parallel-layout) means
+    nothing for 2: pp 4 -> 2 takes the best plan's split of the layers, and recomputation
+    other than selective drops selective's modules; each change equals the plan changed by
+    hand (before, both were refused as not valid alone)."""
+    import pipesim
+    from pipesim.planner.rate import rate_plan
+    from pipesim.sim.plan_report import simulate_plan
+
+    best = pipesim.Plan.create("llama3-8b", "H100", pp=2, dp=4, global_batch_size=16)
+    mine = pipesim.Plan.create("llama3-8b", "H100", pp=4, dp=2, global_batch_size=16,
+                               partition_layout="Et*7|t*9|t*8|t*8L", recompute="selective",
+                               recompute_modules=("mlp",))
+    assert mine.stage_layers() == [7, 9, 8, 8]
+    knobs = {c.knob: c for c in rate_plan(mine, best, 70e9).changes}
+    by_hand = dataclasses.replace(mine, partition_layout=None).with_(pp=2, dp=4)
+    assert by_hand.stage_layers() == best.stage_layers() == [16, 16]
+    assert knobs["pp"].step_time == pytest.approx(simulate_plan(by_hand).step_time, rel=1e-12)
+    none = mine.with_(recompute="none", recompute_modules=())
+    assert knobs["recompute"].step_time == pytest.approx(simulate_plan(none).step_time,
+                                                         rel=1e-12)
+    # a split the plan does not name (an even one) is not the rater's to replace
+    even = dataclasses.replace(mine, partition_layout=None)
+    pp = {c.knob: c for c in rate_plan(even, best, 70e9).changes}["pp"]
+    assert pp.step_time == pytest.approx(simulate_plan(by_hand).step_time, rel=1e-12)
+
+
 def test_robustness_reranks_under_the_models_uncertainty_and_reports_a_changed_order():
     import pipesim
     from pipesim.planner.robustness import robustness_check, scaled

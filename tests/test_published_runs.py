@@ -326,6 +326,40 @@ def test_megatron_bridge_layouts_are_rated_against_the_pick_and_the_difference_n
     assert rating.text().startswith("your plan: ")
 
 
+def test_the_layouts_left_out_are_each_rated_once_from_their_latest_row():
+    """``--rate-others`` rates the layouts the usable runs lack (the planner's bar is for any
+    row of the file): every pre-training row of a modelled family and precision that was left
+    out as older or newer software, one run a layout, its latest release's row. Counted by
+    hand from the file: 31, among them GPT-OSS on 64 B300s at ep 64 (26.02, 8,359 tokens/s/GPU,
+    against 15,031 at ep 8 in 26.02.01) and Qwen3 30B-A3B on 8 B200s at micro batch 1 (26.02
+    over 25.11)."""
+    bench = _bench()
+    runs, skipped = bench.read_rows()
+    others = bench.other_layouts(runs, skipped)
+    layouts = [bench._layout(r) for r in others]
+    assert len(others) == 31 and len(set(layouts)) == 31
+    assert not set(layouts) & {bench._layout(r) for r in runs}
+    assert {r.family for r in others} <= {r.family for r in runs}
+    oss = next(r for r in others if r.name.startswith("gpt-oss-120b 64xB300 bf16")
+               and r.ep == 64)
+    assert (oss.release, oss.tokens, oss.mbs, oss.gbs) == ("26.02", 8359.0, 4, 1280)
+    qwen = next(r for r in others if r.name.startswith("qwen3-30b-a3b 8xB200") and r.mbs == 1)
+    assert (qwen.release, qwen.tokens) == ("26.02", 9691.0)
+    # each from a row left out, none from a fine-tuning row or an unmodelled model
+    left = {(r["release"], r["model"], r["system"]) for r, _ in skipped}
+    assert all((r.release, r.label, f"DGX-{r.gpu}") in left for r in others)
+    # against the usable run of its model, GPU and precision: GPT-OSS at ep 64 across 8 B200
+    # nodes publishes 0.59x of ep 8 in one node (8,047 / 13,568), and pipesim prices the
+    # all-to-all over the NICs slower too; a model, GPU and precision no usable run has: none
+    b200 = next(r for r in others if r.name.startswith("gpt-oss-120b 64xB200 bf16")
+                and r.ep == 64)
+    published, predicted = bench.pair_ratios(b200, runs)
+    assert published == pytest.approx(8047 / 13568)
+    assert predicted < 0.75
+    assert bench.pair_ratios(next(r for r in others if r.precision == "mxfp8"
+                                  and r.family == "gpt-oss-120b"), runs) is None
+
+
 def test_runs_take_the_overlaps_their_recipes_turn_off():
     """Megatron-Bridge v0.4.2's pre-training recipes turn the tensor-parallel communication
     overlap off in NVFP4 (``tp_comm_overlap = False if precision == "nvfp4"``) and in Qwen3

@@ -2,15 +2,17 @@
 
 Why: "the planner's pick is 1.37x faster" says nothing about which of your choices costs it.
 Here the user's plan is simulated as it is, then changed one knob at a time to the best plan's
-value (tp, cp and pp keep the GPU count by moving dp; the schedule and vpp move together; ep
+value (tp, cp and pp keep the GPU count by moving dp, and a change of the stage count takes the
+best plan's split of the layers where yours names one; the schedule and vpp move together; ep
 to 1 takes ep 1's one dispatcher, the default, and the best plan's dispatcher is a knob only
-where its ep > 1, as the search tries them), each change simulated; the changes are listed by the step time they save, the invalid ones with the
+where its ep > 1, as the search tries them; recomputation other than selective drops
+selective's modules), each change simulated; the changes are listed by the step time they save, the invalid ones with the
 reason. Where no one knob closes the gap, two often do: the two that save the most are also
 simulated together (`Rating.together`). The same cluster and memory limit as the search.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..errors import PlanError
 from ..plan.parallelism import DEFAULT_EP_DISPATCHER
@@ -105,21 +107,38 @@ def _value(plan: Plan, knob: str):
     return getattr(plan.parallelism, knob)
 
 
-def _with(plan: Plan, knob: str, value) -> Plan:
+# how a plan splits its layers into stages (Plan's fields): a split written for one number
+# of stages (an explicit partition, Megatron's --pipeline-model-parallel-layout) means nothing
+# for another
+SPLIT = ("partition", "partition_layout", "first_stage_layers", "last_stage_layers",
+         "account_for_embedding", "account_for_loss")
+
+
+def _with(plan: Plan, knob: str, value, best: Plan) -> Plan:
+    """``plan`` with ``knob`` at ``value``. A change of the stage count (pp, or the schedule's
+    vpp) takes ``best``'s split of the layers where ``plan`` names its own, which was written
+    for its count of stages."""
     par = plan.parallelism
     if knob == "schedule":
         name, vpp = value
-        return plan.with_(schedule=name, vpp=vpp)
-    if knob in ("tp", "cp", "pp"):
+        changed = plan.with_(schedule=name, vpp=vpp)
+    elif knob in ("tp", "cp", "pp"):
         sizes = {"tp": par.tp, "cp": par.cp, "pp": par.pp, knob: value}
         rest = sizes["tp"] * sizes["cp"] * sizes["pp"]
         if par.world_size % rest:
             raise PlanError(f"{knob} {value}: tp*cp*pp = {rest} does not divide the "
                             f"{par.world_size} GPUs")
-        return plan.with_(**{knob: value, "dp": par.world_size // rest})
-    if knob == "ep" and value == 1:             # ep 1 has one dispatcher: the default
+        changed = plan.with_(**{knob: value, "dp": par.world_size // rest})
+    elif knob == "ep" and value == 1:           # ep 1 has one dispatcher: the default
         return plan.with_(ep=1, ep_dispatcher=DEFAULT_EP_DISPATCHER)
-    return plan.with_(**{knob: value})
+    elif knob == "recompute" and value != "selective":   # the modules are selective's
+        return plan.with_(recompute=value, recompute_modules=())
+    else:
+        return plan.with_(**{knob: value})
+    own = plan.partition is not None or plan.partition_layout is not None
+    if own and changed.parallelism.num_stages != par.num_stages:
+        changed = replace(changed, **{f: getattr(best, f) for f in SPLIT})
+    return changed
 
 
 def rate_plan(mine: Plan, best: Plan, memory_limit: float) -> Rating:
@@ -139,7 +158,7 @@ def rate_plan(mine: Plan, best: Plan, memory_limit: float) -> Rating:
         shown_a = f"{a[0]} vpp {a[1]}" if knob == "schedule" else a
         shown_v = f"{v[0]} vpp {v[1]}" if knob == "schedule" else v
         try:
-            changed = _with(mine, knob, v)
+            changed = _with(mine, knob, v, best)
             c = simulate_plan(changed)
             changes.append(KnobChange(knob, shown_a, shown_v, c.step_time,
                                       max(c.peak_memory) <= memory_limit))
@@ -163,7 +182,7 @@ def _together(mine: Plan, best: Plan, step_time: float, changes: list[KnobChange
     try:
         plan = mine
         for c in (first, second):
-            plan = _with(plan, c.knob, _value(best, c.knob))
+            plan = _with(plan, c.knob, _value(best, c.knob), best)
         t = simulate_plan(plan)
     except (PlanError, ValueError) as exc:
         return KnobChange(knob, *shown, None, False, str(exc))
