@@ -428,7 +428,7 @@ def rate_all(runs: list[Run], usable: "list[Run] | None" = None) -> int:
     and precision (a layout of another release)."""
     missed = 0
     pairs = "  published / pipesim vs the usable run" if usable else ""
-    print(f"{'run':<78} {'relative':>8}  {'why':<34}{pairs}")
+    print(f"{'run':<78} {'relative':>8}  {'why':<34}{pairs}".rstrip())
     for run in runs:
         rating, _ = rate_run(run)
         why = explained(rating)
