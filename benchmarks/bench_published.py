@@ -217,6 +217,10 @@ class Run:
                 f" cp{self.cp} vp{self.vp} ep{self.ep} mbs{self.mbs} gbs{self.gbs}"
                 + (" fsdp" if self.fsdp else "") + f" ({self.release})")
 
+    def tokens_at(self, seconds: float) -> float:
+        """Tokens/s/GPU of a step of ``seconds``: the step's tokens over its seconds and GPUs."""
+        return self.gbs * self.seq / (seconds * self.gpus)
+
     @property
     def published_seconds(self) -> float:
         return self.gbs * self.seq / (self.tokens * self.gpus)
@@ -384,10 +388,13 @@ def rate_run(run: Run, **space: object):
     return rate_plan(mine, result.best, result.memory_limit), result
 
 
-def explained(rating) -> str:
+def explained(rating, ratio: "tuple[float, float] | None" = None) -> str:
     """How a rating meets the planner's bar, or "" where it does not: within 10% of the pick,
     the layout does not fit pipesim's memory model, or one knob changed alone closes at least
-    half of the gap (the why-table names that term), or else the two largest together do."""
+    half of the gap (the why-table names that term), or else the two largest together do.
+    ``ratio`` (:func:`pair_ratios`, a layout of another release): or the summary publishes it
+    slower than its model's usable run by at least half the gap the planner sees, so the
+    planner is right to rate it below its pick."""
     if 0.9 <= rating.relative <= 1.1:
         return "within 10%"
     if not rating.fits:
@@ -399,6 +406,8 @@ def explained(rating) -> str:
     t = rating.together
     if t is not None and t.step_time is not None and (rating.step_time - t.step_time) / gap >= 0.5:
         return t.what
+    if ratio is not None and rating.relative < 0.9 and ratio[0] <= 1 - (1 - rating.relative) / 2:
+        return f"published slower too ({ratio[0]:.2f}x)"
     return ""
 
 
@@ -415,10 +424,8 @@ def pair_ratios(run: Run, usable: list[Run]) -> "tuple[float, float] | None":
                  == (run.family, run.gpu, run.precision)), None)
     if peer is None or peer is run:
         return None
-    # tokens/s/GPU: the step's tokens over its seconds and GPUs
-    predicted = ((run.gbs * run.seq / (simulate_seconds(run) * run.gpus))
-                 / (peer.gbs * peer.seq / (simulate_seconds(peer) * peer.gpus)))
-    return run.tokens / peer.tokens, predicted
+    return (run.tokens / peer.tokens,
+            run.tokens_at(simulate_seconds(run)) / peer.tokens_at(simulate_seconds(peer)))
 
 
 def rate_all(runs: list[Run], usable: "list[Run] | None" = None) -> int:
@@ -431,14 +438,8 @@ def rate_all(runs: list[Run], usable: "list[Run] | None" = None) -> int:
     print(f"{'run':<78} {'relative':>8}  {'why':<34}{pairs}".rstrip())
     for run in runs:
         rating, _ = rate_run(run)
-        why = explained(rating)
         ratio = pair_ratios(run, usable) if usable else None
-        # a layout of another release that the summary publishes slower than its model's
-        # usable run (the same GPU and precision) by at least half the gap the planner sees:
-        # the planner is right to rate it below its pick
-        if (not why and ratio is not None and rating.relative < 0.9
-                and ratio[0] <= 1 - (1 - rating.relative) / 2):
-            why = f"published slower too ({ratio[0]:.2f}x)"
+        why = explained(rating, ratio)
         missed += not why
         line = f"{run.name:<78} {rating.relative:>8.2f}  {why or 'NOT EXPLAINED':<34}"
         if ratio is not None:
@@ -676,7 +677,7 @@ def table(runs: list[Run], predicted: list[float]) -> dict[str, list[float]]:
     print(f"{'run':<78} {'published':>9} {'pipesim':>9} {'error':>7}")
     groups: dict[str, list[float]] = {}
     for r, t in zip(runs, predicted):
-        tok = r.gbs * r.seq / (t * r.gpus)
+        tok = r.tokens_at(t)
         err = tok / r.tokens - 1
         groups.setdefault(r.group, []).append(err)
         print(f"{r.name:<78} {r.tokens:>9.0f} {tok:>9.0f} {err:>+7.1%}")

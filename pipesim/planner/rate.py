@@ -130,11 +130,11 @@ def _with(plan: Plan, knob: str, value, best: Plan) -> Plan:
                             f"{par.world_size} GPUs")
         changed = plan.with_(**{knob: value, "dp": par.world_size // rest})
     elif knob == "ep" and value == 1:           # ep 1 has one dispatcher: the default
-        return plan.with_(ep=1, ep_dispatcher=DEFAULT_EP_DISPATCHER)
+        changed = plan.with_(ep=1, ep_dispatcher=DEFAULT_EP_DISPATCHER)
     elif knob == "recompute" and value != "selective":   # the modules are selective's
-        return plan.with_(recompute=value, recompute_modules=())
+        changed = plan.with_(recompute=value, recompute_modules=())
     else:
-        return plan.with_(**{knob: value})
+        changed = plan.with_(**{knob: value})
     own = plan.partition is not None or plan.partition_layout is not None
     if own and changed.parallelism.num_stages != par.num_stages:
         changed = replace(changed, **{f: getattr(best, f) for f in SPLIT})
