@@ -42,6 +42,7 @@ run), solved, and linearised again at the solution until no figure moves more th
     python3 benchmarks/bench_published.py --skipped  # the rows left out and why
     python3 benchmarks/bench_published.py --rate-rows 'B300|hybridep'   # rate some rows
     python3 benchmarks/bench_published.py --rate-others   # the layouts of the rows left out
+    python3 benchmarks/bench_published.py --releases      # one layout's figure release by release
 
 Leave-one-model-out (LOMO): each model family's runs predicted by figures fitted from the
 priors on the other families' runs alone, the whole fit run again without them (a figure no
@@ -318,6 +319,37 @@ def other_layouts(runs: list[Run], skipped: list[tuple[dict, str]]) -> list[Run]
                                     > _release_key(latest[key].release)):
                 latest[key] = run
     return sorted(latest.values(), key=lambda r: (r.family, r.gpu, r.precision, r.name))
+
+
+def release_ratios(runs: list[Run], skipped: list[tuple[dict, str]]
+                   ) -> list[tuple[Run, list[tuple[str, float]]]]:
+    """Per usable run, every other release's row of the same layout (:func:`_layout`: model,
+    GPU, precision, GPUs, batch, sequence, parallelism) as (release, its tokens/s/GPU over
+    the run's), oldest first: how far the software alone moved one layout's figure, which
+    the scored release fixes (``--releases``)."""
+    rows: dict[tuple, list[Run]] = {}
+    for r, why in skipped:
+        if why.startswith(("superseded", "after release")):
+            run = _run(r)
+            rows.setdefault(_layout(run), []).append(run)
+    return [(run, [(o.release, o.tokens / run.tokens) for o in
+                   sorted(rows.get(_layout(run), []), key=lambda o: _release_key(o.release))])
+            for run in runs]
+
+
+def release_summary(ratios: list[tuple[Run, list[tuple[str, float]]]], scored: str = "26.04.01"
+                    ) -> dict[str, dict[str, list[float]]]:
+    """Per family: the same layouts' ratios in the release just before the scored one
+    (``before``) and in the releases after it (``after``, each layout's latest)."""
+    order = sorted({rel for _, rs in ratios for rel, _ in rs} | {scored}, key=_release_key)
+    previous = order[order.index(scored) - 1] if order.index(scored) > 0 else None
+    out: dict[str, dict[str, list[float]]] = {}
+    for run, rs in ratios:
+        fam = out.setdefault(run.family, {"before": [], "after": []})
+        fam["before"] += [x for rel, x in rs if rel == previous]
+        later = [x for rel, x in rs if _release_key(rel) > _release_key(scored)]
+        fam["after"] += later[-1:]
+    return out
 
 
 def build_plan(run: Run, hardware: "Hardware | None" = None) -> "pipesim.Plan":
@@ -633,7 +665,26 @@ def lomo(runs: list[Run]) -> dict[str, list[float]]:
     return out
 
 
-def write_fitted(point: dict, runs: list[Run], path: pathlib.Path = FITTED_FILE) -> None:
+def kind_errors(runs: list[Run], by_family: dict[str, list[float]]) -> dict[str, list[float]]:
+    """Errors by family regrouped by kind of model: "dense" and "moe"."""
+    kinds: dict[str, list[float]] = {}
+    for family, errs in by_family.items():
+        moe = PRESETS[next(r.model for r in runs if r.family == family)].is_moe
+        kinds.setdefault("moe" if moe else "dense", []).extend(errs)
+    return kinds
+
+
+def lomo_check(runs: list[Run], by_family: dict[str, list[float]]) -> dict:
+    """The fitted file's ``check``: the leave-one-model-out errors of the dense and the MoE
+    families apart, as fractions (what ``pipesim plan`` and ``simulate`` print beside a
+    plan of a fitted GPU: how far to trust its absolute times)."""
+    return {k: {"runs": len(v), "median": round(statistics.median(abs(e) for e in v), 5),
+                "worst": round(max(abs(e) for e in v), 5)}
+            for k, v in sorted(kind_errors(runs, by_family).items())}
+
+
+def write_fitted(point: dict, runs: list[Run], path: pathlib.Path = FITTED_FILE,
+                 check: "dict | None" = None) -> None:
     gpus: dict = {}
     every = sorted({g for g, _, _ in point if g != "*"})
     point = {**{k: v for k, v in point.items() if k[0] != "*"},
@@ -656,6 +707,8 @@ def write_fitted(point: dict, runs: list[Run], path: pathlib.Path = FITTED_FILE)
         "figures": list(FITTED_FIGURES),
         "gpus": gpus,
     }
+    if check:
+        data["check"] = check
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(data, indent=2) + "\n")
 
@@ -684,6 +737,25 @@ def table(runs: list[Run], predicted: list[float]) -> dict[str, list[float]]:
     return groups
 
 
+def print_releases(ratios: list[tuple[Run, list[tuple[str, float]]]]) -> None:
+    """The ``--releases`` report: each run's other releases, then the per-family table."""
+    print(f"{'run':<78} the same layout in other releases (tokens/s/GPU over the run's)")
+    for run, rs in ratios:
+        print(f"{run.name:<78} " + "  ".join(f"{rel} {x:.2f}" for rel, x in rs))
+    print("\n| family | kind | layouts in the release before | before / scored, median (range) "
+          "| layouts published after | latest after / scored, median (range) |\n"
+          "|---|---|---:|---|---:|---|")
+
+    def cell(xs: list[float]) -> str:
+        return (f"{statistics.median(xs):.2f} ({min(xs):.2f} .. {max(xs):.2f})" if xs
+                else "-")
+
+    for family, parts in sorted(release_summary(ratios).items()):
+        moe = PRESETS[next(r.model for r, _ in ratios if r.family == family)].is_moe
+        print(f"| {family} | {'MoE' if moe else 'dense'} | {len(parts['before'])} | "
+              f"{cell(parts['before'])} | {len(parts['after'])} | {cell(parts['after'])} |")
+
+
 def summary(groups: dict[str, list[float]], title: str) -> tuple[float, float]:
     print(f"\n{title}")
     print("| group | runs | median abs error | worst abs error |\n|---|---:|---:|---:|")
@@ -702,7 +774,8 @@ def main() -> None:
     ap.add_argument("--fit", action="store_true",
                     help=f"refit the figures and write {FITTED_FILE.name}")
     ap.add_argument("--skipped", action="store_true", help="list the rows left out and why")
-    ap.add_argument("--no-lomo", action="store_true", help="skip the leave-one-model-out score")
+    ap.add_argument("--no-lomo", action="store_true", help="skip the leave-one-model-out "
+                    "score (with --fit the fitted file then carries none)")
     ap.add_argument("--rate", metavar="RUN", help="rate the first run (usable, else of the "
                     "--rate-others layouts) whose name contains RUN "
                     "(e.g. 'llama3-70b 64xH100') against the planner's pick on its cluster "
@@ -718,6 +791,10 @@ def main() -> None:
                          "older and newer releases (each once, its latest release's row; the "
                          "recipe's settings of the usable run of the same model, GPU and "
                          "precision), or those whose name matches PATTERN")
+    ap.add_argument("--releases", action="store_true",
+                    help="each usable run's layout in the other releases (their tokens/s/GPU "
+                         "over the scored row's), and per family the release before and "
+                         "the latest after: what software alone moves at one layout")
     ap.add_argument("--save-plan", nargs=2, metavar=("RUN", "PLAN.json"),
                     help="write the first run whose name contains RUN as a plan file (for "
                          "pipesim simulate --plan, pipesim plan --rate)")
@@ -731,6 +808,9 @@ def main() -> None:
             raise SystemExit(f"--save-plan {key!r}: no usable run's name contains it")
         build_plan(run).to_json(path)
         print(f"{run.name}: wrote {path}")
+        return
+    if args.releases:
+        print_releases(release_ratios(runs, skipped))
         return
     if args.rate_all or args.rate_rows or args.rate_others is not None:
         pool = runs if args.rate_others is None else other_layouts(runs, skipped)
@@ -776,11 +856,12 @@ def main() -> None:
         by_family = lomo(runs)
         summary(by_family, "leave one model out (each family predicted by figures fitted "
                            "without it):")
-        kinds: dict[str, list[float]] = {}
-        for family, errs in by_family.items():
-            moe = PRESETS[next(r.model for r in runs if r.family == family)].is_moe
-            kinds.setdefault("MoE families" if moe else "dense families", []).extend(errs)
-        summary(kinds, "leave one model out, dense and MoE families apart:")
+        summary({("MoE families" if k == "moe" else "dense families"): v
+                 for k, v in kind_errors(runs, by_family).items()},
+                "leave one model out, dense and MoE families apart:")
+        if args.fit:         # the honest score goes with the figures it scores
+            write_fitted(point, runs, check=lomo_check(runs, by_family))
+            print(f"wrote the leave-one-model-out score to {FITTED_FILE}")
     print(f"\n({time.perf_counter() - t0:.0f} s)")
 
 

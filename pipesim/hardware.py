@@ -708,9 +708,15 @@ _FITTABLE = ("gemm_e_max", "precision_e_max", "mem_efficiency", "flash_e_max",
 _DIMENSIONS = ("grouped_dim_half",)     # fitted figures that are sizes, not fractions
 
 
+# the fitted file's optional ``check``: how far the fit's predictions land from the published
+# runs when each model family is left out of the fit (the honest score), by kind of model
+CHECK_KINDS = ("dense", "moe")
+
+
 def read_fitted(path: "str | Path" = FITTED_FILE) -> dict:
     """The fitted-figures file, checked: ``{"format", "source", "command", "gpus": {GPU:
-    {figure: value, "precision_e_max": {precision: value}}}}``; {} when there is none."""
+    {figure: value, "precision_e_max": {precision: value}}}, "check": {"dense" | "moe":
+    {"runs", "median", "worst"}}}`` (``check`` optional); {} when there is none."""
     p = Path(path)
     if not p.exists():
         return {}
@@ -743,7 +749,45 @@ def read_fitted(path: "str | Path" = FITTED_FILE) -> dict:
                         raise ValueError(f"{p}: gpus.{gpu}.{fig}: a finite number > 0, got {v!r}")
                 elif isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v <= 1:
                     raise ValueError(f"{p}: gpus.{gpu}.{fig}: a number in (0, 1], got {v!r}")
+    check = data.get("check", {})
+    if not isinstance(check, dict):
+        raise ValueError(f"{p}: 'check' must map {' / '.join(CHECK_KINDS)} to their scores")
+    for kind, score in check.items():
+        if kind not in CHECK_KINDS or not isinstance(score, dict) or \
+                set(score) != {"runs", "median", "worst"}:
+            raise ValueError(f"{p}: check.{kind}: one of {', '.join(CHECK_KINDS)} with 'runs', "
+                             "'median' and 'worst'")
+        runs = score["runs"]
+        if isinstance(runs, bool) or not isinstance(runs, int) or runs < 1:
+            raise ValueError(f"{p}: check.{kind}.runs: a whole number >= 1, got {runs!r}")
+        for field in ("median", "worst"):
+            v = score[field]
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < float("inf"):
+                raise ValueError(f"{p}: check.{kind}.{field}: a finite fraction >= 0, got {v!r}")
+        if score["median"] > score["worst"]:
+            raise ValueError(f"{p}: check.{kind}: median {score['median']} exceeds worst "
+                             f"{score['worst']}")
     return data
+
+
+def published_check(hardware: "Hardware", moe: bool) -> "dict | None":
+    """How far pipesim's tokens/s/GPU landed from the published runs the fitted figures come
+    from, each model family predicted by a fit without its own runs (``{"runs", "median",
+    "worst"}``, fractions), for a model of this kind on a GPU the file fits; None elsewhere."""
+    if hardware.name not in FITTED.get("gpus", {}) or hardware.calibration != "fitted":
+        return None
+    return FITTED.get("check", {}).get("moe" if moe else "dense")
+
+
+def published_check_note(hardware: "Hardware", moe: bool) -> str:
+    """'' or a line saying how far to trust the absolute times: :func:`published_check`."""
+    check = published_check(hardware, moe)
+    if check is None:
+        return ""
+    return (f"checked on published runs: {'MoE' if moe else 'dense'} models' tokens/s/GPU "
+            f"within {check['median']:.1%} at the median, {check['worst']:.1%} at worst, each "
+            f"model family predicted by figures fitted without its own runs ({check['runs']} "
+            "runs of NVIDIA's Megatron-Bridge performance summary; docs/planning.md)")
 
 
 def _apply_fitted(presets: dict, data: dict) -> dict:

@@ -222,12 +222,52 @@ def test_a_bad_fitted_file_is_refused_naming_the_field(tmp_path):
                           (dict(gpus={"H999": {}}), "gpus.H999: not a preset"),
                           (dict(gpus={"H100": {"launch_overhead": 0.5}}), "not a fitted figure"),
                           (dict(gpus={"H100": {"mem_efficiency": "0.5"}}), r"a number in \(0, 1\]"),
-                          (dict(gpus={"H100": {"precision_e_max": {"fp8": 1.5}}}), "a number in")):
+                          (dict(gpus={"H100": {"precision_e_max": {"fp8": 1.5}}}), "a number in"),
+                          (dict(check=[]), "'check' must map"),
+                          (dict(check={"hybrid": {"runs": 1, "median": 0.1, "worst": 0.2}}),
+                           "check.hybrid: one of dense, moe"),
+                          (dict(check={"moe": {"runs": 1, "median": 0.1}}), "check.moe: one of"),
+                          (dict(check={"moe": {"runs": True, "median": 0.1, "worst": 0.2}}),
+                           "check.moe.runs: a whole number"),
+                          (dict(check={"moe": {"runs": 3, "median": "0.1", "worst": 0.2}}),
+                           "check.moe.median: a finite fraction"),
+                          (dict(check={"moe": {"runs": 3, "median": 0.1, "worst": float("nan")}}),
+                           "check.moe.worst: a finite fraction"),
+                          (dict(check={"moe": {"runs": 3, "median": 0.3, "worst": 0.2}}),
+                           "median 0.3 exceeds worst")):
         bad = tmp_path / "fitted.json"
         bad.write_text(json.dumps({**good, **change}))
         with pytest.raises(ValueError, match=match):
             read_fitted(bad)
     assert read_fitted(tmp_path / "none.json") == {}
+
+
+def test_the_leave_one_model_out_score_goes_with_the_figures_by_kind_of_model():
+    """``--fit`` writes the honest score beside the figures, the dense and the MoE families
+    apart (the median and the largest |error|, as fractions); a plan on a GPU the file fits
+    prints it for its kind of model, a GPU the file does not fit (A100) or a measured
+    hardware file none."""
+    bench = _bench()
+    runs, _ = bench.read_rows()
+    by_family = {"llama3-8b": [0.01, -0.03], "llama3-70b": [0.05],
+                 "qwen3-30b-a3b": [-0.2, 0.1, 0.02]}
+    assert bench.lomo_check(runs, by_family) == {
+        "dense": {"runs": 3, "median": 0.03, "worst": 0.05},
+        "moe": {"runs": 3, "median": 0.1, "worst": 0.2}}
+    moe = FITTED["check"]["moe"]
+    note = pipesim.hardware.published_check_note(get_hardware("GB300"), moe=True)
+    assert f"MoE models' tokens/s/GPU within {moe['median']:.1%} at the median, " \
+           f"{moe['worst']:.1%} at worst" in note and f"({moe['runs']} runs" in note
+    assert "dense models'" in pipesim.hardware.published_check_note(get_hardware("H100"), False)
+    assert pipesim.hardware.published_check_note(get_hardware("A100"), False) == ""
+    measured = get_hardware("H100").with_(calibration="measured")
+    assert pipesim.hardware.published_check_note(measured, False) == ""
+    # the simulator's summary of a plan carries the line
+    plan = pipesim.Plan.create("llama3-8b", "H100", schedule="1f1b", pp=2, dp=4,
+                               global_batch_size=32)
+    from pipesim.sim.plan_report import simulate_plan
+    assert simulate_plan(plan).summary_text().splitlines()[-1].startswith(
+        "checked on published runs: dense models'")
 
 
 def test_a_hardware_file_keeps_precision_figures_and_refuses_bad_ones(tmp_path):
@@ -259,9 +299,17 @@ def test_fit_and_leave_one_model_out_scores_hold_what_docs_state():
     fitted = [abs(bench.published_error(r, bench.simulate_seconds(r))) for r in runs]
     assert statistics.median(fitted) <= bench.STATED["fit"][0]
     assert max(fitted) <= bench.STATED["fit"][1]
-    errs = [abs(e) for v in bench.lomo(runs).values() for e in v]
+    by_family = bench.lomo(runs)
+    errs = [abs(e) for v in by_family.values() for e in v]
     assert statistics.median(errs) <= bench.STATED["lomo"][0]
     assert max(errs) <= bench.STATED["lomo"][1]
+    # the score the fitted file carries (and pipesim prints beside a plan) is this one
+    check = bench.lomo_check(runs, by_family)
+    assert FITTED["check"].keys() == check.keys()
+    for kind, score in check.items():
+        assert FITTED["check"][kind]["runs"] == score["runs"]
+        for field in ("median", "worst"):
+            assert FITTED["check"][kind][field] == pytest.approx(score[field], abs=1e-3)
 
 
 # -- the planner's rating of published layouts ---------------------------------------------------
@@ -358,6 +406,32 @@ def test_the_layouts_left_out_are_each_rated_once_from_their_latest_row():
     assert predicted < 0.75
     assert bench.pair_ratios(next(r for r in others if r.precision == "mxfp8"
                                   and r.family == "gpt-oss-120b"), runs) is None
+
+
+def test_one_layouts_figure_release_by_release_is_read_from_the_rows_left_out():
+    """``--releases``: each usable run's layout in the other releases, over the scored row's
+    tokens/s/GPU. Transcribed from the file's rows (Qwen3 30B-A3B, 8 GB200s, MXFP8, micro
+    batch 4, ep 8: 25.11 23,766; 26.02 26,084; 26.02.01 26,373; 26.04 26,032; 26.04.01
+    26,112; 26.06 40,706; 26.06.01 40,960; 26.08 39,936), and the family's latest after
+    the scored release: GB300 26.08 (44,544 / 31,744), GB200 26.08, B300 26.06 (40,769 /
+    30,720), H100 26.06 (8,826 / 8,960), whose median is the two middle ones'."""
+    bench = _bench()
+    runs, skipped = bench.read_rows()
+    ratios = dict((r.name, rs) for r, rs in bench.release_ratios(runs, skipped))
+    gb200 = ratios["qwen3-30b-a3b 8xGB200 mxfp8 tp1 pp1 cp1 vp1 ep8 mbs4 gbs512 (26.04.01)"]
+    assert [rel for rel, _ in gb200] == ["25.11", "26.02", "26.02.01", "26.04", "26.06",
+                                         "26.06.01", "26.08"]
+    assert [x for _, x in gb200] == pytest.approx(
+        [v / 26112 for v in (23766, 26084, 26373, 26032, 40706, 40960, 39936)])
+    # a run whose layout no other release published: none
+    assert ratios["deepseek-v3 256xB200 mxfp8 tp1 pp8 cp1 vp2 ep32 mbs1 gbs4096 (26.04.01)"] == []
+    table = bench.release_summary(bench.release_ratios(runs, skipped))
+    after = sorted(table["qwen3-30b-a3b"]["after"])
+    assert after == pytest.approx(sorted([44544 / 31744, 39936 / 26112, 40769 / 30720,
+                                          8826 / 8960]))
+    assert statistics.median(after) == pytest.approx((40769 / 30720 + 44544 / 31744) / 2)
+    # the release just before the scored one: 26.04, one per layout that has it
+    assert len(table["llama3-70b"]["before"]) == 7 and table["llama3-70b"]["after"] == []
 
 
 def test_runs_take_the_overlaps_their_recipes_turn_off():

@@ -11,6 +11,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from ..hardware import published_check_note
 from ..plan.flags import DESTS, add_plan_flags, flatten, load_model, model_from_flags
 from ..plan.parallelism import RECOMPUTE
 from ..units import GiB, bytes_arg
@@ -157,6 +158,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
         print(f"times extrapolated: {sp.hardware.name}'s efficiency figures are not calibrated "
               "(A100's fit, carried over or scaled by a microbenchmark); every step time and MFU "
               "below rests on them (pipeexec calibrate-hardware, then --hardware FILE)")
+    note = published_check_note(sp.hardware, sp.model.is_moe) if sp.efficiency is None else ""
+    if note:
+        print(note)
     files = {"--out": args.out, "--plan-out": args.plan_out, "--frontier": args.frontier,
              "--gantt": args.gantt}
     ranked = result.ranked

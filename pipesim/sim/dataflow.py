@@ -336,8 +336,10 @@ def dataflow_order(program: Program, together: bool) -> tuple[tuple, ...]:
         while i < len(steps):
             step = steps[i]
             if 0 <= step[1] < FIRST_COMM_CODE:          # a computation: its gate, then its input
-                need = next((m for m in (step[5], step[3]) if m >= 0 and not sent[m]), -1)
-                if need >= 0:
+                need = step[5]
+                if need < 0 or sent[need]:
+                    need = step[3]
+                if need >= 0 and not sent[need]:
                     parked[need] = rank
                     break
             append((rank, *step))

@@ -33,6 +33,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ..hardware import published_check_note
 from ..plan.derive import PlanCosts
 from ..units import GiB
 
@@ -153,6 +154,15 @@ class PlanResult:
                 "are not calibrated (A100's fit, carried over or scaled by a microbenchmark); "
                 "measure them with pipeexec calibrate-hardware and pass --hardware FILE")
 
+    @property
+    def published_note(self) -> str:
+        """'' or a line saying how far pipesim landed from the published runs its GPU's
+        figures were fitted on, for a model of this plan's kind
+        (:func:`pipesim.hardware.published_check_note`)."""
+        if self.derived.calibration != "fitted":
+            return ""
+        return published_check_note(self.plan.cluster.hardware, self.plan.model.is_moe)
+
     # -- output --------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
         tail = self.derived.tail
@@ -209,6 +219,8 @@ class PlanResult:
         lines.append(self.fit_message)
         if self.extrapolated_note:
             lines.append(self.extrapolated_note)
+        if self.published_note:
+            lines.append(self.published_note)
         return "\n".join(lines)
 
     def gantt(self, **kwargs: Any):
