@@ -172,7 +172,7 @@ class Program:
 
     def steps(self, together: bool = False, posts: bool = False) -> tuple[tuple, ...]:
         """The rows as a rank walks them (:func:`pipesim.sim.dataflow.walk`): per rank, steps
-        ``(row, code, stage, wait, wait_row, gate, gate_row, sends)``, a computation with the
+        ``(rank, row, code, stage, wait, wait_row, gate, gate_row, sends)``, a computation with the
         SEND rows right after it (``sends``: ``(row, message, link, boundary)`` each), a lone
         group of SENDs (code -1), or a RECV (``wait``: its message). A RECV whose consumer waits
         for it is left out unless ``posts`` (the consumer sets its span; rendezvous needs every
@@ -182,14 +182,15 @@ class Program:
             collecting = gc.isenabled()
             gc.disable()             # many small tuples, no cycles (as in lowering)
             try:
-                self._steps[key] = tuple(self._rank_steps(rows, first, posts) for rows, first
-                                         in zip(self.rows(together), self.first_row))
+                self._steps[key] = tuple(self._rank_steps(rank, rows, first, posts)
+                                         for rank, (rows, first)
+                                         in enumerate(zip(self.rows(together), self.first_row)))
             finally:
                 if collecting:
                     gc.enable()
         return self._steps[key]
 
-    def _rank_steps(self, rows: tuple[tuple, ...], first: int, posts: bool) -> tuple:
+    def _rank_steps(self, rank: int, rows: tuple[tuple, ...], first: int, posts: bool) -> tuple:
         waited = {r[4] for r in rows if r[4] >= 0} | {r[6] for r in rows if r[6] >= 0}
         out: list = []
         pending: list = []                  # the sends after the last step, not yet attached
@@ -199,17 +200,17 @@ class Program:
                 pending.append((row, msg, link, boundary))
                 continue
             if pending:
-                _attach(out, pending)
+                _attach(out, pending, rank)
                 pending = []
             if code == CODE_RECV_F or code == CODE_RECV_B:
                 if posts or row not in waited:
-                    out.append((row, code, stage, msg, -1, -1, -1, ()))
+                    out.append((rank, row, code, stage, msg, -1, -1, -1, ()))
             elif code >= FIRST_SHARD_CODE:
-                out.append((row, code, stage, -1, -1, -1, -1, ()))
+                out.append((rank, row, code, stage, -1, -1, -1, -1, ()))
             else:
-                out.append((row, code, stage, wait, wait_row, gate, gate_row, ()))
+                out.append((rank, row, code, stage, wait, wait_row, gate, gate_row, ()))
         if pending:
-            _attach(out, pending)
+            _attach(out, pending, rank)
         return tuple(out)
 
     @property
@@ -236,14 +237,14 @@ class Program:
         return [Row(*r).action for r in self.in_turn[rank]]
 
 
-def _attach(out: list, sends: list) -> None:
+def _attach(out: list, sends: list, rank: int) -> None:
     """Sends to the step before them when it is a computation (or sends), else a lone group."""
-    if out and out[-1][1] != CODE_RECV_F and out[-1][1] != CODE_RECV_B and \
-            out[-1][1] < FIRST_SHARD_CODE:
+    if out and out[-1][2] != CODE_RECV_F and out[-1][2] != CODE_RECV_B and \
+            out[-1][2] < FIRST_SHARD_CODE:
         last = out[-1]
-        out[-1] = last[:7] + (last[7] + tuple(sends),)
+        out[-1] = last[:8] + (last[8] + tuple(sends),)
     else:
-        out.append((-1, -1, -1, -1, -1, -1, -1, tuple(sends)))
+        out.append((rank, -1, -1, -1, -1, -1, -1, -1, tuple(sends)))
 
 
 def lower(schedule: "Schedule") -> Program:

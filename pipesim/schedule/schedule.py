@@ -43,7 +43,7 @@ class Schedule:
     __slots__ = ("name", "pp", "vpp", "num_microbatches", "placement", "forward_only",
                  "_orders", "_actions", "_rank_stages", "_validated", "_explicit_comms",
                  "recv_lookahead", "routes", "stage_parts", "_program", "sharding", "_sharded",
-                 "_with_sharding")
+                 "_with_sharding", "_orders_validated")
 
     def __init__(
         self,
@@ -126,6 +126,9 @@ class Schedule:
         _set(self, "_validated", False)
         _set(self, "_program", None)         # lower(self), made on first use
         _set(self, "_with_sharding", {})     # with_sharding's copies, made on first use
+        # [True] once validate_schedule passed on this schedule or on a sharded copy of it:
+        # one list shared with its copies, which differ from it only in the sharding's actions
+        _set(self, "_orders_validated", [False])
 
     # -- shape ------------------------------------------------------------------------------
     @property
@@ -238,6 +241,10 @@ class Schedule:
                             name=self.name, forward_only=self.forward_only,
                             recv_lookahead=self.recv_lookahead, routes=self.routes,
                             stage_parts=self.stage_parts, sharding=sharding)
+            if not explicit:
+                # the same orders and inserted SEND/RECV: share their validation and actions
+                _set(copy, "_orders_validated", self._orders_validated)
+                _set(copy, "_actions", self._actions)
             if self._validated and sharding is not None and not explicit:
                 # what validate() would find again is the base's: the inserted actions are the
                 # rank's own (no message, no wait on another rank), so only they are checked
@@ -287,9 +294,15 @@ class Schedule:
         Returns the schedule itself, so ``build(...).validate()`` chains.
         """
         if not self._validated:
-            from .validate import validate_schedule
+            from .validate import validate_schedule, validate_sharding
 
-            validate_schedule(self)
+            if self._orders_validated[0]:
+                # the orders, their messages and deadlock freedom passed on the schedule this
+                # is a sharded copy of (or on another copy): only the sharding's actions differ
+                validate_sharding(self)
+            else:
+                validate_schedule(self)
+                self._orders_validated[0] = True
             _set(self, "_validated", True)
         if single_channel:
             from .torch_order import check_single_channel
@@ -317,6 +330,8 @@ class Schedule:
         _set(self, "_program", None)
         if "sharding" not in state:         # pickled before sharding existed
             _set(self, "sharding", None)
+        if "_orders_validated" not in state:
+            _set(self, "_orders_validated", [self._validated])
         _set(self, "_sharded", [None] * self.pp)
         _set(self, "_with_sharding", {})
 

@@ -121,8 +121,8 @@ def walk(steps: Iterable[tuple], clocks: Clocks,
          wake: Callable[[object, float], None] | None, factors: Sequence[float] | None,
          scale: dict[int, float] | None, blocking: bool, on_send: Callable | None = None,
          on_recv: Callable | None = None, shared_cpu: bool = False) -> Iterator:
-    """Run ``steps``: ``(rank, *step)`` tuples, a step as :meth:`Program.steps` makes it with
-    its rank in front (one tuple to unpack a step), each on its rank's clock (``clocks.clock``);
+    """Run ``steps`` (:meth:`Program.steps`' tuples, each with its rank in front: one tuple to
+    unpack a step), each on its rank's clock (``clocks.clock``);
     yields the message number a step waits for when it has not been sent, and resumes once that
     message's arrival is set.
 
@@ -311,12 +311,12 @@ def walk_plain(order: Iterable[tuple], program: Program, tables: CostTables
 def gated(program: Program, together: bool) -> bool:
     """Whether some computation of ``program`` waits for a gate (an overlapped pair's forward
     part waits for its backward part's input): `walk_plain` leaves those to `walk`."""
-    return any(step[5] >= 0 for steps in program.steps(together) for step in steps
-               if 0 <= step[1] < FIRST_COMM_CODE)
+    return any(step[6] >= 0 for steps in program.steps(together) for step in steps
+               if 0 <= step[2] < FIRST_COMM_CODE)
 
 
 def dataflow_order(program: Program, together: bool) -> tuple[tuple, ...]:
-    """Every rank's steps (:meth:`Program.steps`), as ``(rank, *step)`` tuples in one order that
+    """Every rank's steps (:meth:`Program.steps`, each ``(rank, *step)``) in one order that
     keeps each rank's steps in turn and puts each computation after the SEND of every message
     it waits for. Found by running the ranks, lowest first, each until it needs a message not
     yet sent (it is run again once that message is sent). Raises RuntimeError naming the ranks
@@ -329,25 +329,31 @@ def dataflow_order(program: Program, together: bool) -> tuple[tuple, ...]:
     ready = list(range(pp - 1, -1, -1))                 # ranks to run, rank 0 first
     order: list[tuple] = []
     append = order.append
+    first_comm = FIRST_COMM_CODE
     while ready:
         rank = ready.pop()
         steps = per_rank[rank]
+        count = len(steps)
         i = done[rank]
-        while i < len(steps):
+        while i < count:
             step = steps[i]
-            if 0 <= step[1] < FIRST_COMM_CODE:          # a computation: its gate, then its input
-                need = step[5]
+            if 0 <= step[2] < first_comm:               # a computation: its gate, then its input
+                need = step[6]
                 if need < 0 or sent[need]:
-                    need = step[3]
+                    need = step[4]
                 if need >= 0 and not sent[need]:
                     parked[need] = rank
                     break
-            append((rank, *step))
-            for _row, msg, _link, _boundary in step[7]:
-                sent[msg] = 1
-                waiting = parked.pop(msg, None)
-                if waiting is not None:
-                    ready.append(waiting)
+            append(step)
+            sends = step[8]
+            if sends:
+                for send in sends:
+                    msg = send[1]
+                    sent[msg] = 1
+                    if parked:
+                        waiting = parked.pop(msg, None)
+                        if waiting is not None:
+                            ready.append(waiting)
             i += 1
         done[rank] = i
     stuck = [r for r in range(pp) if done[r] < len(per_rank[r])]

@@ -316,7 +316,7 @@ def _run(program: Program, costs: CostModel, factors: list[float] | None, blocki
         done[rank] = True
 
     for rank, steps in enumerate(program.steps(together, posts=rendezvous)):
-        walker = walk([(rank, *step) for step in steps], clocks, wake, factors, scale, blocking,
+        walker = walk(steps, clocks, wake, factors, scale, blocking,
                       on_send if rendezvous else None, on_recv if rendezvous else None,
                       shared is not None)
         env.process(process(rank, walker))

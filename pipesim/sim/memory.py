@@ -157,9 +157,12 @@ def memory_events(rows: ComputeRows, t0: float, costs: "CostModel", num_stages: 
             deltas = np.concatenate((deltas, size, -size))
             prio = np.concatenate((prio, np.full(m.sum(), 1), np.full(m.sum(), 0)))
             ranks = np.concatenate((ranks, rank[m], rank[m]))
-        extra += _local_handoffs(rows, schedule, nbytes, num_stages)
-        if extra:
-            r, t, d, p = (np.asarray(x) for x in zip(*extra))
+        local = _local_handoffs(rows, schedule, nbytes, num_stages)
+        if local:
+            local_cols = [np.asarray(x) for x in zip(*local)]
+            extra = tuple(np.concatenate((a, c)) for a, c in zip(extra, local_cols))
+        r, t, d, p = extra
+        if len(r):
             times, deltas = np.concatenate((times, t)), np.concatenate((deltas, d))
             prio, ranks = np.concatenate((prio, p)), np.concatenate((ranks, r))
 
@@ -234,38 +237,79 @@ def _local_handoffs(rows: ComputeRows, schedule: "Schedule", nbytes: Sequence[fl
     return out
 
 
-def _receive_buffers(rows: ComputeRows, schedule: "Schedule", nbytes: Sequence[float]
-                     ) -> list[tuple[int, float, float, int]]:
-    """(rank, time, +/- bytes, priority) of the receive buffers a schedule's RECVs hold, read
-    from its lowered rows (an overlap holds what its parts do)."""
-    span = dict(zip(zip(rows.rank.tolist(), rows.code.tolist(), rows.stage.tolist(),
-                        rows.microbatch.tolist()), zip(rows.start.tolist(), rows.end.tolist())))
-    out: list[tuple[int, float, float, int]] = []
-    for rank, lowered in enumerate(lower(schedule).in_turn):
+def _receive_posts(program) -> tuple[np.ndarray, ...]:
+    """Every RECV of ``program`` with the computation that posts it (the first one after it
+    in the rank's rows), in row order: arrays ``rank, code, stage, microbatch`` (the posting
+    computation), ``recv`` (CODE_RECV_F or CODE_RECV_B), ``stage``, ``microbatch`` (what it
+    receives). A pure function of the program (kept with it: ``Program.derived``)."""
+    out: list[tuple[int, ...]] = []
+    for rank, lowered in enumerate(program.in_turn):
         posted: list = []                    # RECVs waiting for the next computation to start
         for r in lowered:
-            code, stage, mb = r[0], r[1], r[2]            # a Row: code, stage, microbatch
+            code = r[0]                                   # a Row: code, stage, microbatch
             if code == CODE_RECV_F or code == CODE_RECV_B:
-                posted.append((code, stage, mb))
+                posted.append((code, r[1], r[2]))
                 continue
             if not posted or code >= FIRST_COMM_CODE:
                 continue
-            at = span.get((rank, code, stage, mb))
-            for rcode, s, b in posted:
-                if rcode == CODE_RECV_F:
-                    use = span.get((rank, CODE_F, s, b))
-                    if at is None or use is None or (code == CODE_F and (s, b) == (stage, mb)):
-                        continue             # posted right before its F: in activation_bytes
-                    size = nbytes[s - 1]
-                    out += [(rank, at[0], size, 1), (rank, use[0], -size, 0)]
-                else:
-                    use = span.get((rank, CODE_B, s, b)) or span.get((rank, CODE_I, s, b))
-                    if at is None or use is None:
-                        continue
-                    size = nbytes[s]
-                    out += [(rank, at[0], size, 1), (rank, use[1], -size, 0)]
+            out += [(rank, code, r[1], r[2], rcode, s, b) for rcode, s, b in posted]
             posted = []
-    return out
+    cols = np.array(out, dtype=np.int64).reshape(-1, 7).T
+    for c in cols:
+        c.flags.writeable = False
+    return tuple(cols)
+
+
+def _receive_buffers(rows: ComputeRows, schedule: "Schedule", nbytes: Sequence[float]
+                     ) -> tuple[np.ndarray, ...]:
+    """(rank, time, +/- bytes, priority) arrays of the receive buffers a schedule's RECVs
+    hold, read from its lowered rows (an overlap holds what its parts do): each buffer from
+    the start of the computation that posts it to the start of its F (an activation posted
+    before another computation) or the end of its B or I (a gradient), as a +/- pair."""
+    rank, code, stage, mb, recv, s, b = lower(schedule).derived(_receive_posts)
+    empty = np.zeros(0)
+    if not len(rank) or not len(rows.rank):
+        return empty, empty, empty, empty
+    # a computation's (rank, code, stage, microbatch) as one key, looked up in the rows
+    # (the last row of a key, as a dict built from them keeps)
+    dims = (int(max(rows.rank.max(), rank.max())) + 1, int(max(rows.code.max(), code.max(), CODE_W)) + 2,
+            int(max(rows.stage.max(), stage.max(), s.max())) + 1,
+            int(max(rows.microbatch.max(), mb.max(), b.max())) + 2)
+
+    def key(r, c, st, m):
+        return ((np.asarray(r, np.int64) * dims[1] + (np.asarray(c, np.int64) + 1)) * dims[2]
+                + np.asarray(st, np.int64)) * dims[3] + (np.asarray(m, np.int64) + 1)
+
+    keys = key(rows.rank, rows.code, rows.stage, rows.microbatch)
+    order = np.argsort(keys, kind="stable")
+    sorted_keys = keys[order]
+
+    def find(q: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        at = np.searchsorted(sorted_keys, q, side="right") - 1
+        ok = at >= 0
+        ok[ok] = sorted_keys[at[ok]] == q[ok]
+        return ok, order[np.maximum(at, 0)]
+
+    start, end = rows.start, rows.end
+    size = np.asarray(list(nbytes), float)
+    at_ok, at_row = find(key(rank, code, stage, mb))
+    is_f = recv == CODE_RECV_F
+    # an activation posted right before its own F is in that stage's activation_bytes
+    f_ok, f_row = find(key(rank, CODE_F, s, b))
+    own = (code == CODE_F) & (stage == s) & (mb == b)
+    take_f = is_f & at_ok & f_ok & ~own
+    b_ok, b_row = find(key(rank, CODE_B, s, b))
+    i_ok, i_row = find(key(rank, CODE_I, s, b))
+    use_b = np.where(b_ok, b_row, i_row)
+    take_b = ~is_f & at_ok & (b_ok | i_ok)
+    take = take_f | take_b
+    nb = np.where(is_f, size[np.clip(s - 1, 0, len(size) - 1)], size[np.clip(s, 0, len(size) - 1)])[take]
+    freed = np.where(is_f, start[f_row], end[use_b])[take]
+    # each buffer's allocation, then its free, in the RECVs' order
+    times = np.column_stack((start[at_row[take]], freed)).ravel()
+    deltas = np.column_stack((nb, -nb)).ravel()
+    prio = np.tile(np.array([1, 0]), int(take.sum()))
+    return np.repeat(rank[take], 2), times, deltas, prio
 
 
 def peak_per_rank(timeline: "pd.DataFrame", pp: int) -> list[float]:
