@@ -27,6 +27,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Hashable
 
+import numpy as np
+
 from ..errors import ScheduleError
 from ..plan.derive import PlanCosts, rank_parts
 from ..plan.plan import Plan
@@ -170,25 +172,43 @@ def _lane_busy(plan: Plan, costs, runs: list[dict[int, int]]) -> list[float]:
                 for st, k in parts.items()) for parts in runs]
 
 
+def _compute_profile(schedule: Schedule) -> tuple[np.ndarray, ...]:
+    """Every rank's compute parts in order, as read-only arrays over all ranks: the model part
+    each computes (a copy of a part holds what the part holds), whether it is an F, B, I or W,
+    and where each rank's run starts and ends (kept with the schedule: ``Schedule.derived``)."""
+    parts: list[int] = []
+    ops: list[str] = []
+    bounds = [0]
+    for r in range(schedule.pp):
+        for op, st, _mb in schedule.compute_parts(r):
+            ops.append(op)
+            parts.append(schedule.stage_part(st))
+        bounds.append(len(ops))
+    names = np.array(ops)
+    out = (np.array(parts, dtype=np.int64), names == "F", names == "B", names == "I",
+           names == "W", np.array(bounds, dtype=np.int64))
+    for a in out:
+        a.flags.writeable = False
+    return out
+
+
 def _activation_peaks(plan: Plan, act: list[float], share: list[float],
                       stages: list[list[int]]) -> list[float]:
     """Per rank, the peak of activations held along its compute order (the memory model's rules,
-    receive buffers left out)."""
+    receive buffers left out): F adds its part's activations, B frees them, I all but the
+    weight gradient's share, W that share; the held bytes summed in order from 0, rank by
+    rank, so the peaks are those of adding them one by one."""
     schedule = plan.build_schedule()
+    parts, is_f, is_b, is_i, is_w, bounds = schedule.derived(_compute_profile)
+    a = np.asarray(act, dtype=float)[parts]
+    s = np.asarray(share, dtype=float)[parts]
+    delta = np.where(is_f, a, 0.0)
+    delta = np.where(is_b, -a, delta)
+    delta = np.where(is_i, -(a * (1.0 - s)), delta)
+    delta = np.where(is_w, -(a * s), delta)
     peaks = []
     for r in range(schedule.pp):
-        held = peak = 0.0
-        for op, st, _mb in schedule.compute_parts(r):
-            st = schedule.stage_part(st)       # a copy of a part holds what the part holds
-            if op == "F":
-                held += act[st]
-                if held > peak:
-                    peak = held
-            elif op == "B":
-                held -= act[st]
-            elif op == "I":
-                held -= act[st] * (1.0 - share[st])
-            else:
-                held -= act[st] * share[st]
-        peaks.append(peak)
+        lo, hi = bounds[r], bounds[r + 1]
+        # frees only lower what is held: the peak is the largest running sum (or nothing)
+        peaks.append(max(0.0, float(np.cumsum(delta[lo:hi]).max())) if hi > lo else 0.0)
     return peaks

@@ -36,6 +36,7 @@ from ..plan.plan import Plan
 from ..sim.plan_report import PlanResult, simulate_plan
 from ..progress import progress_bar
 from .bounds import bounds_key, plan_bounds
+from .collector import full_collections_paused, pause_full_collections
 from .enumerate import Enumeration, SearchSpace, enumerate_plans, plan_key
 from .rows import (CANDIDATE, COLUMNS, CONFIG_COLUMNS, INVALID, PRUNED_MEMORY,  # noqa: F401
                    PRUNED_TIME, SIMULATED, Assessment, PlanConfig, PlanFigures, PlanRow)
@@ -191,7 +192,16 @@ def search(space: SearchSpace, *, memory_limit: float | None = None, top: int = 
     """Search ``space``; see the module docstring. ``memory_limit`` in bytes (default: the
     hardware's usable memory, less its reserve and fragmentation); ``prune=False`` simulates every plan (the brute force the tests compare
     with). ``workers`` 1 (the default) runs in this process; an ``executor`` given is used as
-    it is."""
+    it is. CPython's full collections wait until it returns (:mod:`.collector`)."""
+    with full_collections_paused():
+        return _search(space, memory_limit=memory_limit, top=top, workers=workers,
+                       executor=executor, prune=prune, progress=progress, timeout=timeout,
+                       enumeration=enumeration)
+
+
+def _search(space: SearchSpace, *, memory_limit: float | None, top: int, workers: int | None,
+            executor: Any, prune: bool, progress: bool, timeout: float,
+            enumeration: Enumeration | None) -> SearchResult:
     import pandas as pd
 
     wall0 = time.perf_counter()
@@ -303,10 +313,12 @@ def search(space: SearchSpace, *, memory_limit: float | None = None, top: int = 
 
 
 def _ignore_sigint() -> None:
-    """A pool worker leaves Ctrl-C to the parent (which stops the pool): no traceback each."""
+    """A pool worker leaves Ctrl-C to the parent (which stops the pool): no traceback each;
+    it only searches, so without full collections (:mod:`.collector`)."""
     import signal
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    pause_full_collections()
 
 
 def _cannot_win(row: PlanRow, found: list, best_of: dict, top: int) -> bool:

@@ -1,13 +1,16 @@
 """`Schedule`: a training step as plain data, one ordered action list per pipeline rank."""
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
+from typing import TypeVar
 
 from ..errors import ScheduleError
 from .action import ALL_OPS, COMM_OPS, COMPUTE_OPS, OVERLAP_F_B, SHARD_OPS, Action, flat_parts
 from .comms import insert_comms
 from .sharding import Sharding, insert_sharding
 from .placement import make_placement, placement_kind
+
+T = TypeVar("T")
 
 _set = object.__setattr__        # construction and the private caches; the public face is frozen
 
@@ -43,7 +46,7 @@ class Schedule:
     __slots__ = ("name", "pp", "vpp", "num_microbatches", "placement", "forward_only",
                  "_orders", "_actions", "_rank_stages", "_validated", "_explicit_comms",
                  "recv_lookahead", "routes", "stage_parts", "_program", "sharding", "_sharded",
-                 "_with_sharding", "_orders_validated")
+                 "_with_sharding", "_orders_validated", "_derived")
 
     def __init__(
         self,
@@ -129,6 +132,7 @@ class Schedule:
         # [True] once validate_schedule passed on this schedule or on a sharded copy of it:
         # one list shared with its copies, which differ from it only in the sharding's actions
         _set(self, "_orders_validated", [False])
+        _set(self, "_derived", {})          # derived(): values made from the orders, kept
 
     # -- shape ------------------------------------------------------------------------------
     @property
@@ -225,6 +229,19 @@ class Schedule:
             return list(sharded)
         return list(full)
 
+    def derived(self, make: "Callable[..., T]", *args: Hashable) -> "T":
+        """``make(self, *args)``, made on the first call and kept with the schedule (as
+        :meth:`pipesim.schedule.program.Program.derived` keeps a program's): what a reader
+        derives from the compute orders alone (a planner's bounds) then costs one lookup a
+        plan. ``make`` must be a pure function of the compute orders and ``args`` returning
+        an immutable value (tuples, read-only arrays): every caller of the same schedule, and
+        of its sharded copies (`with_sharding`, the same orders), shares it."""
+        key = (make, args)
+        value = self._derived.get(key)
+        if value is None:
+            value = self._derived[key] = make(self, *args)
+        return value
+
     def with_sharding(self, sharding: Sharding | None) -> "Schedule":
         """The same schedule with ``sharding``'s actions inserted (None, or ZeRO 0/1: none)."""
         if sharding is not None and not sharding.inserts:
@@ -242,9 +259,11 @@ class Schedule:
                             recv_lookahead=self.recv_lookahead, routes=self.routes,
                             stage_parts=self.stage_parts, sharding=sharding)
             if not explicit:
-                # the same orders and inserted SEND/RECV: share their validation and actions
+                # the same orders and inserted SEND/RECV: share their validation, actions and
+                # what was derived from the orders
                 _set(copy, "_orders_validated", self._orders_validated)
                 _set(copy, "_actions", self._actions)
+                _set(copy, "_derived", self._derived)
             if self._validated and sharding is not None and not explicit:
                 # what validate() would find again is the base's: the inserted actions are the
                 # rank's own (no message, no wait on another rank), so only they are checked
@@ -322,7 +341,7 @@ class Schedule:
     def __getstate__(self) -> dict:
         """Pickled (and copied) without its lowered program, rebuilt on use."""
         return {k: getattr(self, k) for k in self.__slots__
-                if k not in ("_program", "_sharded", "_with_sharding")}
+                if k not in ("_program", "_sharded", "_with_sharding", "_derived")}
 
     def __setstate__(self, state: dict) -> None:
         for k, v in state.items():
@@ -334,6 +353,7 @@ class Schedule:
             _set(self, "_orders_validated", [self._validated])
         _set(self, "_sharded", [None] * self.pp)
         _set(self, "_with_sharding", {})
+        _set(self, "_derived", {})
 
     def _key(self) -> tuple:
         return (self.pp, self.vpp, self.num_microbatches, self.placement,

@@ -242,22 +242,31 @@ def _receive_posts(program) -> tuple[np.ndarray, ...]:
     in the rank's rows), in row order: arrays ``rank, code, stage, microbatch`` (the posting
     computation), ``recv`` (CODE_RECV_F or CODE_RECV_B), ``stage``, ``microbatch`` (what it
     receives). A pure function of the program (kept with it: ``Program.derived``)."""
-    out: list[tuple[int, ...]] = []
+    cols: tuple[list[int], ...] = ([], [], [], [], [], [], [])
+    ranks, codes, stages, mbs, recvs, recv_stages, recv_mbs = cols
     for rank, lowered in enumerate(program.in_turn):
-        posted: list = []                    # RECVs waiting for the next computation to start
+        posted: list = []                    # the rows of RECVs waiting for a computation
         for r in lowered:
             code = r[0]                                   # a Row: code, stage, microbatch
             if code == CODE_RECV_F or code == CODE_RECV_B:
-                posted.append((code, r[1], r[2]))
+                posted.append(r)
                 continue
             if not posted or code >= FIRST_COMM_CODE:
                 continue
-            out += [(rank, code, r[1], r[2], rcode, s, b) for rcode, s, b in posted]
+            n = len(posted)
+            ranks += [rank] * n
+            codes += [code] * n
+            stages += [r[1]] * n
+            mbs += [r[2]] * n
+            for p in posted:
+                recvs.append(p[0])
+                recv_stages.append(p[1])
+                recv_mbs.append(p[2])
             posted = []
-    cols = np.array(out, dtype=np.int64).reshape(-1, 7).T
-    for c in cols:
+    out = tuple(np.array(c, dtype=np.int64) for c in cols)
+    for c in out:
         c.flags.writeable = False
-    return tuple(cols)
+    return out
 
 
 def _receive_buffers(rows: ComputeRows, schedule: "Schedule", nbytes: Sequence[float]
