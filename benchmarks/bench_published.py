@@ -678,8 +678,8 @@ def lomo_check(runs: list[Run], by_family: dict[str, list[float]]) -> dict:
     """The fitted file's ``check``: the leave-one-model-out errors of the dense and the MoE
     families apart, as fractions (what ``pipesim plan`` and ``simulate`` print beside a
     plan of a fitted GPU: how far to trust its absolute times)."""
-    return {k: {"runs": len(v), "median": round(statistics.median(abs(e) for e in v), 5),
-                "worst": round(max(abs(e) for e in v), 5)}
+    return {k: {"runs": len(v), "median": round(statistics.median(abs(e) for e in v), 6),
+                "worst": round(max(abs(e) for e in v), 6)}
             for k, v in sorted(kind_errors(runs, by_family).items())}
 
 
