@@ -208,9 +208,12 @@ class Run:
     tflops: float          # published model TFLOP/s/GPU
 
     @property
+    def moe(self) -> bool:
+        return PRESETS[self.model].is_moe
+
+    @property
     def group(self) -> str:
-        moe = "MoE" if PRESETS[self.model].is_moe else "dense"
-        return f"{self.gpu} {self.precision} {moe}"
+        return f"{self.gpu} {self.precision} {'MoE' if self.moe else 'dense'}"
 
     @property
     def name(self) -> str:
@@ -305,19 +308,22 @@ def _layout(run: Run) -> tuple:
             run.pp, run.cp, run.vp, run.ep, run.fsdp)
 
 
+def _other_releases(skipped: list[tuple[dict, str]]) -> list[Run]:
+    """The rows left out as older or newer software (every pre-training row of a modelled
+    family and precision that another release supersedes or follows), as runs."""
+    return [_run(r) for r, why in skipped if why.startswith(("superseded", "after release"))]
+
+
 def other_layouts(runs: list[Run], skipped: list[tuple[dict, str]]) -> list[Run]:
-    """The layouts the usable runs do not have, from the rows left out as older or newer
-    software (every pre-training row of a modelled family and precision), each once: its
-    latest release's row. What ``--rate-others`` rates: the planner's bar is for any row."""
+    """The layouts the usable runs do not have, from the rows of other releases, each once:
+    its latest release's row. What ``--rate-others`` rates: the planner's bar is for any row."""
     have = {_layout(r) for r in runs}
     latest: dict[tuple, Run] = {}
-    for r, why in skipped:
-        if why.startswith(("superseded", "after release")):
-            run = _run(r)
-            key = _layout(run)
-            if key not in have and (key not in latest or _release_key(run.release)
-                                    > _release_key(latest[key].release)):
-                latest[key] = run
+    for run in _other_releases(skipped):
+        key = _layout(run)
+        if key not in have and (key not in latest or _release_key(run.release)
+                                > _release_key(latest[key].release)):
+            latest[key] = run
     return sorted(latest.values(), key=lambda r: (r.family, r.gpu, r.precision, r.name))
 
 
@@ -328,10 +334,8 @@ def release_ratios(runs: list[Run], skipped: list[tuple[dict, str]]
     the run's), oldest first: how far the software alone moved one layout's figure, which
     the scored release fixes (``--releases``)."""
     rows: dict[tuple, list[Run]] = {}
-    for r, why in skipped:
-        if why.startswith(("superseded", "after release")):
-            run = _run(r)
-            rows.setdefault(_layout(run), []).append(run)
+    for run in _other_releases(skipped):
+        rows.setdefault(_layout(run), []).append(run)
     return [(run, [(o.release, o.tokens / run.tokens) for o in
                    sorted(rows.get(_layout(run), []), key=lambda o: _release_key(o.release))])
             for run in runs]
@@ -496,9 +500,9 @@ def _params(runs: list[Run]) -> list[tuple[str, str, str]]:
     # a low precision's GEMM figure where a dense run of that GPU pins it: on MoE runs alone it
     # cannot be told from the grouped-GEMM figure (B300 has no dense run), so it keeps its prior
     dense = {(r.gpu, TIED.get(r.precision, r.precision)) for r in runs
-             if not PRESETS[r.model].is_moe}
+             if not r.moe}
     for r in runs:
-        if PRESETS[r.model].is_moe:
+        if r.moe:
             out.add((r.gpu, "grouped_gemm_efficiency", ""))
             out.update(("*", f, "") for f in SHARED)
         p = TIED.get(r.precision, r.precision)
@@ -555,7 +559,7 @@ def linearise(runs: list[Run], point: dict, params: list, step: float = 0.1) -> 
             g, f, p = key
             if g not in (r.gpu, "*") or (f == "precision_e_max" and p != TIED.get(r.precision, r.precision)) or \
                     (f == "gemm_e_max" and r.precision not in ("bf16", "fp16")) or \
-                    (f.startswith("grouped_") and not PRESETS[r.model].is_moe):
+                    (f.startswith("grouped_") and not r.moe):
                 continue
             x = _to_x(f, point[key])
             moved = dict(mine)
@@ -669,7 +673,7 @@ def kind_errors(runs: list[Run], by_family: dict[str, list[float]]) -> dict[str,
     """Errors by family regrouped by kind of model: "dense" and "moe"."""
     kinds: dict[str, list[float]] = {}
     for family, errs in by_family.items():
-        moe = PRESETS[next(r.model for r in runs if r.family == family)].is_moe
+        moe = next(r.moe for r in runs if r.family == family)
         kinds.setdefault("moe" if moe else "dense", []).extend(errs)
     return kinds
 
@@ -751,7 +755,7 @@ def print_releases(ratios: list[tuple[Run, list[tuple[str, float]]]]) -> None:
                 else "-")
 
     for family, parts in sorted(release_summary(ratios).items()):
-        moe = PRESETS[next(r.model for r, _ in ratios if r.family == family)].is_moe
+        moe = next(r.moe for r, _ in ratios if r.family == family)
         print(f"| {family} | {'MoE' if moe else 'dense'} | {len(parts['before'])} | "
               f"{cell(parts['before'])} | {len(parts['after'])} | {cell(parts['after'])} |")
 

@@ -41,11 +41,15 @@ def test_a_cycle_dropped_inside_is_still_collected_by_a_young_collection():
 def test_search_runs_with_full_collections_paused(monkeypatch):
     seen = []
 
-    def spy(space, **kw):
-        seen.append(gc.get_threshold()[2])
-        return "result"
+    class Stop(Exception):
+        pass
 
-    monkeypatch.setattr(search_mod, "_search", spy)
+    def spy(space):               # the search's first step, inside it
+        seen.append(gc.get_threshold()[2])
+        raise Stop
+
+    monkeypatch.setattr(search_mod, "enumerate_plans", spy)
     before = gc.get_threshold()
-    assert search_mod.search(object()) == "result"
+    with pytest.raises(Stop):
+        search_mod.search(object(), memory_limit=1.0)
     assert seen[0] >= PAUSED and gc.get_threshold() == before

@@ -185,6 +185,7 @@ def default_workers() -> int:
         return os.cpu_count() or 1
 
 
+@full_collections_paused()
 def search(space: SearchSpace, *, memory_limit: float | None = None, top: int = 10,
            workers: int | None = None, executor: Any = None, prune: bool = True,
            progress: bool = False, timeout: float = 3600.0,
@@ -193,15 +194,6 @@ def search(space: SearchSpace, *, memory_limit: float | None = None, top: int = 
     hardware's usable memory, less its reserve and fragmentation); ``prune=False`` simulates every plan (the brute force the tests compare
     with). ``workers`` 1 (the default) runs in this process; an ``executor`` given is used as
     it is. CPython's full collections wait until it returns (:mod:`.collector`)."""
-    with full_collections_paused():
-        return _search(space, memory_limit=memory_limit, top=top, workers=workers,
-                       executor=executor, prune=prune, progress=progress, timeout=timeout,
-                       enumeration=enumeration)
-
-
-def _search(space: SearchSpace, *, memory_limit: float | None, top: int, workers: int | None,
-            executor: Any, prune: bool, progress: bool, timeout: float,
-            enumeration: Enumeration | None) -> SearchResult:
     import pandas as pd
 
     wall0 = time.perf_counter()

@@ -259,18 +259,13 @@ class Schedule:
                             recv_lookahead=self.recv_lookahead, routes=self.routes,
                             stage_parts=self.stage_parts, sharding=sharding)
             if not explicit:
-                # the same orders and inserted SEND/RECV: share their validation, actions and
-                # what was derived from the orders
+                # the same orders and inserted SEND/RECV: share their validation (what
+                # validate() would find again is the base's: the inserted actions are the
+                # rank's own, no message, no wait on another rank, so a copy's checks only
+                # them), actions and what was derived from the orders
                 _set(copy, "_orders_validated", self._orders_validated)
                 _set(copy, "_actions", self._actions)
                 _set(copy, "_derived", self._derived)
-            if self._validated and sharding is not None and not explicit:
-                # what validate() would find again is the base's: the inserted actions are the
-                # rank's own (no message, no wait on another rank), so only they are checked
-                from .validate import validate_sharding
-
-                validate_sharding(copy)
-                _set(copy, "_validated", True)
             self._with_sharding[sharding] = copy
         return copy
 

@@ -281,9 +281,10 @@ def _receive_buffers(rows: ComputeRows, schedule: "Schedule", nbytes: Sequence[f
         return empty, empty, empty, empty
     # a computation's (rank, code, stage, microbatch) as one key, looked up in the rows
     # (the last row of a key, as a dict built from them keeps)
-    dims = (int(max(rows.rank.max(), rank.max())) + 1, int(max(rows.code.max(), code.max(), CODE_W)) + 2,
+    dims = (int(max(rows.rank.max(), rank.max())) + 1,
+            int(max(rows.code.max(), code.max(), CODE_W)) + 2,        # codes from -1
             int(max(rows.stage.max(), stage.max(), s.max())) + 1,
-            int(max(rows.microbatch.max(), mb.max(), b.max())) + 2)
+            int(max(rows.microbatch.max(), mb.max(), b.max())) + 2)   # microbatches from -1
 
     def key(r, c, st, m):
         return ((np.asarray(r, np.int64) * dims[1] + (np.asarray(c, np.int64) + 1)) * dims[2]
